@@ -1,0 +1,5 @@
+import sys
+
+from flashckpt.cli import main
+
+sys.exit(main())

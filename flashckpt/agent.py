@@ -1,0 +1,741 @@
+"""The node agent: a daemon per machine that owns the snapshot slots and persists them.
+
+Trainers connect over a local Unix socket (mode 0600). The agent
+
+* creates each rank's two slot files in ``/dev/shm`` (space reserved up front) and keeps them across
+  trainer crashes, so a restarted trainer reloads from memory;
+* persists, in the background, the newest step that every local rank holds complete in memory:
+  one safetensors file per shard (written by replica 0 only), one JSON file per rank, a part record
+  per node, and, on the node that hosts rank 0, the manifest (the commit marker) once the parts of
+  every rank are in; then it moves ``latest`` and keeps the newest ``keep`` steps;
+* keeps persisting after a trainer dies, so the newest complete snapshot reaches storage even if
+  no trainer comes back ("save at breakpoint");
+* on SIGTERM finishes what is in flight, persists what storage lacks, removes its segments, exits;
+* on start removes the segments of jobs whose agent is dead, and adopts its own job's segments.
+
+The agent never imports torch: it moves bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from flashckpt.layout import Layout, safetensors_header
+from flashckpt.protocol import LineReader, default_run_dir, send_msg, socket_path
+from flashckpt.shm import (
+    ShmSpaceError,
+    Slot,
+    SlotInfo,
+    allocate_slot_file,
+    check_name,
+    slot_path,
+    slot_prefix,
+)
+from flashckpt.storage import CHUNK, FORMAT, FileRecord, Storage, rank_file_name, shard_file_name
+
+__all__ = ["AgentConfig", "AgentRunning", "NodeAgent", "default_node_id"]
+
+log = logging.getLogger("flashckpt.agent")
+
+_SLOT_RE = re.compile(r"^fc\.([A-Za-z0-9_-]+)\.([A-Za-z0-9_-]+)\.r(\d{5})\.s([01])$")
+
+
+def default_node_id() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:64] or "node"
+
+
+class AgentRunning(RuntimeError):
+    """Another agent already serves this job on this node."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    """Settings of a node agent."""
+
+    job: str
+    """Job id: names the shared-memory segments and the socket."""
+    node: str = field(default_factory=default_node_id)
+    """Node (machine) id; several simulated machines on one host need distinct ids."""
+    storage: str | None = None
+    """Checkpoint root URL; None keeps snapshots in memory only (a trainer may supply it)."""
+    shm_dir: str = "/dev/shm"
+    """The tmpfs holding the slots."""
+    run_dir: str = field(default_factory=default_run_dir)
+    """Directory of the socket, lock and log files."""
+    keep: int = 3
+    """Committed steps kept in storage."""
+    idle_timeout: float = 600.0
+    """Exit (after persisting) when no trainer has been connected for this long."""
+    exit_when_done: bool = False
+    """Exit once every rank said done and everything is persisted (auto-started agents)."""
+    poll_interval: float = 0.2
+    """Seconds between scans of the slots when no trainer notifies."""
+    commit_timeout: float = 120.0
+    """How long the committing node waits for the other nodes' parts of a step."""
+    retry_interval: float = 2.0
+    """Pause after a persistence error before the next attempt."""
+
+    def __post_init__(self) -> None:
+        check_name("job", self.job)
+        check_name("node", self.node)
+        if self.keep < 1:
+            raise ValueError(f"keep={self.keep}: keep at least 1 committed step")
+        if self.idle_timeout <= 0:
+            raise ValueError(f"idle_timeout={self.idle_timeout}: must be > 0 seconds")
+
+
+class _Torn(Exception):
+    """A slot changed under the agent while it read it."""
+
+
+@dataclass(slots=True)
+class _Rank:
+    rank: int
+    world_size: int = 0
+    local_world_size: int = 1
+    shard: int = 0
+    num_shards: int = 1
+    replica: int = 0
+    slots: list[Slot | None] = field(default_factory=lambda: [None, None])
+    conn: _Conn | None = None
+    done: bool = False
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.ranks: set[int] = set()
+
+    def send(self, obj: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            send_msg(self.sock, obj, self.lock)
+
+
+class NodeAgent:
+    """A node agent; ``run()`` serves until stopped."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.cfg = config
+        self.storage: Storage | None = Storage(config.storage) if config.storage else None
+        self._ranks: dict[int, _Rank] = {}
+        self._conns: set[_Conn] = set()
+        self._lock = threading.RLock()  # guards _ranks/_conns and slot (re)mapping
+        self._io_lock = threading.Lock()  # held while slot bytes are read for persistence
+        self._wake = threading.Event()
+        self._stop_flag = False  # set by signal handlers; read by the loops
+        self._stopping = threading.Event()
+        self._committed: list[int] = []
+        self._persisted_high = -1
+        self._errors: list[dict[str, Any]] = []
+        self._last_client_time = time.monotonic()
+        self._retry_after = 0.0
+        self._lock_fd: int | None = None
+        self._server: socket.socket | None = None
+        self.socket_path = socket_path(config.run_dir, config.job, config.node)
+        self.owner_path = os.path.join(config.shm_dir, f"fc.{config.job}.{config.node}.owner")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Takes the job's lock, cleans and adopts segments, and listens. Returns at once."""
+        cfg = self.cfg
+        os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
+        lock_path = os.path.join(cfg.run_dir, f"{cfg.job}.{cfg.node}.lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise AgentRunning(
+                f"an agent already serves job {cfg.job!r} on node {cfg.node!r} "
+                f"(socket {self.socket_path})"
+            ) from None
+        self._lock_fd = fd
+        self._write_owner()
+        self._clean_orphans()
+        self._adopt()
+        if self.storage is not None:
+            self._init_storage_state()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            srv.bind(self.socket_path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.socket_path, 0o600)
+        srv.listen(64)
+        srv.settimeout(0.2)
+        self._server = srv
+        for target, name in ((self._accept_loop, "accept"), (self._persist_loop, "persist")):
+            t = threading.Thread(target=target, name=f"flashckpt-agent-{name}", daemon=True)
+            t.start()
+        log.info(
+            "agent for job %s node %s listening on %s (storage %s, shm %s)",
+            cfg.job,
+            cfg.node,
+            self.socket_path,
+            cfg.storage,
+            cfg.shm_dir,
+        )
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: Any) -> None:
+            self._stop_flag = True  # only a flag: the main loop does the work
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def request_stop(self) -> None:
+        self._stop_flag = True
+
+    def run(self) -> int:
+        """Serves until SIGTERM/SIGINT, done (``exit_when_done``) or idle timeout; cleans up."""
+        reason = "stopped"
+        while True:
+            time.sleep(0.05)
+            if self._stop_flag:
+                reason = "signal"
+                break
+            with self._lock:
+                has_clients = bool(self._conns)
+                ranks = list(self._ranks.values())
+            if has_clients:
+                self._last_client_time = time.monotonic()
+            elif time.monotonic() - self._last_client_time > self.cfg.idle_timeout:
+                reason = "idle"
+                break
+            if (
+                self.cfg.exit_when_done
+                and ranks
+                and not has_clients
+                and all(r.done for r in ranks)
+                and not self._pending_step()
+            ):
+                reason = "done"
+                break
+        log.info("agent stopping (%s)", reason)
+        self.shutdown(final_persist=True)
+        return 0
+
+    def shutdown(self, final_persist: bool = True) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._server is not None:
+            with contextlib.suppress(OSError):
+                self._server.close()
+        # Wait for the persist thread to leave its step (it checks _stopping between steps).
+        with self._io_lock:
+            pass
+        if final_persist and self.storage is not None:
+            try:
+                step = self._pending_step()
+                if step is not None:
+                    self._persist(*step)
+            except Exception:
+                log.exception("final persist failed")
+        with self._lock:
+            for c in list(self._conns):
+                with contextlib.suppress(OSError):
+                    c.sock.close()
+            self._remove_segments()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- segments ----------------------------------------------------------------------------
+    def _write_owner(self) -> None:
+        me = psutil.Process()
+        owner = {"pid": me.pid, "create_time": me.create_time(), "job": self.cfg.job}
+        tmp = self.owner_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(owner, f)
+        os.replace(tmp, self.owner_path)
+
+    def _clean_orphans(self) -> None:
+        """Removes slot files of jobs (other than ours) whose owning agent is dead."""
+        groups: dict[tuple[str, str], list[str]] = {}
+        for name in os.listdir(self.cfg.shm_dir):
+            if not name.startswith("fc."):
+                continue
+            parts = name.split(".")
+            if len(parts) < 4:
+                continue
+            groups.setdefault((parts[1], parts[2]), []).append(name)
+        for (job, node), names in groups.items():
+            if (job, node) == (self.cfg.job, self.cfg.node):
+                continue
+            owner = os.path.join(self.cfg.shm_dir, f"fc.{job}.{node}.owner")
+            if _owner_alive(owner):
+                continue
+            for n in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.cfg.shm_dir, n))
+            log.info("removed %d orphaned segment files of job %s node %s", len(names), job, node)
+
+    def _adopt(self) -> None:
+        """Maps the slot files our job left here (a previous agent died): snapshots survive."""
+        prefix = slot_prefix(self.cfg.job, self.cfg.node)
+        for name in sorted(os.listdir(self.cfg.shm_dir)):
+            m = _SLOT_RE.match(name)
+            if not name.startswith(prefix) or not m:
+                if name.startswith(prefix) and ".tmp" in name:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.cfg.shm_dir, name))
+                continue
+            rank, idx = int(m.group(3)), int(m.group(4))
+            try:
+                slot = Slot(os.path.join(self.cfg.shm_dir, name))
+            except (OSError, ValueError) as e:
+                log.warning("discarding unreadable slot %s: %s", name, e)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.cfg.shm_dir, name))
+                continue
+            rec = self._ranks.setdefault(rank, _Rank(rank))
+            rec.slots[idx] = slot
+            info = slot.header()
+            meta = slot.read_meta(info) if info is not None else None
+            if meta is not None:
+                rec.world_size = int(meta["world_size"])
+                rec.local_world_size = int(meta.get("local_world_size", 1))
+                rec.shard = int(meta["shard"])
+                rec.num_shards = int(meta["num_shards"])
+                rec.replica = int(meta["replica"])
+        if self._ranks:
+            log.info("adopted the slots of ranks %s", sorted(self._ranks))
+
+    def _remove_segments(self) -> None:
+        for rec in self._ranks.values():
+            for i, s in enumerate(rec.slots):
+                if s is not None:
+                    s.close()
+                    rec.slots[i] = None
+        prefix = slot_prefix(self.cfg.job, self.cfg.node)
+        for name in os.listdir(self.cfg.shm_dir):
+            if name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.cfg.shm_dir, name))
+
+    def _init_storage_state(self) -> None:
+        assert self.storage is not None
+        try:
+            self._committed = self.storage.committed_steps()
+        except OSError as e:
+            self._record_error(None, f"cannot list storage {self.storage.url}: {e}")
+            return
+        self._persisted_high = max(self._committed, default=-1)
+
+    # -- server ------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._server is not None
+        while not self._stopping.is_set():
+            try:
+                sock, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            sock.settimeout(None)
+            conn = _Conn(sock)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(
+                target=self._serve_conn, args=(conn,), name="flashckpt-agent-conn", daemon=True
+            ).start()
+
+    def _serve_conn(self, conn: _Conn) -> None:
+        reader = LineReader(conn.sock)
+        try:
+            while True:
+                msg = reader.read()
+                if msg is None:
+                    break
+                rid = msg.get("id")
+                try:
+                    reply = self._handle(conn, msg)
+                except (ValueError, KeyError, TypeError, OSError, ShmSpaceError) as e:
+                    reply = {"ok": False, "error": str(e), "kind": type(e).__name__}
+                except Exception as e:  # keep serving: one bad request must not kill the agent
+                    log.exception("request %s failed", msg.get("op"))
+                    reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                if rid is not None and reply is not None:
+                    conn.send({"id": rid, **reply})
+        except (OSError, ValueError) as e:
+            log.debug("connection ended: %s", e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+                for r in conn.ranks:
+                    rec = self._ranks.get(r)
+                    if rec is not None and rec.conn is conn:
+                        rec.conn = None
+                        if not rec.done:
+                            log.warning("rank %d went away without finishing", r)
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+            self._last_client_time = time.monotonic()
+            self._wake.set()
+
+    def _handle(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        op = msg.get("op")
+        if op == "hello":
+            return self._hello(conn, msg)
+        if op == "alloc":
+            return self._alloc(msg)
+        if op == "snap":
+            self._wake.set()
+            return None
+        if op == "restored":
+            with self._lock:
+                self._persisted_high = min(self._persisted_high, int(msg["step"]))
+            return {"ok": True}
+        if op == "flush":
+            return self._flush(int(msg["step"]), float(msg.get("timeout_s", 300.0)))
+        if op == "done":
+            with self._lock:
+                rec = self._ranks.get(int(msg["rank"]))
+                if rec is not None:
+                    rec.done = True
+            self._wake.set()
+            return {"ok": True}
+        if op == "status":
+            return {"ok": True, **self.status()}
+        if op == "ping":
+            return {"ok": True, "pid": os.getpid()}
+        raise ValueError(f"unknown request {op!r}")
+
+    def _hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
+        rank = int(msg["rank"])
+        storage = msg.get("storage")
+        with self._lock:
+            if storage and self.storage is None:
+                self.storage = Storage(storage)
+                self._init_storage_state()
+            elif storage and self.storage is not None and storage != self.storage.url:
+                raise ValueError(
+                    f"this agent persists job {self.cfg.job!r} to {self.storage.url}, but rank "
+                    f"{rank} asked for {storage}: use one storage URL per job id"
+                )
+            rec = self._ranks.setdefault(rank, _Rank(rank))
+            rec.world_size = int(msg["world_size"])
+            rec.local_world_size = int(msg.get("local_world_size", 1))
+            rec.shard = int(msg.get("shard", 0))
+            rec.num_shards = int(msg.get("num_shards", 1))
+            rec.replica = int(msg.get("replica", 0))
+            rec.conn = conn
+            rec.done = False
+            conn.ranks.add(rank)
+            paths = [s.path if s is not None else None for s in rec.slots]
+        return {
+            "ok": True,
+            "slots": paths,
+            "pid": os.getpid(),
+            "committed": list(self._committed),
+            "shm_dir": self.cfg.shm_dir,
+        }
+
+    def _alloc(self, msg: dict[str, Any]) -> dict[str, Any]:
+        rank = int(msg["rank"])
+        meta_cap, data_cap = int(msg["meta_cap"]), int(msg["data_cap"])
+        with self._lock:
+            rec = self._ranks.setdefault(rank, _Rank(rank))
+        paths = []
+        with self._io_lock:  # never remap a slot the persister is reading
+            for i in range(2):
+                s = rec.slots[i]
+                if s is not None and s.meta_cap >= meta_cap and s.data_cap >= data_cap:
+                    paths.append(s.path)
+                    continue
+                path = slot_path(self.cfg.shm_dir, self.cfg.job, self.cfg.node, rank, i)
+                if s is not None:
+                    s.close()
+                    rec.slots[i] = None
+                allocate_slot_file(path, meta_cap, data_cap)
+                rec.slots[i] = Slot(path)
+                paths.append(path)
+        return {"ok": True, "slots": paths}
+
+    def _flush(self, step: int, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        self._wake.set()
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self.storage is None:
+                    return {"ok": False, "error": "no storage configured: nothing to flush to"}
+                if any(s >= step for s in self._committed):
+                    return {"ok": True, "committed": max(self._committed)}
+                errs = [e for e in self._errors if e["step"] is not None and e["step"] >= step]
+            if errs:
+                return {"ok": False, "error": errs[-1]["error"]}
+            time.sleep(0.02)
+        return {"ok": False, "error": f"step {step} was not committed within {timeout:.0f} s"}
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            ranks = {}
+            for r, rec in sorted(self._ranks.items()):
+                steps = []
+                for s in rec.slots:
+                    info = s.header() if s is not None else None
+                    steps.append(info.step if info is not None and info.complete else None)
+                ranks[str(r)] = {
+                    "connected": rec.conn is not None,
+                    "done": rec.done,
+                    "slots": steps,
+                }
+            return {
+                "job": self.cfg.job,
+                "node": self.cfg.node,
+                "pid": os.getpid(),
+                "storage": self.storage.url if self.storage else None,
+                "committed": list(self._committed),
+                "errors": list(self._errors[-10:]),
+                "ranks": ranks,
+            }
+
+    def _broadcast(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            c.send(event)
+
+    def _record_error(self, step: int | None, error: str) -> None:
+        log.error("persist step %s failed: %s", step, error)
+        with self._lock:
+            self._errors.append({"step": step, "error": error, "time": time.time()})
+            del self._errors[:-50]
+        self._broadcast({"event": "persist_error", "step": step, "error": error})
+
+    # -- persistence -------------------------------------------------------------------------
+    def _persist_loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.wait(self.cfg.poll_interval)
+            self._wake.clear()
+            if self._stopping.is_set() or self.storage is None:
+                continue
+            if time.monotonic() < self._retry_after:
+                continue
+            try:
+                pending = self._pending_step()
+                if pending is not None:
+                    self._persist(*pending)
+            except Exception as e:  # the daemon lives on; the error is reported
+                self._record_error(pending[0] if pending else None, f"{type(e).__name__}: {e}")
+                self._retry_after = time.monotonic() + self.cfg.retry_interval
+
+    def _pending_step(self) -> tuple[int, dict[int, tuple[int, SlotInfo]]] | None:
+        """The newest step every local rank holds complete and storage lacks, with its slots."""
+        with self._lock:
+            ranks = [r for r in self._ranks.values() if any(s is not None for s in r.slots)]
+            if not ranks:
+                return None
+            expected = max(r.local_world_size for r in ranks)
+            if len(ranks) < expected:
+                return None
+            per_rank: dict[int, dict[int, tuple[int, SlotInfo]]] = {}
+            for rec in ranks:
+                have: dict[int, tuple[int, SlotInfo]] = {}
+                for i, s in enumerate(rec.slots):
+                    info = s.header() if s is not None else None
+                    if info is not None and info.complete:
+                        have[info.step] = (i, info)
+                per_rank[rec.rank] = have
+            common = set.intersection(*(set(h) for h in per_rank.values()))
+            common = {s for s in common if s > self._persisted_high}
+            if not common:
+                return None
+            step = max(common)
+            return step, {r: have[step] for r, have in per_rank.items()}
+
+    def _persist(self, step: int, picks: dict[int, tuple[int, SlotInfo]]) -> None:
+        storage = self.storage
+        assert storage is not None
+        t0 = time.monotonic()
+        files: dict[str, dict[str, Any]] = {}
+        ranks_out: dict[str, dict[str, Any]] = {}
+        shards_out: dict[str, dict[str, Any]] = {}
+        world = num_shards = 0
+        written = 0
+        with self._io_lock:
+            slots: dict[int, tuple[Slot, SlotInfo]] = {}
+            with self._lock:
+                for r, (idx, info) in picks.items():
+                    s = self._ranks[r].slots[idx]
+                    if s is None:
+                        return
+                    slots[r] = (s, info)
+            metas = {}
+            for s, info in slots.values():
+                s.pin(info.seq)
+            try:
+                for r, (s, info) in slots.items():
+                    meta = s.read_meta(info)
+                    if meta is None or int(meta["step"]) != step:
+                        raise _Torn(f"rank {r}")
+                    metas[r] = meta
+                if step in self._committed or storage.fs.exists(storage.step_path(step)):
+                    # Rewriting a step (e.g. after a resume from an older one): hide it first.
+                    storage.uncommit(step)
+                for r, (s, info) in slots.items():
+                    meta = metas[r]
+                    world = int(meta["world_size"])
+                    num_shards = int(meta["num_shards"])
+                    shard = int(meta["shard"])
+                    rank_name = rank_file_name(r, world)
+                    rec = storage.write_json(
+                        storage.step_path(step, rank_name),
+                        {"format": FORMAT, "rank": r, "step": step, "private": meta["private"]},
+                    )
+                    files[rank_name] = rec.to_json()
+                    ranks_out[str(r)] = {"file": rank_name, "shard": shard}
+                    if int(meta["replica"]) != 0:
+                        continue
+                    shard_name = shard_file_name(shard, num_shards)
+                    rec = self._write_shard(storage, step, shard_name, s, info, meta)
+                    written += rec.size
+                    files[shard_name] = rec.to_json()
+                    shards_out[str(shard)] = {"file": shard_name, "writer": r}
+            except _Torn as e:
+                log.info("step %d changed in memory while persisting (%s); skipped", step, e)
+                with self._lock:
+                    self._persisted_high = max(self._persisted_high, step)
+                return
+            finally:
+                for s, _ in slots.values():
+                    s.unpin()
+        storage.write_part(
+            step,
+            self.cfg.node,
+            {
+                "node": self.cfg.node,
+                "step": step,
+                "world_size": world,
+                "num_shards": num_shards,
+                "ranks": ranks_out,
+                "shards": shards_out,
+                "files": files,
+            },
+        )
+        with self._lock:
+            self._persisted_high = max(self._persisted_high, step)
+        if "0" in ranks_out:
+            self._commit(step, world, num_shards)
+        dt = time.monotonic() - t0
+        log.info(
+            "persisted step %d: %.1f MiB in %.2f s (%.0f MiB/s)",
+            step,
+            written / 2**20,
+            dt,
+            written / 2**20 / max(dt, 1e-9),
+        )
+
+    def _write_shard(
+        self,
+        storage: Storage,
+        step: int,
+        name: str,
+        slot: Slot,
+        info: SlotInfo,
+        meta: dict[str, Any],
+    ) -> FileRecord:
+        layout = Layout.from_json(meta["entries"])
+        header = safetensors_header(
+            layout,
+            {
+                "format": FORMAT,
+                "step": str(step),
+                "skeleton": json.dumps(meta["skeleton"], separators=(",", ":")),
+            },
+        )
+        data = slot.data(info.data_len)
+
+        def chunks() -> Any:
+            yield header
+            for off in range(0, info.data_len, CHUNK):
+                if slot.seq() != info.seq:
+                    raise _Torn(f"shard {name}")
+                yield data[off : off + CHUNK]
+
+        rec = storage.write_stream(storage.step_path(step, name), chunks())
+        if slot.seq() != info.seq:
+            raise _Torn(f"shard {name}")
+        return rec
+
+    def _commit(self, step: int, world: int, num_shards: int) -> None:
+        storage = self.storage
+        assert storage is not None
+        deadline = time.monotonic() + self.cfg.commit_timeout
+        while True:
+            parts = storage.read_parts(step)
+            ranks: dict[str, Any] = {}
+            shards: dict[str, Any] = {}
+            files: dict[str, Any] = {}
+            for p in parts:
+                ranks.update(p["ranks"])
+                shards.update(p["shards"])
+                files.update(p["files"])
+            if len(ranks) >= world and len(shards) >= num_shards:
+                break
+            if time.monotonic() > deadline or self._stopping.is_set():
+                absent = sorted(set(range(world)) - {int(r) for r in ranks})
+                raise TimeoutError(
+                    f"step {step}: parts of ranks {absent}"
+                    f" did not arrive within {self.cfg.commit_timeout:.0f} s; not committed"
+                )
+            time.sleep(0.1)
+        manifest = {
+            "format": FORMAT,
+            "job": self.cfg.job,
+            "step": step,
+            "world_size": world,
+            "num_shards": num_shards,
+            "created": time.time(),
+            "nodes": sorted(p["node"] for p in parts),
+            "files": files,
+            "ranks": ranks,
+            "shards": shards,
+        }
+        storage.commit(step, manifest)
+        removed = storage.retain(self.cfg.keep)
+        with self._lock:
+            self._committed = sorted({*self._committed, step} - set(removed))
+        self._broadcast({"event": "committed", "step": step})
+
+
+def _owner_alive(owner_path: str) -> bool:
+    try:
+        with open(owner_path) as f:
+            owner = json.load(f)
+        proc = psutil.Process(int(owner["pid"]))
+        return abs(proc.create_time() - float(owner["create_time"])) < 1.0
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return False
+
+
+def run_agent(config: AgentConfig, *, signals: bool = True) -> int:
+    """Runs an agent in this process until it stops; returns the exit code."""
+    agent = NodeAgent(config)
+    try:
+        agent.start()
+    except AgentRunning as e:
+        log.info("%s", e)
+        return 3
+    if signals:
+        agent.install_signal_handlers()
+    return agent.run()

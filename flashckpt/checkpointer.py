@@ -1,0 +1,962 @@
+"""The trainer side: snapshot a rank's state into its shared-memory slots, restore it on start.
+
+Usage::
+
+    with flashckpt.checkpointing(model, optimizer, scheduler=sched,
+                                 storage="file:///ckpt/run1", every=10) as ckpt:
+        for step in range(ckpt.start_step, total_steps):
+            train_one_step(step)
+            ckpt.step(step)          # snapshots after steps 9, 19, ... (when due)
+
+``ckpt.step(step)`` is called at the end of iteration ``step``; a snapshot taken there is labelled
+``step + 1``, the first iteration not yet done, which is what ``start_step`` is after a restore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from flashckpt.agent import default_node_id
+from flashckpt.layout import FlatState, Layout, flatten_state, tensor_views, unflatten_state
+from flashckpt.protocol import AgentClient, AgentError, default_run_dir, socket_path
+from flashckpt.reading import read_rank, read_shard
+from flashckpt.rng import capture_rng, restore_rng
+from flashckpt.shm import HEADER_SIZE, ShmSpaceError, Slot, check_name, prefault
+from flashckpt.storage import CorruptCheckpointError, Storage
+
+__all__ = ["CheckpointConfig", "Checkpointer", "SnapshotHandle", "checkpointing"]
+
+log = logging.getLogger("flashckpt")
+
+_MIN_META_CAP = 1 << 20
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """How a rank checkpoints."""
+
+    storage: str | None = None
+    """Checkpoint root URL (any fsspec URL); None keeps snapshots in memory only."""
+    every: int = 0
+    """Snapshot every this many steps from ``ckpt.step()``; 0 snapshots only on ``save()``."""
+    job: str | None = None
+    """Job id (names segments and the agent). Default: $FLASHCKPT_JOB, then
+    $TORCHELASTIC_RUN_ID, then a hash of the storage URL."""
+    node: str | None = None
+    """Node id. Default: $FLASHCKPT_NODE, then the host name."""
+    mode: Literal["overlap", "sync"] = "overlap"
+    """overlap: ``save()`` returns after the cheap part; parameters and optimizer state are copied
+    in the background and ``optimizer.step()`` waits for the copy. sync: the copy is done before
+    ``save()`` returns."""
+    when_busy: Literal["wait", "skip"] = "wait"
+    """When no slot is free (the previous copy still runs and the agent persists the other slot):
+    wait for one, or skip this snapshot (counted in ``stats`` and returned by ``save``)."""
+    keep: int = 3
+    """Committed steps kept in storage."""
+    shm_dir: str = "/dev/shm"
+    """The tmpfs for the slots (a local-disk directory works too, more slowly)."""
+    run_dir: str | None = None
+    """Directory of the agent's socket and logs (default /tmp/flashckpt-<uid>)."""
+    agent: Literal["auto", "connect"] = "auto"
+    """auto: start a node agent if none runs; connect: require a running one."""
+    restore: bool = True
+    """Restore the newest state found on entry."""
+    replicated: bool = True
+    """All ranks hold the same model/optimizer state (data parallel): one replica persists it."""
+    flush_timeout: float = 600.0
+    """Seconds to wait on exit for the last snapshot to be committed to storage."""
+    agent_timeout: float = 60.0
+    """Seconds to wait for the agent to start or answer."""
+    agent_idle_timeout: float = 600.0
+    """An auto-started agent persists and exits when no trainer has been back this long."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"every={self.every}: use a positive step interval, or 0 for manual")
+        if self.mode not in ("overlap", "sync"):
+            raise ValueError(f"mode={self.mode!r}: use 'overlap' or 'sync'")
+        if self.when_busy not in ("wait", "skip"):
+            raise ValueError(f"when_busy={self.when_busy!r}: use 'wait' or 'skip'")
+        if self.keep < 1:
+            raise ValueError(f"keep={self.keep}: keep at least 1 committed step")
+        if self.agent not in ("auto", "connect"):
+            raise ValueError(f"agent={self.agent!r}: use 'auto' or 'connect'")
+        if self.storage is not None:
+            Storage(self.storage)  # validates the URL early
+
+
+@dataclass(slots=True)
+class Stats:
+    """Counters of a checkpointer (all times in seconds)."""
+
+    saves: int = 0
+    skips: int = 0
+    skipped_steps: list[int] = field(default_factory=list)
+    last_snapshot_step: int | None = None
+    last_committed_step: int | None = None
+    persist_errors: list[dict[str, Any]] = field(default_factory=list)
+    stall_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
+    first_save_s: float | None = None
+
+
+class SnapshotHandle:
+    """What ``save()`` returns: whether the snapshot was taken, and a way to wait for its copy."""
+
+    def __init__(self, step: int, future: Future[None] | None, skipped: str | None = None) -> None:
+        self.step = step
+        self.skipped = skipped
+        self._future = future
+
+    @property
+    def taken(self) -> bool:
+        return self.skipped is None
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def wait(self) -> None:
+        """Waits until the snapshot is complete in memory; re-raises a background failure."""
+        if self._future is not None:
+            self._future.result()
+
+    def __repr__(self) -> str:
+        state = (
+            f"skipped: {self.skipped}" if self.skipped else ("done" if self.done() else "copying")
+        )
+        return f"SnapshotHandle(step={self.step}, {state})"
+
+
+@dataclass(slots=True)
+class _SlotMap:
+    slot: Slot
+    data: torch.Tensor  # uint8 view of the whole mapped file
+    step: int | None = None
+    writing: bool = False
+    views: dict[str, torch.Tensor] | None = None
+    views_sig: str | None = None
+    registered_cuda: bool = False
+    ino: int = 0
+
+
+def _env(name: str) -> str | None:
+    v = os.environ.get(name)
+    return v if v else None
+
+
+class Checkpointer:
+    """Flash checkpointing of one rank's training state. Use through :func:`checkpointing`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        scheduler: Any = None,
+        stateful: Mapping[str, Any] | None = None,
+        extras: dict[str, Any] | None = None,
+        process_group: Any = None,
+        config: CheckpointConfig,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+        for name, obj in (stateful or {}).items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"stateful[{name!r}] has no state_dict()/load_state_dict()")
+        if extras is not None and not isinstance(extras, dict):
+            raise TypeError(
+                f"extras must be a dict of JSON-serialisable values, got {type(extras)}"
+            )
+        if scheduler is not None and not hasattr(scheduler, "state_dict"):
+            raise TypeError("scheduler has no state_dict()/load_state_dict()")
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.stateful = dict(stateful or {})
+        self.extras: dict[str, Any] = extras if extras is not None else {}
+        self.config = config
+        self.stats = Stats()
+        self.start_step = 0
+        self.restored_from: Literal["memory", "storage"] | None = None
+        self._pg = process_group
+        self._coord_pg: Any = None
+        self._storage = Storage(config.storage) if config.storage else None
+        self._rank, self._world = 0, 1
+        self._local_world = 1
+        self._client: AgentClient | None = None
+        self._agent_proc: subprocess.Popen[bytes] | None = None
+        self._slots: list[_SlotMap | None] = [None, None]
+        self._slot_lock = threading.Lock()
+        self._pending: Future[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._hooks: list[Any] = []
+        self._layout: Layout | None = None
+        self._layout_specs: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
+        self._last_step_done: int | None = None
+        self._last_saved_step: int | None = None
+        self._prepare: Future[None] | None = None
+        self._cuda_stream: Any = None
+        self._entered = False
+        self.job = ""
+        self.node = ""
+
+    # -- context manager ---------------------------------------------------------------------
+    def __enter__(self) -> Checkpointer:
+        self._setup()
+        try:
+            if self.config.restore:
+                self._restore()
+            self._hook_optimizer()
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
+            self._prepare = self._executor.submit(self._preallocate)
+        except BaseException:
+            self._teardown()
+            raise
+        self._entered = True
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc_type is None:
+                self.wait()
+                if self._last_step_done is not None:
+                    last = self._last_step_done + 1
+                    if self._last_saved_step is None or self._last_saved_step < last:
+                        self.save(last, mode="sync", when_busy="wait")
+                self.flush()
+            else:
+                with contextlib.suppress(Exception):
+                    self.wait()
+        finally:
+            self._teardown(done=exc_type is None)
+
+    # -- public API --------------------------------------------------------------------------
+    def step(self, step: int) -> SnapshotHandle | None:
+        """Marks iteration ``step`` done; snapshots (labelled ``step + 1``) when due."""
+        self._last_step_done = step
+        every = self.config.every
+        if every and (step + 1) % every == 0:
+            return self.save(step + 1)
+        return None
+
+    def save(
+        self,
+        step: int,
+        *,
+        mode: Literal["overlap", "sync"] | None = None,
+        when_busy: Literal["wait", "skip"] | None = None,
+    ) -> SnapshotHandle:
+        """Snapshots the state into shared memory, labelled ``step`` (the step to resume at).
+
+        Returns at once in overlap mode (the bulk copy runs in the background and the optimizer's
+        next ``step()`` waits for it). Never mutates the caller's state and never pickles.
+        """
+        if not self._entered:
+            raise RuntimeError("save() outside the `with flashckpt.checkpointing(...)` block")
+        mode = mode or self.config.mode
+        when_busy = when_busy or self.config.when_busy
+        t0 = time.perf_counter()
+        flat, async_ptrs = self._collect()
+        meta_extra = {
+            "step": step,
+            "private": {"rng": capture_rng(), "extras": _json_copy(self.extras, "extras")},
+        }
+        slot = self._acquire_slot(flat, when_busy)
+        if slot is None:
+            self.stats.skips += 1
+            self.stats.skipped_steps.append(step)
+            warnings.warn(
+                f"flashckpt: snapshot of step {step} skipped: both slots busy (when_busy='skip')",
+                stacklevel=2,
+            )
+            return SnapshotHandle(step, None, skipped="both slots busy")
+        assert self._layout is not None
+        layout = self._layout
+        meta = self._meta_bytes(flat, layout, meta_extra)
+        views = self._views(slot, layout)
+        by_name = dict(zip(flat.names, flat.tensors, strict=True))
+        now, later = [], []
+        for e in layout.entries:
+            src = by_name[e.name]
+            pair = (views[e.name], src)
+            if mode == "overlap" and src.data_ptr() in async_ptrs and src.numel():
+                later.append(pair)
+            else:
+                now.append(pair)
+        seq = slot.slot.begin_write()
+        slot.slot.write_meta(meta)
+        slot.step = None
+
+        def finish() -> None:
+            try:
+                self._copy(slot, later)
+                slot.slot.end_write(seq, step, meta, layout.nbytes)
+                slot.step = step
+                self.stats.last_snapshot_step = step
+                if self._client is not None:
+                    self._client.notify("snap", rank=self._rank, step=step)
+            finally:
+                slot.writing = False
+
+        try:
+            self._copy(slot, now)
+        except BaseException:
+            slot.writing = False
+            raise
+        if later:
+            self._pending = self._executor.submit(finish) if self._executor else None
+            handle = SnapshotHandle(step, self._pending)
+        else:
+            finish()
+            handle = SnapshotHandle(step, None)
+        self._last_saved_step = step
+        dt = time.perf_counter() - t0
+        self.stats.saves += 1
+        self.stats.stall_s.append(dt)
+        if self.stats.first_save_s is None:
+            self.stats.first_save_s = dt
+        return handle
+
+    def wait(self) -> None:
+        """Waits for the background copy of the last snapshot (and re-raises its failure)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            t0 = time.perf_counter()
+            pending.result()
+            self.stats.wait_s.append(time.perf_counter() - t0)
+
+    def flush(self, timeout: float | None = None) -> int | None:
+        """Waits until the newest snapshot is committed to storage; returns the committed step.
+
+        A storage failure does not raise (training goes on from memory): it is logged and kept in
+        ``stats.persist_errors``; the return value is then None.
+        """
+        self.wait()
+        step = self.stats.last_snapshot_step
+        if step is None or self._storage is None or self._client is None:
+            return None
+        try:
+            reply = self._client.request(
+                "flush",
+                step=step,
+                timeout_s=timeout or self.config.flush_timeout,
+                timeout=(timeout or self.config.flush_timeout) + 5,
+            )
+        except AgentError as e:
+            log.error("flashckpt: step %d not persisted: %s", step, e)
+            self.stats.persist_errors.append({"step": step, "error": str(e)})
+            return None
+        self.stats.last_committed_step = int(reply["committed"])
+        return self.stats.last_committed_step
+
+    def status(self) -> dict[str, Any]:
+        """The checkpointer's state: snapshots, commits, skips, errors, stalls, agent."""
+        s = self.stats
+        agent: dict[str, Any] = {"connected": bool(self._client and self._client.connected)}
+        if self._client is not None and self._client.connected:
+            with contextlib.suppress(AgentError):
+                agent.update(self._client.request("status", timeout=5))
+        return {
+            "rank": self._rank,
+            "world_size": self._world,
+            "job": self.job,
+            "node": self.node,
+            "start_step": self.start_step,
+            "restored_from": self.restored_from,
+            "saves": s.saves,
+            "skips": s.skips,
+            "skipped_steps": list(s.skipped_steps),
+            "last_snapshot_step": s.last_snapshot_step,
+            "last_committed_step": s.last_committed_step,
+            "persist_errors": list(s.persist_errors),
+            "first_save_s": s.first_save_s,
+            "median_stall_s": _median(s.stall_s),
+            "agent": agent,
+        }
+
+    # -- setup -------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        cfg = self.config
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            self._rank = dist.get_rank(self._pg)
+            self._world = dist.get_world_size(self._pg)
+            backend = dist.get_backend(self._pg)
+            self._coord_pg = self._pg if backend == "gloo" else dist.new_group(backend="gloo")
+        lws = _env("LOCAL_WORLD_SIZE")
+        self._local_world = int(lws) if lws else self._world
+        job = cfg.job or _env("FLASHCKPT_JOB")
+        if job is None:
+            run_id = _env("TORCHELASTIC_RUN_ID")
+            if run_id and run_id != "none":
+                job = run_id
+        if job is None:
+            if cfg.storage is None:
+                raise ValueError("pass job= (or storage=) so the snapshots have a name")
+            job = "j" + hashlib.sha1(cfg.storage.encode()).hexdigest()[:12]
+        self.job = check_name("job", job)
+        self.node = check_name("node", cfg.node or _env("FLASHCKPT_NODE") or default_node_id())
+        run_dir = cfg.run_dir or default_run_dir()
+        path = socket_path(run_dir, self.job, self.node)
+        if len(path.encode()) > 100:
+            raise ValueError(f"agent socket path {path!r} is too long: use a shorter run_dir/job")
+        self._client = self._connect(path, run_dir)
+        replica = self._rank if cfg.replicated else 0
+        shard, num_shards = (0, 1) if cfg.replicated else (self._rank, self._world)
+        hello = self._client.request(
+            "hello",
+            timeout=cfg.agent_timeout,
+            rank=self._rank,
+            world_size=self._world,
+            local_world_size=self._local_world,
+            shard=shard,
+            num_shards=num_shards,
+            replica=replica,
+            storage=cfg.storage,
+            pid=os.getpid(),
+        )
+        self._meta_static = {
+            "job": self.job,
+            "rank": self._rank,
+            "world_size": self._world,
+            "local_world_size": self._local_world,
+            "shard": shard,
+            "num_shards": num_shards,
+            "replica": replica,
+        }
+        for i, p in enumerate(hello["slots"]):
+            if p is not None:
+                try:
+                    self._slots[i] = self._map(p)
+                except (OSError, ValueError) as e:
+                    log.warning("flashckpt: ignoring slot %s: %s", p, e)
+
+    def _connect(self, path: str, run_dir: str) -> AgentClient:
+        try:
+            return AgentClient(path, on_event=self._on_event, timeout=0.1)
+        except AgentError:
+            if self.config.agent == "connect":
+                raise AgentError(
+                    f"no flashckpt node agent at {path}: start one (`flashckpt agent --job "
+                    f"{self.job} --node {self.node}`) or pass agent='auto'"
+                ) from None
+        self._spawn_agent(run_dir)
+        return AgentClient(path, on_event=self._on_event, timeout=self.config.agent_timeout)
+
+    def _spawn_agent(self, run_dir: str) -> None:
+        cfg = self.config
+        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "flashckpt",
+            "agent",
+            "--job",
+            self.job,
+            "--node",
+            self.node,
+            "--shm-dir",
+            cfg.shm_dir,
+            "--run-dir",
+            run_dir,
+            "--keep",
+            str(cfg.keep),
+            "--idle-timeout",
+            str(cfg.agent_idle_timeout),
+            "--exit-when-done",
+        ]
+        if cfg.storage:
+            cmd += ["--storage", cfg.storage]
+        logf = open(os.path.join(run_dir, f"{self.job}.{self.node}.log"), "ab")  # noqa: SIM115
+        try:
+            # A new session: the agent must outlive this trainer (that is its whole point).
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True
+            )
+        finally:
+            logf.close()
+        self._agent_proc = proc
+        threading.Thread(target=proc.wait, name="flashckpt-agent-reaper", daemon=True).start()
+
+    def _on_event(self, msg: dict[str, Any]) -> None:
+        ev = msg.get("event")
+        if ev == "committed":
+            step = int(msg["step"])
+            if self.stats.last_committed_step is None or step > self.stats.last_committed_step:
+                self.stats.last_committed_step = step
+        elif ev == "persist_error":
+            self.stats.persist_errors.append({"step": msg.get("step"), "error": msg.get("error")})
+            log.warning("flashckpt: persisting step %s failed: %s", msg.get("step"), msg["error"])
+
+    def _hook_optimizer(self) -> None:
+        if self.optimizer is None:
+            return
+
+        def pre_step(opt: Any, args: Any, kwargs: Any) -> None:
+            self.wait()
+
+        self._hooks.append(self.optimizer.register_step_pre_hook(pre_step))
+
+    def _teardown(self, done: bool = False) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._client is not None:
+            if done:
+                with contextlib.suppress(AgentError):
+                    self._client.request("done", rank=self._rank, timeout=10)
+            self._client.close()
+            self._client = None
+        with self._slot_lock:
+            self._slots = [None, None]
+        self._entered = False
+
+    # -- slots -------------------------------------------------------------------------------
+    def _map(self, path: str) -> _SlotMap:
+        size = os.path.getsize(path)
+        data = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        slot = Slot(path, buf=data.numpy())
+        info = slot.header()
+        sm = _SlotMap(slot, data, ino=os.stat(path).st_ino)
+        if info is not None and info.complete:
+            sm.step = info.step
+        return sm
+
+    def _collect(self) -> tuple[FlatState, set[int]]:
+        state: dict[str, Any] = {"model": self.model.state_dict()}
+        async_ptrs = {p.data_ptr() for p in self.model.parameters()}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+            for st in self.optimizer.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        async_ptrs.add(v.data_ptr())
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.stateful:
+            state["stateful"] = {k: v.state_dict() for k, v in self.stateful.items()}
+        flat = flatten_state(state)
+        specs = flat.specs()
+        if specs != self._layout_specs:
+            self._layout = Layout.build(specs)
+            self._layout_specs = specs
+        async_ptrs.discard(0)
+        return flat, async_ptrs
+
+    def _meta_bytes(self, flat: FlatState, layout: Layout, extra: dict[str, Any]) -> bytes:
+        meta = {
+            **self._meta_static,
+            **extra,
+            "layout_sig": layout.signature,
+            "entries": layout.to_json(),
+            "skeleton": flat.skeleton,
+        }
+        try:
+            return json.dumps(meta, separators=(",", ":"), allow_nan=True).encode()
+        except TypeError as e:
+            raise TypeError(f"snapshot description is not JSON-serialisable: {e}") from None
+
+    def _estimate_bytes(self) -> int:
+        model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        opt = self.optimizer
+        if opt is None:
+            return model_bytes
+        if opt.state:
+            return model_bytes + sum(
+                v.numel() * v.element_size()
+                for st in opt.state.values()
+                for v in st.values()
+                if isinstance(v, torch.Tensor)
+            )
+        param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        name = type(opt).__name__.lower()
+        factor = 2 if "adam" in name or "lamb" in name else 1
+        return model_bytes + factor * param_bytes + 64 * len(opt.state_dict()["state"] or [1])
+
+    def _preallocate(self) -> None:
+        """Allocates and pre-faults both slots off the critical path (in the copy thread)."""
+        need = self._estimate_bytes()
+        data_cap = need + need // 16 + (1 << 20)
+        try:
+            self._ensure_slots(_MIN_META_CAP * 4, data_cap)
+        except (AgentError, ShmSpaceError) as e:
+            log.warning("flashckpt: could not pre-allocate snapshot slots: %s", e)
+
+    def _ensure_slots(self, meta_cap: int, data_cap: int) -> None:
+        with self._slot_lock:
+            ok = all(
+                s is not None and s.slot.meta_cap >= meta_cap and s.slot.data_cap >= data_cap
+                for s in self._slots
+            )
+            if ok:
+                return
+            assert self._client is not None
+            try:
+                reply = self._client.request(
+                    "alloc",
+                    timeout=self.config.agent_timeout,
+                    rank=self._rank,
+                    meta_cap=meta_cap,
+                    data_cap=data_cap,
+                )
+            except AgentError as e:
+                if "ShmSpaceError" in str(e) or "free but a snapshot slot needs" in str(e):
+                    raise ShmSpaceError(str(e)) from None
+                raise
+            new: list[_SlotMap | None] = []
+            for i, p in enumerate(reply["slots"]):
+                old = self._slots[i]
+                if old is not None and old.slot.path == p and old.ino == os.stat(p).st_ino:
+                    new.append(old)
+                    continue
+                sm = self._map(p)
+                prefault(sm.data.data_ptr() + HEADER_SIZE, sm.data.numel() - HEADER_SIZE)
+                new.append(sm)
+            self._slots = new
+
+    def _acquire_slot(self, flat: FlatState, when_busy: str) -> _SlotMap | None:
+        assert self._layout is not None
+        if self._prepare is not None:
+            prep, self._prepare = self._prepare, None
+            prep.result()
+        need_meta = max(_MIN_META_CAP, 2 * len(json.dumps(flat.skeleton)) + 256 * len(flat.names))
+        need_data = self._layout.nbytes
+        if any(
+            s is None or s.slot.meta_cap < need_meta or s.slot.data_cap < need_data
+            for s in self._slots
+        ):
+            # First save without pre-allocation, or the state outgrew the slots: reallocate.
+            self.wait()
+            self._ensure_slots(need_meta * 2, need_data + need_data // 16)
+        deadline = time.monotonic() + self.config.agent_timeout
+        while True:
+            free = self._free_slot()
+            if free is not None:
+                break
+            if when_busy == "skip":
+                return None
+            if self._pending is not None:
+                self.wait()
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no snapshot slot became free within {self.config.agent_timeout:.0f} s"
+                )
+            time.sleep(0.001)
+        free.writing = True
+        return free
+
+    def _free_slot(self) -> _SlotMap | None:
+        with self._slot_lock:
+            cands = [
+                s for s in self._slots if s is not None and not s.writing and not s.slot.pinned()
+            ]
+        if not cands:
+            return None
+        return min(cands, key=lambda s: -1 if s.step is None else s.step)
+
+    def _views(self, sm: _SlotMap, layout: Layout) -> dict[str, torch.Tensor]:
+        if sm.views is None or sm.views_sig != layout.signature:
+            off = sm.slot.data_off
+            sm.views = tensor_views(layout, sm.data[off : off + layout.nbytes])
+            sm.views_sig = layout.signature
+        return sm.views
+
+    def _copy(self, sm: _SlotMap, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        cuda_pairs = [(d, s) for d, s in pairs if s.is_cuda]
+        for d, s in pairs:
+            if not s.is_cuda:
+                d.copy_(s)
+        if cuda_pairs:
+            self._copy_cuda(sm, cuda_pairs)
+
+    def _copy_cuda(self, sm: _SlotMap, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Device -> pinned shared memory on a side stream (GPU only)."""
+        if not sm.registered_cuda:
+            # Pin the shared mapping so copies are real async DMA.
+            torch.cuda.cudart().cudaHostRegister(sm.data.data_ptr(), sm.data.numel(), 0)
+            sm.registered_cuda = True
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream()
+        stream = self._cuda_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for d, s in pairs:
+                d.copy_(s, non_blocking=True)
+        stream.synchronize()
+
+    # -- restore -----------------------------------------------------------------------------
+    def _memory_steps(self) -> dict[int, tuple[_SlotMap, dict[str, Any]]]:
+        out: dict[int, tuple[_SlotMap, dict[str, Any]]] = {}
+        for sm in self._slots:
+            if sm is None:
+                continue
+            info = sm.slot.header()
+            if info is None or not info.complete:
+                continue
+            meta = sm.slot.read_meta(info)
+            if meta is None or meta.get("world_size") != self._world:
+                continue
+            out[info.step] = (sm, meta)
+        return out
+
+    def _storage_steps(self) -> list[int]:
+        if self._storage is None:
+            return []
+        try:
+            return self._storage.committed_steps()
+        except OSError as e:
+            log.warning("flashckpt: cannot list storage %s: %s", self._storage.url, e)
+            return []
+
+    def _restore(self) -> None:
+        mem = self._memory_steps()
+        stored = self._storage_steps()
+        excluded: set[int] = set()
+        while True:
+            mine = sorted((set(mem) | set(stored)) - excluded, reverse=True)[:32]
+            step = self._agree(mine)
+            if step is None:
+                if mine or mem:
+                    warnings.warn(
+                        f"flashckpt: rank {self._rank} holds steps {mine} but no step is held by "
+                        "every rank; starting from scratch",
+                        stacklevel=3,
+                    )
+                self._invalidate_after(-1)
+                return
+            code, loaded = 0, None
+            err: Exception | None = None
+            try:
+                loaded = self._load_step(step, mem.get(step))
+            except (CorruptCheckpointError, FileNotFoundError, _TornSnapshot) as e:
+                code, err = 1, e
+                warnings.warn(
+                    f"flashckpt: cannot restore step {step}: {e}; trying an older step",
+                    stacklevel=3,
+                )
+            except (ValueError, TypeError, KeyError, RuntimeError) as e:
+                code, err = 2, e
+            worst = self._all_max(code)
+            if worst == 0:
+                assert loaded is not None
+                self._apply(*loaded)
+                self.start_step = step
+                self._last_saved_step = step
+                self.restored_from = "memory" if step in mem else "storage"
+                self._invalidate_after(step)
+                if self._client is not None:
+                    with contextlib.suppress(AgentError):
+                        self._client.request("restored", step=step, timeout=10)
+                log.info(
+                    "flashckpt: rank %d resumed at step %d from %s",
+                    self._rank,
+                    step,
+                    self.restored_from,
+                )
+                return
+            if worst == 2:
+                if err is not None:
+                    raise err
+                raise RuntimeError(f"another rank failed to restore step {step}; see its log")
+            excluded.add(step)
+
+    def _agree(self, mine: list[int]) -> int | None:
+        if self._world == 1:
+            return mine[0] if mine else None
+        dist = torch.distributed
+        k = 32
+        t = torch.full((k,), -1, dtype=torch.int64)
+        if mine:
+            t[: len(mine)] = torch.tensor(mine[:k])
+        out = [torch.empty_like(t) for _ in range(self._world)]
+        dist.all_gather(out, t, group=self._coord_pg)
+        sets = [set(x.tolist()) - {-1} for x in out]
+        common = set.intersection(*sets)
+        return max(common) if common else None
+
+    def _all_max(self, code: int) -> int:
+        if self._world == 1:
+            return code
+        t = torch.tensor([code], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._coord_pg)
+        return int(t.item())
+
+    def _load_step(
+        self, step: int, mem: tuple[_SlotMap, dict[str, Any]] | None
+    ) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
+        """Reads one step (memory first) into (state tree, private state, from_memory)."""
+        if mem is not None:
+            sm, meta = mem
+            layout = Layout.from_json(meta["entries"])
+            info = sm.slot.header()
+            if info is None or info.step != step or not info.complete:
+                raise _TornSnapshot(f"slot {sm.slot.path} changed")
+            off = sm.slot.data_off
+            views = tensor_views(layout, sm.data[off : off + layout.nbytes])
+            state = unflatten_state(meta["skeleton"], views)
+            self._check_model(state)
+            return state, meta["private"], True
+        assert self._storage is not None
+        manifest = self._storage.read_manifest(step)
+        state = read_shard(
+            self._storage, step, 0 if self.config.replicated else self._rank, manifest
+        )
+        self._check_model(state)
+        private = None
+        if int(manifest["world_size"]) == self._world:
+            private = read_rank(self._storage, step, self._rank, manifest)
+        if private is None:
+            log.warning("flashckpt: no saved RNG/extras for rank %d at step %d", self._rank, step)
+        return state, private, False
+
+    def _check_model(self, state: dict[str, Any]) -> None:
+        saved = state.get("model", {})
+        current = self.model.state_dict()
+        missing = sorted(set(current) - set(saved))
+        unexpected = sorted(set(saved) - set(current))
+        shapes = [
+            f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(current[k].shape)}"
+            for k in sorted(set(saved) & set(current))
+            if isinstance(saved[k], torch.Tensor)
+            and tuple(saved[k].shape) != tuple(current[k].shape)
+        ]
+        if missing or unexpected or shapes:
+            lines = ["checkpoint does not fit the model:"]
+            if missing:
+                lines.append(f"  missing keys (in model, not in checkpoint): {missing}")
+            if unexpected:
+                lines.append(f"  unexpected keys (in checkpoint, not in model): {unexpected}")
+            if shapes:
+                lines.append("  shape mismatches: " + "; ".join(shapes))
+            lines.append("  restore into the same architecture, or pass restore=False.")
+            raise ValueError("\n".join(lines))
+        for name, key in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
+            if key is not None and name not in state:
+                raise ValueError(f"checkpoint has no {name} state, but a {name} was given")
+
+    def _apply(self, state: dict[str, Any], private: dict[str, Any] | None, from_mem: bool) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            opt_state = state["optimizer"]
+            if from_mem:  # tensors view the slot: the optimizer must own its state
+                opt_state = _clone_tensors(opt_state)
+            self.optimizer.load_state_dict(opt_state)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        for name, obj in self.stateful.items():
+            sub = state.get("stateful", {}).get(name)
+            if sub is None:
+                raise ValueError(f"checkpoint has no state for stateful[{name!r}]")
+            obj.load_state_dict(_clone_tensors(sub) if from_mem else sub)
+        if private is not None:
+            restore_rng(private["rng"])
+            self.extras.clear()
+            self.extras.update(private.get("extras") or {})
+
+    def _invalidate_after(self, step: int) -> None:
+        """Drops in-memory snapshots newer than the resume point: they belong to a past timeline."""
+        for sm in self._slots:
+            if sm is None:
+                continue
+            info = sm.slot.header()
+            if info is not None and info.step > step:
+                sm.slot.invalidate()
+                sm.step = None
+            elif info is None or not info.complete:
+                sm.step = None
+
+
+class _TornSnapshot(Exception):
+    pass
+
+
+def _clone_tensors(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _clone_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_tensors(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone_tensors(v) for v in obj)
+    return copy.copy(obj)
+
+
+def _json_copy(obj: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(obj))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what} must be JSON-serialisable: {e}") from None
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def checkpointing(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    scheduler: Any = None,
+    stateful: Mapping[str, Any] | None = None,
+    extras: dict[str, Any] | None = None,
+    process_group: Any = None,
+    **options: Any,
+) -> Checkpointer:
+    """Wraps a training loop with flash checkpointing.
+
+    Args:
+        model: the module whose ``state_dict`` is saved.
+        optimizer: its optimizer (its ``step()`` waits for a pending snapshot copy).
+        scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``).
+        stateful: more named objects with ``state_dict``/``load_state_dict``.
+        extras: a dict of JSON values (step, data position, ...) saved with each snapshot and
+            updated in place on restore.
+        process_group: the group whose ranks agree on the resume step (default: the world).
+        **options: fields of :class:`CheckpointConfig` (``storage``, ``every``, ``mode``, ...).
+
+    Returns:
+        A :class:`Checkpointer`; use it in a ``with`` block.
+    """
+    unknown = set(options) - set(CheckpointConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(
+            f"unknown checkpointing option(s) {sorted(unknown)}; valid: "
+            f"{sorted(CheckpointConfig.__dataclass_fields__)}"
+        )
+    config = CheckpointConfig(**options)
+    return Checkpointer(
+        model,
+        optimizer,
+        scheduler=scheduler,
+        stateful=stateful,
+        extras=extras,
+        process_group=process_group,
+        config=config,
+    )

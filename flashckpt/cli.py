@@ -1,0 +1,187 @@
+"""The ``flashckpt`` command: ``agent``, ``ls``, ``verify``, ``plan``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+__all__ = ["main"]
+
+
+def _agent_args(p: argparse.ArgumentParser) -> None:
+    from flashckpt.protocol import default_run_dir
+
+    p.add_argument("--job", required=True, help="job id (names segments and the socket)")
+    p.add_argument("--node", default=None, help="node id (default: host name)")
+    p.add_argument("--storage", default=None, help="checkpoint root URL (fsspec)")
+    p.add_argument("--shm-dir", default="/dev/shm")
+    p.add_argument("--run-dir", default=default_run_dir())
+    p.add_argument("--keep", type=int, default=3, help="committed steps to keep")
+    p.add_argument("--idle-timeout", type=float, default=600.0)
+    p.add_argument("--exit-when-done", action="store_true")
+    p.add_argument("--detach", action="store_true", help="run in the background")
+    p.add_argument("--pid-file", default=None)
+    p.add_argument("--log-file", default=None)
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from flashckpt.agent import AgentConfig, default_node_id, run_agent
+    from flashckpt.protocol import AgentClient, AgentError, socket_path
+
+    cfg = AgentConfig(
+        job=args.job,
+        node=args.node or default_node_id(),
+        storage=args.storage,
+        shm_dir=args.shm_dir,
+        run_dir=args.run_dir,
+        keep=args.keep,
+        idle_timeout=args.idle_timeout,
+        exit_when_done=args.exit_when_done,
+    )
+    if args.detach:
+        cmd = [sys.executable, "-m", "flashckpt", *[a for a in sys.argv[1:] if a != "--detach"]]
+        log_path = args.log_file or os.path.join(cfg.run_dir, f"{cfg.job}.{cfg.node}.log")
+        os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True
+            )
+        path = socket_path(cfg.run_dir, cfg.job, cfg.node)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                print(f"agent exited with code {proc.returncode}; see {log_path}", file=sys.stderr)
+                return proc.returncode or 1
+            try:
+                AgentClient(path, timeout=0.1).close()
+                break
+            except AgentError:
+                time.sleep(0.05)
+        else:
+            print(f"agent did not start listening on {path}; see {log_path}", file=sys.stderr)
+            return 1
+        if args.pid_file:
+            with open(args.pid_file, "w") as f:
+                f.write(f"{proc.pid}\n")
+        print(f"flashckpt agent pid {proc.pid} listening on {path} (log {log_path})")
+        return 0
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        filename=args.log_file,
+    )
+    if args.pid_file:
+        with open(args.pid_file, "w") as f:
+            f.write(f"{os.getpid()}\n")
+    try:
+        return run_agent(cfg)
+    finally:
+        if args.pid_file:
+            try:
+                with open(args.pid_file) as f:
+                    if f.read().strip() == str(os.getpid()):
+                        os.unlink(args.pid_file)
+            except OSError:
+                pass
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from flashckpt.storage import Storage
+
+    st = Storage(args.url)
+    steps = st.committed_steps()
+    rows = []
+    for s in steps:
+        m = st.read_manifest(s)
+        size = sum(int(f["size"]) for f in m["files"].values())
+        rows.append(
+            {
+                "step": s,
+                "bytes": size,
+                "files": len(m["files"]),
+                "world_size": m["world_size"],
+                "created": m["created"],
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"no committed steps in {args.url}")
+        return 0
+    print(f"{'step':>10} {'size':>12} {'files':>6} {'world':>6}  created")
+    for r in rows:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"]))
+        print(
+            f"{r['step']:>10} {_human(r['bytes']):>12} {r['files']:>6} {r['world_size']:>6}  "
+            f"{created}"
+        )
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from flashckpt.storage import Storage
+
+    st = Storage(args.url)
+    steps = [args.step] if args.step is not None else st.committed_steps()
+    if not steps:
+        print(f"no committed steps in {args.url}", file=sys.stderr)
+        return 1
+    bad = 0
+    for s in steps:
+        problems = st.verify(s)
+        if problems:
+            bad += 1
+            for p in problems:
+                print(f"step {s}: CORRUPT: {p}")
+        else:
+            print(f"step {s}: ok")
+    return 1 if bad else 0
+
+
+def _cmd_plan(argv: list[str]) -> int:
+    from elastic import planner
+
+    return planner.main(argv)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "plan":
+        return _cmd_plan(argv[1:])
+    parser = argparse.ArgumentParser(prog="flashckpt", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("agent", help="run the node agent (a daemon per machine)")
+    _agent_args(p)
+    p = sub.add_parser("ls", help="list committed steps with sizes")
+    p.add_argument("url")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("verify", help="check the integrity of committed steps")
+    p.add_argument("url")
+    p.add_argument("--step", type=int, default=None)
+    sub.add_parser("plan", help="plan training time, memory per GPU and checkpoint interval")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    if args.cmd == "agent":
+        return _cmd_agent(args)
+    if args.cmd == "ls":
+        return _cmd_ls(args)
+    if args.cmd == "verify":
+        return _cmd_verify(args)
+    parser.error(f"unknown command {args.cmd}")
+    return 2

@@ -1,0 +1,332 @@
+"""Flatten a nested state (dicts, lists, tensors, JSON scalars) into a byte layout and back.
+
+A state is split into two parts:
+
+* the *tensors*, laid out back to back in one byte buffer (the safetensors byte buffer: no holes,
+  entries sorted by element size so every offset is naturally aligned), and
+* the *skeleton*, a JSON tree that records the structure, every non-tensor value and, for each
+  tensor, the name it has in the buffer.
+
+Nothing here pickles: the skeleton is JSON, the tensors are raw bytes with a dtype and a shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Layout",
+    "TensorEntry",
+    "flatten_state",
+    "safetensors_header",
+    "unflatten_state",
+]
+
+# safetensors dtype codes, see https://github.com/huggingface/safetensors (format section).
+_TORCH_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+):
+    if hasattr(torch, _name):
+        _TORCH_TO_ST[getattr(torch, _name)] = _code
+_ST_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in _TORCH_TO_ST.items()}
+
+_JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    """Returns the safetensors code of a torch dtype, or raises TypeError."""
+    try:
+        return _TORCH_TO_ST[dtype]
+    except KeyError:
+        raise TypeError(
+            f"dtype {dtype} cannot be checkpointed (supported: "
+            f"{', '.join(str(d) for d in _TORCH_TO_ST)})"
+        ) from None
+
+
+def torch_dtype(code: str) -> torch.dtype:
+    """Returns the torch dtype of a safetensors code, or raises ValueError."""
+    try:
+        return _ST_TO_TORCH[code]
+    except KeyError:
+        raise ValueError(f"unknown tensor dtype code {code!r} in checkpoint") from None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """Where one tensor lives in the byte buffer."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def to_json(self) -> list[Any]:
+        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+
+    @staticmethod
+    def from_json(item: list[Any]) -> TensorEntry:
+        name, dtype, shape, offset, nbytes = item
+        return TensorEntry(str(name), str(dtype), tuple(int(s) for s in shape), int(offset), nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The byte layout of the tensors of a state: stable while names, dtypes and shapes are."""
+
+    entries: tuple[TensorEntry, ...]
+    nbytes: int
+    signature: str
+
+    @staticmethod
+    def build(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Layout:
+        """Lays tensors out back to back, larger elements first, so offsets are aligned."""
+        order = sorted(
+            range(len(specs)), key=lambda i: (-_itemsize(specs[i][1]), i)
+        )  # stable: same input order -> same layout
+        entries: list[TensorEntry] = []
+        offset = 0
+        for i in order:
+            name, dtype, shape = specs[i]
+            nbytes = _itemsize(dtype) * _numel(shape)
+            entries.append(TensorEntry(name, dtype_code(dtype), shape, offset, nbytes))
+            offset += nbytes
+        sig = hashlib.sha1(
+            json.dumps([e.to_json() for e in entries], separators=(",", ":")).encode()
+        ).hexdigest()
+        return Layout(tuple(entries), offset, sig)
+
+    def to_json(self) -> list[list[Any]]:
+        return [e.to_json() for e in self.entries]
+
+    @staticmethod
+    def from_json(items: list[list[Any]]) -> Layout:
+        entries = tuple(TensorEntry.from_json(i) for i in items)
+        nbytes = max((e.offset + e.nbytes for e in entries), default=0)
+        sig = hashlib.sha1(
+            json.dumps([e.to_json() for e in entries], separators=(",", ":")).encode()
+        ).hexdigest()
+        return Layout(entries, nbytes, sig)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass(slots=True)
+class FlatState:
+    """A state split into tensors (in input order) and a JSON skeleton."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    skeleton: Any
+
+    def specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        return [(n, t.dtype, tuple(t.shape)) for n, t in zip(self.names, self.tensors, strict=True)]
+
+
+def _key_text(key: object) -> str:
+    return str(key).replace("%", "%25").replace("/", "%2F")
+
+
+def flatten_state(state: Mapping[str, Any]) -> FlatState:
+    """Splits a nested state into tensors and a JSON skeleton.
+
+    Args:
+        state: dicts (str/int keys), lists, tuples, tensors, numpy arrays and JSON scalars.
+
+    Returns:
+        The tensors with their names (paths joined by ``/``) and the skeleton.
+
+    Raises:
+        TypeError: an object of another type, naming its key path.
+    """
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    seen: set[str] = set()
+
+    def add(path: str, t: torch.Tensor) -> str:
+        name = path or "_"
+        k = 1
+        while name in seen:
+            k += 1
+            name = f"{path}#{k}"
+        seen.add(name)
+        names.append(name)
+        tensors.append(t)
+        return name
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.is_sparse or obj.layout != torch.strided:
+                raise TypeError(f"state key {path!r}: sparse tensors cannot be checkpointed")
+            if obj.is_complex():
+                raise TypeError(f"state key {path!r}: complex dtype {obj.dtype} is not supported")
+            dtype_code(obj.dtype)
+            return {"T": add(path, obj.detach())}
+        if isinstance(obj, np.ndarray):
+            if obj.dtype == object:
+                raise TypeError(f"state key {path!r}: numpy object arrays cannot be checkpointed")
+            t = torch.from_numpy(np.ascontiguousarray(obj))
+            dtype_code(t.dtype)
+            return {"N": add(path, t)}
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, _JSON_SCALARS):
+            return obj
+        if isinstance(obj, Mapping):
+            items = []
+            for k, v in obj.items():
+                if not isinstance(k, _JSON_SCALARS):
+                    raise TypeError(
+                        f"state key {path!r}: dict key {k!r} of type {type(k).__name__} "
+                        "cannot be checkpointed (use str or int keys)"
+                    )
+                items.append([k, walk(v, f"{path}/{_key_text(k)}" if path else _key_text(k))])
+            return {"D": items}
+        if isinstance(obj, list | tuple):
+            tag = "L" if isinstance(obj, list) else "U"
+            return {tag: [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]}
+        raise TypeError(
+            f"state key {path!r} holds a {type(obj).__module__}.{type(obj).__qualname__}, "
+            "which cannot be checkpointed: use tensors, numpy arrays, dicts, lists and JSON "
+            "scalars (convert it, or keep it out of the state)"
+        )
+
+    skeleton = walk(dict(state), "")
+    return FlatState(names, tensors, skeleton)
+
+
+def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuilds a state from its skeleton and tensors by name (numpy arrays come back as such)."""
+
+    def build(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "T" in node:
+                return _lookup(node["T"])
+            if "N" in node:
+                return _lookup(node["N"]).numpy()
+            if "D" in node:
+                return {k: build(v) for k, v in node["D"]}
+            if "L" in node:
+                return [build(v) for v in node["L"]]
+            if "U" in node:
+                return tuple(build(v) for v in node["U"])
+            raise ValueError(f"malformed checkpoint skeleton node {sorted(node)}")
+        return node
+
+    def _lookup(name: str) -> torch.Tensor:
+        try:
+            return tensors[name]
+        except KeyError:
+            raise ValueError(f"checkpoint skeleton names tensor {name!r} that is missing") from None
+
+    return build(skeleton)
+
+
+def skeleton_tensor_names(skeleton: Any) -> Iterator[str]:
+    """Yields the tensor names a skeleton refers to."""
+    if isinstance(skeleton, dict):
+        for tag, value in skeleton.items():
+            if tag in ("T", "N"):
+                yield value
+            elif tag in ("D",):
+                for _, v in value:
+                    yield from skeleton_tensor_names(v)
+            elif tag in ("L", "U"):
+                for v in value:
+                    yield from skeleton_tensor_names(v)
+
+
+def safetensors_header(layout: Layout, metadata: Mapping[str, str]) -> bytes:
+    """The bytes that precede the tensor buffer in a safetensors file: length + JSON header.
+
+    Padded with spaces to a multiple of 8 bytes, as the safetensors format recommends.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    for e in layout.entries:
+        header[e.name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "data_offsets": [e.offset, e.offset + e.nbytes],
+        }
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def parse_safetensors(buf: memoryview | bytes | bytearray) -> tuple[Layout, dict[str, str], int]:
+    """Parses a safetensors file held in memory.
+
+    Returns:
+        The layout (offsets relative to the data start), the ``__metadata__`` and the data start.
+
+    Raises:
+        ValueError: the bytes are not a well-formed safetensors file.
+    """
+    if len(buf) < 8:
+        raise ValueError("file too short to be safetensors")
+    (hlen,) = struct.unpack_from("<Q", buf, 0)
+    if hlen > len(buf) - 8 or hlen > 100 << 20:
+        raise ValueError(f"safetensors header length {hlen} exceeds the file")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"safetensors header is not JSON: {e}") from None
+    meta = header.pop("__metadata__", {}) or {}
+    entries = []
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        entries.append([name, info["dtype"], info["shape"], start, end - start])
+    layout = Layout.from_json(sorted(entries, key=lambda e: e[3]))
+    data_start = 8 + hlen
+    if data_start + layout.nbytes > len(buf):
+        raise ValueError(
+            f"safetensors data is truncated: needs {layout.nbytes} bytes, has "
+            f"{len(buf) - data_start}"
+        )
+    for entry in layout.entries:
+        if entry.nbytes != _itemsize(torch_dtype(entry.dtype)) * _numel(entry.shape):
+            raise ValueError(f"tensor {entry.name!r}: byte range does not match dtype and shape")
+    return layout, meta, data_start
+
+
+def tensor_views(layout: Layout, data: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Typed views of each tensor of a layout inside a uint8 tensor (no copy)."""
+    out = {}
+    for e in layout.entries:
+        raw = data[e.offset : e.offset + e.nbytes]
+        out[e.name] = raw.view(torch_dtype(e.dtype)).view(e.shape)
+    return out

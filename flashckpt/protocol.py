@@ -1,0 +1,184 @@
+"""Trainer <-> node agent messages: one JSON object per line over a local Unix socket.
+
+Requests carry an ``id``; the agent answers each with ``{"id": ..., "ok": ...}``. The agent also
+pushes events (``{"event": ...}``, no id) such as a committed step or a persistence error. JSON
+only: nothing on this channel is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["AgentClient", "AgentError", "default_run_dir", "socket_path"]
+
+log = logging.getLogger(__name__)
+
+MAX_LINE = 16 << 20
+
+
+class AgentError(RuntimeError):
+    """The node agent refused a request or could not be reached."""
+
+
+def default_run_dir() -> str:
+    return os.path.join("/tmp", f"flashckpt-{os.getuid()}")
+
+
+def socket_path(run_dir: str, job: str, node: str) -> str:
+    return os.path.join(run_dir, f"{job}.{node}.sock")
+
+
+def send_msg(sock: socket.socket, obj: dict[str, Any], lock: threading.Lock) -> None:
+    data = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+    with lock:
+        sock.sendall(data)
+
+
+class LineReader:
+    """Reads newline-delimited JSON objects from a socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+
+    def read(self) -> dict[str, Any] | None:
+        while b"\n" not in self.buf:
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                return None
+            self.buf += chunk
+            if len(self.buf) > MAX_LINE:
+                raise ValueError("message too long")
+        line, self.buf = self.buf.split(b"\n", 1)
+        obj = json.loads(line)
+        if not isinstance(obj, dict):
+            raise ValueError("message is not a JSON object")
+        return obj
+
+
+class AgentClient:
+    """A trainer's connection to its node agent.
+
+    Args:
+        path: the agent's socket.
+        on_event: called (from the reader thread) with every pushed event.
+        timeout: seconds to wait for the connection.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        self.path = path
+        self._on_event = on_event
+        self._sock = _connect(path, timeout)
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[threading.Event, list[dict[str, Any]]]] = {}
+        self._pending_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name="flashckpt-agent-rx")
+        self._reader.daemon = True
+        self._reader.start()
+
+    @property
+    def connected(self) -> bool:
+        return not self._closed.is_set()
+
+    def request(self, op: str, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
+        """Sends a request and waits for its answer.
+
+        Raises:
+            AgentError: the agent answered ``ok: false``, went away, or did not answer in time.
+        """
+        rid = next(self._ids)
+        ev = threading.Event()
+        box: list[dict[str, Any]] = []
+        with self._pending_lock:
+            self._pending[rid] = (ev, box)
+        try:
+            self._send({"id": rid, "op": op, **fields})
+            if not ev.wait(timeout):
+                raise AgentError(f"node agent did not answer {op!r} within {timeout:.0f} s")
+        finally:
+            with self._pending_lock:
+                self._pending.pop(rid, None)
+        if not box:
+            raise AgentError(f"node agent at {self.path} went away during {op!r}")
+        reply = box[0]
+        if not reply.get("ok"):
+            raise AgentError(reply.get("error", f"node agent refused {op!r}"))
+        return reply
+
+    def notify(self, op: str, **fields: Any) -> None:
+        """Sends a one-way message; never raises (the agent may be gone)."""
+        with contextlib.suppress(OSError):
+            self._send({"op": op, **fields})
+
+    def _send(self, obj: dict[str, Any]) -> None:
+        if self._closed.is_set():
+            raise AgentError(f"connection to node agent at {self.path} is closed")
+        try:
+            send_msg(self._sock, obj, self._send_lock)
+        except OSError as e:
+            raise AgentError(f"lost the node agent at {self.path}: {e}") from e
+
+    def _read_loop(self) -> None:
+        reader = LineReader(self._sock)
+        try:
+            while True:
+                msg = reader.read()
+                if msg is None:
+                    break
+                rid = msg.get("id")
+                if rid is None:
+                    if self._on_event is not None:
+                        try:
+                            self._on_event(msg)
+                        except Exception:
+                            log.exception("event handler failed on %s", msg)
+                    continue
+                with self._pending_lock:
+                    entry = self._pending.get(rid)
+                if entry is not None:
+                    entry[1].append(msg)
+                    entry[0].set()
+        except (OSError, ValueError) as e:
+            log.debug("agent connection closed: %s", e)
+        finally:
+            self._closed.set()
+            with self._pending_lock:
+                for ev, _ in self._pending.values():
+                    ev.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self._reader.join(timeout=5)
+
+
+def _connect(path: str, timeout: float) -> socket.socket:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            return s
+        except OSError as e:
+            s.close()
+            if time.monotonic() >= deadline:
+                raise AgentError(f"no node agent listening at {path}: {e}") from e
+            time.sleep(0.05)

@@ -1,0 +1,318 @@
+"""Shared-memory snapshot slots: one file per slot in a tmpfs (``/dev/shm``), mapped shared.
+
+A slot file is ``[header 4 KiB][meta region][data region]``. The meta region holds a JSON
+description of the snapshot (tensor layout, skeleton, per-rank private state); the data region
+holds the tensor bytes exactly as a safetensors byte buffer, so persisting is one sequential write.
+
+The header works as a seqlock: a writer makes ``seq`` odd and the state WRITING before it touches
+the meta or data, and makes ``seq`` even and the state COMPLETE after the last byte. A reader
+(another process) takes the header, copies what it needs, and re-reads ``seq``: if it moved, the
+copy is discarded. A snapshot torn by a crash stays WRITING forever and is never served. The header
+carries a CRC of its own fields and of the meta bytes, so garbage is detected too.
+
+The node agent creates slot files (``posix_fallocate`` reserves every page up front, so a full
+tmpfs is an error at allocation, never a SIGBUS during training) and removes them; trainers map
+them and write snapshots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import mmap
+import os
+import re
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "HEADER_SIZE",
+    "ShmSpaceError",
+    "Slot",
+    "SlotInfo",
+    "allocate_slot_file",
+    "slot_path",
+]
+
+HEADER_SIZE = 4096
+PAGE = 4096
+MAGIC = b"FLCKSLT1"
+VERSION = 1
+
+EMPTY, WRITING, COMPLETE = 0, 1, 2
+
+# magic, seq, state, version, step, meta_len, data_len, meta_cap, data_cap, t_complete, meta_crc
+_HDR = struct.Struct("<8sQIIqQQQQdI")
+_HDR_CRC_OFF = _HDR.size  # u32 crc32 of the bytes before it
+_AGENT_OFF = 1024  # agent-owned fields, outside the header CRC: pinned u32, pad u32, pinned_seq u64
+_AGENT = struct.Struct("<IIQ")
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ShmSpaceError(RuntimeError):
+    """The shared-memory file system has too little room for the snapshot slots."""
+
+
+def check_name(kind: str, value: str) -> str:
+    """Validates a job or node id used in shared-memory and socket names."""
+    if not _NAME_RE.match(value):
+        raise ValueError(
+            f"{kind} {value!r} is not a valid id: use 1-64 characters from A-Z a-z 0-9 _ -"
+        )
+    return value
+
+
+def slot_prefix(job: str, node: str) -> str:
+    return f"fc.{job}.{node}."
+
+
+def slot_path(shm_dir: str, job: str, node: str, rank: int, index: int) -> str:
+    """Path of slot ``index`` (0 or 1) of ``rank``."""
+    return os.path.join(shm_dir, f"{slot_prefix(job, node)}r{rank:05d}.s{index}")
+
+
+def round_up(n: int, to: int = PAGE) -> int:
+    return (n + to - 1) // to * to
+
+
+def shm_free_bytes(shm_dir: str) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def allocate_slot_file(path: str, meta_cap: int, data_cap: int) -> int:
+    """Creates (or replaces) a slot file with every page reserved; returns its size.
+
+    Raises:
+        ShmSpaceError: the file system lacks room; names the needed and free sizes.
+    """
+    meta_cap = round_up(max(meta_cap, PAGE))
+    data_cap = round_up(max(data_cap, PAGE))
+    total = HEADER_SIZE + meta_cap + data_cap
+    shm_dir = os.path.dirname(path)
+    old = os.path.getsize(path) if os.path.exists(path) else 0
+    free = shm_free_bytes(shm_dir)
+    if total > free + old:
+        raise ShmSpaceError(_space_message(shm_dir, total, free + old))
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, total)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise ShmSpaceError(_space_message(shm_dir, total, free + old)) from None
+            raise
+        # A fresh header: EMPTY, with the capacities, so readers see a valid empty slot.
+        hdr = bytearray(HEADER_SIZE)
+        _HDR.pack_into(hdr, 0, MAGIC, 0, EMPTY, VERSION, -1, 0, 0, meta_cap, data_cap, 0.0, 0)
+        struct.pack_into("<I", hdr, _HDR_CRC_OFF, zlib.crc32(hdr[:_HDR_CRC_OFF]))
+        os.pwrite(fd, bytes(hdr), 0)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        os.close(fd)
+    return total
+
+
+def _space_message(shm_dir: str, need: int, free: int) -> str:
+    return (
+        f"{shm_dir} has {free / 2**20:.1f} MiB free but a snapshot slot needs "
+        f"{need / 2**20:.1f} MiB (two slots per rank are kept). Enlarge it (docker: "
+        f"--shm-size={max(1, -(-2 * need // 2**30))}g or more, or mount a larger tmpfs), or pass "
+        "shm_dir= a directory on a local disk with room (slower snapshots, same guarantees)."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SlotInfo:
+    """A consistent view of a slot header."""
+
+    seq: int
+    state: int
+    step: int
+    meta_len: int
+    data_len: int
+    meta_cap: int
+    data_cap: int
+    time_complete: float
+    meta_crc: int
+
+    @property
+    def complete(self) -> bool:
+        return self.state == COMPLETE and self.seq % 2 == 0
+
+
+class Slot:
+    """One mapped slot file. Used by the trainer (writer) and the agent (reader).
+
+    Args:
+        path: the slot file.
+        buf: a writable buffer mapping the whole file (``mmap`` or a numpy view of a torch tensor
+            from ``torch.from_file``); ``None`` maps the file with ``mmap``.
+    """
+
+    def __init__(self, path: str, buf: Any = None) -> None:
+        self.path = path
+        self._mm: mmap.mmap | None = None
+        if buf is None:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self._mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            buf = self._mm
+        self.buf = memoryview(buf).cast("B")
+        magic = bytes(self.buf[:8])
+        if magic != MAGIC:
+            self.close()
+            raise ValueError(f"{path} is not a flashckpt slot (bad magic {magic!r})")
+        info = self._raw_header()
+        self.meta_cap = info.meta_cap
+        self.data_cap = info.data_cap
+        self.meta_off = HEADER_SIZE
+        self.data_off = HEADER_SIZE + info.meta_cap
+        if self.data_off + self.data_cap > len(self.buf):
+            self.close()
+            raise ValueError(f"{path}: header capacities exceed the file size")
+
+    @property
+    def size(self) -> int:
+        return len(self.buf)
+
+    def close(self) -> None:
+        self.buf.release()
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None
+
+    # -- header ------------------------------------------------------------------------------
+    def _raw_header(self) -> SlotInfo:
+        f = _HDR.unpack_from(self.buf, 0)
+        return SlotInfo(*f[1:3], *f[4:])
+
+    def header(self) -> SlotInfo | None:
+        """The header if it is intact (magic and CRC), else None."""
+        raw = bytes(self.buf[: _HDR_CRC_OFF + 4])
+        (crc,) = struct.unpack_from("<I", raw, _HDR_CRC_OFF)
+        if raw[:8] != MAGIC or zlib.crc32(raw[:_HDR_CRC_OFF]) != crc:
+            return None
+        f = _HDR.unpack_from(raw, 0)
+        return SlotInfo(*f[1:3], *f[4:])
+
+    def seq(self) -> int:
+        return int(struct.unpack_from("<Q", self.buf, 8)[0])
+
+    def _write_header(self, info: SlotInfo) -> None:
+        hdr = bytearray(_HDR_CRC_OFF + 4)
+        _HDR.pack_into(
+            hdr,
+            0,
+            MAGIC,
+            info.seq,
+            info.state,
+            VERSION,
+            info.step,
+            info.meta_len,
+            info.data_len,
+            info.meta_cap,
+            info.data_cap,
+            info.time_complete,
+            info.meta_crc,
+        )
+        struct.pack_into("<I", hdr, _HDR_CRC_OFF, zlib.crc32(hdr[:_HDR_CRC_OFF]))
+        # seq goes first on its own: a reader that sees new data must also see an odd/new seq.
+        self.buf[8:16] = hdr[8:16]
+        self.buf[: len(hdr)] = hdr
+
+    # -- writer ------------------------------------------------------------------------------
+    def begin_write(self) -> int:
+        """Marks the slot WRITING; returns the (odd) sequence number."""
+        cur = self._raw_header()
+        seq = cur.seq + 1 if cur.seq % 2 == 0 else cur.seq + 2
+        self._write_header(SlotInfo(seq, WRITING, -1, 0, 0, self.meta_cap, self.data_cap, 0.0, 0))
+        return seq
+
+    def write_meta(self, meta: bytes) -> None:
+        if len(meta) > self.meta_cap:
+            raise ValueError(f"snapshot description ({len(meta)} B) exceeds slot meta region")
+        self.buf[self.meta_off : self.meta_off + len(meta)] = meta
+
+    def end_write(self, seq: int, step: int, meta: bytes, data_len: int) -> None:
+        """Marks the slot COMPLETE with its step (after every data byte is in place)."""
+        assert seq % 2 == 1, "end_write without begin_write"
+        self._write_header(
+            SlotInfo(
+                seq + 1,
+                COMPLETE,
+                step,
+                len(meta),
+                data_len,
+                self.meta_cap,
+                self.data_cap,
+                time.time(),
+                zlib.crc32(meta),
+            )
+        )
+
+    def invalidate(self) -> None:
+        """Marks the slot EMPTY (its snapshot must never be served again)."""
+        cur = self._raw_header()
+        seq = cur.seq + 2 if cur.seq % 2 == 0 else cur.seq + 1
+        self._write_header(SlotInfo(seq, EMPTY, -1, 0, 0, self.meta_cap, self.data_cap, 0.0, 0))
+
+    # -- reader ------------------------------------------------------------------------------
+    def read_meta(self, info: SlotInfo) -> dict[str, Any] | None:
+        """The snapshot description of a COMPLETE header, or None if torn or corrupt."""
+        if not info.complete or info.meta_len > self.meta_cap or info.data_len > self.data_cap:
+            return None
+        meta = bytes(self.buf[self.meta_off : self.meta_off + info.meta_len])
+        if zlib.crc32(meta) != info.meta_crc or self.seq() != info.seq:
+            return None
+        try:
+            out = json.loads(meta)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        return out if isinstance(out, dict) else None
+
+    def data(self, length: int) -> memoryview:
+        return self.buf[self.data_off : self.data_off + length]
+
+    # -- agent pin (a hint to the writer; correctness rests on the seqlock) ----------------------
+    def pin(self, seq: int) -> None:
+        _AGENT.pack_into(self.buf, _AGENT_OFF, 1, 0, seq)
+
+    def unpin(self) -> None:
+        _AGENT.pack_into(self.buf, _AGENT_OFF, 0, 0, 0)
+
+    def pinned(self) -> bool:
+        return bool(_AGENT.unpack_from(self.buf, _AGENT_OFF)[0])
+
+
+_libc: Any = None
+
+
+def prefault(ptr: int, length: int) -> bool:
+    """Maps every page of ``[ptr, ptr+length)`` writable now (MADV_POPULATE_WRITE).
+
+    First-touch page faults cost ~10x a memcpy; doing them here keeps them off the save path.
+    Returns False where the kernel lacks MADV_POPULATE_WRITE (Linux < 5.14).
+    """
+    global _libc
+    if length <= 0:
+        return True
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    start = ptr - ptr % PAGE
+    rc = _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length + ptr - start), 23)
+    return bool(rc == 0)

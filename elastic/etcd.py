@@ -1,27 +1,29 @@
 """A small, dependency-free client for etcd's v3 API, with deadlines and bounded retries.
 
 Why this talks to etcd's JSON gRPC-gateway with the standard library instead of using a client
-package (evaluated for flashckpt, etcd 3.5):
+package (evaluated for flashckpt; tested against etcd 3.5.1 and 3.4.23):
 
 - ``etcd3`` (python-etcd3 0.12.0, last released 2020) ships ``_pb2`` modules generated for
-  protobuf 3, which current protobuf releases refuse to import; its many forks (``etcd3-fork``,
-  ``etcd3-fc``, ``cslab-etcd3``, ...) are one-person re-uploads of the same code.
+  protobuf 3, which current protobuf releases refuse to import; its forks on PyPI
+  (``etcd3-fork``, ``etcd3-fc``, ``cslab-etcd3``, ...) have one maintainer each and keep the same
+  ``grpcio``/``protobuf`` dependency.
 - gRPC clients (``aetcd``, ``etcd3aio``, ``etcd-sdk-python``) need ``grpcio`` and ``protobuf``,
   whose version pins routinely collide with the rest of an ML environment; ``aetcd`` and
   ``etcd3aio`` are asyncio-only, while torch's ``RendezvousBackend`` and ``Store`` are synchronous
   and are called from torch's own threads.
 - ``etcd3gw`` (OpenStack, maintained, also uses the JSON gateway) is the closest fit, but it pulls
-  in ``requests``, ``futurist`` and ``pbr``, talks to a single host:port, has no retries or
-  deadlines, and maps every connection problem to one exception; we would have had to wrap all of
-  it anyway.
+  in ``requests``, ``futurist`` and ``pbr``, talks to a single host:port, never retries, has only
+  a per-request socket timeout (no deadline across retries and endpoints), and cannot tell a
+  transaction that never reached etcd from one whose answer was lost; we would have had to wrap
+  all of it anyway.
 - The JSON gateway (``POST /v3/kv/range``, ``/v3/kv/put``, ``/v3/kv/deleterange``,
   ``/v3/kv/txn``, ``/v3/lease/grant``, ``/v3/lease/keepalive``, ``/v3/lease/revoke``,
   ``/v3/watch``; keys and values base64 in JSON) is a documented, stable part of every etcd >= 3.4
   server, enabled by default on the client port. Speaking it with ``http.client`` takes a few
-  hundred lines, adds no dependency to pin, avoids protobuf entirely, and gives us full control of
-  what matters for fault tolerance: a deadline on every call, fail-over across endpoints, and
-  an exact mapping of failures to :class:`EtcdUnavailable`, :class:`EtcdTimeout` and
-  :class:`EtcdOutcomeUnknown`.
+  hundred lines of code, adds no dependency to pin, avoids protobuf entirely, and gives us
+  control of what matters for fault tolerance: a deadline on every call, fail-over across
+  endpoints, and an exact mapping of failures to :class:`EtcdUnavailable`, :class:`EtcdTimeout`
+  and :class:`EtcdOutcomeUnknown`.
 
 Every request opens a fresh HTTP connection. That costs one loopback/LAN TCP handshake, and it
 buys an unambiguous retry rule: a request whose connection could not be opened was never seen
@@ -724,6 +726,15 @@ class EtcdClient:
             conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=connect_timeout)
         try:
             conn.connect()
+        except ssl.SSLCertVerificationError as exc:
+            conn.close()
+            # Retrying cannot fix a certificate etcd's CA did not sign: fail now, not at the
+            # deadline.
+            raise EtcdError(
+                f"TLS verification of {endpoint.url} failed: {exc.verify_message}; pass the CA "
+                "that signed etcd's certificate (rendezvous option ca_cert, or an ssl_context "
+                "loaded with it)"
+            ) from exc
         except OSError as exc:
             conn.close()
             raise _AttemptFailed(

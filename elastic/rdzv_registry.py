@@ -1,0 +1,57 @@
+"""Registers the ``flashckpt-etcd`` rendezvous backend with torchrun.
+
+torch discovers out-of-tree rendezvous handlers through the ``torchrun.handlers`` entry-point
+group when ``torch.distributed.elastic.rendezvous`` is first imported: it loads each entry point,
+calls it with no arguments, and registers what it returns as the handler creator
+(``RendezvousParameters -> RendezvousHandler``) under the entry point's name. Our
+``pyproject.toml`` declares::
+
+    [project.entry-points."torchrun.handlers"]
+    flashckpt-etcd = "elastic.rdzv_registry:get_handler_creator"
+
+so that ``torchrun --rdzv-backend=flashckpt-etcd --rdzv-endpoint=host:2379 ...`` works.
+
+This module imports nothing from torch at import time: torch loads it *while* its rendezvous
+package is still initializing, and importing that package back from here would be a cycle.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+__all__ = ["BACKEND_NAME", "create_handler", "get_handler_creator", "register"]
+
+BACKEND_NAME = "flashckpt-etcd"
+"""The name users pass as ``--rdzv-backend``."""
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Creates our etcd v3 rendezvous handler; see :func:`elastic.rendezvous.create_handler`."""
+    from elastic.rendezvous import create_handler as _create_handler
+
+    return _create_handler(params)
+
+
+def get_handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The ``torchrun.handlers`` entry point: returns the handler creator for torch to register.
+
+    Returns:
+        :func:`create_handler`.
+    """
+    return create_handler
+
+
+def register() -> None:
+    """Registers ``flashckpt-etcd`` with torch's handler registry explicitly.
+
+    Only needed where the package's entry points are not installed (for example when running
+    from a source tree on ``PYTHONPATH``). Registering twice is harmless.
+    """
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(BACKEND_NAME, create_handler)

@@ -1,0 +1,79 @@
+"""A deterministic 2-rank DDP (gloo) training loop for the multi-rank tests; run one per rank."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import flashckpt  # noqa: E402
+from tinytrain import kill_in_copy, make  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    for name in ("--storage", "--job", "--run-dir", "--log", "--init-file"):
+        p.add_argument(name, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--node", default="n0")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--every", type=int, default=3)
+    p.add_argument("--report", default=None)
+    p.add_argument("--kill-in-copy", type=int, default=0)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    os.environ["LOCAL_WORLD_SIZE"] = str(a.world)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{a.init_file}",
+        rank=a.rank,
+        world_size=a.world,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    if a.kill_in_copy:
+        kill_in_copy(a.kill_in_copy)
+    model, opt, sched = make(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    with flashckpt.checkpointing(
+        ddp,
+        opt,
+        scheduler=sched,
+        storage=a.storage,
+        every=a.every,
+        job=a.job,
+        node=a.node,
+        run_dir=a.run_dir,
+        mode="sync",
+        agent_idle_timeout=120,
+    ) as ckpt:
+        if a.report:
+            with open(a.report, "a") as f:
+                f.write(f"{a.rank} {ckpt.start_step} {ckpt.restored_from}\n")
+        with open(a.log, "a") as log:
+            for step in range(ckpt.start_step, a.steps):
+                g = torch.Generator().manual_seed(10_000 * a.rank + step)
+                x = torch.randn(8, 16, generator=g)
+                loss = torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True).sin())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+                log.write(f"{step} {float(loss.item()).hex()}\n")
+                log.flush()
+                ckpt.step(step)
+    final = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    safetensors.torch.save_file(final, a.log + ".final.safetensors")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

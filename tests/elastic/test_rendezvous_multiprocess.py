@@ -1,0 +1,106 @@
+"""Real processes rendezvous through etcd with our handler, then run a gloo all_reduce."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+import elastic
+
+WORKER = Path(__file__).with_name("_rdzv_worker.py")
+SOURCE_ROOT = Path(elastic.__file__).resolve().parent.parent
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Workers import `elastic` from this checkout whether or not the package is installed.
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(SOURCE_ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only: never touch another network
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _log_tails(logs: list[Path]) -> str:
+    return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in logs)
+
+
+@pytest.mark.etcd
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_two_processes_rendezvous_and_all_reduce(etcd_server: str, tmp_path: Path) -> None:
+    nodes = 2
+    run_id = f"mp-{uuid.uuid4().hex[:8]}"
+    outputs = [tmp_path / f"result{i}.json" for i in range(nodes)]
+    logs = [tmp_path / f"worker{i}.log" for i in range(nodes)]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for out, log in zip(outputs, logs, strict=True):
+            with open(log, "wb") as log_file:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WORKER), etcd_server, run_id, str(nodes), str(out)],
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        env=_env(),
+                        start_new_session=True,
+                    )
+                )
+        for proc in procs:
+            try:
+                code = proc.wait(timeout=75)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"worker {proc.pid} hung:\n{_log_tails(logs)}")
+            assert code == 0, f"worker {proc.pid} exited with {code}:\n{_log_tails(logs)}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    results = [json.loads(out.read_text()) for out in outputs]
+    assert sorted(r["rank"] for r in results) == list(range(nodes))
+    for r in results:
+        assert r["world_size"] == nodes
+        assert r["sum"] == sum(range(1, nodes + 1))
+        assert r["backend"] == "flashckpt-etcd"
+    # Both learned rank 0's bootstrap address through our etcd store.
+    assert len({(r["master_addr"], r["master_port"]) for r in results}) == 1
+
+
+def test_torch_discovers_the_handler_through_the_entry_point(tmp_path: Path) -> None:
+    # A throw-away distribution declaring the same entry point as our pyproject.toml.
+    dist_info = tmp_path / "flashckpt_ep_probe-0.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: flashckpt-ep-probe\nVersion: 0.0\n"
+    )
+    (dist_info / "entry_points.txt").write_text(
+        "[torchrun.handlers]\nflashckpt-etcd = elastic.rdzv_registry:get_handler_creator\n"
+    )
+    code = textwrap.dedent(
+        """
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+        params = RendezvousParameters("flashckpt-etcd", "127.0.0.1:1", "job", 1, 1)
+        handler = get_rendezvous_handler(params)
+        print(type(handler).__name__, handler.get_backend())
+        """
+    )
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join((str(tmp_path), env["PYTHONPATH"]))
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["DynamicRendezvousHandler", "flashckpt-etcd"]

@@ -1,0 +1,220 @@
+"""Real processes, real SIGKILL: trainers and agents die at arbitrary instants; nothing is lost."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import safetensors.torch
+import torch
+
+from conftest import FcEnv
+from flashckpt.storage import Storage
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+
+
+def _trainer(env: FcEnv, log: Path, *extra: str, storage: str | None = None, steps: int = 40,
+             width: int = 32, every: int = 3) -> subprocess.Popen:
+    cmd = [
+        sys.executable, str(HERE / "tinytrain.py"),
+        "--storage", storage or env.storage, "--job", env.job, "--node", env.node,
+        "--run-dir", env.run_dir, "--log", str(log), "--steps", str(steps),
+        "--width", str(width), "--every", str(every), *extra,
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _finish(p: subprocess.Popen, timeout: float = 240) -> None:
+    _, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, err.decode()[-3000:]
+
+
+def _losses(log: Path) -> list[tuple[int, str]]:
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            out.append((int(parts[0]), parts[1]))
+    return out
+
+
+def _reference(tmp_path: Path, env: FcEnv, steps: int, width: int) -> tuple[dict[int, str], dict]:
+    ref_env = FcEnv(job=env.job + "ref", node=env.node, run_dir=env.run_dir,
+                    storage=f"file://{tmp_path}/ref", storage_path=tmp_path / "ref")
+    log = tmp_path / "ref.log"
+    _finish(_trainer(ref_env, log, steps=steps, width=width))
+    ref = dict(_losses(log))
+    assert sorted(ref) == list(range(steps))
+    return ref, safetensors.torch.load_file(str(log) + ".final.safetensors")
+
+
+def _assert_same_run(log: Path, ref: dict[int, str], ref_final: dict, steps: int) -> None:
+    seen = _losses(log)
+    assert {s for s, _ in seen} == set(range(steps))
+    for step, loss in seen:  # every line, from every incarnation, matches the uninterrupted run
+        assert loss == ref[step], f"step {step}: {loss} != {ref[step]}"
+    final = safetensors.torch.load_file(str(log) + ".final.safetensors")
+    for k, v in ref_final.items():
+        assert torch.equal(final[k], v), k
+
+
+def test_random_sigkills_of_the_trainer_lose_nothing(tmp_path: Path, fc_env: FcEnv) -> None:
+    steps, width = 60, 200_000  # ~50 MB of state: copies and persistence take real time
+    ref, ref_final = _reference(tmp_path, fc_env, steps, width)
+    log, report = tmp_path / "run.log", tmp_path / "report.txt"
+    rng = random.Random(1234)
+    kills = 0
+    for _ in range(4):
+        p = _trainer(fc_env, log, "--report", str(report), steps=steps, width=width)
+        # Wait until it trains, then kill at a random instant (in a copy, in persistence, ...).
+        t_end = time.monotonic() + 120
+        n0 = len(_losses(log))
+        while len(_losses(log)) < n0 + 2 and p.poll() is None and time.monotonic() < t_end:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.6))
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            kills += 1
+        p.wait(timeout=60)
+    assert kills >= 2
+    _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, width=width))
+    _assert_same_run(log, ref, ref_final, steps)
+    starts = [line.split() for line in report.read_text().splitlines()]
+    assert any(src == "memory" for _, src in starts), starts  # hot reload happened
+    st = Storage(fc_env.storage)
+    assert st.committed_steps() and all(st.verify(s) == [] for s in st.committed_steps())
+
+
+def test_sigkill_in_the_middle_of_a_snapshot_copy(tmp_path: Path, fc_env: FcEnv) -> None:
+    steps = 30
+    ref, ref_final = _reference(tmp_path, fc_env, steps, 32)
+    log, report = tmp_path / "run.log", tmp_path / "report.txt"
+    # Save #4 (label 12) is torn halfway by SIGKILL; the newest complete one is label 9.
+    p = _trainer(fc_env, log, "--kill-in-copy", "4", "--mode", "sync", steps=steps)
+    p.wait(timeout=120)
+    assert p.returncode == -signal.SIGKILL
+    _finish(_trainer(fc_env, log, "--report", str(report), steps=steps))
+    assert report.read_text().split() == ["9", "memory"]
+    _assert_same_run(log, ref, ref_final, steps)
+
+
+def _agent_proc(env: FcEnv, storage: str | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "flashckpt", "agent", "--job", env.job, "--node", env.node,
+           "--run-dir", env.run_dir, "--storage", storage or env.storage, "--idle-timeout", "120"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sock = Path(env.run_dir) / f"{env.job}.{env.node}.sock"
+    deadline = time.monotonic() + 60
+    while not sock.exists():
+        assert p.poll() is None, p.stderr.read().decode() if p.stderr else ""
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return p
+
+
+def test_sigkill_of_the_agent_during_persistence(tmp_path: Path, fc_env: FcEnv) -> None:
+    steps, width = 24, 1_500_000  # ~400 MB per snapshot: persistence takes a while
+    log, report = tmp_path / "run.log", tmp_path / "report.txt"
+    agent = _agent_proc(fc_env)
+    trainer = _trainer(fc_env, log, "--report", str(report), steps=steps, width=width, every=4)
+    st = Storage(fc_env.storage)
+    # Kill the agent while a step directory exists without a manifest (a write in flight).
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        dirs, done = st.all_step_dirs(), st.committed_steps()
+        if [d for d in dirs if d not in done]:
+            agent.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    else:
+        pytest.fail("never saw a step being persisted")
+    agent.wait(timeout=30)
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait(timeout=30)
+    committed = st.committed_steps()
+    partial = [d for d in st.all_step_dirs() if d not in committed]
+    assert partial, "the kill should have left a half-written step behind"
+    for s in committed:
+        assert st.verify(s) == []
+    # The next agent adopts the surviving snapshots; the trainer resumes from memory.
+    agent2 = _agent_proc(fc_env)
+    try:
+        _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, width=width, every=4))
+        assert report.read_text().splitlines()[-1].split()[1] == "memory"
+        committed = st.committed_steps()
+        assert committed[-1] == steps
+        assert all(st.verify(s) == [] for s in committed)
+    finally:
+        agent2.send_signal(signal.SIGTERM)
+        agent2.wait(timeout=60)
+    assert fc_env.segments() == []  # SIGTERM: clean shutdown removes the segments
+
+
+def test_next_agent_removes_segments_of_dead_jobs(tmp_path: Path, fc_env: FcEnv) -> None:
+    log = tmp_path / "run.log"
+    dead = FcEnv(job=fc_env.job + "d", node="n0", run_dir=fc_env.run_dir,
+                 storage=f"file://{tmp_path}/dead", storage_path=tmp_path / "dead")
+    a = _agent_proc(dead)
+    t = _trainer(dead, log, steps=6, every=2)
+    t.wait(timeout=120)
+    a.send_signal(signal.SIGKILL)
+    a.wait(timeout=30)
+    try:
+        # exit_when_done is off for a hand-started agent: its segments stay after SIGKILL.
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"fc.{dead.job}.")]
+        assert left
+        b = _agent_proc(fc_env)
+        try:
+            left = [n for n in os.listdir("/dev/shm") if n.startswith(f"fc.{dead.job}.")]
+            assert left == []
+        finally:
+            b.send_signal(signal.SIGTERM)
+            b.wait(timeout=60)
+    finally:
+        for n in os.listdir("/dev/shm"):
+            if n.startswith(f"fc.{dead.job}."):
+                os.unlink(f"/dev/shm/{n}")
+
+
+def test_breakpoint_save_then_clean_sigterm(tmp_path: Path, fc_env: FcEnv) -> None:
+    """A trainer dies: the agent alone persists its newest complete snapshot; SIGTERM cleans up."""
+    from flashckpt.shm import Slot
+
+    log = tmp_path / "run.log"
+    agent = _agent_proc(fc_env)
+    t = _trainer(fc_env, log, steps=10_000, every=5, width=100_000)
+    deadline = time.monotonic() + 120
+    while len(_losses(log)) < 23 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t.send_signal(signal.SIGKILL)
+    t.wait(timeout=30)
+    newest = -1
+    for name in fc_env.segments():
+        if ".r00000.s" in name and not name.endswith(".owner"):
+            slot = Slot(f"/dev/shm/{name}")
+            info = slot.header()
+            if info is not None and info.complete:
+                newest = max(newest, info.step)
+            slot.close()
+    assert newest >= 20
+    st = Storage(fc_env.storage)
+    deadline = time.monotonic() + 60
+    while (not st.committed_steps() or st.committed_steps()[-1] < newest) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert st.committed_steps()[-1] == newest
+    proc = psutil.Process(agent.pid)
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=60) == 0
+    assert not proc.is_running()
+    assert fc_env.segments() == []

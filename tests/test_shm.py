@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from flashckpt.shm import COMPLETE, ShmSpaceError, Slot, allocate_slot_file
+
+
+@pytest.fixture
+def slot_file():
+    path = f"/dev/shm/fc.shmtest{uuid.uuid4().hex[:8]}.n0.r00000.s0"
+    allocate_slot_file(path, 4096, 1 << 16)
+    yield path
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def test_complete_snapshot_is_served(slot_file: str) -> None:
+    s = Slot(slot_file)
+    seq = s.begin_write()
+    s.write_meta(b'{"a":1}')
+    s.data(4)[:] = b"abcd"
+    s.end_write(seq, 7, b'{"a":1}', 4)
+    info = s.header()
+    assert info is not None and info.complete and info.state == COMPLETE and info.step == 7
+    assert s.read_meta(info) == {"a": 1}
+    assert bytes(s.data(4)) == b"abcd"
+    s.close()
+
+
+def test_torn_write_is_never_served(slot_file: str) -> None:
+    # A writer killed with SIGKILL between begin_write and end_write.
+    code = (
+        "import os, signal\n"
+        "from flashckpt.shm import Slot\n"
+        f"s = Slot({slot_file!r})\n"
+        "q = s.begin_write(); s.end_write(q, 1, b'{}', 0)\n"  # one complete snapshot first
+        "q = s.begin_write(); s.write_meta(b'{\"x\": 2}'); s.data(3)[:] = b'xyz'\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert r.returncode == -9
+    s = Slot(slot_file)
+    info = s.header()
+    assert info is not None and not info.complete
+    assert s.read_meta(info) is None
+    s.close()
+
+
+def test_reader_detects_change_during_read(slot_file: str) -> None:
+    s = Slot(slot_file)
+    seq = s.begin_write()
+    s.end_write(seq, 1, b"{}", 0)
+    info = s.header()
+    assert info is not None
+    s.begin_write()  # the writer starts a new snapshot while a reader holds `info`
+    assert s.seq() != info.seq
+    assert s.read_meta(info) is None
+    s.close()
+
+
+def test_corrupt_header_is_rejected(slot_file: str) -> None:
+    s = Slot(slot_file)
+    seq = s.begin_write()
+    s.end_write(seq, 5, b"{}", 0)
+    s.buf[30] ^= 0xFF  # flip a bit inside the step field
+    assert s.header() is None
+    s.close()
+
+
+def test_too_small_tmpfs_fails_up_front(tmp_path) -> None:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        with pytest.raises(ShmSpaceError, match=r"MiB free but a snapshot slot needs .*shm-size"):
+            allocate_slot_file(str(mnt / "fc.j.n.r00000.s0"), 4096, 64 << 20)
+        assert not [n for n in os.listdir(mnt) if n.startswith("fc.")]  # nothing left behind
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

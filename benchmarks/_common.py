@@ -11,6 +11,7 @@ import glob
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -210,12 +211,11 @@ def shm_free_bytes(shm_dir: str = "/dev/shm") -> int:
 def machine_info() -> dict[str, Any]:
     vm = psutil.virtual_memory()
     model = ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
     return {
         "cpus": os.cpu_count(),
         "cpu_model": model,
@@ -243,6 +243,7 @@ class Workspace:
         self.jobs: list[str] = []
         self.agents: dict[int, str] = {}  # pid -> job
         self.shm_files: list[str] = []
+        self._popen: dict[int, subprocess.Popen[bytes]] = {}
 
     def new_job(self, what: str) -> str:
         self._n += 1
@@ -268,18 +269,29 @@ class Workspace:
         if pid:
             self.agents[int(pid)] = job
 
-    def start_agent(self, job: str, node: str, storage: str | None) -> int:
-        """Starts a node agent with the CLI (``flashckpt agent --detach``); returns its pid."""
-        pid_file = os.path.join(self.run_dir, f"{job}.pid")
+    def start_agent(self, job: str, node: str, storage: str | None, timeout: float = 60) -> int:
+        """Starts a node agent (``python -m flashckpt agent``) in its own session, as the
+        checkpointer's auto-start does; waits until it listens; returns its pid."""
         cmd = [sys.executable, "-m", "flashckpt", "agent", "--job", job, "--node", node]
-        cmd += ["--run-dir", self.run_dir, "--detach", "--pid-file", pid_file, "--keep", "2"]
+        cmd += ["--run-dir", self.run_dir, "--keep", "2"]
         if storage:
             cmd += ["--storage", storage]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=60)
-        with open(pid_file) as f:
-            pid = int(f.read().strip())
-        self.track_agent(pid, job)
-        return pid
+        with open(self.log_path(job, node), "ab") as logf:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True
+            )
+        self.track_agent(proc.pid, job)
+        self._popen[proc.pid] = proc
+        sock_path = os.path.join(self.run_dir, f"{job}.{node}.sock")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"agent exited with code {proc.returncode}; see its log")
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+                s.connect(sock_path)
+                return proc.pid
+            time.sleep(0.02)
+        raise TimeoutError(f"agent did not listen on {sock_path} within {timeout:.0f} s")
 
     def stop_agent(self, pid: int, timeout: float = 120.0) -> bool:
         """SIGTERMs an agent we started (checked by its command line); True if it exited."""
@@ -303,8 +315,15 @@ class Workspace:
                 proc.wait(10)
         except psutil.Error:
             pass
-        self.agents.pop(pid, None)
+        self._forget(pid)
         return True
+
+    def _forget(self, pid: int) -> None:
+        self.agents.pop(pid, None)
+        proc = self._popen.pop(pid, None)
+        if proc is not None:
+            with contextlib.suppress(Exception):
+                proc.wait(5)
 
     def wait_agent_exit(self, pid: int, timeout: float) -> bool:
         """Waits for an agent to exit by itself; True if it did."""
@@ -314,7 +333,7 @@ class Workspace:
             return False
         except psutil.Error:
             pass
-        self.agents.pop(pid, None)
+        self._forget(pid)
         return True
 
     def job_shm_files(self, job: str) -> list[str]:

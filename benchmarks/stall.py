@@ -427,16 +427,16 @@ def dcp_variants() -> list[tuple[str, str, Callable[[], Any] | None, bool]]:
         return BlockingAsyncStager(cache_staged_state_dict=True)
 
     return [
-        ("dcp_async_default", "async_save, default (uncached) staging", None, False),
-        ("dcp_async_cached", "async_save, cached DefaultStager, sync staging", cached_sync, False),
-        ("dcp_async_astage", "async_save, cached DefaultStager, async staging", cached_async, False),
+        ("dcp_async_default", "default (uncached) staging", None, False),
+        ("dcp_async_cached", "cached DefaultStager, sync staging", cached_sync, False),
+        ("dcp_async_astage", "cached DefaultStager, async staging", cached_async, False),
         (
             "dcp_async_proc",
-            "async_save PROCESS, cached shm DefaultStager, async staging",
+            "PROCESS, cached shm DefaultStager, async staging",
             cached_async_shm,
             True,
         ),
-        ("dcp_async_blocking", "async_save, BlockingAsyncStager(cache=True)", blocking_cached, False),
+        ("dcp_async_blocking", "BlockingAsyncStager(cache=True)", blocking_cached, False),
     ]
 
 
@@ -540,7 +540,10 @@ class _DcpMethod(_Method):
         self.dirs.append(d)
         ptype = AsyncCheckpointerType.PROCESS if self.process else AsyncCheckpointerType.THREAD
         resp = dcp.async_save(
-            _dcp_state(self.tr), checkpoint_id=d, async_stager=self.stager, async_checkpointer_type=ptype
+            _dcp_state(self.tr),
+            checkpoint_id=d,
+            async_stager=self.stager,
+            async_checkpointer_type=ptype,
         )
         self.staging = resp.staging_completion
         self.upload = resp.upload_completion
@@ -612,6 +615,7 @@ def bench_e2e(tr: C.Trainer, ws: C.Workspace, ckpts: int, every: int) -> dict[st
         _Method(),
     ]
     runs: list[dict[str, Any]] = []
+    _loop(tr, _Method(), steps, every)  # warm-up, untimed
     for m in methods:
         log(f"  e2e: {m.name} ({steps} steps, checkpoint every {every})")
         try:
@@ -644,7 +648,9 @@ def bench_e2e(tr: C.Trainer, ws: C.Workspace, ckpts: int, every: int) -> dict[st
 _PERSIST_RE = re.compile(r"persisted step (\d+): ([\d.]+) MiB in ([\d.]+) s")
 
 
-def bench_persist_reload(tr: C.Trainer, ws: C.Workspace, repeats: int) -> dict[str, Any]:
+def bench_persist_reload(
+    tr: C.Trainer, ws: C.Workspace, repeats: int, reload_repeats: int
+) -> dict[str, Any]:
     job = ws.new_job("pr")
     root = os.path.dirname(ws.path("store", job, "x"))
     url = f"file://{root}"
@@ -703,7 +709,7 @@ def bench_persist_reload(tr: C.Trainer, ws: C.Workspace, repeats: int) -> dict[s
 
     # 8. hot reload: the agent still holds both slots (the newest is step `repeats`).
     mem: list[float] = []
-    for _ in range(repeats):
+    for _ in range(reload_repeats):
         ck, enter_s, _ = _enter_fc(ws, tr, job, restore=True, **opts)
         src = ck.restored_from
         ck.__exit__(None, None, None)
@@ -712,7 +718,7 @@ def bench_persist_reload(tr: C.Trainer, ws: C.Workspace, repeats: int) -> dict[s
     # From storage: the agent stops (and removes its slots); a fresh agent starts (untimed).
     cold: list[float] = []
     warm: list[float] = []
-    for i in range(2 * repeats):
+    for i in range(2 * reload_repeats):
         ws.stop_agent(pid)
         left = ws.job_shm_files(job)
         assert not left, f"agent left its slots behind: {left}"
@@ -839,11 +845,11 @@ def bench_size(size: float, args: argparse.Namespace, ws: C.Workspace) -> dict[s
     if want("persist"):
         log("  persist + reload")
         try:
-            res.update(bench_persist_reload(tr, ws, max(2, min(reps, 3))))
+            n = max(2, min(reps, 3))
+            res.update(bench_persist_reload(tr, ws, n, 1 if args.quick else n))
         except Exception as e:
             traceback.print_exc()
             res["persist_error"] = f"{type(e).__name__}: {e}"[:300]
-    del tr
     gc.collect()
     res["targets"] = evaluate(res)
     return res
@@ -860,7 +866,8 @@ def evaluate(res: dict[str, Any]) -> dict[str, Any]:
         return rows.get(k, {}).get("first_s")
 
     r = C.ratio(steady("fc_sync"), steady("memcpy"))
-    t["sync_stall_vs_memcpy"] = {"value": r, "target": "<= 1.15", "met": r is not None and r <= 1.15}
+    ok = r is not None and r <= 1.15
+    t["sync_stall_vs_memcpy"] = {"value": r, "target": "<= 1.15", "met": ok}
     r = C.ratio(first("fc_sync"), steady("fc_sync"))
     t["first_vs_steady"] = {"value": r, "target": "<= 1.5", "met": r is not None and r <= 1.5}
     r2 = C.ratio(first("fc_overlap_imm"), steady("fc_overlap_imm"))
@@ -956,8 +963,8 @@ def print_size(res: dict[str, Any]) -> None:
     if p:
         print(
             f"\npersist {p['shard_bytes'] / C.MiB:.0f} MiB: flush {C.fmt_s(p['flush_median_s'], 0)}"
-            f" s = {p['flush_mib_s'] or 0:.0f} MiB/s (agent log: {p['agent_mib_s'] or 0:.0f} MiB/s);"
-            f" disk dd+fsync {p['dd_mib_s'] or 0:.0f} MiB/s"
+            f" s = {p['flush_mib_s'] or 0:.0f} MiB/s (agent log: "
+            f"{p['agent_mib_s'] or 0:.0f} MiB/s); disk dd+fsync {p['dd_mib_s'] or 0:.0f} MiB/s"
         )
     rl = res.get("reload")
     if rl:
@@ -1019,9 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
     with C.terminate_as_exception(), C.Workspace() as ws:
         log(f"workspace {ws.root}; machine {out['machine']}")
         # DCP needs a process group: one rank, gloo, file:// rendezvous in the temp dir.
-        dist.init_process_group(
-            "gloo", init_method=f"file://{ws.path('pg')}", rank=0, world_size=1
-        )
+        dist.init_process_group("gloo", init_method=f"file://{ws.path('pg')}", rank=0, world_size=1)
         try:
             for size in sizes:
                 need = int(size * C.GiB * 4.4 + 1.5 * C.GiB)

@@ -27,15 +27,37 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def torchrun(out: str, storage: str, job: str, steps: int, every: int, extra: list[str]) -> subprocess.Popen:
+def torchrun(
+    out: str, storage: str, job: str, steps: int, every: int, extra: list[str]
+) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--max-restarts", "3", "--monitor-interval", "0.2",
-        os.path.join(HERE, "gpt_train.py"), "--storage", storage, "--job", job,
-        "--steps", str(steps), "--every", str(every), "--out", out, *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.2",
+        os.path.join(HERE, "gpt_train.py"),
+        "--storage",
+        storage,
+        "--job",
+        job,
+        "--steps",
+        str(steps),
+        "--every",
+        str(every),
+        "--out",
+        out,
+        *extra,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def read_progress(path: str) -> list[dict]:
@@ -49,23 +71,36 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=5)
-    p.add_argument("--kill-at", type=int, default=32, help="SIGKILL rank 1 once it passed this step")
+    p.add_argument(
+        "--kill-at", type=int, default=32, help="SIGKILL rank 1 once it passed this step"
+    )
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="flashckpt-demo-")
     job = "demo" + uuid.uuid4().hex[:8]
     ok = False
     try:
-        print(f"== reference run: {a.steps} steps, 2 ranks, no interruption ({work}/ref)", flush=True)
-        ref = torchrun(f"{work}/ref", f"file://{work}/ref-ckpt", job + "ref", a.steps, a.every,
-                       ["--no-checkpoint"])
+        print(
+            f"== reference run: {a.steps} steps, 2 ranks, no interruption ({work}/ref)", flush=True
+        )
+        ref = torchrun(
+            f"{work}/ref",
+            f"file://{work}/ref-ckpt",
+            job + "ref",
+            a.steps,
+            a.every,
+            ["--no-checkpoint"],
+        )
         out, _ = ref.communicate(timeout=900)
         if ref.returncode != 0:
             print(out)
             return 1
 
-        print(f"== flashckpt run: snapshot every {a.every} steps, SIGKILL rank 1 after step "
-              f"{a.kill_at}", flush=True)
+        print(
+            f"== flashckpt run: snapshot every {a.every} steps, SIGKILL rank 1 after step "
+            f"{a.kill_at}",
+            flush=True,
+        )
         run_dir = f"{work}/run"
         proc = torchrun(run_dir, f"file://{work}/ckpt", job, a.steps, a.every, [])
         killed = None
@@ -75,8 +110,11 @@ def main() -> int:
             if killed is None and rows and rows[-1]["step"] >= a.kill_at:
                 killed = rows[-1]
                 os.kill(killed["pid"], signal.SIGKILL)
-                print(f"   killed rank 1 (pid {killed['pid']}) with SIGKILL after step {killed['step']}",
-                      flush=True)
+                print(
+                    f"   killed rank 1 (pid {killed['pid']}) with SIGKILL after step "
+                    f"{killed['step']}",
+                    flush=True,
+                )
             time.sleep(0.02)
         out, _ = proc.communicate(timeout=60)
         if proc.returncode != 0 or killed is None:
@@ -89,8 +127,10 @@ def main() -> int:
         with open(f"{run_dir}/report.txt") as f:
             starts = [json.loads(line) for line in f]
         for r in starts[2:]:
-            print(f"   rank {r['rank']} restarted (pid {r['pid']}): resumed at step {r['start_step']} "
-                  f"from {r['restored_from']}")
+            print(
+                f"   rank {r['rank']} restarted (pid {r['pid']}): resumed at step "
+                f"{r['start_step']} from {r['restored_from']}"
+            )
         lost = killed["step"] + 1 - min(r["start_step"] for r in starts[2:])
         print(f"   steps recomputed after the kill: {lost} (snapshot interval {a.every})")
 
@@ -102,12 +142,16 @@ def main() -> int:
         print(f"   final loss: reference {ref_loss:.6f}, resumed run {run_loss:.6f}")
         from_memory = all(r["restored_from"] == "memory" for r in starts[2:])
         if same and from_memory:
-            print("== OK: resumed from shared memory; the final model is bitwise identical to the "
-                  "uninterrupted run")
+            print(
+                "== OK: resumed from shared memory; the final model is bitwise identical to the "
+                "uninterrupted run"
+            )
             ok = True
         else:
             print(f"== FAILED: identical={same}, resumed from memory={from_memory}")
-        subprocess.run([sys.executable, "-m", "flashckpt", "ls", f"file://{work}/ckpt"], check=False)
+        subprocess.run(
+            [sys.executable, "-m", "flashckpt", "ls", f"file://{work}/ckpt"], check=False
+        )
         return 0 if ok else 1
     finally:
         if a.keep or not ok:

@@ -39,8 +39,10 @@ def corpus(n_sentences: int = 4000, seed: int = 7) -> bytes:
     out = []
     for _ in range(n_sentences):
         w = {k: rng.choice(v) for k, v in WORDS.items()}
-        out.append(f"{w['det']} {w['adj']} {w['noun']} {w['verb']} {rng.choice(WORDS['det'])} "
-                   f"{rng.choice(WORDS['noun'])}.")
+        out.append(
+            f"{w['det']} {w['adj']} {w['noun']} {w['verb']} {rng.choice(WORDS['det'])} "
+            f"{rng.choice(WORDS['noun'])}."
+        )
     return " ".join(out).encode()
 
 
@@ -49,7 +51,9 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.attn = nn.MultiheadAttention(d, heads, batch_first=True, dropout=0.1)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(0.1))
+        self.mlp = nn.Sequential(
+            nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(0.1)
+        )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
@@ -58,7 +62,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int = 256, ctx: int = 64, d: int = 128, layers: int = 2, heads: int = 4):
+    def __init__(
+        self, vocab: int = 256, ctx: int = 64, d: int = 128, layers: int = 2, heads: int = 4
+    ):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(ctx, d))
@@ -100,7 +106,8 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     warm = 10
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / a.steps)))
+        opt,
+        lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / a.steps))),
     )
     torch.manual_seed(1000 + rank)  # per-rank dropout stream, restored with the checkpoint
     extras = {"data_pos": rank * a.batch * a.ctx}
@@ -112,7 +119,9 @@ def main() -> int:
         with progress:
             for step in range(start, a.steps):
                 pos = extras["data_pos"]
-                idx = (pos + torch.arange(a.batch)[:, None] * a.ctx + torch.arange(a.ctx + 1)) % len(data)
+                idx = (
+                    pos + torch.arange(a.batch)[:, None] * a.ctx + torch.arange(a.ctx + 1)
+                ) % len(data)
                 chunk = data[idx]
                 logits = net(chunk[:, :-1])
                 loss = F.cross_entropy(logits.reshape(-1, 256), chunk[:, 1:].reshape(-1))
@@ -121,7 +130,9 @@ def main() -> int:
                 opt.step()
                 sched.step()
                 extras["data_pos"] = (pos + world * a.batch * a.ctx) % len(data)
-                progress.write(json.dumps({"step": step, "loss": loss.item(), "pid": os.getpid()}) + "\n")
+                progress.write(
+                    json.dumps({"step": step, "loss": loss.item(), "pid": os.getpid()}) + "\n"
+                )
                 progress.flush()
                 if ckpt is not None:
                     ckpt.step(step)
@@ -133,14 +144,26 @@ def main() -> int:
             net, opt, scheduler=sched, extras=extras, storage=a.storage, every=a.every, job=a.job
         ) as ckpt:
             with open(os.path.join(out, "report.txt"), "a") as f:
-                f.write(json.dumps({"rank": rank, "pid": os.getpid(), "start_step": ckpt.start_step,
-                                    "restored_from": ckpt.restored_from}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "rank": rank,
+                            "pid": os.getpid(),
+                            "start_step": ckpt.start_step,
+                            "restored_from": ckpt.restored_from,
+                        }
+                    )
+                    + "\n"
+                )
             train(ckpt.start_step, ckpt)
             status = ckpt.status()
         if rank == 0:
-            print(f"[rank 0] snapshots: {status['saves']}, skipped: {status['skips']}, "
-                  f"median stall {1e3 * (status['median_stall_s'] or 0):.2f} ms, "
-                  f"last committed step: {ckpt.stats.last_committed_step}", flush=True)
+            print(
+                f"[rank 0] snapshots: {status['saves']}, skipped: {status['skips']}, "
+                f"median stall {1e3 * (status['median_stall_s'] or 0):.2f} ms, "
+                f"last committed step: {ckpt.stats.last_committed_step}",
+                flush=True,
+            )
     if rank == 0:
         final = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
         safetensors.torch.save_file(final, os.path.join(out, "final.safetensors"))

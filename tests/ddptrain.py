@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import flashckpt  # noqa: E402
-from tinytrain import kill_in_copy, make  # noqa: E402
+from tinytrain import kill_in_copy, make
+
+import flashckpt
 
 
 def main() -> int:

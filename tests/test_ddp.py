@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-
 from conftest import FcEnv
+
 from flashckpt.storage import Storage
 
 pytestmark = pytest.mark.slow
@@ -21,16 +21,36 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 
 
-def _launch(env: FcEnv, tmp: Path, tag: str, steps: int, kill: dict[int, int] | None = None,
-            storage: str | None = None) -> list[subprocess.Popen]:
+def _launch(
+    env: FcEnv,
+    tmp: Path,
+    tag: str,
+    steps: int,
+    kill: dict[int, int] | None = None,
+    storage: str | None = None,
+) -> list[subprocess.Popen]:
     init = tmp / f"init-{tag}-{time.monotonic_ns()}"
     procs = []
     for rank in range(2):
         cmd = [
-            sys.executable, str(HERE / "ddptrain.py"), "--rank", str(rank), "--storage",
-            storage or env.storage, "--job", env.job, "--run-dir", env.run_dir,
-            "--log", str(tmp / f"{tag}-r{rank}.log"), "--init-file", str(init),
-            "--steps", str(steps), "--report", str(tmp / f"{tag}-report.txt"),
+            sys.executable,
+            str(HERE / "ddptrain.py"),
+            "--rank",
+            str(rank),
+            "--storage",
+            storage or env.storage,
+            "--job",
+            env.job,
+            "--run-dir",
+            env.run_dir,
+            "--log",
+            str(tmp / f"{tag}-r{rank}.log"),
+            "--init-file",
+            str(init),
+            "--steps",
+            str(steps),
+            "--report",
+            str(tmp / f"{tag}-report.txt"),
         ]
         if kill and rank in kill:
             cmd += ["--kill-in-copy", str(kill[rank])]
@@ -57,8 +77,13 @@ def _log(path: Path) -> list[tuple[int, str]]:
 
 def test_ddp_kill_mid_copy_resumes_at_common_step(tmp_path: Path, fc_env: FcEnv) -> None:
     steps = 20
-    ref_env = FcEnv(job=fc_env.job + "ref", node="n0", run_dir=fc_env.run_dir,
-                    storage=f"file://{tmp_path}/ref", storage_path=tmp_path / "ref")
+    ref_env = FcEnv(
+        job=fc_env.job + "ref",
+        node="n0",
+        run_dir=fc_env.run_dir,
+        storage=f"file://{tmp_path}/ref",
+        storage_path=tmp_path / "ref",
+    )
     procs = _launch(ref_env, tmp_path, "ref", steps)
     assert _wait_all(procs) == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
 
@@ -79,7 +104,9 @@ def test_ddp_kill_mid_copy_resumes_at_common_step(tmp_path: Path, fc_env: FcEnv)
             assert loss == ref[step], (rank, step)
     for rank in range(2):
         got = safetensors.torch.load_file(str(tmp_path / f"run-r{rank}.log") + ".final.safetensors")
-        want = safetensors.torch.load_file(str(tmp_path / f"ref-r{rank}.log") + ".final.safetensors")
+        want = safetensors.torch.load_file(
+            str(tmp_path / f"ref-r{rank}.log") + ".final.safetensors"
+        )
         for k in want:
             assert torch.equal(got[k], want[k]), (rank, k)
 
@@ -89,6 +116,8 @@ def test_ddp_kill_mid_copy_resumes_at_common_step(tmp_path: Path, fc_env: FcEnv)
     assert last == steps
     manifest = json.loads((fc_env.storage_path / f"step-{last:09d}" / "manifest.json").read_text())
     assert sorted(manifest["files"]) == [
-        "rank-00000-of-00002.json", "rank-00001-of-00002.json", "shard-00000-of-00001.safetensors",
+        "rank-00000-of-00002.json",
+        "rank-00001-of-00002.json",
+        "shard-00000-of-00001.safetensors",
     ]
     assert st.verify(last) == []

@@ -14,8 +14,8 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
-
 from conftest import FcEnv
+
 from flashckpt.storage import Storage
 
 pytestmark = pytest.mark.slow
@@ -23,13 +23,35 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 
 
-def _trainer(env: FcEnv, log: Path, *extra: str, storage: str | None = None, steps: int = 40,
-             width: int = 32, every: int = 3) -> subprocess.Popen:
+def _trainer(
+    env: FcEnv,
+    log: Path,
+    *extra: str,
+    storage: str | None = None,
+    steps: int = 40,
+    width: int = 32,
+    every: int = 3,
+) -> subprocess.Popen:
     cmd = [
-        sys.executable, str(HERE / "tinytrain.py"),
-        "--storage", storage or env.storage, "--job", env.job, "--node", env.node,
-        "--run-dir", env.run_dir, "--log", str(log), "--steps", str(steps),
-        "--width", str(width), "--every", str(every), *extra,
+        sys.executable,
+        str(HERE / "tinytrain.py"),
+        "--storage",
+        storage or env.storage,
+        "--job",
+        env.job,
+        "--node",
+        env.node,
+        "--run-dir",
+        env.run_dir,
+        "--log",
+        str(log),
+        "--steps",
+        str(steps),
+        "--width",
+        str(width),
+        "--every",
+        str(every),
+        *extra,
     ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -51,8 +73,13 @@ def _losses(log: Path) -> list[tuple[int, str]]:
 
 
 def _reference(tmp_path: Path, env: FcEnv, steps: int, width: int) -> tuple[dict[int, str], dict]:
-    ref_env = FcEnv(job=env.job + "ref", node=env.node, run_dir=env.run_dir,
-                    storage=f"file://{tmp_path}/ref", storage_path=tmp_path / "ref")
+    ref_env = FcEnv(
+        job=env.job + "ref",
+        node=env.node,
+        run_dir=env.run_dir,
+        storage=f"file://{tmp_path}/ref",
+        storage_path=tmp_path / "ref",
+    )
     log = tmp_path / "ref.log"
     _finish(_trainer(ref_env, log, steps=steps, width=width))
     ref = dict(_losses(log))
@@ -111,8 +138,22 @@ def test_sigkill_in_the_middle_of_a_snapshot_copy(tmp_path: Path, fc_env: FcEnv)
 
 
 def _agent_proc(env: FcEnv, storage: str | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "flashckpt", "agent", "--job", env.job, "--node", env.node,
-           "--run-dir", env.run_dir, "--storage", storage or env.storage, "--idle-timeout", "120"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashckpt",
+        "agent",
+        "--job",
+        env.job,
+        "--node",
+        env.node,
+        "--run-dir",
+        env.run_dir,
+        "--storage",
+        storage or env.storage,
+        "--idle-timeout",
+        "120",
+    ]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     sock = Path(env.run_dir) / f"{env.job}.{env.node}.sock"
     deadline = time.monotonic() + 60
@@ -163,8 +204,13 @@ def test_sigkill_of_the_agent_during_persistence(tmp_path: Path, fc_env: FcEnv) 
 
 def test_next_agent_removes_segments_of_dead_jobs(tmp_path: Path, fc_env: FcEnv) -> None:
     log = tmp_path / "run.log"
-    dead = FcEnv(job=fc_env.job + "d", node="n0", run_dir=fc_env.run_dir,
-                 storage=f"file://{tmp_path}/dead", storage_path=tmp_path / "dead")
+    dead = FcEnv(
+        job=fc_env.job + "d",
+        node="n0",
+        run_dir=fc_env.run_dir,
+        storage=f"file://{tmp_path}/dead",
+        storage_path=tmp_path / "dead",
+    )
     a = _agent_proc(dead)
     t = _trainer(dead, log, steps=6, every=2)
     t.wait(timeout=120)
@@ -210,7 +256,9 @@ def test_breakpoint_save_then_clean_sigterm(tmp_path: Path, fc_env: FcEnv) -> No
     assert newest >= 20
     st = Storage(fc_env.storage)
     deadline = time.monotonic() + 60
-    while (not st.committed_steps() or st.committed_steps()[-1] < newest) and time.monotonic() < deadline:
+    while (
+        not st.committed_steps() or st.committed_steps()[-1] < newest
+    ) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert st.committed_steps()[-1] == newest
     proc = psutil.Process(agent.pid)

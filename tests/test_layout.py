@@ -42,7 +42,9 @@ def test_roundtrip_keeps_structure_types_and_bits() -> None:
     raw, layout, skeleton = _pack(state)
     # The skeleton is plain JSON.
     skeleton = json.loads(json.dumps(skeleton))
-    back = unflatten_state(skeleton, tensor_views(layout, torch.frombuffer(bytearray(raw), dtype=torch.uint8)))
+    back = unflatten_state(
+        skeleton, tensor_views(layout, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    )
     assert torch.equal(back["model"]["w"], state["model"]["w"])
     assert torch.equal(back["model"]["b"], state["model"]["b"])
     st0 = back["optimizer"]["state"][0]  # int key survives
@@ -57,13 +59,19 @@ def test_roundtrip_keeps_structure_types_and_bits() -> None:
 
 def test_layout_has_no_holes_and_aligned_offsets() -> None:
     flat = flatten_state(
-        {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.zeros(2), "c": torch.zeros(1, dtype=torch.float64)}
+        {
+            "a": torch.zeros(3, dtype=torch.uint8),
+            "b": torch.zeros(2),
+            "c": torch.zeros(1, dtype=torch.float64),
+        }
     )
     layout = Layout.build(flat.specs())
     end = 0
     for e in sorted(layout.entries, key=lambda e: e.offset):
         assert e.offset == end
-        size = torch.empty((), dtype=getattr(torch, {"F64": "float64", "F32": "float32", "U8": "uint8"}[e.dtype])).element_size()
+        size = torch.empty(
+            (), dtype=getattr(torch, {"F64": "float64", "F32": "float32", "U8": "uint8"}[e.dtype])
+        ).element_size()
         assert e.offset % size == 0
         end += e.nbytes
     assert end == layout.nbytes == 3 + 8 + 8
@@ -88,7 +96,7 @@ def test_written_file_is_plain_safetensors(tmp_path) -> None:
     loaded = safetensors.torch.load_file(str(path))
     assert torch.equal(loaded["model/w"], state["model"]["w"])
     assert torch.equal(loaded["model/i"], state["model"]["i"])
-    layout2, meta, start = parse_safetensors(path.read_bytes())
+    _, meta, start = parse_safetensors(path.read_bytes())
     assert json.loads(meta["skeleton"]) == skeleton
     assert start == len(header)
 

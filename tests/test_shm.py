@@ -76,7 +76,9 @@ def test_corrupt_header_is_rejected(slot_file: str) -> None:
 def test_too_small_tmpfs_fails_up_front(tmp_path) -> None:
     mnt = tmp_path / "small"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
     try:

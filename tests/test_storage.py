@@ -21,7 +21,9 @@ def storage(request, tmp_path):
 
 
 def _write_step(st: Storage, step: int, payload: bytes = b"x" * 1000) -> dict:
-    rec = st.write_stream(st.step_path(step, "shard-00000-of-00001.safetensors"), [payload[:10], payload[10:]])
+    rec = st.write_stream(
+        st.step_path(step, "shard-00000-of-00001.safetensors"), [payload[:10], payload[10:]]
+    )
     files = {"shard-00000-of-00001.safetensors": rec.to_json()}
     manifest = {
         "format": "flashckpt/1",

@@ -26,7 +26,15 @@ MAX_LINE = 16 << 20
 
 
 class AgentError(RuntimeError):
-    """The node agent refused a request or could not be reached."""
+    """The node agent refused a request or could not be reached.
+
+    Attributes:
+        kind: the agent-side exception type name when the agent refused (e.g. ``ShmSpaceError``).
+    """
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def default_run_dir() -> str:
@@ -118,7 +126,7 @@ class AgentClient:
             raise AgentError(f"node agent at {self.path} went away during {op!r}")
         reply = box[0]
         if not reply.get("ok"):
-            raise AgentError(reply.get("error", f"node agent refused {op!r}"))
+            raise AgentError(reply.get("error", f"node agent refused {op!r}"), reply.get("kind"))
         return reply
 
     def notify(self, op: str, **fields: Any) -> None:

@@ -274,8 +274,16 @@ def test_sync_and_overlap_snapshots_are_identical(fc_env: FcEnv, agent: RunningA
 
 
 def test_corrupt_storage_falls_back_to_previous_step(fc_env: FcEnv, agent: RunningAgent) -> None:
-    _run(fc_env, 9, every=3)  # commits 3, 6, 9 (keep=3)
+    model, opt, sched = make(0)
+    with flashckpt.checkpointing(
+        model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect", every=3)
+    ) as ck:
+        for step in range(9):
+            train_step(model, opt, sched, step)
+            if ck.step(step) is not None:
+                assert ck.flush() == step + 1  # commit each snapshot: 3, 6, 9
     agent.stop()
+    assert sorted(int(p.name[5:]) for p in fc_env.storage_path.glob("step-*")) == [3, 6, 9]
     shard = fc_env.storage_path / "step-000000009" / "shard-00000-of-00001.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[-5] ^= 0x01
@@ -315,3 +323,50 @@ def test_auto_started_agent_serves_and_exits(fc_env: FcEnv) -> None:
         pass
     assert fc_env.segments() == []
     assert batch(0)[0].shape == (8, 16)
+
+
+def test_too_small_shm_is_a_clear_error_at_entry(fc_env: FcEnv, tmp_path) -> None:
+    import subprocess
+
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        a = RunningAgent(fc_env.agent_config(shm_dir=str(mnt)))
+        try:
+            model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights + 8 MiB of Adam state
+            opt = torch.optim.Adam(model.parameters())
+            ck = flashckpt.checkpointing(
+                model, opt, **fc_env.ckpt_kwargs(agent="connect", shm_dir=str(mnt))
+            )
+            with pytest.raises(flashckpt.ShmSpaceError, match=r"MiB free but .*--shm-size"):
+                ck.__enter__()
+        finally:
+            a.stop()
+        assert [n for n in os.listdir(mnt) if not n.endswith(".owner")] == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_memory_fsspec_storage(fc_env: FcEnv) -> None:
+    import uuid
+
+    url = f"memory://fc-{uuid.uuid4().hex}"
+    env = FcEnv(job=fc_env.job, node="n0", run_dir=fc_env.run_dir, storage=url, storage_path=None)  # type: ignore[arg-type]
+    a = RunningAgent(env.agent_config())  # in-process: memory:// is per process
+    try:
+        model, opt, sched = make(0)
+        with flashckpt.checkpointing(model, opt, every=2, **env.ckpt_kwargs(agent="connect")) as ck:
+            for step in range(4):
+                train_step(model, opt, sched, step)
+                ck.step(step)
+        loaded = flashckpt.load(url)
+        assert loaded.step == 4
+        for k, v in model.state_dict().items():
+            assert torch.equal(loaded.state["model"][k], v)
+    finally:
+        a.stop()

@@ -49,13 +49,15 @@ def main() -> None:
     dist.all_reduce(tensor)
     dist.barrier()
     dist.destroy_process_group()
+    bootstrap = info.bootstrap_store_info
+    assert bootstrap is not None
     result = {
         "rank": rank,
         "world_size": world,
         "sum": tensor.item(),
         "backend": handler.get_backend(),
-        "master_addr": info.bootstrap_store_info.master_addr,
-        "master_port": info.bootstrap_store_info.master_port,
+        "master_addr": bootstrap.master_addr,
+        "master_port": bootstrap.master_port,
     }
     handler.shutdown()
     with open(out, "w") as f:

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
@@ -176,7 +177,7 @@ def test_unreachable_etcd_raises_rendezvous_connection_error(dead_endpoint: str)
     assert time.monotonic() - start < 2.0
 
 
-def _params(endpoint: str, **config: object) -> RendezvousParameters:
+def _params(endpoint: str, **config: Any) -> RendezvousParameters:
     return RendezvousParameters(BACKEND_NAME, endpoint, "job1", 1, 2, **config)
 
 
@@ -210,7 +211,7 @@ def test_create_backend_reads_torchrun_options() -> None:
     ],
 )
 def test_create_backend_rejects_bad_options(
-    endpoint: str, config: dict[str, object], match: str
+    endpoint: str, config: dict[str, Any], match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
         create_backend(_params(endpoint, **config))

@@ -191,7 +191,7 @@ def bench_fc_sync(tr: C.Trainer, ws: C.Workspace, repeats: int) -> Row:
         assert stats.saves == repeats + 1 and not stats.skips, (stats.saves, stats.skips)
     finally:
         # storage=None: does the auto-started agent (--exit-when-done) leave by itself?
-        info = _exit_fc(ws, ck, job, pid, wait_self_exit=2.0)
+        info = _exit_fc(ws, ck, job, pid, wait_self_exit=1.5)
     return _row(
         first,
         steady,
@@ -849,7 +849,6 @@ def bench_size(size: float, args: argparse.Namespace, ws: C.Workspace) -> dict[s
             run(key, one)
             if key in rows:  # an error row under the bare key
                 rows[f"{key}_call"] = rows.pop(key)
-        _dcp_process_shutdown()
     if want("e2e"):
         log("  e2e")
         try:
@@ -857,7 +856,7 @@ def bench_size(size: float, args: argparse.Namespace, ws: C.Workspace) -> dict[s
         except Exception as e:
             traceback.print_exc()
             res["e2e"] = {"error": str(e)}
-        _dcp_process_shutdown()
+    _dcp_process_shutdown()
     if want("persist"):
         log("  persist + reload")
         try:

@@ -149,20 +149,31 @@ class NodeAgent:
         self.owner_path = os.path.join(config.shm_dir, f"fc.{config.job}.{config.node}.owner")
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
-        """Takes the job's lock, cleans and adopts segments, and listens. Returns at once."""
+    def start(self, lock_wait: float = 0.0) -> None:
+        """Takes the job's lock, cleans and adopts segments, and listens. Returns at once.
+
+        Args:
+            lock_wait: seconds to wait for another agent of the same job and node to go away.
+        """
         cfg = self.cfg
         os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
         lock_path = os.path.join(cfg.run_dir, f"{cfg.job}.{cfg.node}.lock")
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise AgentRunning(
-                f"an agent already serves job {cfg.job!r} on node {cfg.node!r} "
-                f"(socket {self.socket_path})"
-            ) from None
+        # A previous agent may be finishing its shutdown (final persist): give it a moment.
+        deadline = time.monotonic() + lock_wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                os.close(fd)
+                raise AgentRunning(
+                    f"an agent already serves job {cfg.job!r} on node {cfg.node!r} "
+                    f"(socket {self.socket_path})"
+                ) from None
         self._lock_fd = fd
         self._write_owner()
         self._clean_orphans()
@@ -728,11 +739,11 @@ def _owner_alive(owner_path: str) -> bool:
         return False
 
 
-def run_agent(config: AgentConfig, *, signals: bool = True) -> int:
-    """Runs an agent in this process until it stops; returns the exit code."""
+def run_agent(config: AgentConfig, *, signals: bool = True, lock_wait: float = 0.0) -> int:
+    """Runs an agent in this process until it stops; returns the exit code (3: one already runs)."""
     agent = NodeAgent(config)
     try:
-        agent.start()
+        agent.start(lock_wait=lock_wait)
     except AgentRunning as e:
         log.info("%s", e)
         return 3

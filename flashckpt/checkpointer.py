@@ -419,12 +419,11 @@ class Checkpointer:
         path = socket_path(run_dir, self.job, self.node)
         if len(path.encode()) > 100:
             raise ValueError(f"agent socket path {path!r} is too long: use a shorter run_dir/job")
-        self._client = self._connect(path, run_dir)
         replica = self._rank if cfg.replicated else 0
         shard, num_shards = (0, 1) if cfg.replicated else (self._rank, self._world)
-        hello = self._client.request(
-            "hello",
-            timeout=cfg.agent_timeout,
+        hello = self._hello(
+            path,
+            run_dir,
             rank=self._rank,
             world_size=self._world,
             local_world_size=self._local_world,
@@ -451,16 +450,40 @@ class Checkpointer:
                     log.warning("flashckpt: ignoring slot %s: %s", p, e)
 
     def _connect(self, path: str, run_dir: str) -> AgentClient:
-        try:
-            return AgentClient(path, on_event=self._on_event, timeout=0.1)
-        except AgentError:
-            if self.config.agent == "connect":
+        """Connects to the node agent, starting one if needed (agent='auto').
+
+        An agent that is just shutting down (the previous run finished) refuses new work by
+        closing; then a fresh one is started, until ``agent_timeout`` runs out.
+        """
+        deadline = time.monotonic() + self.config.agent_timeout
+        while True:
+            try:
+                return AgentClient(path, on_event=self._on_event, timeout=0.2)
+            except AgentError:
+                if self.config.agent == "connect":
+                    raise AgentError(
+                        f"no flashckpt node agent at {path}: start one (`flashckpt agent --job "
+                        f"{self.job} --node {self.node}`) or pass agent='auto'"
+                    ) from None
+            if time.monotonic() > deadline:
                 raise AgentError(
-                    f"no flashckpt node agent at {path}: start one (`flashckpt agent --job "
-                    f"{self.job} --node {self.node}`) or pass agent='auto'"
-                ) from None
-        self._spawn_agent(run_dir)
-        return AgentClient(path, on_event=self._on_event, timeout=self.config.agent_timeout)
+                    f"the node agent did not start within {self.config.agent_timeout:.0f} s; "
+                    f"see {os.path.join(run_dir, f'{self.job}.{self.node}.log')}"
+                )
+            if self._agent_proc is None or self._agent_proc.poll() is not None:
+                self._spawn_agent(run_dir)
+
+    def _hello(self, path: str, run_dir: str, **fields: Any) -> dict[str, Any]:
+        for attempt in range(3):
+            self._client = self._connect(path, run_dir)
+            try:
+                return self._client.request("hello", timeout=self.config.agent_timeout, **fields)
+            except AgentError as e:
+                if self._client.connected or attempt == 2:
+                    raise
+                log.info("flashckpt: node agent went away during hello (%s); retrying", e)
+                self._client.close()
+        raise AssertionError("unreachable")
 
     def _spawn_agent(self, run_dir: str) -> None:
         cfg = self.config
@@ -483,6 +506,8 @@ class Checkpointer:
             "--idle-timeout",
             str(cfg.agent_idle_timeout),
             "--exit-when-done",
+            "--lock-wait",
+            "30",
         ]
         if cfg.storage:
             cmd += ["--storage", cfg.storage]

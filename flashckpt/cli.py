@@ -25,6 +25,12 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=int, default=3, help="committed steps to keep")
     p.add_argument("--idle-timeout", type=float, default=600.0)
     p.add_argument("--exit-when-done", action="store_true")
+    p.add_argument(
+        "--lock-wait",
+        type=float,
+        default=0.0,
+        help="seconds to wait for a previous agent of this job and node to exit",
+    )
     p.add_argument("--detach", action="store_true", help="run in the background")
     p.add_argument("--pid-file", default=None)
     p.add_argument("--log-file", default=None)
@@ -81,7 +87,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         with open(args.pid_file, "w") as f:
             f.write(f"{os.getpid()}\n")
     try:
-        return run_agent(cfg)
+        return run_agent(cfg, lock_wait=args.lock_wait)
     finally:
         if args.pid_file:
             try:

@@ -266,3 +266,13 @@ def test_breakpoint_save_then_clean_sigterm(tmp_path: Path, fc_env: FcEnv) -> No
     assert agent.wait(timeout=60) == 0
     assert not proc.is_running()
     assert fc_env.segments() == []
+
+
+def test_back_to_back_runs_with_auto_started_agents(tmp_path: Path, fc_env: FcEnv) -> None:
+    """A run that starts while the previous run's agent is shutting down still gets an agent."""
+    log, report = tmp_path / "run.log", tmp_path / "report.txt"
+    for steps in (6, 12, 18):
+        _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, every=3))
+    starts = [line.split() for line in report.read_text().splitlines()]
+    assert [int(s) for s, _ in starts] == [0, 6, 12]
+    assert Storage(fc_env.storage).committed_steps()[-1] == 18

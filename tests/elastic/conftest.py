@@ -28,7 +28,8 @@ def _binary() -> str:
     try:
         return find_etcd_binary()
     except EtcdServerError as exc:
-        pytest.fail(str(exc), pytrace=False)
+        message = str(exc)
+    pytest.fail(message, pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -69,10 +69,12 @@ class CheckpointConfig:
     wait for one, or skip this snapshot (counted in ``stats`` and returned by ``save``)."""
     keep: int = 3
     """Committed steps kept in storage."""
-    shm_dir: str = "/dev/shm"
-    """The tmpfs for the slots (a local-disk directory works too, more slowly)."""
+    shm_dir: str | None = None
+    """The tmpfs for the slots of an agent started by this rank (a local-disk directory works
+    too, more slowly). Default: $FLASHCKPT_SHM_DIR, then /dev/shm."""
     run_dir: str | None = None
-    """Directory of the agent's socket and logs (default /tmp/flashckpt-<uid>)."""
+    """Directory of the agent's socket and logs. Default: $FLASHCKPT_RUN_DIR, then
+    /tmp/flashckpt-<uid>."""
     agent: Literal["auto", "connect"] = "auto"
     """auto: start a node agent if none runs; connect: require a running one."""
     restore: bool = True
@@ -415,7 +417,7 @@ class Checkpointer:
             job = "j" + hashlib.sha1(cfg.storage.encode()).hexdigest()[:12]
         self.job = check_name("job", job)
         self.node = check_name("node", cfg.node or _env("FLASHCKPT_NODE") or default_node_id())
-        run_dir = cfg.run_dir or default_run_dir()
+        run_dir = cfg.run_dir or _env("FLASHCKPT_RUN_DIR") or default_run_dir()
         path = socket_path(run_dir, self.job, self.node)
         if len(path.encode()) > 100:
             raise ValueError(f"agent socket path {path!r} is too long: use a shorter run_dir/job")
@@ -498,7 +500,7 @@ class Checkpointer:
             "--node",
             self.node,
             "--shm-dir",
-            cfg.shm_dir,
+            cfg.shm_dir or _env("FLASHCKPT_SHM_DIR") or "/dev/shm",
             "--run-dir",
             run_dir,
             "--keep",

@@ -1,4 +1,4 @@
-"""The ``flashckpt`` command: ``agent``, ``ls``, ``verify``, ``plan``."""
+"""The ``flashckpt`` command: ``agent``, ``ls``, ``verify``, ``plan``, ``run``."""
 
 from __future__ import annotations
 
@@ -170,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "plan":
         return _cmd_plan(argv[1:])
+    if argv and argv[0] == "run":
+        from elastic import launcher
+
+        return launcher.main(argv[1:])
     parser = argparse.ArgumentParser(prog="flashckpt", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("agent", help="run the node agent (a daemon per machine)")
@@ -181,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("url")
     p.add_argument("--step", type=int, default=None)
     sub.add_parser("plan", help="plan training time, memory per GPU and checkpoint interval")
+    sub.add_parser("run", help="launch an elastic job (torchrun-compatible flags)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if args.cmd == "agent":

@@ -23,6 +23,7 @@ import fcntl
 import json
 import logging
 import os
+import queue
 import re
 import signal
 import socket
@@ -44,7 +45,15 @@ from flashckpt.shm import (
     slot_path,
     slot_prefix,
 )
-from flashckpt.storage import CHUNK, FORMAT, FileRecord, Storage, rank_file_name, shard_file_name
+from flashckpt.storage import (
+    CHUNK,
+    FORMAT,
+    MANIFEST,
+    FileRecord,
+    Storage,
+    rank_file_name,
+    shard_file_name,
+)
 
 __all__ = ["AgentConfig", "AgentRunning", "NodeAgent", "default_node_id"]
 
@@ -87,6 +96,9 @@ class AgentConfig:
     """How long the committing node waits for the other nodes' parts of a step."""
     retry_interval: float = 2.0
     """Pause after a persistence error before the next attempt."""
+    write_through_private: bool = True
+    """Write each snapshot's small per-rank state (RNG, extras) to storage at once, so a rank
+    whose machine dies can resume from a replica's memory with its own RNG and extras."""
 
     def __post_init__(self) -> None:
         check_name("job", self.job)
@@ -136,10 +148,15 @@ class NodeAgent:
         self._lock = threading.RLock()  # guards _ranks/_conns and slot (re)mapping
         self._io_lock = threading.Lock()  # held while slot bytes are read for persistence
         self._wake = threading.Event()
+        self._private_q: queue.Queue[tuple[int, int]] = queue.Queue()
         self._stop_flag = False  # set by signal handlers; read by the loops
         self._stopping = threading.Event()
         self._committed: list[int] = []
         self._persisted_high = -1
+        self._yields = 0
+        # The oldest step a trainer resumed at since this agent started: steps after it that
+        # storage already holds belong to an abandoned timeline and are rewritten.
+        self._resumed_at = 1 << 62
         self._errors: list[dict[str, Any]] = []
         self._last_client_time = time.monotonic()
         self._retry_after = 0.0
@@ -192,7 +209,11 @@ class NodeAgent:
         srv.listen(64)
         srv.settimeout(0.2)
         self._server = srv
-        for target, name in ((self._accept_loop, "accept"), (self._persist_loop, "persist")):
+        for target, name in (
+            (self._accept_loop, "accept"),
+            (self._persist_loop, "persist"),
+            (self._private_loop, "private"),
+        ):
             t = threading.Thread(target=target, name=f"flashckpt-agent-{name}", daemon=True)
             t.start()
         log.info(
@@ -411,10 +432,13 @@ class NodeAgent:
             return self._alloc(msg)
         if op == "snap":
             self._wake.set()
+            if self.cfg.write_through_private:
+                self._private_q.put((int(msg["rank"]), int(msg["step"])))
             return None
         if op == "restored":
             with self._lock:
                 self._persisted_high = min(self._persisted_high, int(msg["step"]))
+                self._resumed_at = min(self._resumed_at, int(msg["step"]))
             return {"ok": True}
         if op == "flush":
             return self._flush(int(msg["step"]), float(msg.get("timeout_s", 300.0)))
@@ -484,6 +508,7 @@ class NodeAgent:
 
     def _flush(self, step: int, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
+        next_look = 0.0
         self._wake.set()
         while time.monotonic() < deadline:
             with self._lock:
@@ -494,6 +519,14 @@ class NodeAgent:
                 errs = [e for e in self._errors if e["step"] is not None and e["step"] >= step]
             if errs:
                 return {"ok": False, "error": errs[-1]["error"]}
+            if time.monotonic() >= next_look:
+                # Another node's agent commits steps whose rank 0 it hosts: look at storage.
+                next_look = time.monotonic() + 0.25
+                with contextlib.suppress(OSError):
+                    if self.storage.fs.exists(self.storage.step_path(step, MANIFEST)):
+                        with self._lock:
+                            self._committed = sorted({*self._committed, step})
+                        continue
             time.sleep(0.02)
         return {"ok": False, "error": f"step {step} was not committed within {timeout:.0f} s"}
 
@@ -550,6 +583,31 @@ class NodeAgent:
                 self._record_error(pending[0] if pending else None, f"{type(e).__name__}: {e}")
                 self._retry_after = time.monotonic() + self.cfg.retry_interval
 
+    def _private_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                rank, step = self._private_q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            storage = self.storage
+            if storage is None or step in self._committed:
+                continue
+            with self._lock:
+                rec = self._ranks.get(rank)
+                slots = [s for s in (rec.slots if rec else []) if s is not None]
+            for slot in slots:
+                info = slot.header()
+                if info is None or not info.complete or info.step != step:
+                    continue
+                meta = slot.read_meta(info)
+                if meta is None:
+                    break
+                try:
+                    storage.write_private(step, rank, int(meta["world_size"]), meta["private"])
+                except Exception as e:  # reported; the big persist path retries later
+                    self._record_error(step, f"writing rank {rank} state: {e}")
+                break
+
     def _pending_step(self) -> tuple[int, dict[int, tuple[int, SlotInfo]]] | None:
         """The newest step every local rank holds complete and storage lacks, with its slots."""
         with self._lock:
@@ -600,8 +658,9 @@ class NodeAgent:
                     if meta is None or int(meta["step"]) != step:
                         raise _Torn(f"rank {r}")
                     metas[r] = meta
-                if step in self._committed or storage.fs.exists(storage.step_path(step)):
-                    # Rewriting a step (e.g. after a resume from an older one): hide it first.
+                if 0 in slots and step > self._resumed_at:
+                    # Only the committing node (it hosts rank 0) hides a step it will rewrite;
+                    # the other nodes' parts are rewritten under the hidden step.
                     storage.uncommit(step)
                 for r, (s, info) in slots.items():
                     meta = metas[r]
@@ -609,10 +668,7 @@ class NodeAgent:
                     num_shards = int(meta["num_shards"])
                     shard = int(meta["shard"])
                     rank_name = rank_file_name(r, world)
-                    rec = storage.write_json(
-                        storage.step_path(step, rank_name),
-                        {"format": FORMAT, "rank": r, "step": step, "private": meta["private"]},
-                    )
+                    rec = storage.write_private(step, r, world, meta["private"])
                     files[rank_name] = rec.to_json()
                     ranks_out[str(r)] = {"file": rank_name, "shard": shard}
                     if int(meta["replica"]) != 0:
@@ -645,6 +701,7 @@ class NodeAgent:
         )
         with self._lock:
             self._persisted_high = max(self._persisted_high, step)
+        self._yields = 0
         if "0" in ranks_out:
             self._commit(step, world, num_shards)
         dt = time.monotonic() - t0
@@ -681,6 +738,12 @@ class NodeAgent:
             for off in range(0, info.data_len, CHUNK):
                 if slot.seq() != info.seq:
                     raise _Torn(f"shard {name}")
+                if slot.wanted() and self._yields < 2:
+                    # The trainer waits for this slot and already holds a newer snapshot: let it
+                    # have the slot and persist the newer one next (at most twice in a row, so
+                    # persistence cannot starve).
+                    self._yields += 1
+                    raise _Torn(f"shard {name}: yielded to the trainer")
                 yield data[off : off + CHUNK]
 
         rec = storage.write_stream(storage.step_path(step, name), chunks())

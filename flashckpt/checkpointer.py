@@ -197,7 +197,8 @@ class Checkpointer:
         self.config = config
         self.stats = Stats()
         self.start_step = 0
-        self.restored_from: Literal["memory", "storage"] | None = None
+        self.restored_from: str | None = None
+        """Where the restored state came from: memory, storage or replica (a peer's memory)."""
         self._pg = process_group
         self._coord_pg: Any = None
         self._storage = Storage(config.storage) if config.storage else None
@@ -683,30 +684,32 @@ class Checkpointer:
             self._ensure_slots(need_meta * 2, need_data + need_data // 16)
         deadline = time.monotonic() + self.config.agent_timeout
         while True:
-            free = self._free_slot()
-            if free is not None:
+            target = self._target_slot()
+            if not target.writing and not target.slot.pinned():
                 break
             if when_busy == "skip":
                 return None
-            if self._pending is not None:
+            if target.writing:  # the previous overlapped copy is still running
                 self.wait()
                 continue
+            # The agent persists this (older) snapshot: ask it to yield, and wait.
+            target.slot.want(True)
             if time.monotonic() > deadline:
+                target.slot.want(False)
                 raise TimeoutError(
                     f"no snapshot slot became free within {self.config.agent_timeout:.0f} s"
                 )
             time.sleep(0.001)
-        free.writing = True
-        return free
+        target.slot.want(False)
+        target.writing = True
+        return target
 
-    def _free_slot(self) -> _SlotMap | None:
+    def _target_slot(self) -> _SlotMap:
+        """The slot the next snapshot goes to: the older one. The newest complete snapshot is
+        never overwritten, so a crash during a copy always leaves it to resume from."""
         with self._slot_lock:
-            cands = [
-                s for s in self._slots if s is not None and not s.writing and not s.slot.pinned()
-            ]
-        if not cands:
-            return None
-        return min(cands, key=lambda s: -1 if s.step is None else s.step)
+            slots = [s for s in self._slots if s is not None]
+        return min(slots, key=lambda s: -1 if s.step is None else s.step)
 
     def _views(self, sm: _SlotMap, layout: Layout) -> dict[str, torch.Tensor]:
         if sm.views is None or sm.views_sig != layout.signature:
@@ -764,24 +767,26 @@ class Checkpointer:
 
     def _restore(self) -> None:
         mem = self._memory_steps()
-        stored = self._storage_steps()
+        stored = set(self._storage_steps())
         excluded: set[int] = set()
         while True:
-            mine = sorted((set(mem) | set(stored)) - excluded, reverse=True)[:32]
-            step = self._agree(mine)
-            if step is None:
-                if mine or mem:
+            plan = self._plan_restore(mem, stored, excluded)
+            if plan is None:
+                if mem or stored - excluded:
                     warnings.warn(
-                        f"flashckpt: rank {self._rank} holds steps {mine} but no step is held by "
-                        "every rank; starting from scratch",
+                        f"flashckpt: rank {self._rank} holds steps {sorted(mem)} in memory and "
+                        f"{sorted(stored)} in storage, but no step can be obtained by every rank; "
+                        "starting from scratch",
                         stacklevel=3,
                     )
                 self._invalidate_after(-1)
                 return
+            step, sources = plan
             code, loaded = 0, None
             err: Exception | None = None
             try:
-                loaded = self._load_step(step, mem.get(step))
+                received = self._exchange_replicas(step, sources, mem)
+                loaded = self._load_step(step, sources[self._rank], mem.get(step), received)
             except (CorruptCheckpointError, FileNotFoundError, _TornSnapshot) as e:
                 code, err = 1, e
                 warnings.warn(
@@ -796,7 +801,7 @@ class Checkpointer:
                 self._apply(*loaded)
                 self.start_step = step
                 self._last_saved_step = step
-                self.restored_from = "memory" if step in mem else "storage"
+                self.restored_from = sources[self._rank][0]
                 self._invalidate_after(step)
                 if self._client is not None:
                     with contextlib.suppress(AgentError):
@@ -814,19 +819,103 @@ class Checkpointer:
                 raise RuntimeError(f"another rank failed to restore step {step}; see its log")
             excluded.add(step)
 
-    def _agree(self, mine: list[int]) -> int | None:
+    def _plan_restore(
+        self, mem: dict[int, Any], stored: set[int], excluded: set[int]
+    ) -> tuple[int, dict[int, tuple[str, int]]] | None:
+        """Agrees (collectively) on the newest step every rank can obtain, and from where.
+
+        A rank obtains a step from its own memory, from committed storage or, for a replicated
+        state, from a surviving replica's memory over torch.distributed (its RNG states and extras
+        then come from the small per-rank file the agent writes through at each snapshot).
+
+        Returns:
+            The step and, per rank, ``(source, src_rank)`` with source ``memory``, ``storage`` or
+            ``replica``; None if no step works for every rank.
+        """
+        k = 16
+        my_mem = sorted(set(mem) - excluded, reverse=True)[:k]
+        my_st = sorted(stored - excluded, reverse=True)[:k]
         if self._world == 1:
-            return mine[0] if mine else None
-        dist = torch.distributed
-        k = 32
-        t = torch.full((k,), -1, dtype=torch.int64)
-        if mine:
-            t[: len(mine)] = torch.tensor(mine[:k])
+            cands = sorted({*my_mem, *my_st}, reverse=True)
+            if not cands:
+                return None
+            return cands[0], {0: ("memory" if cands[0] in mem else "storage", 0)}
+        mems, sts = self._gather_sets([my_mem, my_st], k)
+        union_mem = set().union(*mems)
+        privs: list[set[int]] = [set() for _ in range(self._world)]
+        if self.config.replicated and self._storage is not None:
+            mine = set(my_mem) | set(my_st)
+            have = [
+                s
+                for s in sorted(union_mem - mine, reverse=True)[:k]
+                if self._storage.read_private(s, self._rank, self._world) is not None
+            ]
+            (privs,) = self._gather_sets([have], k)
+        for s in sorted(union_mem.union(*sts), reverse=True):
+            if all(s in mems[r] or s in sts[r] or s in privs[r] for r in range(self._world)):
+                holders = [q for q in range(self._world) if s in mems[q]]
+                sources = {}
+                for r in range(self._world):
+                    if s in mems[r]:
+                        sources[r] = ("memory", r)
+                    elif s in sts[r]:
+                        sources[r] = ("storage", r)
+                    else:
+                        sources[r] = ("replica", holders[0])
+                return s, sources
+        return None
+
+    def _gather_sets(self, lists: list[list[int]], k: int) -> list[list[set[int]]]:
+        """All-gathers a few short int lists from every rank: result[i][rank] is a set."""
+        t = torch.full((len(lists), k), -1, dtype=torch.int64)
+        for i, xs in enumerate(lists):
+            if xs:
+                t[i, : len(xs)] = torch.tensor(xs[:k])
         out = [torch.empty_like(t) for _ in range(self._world)]
-        dist.all_gather(out, t, group=self._coord_pg)
-        sets = [set(x.tolist()) - {-1} for x in out]
-        common = set.intersection(*sets)
-        return max(common) if common else None
+        torch.distributed.all_gather(out, t, group=self._coord_pg)
+        return [[set(o[i].tolist()) - {-1} for o in out] for i in range(len(lists))]
+
+    def _exchange_replicas(
+        self, step: int, sources: dict[int, tuple[str, int]], mem: dict[int, Any]
+    ) -> tuple[dict[str, Any], torch.Tensor] | None:
+        """Sends this rank's snapshot of ``step`` to the ranks that restore from it; receives
+        one if this rank needs it. Every rank walks the same plan, so sends and receives pair."""
+        dist = torch.distributed
+        received = None
+        for r in sorted(sources):
+            kind, src = sources[r]
+            if kind != "replica":
+                continue
+            if self._rank == src:
+                sm, meta = mem[step]
+                info = sm.slot.header()
+                ok = info is not None and info.complete and info.step == step
+                meta_b = json.dumps(meta).encode() if ok else b""
+                n = meta.get("entries") and Layout.from_json(meta["entries"]).nbytes if ok else 0
+                head = torch.tensor([len(meta_b) if ok else -1, n or 0], dtype=torch.int64)
+                dist.send(head, r, group=self._coord_pg)
+                if ok:
+                    dist.send(
+                        torch.frombuffer(bytearray(meta_b), dtype=torch.uint8),
+                        r,
+                        group=self._coord_pg,
+                    )
+                    off = sm.slot.data_off
+                    if n:
+                        dist.send(sm.data[off : off + n], r, group=self._coord_pg)
+            elif self._rank == r:
+                head = torch.empty(2, dtype=torch.int64)
+                dist.recv(head, src, group=self._coord_pg)
+                meta_len, n = (int(x) for x in head.tolist())
+                if meta_len < 0:
+                    raise _TornSnapshot(f"rank {src}'s snapshot of step {step} changed")
+                meta_t = torch.empty(meta_len, dtype=torch.uint8)
+                dist.recv(meta_t, src, group=self._coord_pg)
+                data = torch.empty(n, dtype=torch.uint8)
+                if n:
+                    dist.recv(data, src, group=self._coord_pg)
+                received = (json.loads(meta_t.numpy().tobytes()), data)
+        return received
 
     def _all_max(self, code: int) -> int:
         if self._world == 1:
@@ -836,21 +925,35 @@ class Checkpointer:
         return int(t.item())
 
     def _load_step(
-        self, step: int, mem: tuple[_SlotMap, dict[str, Any]] | None
+        self,
+        step: int,
+        source: tuple[str, int],
+        mem: tuple[_SlotMap, dict[str, Any]] | None,
+        received: tuple[dict[str, Any], torch.Tensor] | None,
     ) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
-        """Reads one step (memory first) into (state tree, private state, from_memory)."""
-        if mem is not None:
+        """Reads one step into (state tree, private state, tensors-view-shared-memory)."""
+        kind = source[0]
+        if kind == "memory":
+            assert mem is not None
             sm, meta = mem
-            layout = Layout.from_json(meta["entries"])
             info = sm.slot.header()
             if info is None or info.step != step or not info.complete:
                 raise _TornSnapshot(f"slot {sm.slot.path} changed")
+            layout = Layout.from_json(meta["entries"])
             off = sm.slot.data_off
             views = tensor_views(layout, sm.data[off : off + layout.nbytes])
             state = unflatten_state(meta["skeleton"], views)
             self._check_model(state)
             return state, meta["private"], True
         assert self._storage is not None
+        if kind == "replica":
+            assert received is not None
+            meta, data = received
+            layout = Layout.from_json(meta["entries"])
+            state = unflatten_state(meta["skeleton"], tensor_views(layout, data))
+            self._check_model(state)
+            private = self._storage.read_private(step, self._rank, self._world)
+            return state, private, False
         manifest = self._storage.read_manifest(step)
         state = read_shard(
             self._storage, step, 0 if self.config.replicated else self._rank, manifest

@@ -49,8 +49,9 @@ EMPTY, WRITING, COMPLETE = 0, 1, 2
 # magic, seq, state, version, step, meta_len, data_len, meta_cap, data_cap, t_complete, meta_crc
 _HDR = struct.Struct("<8sQIIqQQQQdI")
 _HDR_CRC_OFF = _HDR.size  # u32 crc32 of the bytes before it
-_AGENT_OFF = 1024  # agent-owned fields, outside the header CRC: pinned u32, pad u32, pinned_seq u64
-_AGENT = struct.Struct("<IIQ")
+# Fields outside the header CRC: pinned u32 (written by the agent), wanted u32 (written by the
+# trainer: it waits for this slot), pinned_seq u64.
+_AGENT_OFF = 1024
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -290,13 +291,21 @@ class Slot:
 
     # -- agent pin (a hint to the writer; correctness rests on the seqlock) ----------------------
     def pin(self, seq: int) -> None:
-        _AGENT.pack_into(self.buf, _AGENT_OFF, 1, 0, seq)
+        struct.pack_into("<I", self.buf, _AGENT_OFF, 1)
+        struct.pack_into("<Q", self.buf, _AGENT_OFF + 8, seq)
 
     def unpin(self) -> None:
-        _AGENT.pack_into(self.buf, _AGENT_OFF, 0, 0, 0)
+        struct.pack_into("<I", self.buf, _AGENT_OFF, 0)
 
     def pinned(self) -> bool:
-        return bool(_AGENT.unpack_from(self.buf, _AGENT_OFF)[0])
+        return bool(struct.unpack_from("<I", self.buf, _AGENT_OFF)[0])
+
+    def want(self, flag: bool) -> None:
+        """The trainer needs this slot (the agent may abandon persisting it)."""
+        struct.pack_into("<I", self.buf, _AGENT_OFF + 4, int(flag))
+
+    def wanted(self) -> bool:
+        return bool(struct.unpack_from("<I", self.buf, _AGENT_OFF + 4)[0])
 
 
 _libc: Any = None

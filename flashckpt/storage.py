@@ -236,6 +236,35 @@ class Storage:
             raise CorruptCheckpointError(path, "fails its checksum (corrupted)")
         return buf
 
+    def write_private(self, step: int, rank: int, world_size: int, private: Any) -> FileRecord:
+        """Writes a rank's private state (RNG, extras) of a step, self-checking (embedded hash)."""
+        body = json.dumps(private, sort_keys=True, separators=(",", ":"))
+        doc = {
+            "format": FORMAT,
+            "rank": rank,
+            "step": step,
+            "world_size": world_size,
+            "private": private,
+            "xxh3_64": xxhash.xxh3_64_hexdigest(body.encode()),
+        }
+        return self.write_json(self.step_path(step, rank_file_name(rank, world_size)), doc)
+
+    def read_private(self, step: int, rank: int, world_size: int) -> dict[str, Any] | None:
+        """A rank's private state of a step, committed or not, if present and intact."""
+        path = self.step_path(step, rank_file_name(rank, world_size))
+        try:
+            doc = json.loads(self.fs.cat_file(path))
+            body = json.dumps(doc["private"], sort_keys=True, separators=(",", ":"))
+            ok = (
+                doc["rank"] == rank
+                and doc["step"] == step
+                and doc["world_size"] == world_size
+                and doc["xxh3_64"] == xxhash.xxh3_64_hexdigest(body.encode())
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return doc["private"] if ok and isinstance(doc["private"], dict) else None
+
     def verify(self, step: int) -> list[str]:
         """Checks every file of a committed step; returns the problems found (empty if sound)."""
         problems = []

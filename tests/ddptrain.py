@@ -25,13 +25,14 @@ def main() -> int:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--node", default="n0")
+    p.add_argument("--local-world", type=int, default=0, help="ranks on this node (default all)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--report", default=None)
     p.add_argument("--kill-in-copy", type=int, default=0)
     a = p.parse_args()
     torch.set_num_threads(1)
-    os.environ["LOCAL_WORLD_SIZE"] = str(a.world)
+    os.environ["LOCAL_WORLD_SIZE"] = str(a.local_world or a.world)
     dist.init_process_group(
         "gloo",
         init_method=f"file://{a.init_file}",

@@ -28,6 +28,7 @@ def _launch(
     steps: int,
     kill: dict[int, int] | None = None,
     storage: str | None = None,
+    nodes: tuple[str, str] | None = None,
 ) -> list[subprocess.Popen]:
     init = tmp / f"init-{tag}-{time.monotonic_ns()}"
     procs = []
@@ -52,6 +53,8 @@ def _launch(
             "--report",
             str(tmp / f"{tag}-report.txt"),
         ]
+        if nodes:
+            cmd += ["--node", nodes[rank], "--local-world", "1"]
         if kill and rank in kill:
             cmd += ["--kill-in-copy", str(kill[rank])]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
@@ -59,16 +62,22 @@ def _launch(
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
+    """Waits for the ranks; once one dies by a signal, the survivors (stuck in a collective)
+    are SIGKILLed too, as torchrun's agent would do."""
     deadline = time.monotonic() + timeout
-    codes = []
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        if any(c is not None and c < 0 for c in codes):
+            time.sleep(1.0)  # let survivors finish a snapshot in flight
+            break
+        time.sleep(0.05)
     for p in procs:
-        try:
-            p.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.send_signal(signal.SIGKILL)  # a survivor stuck in a collective, as torchrun would
-            p.wait(timeout=30)
-        codes.append(p.returncode)
-    return codes
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    return [p.returncode for p in procs]
 
 
 def _log(path: Path) -> list[tuple[int, str]]:
@@ -121,3 +130,56 @@ def test_ddp_kill_mid_copy_resumes_at_common_step(tmp_path: Path, fc_env: FcEnv)
         "shard-00000-of-00001.safetensors",
     ]
     assert st.verify(last) == []
+
+
+def test_replacement_rank_restores_from_a_replica_in_memory(tmp_path: Path, fc_env: FcEnv) -> None:
+    """Each rank on its own (simulated) machine. Machine n1 dies with its memory; its replacement
+    n2 gets the newest step from rank 0's memory over gloo, and its RNG/extras from the small
+    per-rank file written through at snapshot time, even though the step is not committed."""
+    import os
+
+    import psutil
+
+    steps = 20
+    ref_env = FcEnv(
+        job=fc_env.job + "ref",
+        node="n0",
+        run_dir=fc_env.run_dir,
+        storage=f"file://{tmp_path}/ref",
+        storage_path=tmp_path / "ref",
+    )
+    procs = _launch(ref_env, tmp_path, "ref", steps, nodes=("n0", "n1"))
+    assert _wait_all(procs) == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
+
+    # Rank 1 dies halfway through copying snapshot 12; rank 0 completed it and then hangs.
+    procs = _launch(fc_env, tmp_path, "run", steps, kill={1: 4}, nodes=("n0", "n1"))
+    assert _wait_all(procs, timeout=60)[1] == -signal.SIGKILL
+    # Machine n1 is gone: its agent and its memory.
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if fc_env.job in cmd and "agent" in cmd and "--node n1" in cmd:
+            p.kill()
+            p.wait(timeout=30)
+    for n in os.listdir("/dev/shm"):
+        if n.startswith(f"fc.{fc_env.job}.n1."):
+            os.unlink(f"/dev/shm/{n}")
+    # Step 9 is not committed yet (as if persistence lagged); rank 1's small state file is there.
+    (fc_env.storage_path / "step-000000009" / "manifest.json").unlink(missing_ok=True)
+    assert (fc_env.storage_path / "step-000000009" / "rank-00001-of-00002.json").exists(), sorted(
+        str(p.relative_to(fc_env.storage_path)) for p in fc_env.storage_path.rglob("*")
+    )
+
+    procs = _launch(fc_env, tmp_path, "run", steps, nodes=("n0", "n2"))
+    assert _wait_all(procs) == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
+    report = (tmp_path / "run-report.txt").read_text().splitlines()
+    assert sorted(report[2:]) == ["0 9 memory", "1 9 replica"], report
+    for rank in range(2):
+        ref = dict(_log(tmp_path / f"ref-r{rank}.log"))
+        for step, loss in _log(tmp_path / f"run-r{rank}.log"):
+            assert loss == ref[step], (rank, step)
+        got = safetensors.torch.load_file(str(tmp_path / f"run-r{rank}.log") + ".final.safetensors")
+        want = safetensors.torch.load_file(
+            str(tmp_path / f"ref-r{rank}.log") + ".final.safetensors"
+        )
+        for k in want:
+            assert torch.equal(got[k], want[k]), (rank, k)

@@ -377,7 +377,8 @@ class Checkpointer:
         agent: dict[str, Any] = {"connected": bool(self._client and self._client.connected)}
         if self._client is not None and self._client.connected:
             with contextlib.suppress(AgentError):
-                agent.update(self._client.request("status", timeout=5))
+                reply = self._client.request("status", timeout=5)
+                agent.update({k: v for k, v in reply.items() if k not in ("id", "ok")})
         return {
             "rank": self._rank,
             "world_size": self._world,

@@ -35,6 +35,7 @@ from typing import Any
 import psutil
 
 from flashckpt.layout import Layout, safetensors_header
+from flashckpt.monitor import AgentMonitor, MonitorConfig
 from flashckpt.protocol import LineReader, default_run_dir, send_msg, socket_path
 from flashckpt.shm import (
     ShmSpaceError,
@@ -99,6 +100,8 @@ class AgentConfig:
     write_through_private: bool = True
     """Write each snapshot's small per-rank state (RNG, extras) to storage at once, so a rank
     whose machine dies can resume from a replica's memory with its own RNG and extras."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """Step monitoring, hang and straggler detection, metrics endpoint, events and goodput."""
 
     def __post_init__(self) -> None:
         check_name("job", self.job)
@@ -162,6 +165,7 @@ class NodeAgent:
         self._retry_after = 0.0
         self._lock_fd: int | None = None
         self._server: socket.socket | None = None
+        self.monitor: AgentMonitor | None = None
         self.socket_path = socket_path(config.run_dir, config.job, config.node)
         self.owner_path = os.path.join(config.shm_dir, f"fc.{config.job}.{config.node}.owner")
 
@@ -197,6 +201,16 @@ class NodeAgent:
         self._adopt()
         if self.storage is not None:
             self._init_storage_state()
+        if cfg.monitor.enabled:
+            self.monitor = AgentMonitor(
+                job=cfg.job,
+                node=cfg.node,
+                shm_dir=cfg.shm_dir,
+                run_dir=cfg.run_dir,
+                config=cfg.monitor,
+                facts=self.status,
+            )
+            self.monitor.start()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -280,6 +294,8 @@ class NodeAgent:
                     self._persist(*step)
             except Exception:
                 log.exception("final persist failed")
+        if self.monitor is not None:
+            self.monitor.close()  # before the segments go: the last records of the rings
         with self._lock:
             for c in list(self._conns):
                 with contextlib.suppress(OSError):
@@ -551,6 +567,7 @@ class NodeAgent:
                 "committed": list(self._committed),
                 "errors": list(self._errors[-10:]),
                 "ranks": ranks,
+                "monitor": self.monitor.summary() if self.monitor is not None else None,
             }
 
     def _broadcast(self, event: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from flashckpt.agent import default_node_id
 from flashckpt.layout import FlatState, Layout, flatten_state, tensor_views, unflatten_state
+from flashckpt.monitor import StepRecorder, open_recorder
 from flashckpt.protocol import AgentClient, AgentError, default_run_dir, socket_path
 from flashckpt.reading import read_rank, read_shard
 from flashckpt.rng import capture_rng, restore_rng
@@ -218,15 +219,31 @@ class Checkpointer:
         self._prepare: Future[None] | None = None
         self._cuda_stream: Any = None
         self._entered = False
+        self._mon: StepRecorder | None = None
+        self._agent_shm_dir: str | None = None
+        self._run_dir: str | None = None
         self.job = ""
         self.node = ""
 
     # -- context manager ---------------------------------------------------------------------
     def __enter__(self) -> Checkpointer:
+        enter_wall = time.time()
         self._setup()
+        if self._agent_shm_dir and self._run_dir:
+            self._mon = open_recorder(
+                shm_dir=self._agent_shm_dir,
+                run_dir=self._run_dir,
+                job=self.job,
+                node=self.node,
+                rank=self._rank,
+                world=self._world,
+                enter_wall=enter_wall,
+            )
         try:
             if self.config.restore:
                 self._restore()
+            if self._mon is not None:  # before the optimizer hook below: it times its wait
+                self._hooks.extend(self._mon.attach(self.model, self.optimizer))
             self._hook_optimizer()
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
             self._preallocate()
@@ -235,9 +252,13 @@ class Checkpointer:
             self._teardown()
             raise
         self._entered = True
+        if self._mon is not None:
+            self._mon.ready(self.start_step, self.restored_from)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._mon is not None:
+            self._mon.finishing()
         try:
             if exc_type is None:
                 self.wait()
@@ -257,9 +278,10 @@ class Checkpointer:
         """Marks iteration ``step`` done; snapshots (labelled ``step + 1``) when due."""
         self._last_step_done = step
         every = self.config.every
-        if every and (step + 1) % every == 0:
-            return self.save(step + 1)
-        return None
+        handle = self.save(step + 1) if every and (step + 1) % every == 0 else None
+        if self._mon is not None:
+            self._mon.step(step)
+        return handle
 
     def save(
         self,
@@ -337,6 +359,8 @@ class Checkpointer:
         self.stats.stall_s.append(dt)
         if self.stats.first_save_s is None:
             self.stats.first_save_s = dt
+        if self._mon is not None:
+            self._mon.ckpt_stall(dt, snapshot=True)
         return handle
 
     def wait(self) -> None:
@@ -357,6 +381,8 @@ class Checkpointer:
         step = self.stats.last_snapshot_step
         if step is None or self._storage is None or self._client is None:
             return None
+        if self._mon is not None:
+            self._mon.pause()  # waiting for storage is no hang
         try:
             reply = self._client.request(
                 "flush",
@@ -368,6 +394,9 @@ class Checkpointer:
             log.error("flashckpt: step %d not persisted: %s", step, e)
             self.stats.persist_errors.append({"step": step, "error": str(e)})
             return None
+        finally:
+            if self._mon is not None:
+                self._mon.resume()
         self.stats.last_committed_step = int(reply["committed"])
         return self.stats.last_committed_step
 
@@ -421,6 +450,7 @@ class Checkpointer:
         self.node = check_name("node", cfg.node or _env("FLASHCKPT_NODE") or default_node_id())
         run_dir = cfg.run_dir or _env("FLASHCKPT_RUN_DIR") or default_run_dir()
         path = socket_path(run_dir, self.job, self.node)
+        self._run_dir = run_dir
         if len(path.encode()) > 100:
             raise ValueError(f"agent socket path {path!r} is too long: use a shorter run_dir/job")
         replica = self._rank if cfg.replicated else 0
@@ -437,6 +467,7 @@ class Checkpointer:
             storage=cfg.storage,
             pid=os.getpid(),
         )
+        self._agent_shm_dir = hello.get("shm_dir")
         self._meta_static = {
             "job": self.job,
             "rank": self._rank,
@@ -541,7 +572,10 @@ class Checkpointer:
             return
 
         def pre_step(opt: Any, args: Any, kwargs: Any) -> None:
+            t0 = time.perf_counter()
             self.wait()
+            if self._mon is not None:
+                self._mon.ckpt_stall(time.perf_counter() - t0)
 
         self._hooks.append(self.optimizer.register_step_pre_hook(pre_step))
 
@@ -552,6 +586,9 @@ class Checkpointer:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._mon is not None:  # before "done": the agent may exit right after it
+            self._mon.close(0 if done else 1)
+            self._mon = None
         if self._client is not None:
             if done:
                 with contextlib.suppress(AgentError):

@@ -1,4 +1,5 @@
-"""The ``flashckpt`` command: ``agent``, ``ls``, ``verify``, ``plan``, ``run``."""
+"""The ``flashckpt`` command: ``agent``, ``ls``, ``verify``, ``plan``, ``run``, ``status``,
+``goodput``."""
 
 from __future__ import annotations
 
@@ -35,10 +36,24 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pid-file", default=None)
     p.add_argument("--log-file", default=None)
     p.add_argument("-v", "--verbose", action="store_true")
+    m = p.add_argument_group("monitoring")
+    m.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    m.add_argument("--metrics-addr", default="0.0.0.0", help="Prometheus bind address")
+    m.add_argument("--events-dir", default=None, help="events.jsonl dir (default: --run-dir)")
+    m.add_argument("--hang-floor", type=float, default=300.0, help="least seconds for a hang")
+    m.add_argument("--hang-factor", type=float, default=10.0, help="hang after N x p50 step")
+    m.add_argument(
+        "--hang-kill",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="kill hung workers after the stack dump (auto: under an elastic launcher)",
+    )
+    m.add_argument("--straggler-factor", type=float, default=1.5)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
     from flashckpt.agent import AgentConfig, default_node_id, run_agent
+    from flashckpt.monitor import MonitorConfig
     from flashckpt.protocol import AgentClient, AgentError, socket_path
 
     cfg = AgentConfig(
@@ -50,6 +65,15 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         keep=args.keep,
         idle_timeout=args.idle_timeout,
         exit_when_done=args.exit_when_done,
+        monitor=MonitorConfig(
+            metrics_port=args.metrics_port or None,
+            metrics_addr=args.metrics_addr,
+            events_dir=args.events_dir,
+            hang_floor_s=args.hang_floor,
+            hang_factor=args.hang_factor,
+            hang_kill=args.hang_kill,
+            straggler_factor=args.straggler_factor,
+        ),
     )
     if args.detach:
         cmd = [sys.executable, "-m", "flashckpt", *[a for a in sys.argv[1:] if a != "--detach"]]
@@ -152,6 +176,19 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from flashckpt.monitor import collect_status, format_status
+    from flashckpt.protocol import default_run_dir
+
+    run_dir = args.run_dir or os.environ.get("FLASHCKPT_RUN_DIR") or default_run_dir()
+    agents = collect_status(run_dir, args.job)
+    if args.json:
+        print(json.dumps(agents, indent=1, default=str))
+    else:
+        print(format_status(agents))
+    return 0 if any("error" not in a for a in agents) else 1
+
+
 def _cmd_plan(argv: list[str]) -> int:
     from elastic import planner
 
@@ -170,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "plan":
         return _cmd_plan(argv[1:])
+    if argv and argv[0] == "goodput":
+        from elastic import goodput
+
+        return goodput.main(argv[1:])
     if argv and argv[0] == "run":
         from elastic import launcher
 
@@ -186,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=None)
     sub.add_parser("plan", help="plan training time, memory per GPU and checkpoint interval")
     sub.add_parser("run", help="launch an elastic job (torchrun-compatible flags)")
+    p = sub.add_parser("status", help="the live job: ranks, steps, step times, alerts")
+    p.add_argument("--run-dir", default=None, help="agents' run dir (default: $FLASHCKPT_RUN_DIR)")
+    p.add_argument("--job", default=None, help="only this job")
+    p.add_argument("--json", action="store_true")
+    sub.add_parser("goodput", help="wall-time breakdown of a run from its events.jsonl files")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if args.cmd == "agent":
@@ -194,5 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_ls(args)
     if args.cmd == "verify":
         return _cmd_verify(args)
+    if args.cmd == "status":
+        return _cmd_status(args)
     parser.error(f"unknown command {args.cmd}")
     return 2

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import FcEnv, RunningAgent
+from fchelpers import FcEnv, RunningAgent
 from tinytrain import batch, make, train_step
 
 import flashckpt

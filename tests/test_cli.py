@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from conftest import FcEnv, RunningAgent
+from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
 import flashckpt

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from conftest import FcEnv
+from fchelpers import FcEnv
 
 from flashckpt.storage import Storage
 

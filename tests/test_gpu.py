@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FcEnv, RunningAgent
+from fchelpers import FcEnv, RunningAgent
 
 import flashckpt
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
-from conftest import FcEnv
+from fchelpers import FcEnv
 
 from flashckpt.storage import Storage
 

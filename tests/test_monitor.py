@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FcEnv, RunningAgent
+from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
 import flashckpt

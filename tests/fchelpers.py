@@ -1,0 +1,115 @@
+"""Test helpers shared by the flashckpt tests: job names, an in-process node agent, and cleanup of
+every process and shared-memory segment a test creates (even on failure).
+
+A module of its own (not conftest) so test files can import it by a unique name."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from flashckpt.agent import AgentConfig, NodeAgent
+
+
+@dataclass
+class FcEnv:
+    """Names and places of one test's flashckpt job."""
+
+    job: str
+    node: str
+    run_dir: str
+    storage: str
+    storage_path: Path
+    shm_dir: str = "/dev/shm"
+
+    def ckpt_kwargs(self, **over: Any) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "storage": self.storage,
+            "job": self.job,
+            "node": self.node,
+            "run_dir": self.run_dir,
+            "shm_dir": self.shm_dir,
+        }
+        kw.update(over)
+        return kw
+
+    def agent_config(self, **over: Any) -> AgentConfig:
+        kw: dict[str, Any] = {
+            "job": self.job,
+            "node": self.node,
+            "storage": self.storage,
+            "run_dir": self.run_dir,
+            "shm_dir": self.shm_dir,
+            "poll_interval": 0.02,
+            "retry_interval": 0.2,
+        }
+        kw.update(over)
+        return AgentConfig(**kw)
+
+    def segments(self) -> list[str]:
+        return sorted(n for n in os.listdir(self.shm_dir) if n.startswith(f"fc.{self.job}."))
+
+
+def kill_job_processes(job: str) -> None:
+    """SIGKILLs every process whose command line names the job id."""
+    me = os.getpid()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.info["pid"] != me and job in " ".join(p.info["cmdline"] or []):
+                p.send_signal(signal.SIGKILL)
+        except (psutil.Error, TypeError):
+            pass
+
+
+@pytest.fixture
+def fc_env(tmp_path: Path) -> Iterator[FcEnv]:
+    job = "t" + uuid.uuid4().hex[:12]
+    run_dir = f"/tmp/fct-{job}"
+    env = FcEnv(
+        job=job,
+        node="n0",
+        run_dir=run_dir,
+        storage=f"file://{tmp_path}/ckpt",
+        storage_path=tmp_path / "ckpt",
+    )
+    yield env
+    kill_job_processes(job)
+    for n in os.listdir("/dev/shm"):
+        if n.startswith(f"fc.{job}"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", n))
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class RunningAgent:
+    """A node agent served from a thread of the test process."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.agent = NodeAgent(config)
+        self.agent.start()
+        self.thread = threading.Thread(target=self.agent.run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.agent.request_stop()
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "agent did not stop"
+
+
+@pytest.fixture
+def agent(fc_env: FcEnv) -> Iterator[RunningAgent]:
+    a = RunningAgent(fc_env.agent_config())
+    yield a
+    if a.thread.is_alive():
+        a.stop()

@@ -107,42 +107,69 @@ def _map_fresh(ws: C.Workspace, nbytes: int, fallocate: bool) -> tuple[str, torc
     return path, torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
-def bench_memcpy(tr: C.Trainer, ws: C.Workspace, repeats: int, first_repeats: int) -> Row:
-    src = [t for _, t in tr.state_tensors()]
-    nbytes = sum(t.numel() * t.element_size() for t in src)
-    first, first_falloc, steady = [], [], []
-    for i in range(first_repeats):
-        # A fresh sparse file: every page is allocated and zeroed by the fault of the copy.
-        path, buf = _map_fresh(ws, nbytes, fallocate=False)
-        first.append(_copy_all(_shm_views(buf, src), src))
-        if i == first_repeats - 1:
-            # The pages are touched now: this is the pre-faulted buffer of the bound.
-            buf.fill_(0)
-            views = _shm_views(buf, src)
-            _copy_all(views, src)
-            steady = [_copy_all(views, src) for _ in range(repeats)]
-            del views
+class ShmBound:
+    """A /dev/shm file mapped with ``torch.from_file(shared=True)``, pages touched, with the
+    state tensors' views laid back to back: ``copy()`` is the lower bound of a snapshot."""
+
+    def __init__(self, ws: C.Workspace, src: list[torch.Tensor]) -> None:
+        self.src = src
+        self.nbytes = sum(t.numel() * t.element_size() for t in src)
+        self.path, buf = _map_fresh(ws, self.nbytes, fallocate=False)
+        self.views = _shm_views(buf, src)
+        # The first copy lands on never-touched pages: each fault allocates and zeroes a page.
+        self.first_touch_s = _copy_all(self.views, src)
+        buf.fill_(0)  # every page touched (it already is after the copy; this makes it explicit)
         del buf
-        os.unlink(path)
+
+    def copy(self) -> float:
+        return _copy_all(self.views, self.src)
+
+    def close(self) -> None:
+        self.views = []
+        gc.collect()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def bench_memcpy(
+    tr: C.Trainer, ws: C.Workspace, repeats: int, first_repeats: int, keep: bool
+) -> tuple[Row, ShmBound | None]:
+    """The bound and the first-touch costs; with ``keep`` the bound's buffer stays mapped so the
+    flashckpt sync stall can be measured interleaved with it (same noise, paired samples)."""
+    src = [t for _, t in tr.state_tensors()]
+    first, first_falloc = [], []
+    for _ in range(first_repeats - 1):
+        b = ShmBound(ws, src)
+        first.append(b.first_touch_s)
+        b.close()
+    bound = ShmBound(ws, src)
+    first.append(bound.first_touch_s)
+    bound.copy()
+    steady = [bound.copy() for _ in range(repeats)]
+    if not keep:
+        bound.close()
+    for _ in range(first_repeats):
         # A posix_fallocate'd file (as flashckpt's agent makes them) mapped fresh: minor faults.
-        path, buf = _map_fresh(ws, nbytes, fallocate=True)
+        path, buf = _map_fresh(ws, bound.nbytes, fallocate=True)
         first_falloc.append(_copy_all(_shm_views(buf, src), src))
         del buf
         os.unlink(path)
     gc.collect()
-    return _row(
+    row = _row(
         C.median(first),
         steady,
         "first = copy into a fresh never-touched mapping",
         first_samples=first,
         first_touch_fallocated_s=C.median(first_falloc),
         first_touch_fallocated_samples_s=first_falloc,
-        nbytes=nbytes,
+        nbytes=bound.nbytes,
     )
+    return row, (bound if keep else None)
 
 
 # -- 2./3. flashckpt stall --------------------------------------------------------------------
 def _enter_fc(ws: C.Workspace, tr: C.Trainer, job: str, **opts: Any) -> tuple[Any, float, int]:
+    opts.setdefault("agent_idle_timeout", 120.0)  # an orphaned agent leaves soon
     ck = flashckpt.checkpointing(
         tr.model, tr.optimizer, job=job, node=NODE, run_dir=ws.run_dir, **opts
     )
@@ -176,29 +203,48 @@ def _exit_fc(ws: C.Workspace, ck: Any, job: str, pid: int, wait_self_exit: float
     return info
 
 
-def bench_fc_sync(tr: C.Trainer, ws: C.Workspace, repeats: int) -> Row:
+def bench_fc_sync(
+    tr: C.Trainer, ws: C.Workspace, repeats: int, bound: ShmBound | None
+) -> dict[str, Row]:
+    """Stall of ``save()`` in sync mode; with ``bound``, each sample is paired with a memcpy-bound
+    sample taken right before or after it (alternating), so both see the same machine noise."""
     job = ws.new_job("sync")
     ck, enter_s, pid = _enter_fc(ws, tr, job, mode="sync", restore=False)
     info: dict[str, Any] = {}
+    paired: list[float] = []
     try:
         tr.step()
         first = C.timed(ck.save, 1)[0]
         steady = []
         for i in range(repeats):
             tr.step()
+            if bound is not None and i % 2 == 0:
+                paired.append(bound.copy())
             steady.append(C.timed(ck.save, 2 + i)[0])
+            if bound is not None and i % 2 == 1:
+                paired.append(bound.copy())
         stats = ck.stats
         assert stats.saves == repeats + 1 and not stats.skips, (stats.saves, stats.skips)
     finally:
         # storage=None: does the auto-started agent (--exit-when-done) leave by itself?
         info = _exit_fc(ws, ck, job, pid, wait_self_exit=1.5)
-    return _row(
-        first,
-        steady,
-        "first save after __enter__ + 1 training step; memory only (storage=None)",
-        enter_s=enter_s,
-        **info,
-    )
+    rows = {
+        "fc_sync": _row(
+            first,
+            steady,
+            "first save after __enter__ + 1 training step; memory only (storage=None)",
+            enter_s=enter_s,
+            **info,
+        )
+    }
+    if paired:
+        rows["fc_sync"]["pair_ratio"] = C.median(
+            [a / b for a, b in zip(steady, paired, strict=True) if b > 0]
+        )
+        rows["memcpy_paired"] = _row(
+            None, paired, "memcpy bound, interleaved with the flashckpt sync samples"
+        )
+    return rows
 
 
 def bench_fc_overlap(tr: C.Trainer, ws: C.Workspace, repeats: int) -> dict[str, Row]:
@@ -310,6 +356,13 @@ def bench_dcp_save(tr: C.Trainer, ws: C.Workspace, repeats: int) -> Row:
         times.append(time.perf_counter() - t0)
         shutil.rmtree(d, ignore_errors=True)
     return _row(times[0], times[1:], "get_state_dict + save (FileSystemWriter fsyncs)")
+
+
+def _dcp_release(state_bytes: int) -> None:
+    """Stops DCP's checkpoint daemon between phases when the state is big enough for its memory
+    to matter (it keeps the last staged state mapped); small states keep it (spawn costs ~5 s)."""
+    if state_bytes >= C.GiB // 2:
+        _dcp_process_shutdown()
 
 
 def _dcp_process_shutdown() -> None:
@@ -559,6 +612,10 @@ class _DcpMethod(_Method):
             if self.upload is not None:
                 self.upload.result()
         self.stager.close()
+        # The stager's last future still holds the staged state dict: drop every reference.
+        self.stager = self.staging = self.upload = None
+        if self.process:
+            _dcp_release(self.tr.state_bytes())  # it holds the last staged state
         for d in self.dirs:
             shutil.rmtree(d, ignore_errors=True)
         gc.collect()
@@ -608,54 +665,75 @@ def _loop(tr: C.Trainer, m: _Method, steps: int, every: int) -> tuple[float, lis
     return time.perf_counter() - t0, durs, n
 
 
-def bench_e2e(tr: C.Trainer, ws: C.Workspace, ckpts: int, every: int) -> dict[str, Any]:
-    """Time lost per checkpoint = (loop time - baseline loop time) / checkpoints, and a version
-    robust to bursts of noise from other processes: for each position in the checkpoint cycle
-    (the step that checkpoints, the step after it, ...) the median over cycles, summed, minus K
-    times the baseline's median step."""
+def bench_e2e(
+    tr: C.Trainer, ws: C.Workspace, ckpts: int, every: int, skipped: list[str]
+) -> dict[str, Any]:
+    """Training time lost per checkpoint.
+
+    Each method runs ``ckpts`` cycles of ``every`` steps (a checkpoint at the end of the first
+    step of each cycle). Baseline runs (no checkpoint) sit between the methods: B M1 B M2 ... B.
+    lost = median(method cycle time) - median(cycle time of the two adjacent baseline runs):
+    robust to the bursts of load other processes put on this shared machine. The plain
+    definition, (loop time - baseline loop time) / checkpoints, is kept as ``lost_total``.
+    """
     steps = ckpts * every
+    base_cycles = max(2, (ckpts + 1) // 2)
     methods: list[_Method] = [
-        _Method(),
         _FcMethod(tr, ws, "overlap"),
         _FcMethod(tr, ws, "sync"),
         _DcpMethod(tr, ws, process=False),
         _DcpMethod(tr, ws, process=True),
         _TorchSaveMethod(tr, ws),
-        _Method(),
     ]
-    runs: list[dict[str, Any]] = []
-    _loop(tr, _Method(), steps, every)  # warm-up, untimed
+    seq: list[_Method] = [_Method()]
     for m in methods:
-        log(f"  e2e: {m.name} ({steps} steps, checkpoint every {every})")
+        seq += [m, _Method()]
+    runs: list[dict[str, Any]] = []
+    _loop(tr, _Method(), 2 * every, every)  # warm-up, untimed
+    S = tr.state_bytes()
+    need = {"flashckpt": 2.2 * S, "DCP async_save PROCESS": 2.1 * S, "DCP": 1.1 * S}
+    for m in seq:
+        n_steps = steps if m.name != "baseline" else base_cycles * every
+        want = next((v for k, v in need.items() if m.name.startswith(k)), 0.0)
+        if want and not _mem_ok(f"e2e {m.name}", want + 1.5 * C.GiB, skipped):
+            runs.append({"method": m.name, "error": "skipped: not enough memory"})
+            continue
+        log(f"  e2e: {m.name} ({n_steps} steps, checkpoint every {every})")
         try:
             m.setup()
             try:
-                dt, durs, n = _loop(tr, m, steps, every)
+                dt, durs, n = _loop(tr, m, n_steps, every)
             finally:
                 extra = m.teardown()
-            runs.append({"method": m.name, "loop_s": dt, "ckpts": n, "step_s": durs, **extra})
+            cycles = [sum(durs[c * every : (c + 1) * every]) for c in range(n_steps // every)]
+            runs.append(
+                {"method": m.name, "loop_s": dt, "ckpts": n, "step_s": durs, "cycle_s": cycles}
+                | extra
+            )
         except Exception as e:
             traceback.print_exc()
             runs.append({"method": m.name, "error": f"{type(e).__name__}: {e}"[:200]})
         gc.collect()
-    base_runs = [r for r in runs if r["method"] == "baseline" and "loop_s" in r]
-    base = [r["loop_s"] for r in base_runs]
-    base_s = sum(base) / len(base) if base else None
-    base_step = C.median([d for r in base_runs for d in r["step_s"]])
-    for r in runs:
-        if r["method"] == "baseline" or "loop_s" not in r or base_s is None:
+    all_base = [c for r in runs if r["method"] == "baseline" for c in r.get("cycle_s", [])]
+    for i, r in enumerate(runs):
+        if r["method"] == "baseline" or "cycle_s" not in r:
             continue
-        r["lost_per_ckpt_total_s"] = (r["loop_s"] - base_s) / r["ckpts"]
-        cycle = [C.median(r["step_s"][p::every]) or 0.0 for p in range(every)]
-        r["cycle_median_step_s"] = cycle
-        r["lost_per_ckpt_s"] = sum(cycle) - every * (base_step or 0.0)
-    noise = (max(base) - min(base)) / ckpts if len(base) > 1 else None
+        adj = [c for j in (i - 1, i + 1) if 0 <= j < len(runs) for c in runs[j].get("cycle_s", [])]
+        base_cycle = C.median(adj) or C.median(all_base)
+        if base_cycle is None:
+            continue
+        r["baseline_cycle_s"] = base_cycle
+        r["lost_per_ckpt_s"] = (C.median(r["cycle_s"]) or 0.0) - base_cycle
+        r["lost_per_ckpt_total_s"] = (r["loop_s"] - base_cycle * len(r["cycle_s"])) / r["ckpts"]
+    base_meds = [
+        C.median(r["cycle_s"]) for r in runs if r["method"] == "baseline" and r.get("cycle_s")
+    ]
+    base_meds = [b for b in base_meds if b is not None]
     return {
         "steps": steps,
         "every": every,
-        "baseline_loop_s": base_s,
-        "baseline_step_median_s": base_step,
-        "baseline_noise_per_ckpt_s": noise,
+        "baseline_cycle_s": C.median(all_base),
+        "baseline_cycle_spread_s": (max(base_meds) - min(base_meds)) if base_meds else None,
         "runs": runs,
     }
 
@@ -665,32 +743,38 @@ _PERSIST_RE = re.compile(r"persisted step (\d+): ([\d.]+) MiB in ([\d.]+) s")
 
 
 def bench_persist_reload(
-    tr: C.Trainer, ws: C.Workspace, repeats: int, reload_repeats: int
+    tr: C.Trainer, ws: C.Workspace, repeats: int, reload_repeats: int, skipped: list[str]
 ) -> dict[str, Any]:
+    """7. save + ``flush()`` (agent commit) alternating with a dd-like write of as many bytes;
+    8. hot reload from the agent's memory alternating with reload from storage (agent stopped,
+    slots removed, a fresh agent started untimed), storage cold and page-cached in turn."""
     job = ws.new_job("pr")
     root = os.path.dirname(ws.path("store", job, "x"))
     url = f"file://{root}"
     pid = ws.start_agent(job, NODE, url)
     opts: dict[str, Any] = {"storage": url, "agent": "connect", "mode": "sync", "keep": 2}
-    out: dict[str, Any] = {}
     flush_s: list[float] = []
     dd_s: list[float] = []
+    dd_direct_s: list[float] = []
     shard_bytes = 0
+    nbytes = tr.state_bytes()
+    step = 0
     ck, _, _ = _enter_fc(ws, tr, job, restore=False, **opts)
     try:
         tr.step()
-        nbytes = tr.state_bytes()
         dd_s.append(C.disk_write_speed(root, nbytes))
-        for i in range(repeats):
+        dd_direct_s.append(C.disk_write_speed(root, nbytes, direct=True))
+        for _ in range(repeats):
             tr.step()
-            ck.save(i + 1)
+            step += 1
+            ck.save(step)
             t0 = time.perf_counter()
             committed = ck.flush()
             flush_s.append(time.perf_counter() - t0)
-            assert committed == i + 1, f"flush returned {committed}, expected {i + 1}"
+            assert committed == step, f"flush returned {committed}, expected {step}"
             dd_s.append(C.disk_write_speed(root, nbytes))
-        last = repeats
-        shard_dir = os.path.join(root, f"step-{last:09d}")
+            dd_direct_s.append(C.disk_write_speed(root, nbytes, direct=True))
+        shard_dir = os.path.join(root, f"step-{step:09d}")
         shard_bytes = sum(
             os.path.getsize(os.path.join(shard_dir, f))
             for f in os.listdir(shard_dir)
@@ -705,48 +789,66 @@ def bench_persist_reload(
             if m:
                 logged.append((int(m.group(1)), float(m.group(2)), float(m.group(3))))
     agent_s = [s for _, _, s in logged]
-    agent_mib = [mib for _, mib, _ in logged]
     mib = shard_bytes / C.MiB
+    pair = [
+        (shard_bytes / fl) / (nbytes / ((dd_s[i] + dd_s[i + 1]) / 2))
+        for i, fl in enumerate(flush_s)
+    ]
+    out: dict[str, Any] = {}
     out["persist"] = {
         "shard_bytes": shard_bytes,
         "flush_s": flush_s,
         "flush_median_s": C.median(flush_s),
-        "flush_mib_s": mib / C.median(flush_s) if flush_s else None,
+        "flush_mib_s": mib / (C.median(flush_s) or 1e-9),
         "agent_log_s": agent_s,
-        "agent_log_mib": agent_mib,
         "agent_mib_s": mib / C.median(agent_s) if agent_s else None,
         "dd_s": dd_s,
-        "dd_mib_s": (nbytes / C.MiB) / C.median(dd_s) if dd_s else None,
+        "dd_mib_s": (nbytes / C.MiB) / (C.median(dd_s) or 1e-9),
+        "dd_direct_s": dd_direct_s,
+        "dd_direct_mib_s": (nbytes / C.MiB) / (C.median(dd_direct_s) or 1e-9),
+        "pair_ratio": C.median(pair),
+        "pair_ratios": pair,
     }
     log(
         f"  persist: flush {C.fmt_s(C.median(flush_s))} s, agent {C.fmt_s(C.median(agent_s))} s, "
         f"dd {C.fmt_s(C.median(dd_s))} s for {mib:.0f} MiB"
     )
 
-    # 8. hot reload: the agent still holds both slots (the newest is step `repeats`).
+    # 8. hot reload. The agent holds both slots; the newest (step `step`) is committed too.
     mem: list[float] = []
-    for _ in range(reload_repeats):
+    cold: list[float] = []
+    warm: list[float] = []
+    S = tr.state_bytes()
+    for i in range(2 * reload_repeats):
+        # A restore from memory clones the optimizer state; one from storage reads the file.
+        tr.optimizer.zero_grad(set_to_none=True)
+        if not _mem_ok(f"reload round {i + 1}", 1.2 * S + 1.5 * C.GiB, skipped):
+            break
         ck, enter_s, _ = _enter_fc(ws, tr, job, restore=True, **opts)
         src = ck.restored_from
         ck.__exit__(None, None, None)
         assert src == "memory", f"restored_from={src!r}, expected 'memory'"
         mem.append(enter_s)
-    # From storage: the agent stops (and removes its slots); a fresh agent starts (untimed).
-    cold: list[float] = []
-    warm: list[float] = []
-    for i in range(2 * reload_repeats):
+        # Storage: stop the agent (it removes its slots), start a fresh one (untimed).
         ws.stop_agent(pid)
         left = ws.job_shm_files(job)
         assert not left, f"agent left its slots behind: {left}"
-        cache = "warm" if i % 2 else "cold"
+        cache = "cold" if i % 2 == 0 else "warm"
         if cache == "cold":
             C.drop_file_cache(root)
         pid = ws.start_agent(job, NODE, url)
         ck, enter_s, _ = _enter_fc(ws, tr, job, restore=True, **opts)
-        src = ck.restored_from
-        ck.__exit__(None, None, None)
-        assert src == "storage", f"restored_from={src!r}, expected 'storage'"
-        (cold if cache == "cold" else warm).append(enter_s)
+        try:
+            src = ck.restored_from
+            assert src == "storage", f"restored_from={src!r}, expected 'storage'"
+            (cold if cache == "cold" else warm).append(enter_s)
+            tr.step()  # a new snapshot in the fresh agent's memory for the next memory reload
+            tr.optimizer.zero_grad(set_to_none=True)
+            step += 1
+            ck.save(step)
+            ck.flush()
+        finally:
+            ck.__exit__(None, None, None)
     ws.stop_agent(pid)
     ws.remove_job_shm(job)
     shutil.rmtree(root, ignore_errors=True)
@@ -770,6 +872,7 @@ def bench_persist_reload(
 # -- driver -----------------------------------------------------------------------------------
 ROW_ORDER: list[tuple[str, str]] = [
     ("memcpy", "memcpy -> pre-faulted /dev/shm (the bound)"),
+    ("memcpy_paired", "  same, interleaved with flashckpt sync"),
     ("fc_sync", "flashckpt sync: save()"),
     ("fc_overlap_call", "flashckpt overlap: save() returns"),
     ("fc_overlap_imm", "flashckpt overlap: + wait, opt.step at once"),
@@ -789,9 +892,29 @@ ROW_ORDER: list[tuple[str, str]] = [
 ]
 
 
-def bench_size(size: float, args: argparse.Namespace, ws: C.Workspace) -> dict[str, Any]:
-    res: dict[str, Any] = {"size_gib": size, "rows": {}}
+def _mem_ok(what: str, need: float, skipped: list[str]) -> bool:
+    """True if ``need`` bytes of RAM are available now; else logs and records a skip."""
+    avail = C.available_bytes()
+    if avail >= need:
+        return True
+    msg = f"{what}: skipped, needs ~{need / C.GiB:.1f} GiB RAM, {avail / C.GiB:.1f} GiB available"
+    log("  " + msg)
+    skipped.append(msg)
+    return False
+
+
+def bench_size(
+    size: float,
+    args: argparse.Namespace,
+    ws: C.Workspace,
+    res: dict[str, Any],
+    save: Callable[[], None],
+) -> dict[str, Any]:
+    """Runs every phase for one size into ``res`` (calling ``save`` after each phase, so a crash
+    keeps what was measured). Phases that do not fit in the RAM available now are skipped."""
+    res.update({"size_gib": size, "rows": {}, "skipped_phases": []})
     only = set(args.only.split(",")) if args.only else None
+    skipped: list[str] = res["skipped_phases"]
 
     def want(phase: str) -> bool:
         return only is None or phase in only
@@ -800,22 +923,18 @@ def bench_size(size: float, args: argparse.Namespace, ws: C.Workspace) -> dict[s
     tr = C.Trainer.build(size)
     cal = tr.calibrate(args.fwd_bwd)
     n_tensors = len(tr.state_tensors())
-    res.update(
-        state_bytes=tr.state_bytes(),
-        tensors=n_tensors,
-        layers=tr.layers,
-        width=tr.width,
-        **cal,
-    )
+    S = tr.state_bytes()
+    res.update(state_bytes=S, tensors=n_tensors, layers=tr.layers, width=tr.width, **cal)
     log(
         f"   {tr.layers} x Linear({tr.width}, {tr.width}) + AdamW: "
-        f"{tr.state_bytes() / C.GiB:.3f} GiB in {n_tensors} tensors; batch {cal['batch']}: "
+        f"{S / C.GiB:.3f} GiB in {n_tensors} tensors; batch {cal['batch']}: "
         f"fwd+bwd {cal['fwd_bwd_s']:.3f} s, optimizer step {cal['opt_step_s']:.3f} s"
     )
     rows = res["rows"]
     reps = args.repeats
     disk_reps = max(2, min(reps, 3)) if size >= 1 else reps
     first_reps = 3 if size <= 1 else 2
+    margin = 1.5 * C.GiB
 
     def run(key: str, fn: Callable[[], Any]) -> None:
         log(f"  {key}")
@@ -829,19 +948,38 @@ def bench_size(size: float, args: argparse.Namespace, ws: C.Workspace) -> dict[s
         else:
             rows[key] = out
         gc.collect()
+        save()
 
-    if want("memcpy"):
-        run("memcpy", lambda: bench_memcpy(tr, ws, reps, first_reps))
+    bound: ShmBound | None = None
+    if want("memcpy") and _mem_ok("memcpy", 1.1 * S + margin, skipped):
+        # Keep the bound's buffer for paired samples if memory allows (buffer + 2 slots).
+        keep = want("fc") and C.available_bytes() > S * 3.4 + 2 * C.GiB
+        log("  memcpy" + (" (kept for paired samples)" if keep else ""))
+        try:
+            rows["memcpy"], bound = bench_memcpy(tr, ws, reps, first_reps, keep)
+        except Exception as e:
+            traceback.print_exc()
+            rows["memcpy"] = _error_row(e)
     if want("fc"):
-        run("fc_sync", lambda: bench_fc_sync(tr, ws, reps))
-        run("fc_overlap", lambda: bench_fc_overlap(tr, ws, reps))
-    if want("files"):
+        try:
+            if bound is not None or _mem_ok("fc_sync", 2.2 * S + margin, skipped):
+                run("fc_sync", lambda: bench_fc_sync(tr, ws, reps, bound))
+        finally:
+            if bound is not None:
+                bound.close()
+                bound = None
+        if _mem_ok("fc_overlap", 2.2 * S + margin, skipped):
+            run("fc_overlap", lambda: bench_fc_overlap(tr, ws, reps))
+    if want("files") and _mem_ok("files", 1.1 * S + margin, skipped):
         run("torch_save", lambda: bench_torch_save(tr, ws, disk_reps))
         run("safetensors", lambda: bench_safetensors(tr, ws, disk_reps))
     if want("dcp"):
-        run("dcp_save", lambda: bench_dcp_save(tr, ws, disk_reps))
+        if _mem_ok("dcp_save", 0.2 * S + margin, skipped):
+            run("dcp_save", lambda: bench_dcp_save(tr, ws, disk_reps))
         for key, _label, make, process in dcp_variants():
             r = disk_reps if make is None or key == "dcp_async_cached" else max(2, disk_reps - 1)
+            if not _mem_ok(key, (2.1 if process else 1.1) * S + margin, skipped):
+                continue
 
             def one(key: str = key, make: Any = make, process: bool = process, r: int = r) -> Any:
                 return bench_dcp_async(tr, ws, r, key, make, process)
@@ -849,24 +987,33 @@ def bench_size(size: float, args: argparse.Namespace, ws: C.Workspace) -> dict[s
             run(key, one)
             if key in rows:  # an error row under the bare key
                 rows[f"{key}_call"] = rows.pop(key)
+        # DCP's checkpoint daemon keeps the last staged state mapped (state-size of shared
+        # memory) until its next request: stop it so later phases have the memory.
+        _dcp_release(S)
     if want("e2e"):
         log("  e2e")
+        ckpts = args.ckpts if size < 2 else max(3, args.ckpts - 2)
         try:
-            res["e2e"] = bench_e2e(tr, ws, args.ckpts, args.every)
+            res["e2e"] = bench_e2e(tr, ws, ckpts, args.every, skipped)
         except Exception as e:
             traceback.print_exc()
             res["e2e"] = {"error": str(e)}
-    _dcp_process_shutdown()
+        _dcp_release(S)
+        save()
     if want("persist"):
-        log("  persist + reload")
-        try:
-            n = max(2, min(reps, 3))
-            res.update(bench_persist_reload(tr, ws, n, 1 if args.quick else n))
-        except Exception as e:
-            traceback.print_exc()
-            res["persist_error"] = f"{type(e).__name__}: {e}"[:300]
+        tr.optimizer.zero_grad(set_to_none=True)  # the gradients are not needed to reload
+        if _mem_ok("persist+reload", 3.4 * S + margin, skipped):
+            log("  persist + reload")
+            try:
+                n = max(2, min(reps, 3))
+                res.update(bench_persist_reload(tr, ws, n, 1 if args.quick else n, skipped))
+            except Exception as e:
+                traceback.print_exc()
+                res["persist_error"] = f"{type(e).__name__}: {e}"[:300]
+        save()
     gc.collect()
     res["targets"] = evaluate(res)
+    save()
     return res
 
 
@@ -880,9 +1027,16 @@ def evaluate(res: dict[str, Any]) -> dict[str, Any]:
     def first(k: str) -> float | None:
         return rows.get(k, {}).get("first_s")
 
-    r = C.ratio(steady("fc_sync"), steady("memcpy"))
+    r = rows.get("fc_sync", {}).get("pair_ratio")
+    if r is None:
+        r = C.ratio(steady("fc_sync"), steady("memcpy"))
     ok = r is not None and r <= 1.15
-    t["sync_stall_vs_memcpy"] = {"value": r, "target": "<= 1.15", "met": ok}
+    t["sync_stall_vs_memcpy"] = {
+        "value": r,
+        "unpaired_value": C.ratio(steady("fc_sync"), steady("memcpy")),
+        "target": "<= 1.15",
+        "met": ok,
+    }
     r = C.ratio(first("fc_sync"), steady("fc_sync"))
     t["first_vs_steady"] = {"value": r, "target": "<= 1.5", "met": r is not None and r <= 1.5}
     r2 = C.ratio(first("fc_overlap_imm"), steady("fc_overlap_imm"))
@@ -898,9 +1052,11 @@ def evaluate(res: dict[str, Any]) -> dict[str, Any]:
         "met": fc_best is not None and dcp_best is not None and fc_best < dcp_best,
     }
     p = res.get("persist", {})
-    r = C.ratio(p.get("flush_mib_s"), p.get("dd_mib_s"))
+    r = p.get("pair_ratio")
     t["persist_vs_disk"] = {
         "value": r,
+        "unpaired_value": C.ratio(p.get("flush_mib_s"), p.get("dd_mib_s")),
+        "vs_o_direct_value": C.ratio(p.get("flush_mib_s"), p.get("dd_direct_mib_s")),
         "agent_log_value": C.ratio(p.get("agent_mib_s"), p.get("dd_mib_s")),
         "target": ">= 0.70",
         "met": r is not None and r >= 0.7,
@@ -913,6 +1069,10 @@ def evaluate(res: dict[str, Any]) -> dict[str, Any]:
         "target": ">= 5x faster",
         "met": r is not None and r >= 5,
     }
+    for v in t.values():
+        val = v["value"]
+        if val is None or (isinstance(val, list) and None in val):
+            v["met"] = None
     return t
 
 
@@ -924,7 +1084,7 @@ def print_size(res: dict[str, Any]) -> None:
         f" {res['width']}) + AdamW, {res['tensors']} tensors; batch {res['batch']}: fwd+bwd "
         f"{res['fwd_bwd_s']:.3f} s + optimizer step {res['opt_step_s']:.3f} s ==="
     )
-    bound = rows.get("memcpy", {}).get("steady_s")
+    bound = rows.get("memcpy_paired", rows.get("memcpy", {})).get("steady_s")
     ref = rows.get("fc_sync", {}).get("steady_s")
     print(
         f"{'stall per checkpoint (s)':<44}{'first':>8}{'steady':>8}{'/memcpy':>9}{'/fc-sync':>9}"
@@ -941,6 +1101,8 @@ def print_size(res: dict[str, Any]) -> None:
         note = r.get("note", "")
         if key == "memcpy" and r.get("first_touch_fallocated_s") is not None:
             note += f"; fallocated file: {r['first_touch_fallocated_s']:.3f}"
+        if r.get("pair_ratio") is not None:
+            note += f"; paired ratio to memcpy {r['pair_ratio']:.2f}x"
         print(
             f"{label:<44}{C.fmt_s(r.get('first_s'))}{C.fmt_s(s)}{C.fmt_x(C.ratio(s, bound), 9)}"
             f"{C.fmt_x(C.ratio(s, ref), 9)}  {note}"
@@ -950,14 +1112,16 @@ def print_size(res: dict[str, Any]) -> None:
         print(
             f"\n{'time lost per checkpoint in the loop (s)':<44}{'loop s':>8}{'lost/ck':>8}"
             f"{'/fc-ovl':>9}{'(total)':>9}  {e2e['steps']} steps, checkpoint every "
-            f"{e2e['every']}; baseline step {C.fmt_s(e2e['baseline_step_median_s'], 0)} s, "
-            f"baseline runs differ by {(e2e.get('baseline_noise_per_ckpt_s') or 0):.3f} s/ckpt"
+            f"{e2e['every']}; baseline cycle {C.fmt_s(e2e['baseline_cycle_s'], 0)} s, baseline "
+            f"runs' medians spread {C.fmt_s(e2e.get('baseline_cycle_spread_s'), 0)} s"
         )
         fc = next(
             (r.get("lost_per_ckpt_s") for r in e2e["runs"] if r["method"] == "flashckpt overlap"),
             None,
         )
         for r in e2e["runs"]:
+            if r["method"] == "baseline":
+                continue
             if "error" in r:
                 print(f"{r['method']:<44}{'error':>8}  {r['error'][:70]}")
                 continue
@@ -980,7 +1144,8 @@ def print_size(res: dict[str, Any]) -> None:
         print(
             f"\npersist {p['shard_bytes'] / C.MiB:.0f} MiB: flush {C.fmt_s(p['flush_median_s'], 0)}"
             f" s = {p['flush_mib_s'] or 0:.0f} MiB/s (agent log: "
-            f"{p['agent_mib_s'] or 0:.0f} MiB/s); disk dd+fsync {p['dd_mib_s'] or 0:.0f} MiB/s"
+            f"{p['agent_mib_s'] or 0:.0f} MiB/s); disk dd+fsync {p['dd_mib_s'] or 0:.0f} MiB/s,"
+            f" with O_DIRECT {p.get('dd_direct_mib_s') or 0:.0f} MiB/s"
         )
     rl = res.get("reload")
     if rl:
@@ -998,7 +1163,98 @@ def print_size(res: dict[str, Any]) -> None:
             vs = " vs ".join(C.fmt_s(x, 0).strip() for x in val) + " s"
         else:
             vs = f"{val:.2f}" if val is not None else "-"
-        print(f"  {k:<28} {vs:<22} target {v['target']:<34} {'MET' if v['met'] else 'MISSED'}")
+        verdict = "n/a" if v["met"] is None else ("MET" if v["met"] else "MISSED")
+        print(f"  {k:<28} {vs:<22} target {v['target']:<34} {verdict}")
+
+
+def markdown(out: dict[str, Any]) -> str:
+    """Markdown tables of a results file (``--report``), as pasted into benchmarks/README.md."""
+    lines: list[str] = []
+    m = out.get("machine", {})
+    lines.append(
+        f"Run {out.get('date')}: {m.get('cpus')} CPUs ({m.get('cpu_model')}), "
+        f"{m.get('ram_gib')} GiB RAM, GPU: {m.get('gpu')}, torch {m.get('torch')}, "
+        f"Python {m.get('python')}, kernel {m.get('kernel')}."
+    )
+    for res in out["sizes"]:
+        rows = res.get("rows", {})
+        bound = rows.get("memcpy_paired", rows.get("memcpy", {})).get("steady_s")
+        ref = rows.get("fc_sync", {}).get("steady_s")
+        lines += [
+            "",
+            f"**{res['state_bytes'] / C.GiB:.2f} GiB** ({res['layers']} x Linear({res['width']}) + "
+            f"AdamW, {res['tensors']} tensors; batch {res['batch']}: fwd+bwd "
+            f"{res['fwd_bwd_s']:.2f} s, optimizer step {res['opt_step_s']:.2f} s"
+            + ("; partial: the process was killed" if res.get("partial") else "")
+            + ")",
+            "",
+            "| stall per checkpoint (s) | first | steady | x memcpy | x fc sync |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for key, label in ROW_ORDER:
+            r = rows.get(key)
+            if r is None:
+                continue
+            if r.get("error"):
+                lines.append(f"| {label.strip()} | error: {r['error'][:60]} | | | |")
+                continue
+            st = r.get("steady_s")
+            unguarded = " (unguarded)" if r.get("unguarded") else ""
+            lines.append(
+                f"| {label.strip()}{unguarded} | {C.fmt_s(r.get('first_s'), 0).strip()} | "
+                f"{C.fmt_s(st, 0).strip()} | {C.fmt_x(C.ratio(st, bound), 0).strip()} | "
+                f"{C.fmt_x(C.ratio(st, ref), 0).strip()} |"
+            )
+        e2e = res.get("e2e") or {}
+        if e2e.get("runs"):
+            lines += [
+                "",
+                f"Loop ({e2e['steps']} steps, checkpoint every {e2e['every']}; baseline cycle "
+                f"{C.fmt_s(e2e.get('baseline_cycle_s'), 0).strip()} s, baseline runs' medians "
+                f"spread {C.fmt_s(e2e.get('baseline_cycle_spread_s'), 0).strip()} s):",
+                "",
+                "| time lost per checkpoint (s) | median cycle - baseline | total / ckpts |",
+                "|---|---:|---:|",
+            ]
+            for r in e2e["runs"]:
+                if r["method"] == "baseline":
+                    continue
+                if "error" in r:
+                    lines.append(f"| {r['method']} | {r['error'][:60]} | |")
+                    continue
+                lines.append(
+                    f"| {r['method']} | {C.fmt_s(r.get('lost_per_ckpt_s'), 0).strip()} | "
+                    f"{C.fmt_s(r.get('lost_per_ckpt_total_s'), 0).strip()} |"
+                )
+        p, rl = res.get("persist"), res.get("reload")
+        if p:
+            lines += [
+                "",
+                f"Persist {p['shard_bytes'] / C.MiB:.0f} MiB: save + flush "
+                f"{C.fmt_s(p['flush_median_s'], 0).strip()} s = {p['flush_mib_s']:.0f} MiB/s "
+                f"(agent log {p.get('agent_mib_s') or 0:.0f} MiB/s); dd + fsync "
+                f"{p['dd_mib_s']:.0f} MiB/s, O_DIRECT {p.get('dd_direct_mib_s') or 0:.0f} MiB/s.",
+            ]
+        if rl:
+            lines.append(
+                f"Hot reload: memory {C.fmt_s(rl['memory_median_s'], 0).strip()} s, storage cold "
+                f"{C.fmt_s(rl['storage_cold_median_s'], 0).strip()} s, page-cached "
+                f"{C.fmt_s(rl['storage_warm_median_s'], 0).strip()} s."
+            )
+        if res.get("skipped_phases"):
+            lines.append("Skipped: " + "; ".join(res["skipped_phases"]) + ".")
+        lines += ["", "| target | value | met |", "|---|---|---|"]
+        for k, v in res.get("targets", {}).items():
+            val = v["value"]
+            if isinstance(val, list):
+                vs = " vs ".join(C.fmt_s(x, 0).strip() for x in val) + " s"
+            else:
+                vs = f"{val:.2f}" if val is not None else "-"
+            verdict = "n/a" if v["met"] is None else ("met" if v["met"] else "**missed**")
+            lines.append(f"| {k} ({v['target']}) | {vs} | {verdict} |")
+    for sk in out.get("skipped", []):
+        lines.append(f"\nSkipped {sk['size_gib']:g} GiB: {sk['reason']}")
+    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1013,6 +1269,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--only", default=None, help="comma list of phases: memcpy,fc,files,dcp,e2e,persist"
     )
+    p.add_argument(
+        "--report", nargs="+", default=None, metavar="JSON", help="print markdown tables of results"
+    )
     args = p.parse_args(argv)
     if args.quick:
         if "--sizes" not in " ".join(argv or sys.argv):
@@ -1024,8 +1283,80 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def run_children(args: argparse.Namespace, sizes: list[float], out: dict[str, Any]) -> None:
+    """One process per size: memory freed by a size never lingers in the next one's way."""
+    import subprocess
+    import tempfile
+
+    for size in sizes:
+        with tempfile.TemporaryDirectory(prefix="fcb-out-") as d:
+            part = os.path.join(d, "part.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--sizes", f"{size:g}"]
+            cmd += ["--out", part, "--repeats", str(args.repeats), "--every", str(args.every)]
+            cmd += ["--ckpts", str(args.ckpts), "--fwd-bwd", str(args.fwd_bwd)]
+            if args.only:
+                cmd += ["--only", args.only]
+            if args.quick:
+                cmd += ["--quick"]
+            proc = subprocess.Popen(cmd)
+            try:
+                rc = proc.wait()
+            except BaseException:
+                proc.terminate()
+                proc.wait(120)
+                raise
+            if rc != 0:
+                why = "killed (SIGKILL: out of memory?)" if rc == -9 else f"exit code {rc}"
+                out["skipped"].append({"size_gib": size, "reason": f"child {why}; partial"})
+            if not os.path.exists(part):
+                continue
+            with open(part) as f:
+                sub = json.load(f)
+            for res in sub["sizes"]:
+                if "targets" not in res and "rows" in res:
+                    res["targets"] = evaluate(res)
+                    res["partial"] = True
+            out["sizes"] += sub["sizes"]
+            out["skipped"] += sub["skipped"]
+            if args.out:
+                _write(args.out, out)
+
+
+def print_summary(out: dict[str, Any]) -> None:
+    print("\n=== summary (medians; s) ===")
+    hdr = (
+        f"{'GiB':>5} {'memcpy':>7} {'fc sync':>8} {'ratio':>6} {'first':>6} {'fc ovl+w':>8} "
+        f"{'DCP a+w':>8} {'lost fc':>8} {'lost DCP':>8} {'persist':>8} {'reload':>7}"
+    )
+    print(hdr)
+    for res in out["sizes"]:
+        rows, t = res["rows"], res["targets"]
+
+        def g(k: str, f: str = "steady_s", rows: dict[str, Any] = rows) -> float | None:
+            return rows.get(k, {}).get(f)
+
+        lost = t["e2e_lost_vs_dcp_async"]["value"]
+        print(
+            f"{res['state_bytes'] / C.GiB:>5.2f} "
+            f"{C.fmt_s(g('memcpy_paired') or g('memcpy'), 7)} {C.fmt_s(g('fc_sync'))} "
+            f"{C.fmt_x(t['sync_stall_vs_memcpy']['value'], 6)} "
+            f"{C.fmt_x(t['first_vs_steady']['value'], 6)} {C.fmt_s(g('fc_overlap_imm'))} "
+            f"{C.fmt_s(g('dcp_async_astage_imm'))} {C.fmt_s(lost[0])} {C.fmt_s(lost[1])} "
+            f"{C.fmt_x(t['persist_vs_disk']['value'], 8)} "
+            f"{C.fmt_x(t['reload_memory_vs_storage']['value'], 7)}"
+        )
+    for sk in out["skipped"]:
+        print(f"skipped {sk['size_gib']:g} GiB: {sk['reason']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        for path in args.report:
+            with open(path) as f:
+                print(markdown(json.load(f)))
+            print()
+        return 0
     sizes = sorted(float(s) for s in args.sizes.split(",") if s.strip())
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -1037,6 +1368,21 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": [],
     }
     t_start = time.perf_counter()
+    if len(sizes) > 1:
+        with C.terminate_as_exception():
+            run_children(args, sizes, out)
+        print_summary(out)
+    else:
+        run_sizes(args, sizes, out)
+    out["wall_s"] = time.perf_counter() - t_start
+    if args.out:
+        _write(args.out, out)
+        log(f"wrote {args.out}")
+    log(f"done in {out['wall_s']:.0f} s")
+    return 0
+
+
+def run_sizes(args: argparse.Namespace, sizes: list[float], out: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     with C.terminate_as_exception(), C.Workspace() as ws:
@@ -1045,7 +1391,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo", init_method=f"file://{ws.path('pg')}", rank=0, world_size=1)
         try:
             for size in sizes:
-                need = int(size * C.GiB * 4.4 + 1.5 * C.GiB)
+                need = int(size * C.GiB * 4.2 + 1.5 * C.GiB)
                 avail, shm = C.available_bytes(), C.shm_free_bytes()
                 if avail < need or shm < int(size * C.GiB * 2.3):
                     msg = (
@@ -1056,21 +1402,19 @@ def main(argv: list[str] | None = None) -> int:
                     log(msg)
                     out["skipped"].append({"size_gib": size, "reason": msg})
                     continue
-                res = bench_size(size, args, ws)
+                res: dict[str, Any] = {}
                 out["sizes"].append(res)
+
+                def save() -> None:
+                    if args.out:  # partial results survive a crash (or the OOM killer)
+                        _write(args.out, out)
+
+                bench_size(size, args, ws, res, save)
                 print_size(res)
-                if args.out:  # keep partial results if a later size fails
-                    _write(args.out, out)
         finally:
             _dcp_process_shutdown()
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-    out["wall_s"] = time.perf_counter() - t_start
-    if args.out:
-        _write(args.out, out)
-        log(f"wrote {args.out}")
-    log(f"done in {out['wall_s']:.0f} s")
-    return 0
 
 
 def _write(path: str, obj: Any) -> None:

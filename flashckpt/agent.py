@@ -13,7 +13,8 @@ Trainers connect over a local Unix socket (mode 0600). The agent
 * on SIGTERM finishes what is in flight, persists what storage lacks, removes its segments, exits;
 * on start removes the segments of jobs whose agent is dead, and adopts its own job's segments.
 
-The agent never imports torch: it moves bytes.
+The agent moves bytes: it does no tensor work (it still imports torch today, through the package
+and ``layout``; about 2 s and 220 MiB at start).
 """
 
 from __future__ import annotations
@@ -627,6 +628,8 @@ class NodeAgent:
 
     def _pending_step(self) -> tuple[int, dict[int, tuple[int, SlotInfo]]] | None:
         """The newest step every local rank holds complete and storage lacks, with its slots."""
+        if self.storage is None:
+            return None  # memory only: nothing is ever pending
         with self._lock:
             ranks = [r for r in self._ranks.values() if any(s is not None for s in r.slots)]
             if not ranks:

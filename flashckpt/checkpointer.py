@@ -665,7 +665,7 @@ class Checkpointer:
         """Reserves both slots at entry, sized from the state (or an estimate before the first
         optimizer step), so a too-small /dev/shm fails here, before training, not mid-run."""
         need = self._estimate_bytes()
-        self._ensure_slots(_MIN_META_CAP * 4, need + need // 16 + (1 << 20), fault=False)
+        self._ensure_slots(_MIN_META_CAP, need, fault=False)
 
     def _prefault_all(self) -> None:
         """Maps every slot page now, in the copy thread: first-touch faults cost ~10x a copy."""
@@ -673,14 +673,18 @@ class Checkpointer:
             if sm is not None:
                 prefault(sm.data.data_ptr() + HEADER_SIZE, sm.data.numel() - HEADER_SIZE)
 
-    def _ensure_slots(self, meta_cap: int, data_cap: int, fault: bool = True) -> None:
+    def _ensure_slots(self, meta_need: int, data_need: int, fault: bool = True) -> None:
+        """Makes both slots hold at least the given sizes; existing slots that do are kept
+        (after a restart they hold the snapshots just restored from). New ones get headroom."""
         with self._slot_lock:
             ok = all(
-                s is not None and s.slot.meta_cap >= meta_cap and s.slot.data_cap >= data_cap
+                s is not None and s.slot.meta_cap >= meta_need and s.slot.data_cap >= data_need
                 for s in self._slots
             )
             if ok:
                 return
+            meta_cap = max(4 * _MIN_META_CAP, 2 * meta_need)
+            data_cap = data_need + data_need // 16 + (1 << 20)
             assert self._client is not None
             try:
                 reply = self._client.request(
@@ -719,7 +723,7 @@ class Checkpointer:
         ):
             # First save without pre-allocation, or the state outgrew the slots: reallocate.
             self.wait()
-            self._ensure_slots(need_meta * 2, need_data + need_data // 16)
+            self._ensure_slots(need_meta, need_data)
         deadline = time.monotonic() + self.config.agent_timeout
         while True:
             target = self._target_slot()

@@ -1,0 +1,476 @@
+"""Failover benchmark: time from killing a machine to the first training step after resume.
+
+A tiny DDP job (``failover_worker.py``: gloo on loopback, 2 machines x 1 process, plus one
+standby machine, all simulated on this host as separate launcher process trees) trains; the
+machine that runs rank 0 is killed with SIGKILL (its launcher, node agent and worker at the same
+instant, at a random point of a snapshot interval); the standby takes its place. Measured per
+system, from worker and launcher timestamps:
+
+- ``detect``: kill -> the first launcher reports the machine dead (flashckpt only; torchrun
+  does not report it);
+- ``rendezvous``: -> the new round is formed (flashckpt only);
+- ``detect+rdzv``: kill -> the last new worker process is started;
+- ``init``: -> every new worker has imported torch and joined the process group;
+- ``restore``: -> every new worker has restored its state;
+- ``first step``: -> every rank finished its first step after the resume (the headline number,
+  ``total``, is kill -> here);
+- ``lost``: steps done before the kill and computed again after it, against the snapshot
+  interval.
+
+Systems:
+
+- ``flashckpt``: ``flashckpt run`` with its defaults (etcd v3 rendezvous, 5 s leases, peer
+  probe on failure, event-driven rendezvous, spare node agent, workers forked from a
+  pre-warmed process), resuming with
+  ``flashckpt.checkpointing`` (memory or committed storage);
+- ``flashckpt-lease-only``: the same with ``--no-probe``: a dead machine is found by its lease
+  lapsing (what a power loss or network partition looks like);
+- ``flashckpt-cold``: the same with ``--no-prewarm``: every worker is a fresh interpreter that
+  imports torch, like torchrun's;
+- ``torchrun-default``: plain ``torchrun`` with torch's c10d rendezvous and default keep-alive
+  (5 s x 3), resuming from ``torch.save`` files written every interval by rank 0;
+- ``torchrun-tuned``: the same with keep-alive 1 s x 3.
+
+Run from the repository root::
+
+    python benchmarks/failover.py                     # every system, 3 kills each
+    python benchmarks/failover.py --systems flashckpt --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).with_name("failover_worker.py")
+SYSTEMS = (
+    "flashckpt",
+    "flashckpt-lease-only",
+    "flashckpt-cold",
+    "torchrun-tuned",
+    "torchrun-default",
+)
+
+
+def _env(node: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env["OMP_NUM_THREADS"] = "1"
+    env["BENCH_NODE"] = node
+    return env
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _kill(processes: list[psutil.Process]) -> None:
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(processes, timeout=10)
+
+
+class Job:
+    """The machines of one benchmark run; :meth:`close` kills every process it started."""
+
+    def __init__(self, system: str, work: Path, args: argparse.Namespace) -> None:
+        self.system = system
+        self.work = work
+        self.args = args
+        self.uid = "fo" + uuid.uuid4().hex[:10]
+        self.out = work / f"out-{self.uid}"
+        self.out.mkdir(parents=True)
+        self.run_dir = f"/tmp/{self.uid}"
+        self.shm_root = Path("/dev/shm") / self.uid
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.killed: set[str] = set()
+        self.etcd: Any = None
+        self.store_host: subprocess.Popen[bytes] | None = None
+        self.endpoint = self._start_coordinator()
+
+    @property
+    def flashckpt(self) -> bool:
+        return self.system.startswith("flashckpt")
+
+    def _start_coordinator(self) -> str:
+        if self.flashckpt:
+            from elastic.testing import EtcdServer
+
+            self.etcd = EtcdServer(self.work / f"etcd-{self.uid}")
+            return str(self.etcd.start())
+        # torchrun's c10d rendezvous keeps its state in a TCPStore. Hosting it in a process of
+        # its own keeps it alive when the machine that would otherwise host it is killed.
+        code = (
+            "import sys, time, torch.distributed as d\n"
+            "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, "
+            "multi_tenant=True)\n"
+            "print(s.port, flush=True)\n"
+            "time.sleep(1e6)\n"
+        )
+        self.store_host = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True
+        )
+        assert self.store_host.stdout is not None
+        port = int(self.store_host.stdout.readline())
+        return f"127.0.0.1:{port}"
+
+    def command(self, node: str) -> list[str]:
+        a = self.args
+        worker = [
+            str(WORKER),
+            "--out",
+            str(self.out),
+            "--every",
+            str(a.every),
+            "--step-sleep",
+            str(a.step_sleep),
+        ]
+        if self.flashckpt:
+            cmd = [
+                sys.executable, "-m", "flashckpt", "run",
+                "--nnodes", "2:2", "--nproc-per-node", "1",
+                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.uid,
+                "--node-id", node, "--local-addr", "127.0.0.1",
+                "--run-dir", self.run_dir, "--shm-dir", str(self.shm_root / node),
+                "--storage", f"file://{self.work}/ckpt-{self.uid}",
+                "--event-log", str(self.work / f"launcher-{self.uid}-{node}.jsonl"),
+                "--log-dir", str(self.work / f"logs-{self.uid}-{node}"),
+            ]  # fmt: skip
+            if self.system == "flashckpt-lease-only":
+                cmd.append("--no-probe")
+            if self.system == "flashckpt-cold":
+                cmd.append("--no-prewarm")
+            if a.verbose:
+                cmd.append("--verbose")
+            return [*cmd, *worker, "--mode", "flashckpt", "--storage", f"file://{self.work}/"
+                    f"ckpt-{self.uid}"]  # fmt: skip
+        conf = "is_host=0"
+        if self.system == "torchrun-tuned":
+            conf += ",keep_alive_interval=1,keep_alive_max_attempt=3"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "2:2", "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.uid,
+            "--rdzv-conf", conf, "--max-restarts", "3", "--monitor-interval", "0.1",
+            "--local-addr", "127.0.0.1",
+            "--log-dir", str(self.work / f"logs-{self.uid}-{node}"),
+        ]  # fmt: skip
+        return [*cmd, *worker, "--mode", "torchsave", "--storage",
+                str(self.work / f"torchsave-{self.uid}")]  # fmt: skip
+
+    def start(self, node: str) -> None:
+        (self.shm_root / node).mkdir(parents=True, exist_ok=True)
+        with open(self.work / f"launcher-{self.uid}-{node}.log", "ab") as log:
+            self.procs[node] = subprocess.Popen(
+                self.command(node),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_env(node),
+                cwd=self.work,
+                start_new_session=True,
+            )
+
+    def events(self) -> list[dict[str, Any]]:
+        return _read_jsonl(self.out / "events.jsonl")
+
+    def launcher_events(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for node in self.procs:
+            out += _read_jsonl(self.work / f"launcher-{self.uid}-{node}.jsonl")
+        return out
+
+    def kill(self, node: str) -> float:
+        victims = _tree(self.procs[node].pid)
+        t = time.time()
+        for p in victims:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(victims, timeout=10)
+        return t
+
+    def wait(self, what: str, check: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            for node, proc in self.procs.items():
+                if proc.poll() is not None and node not in self.killed:
+                    raise RuntimeError(f"launcher {node} exited with {proc.returncode}\n"
+                                       f"{self.tail(node)}")  # fmt: skip
+            if time.monotonic() > deadline:
+                tails = "\n".join(self.tail(n) for n in self.procs)
+                raise RuntimeError(f"timed out waiting for {what}\n{tails}")
+            time.sleep(0.02)
+
+    def tail(self, node: str) -> str:
+        path = self.work / f"launcher-{self.uid}-{node}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return f"--- {node}\n{text[-3000:]}"
+
+    def close(self) -> None:
+        victims: list[psutil.Process] = []
+        for proc in self.procs.values():
+            victims += _tree(proc.pid)
+        if self.store_host is not None:
+            victims += _tree(self.store_host.pid)
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            with contextlib.suppress(psutil.Error, TypeError):
+                if self.uid in " ".join(p.info["cmdline"] or []):
+                    victims.append(p)
+        _kill(victims)
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        if self.etcd is not None:
+            self.etcd.close()
+        shutil.rmtree(self.shm_root, ignore_errors=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def run_once(
+    system: str, work: Path, args: argparse.Namespace, rng: random.Random
+) -> dict[str, Any]:
+    """One kill of rank 0's machine; returns the measured times (seconds) and work lost."""
+    job = Job(system, work, args)
+    try:
+        job.start("n0")
+        job.start("n1")
+        job.wait("training", lambda: _steps_done(job.events()) >= 5, 120)
+        job.start("n2")
+        # The standby must be waiting in the rendezvous, ready to start workers.
+        if job.flashckpt:
+            job.wait(
+                "the standby",
+                lambda: (
+                    {"rendezvous_start", "warm"}
+                    <= {e["event"] for e in job.launcher_events() if e["node"] == "n2"}
+                ),
+                120,
+            )
+        time.sleep(args.settle)
+        # Kill at a random point of a snapshot interval.
+        time.sleep(rng.uniform(0, args.every * args.step_sleep))
+        events = job.events()
+        victim = next(
+            e["node"] for e in reversed(events) if e["event"] == "start" and e["rank"] == 0
+        )
+        job.killed.add(victim)
+        t_kill = job.kill(victim)
+        job.wait("the first step after the resume", lambda: _resumed(job.events(), t_kill), 120)
+        time.sleep(0.2)
+        return _measure(system, job, t_kill, args)
+    finally:
+        job.close()
+
+
+def _steps_done(events: list[dict[str, Any]]) -> int:
+    ranks: dict[int, int] = {}
+    for e in events:
+        if e["event"] == "step":
+            ranks[e["rank"]] = max(ranks.get(e["rank"], -1), e["step"])
+    return min(ranks.values()) + 1 if len(ranks) >= 2 else 0
+
+
+def _new_pids(events: list[dict[str, Any]], t_kill: float) -> set[int]:
+    """Workers started after the kill (an old worker may still log a step just after it)."""
+    return {e["pid"] for e in events if e["event"] == "start" and e["t_process"] > t_kill}
+
+
+def _resumed(events: list[dict[str, Any]], t_kill: float) -> bool:
+    new = _new_pids(events, t_kill)
+    ranks = {e["rank"] for e in events if e["event"] == "step" and e["pid"] in new}
+    return len(ranks) >= 2
+
+
+def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> dict[str, Any]:
+    events = job.events()
+    new_pids = _new_pids(events, t_kill)
+    before = [e for e in events if e["pid"] not in new_pids]
+    after = [e for e in events if e["pid"] in new_pids]
+    last_by_rank: dict[int, int] = {}
+    for e in before:
+        if e["event"] == "step" and e["t"] <= t_kill:
+            last_by_rank[e["rank"]] = max(last_by_rank.get(e["rank"], -1), e["step"])
+    last_done = min(last_by_rank.values())
+    starts = [e for e in after if e["event"] == "start"]
+    t_spawn = max(e["t_process"] for e in starts)
+    t_pg = max(e["t"] for e in after if e["event"] == "pg_ready" and e["pid"] in new_pids)
+    restored = [e for e in after if e["event"] == "restored" and e["pid"] in new_pids]
+    t_restored = max(e["t"] for e in restored)
+    first_by_rank: dict[int, float] = {}
+    for e in after:
+        if e["event"] == "step" and e["rank"] not in first_by_rank:
+            first_by_rank[e["rank"]] = e["t"]
+    t_first = max(first_by_rank.values())
+    resume_step = restored[0]["start_step"]
+    result: dict[str, Any] = {
+        "system": system,
+        "total_s": t_first - t_kill,
+        "detect_rdzv_s": t_spawn - t_kill,
+        "init_s": t_pg - t_spawn,
+        "restore_s": t_restored - t_pg,
+        "first_step_s": t_first - t_restored,
+        "last_step_done_before_kill": last_done,
+        "resume_step": resume_step,
+        "steps_recomputed": last_done + 1 - resume_step,
+        "snapshot_interval": args.every,
+        "restored_from": sorted({str(e["restored_from"]) for e in restored}),
+    }
+    if job.flashckpt:
+        launcher = [e for e in job.launcher_events() if e["t"] > t_kill]
+        lost = [e["t"] for e in launcher if e["event"] == "peer_lost"]
+        rdzv = [e["t"] for e in launcher if e["event"] == "rendezvous_done"]
+        if lost and rdzv:
+            result["detect_s"] = min(lost) - t_kill
+            result["rendezvous_s"] = max(rdzv) - min(lost)
+    return result
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ["total_s", "detect_s", "rendezvous_s", "detect_rdzv_s", "init_s", "restore_s",
+            "first_step_s", "steps_recomputed"]  # fmt: skip
+    out: dict[str, Any] = {"runs": len(runs)}
+    for key in keys:
+        values = [r[key] for r in runs if key in r]
+        if values:
+            out[key] = {"median": statistics.median(values), "min": min(values),
+                        "max": max(values)}  # fmt: skip
+    return out
+
+
+def _table(summaries: dict[str, dict[str, Any]], every: int) -> str:
+    cols = [("total", "total_s"), ("detect", "detect_s"), ("rdzv", "rendezvous_s"),
+            ("detect+rdzv", "detect_rdzv_s"), ("init", "init_s"), ("restore", "restore_s"),
+            ("1st step", "first_step_s")]  # fmt: skip
+    lines = [
+        "kill -> first step after resume, median seconds (min-max) over the runs; "
+        f"steps recomputed vs snapshot interval {every}",
+        f"{'system':<22}" + "".join(f"{c:>20}" for c, _ in cols) + f"{'recomputed':>14}",
+    ]
+    for system, s in summaries.items():
+        row = f"{system:<22}"
+        for _, key in cols:
+            v = s.get(key)
+            cell = "-" if v is None else f"{v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})"
+            row += f"{cell:>20}"
+        v = s.get("steps_recomputed")
+        cell = "-" if v is None else f"{v['median']:.1f} ({v['min']:.0f}-{v['max']:.0f})"
+        row += f"{cell:>14}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--table", metavar="JSON", help="print the table of an earlier run and exit")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
+    p.add_argument("--repeats", type=int, default=3, help="kills per system")
+    p.add_argument("--every", type=int, default=5, help="snapshot interval (steps)")
+    p.add_argument("--step-sleep", type=float, default=0.05, help="extra seconds per step")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=4.0,
+        help="seconds the standby gets to reach the rendezvous before the kill",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="debug logs from flashckpt run")
+    p.add_argument(
+        "--work-dir",
+        default=None,
+        help="keep every run's logs here (default: a temporary directory, removed)",
+    )
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "failover.json"))
+    args = p.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            saved = json.load(f)
+        print(_table(saved["summary"], saved["settings"]["every"]))
+        return 0
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in systems:
+        if s not in SYSTEMS:
+            p.error(f"unknown system {s!r}; choose from {SYSTEMS}")
+    rng = random.Random(args.seed)
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    errors: list[str] = []
+    with contextlib.ExitStack() as stack:
+        if args.work_dir:
+            tmp = args.work_dir
+            os.makedirs(tmp, exist_ok=True)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="fc-failover-"))
+        for i in range(args.repeats):
+            for system in systems:
+                work = Path(tmp) / f"{system}-{i}"
+                work.mkdir()
+                try:
+                    result = run_once(system, work, args, rng)
+                except Exception as exc:
+                    errors.append(f"{system} run {i}: {exc}")
+                    print(f"{system} run {i} FAILED: {str(exc)[:3000]}", file=sys.stderr)
+                    continue
+                runs[system].append(result)
+                print(
+                    f"{system} run {i}: total {result['total_s']:.2f} s, recomputed "
+                    f"{result['steps_recomputed']} steps, restored from {result['restored_from']}",
+                    flush=True,
+                )
+    summaries = {s: _summary(r) for s, r in runs.items() if r}
+    report = {
+        "benchmark": "failover",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "settings": vars(args),
+        "summary": summaries,
+        "runs": runs,
+        "errors": errors,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(_table(summaries, args.every))
+    print(f"wrote {args.out}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""One worker of the failover benchmark: a tiny DDP (gloo) training loop that logs timestamps.
+
+Run by ``flashckpt run`` (``--mode flashckpt``: flash checkpoints, resume from memory or
+storage) or by plain ``torchrun`` (``--mode torchsave``: rank 0 writes ``torch.save`` files with
+fsync every ``--every`` steps, every rank loads the newest on start). Appends JSON lines to
+``<out>/events.jsonl``: ``start`` (with the process start time, taken before any import),
+``pg_ready``, ``restored`` (with the step resumed from) and one ``step`` per finished step.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_PROCESS = time.time()
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import flashckpt  # noqa: E402
+
+
+def _event(out: str, name: str, **fields: object) -> None:
+    record = {
+        "t": time.time(),
+        "event": name,
+        "pid": os.getpid(),
+        "rank": int(os.environ.get("RANK", "-1")),
+        "node": os.environ.get("FLASHCKPT_NODE", os.environ.get("BENCH_NODE", "")),
+        **fields,
+    }
+    with open(os.path.join(out, "events.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _latest_torch_save(directory: str) -> str | None:
+    path = os.path.join(directory, "latest.pt")
+    return path if os.path.exists(path) else None
+
+
+def _torch_save(directory: str, state: dict[str, object]) -> None:
+    tmp = os.path.join(directory, f"latest.pt.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, "latest.pt"))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--mode", choices=("flashckpt", "torchsave"), required=True)
+    p.add_argument("--storage", required=True, help="flashckpt URL or torch.save directory")
+    p.add_argument("--steps", type=int, default=100_000)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--width", type=int, default=256)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    _event(a.out, "start", t_process=T_PROCESS)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    _event(a.out, "pg_ready")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(a.width, a.width), torch.nn.Tanh(), torch.nn.Linear(a.width, 1)
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    _event(a.out, "ddp_ready")
+
+    def train(step: int) -> None:
+        g = torch.Generator().manual_seed(10_000 * rank + step)
+        x = torch.randn(16, a.width, generator=g)
+        loss = torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True).sin())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    if a.mode == "torchsave":
+        os.makedirs(a.storage, exist_ok=True)
+        start = 0
+        path = _latest_torch_save(a.storage)
+        if path is not None:
+            state = torch.load(path, weights_only=True)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            start = int(state["step"])
+        _event(a.out, "restored", start_step=start, restored_from="torch.save" if path else None)
+        for step in range(start, a.steps):
+            train(step)
+            if rank == 0 and (step + 1) % a.every == 0:
+                _torch_save(
+                    a.storage,
+                    {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1},
+                )
+            _event(a.out, "step", step=step)
+            time.sleep(a.step_sleep)
+        return 0
+
+    # Only the machine that runs rank 0 learns of commits (it writes the manifest): a flush
+    # elsewhere would wait its whole timeout.
+    with flashckpt.checkpointing(
+        ddp,
+        opt,
+        storage=a.storage,
+        every=a.every,
+        flush_timeout=600.0 if rank == 0 else 1.0,
+    ) as ckpt:
+        _event(a.out, "restored", start_step=ckpt.start_step, restored_from=ckpt.restored_from)
+        for step in range(ckpt.start_step, a.steps):
+            train(step)
+            ckpt.step(step)
+            _event(a.out, "step", step=step)
+            time.sleep(a.step_sleep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,443 @@
+"""``flashckpt run``: an elastic launcher on etcd v3, with standby machines and flash checkpoints.
+
+One launcher runs per machine::
+
+    flashckpt run --nnodes 2:2 --nproc-per-node 8 --rdzv-endpoint etcd1:2379 --rdzv-id job7 \\
+        --storage s3://bucket/job7 train.py --lr 3e-4
+
+It is torchrun's elastic agent (``LocalElasticAgent``, same flags where they exist) with:
+
+- our etcd v3 rendezvous backend (:mod:`elastic.rendezvous`);
+- the flashckpt node agent running beside the workers for the life of the launcher, and
+  ``FLASHCKPT_JOB``/``FLASHCKPT_NODE``/``FLASHCKPT_RUN_DIR``/``FLASHCKPT_SHM_DIR`` in the
+  workers' environment, so ``flashckpt.checkpointing()`` in the worker finds it
+  (``FLASHCKPT_STORAGE`` carries ``--storage`` for the script's own use);
+- standby machines: start more launchers than ``MAX`` with the same ``--rdzv-id``; they wait in
+  the rendezvous and take the place of a machine that dies;
+- liveness by etcd leases plus a probe of the peers when workers fail
+  (:mod:`elastic.membership`): a dead machine is dropped from torch's rendezvous state as soon as
+  it is known dead, instead of after torch's heartbeat timeout (15 s by default);
+- a fast recovery path: peers are probed when workers fail, torch's rendezvous wakes on etcd
+  watches instead of polling (:mod:`elastic.rdzv_watch`), a spare node agent is started ahead
+  of time (:mod:`elastic.node_agent`), and workers are forked from a process that has already
+  imported torch (:mod:`elastic.prewarm`, ``--no-prewarm`` to turn off);
+- workers that die with their launcher (``PR_SET_PDEATHSIG``, :mod:`elastic.worker_entry`), and
+  a worker that fails with an exception exits at once instead of tearing torch down;
+- ``--standalone``: a private etcd for single-machine runs (the default when ``--nnodes`` is 1
+  and no ``--rdzv-endpoint`` is given);
+- ``--health-check``: a short compute + all-reduce probe before each round's workers start;
+  a machine that fails it is recorded in etcd and never admitted to this job again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["LauncherConfig", "launch", "main", "parse_args"]
+
+logger = logging.getLogger("flashckpt.launcher")
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass(kw_only=True, slots=True)
+class LauncherConfig:
+    """Everything one ``flashckpt run`` needs; built from the command line by
+    :func:`parse_args`."""
+
+    entrypoint: str
+    """The training script (or module, with ``module=True``)."""
+    entrypoint_args: list[str] = field(default_factory=list)
+    """Its arguments."""
+    module: bool = False
+    """Run ``entrypoint`` as a module (``python -m``)."""
+    min_nodes: int = 1
+    """Smallest number of machines the job runs with."""
+    max_nodes: int = 1
+    """Largest number of machines the job runs with; more launchers are standbys."""
+    nproc_per_node: int = 1
+    """Worker processes per machine."""
+    rdzv_endpoint: str | None = None
+    """etcd client URL(s); ``None`` with ``standalone``."""
+    rdzv_id: str = "none"
+    """The job id: every machine of a job uses the same; it also names the flashckpt job."""
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    """Extra rendezvous options (torch's ``join_timeout``, ``last_call_timeout``,
+    ``keep_alive_interval``..., ours: ``read_timeout``, ``key_prefix``...)."""
+    standalone: bool = False
+    """Start a private etcd on loopback (single machine)."""
+    max_restarts: int = 3
+    """Worker-group restarts after failures before the launcher gives up."""
+    monitor_interval: float = 0.1
+    """Seconds between checks of the workers."""
+    local_addr: str | None = None
+    """This machine's address as other machines reach it (default: its FQDN)."""
+    node_id: str = field(default_factory=lambda: _default_node_id())
+    """This machine's id in the job; unique per machine."""
+    storage: str | None = None
+    """Checkpoint root URL handed to the node agent (``None``: the trainers supply it)."""
+    shm_dir: str = "/dev/shm"
+    """Where the node agent keeps snapshots."""
+    run_dir: str | None = None
+    """Directory of the node agent's socket and logs (default ``/tmp/flashckpt-<uid>``)."""
+    keep: int = 3
+    """Committed steps the node agent keeps in storage."""
+    lease_ttl: float = 5.0
+    """Seconds after its last lease renewal that a silent machine is declared dead."""
+    probe: bool = True
+    """Probe peers when workers fail, to find dead machines before their lease lapses."""
+    health_check: bool = False
+    """Run the compute + all-reduce probe before each round's workers start."""
+    prewarm: bool = True
+    """Fork workers from a process that has already imported torch (:mod:`elastic.prewarm`)."""
+    log_dir: str | None = None
+    """Where torch writes worker logs (default: a temporary directory)."""
+    event_log: str | None = None
+    """Append lifecycle events (JSON lines with wall-clock times) to this file."""
+
+    def __post_init__(self) -> None:
+        if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
+            raise ValueError(
+                f"--nnodes {self.min_nodes}:{self.max_nodes}: use N or MIN:MAX with 1 <= MIN <= MAX"
+            )
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts {self.max_restarts}: must be >= 0")
+        if self.monitor_interval <= 0:
+            raise ValueError(f"--monitor-interval {self.monitor_interval}: must be > 0 seconds")
+        if self.lease_ttl < 2:
+            raise ValueError(
+                f"--lease-ttl {self.lease_ttl}: must be at least 2 s; a TTL near etcd's 1 s "
+                "granularity declares healthy machines dead"
+            )
+        if self.keep < 1:
+            raise ValueError(f"--keep {self.keep}: keep at least 1 committed step")
+        for flag, value in (("--rdzv-id", self.rdzv_id), ("--node-id", self.node_id)):
+            if not _NAME_RE.match(value):
+                raise ValueError(
+                    f"{flag} {value!r}: use 1-64 letters, digits, '-' or '_' (it names etcd "
+                    "keys, shared-memory segments and sockets)"
+                )
+        if self.standalone:
+            if self.rdzv_endpoint:
+                raise ValueError(
+                    "--standalone starts a private etcd: drop --rdzv-endpoint, or drop "
+                    "--standalone to use the etcd at that endpoint"
+                )
+            if self.max_nodes != 1:
+                raise ValueError(
+                    f"--standalone runs one machine, but --nnodes is "
+                    f"{self.min_nodes}:{self.max_nodes}; for several machines start etcd and "
+                    "pass --rdzv-endpoint host:2379 to every launcher"
+                )
+        elif not self.rdzv_endpoint:
+            raise ValueError(
+                "no --rdzv-endpoint: pass the etcd client URL every machine of the job can "
+                "reach (e.g. --rdzv-endpoint etcd-host:2379), or --standalone for a "
+                "single-machine run"
+            )
+        elif self.rdzv_id == "none":
+            raise ValueError(
+                "multi-machine jobs need a job id shared by all their machines: pass "
+                "--rdzv-id <id> to every launcher"
+            )
+
+
+def _default_node_id() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:64] or "node"
+
+
+def _parse_nnodes(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            return int(parts[0]), int(parts[0])
+        if len(parts) == 2:
+            return int(parts[0]), int(parts[1])
+    except ValueError:
+        pass
+    raise ValueError(f"--nnodes {text!r}: use N or MIN:MAX (e.g. 2:2, or 1:4 to scale)")
+
+
+def _parse_nproc(text: str) -> int:
+    if text == "cpu":
+        return os.cpu_count() or 1
+    if text in ("gpu", "auto"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        if text == "gpu":
+            raise ValueError("--nproc-per-node gpu: no CUDA device is visible on this machine")
+        return os.cpu_count() or 1
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"--nproc-per-node {text!r}: use a number, 'gpu', 'cpu' or 'auto'"
+        ) from None
+
+
+def _parse_rdzv_conf(text: str) -> dict[str, str]:
+    conf: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--rdzv-conf item {item!r}: use key=value[,key=value...]")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from flashckpt.protocol import default_run_dir
+
+    p = argparse.ArgumentParser(
+        prog="flashckpt run",
+        description="Launch an elastic training job (torchrun-compatible flags) with etcd v3 "
+        "rendezvous, standby machines and flash checkpointing.",
+    )
+    add = p.add_argument
+    add("--nnodes", default="1", help="N or MIN:MAX machines (default 1)")
+    add(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        default="1",
+        help="workers per machine: a number, 'gpu', 'cpu' or 'auto' (default 1)",
+    )
+    add(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        default=None,
+        help="etcd client URL(s) host:port[,host:port] shared by all machines",
+    )
+    add(
+        "--rdzv-id",
+        "--rdzv_id",
+        default=None,
+        help="job id, the same on every machine (names the flashckpt job too)",
+    )
+    add(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        default="",
+        help="rendezvous options key=value,...: join_timeout, last_call_timeout, "
+        "keep_alive_interval, keep_alive_max_attempt, read_timeout, key_prefix, ...",
+    )
+    add(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        default="flashckpt-etcd",
+        help="only 'flashckpt-etcd' (etcd v3) is supported",
+    )
+    add(
+        "--standalone",
+        action="store_true",
+        help="single machine: start a private etcd (default when --nnodes is 1 and no "
+        "--rdzv-endpoint is given)",
+    )
+    add(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=3,
+        help="worker-group restarts after failures before giving up (default 3)",
+    )
+    add(
+        "--monitor-interval",
+        "--monitor_interval",
+        type=float,
+        default=0.1,
+        help="seconds between checks of the workers (default 0.1)",
+    )
+    add(
+        "--local-addr",
+        "--local_addr",
+        default=None,
+        help="this machine's address as the others reach it (default: its FQDN)",
+    )
+    add(
+        "--node-id",
+        default=None,
+        help="this machine's id in the job (default: host name); simulated machines on one "
+        "host need distinct ids",
+    )
+    add("--storage", default=None, help="checkpoint root URL for the node agent (fsspec)")
+    add("--shm-dir", default="/dev/shm", help="where the node agent keeps snapshots")
+    add(
+        "--run-dir", default=default_run_dir(), help="directory of the node agent's socket and logs"
+    )
+    add("--keep", type=int, default=3, help="committed steps kept in storage (default 3)")
+    add(
+        "--lease-ttl",
+        type=float,
+        default=5.0,
+        help="seconds after which a machine that stopped renewing its etcd lease is declared "
+        "dead (default 5)",
+    )
+    add(
+        "--no-probe",
+        dest="probe",
+        action="store_false",
+        help="do not probe peers when workers fail; rely on lease expiry alone",
+    )
+    add(
+        "--no-prewarm",
+        dest="prewarm",
+        action="store_false",
+        help="start every worker as a fresh interpreter instead of forking it from a process "
+        "that has already imported torch (needed for NUMA memory binding)",
+    )
+    add(
+        "--health-check",
+        action="store_true",
+        help="before each round, run a compute + all-reduce probe; a machine that fails is "
+        "recorded in etcd and not admitted again to this job",
+    )
+    add("--log-dir", "--log_dir", default=None, help="directory for torch's worker logs")
+    add(
+        "--event-log",
+        default=None,
+        help="append lifecycle events (JSON lines with wall-clock times) to this file",
+    )
+    add(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run the entry point as a Python module (python -m)",
+    )
+    add("-v", "--verbose", action="store_true", help="debug logging")
+    add("training_script", help="the training script (or module, with -m)")
+    add("training_script_args", nargs=argparse.REMAINDER)
+    return p  # fmt: skip
+
+
+def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
+    """Parses ``flashckpt run`` arguments.
+
+    Returns:
+        The launcher configuration, and whether ``--verbose`` was given.
+
+    Raises:
+        SystemExit: On invalid arguments, with a message that names the flag and the fix.
+    """
+    parser = _build_parser()
+    args = parser.parse_args(list(argv))
+    try:
+        if args.rdzv_backend not in ("flashckpt-etcd", "etcd-v3"):
+            raise ValueError(
+                f"--rdzv-backend {args.rdzv_backend!r}: flashckpt run supports 'flashckpt-etcd' "
+                "(etcd v3) only; use torchrun for torch's own backends"
+            )
+        min_nodes, max_nodes = _parse_nnodes(args.nnodes)
+        standalone = args.standalone or (args.rdzv_endpoint is None and max_nodes == 1)
+        rdzv_id = args.rdzv_id or ("s" + uuid.uuid4().hex[:12] if standalone else "none")
+        config = LauncherConfig(
+            entrypoint=args.training_script,
+            entrypoint_args=list(args.training_script_args),
+            module=args.module,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            nproc_per_node=_parse_nproc(args.nproc_per_node),
+            rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=rdzv_id,
+            rdzv_conf=_parse_rdzv_conf(args.rdzv_conf),
+            standalone=standalone,
+            max_restarts=args.max_restarts,
+            monitor_interval=args.monitor_interval,
+            local_addr=args.local_addr,
+            node_id=args.node_id or _default_node_id(),
+            storage=args.storage,
+            shm_dir=args.shm_dir,
+            run_dir=args.run_dir,
+            keep=args.keep,
+            lease_ttl=args.lease_ttl,
+            probe=args.probe,
+            health_check=args.health_check,
+            prewarm=args.prewarm,
+            log_dir=args.log_dir,
+            event_log=args.event_log,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config, args.verbose
+
+
+class EventLog:
+    """Appends lifecycle events as JSON lines (``{"t": wall clock, "event": ..., ...}``).
+
+    Used by the failover benchmark to break a recovery down; a no-op without a path.
+    """
+
+    def __init__(self, path: str | None, node_id: str) -> None:
+        self._path = path
+        self._node = node_id
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        """Records one event. Never raises."""
+        if not self._path:
+            return
+        line = json.dumps({"t": time.time(), "event": event, "node": self._node, **fields})
+        try:
+            with self._lock, open(self._path, "a") as f:
+                f.write(line + "\n")
+        except OSError as exc:
+            logger.warning("cannot write event log %s: %s", self._path, exc)
+
+
+def main(argv: list[str]) -> int:
+    """``flashckpt run`` entry point (called by ``flashckpt.cli``).
+
+    Args:
+        argv: The arguments after ``run``.
+
+    Returns:
+        The exit code: 0 when the job finished (or this standby was not needed), 1 when the
+        workers failed beyond ``--max-restarts``, 2 on a configuration or etcd error, 128+N
+        when stopped by signal N.
+    """
+    config, verbose = parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format=f"[flashckpt run {config.node_id}] %(asctime)s %(levelname)s %(message)s",
+    )
+    from elastic.session import LaunchError
+
+    try:
+        return launch(config)
+    except LaunchError as exc:
+        print(f"flashckpt run: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def launch(config: LauncherConfig) -> int:
+    """Runs one machine of an elastic job until the job ends; see the module docstring.
+
+    Returns:
+        The exit code (see :func:`main`).
+
+    Raises:
+        elastic.session.LaunchError: If etcd is unreachable, the node id is taken, the node
+            was marked unhealthy, or the node agent does not start.
+    """
+    from elastic.session import LaunchSession
+
+    with LaunchSession(config, EventLog(config.event_log, config.node_id)) as session:
+        return session.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,559 @@
+"""Machine liveness for elastic jobs: lease-bound node keys in etcd, and fast death detection.
+
+Every launcher of a job registers itself under ``<key_prefix>/<run_id>/nodes/<node_id>`` with a
+key bound to an etcd lease that it renews every ``ttl / 5``. When a machine dies, nobody renews
+its lease, etcd deletes its key after at most ``ttl``, and every other launcher's watch sees the
+deletion at once. That is the authority on liveness, and it works whatever killed the machine
+(power, kernel panic, network partition).
+
+It is also slow compared with what a survivor already knows: when a peer's *processes* die and
+its host stays up (OOM kill, segfault, ``kill -9``, a crashed launcher), the survivor's
+collectives fail within milliseconds. So each launcher also listens on a small TCP *probe* port
+(advertised in its key) that answers with the launcher's instance token. When a launcher's
+workers fail, it probes its peers: a peer whose host refuses the connection, or answers with
+another token (the port was reused), is certainly dead, and its lease is revoked at once, which
+deletes its key just as the lease's expiry would. A probe that merely times out proves nothing
+(a slow network, a busy host), so it is left to the lease. Healthy machines are therefore never
+declared dead by a probe, only by their lease.
+
+What the job does with a death is up to the ``on_lost`` callback (the launcher expires the node
+in torch's rendezvous state, see :func:`expire_rendezvous_nodes`, so the next round forms
+without waiting for torch's own heartbeat timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import logging
+import os
+import pickle
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from elastic.deadline import Deadline
+from elastic.etcd import (
+    EtcdClient,
+    EtcdError,
+    EtcdLeaseNotFound,
+    EtcdOutcomeUnknown,
+    KeyValue,
+    Lease,
+)
+
+__all__ = [
+    "NodeIdInUse",
+    "NodeRecord",
+    "NodeRegistry",
+    "ProbeResult",
+    "expire_rendezvous_nodes",
+    "nodes_prefix",
+    "probe",
+]
+
+logger = logging.getLogger(__name__)
+
+_PROBE_TIMEOUT_S = 0.5
+_PROBE_ATTEMPTS = 3
+_PROBE_RETRY_S = 0.1
+_WATCH_SLICE = timedelta(seconds=5)
+
+
+def nodes_prefix(job_prefix: str) -> str:
+    """The etcd prefix of a job's node keys, given the job's prefix (ending in ``/``)."""
+    return job_prefix + "nodes/"
+
+
+class NodeIdInUse(RuntimeError):
+    """Another live launcher of this job already registered the same node id."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    """What a launcher publishes about itself under its node key."""
+
+    node_id: str
+    """The launcher's ``--node-id``."""
+    host: str
+    """The host name of its machine."""
+    pid: int
+    """The launcher's process id."""
+    token: str
+    """A random id of this launcher instance (answered by its probe port)."""
+    probe: str
+    """``host:port`` of its probe listener; empty if it has none."""
+    state: str = "starting"
+    """``starting``, ``waiting`` (in the rendezvous, standby included), ``active`` or
+    ``leaving``."""
+    rdzv_node: str | None = None
+    """torch's rendezvous node descriptor of this launcher (``addr_pid_localid``)."""
+    group_rank: int | None = None
+    """Its rank among the machines of the current round, when active."""
+    lease: int = 0
+    """The etcd lease the key is bound to (filled in when read)."""
+
+    def to_json(self) -> bytes:
+        """The key's value."""
+        data = asdict(self)
+        data.pop("lease")
+        return json.dumps(data, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_kv(cls, kv: KeyValue) -> NodeRecord | None:
+        """Parses a node key; ``None`` if it is not one of ours."""
+        try:
+            data = json.loads(kv.value)
+            fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data and k != "lease"}
+            return cls(**fields, lease=kv.lease)
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+class ProbeResult(enum.Enum):
+    """What a probe of a peer's launcher says."""
+
+    ALIVE = "alive"
+    """It answered with its token."""
+    DEAD = "dead"
+    """Its host refused the connection, or another process answered: the launcher is gone."""
+    UNKNOWN = "unknown"
+    """No answer in time: only the lease can tell."""
+
+
+def probe(record: NodeRecord, timeout: float = _PROBE_TIMEOUT_S) -> ProbeResult:
+    """Checks whether a peer's launcher is still running.
+
+    Args:
+        record: The peer's node record.
+        timeout: Seconds to wait for the connection and the answer.
+
+    Returns:
+        :attr:`ProbeResult.DEAD` only when the peer is certainly gone.
+    """
+    if not record.probe:
+        return ProbeResult.UNKNOWN
+    host, _, port = record.probe.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            answer = b""
+            while not answer.endswith(b"\n") and len(answer) < 256:
+                chunk = sock.recv(256)
+                if not chunk:
+                    break
+                answer += chunk
+    except ConnectionRefusedError:
+        return ProbeResult.DEAD
+    except (OSError, ValueError):
+        return ProbeResult.UNKNOWN
+    if not answer:
+        return ProbeResult.UNKNOWN
+    return (
+        ProbeResult.ALIVE
+        if answer.strip().decode(errors="replace") == record.token
+        else (ProbeResult.DEAD)
+    )
+
+
+def _probe_patiently(record: NodeRecord) -> ProbeResult:
+    """Probes up to three times while the answer is inconclusive.
+
+    A launcher killed an instant ago may still be exiting: its listening socket accepts the
+    connection but nobody answers. A moment later the port refuses.
+    """
+    result = ProbeResult.UNKNOWN
+    for attempt in range(_PROBE_ATTEMPTS):
+        if attempt:
+            time.sleep(_PROBE_RETRY_S)
+        result = probe(record)
+        logger.debug("probe of node %s at %s: %s", record.node_id, record.probe, result.value)
+        if result is not ProbeResult.UNKNOWN:
+            break
+    return result
+
+
+class _ProbeServer:
+    """Answers every connection with the launcher's token, from a daemon thread."""
+
+    def __init__(self, token: str, bind_host: str) -> None:
+        self._token = token.encode() + b"\n"
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self._sock = socket.create_server((bind_host, 0), family=family, backlog=128)
+        self._sock.settimeout(0.5)
+        self.port = int(self._sock.getsockname()[1])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="flashckpt-probe", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with contextlib.suppress(OSError), conn:
+                conn.settimeout(1.0)
+                conn.sendall(self._token)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        self._thread.join(timeout=2)
+
+
+class NodeRegistry:
+    """This launcher's node key, its lease, its probe port, and a watch on its peers' keys.
+
+    Args:
+        client: The etcd client.
+        job_prefix: The job's key prefix (``<key_prefix>/<run_id>/``).
+        node_id: This machine's node id, unique in the job.
+        ttl: Lease TTL: a machine that stops renewing is dropped this long after its last
+            renewal. Renewals happen every ``ttl / 5``, so four in a row may fail (an etcd
+            restart, a busy host) before a healthy machine is declared dead.
+        advertise_host: Address peers use to reach the probe port (default: the host name).
+        bind_host: Address the probe port listens on (default: every interface).
+        on_lost: Called from the watch thread with the record of every peer whose key
+            disappeared (its lease lapsed or was revoked). Exceptions are logged.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        job_prefix: str,
+        node_id: str,
+        *,
+        ttl: timedelta = timedelta(seconds=5),
+        advertise_host: str | None = None,
+        bind_host: str = "",
+        on_lost: Callable[[NodeRecord], None] | None = None,
+    ) -> None:
+        if ttl < timedelta(seconds=2):
+            raise ValueError(
+                f"the node lease TTL must be at least 2 s (etcd's granularity is 1 s and a "
+                f"renewal must fit in it), got {ttl.total_seconds():g} s"
+            )
+        self._client = client
+        self._prefix = nodes_prefix(job_prefix)
+        self._key = self._prefix + node_id
+        self._ttl = ttl
+        self._on_lost = on_lost
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._peers: dict[str, NodeRecord] = {}
+        self._seen_lost: set[str] = set()
+        self._lease: Lease | None = None
+        self._threads: list[threading.Thread] = []
+        self._probe_server: _ProbeServer | None = None
+        self._bind_host = bind_host
+        self._record = NodeRecord(
+            node_id=node_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            token=uuid.uuid4().hex,
+            probe="",
+        )
+        self._advertise_host = advertise_host or socket.getfqdn()
+
+    @property
+    def key(self) -> str:
+        """This node's key."""
+        return self._key
+
+    @property
+    def record(self) -> NodeRecord:
+        """What this launcher currently publishes."""
+        with self._lock:
+            return self._record
+
+    @property
+    def ttl(self) -> timedelta:
+        """The lease TTL."""
+        return self._ttl
+
+    def start(self, timeout: timedelta) -> None:
+        """Opens the probe port, registers the node key and starts renewing and watching.
+
+        A key left by a dead launcher with the same node id (a machine restarted quickly) is
+        taken over once its owner is found dead, or once its lease lapses.
+
+        Args:
+            timeout: Deadline for the registration, etcd retries included.
+
+        Raises:
+            NodeIdInUse: If a live launcher already holds this node id.
+            EtcdUnavailable: If etcd cannot be reached in time.
+        """
+        self._probe_server = _ProbeServer(self._record.token, self._bind_host)
+        host = self._advertise_host
+        host = f"[{host}]" if ":" in host else host
+        with self._lock:
+            self._record = replace(self._record, probe=f"{host}:{self._probe_server.port}")
+        self._register(Deadline.after(timeout))
+        for target, name in ((self._renew_loop, "renew"), (self._watch_loop, "watch")):
+            thread = threading.Thread(target=target, name=f"flashckpt-node-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def update(self, **fields: Any) -> None:
+        """Changes fields of the published record (``state``, ``group_rank``, ``rdzv_node``).
+
+        A failure to publish is logged, not raised: the record is informative, liveness rests
+        on the lease alone.
+        """
+        with self._lock:
+            self._record = replace(self._record, **fields)
+            record, lease = self._record, self._lease
+        if lease is None:
+            return
+        try:
+            self._client.put(self._key, record.to_json(), lease=lease)
+        except EtcdError as exc:
+            logger.warning("could not publish this node's state %r: %s", fields, exc)
+
+    def peers(self) -> dict[str, NodeRecord]:
+        """The other live nodes of the job, as last seen by the watch."""
+        with self._lock:
+            return dict(self._peers)
+
+    def reap_dead_peers(self, candidates: Collection[str] | None = None) -> list[NodeRecord]:
+        """Probes peers and revokes the lease of every one that is certainly dead.
+
+        Revoking deletes the peer's key, so every launcher's watch reports it as lost at once,
+        as if its lease had lapsed.
+
+        Args:
+            candidates: Node ids to probe; default every peer.
+
+        Returns:
+            The records of the peers found dead.
+        """
+        try:
+            kvs = self._client.get_prefix(self._prefix)
+        except EtcdError as exc:
+            logger.warning("cannot list the job's nodes to probe them: %s", exc)
+            return []
+        records = []
+        for kv in kvs:
+            record = NodeRecord.from_kv(kv)
+            if record is None or record.node_id == self._record.node_id:
+                continue
+            if candidates is not None and record.node_id not in candidates:
+                continue
+            records.append(record)
+        if not records:
+            return []
+        with ThreadPoolExecutor(min(32, len(records)), thread_name_prefix="flashckpt-probe") as ex:
+            results = list(ex.map(_probe_patiently, records))
+        dead = [r for r, result in zip(records, results, strict=True) if result is ProbeResult.DEAD]
+        for record in dead:
+            logger.warning(
+                "node %s (launcher pid %d on %s) no longer answers on %s: declaring it dead",
+                record.node_id,
+                record.pid,
+                record.host,
+                record.probe,
+            )
+            try:
+                self._client.revoke_lease(record.lease)
+            except EtcdError as exc:
+                logger.warning(
+                    "could not revoke the lease of dead node %s: %s", record.node_id, exc
+                )
+            self._report_lost(record)
+        return dead
+
+    def close(self) -> None:
+        """Stops renewing and revokes the lease, which deletes the node key. Never raises."""
+        self._stop.set()
+        with self._lock:
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                self._client.revoke_lease(lease, timeout=timedelta(seconds=2))
+            except EtcdError as exc:
+                logger.info("could not revoke this node's lease (it lapses on its own): %s", exc)
+        if self._probe_server is not None:
+            self._probe_server.close()
+        for thread in self._threads:
+            thread.join(timeout=0.5)
+
+    # ------------------------------------------------------------------------ internals
+
+    def _register(self, deadline: Deadline) -> None:
+        while True:
+            lease = self._client.grant_lease(self._ttl, timeout=_remaining(deadline))
+            with self._lock:
+                value = self._record.to_json()
+            try:
+                done, current = self._client.compare_and_set(
+                    self._key, value, mod_revision=0, lease=lease, timeout=_remaining(deadline)
+                )
+            except EtcdOutcomeUnknown:
+                found = self._client.get_kv(self._key, timeout=_remaining(deadline))
+                done, current = (found is not None and found.lease == lease.id), found
+            if done:
+                with self._lock:
+                    self._lease = lease
+                return
+            with contextlib.suppress(EtcdError):
+                self._client.revoke_lease(lease, timeout=_remaining(deadline))
+            holder = NodeRecord.from_kv(current) if current is not None else None
+            if holder is not None and holder.token == self._record.token:
+                # Our own key from before a lost lease was re-created: adopt it.
+                self._client.revoke_lease(holder.lease, timeout=_remaining(deadline))
+                continue
+            verdict = probe(holder) if holder is not None else ProbeResult.UNKNOWN
+            if holder is not None and verdict is ProbeResult.DEAD:
+                logger.info(
+                    "node id %s was held by a dead launcher (pid %d on %s); taking it over",
+                    holder.node_id,
+                    holder.pid,
+                    holder.host,
+                )
+                self._client.revoke_lease(holder.lease, timeout=_remaining(deadline))
+                continue
+            if verdict is ProbeResult.ALIVE or deadline.expired():
+                who = f"pid {holder.pid} on {holder.host}" if holder else "another launcher"
+                raise NodeIdInUse(
+                    f"node id {self._record.node_id!r} is already used in this job by a running "
+                    f"launcher ({who}, key {self._key}); give every machine its own --node-id "
+                    "(simulated machines on one host need distinct ids)"
+                )
+            # The holder may be a launcher that died on another host: its lease will lapse.
+            deadline.sleep(0.5)
+
+    def _renew_loop(self) -> None:
+        interval = self._ttl.total_seconds() / 5
+        while not self._stop.wait(interval):
+            with self._lock:
+                lease = self._lease
+            if lease is None:
+                return
+            try:
+                self._client.refresh_lease(lease, timeout=timedelta(seconds=interval))
+            except EtcdLeaseNotFound:
+                if self._stop.is_set():
+                    return
+                logger.warning(
+                    "this node's etcd lease lapsed (etcd was unreachable for more than %g s?); "
+                    "registering again",
+                    self._ttl.total_seconds(),
+                )
+                try:
+                    self._register(Deadline.after(self._ttl * 4))
+                except Exception as exc:  # keep renewing; the next round retries
+                    logger.error("registering this node again failed: %s", exc)
+            except Exception as exc:  # one failed renewal must not stop the thread
+                logger.warning("renewing this node's etcd lease failed (will retry): %s", exc)
+
+    def _watch_loop(self) -> None:
+        first = True
+        while not self._stop.is_set():
+            try:
+                kvs, revision = self._client.get_prefix_with_revision(self._prefix)
+            except Exception as exc:
+                logger.warning("reading the job's node keys failed (will retry): %s", exc)
+                self._stop.wait(0.5)
+                continue
+            current: dict[str, NodeRecord] = {}
+            for kv in kvs:
+                record = NodeRecord.from_kv(kv)
+                if record is not None and record.node_id != self._record.node_id:
+                    current[record.node_id] = record
+            with self._lock:
+                vanished = [r for n, r in self._peers.items() if n not in current]
+                self._peers = current
+            if not first:
+                for record in vanished:
+                    self._report_lost(record)
+            first = False
+            try:
+                self._client.wait_for_change(
+                    self._prefix, after_revision=revision, timeout=_WATCH_SLICE, prefix=True
+                )
+            except Exception as exc:
+                logger.warning("watching the job's node keys failed (will retry): %s", exc)
+                self._stop.wait(0.5)
+
+    def _report_lost(self, record: NodeRecord) -> None:
+        with self._lock:
+            if record.token in self._seen_lost:
+                return
+            self._seen_lost.add(record.token)
+            self._peers.pop(record.node_id, None)
+        if record.state == "leaving":
+            logger.info("node %s left the job", record.node_id)
+        else:
+            logger.warning("node %s (%s) is gone", record.node_id, record.state)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(record)
+            except Exception:
+                logger.exception("handling the loss of node %s failed", record.node_id)
+
+
+def _remaining(deadline: Deadline) -> timedelta:
+    return timedelta(seconds=max(0.05, deadline.remaining()))
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def expire_rendezvous_nodes(
+    backend: Any, rdzv_nodes: Collection[str], *, attempts: int = 10
+) -> int:
+    """Marks nodes of torch's rendezvous state as dead, so the next sync drops them.
+
+    torch's ``DynamicRendezvousHandler`` drops a node from the state (participants, wait list,
+    standby list) when its heartbeat in the state is older than ``keep_alive_interval *
+    keep_alive_max_attempt`` (15 s by default). Setting the heartbeat of a node we *know* is
+    dead to the epoch makes every handler drop it at its next read, by torch's own rules, with
+    no other change to the state. One compare-and-set; retried when another node wrote first.
+
+    Args:
+        backend: The rendezvous backend (``get_state``/``set_state``).
+        rdzv_nodes: torch node descriptors (``addr_pid_localid``, see
+            :attr:`NodeRecord.rdzv_node`).
+        attempts: Compare-and-set attempts before giving up (torch's timeout still applies).
+
+    Returns:
+        How many nodes were marked (0 if none is in the state).
+    """
+    wanted = set(rdzv_nodes)
+    if not wanted:
+        return 0
+    for _ in range(attempts):
+        found = backend.get_state()
+        if found is None:
+            return 0
+        bits, token = found
+        # The state is torch's own pickle in our own etcd, written by torch's handlers.
+        state = pickle.loads(bits)
+        heartbeats = getattr(state, "last_heartbeats", None)
+        if not isinstance(heartbeats, dict):
+            logger.warning("unexpected rendezvous state layout; leaving dead nodes to torch")
+            return 0
+        marked = [n for n in heartbeats if repr(n) in wanted and heartbeats[n] != _EPOCH]
+        if not marked:
+            return 0
+        for node in marked:
+            heartbeats[node] = _EPOCH
+        result = backend.set_state(pickle.dumps(state), token)
+        if result is not None and result[2]:
+            return len(marked)
+        time.sleep(0.01)
+    logger.warning(
+        "could not mark %s dead in the rendezvous state; torch's timeout applies", wanted
+    )
+    return 0

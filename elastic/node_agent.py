@@ -1,0 +1,467 @@
+"""Runs the flashckpt node agent beside the workers, for the life of the launcher.
+
+The agent (``python -m flashckpt agent``) owns the shared-memory snapshot slots of every local
+rank and persists them in the background. The launcher keeps one *current* agent that the
+workers use, in generations:
+
+- each generation has its own socket directory and shared-memory directory
+  (``<run_dir>/<job>.<node>.g<N>/`` and ``<shm_dir>/flashckpt.<job>.<node>.g<N>/``), so two
+  generations never share a lock, a socket or a segment;
+- after a membership change the launcher switches to a fresh generation
+  (:meth:`NodeAgentProcess.new_generation`): the previous agent still holds rank records and
+  half-committed steps of the old world (a step waiting for a dead machine's part, a rank this
+  machine no longer runs), which would stall its persistence. The old agent gets SIGTERM: it
+  finishes the write in flight and removes its segments;
+- a *spare* agent of the next generation is started ahead of time, once the workers run, so the
+  switch costs no agent start-up (about 2.5 s of imports on a small machine) on the recovery
+  path;
+- agents are spawned from one supervisor thread that lives as long as the launcher, with
+  ``PR_SET_PDEATHSIG=SIGTERM``: if the launcher dies, even by SIGKILL, its agents clean up;
+- if the current agent exits on its own (a crash), it is started again in the same generation
+  and adopts the segments, so the snapshots survive;
+- workers start only once :meth:`NodeAgentProcess.wait_ready` saw the current agent answer, so
+  ``flashckpt.checkpointing()`` never falls back to starting its own, unsupervised agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from elastic.deadline import Deadline
+from elastic.procutil import die_with_parent
+
+__all__ = ["AgentGeneration", "NodeAgentConfig", "NodeAgentError", "NodeAgentProcess"]
+
+logger = logging.getLogger(__name__)
+
+# The launcher owns the agent's lifetime; the agent's own idle exit must never fire.
+_NEVER_IDLE_S = 10 * 365 * 24 * 3600
+# Unix socket paths are limited to 108 bytes; flashckpt refuses paths over 100.
+_MAX_SOCKET_PATH = 100
+
+
+class NodeAgentError(RuntimeError):
+    """The node agent did not start, or kept dying."""
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeAgentConfig:
+    """How to run the node agents of one machine."""
+
+    job: str
+    """Job id (the rendezvous id)."""
+    node: str
+    """Node id."""
+    storage: str | None
+    """Checkpoint root URL, or ``None`` (the trainers supply it)."""
+    shm_dir: str
+    """The tmpfs under which each generation's slot directory is created."""
+    run_dir: str
+    """Directory under which each generation's socket directory is created; logs go here."""
+    keep: int = 3
+    """Committed steps kept in storage."""
+    spare: bool = True
+    """Keep a started agent of the next generation ready."""
+    spare_delay_s: float = 1.0
+    """Seconds after every local worker connected to the current agent before the spare
+    starts: its start-up (imports) must not compete with the workers' for the CPU."""
+    spare_fallback_s: float = 120.0
+    """Start the spare anyway this long after the workers started, if they never connect
+    (a script without ``flashckpt.checkpointing``)."""
+    stop_timeout_s: float = 120.0
+    """How long a retired agent may take to finish its write in flight before it is killed."""
+    max_crashes: int = 5
+    """Consecutive exits of the current agent before it is ready, before giving up."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentGeneration:
+    """Where one generation's agent lives: what the workers' environment points at."""
+
+    number: int
+    """The generation number (1, 2, ...)."""
+    run_dir: str
+    """Directory of its socket and lock (``FLASHCKPT_RUN_DIR`` of the workers)."""
+    shm_dir: str
+    """Directory of its slots (``FLASHCKPT_SHM_DIR`` of the workers)."""
+    log_path: str
+    """Its log file."""
+    socket_path: str
+    """Its socket."""
+
+
+class _Agent:
+    """One agent process of one generation."""
+
+    def __init__(self, gen: AgentGeneration, proc: subprocess.Popen[bytes]) -> None:
+        self.gen = gen
+        self.proc = proc
+        self.ready = False
+        self.ready_at = 0.0
+
+
+class NodeAgentProcess:
+    """Keeps the current (and a spare) node agent running; see the module docstring.
+
+    Args:
+        config: How to run them.
+    """
+
+    def __init__(self, config: NodeAgentConfig) -> None:
+        self.config = config
+        self._cond = threading.Condition()
+        self._current: _Agent | None = None
+        self._spare: _Agent | None = None
+        self._retiring: list[tuple[_Agent, Deadline]] = []
+        self._next_gen = 1
+        self._switch_requested = False
+        self._workers_started_at: float | None = None
+        self._workers_expected = 0
+        self._workers_connected_at: float | None = None
+        self._last_status_poll = 0.0
+        self._stopping = False
+        self._failure: str | None = None
+        self._crashes = 0
+        self._thread = threading.Thread(
+            target=self._supervise, name="flashckpt-node-agent", daemon=True
+        )
+        self._check_paths()
+
+    def _check_paths(self) -> None:
+        probe = self._generation(999_999)
+        if len(probe.socket_path.encode()) > _MAX_SOCKET_PATH:
+            raise ValueError(
+                f"the node agent's socket path {probe.socket_path!r} would be longer than "
+                f"{_MAX_SOCKET_PATH} bytes: use a shorter --run-dir, --rdzv-id or --node-id"
+            )
+
+    @property
+    def current(self) -> AgentGeneration | None:
+        """The generation the workers should use."""
+        with self._cond:
+            return self._current.gen if self._current is not None else None
+
+    def start(self) -> None:
+        """Starts supervising (and so the first agent); returns at once."""
+        cfg = self.config
+        os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
+        os.makedirs(cfg.shm_dir, exist_ok=True)
+        # Empty generation directories left by a launcher of this job and node that was killed
+        # (its agents removed their segments on the way out). rmdir never removes a non-empty
+        # one, so a live launcher's directories are safe.
+        prefix = f"flashckpt.{cfg.job}.{cfg.node}.g"
+        for name in os.listdir(cfg.shm_dir):
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(cfg.shm_dir, name))
+        self._thread.start()
+
+    def new_generation(self) -> None:
+        """Switches to a fresh agent (the spare if one is up); returns at once.
+
+        The previous agent is stopped in the background. Call :meth:`wait_ready` before
+        starting workers against :attr:`current`.
+        """
+        with self._cond:
+            self._switch_requested = True
+            self._cond.notify_all()
+            while self._switch_requested and not self._stopping:
+                self._cond.wait(0.05)
+
+    def wait_ready(self, timeout: timedelta) -> AgentGeneration:
+        """Blocks until the current agent answers on its socket; returns its generation.
+
+        Raises:
+            NodeAgentError: If it did not within ``timeout``, or keeps crashing.
+        """
+        deadline = Deadline.after(timeout)
+        with self._cond:
+            while self._current is None or not self._current.ready:
+                if self._failure is not None:
+                    raise NodeAgentError(self._failure)
+                if deadline.expired():
+                    gen = self._current.gen if self._current is not None else None
+                    where = f"on {gen.socket_path}; see {gen.log_path}" if gen else "(none started)"
+                    raise NodeAgentError(
+                        f"the flashckpt node agent did not answer within "
+                        f"{timeout.total_seconds():g} s {where}"
+                    )
+                self._cond.wait(min(0.05, max(0.001, deadline.remaining())))
+            return self._current.gen
+
+    def workers_started(self, count: int) -> None:
+        """Tells the supervisor ``count`` workers were started.
+
+        The spare starts once they all connected to the current agent (they are past their
+        start-up), so that its own start-up does not slow theirs.
+        """
+        with self._cond:
+            self._workers_started_at = time.monotonic()
+            self._workers_expected = count
+            self._workers_connected_at = None
+
+    def stop(self) -> None:
+        """Stops every agent (SIGTERM: each persists what it holds, then removes its segments).
+
+        An agent that has not exited after ``stop_timeout_s`` is killed. Never raises.
+        """
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(self.config.stop_timeout_s + 10)
+
+    # ------------------------------------------------------------------------ internals
+
+    def _generation(self, number: int) -> AgentGeneration:
+        from flashckpt.protocol import socket_path
+
+        cfg = self.config
+        run_dir = os.path.join(cfg.run_dir, f"{cfg.job}.{cfg.node}.g{number}")
+        return AgentGeneration(
+            number=number,
+            run_dir=run_dir,
+            shm_dir=os.path.join(cfg.shm_dir, f"flashckpt.{cfg.job}.{cfg.node}.g{number}"),
+            log_path=os.path.join(cfg.run_dir, f"{cfg.job}.{cfg.node}.g{number}.log"),
+            socket_path=socket_path(run_dir, cfg.job, cfg.node),
+        )
+
+    def _supervise(self) -> None:
+        """The only thread that spawns agents (the parent-death signal follows this thread)."""
+        while True:
+            with self._cond:
+                if self._stopping:
+                    break
+                switch, self._switch_requested = self._switch_requested, False
+                failed = self._failure is not None
+            self._retiring = [(a, d) for a, d in self._retiring if not self._reap(a, d)]
+            if switch:
+                self._switch()
+            if not failed:
+                self._tend_current()
+                self._tend_spare()
+            with self._cond:
+                self._cond.notify_all()
+                if not (self._stopping or self._switch_requested):
+                    busy = self._current is None or not self._current.ready
+                    busy = busy or (self._spare is not None and not self._spare.ready)
+                    self._cond.wait(0.02 if busy else 0.2)
+        with self._cond:
+            agents = [a for a in (self._current, self._spare) if a is not None]
+            self._current = self._spare = None
+        for agent in agents:
+            with contextlib.suppress(ProcessLookupError):
+                agent.proc.send_signal(signal.SIGTERM)
+        deadline = Deadline.after(timedelta(seconds=self.config.stop_timeout_s))
+        for agent, _ in self._retiring:
+            agents.append(agent)
+        for agent in agents:
+            self._terminate(agent, deadline)
+
+    def _switch(self) -> None:
+        with self._cond:
+            old, spare = self._current, self._spare
+            self._current, self._spare = spare, None
+            # The next spare waits until the new workers are past their start-up.
+            self._workers_started_at = None
+            self._workers_connected_at = None
+        if old is not None:
+            with contextlib.suppress(ProcessLookupError):
+                old.proc.send_signal(signal.SIGTERM)
+            deadline = Deadline.after(timedelta(seconds=self.config.stop_timeout_s))
+            self._retiring.append((old, deadline))
+            logger.info(
+                "node agent generation %d retired; generation %s takes over",
+                old.gen.number,
+                spare.gen.number if spare is not None else "(new)",
+            )
+
+    def _tend_current(self) -> None:
+        agent = self._current
+        if agent is not None and agent.proc.poll() is not None:
+            self._on_crash(agent)
+            # Same generation: the new process adopts the segments, so snapshots survive.
+            agent = self._spawn(agent.gen)
+            with self._cond:
+                self._current = agent
+        if agent is None:
+            agent = self._spawn(self._generation(self._take_gen()))
+            with self._cond:
+                self._current = agent
+        if not agent.ready and self._answers(agent):
+            with self._cond:
+                agent.ready, agent.ready_at = True, time.monotonic()
+                self._crashes = 0
+                self._cond.notify_all()
+
+    def _tend_spare(self) -> None:
+        cfg = self.config
+        if not cfg.spare:
+            return
+        current, spare = self._current, self._spare
+        if spare is not None:
+            if spare.proc.poll() is not None:
+                logger.warning(
+                    "spare node agent exited with code %s (see %s)",
+                    spare.proc.returncode,
+                    spare.gen.log_path,
+                )
+                self._cleanup_dirs(spare.gen)
+                with self._cond:
+                    self._spare = None
+            elif not spare.ready and self._answers(spare):
+                spare.ready, spare.ready_at = True, time.monotonic()
+            return
+        with self._cond:
+            started, connected = self._workers_started_at, self._workers_connected_at
+        if current is None or not current.ready or started is None:
+            return
+        now = time.monotonic()
+        if connected is None and now - started < cfg.spare_fallback_s:
+            if now - self._last_status_poll < 0.5:
+                return
+            self._last_status_poll = now
+            if self._connected_ranks(current) < self._workers_expected:
+                return
+            with self._cond:
+                self._workers_connected_at = connected = now
+        if connected is not None and now - connected < cfg.spare_delay_s:
+            return
+        spare = self._spawn(self._generation(self._take_gen()))
+        with self._cond:
+            self._spare = spare
+
+    def _take_gen(self) -> int:
+        number = self._next_gen
+        self._next_gen += 1
+        return number
+
+    def _spawn(self, gen: AgentGeneration) -> _Agent:
+        cfg = self.config
+        os.makedirs(gen.run_dir, mode=0o700, exist_ok=True)
+        os.makedirs(gen.shm_dir, exist_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "flashckpt",
+            "agent",
+            "--job",
+            cfg.job,
+            "--node",
+            cfg.node,
+            "--shm-dir",
+            gen.shm_dir,
+            "--run-dir",
+            gen.run_dir,
+            "--keep",
+            str(cfg.keep),
+            "--idle-timeout",
+            str(_NEVER_IDLE_S),
+            # A crashed agent's successor in the same generation may find its lock still held
+            # for a moment.
+            "--lock-wait",
+            "30",
+        ]
+        if cfg.storage:
+            cmd += ["--storage", cfg.storage]
+        with open(gen.log_path, "ab") as log:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                preexec_fn=die_with_parent(signal.SIGTERM),
+            )
+        logger.info(
+            "node agent generation %d started (pid %d, log %s)", gen.number, proc.pid, gen.log_path
+        )
+        return _Agent(gen, proc)
+
+    @staticmethod
+    def _answers(agent: _Agent) -> bool:
+        from flashckpt.protocol import AgentClient, AgentError
+
+        try:
+            client = AgentClient(agent.gen.socket_path, timeout=0.01)
+        except AgentError:
+            return False
+        try:
+            reply = client.request("ping", timeout=2)
+        except AgentError:
+            return False
+        finally:
+            client.close()
+        # Another pid: a crashed predecessor's socket, or an agent a trainer started.
+        return int(reply.get("pid", -1)) == agent.proc.pid
+
+    @staticmethod
+    def _connected_ranks(agent: _Agent) -> int:
+        from flashckpt.protocol import AgentClient, AgentError
+
+        try:
+            client = AgentClient(agent.gen.socket_path, timeout=0.01)
+        except AgentError:
+            return 0
+        try:
+            reply = client.request("status", timeout=2)
+        except AgentError:
+            return 0
+        finally:
+            client.close()
+        ranks = reply.get("ranks") or {}
+        return sum(1 for r in ranks.values() if isinstance(r, dict) and r.get("connected"))
+
+    def _on_crash(self, agent: _Agent) -> None:
+        code = agent.proc.returncode
+        with self._cond:
+            self._crashes += 1
+            if self._crashes > self.config.max_crashes:
+                self._failure = (
+                    f"the flashckpt node agent exited {self._crashes} times in a row (last exit "
+                    f"code {code}); see {agent.gen.log_path}"
+                )
+                self._cond.notify_all()
+        logger.warning(
+            "node agent pid %d exited with code %s; starting it again (see %s)",
+            agent.proc.pid,
+            code,
+            agent.gen.log_path,
+        )
+
+    def _reap(self, agent: _Agent, deadline: Deadline) -> bool:
+        if agent.proc.poll() is None and not deadline.expired():
+            return False
+        self._terminate(agent, deadline)
+        return True
+
+    def _terminate(self, agent: _Agent, deadline: Deadline) -> None:
+        proc = agent.proc
+        if proc.poll() is None:
+            try:
+                proc.wait(max(0.0, deadline.remaining()))
+            except subprocess.TimeoutExpired:
+                logger.warning("node agent pid %d did not stop in time; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+        self._cleanup_dirs(agent.gen)
+
+    def _cleanup_dirs(self, gen: AgentGeneration) -> None:
+        # The agent removed its segments and socket on the way out; its lock file remains. Other
+        # files in its run directory (event logs of the agent's monitor) are kept.
+        cfg = self.config
+        for name in (f"{cfg.job}.{cfg.node}.lock", f"{cfg.job}.{cfg.node}.sock"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(gen.run_dir, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(gen.run_dir)
+        shutil.rmtree(gen.shm_dir, ignore_errors=True)

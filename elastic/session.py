@@ -1,0 +1,564 @@
+"""One machine's launch session: etcd, node key, node agent, torch's elastic agent, cleanup.
+
+:class:`LaunchSession` is what :func:`elastic.launcher.launch` runs. Its pieces:
+
+- the etcd client, backend and store of our rendezvous (:mod:`elastic.rendezvous`);
+- this machine's lease-bound node key and the watch on its peers (:mod:`elastic.membership`);
+- the flashckpt node agent process (:mod:`elastic.node_agent`);
+- torch's ``LocalElasticAgent`` with hooks around each rendezvous and worker start
+  (:class:`_FlashAgent`).
+
+What happens when a machine dies mid-training (machines A, B active; C standby):
+
+1. A's workers fail in their next collective (gloo sees B's sockets close) and exit; A's agent
+   notices within ``--monitor-interval`` and starts a new rendezvous round.
+2. Before joining, A probes its peers (:meth:`NodeRegistry.reap_dead_peers`): B's launcher port
+   refuses, so A revokes B's lease. (Without the probe, B's lease lapses after
+   ``--lease-ttl``.) B's key disappears; every launcher's watch reports it.
+3. Each launcher marks B dead in torch's rendezvous state (:func:`expire_rendezvous_nodes`), so
+   torch drops B at once instead of after its 15 s heartbeat timeout, and A and the standby C
+   form the next round.
+4. A replaces its node agent by a fresh one (a membership change leaves the old agent with
+   rank records and half-committed steps of the previous world), then starts its workers; they
+   restore the newest step every rank can obtain (committed storage, since C has no memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+)
+
+from elastic import health
+from elastic.etcd import EtcdError
+from elastic.membership import NodeIdInUse, NodeRecord, NodeRegistry, expire_rendezvous_nodes
+from elastic.node_agent import NodeAgentConfig, NodeAgentError, NodeAgentProcess
+from elastic.prewarm import PREWARM_SOCKET_ENV, Prewarmer
+from elastic.rdzv_registry import BACKEND_NAME
+from elastic.rdzv_watch import create_watching_handler
+from elastic.rendezvous import DEFAULT_KEY_PREFIX, EtcdRendezvousBackend, create_backend, job_prefix
+from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
+from elastic.worker_entry import LAUNCHER_PID_ENV
+
+if TYPE_CHECKING:
+    from elastic.launcher import EventLog, LauncherConfig
+
+__all__ = ["LaunchError", "LaunchSession"]
+
+logger = logging.getLogger("flashckpt.launcher")
+
+_DEFAULT_READ_TIMEOUT_S = 30
+_AGENT_READY_TIMEOUT = timedelta(seconds=120)
+_HEALTH_TIMEOUT = timedelta(seconds=60)
+_MAX_HEALTH_ROUNDS = 5
+_PREWARM_READY_TIMEOUT_S = 120.0
+
+
+class LaunchError(RuntimeError):
+    """The launcher cannot run this machine: the message names the problem and the fix."""
+
+
+class _Unhealthy(Exception):
+    """This machine failed the health check."""
+
+
+def _raise_signal(signum: int, frame: FrameType | None) -> None:
+    sigval = signal.Signals(signum)
+    raise SignalException(f"launcher {os.getpid()} got signal {sigval.name}", sigval=sigval)
+
+
+class LaunchSession:
+    """Sets up, runs and tears down one machine of an elastic job.
+
+    Use as a context manager: ``__enter__`` connects to etcd, registers the node and starts
+    the node agent; :meth:`run` runs the workers until the job ends; ``__exit__`` releases
+    everything (rendezvous, node key, node agent, private etcd), even after a failure.
+
+    Args:
+        config: The launcher configuration.
+        events: Where lifecycle events go.
+    """
+
+    def __init__(self, config: LauncherConfig, events: EventLog) -> None:
+        self.config = config
+        self.events = events
+        self._lock = threading.Lock()
+        self._standalone: StandaloneEtcd | None = None
+        self._registry: NodeRegistry | None = None
+        self._node_agent: NodeAgentProcess | None = None
+        self._prewarmer: Prewarmer | None = None
+        self._backend: EtcdRendezvousBackend | None = None
+        self._handler: DynamicRendezvousHandler | None = None
+        self._agent: _FlashAgent | None = None
+        self._job_prefix = ""
+        self._shutdown_rdzv = False
+        self._rounds = 0
+        self._lost_active = 0
+        self._agent_restarted = False
+        self._last_view: tuple[tuple[int, ...], int] | None = None
+        self._old_handlers: dict[int, Any] = {}
+
+    # ---------------------------------------------------------------------------- set-up
+
+    def __enter__(self) -> LaunchSession:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            self._old_handlers[sig] = signal.signal(sig, _raise_signal)
+        try:
+            self._setup()
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._teardown()
+
+    def _setup(self) -> None:
+        cfg = self.config
+        run_dir = cfg.run_dir or _default_run_dir()
+        self.events("launcher_start", pid=os.getpid())
+        endpoint = cfg.rdzv_endpoint
+        if cfg.standalone:
+            self._standalone = StandaloneEtcd(parent_dir=_ensure_dir(run_dir))
+            try:
+                endpoint = self._standalone.start()
+            except StandaloneEtcdError as exc:
+                raise LaunchError(str(exc)) from exc
+            logger.info("standalone: private etcd at %s", endpoint)
+        assert endpoint is not None
+        self._set_worker_environment()
+
+        conf: dict[str, Any] = {"read_timeout": str(_DEFAULT_READ_TIMEOUT_S), **cfg.rdzv_conf}
+        try:
+            params = RendezvousParameters(
+                backend=BACKEND_NAME,
+                endpoint=endpoint,
+                run_id=cfg.rdzv_id,
+                min_nodes=cfg.min_nodes,
+                max_nodes=cfg.max_nodes,
+                local_addr=cfg.local_addr,
+                **conf,
+            )
+            backend, store = create_backend(params)
+        except ValueError as exc:
+            raise LaunchError(f"--rdzv-conf/--rdzv-endpoint: {exc}") from exc
+        self._backend = backend
+        client = backend.client
+        read_timeout = client.timeout
+        key_prefix = str(params.get("key_prefix", DEFAULT_KEY_PREFIX))
+        self._job_prefix = job_prefix(cfg.rdzv_id, key_prefix)
+        try:
+            client.revision(timeout=read_timeout)
+        except EtcdError as exc:
+            raise LaunchError(
+                f"cannot reach etcd at {','.join(client.endpoints)} within "
+                f"{read_timeout.total_seconds():g} s ({exc}). Start etcd there or fix "
+                "--rdzv-endpoint (every machine of the job must reach it); for a "
+                "single-machine run use --standalone; to wait longer pass --rdzv-conf "
+                "read_timeout=<seconds>"
+            ) from exc
+        try:
+            reason = health.is_marked_unhealthy(client, self._job_prefix, cfg.node_id)
+        except EtcdError as exc:
+            raise LaunchError(f"cannot read this node's health record from etcd: {exc}") from exc
+        if reason is not None:
+            raise LaunchError(
+                f"node {cfg.node_id!r} failed a health check earlier in job {cfg.rdzv_id!r} "
+                f"({reason}) and is not admitted again; repair the machine and delete etcd key "
+                f"{health.unhealthy_key(self._job_prefix, cfg.node_id)}, or run it in another "
+                "job"
+            )
+
+        self._registry = NodeRegistry(
+            client,
+            self._job_prefix,
+            cfg.node_id,
+            ttl=timedelta(seconds=cfg.lease_ttl),
+            advertise_host=cfg.local_addr,
+            on_lost=self._on_peer_lost,
+        )
+        try:
+            self._registry.start(read_timeout)
+        except NodeIdInUse as exc:
+            raise LaunchError(str(exc)) from exc
+        except EtcdError as exc:
+            raise LaunchError(f"cannot register node {cfg.node_id!r} in etcd: {exc}") from exc
+        self.events("registered", key=self._registry.key)
+
+        try:
+            self._node_agent = NodeAgentProcess(
+                NodeAgentConfig(
+                    job=cfg.rdzv_id,
+                    node=cfg.node_id,
+                    storage=cfg.storage,
+                    shm_dir=cfg.shm_dir,
+                    run_dir=run_dir,
+                    keep=cfg.keep,
+                )
+            )
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from exc
+        self._node_agent.start()
+        if cfg.prewarm:
+            sock = os.path.join(run_dir, f"{cfg.rdzv_id}.{cfg.node_id}.prewarm")
+            if len(sock.encode()) > 100:
+                raise LaunchError(
+                    f"the pre-warm socket path {sock!r} is too long for a Unix socket: use a "
+                    "shorter --run-dir, --rdzv-id or --node-id"
+                )
+            self._prewarmer = Prewarmer(
+                sock, os.path.join(run_dir, f"{cfg.rdzv_id}.{cfg.node_id}.prewarm.log")
+            )
+            self._prewarmer.start()
+
+        threading.Thread(target=self._report_warm, name="flashckpt-warm", daemon=True).start()
+        self._handler = create_watching_handler(store, backend, params)
+        _tolerate_etcd_outages(self._handler)
+        node_desc = getattr(self._handler, "_this_node", None)
+        self._registry.update(rdzv_node=repr(node_desc) if node_desc else None, state="waiting")
+
+        entry = ["-u", "-m", "elastic.worker_entry"]
+        entry += ["-m", cfg.entrypoint] if cfg.module else [cfg.entrypoint]
+        spec = WorkerSpec(
+            role="trainer",
+            local_world_size=cfg.nproc_per_node,
+            rdzv_handler=self._handler,
+            entrypoint=os.environ.get("PYTHON_EXEC", sys.executable),
+            args=(*entry, *cfg.entrypoint_args),
+            max_restarts=cfg.max_restarts,
+            monitor_interval=cfg.monitor_interval,
+            local_addr=cfg.local_addr,
+        )
+        self._agent = _FlashAgent(
+            spec,
+            logs_specs=DefaultLogsSpecs(log_dir=cfg.log_dir),
+            session=self,
+        )
+
+    def _set_worker_environment(self) -> None:
+        cfg = self.config
+        # A standby joining while the old rank 0 survives can hang on the TCPStore that torch
+        # otherwise shares between the rendezvous and the workers; with it off, worker rank 0
+        # hosts a fresh store every round.
+        if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1") != "1":
+            logger.warning("overriding TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0: sharing can hang")
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        # Inherited by the workers: flashckpt.checkpointing() connects to our node agent.
+        os.environ["FLASHCKPT_JOB"] = cfg.rdzv_id
+        os.environ["FLASHCKPT_NODE"] = cfg.node_id
+        # FLASHCKPT_RUN_DIR and FLASHCKPT_SHM_DIR follow the node agent's generation; they are
+        # set before each start of the workers.
+        if cfg.storage:
+            os.environ["FLASHCKPT_STORAGE"] = cfg.storage
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+
+    def _report_warm(self) -> None:
+        """Records when this machine could start workers at once (agent and zygote ready)."""
+        agent, prewarmer = self._node_agent, self._prewarmer
+        try:
+            if agent is not None:
+                agent.wait_ready(_AGENT_READY_TIMEOUT)
+            if prewarmer is not None and not prewarmer.wait_ready(_PREWARM_READY_TIMEOUT_S):
+                return
+        except NodeAgentError:
+            return
+        self.events("warm")
+
+    # ---------------------------------------------------------------------------- running
+
+    def run(self) -> int:
+        """Runs the workers until the job ends.
+
+        Returns:
+            0 when the job finished or this standby was not needed, 1 when the workers failed
+            beyond ``--max-restarts`` or the rendezvous failed, 128+N after signal N.
+        """
+        assert self._agent is not None
+        cfg = self.config
+        try:
+            result = self._agent.run()
+        except SignalException as exc:
+            logger.warning("stopping on %s", exc.sigval.name)
+            self.events("signal", signal=exc.sigval.name)
+            return 128 + int(exc.sigval)
+        except _Unhealthy as exc:
+            logger.error("%s", exc)
+            return 1
+        except RendezvousClosedError:
+            logger.error(
+                "the rendezvous of job %r is closed: the job finished or a machine gave up; "
+                "start a new job with another --rdzv-id",
+                cfg.rdzv_id,
+            )
+            return 1
+        except RendezvousTimeoutError as exc:
+            logger.error(
+                "the rendezvous of job %r did not complete in time (%s); check that %d to %d "
+                "machines were started with this --rdzv-id, or raise --rdzv-conf join_timeout",
+                cfg.rdzv_id,
+                exc,
+                cfg.min_nodes,
+                cfg.max_nodes,
+            )
+            self._shutdown_rdzv = True
+            return 1
+        except (RendezvousError, NodeAgentError) as exc:
+            logger.error("%s", exc)
+            return 1
+        if result is None:
+            logger.info("the job finished without needing this standby machine")
+            self.events("standby_released")
+            return 0
+        self._shutdown_rdzv = True
+        if result.is_failed():
+            logger.error("workers failed: %s", _describe_failures(result))
+            self.events("failed")
+            return 1
+        self.events("succeeded")
+        return 0
+
+    # ---------------------------------------------------------------------------- hooks
+
+    def _on_peer_lost(self, record: NodeRecord) -> None:
+        self.events("peer_lost", peer=record.node_id, peer_state=record.state)
+        if record.state == "active":
+            with self._lock:
+                self._lost_active += 1
+        if record.rdzv_node and self._backend is not None:
+            try:
+                marked = expire_rendezvous_nodes(self._backend, [record.rdzv_node])
+            except Exception as exc:  # torch's own heartbeat timeout still applies
+                logger.warning(
+                    "could not drop node %s from the rendezvous: %s", record.node_id, exc
+                )
+                return
+            if marked:
+                self.events("peer_expired", peer=record.node_id)
+
+    def before_rendezvous(self) -> None:
+        """Called before every rendezvous round (the first one and each restart)."""
+        assert self._registry is not None and self._node_agent is not None
+        self._rounds += 1
+        self.events("rendezvous_start", round=self._rounds)
+        if self._rounds > 1 and self.config.probe:
+            self._registry.reap_dead_peers()
+        with self._lock:
+            lost = self._lost_active
+        if lost and self._last_view is not None and not self._agent_restarted:
+            # Switch now: a fresh agent (if no spare is up) starts while the rendezvous runs.
+            self._node_agent.new_generation()
+            self._agent_restarted = True
+            self.events("node_agent_restart", reason="peer lost")
+        self._registry.update(state="waiting", group_rank=None)
+
+    def after_rendezvous(self, worker_group: WorkerGroup) -> None:
+        """Called after a rendezvous round completed; runs the health check if enabled."""
+        assert self._registry is not None
+        self.events(
+            "rendezvous_done",
+            group_rank=worker_group.group_rank,
+            group_world_size=worker_group.group_world_size,
+        )
+        self._registry.update(state="active", group_rank=worker_group.group_rank)
+        if self.config.health_check:
+            self._health_check(worker_group)
+
+    def before_start_workers(self, worker_group: WorkerGroup) -> None:
+        """Called before workers start: makes sure a node agent fit for this world answers."""
+        assert self._node_agent is not None
+        view = (
+            tuple(w.global_rank for w in worker_group.workers),
+            worker_group.workers[0].world_size,
+        )
+        with self._lock:
+            lost, self._lost_active = self._lost_active, 0
+        changed = self._last_view is not None and (lost > 0 or view != self._last_view)
+        if changed and not self._agent_restarted:
+            self._node_agent.new_generation()
+            self.events("node_agent_restart", reason="membership changed")
+        generation = self._node_agent.wait_ready(_AGENT_READY_TIMEOUT)
+        self._use_prewarmer()
+        os.environ["FLASHCKPT_RUN_DIR"] = generation.run_dir
+        os.environ["FLASHCKPT_SHM_DIR"] = generation.shm_dir
+        self._agent_restarted = False
+        self._last_view = view
+        self.events(
+            "workers_start", ranks=list(view[0]), world_size=view[1], agent_gen=generation.number
+        )
+
+    def _use_prewarmer(self) -> None:
+        os.environ.pop(PREWARM_SOCKET_ENV, None)
+        if self._prewarmer is None:
+            return
+        self._prewarmer.start()  # again, if it died
+        # Waiting is no loss: a cold worker would spend the same time importing.
+        if self._prewarmer.wait_ready(_PREWARM_READY_TIMEOUT_S):
+            os.environ[PREWARM_SOCKET_ENV] = self._prewarmer.socket_path
+        else:
+            logger.warning(
+                "the pre-warm process is not ready; workers start cold (see %s)",
+                self._prewarmer.log_path,
+            )
+
+    def after_start_workers(self, count: int) -> None:
+        """Called once the workers were spawned."""
+        assert self._node_agent is not None
+        self._node_agent.workers_started(count)
+
+    def _health_check(self, worker_group: WorkerGroup) -> None:
+        assert self._backend is not None and worker_group.store is not None
+        rank = worker_group.group_rank
+        assert rank is not None and worker_group.group_world_size is not None
+        try:
+            verdict = health.run_health_check(
+                worker_group.store, rank, worker_group.group_world_size, _HEALTH_TIMEOUT
+            )
+        except RuntimeError as exc:
+            # The all-gather failed: a machine hung or died during the probe. Blame nobody.
+            raise _RetryRendezvous(f"the health check's all-gather failed: {exc}") from exc
+        self.events("health_check", unhealthy=verdict.unhealthy, compute_s=verdict.compute_s)
+        if not verdict.unhealthy:
+            return
+        if rank in verdict.unhealthy:
+            reason = verdict.unhealthy[rank]
+            health.mark_unhealthy(
+                self._backend.client, self._job_prefix, self.config.node_id, reason
+            )
+            raise _Unhealthy(
+                f"this machine ({self.config.node_id}) failed the health check: {reason}; it "
+                "is recorded in etcd and will not be admitted to this job again"
+            )
+        raise _RetryRendezvous(f"machines of group ranks {sorted(verdict.unhealthy)} failed")
+
+    # ---------------------------------------------------------------------------- teardown
+
+    def _teardown(self) -> None:
+        if self._handler is not None and self._shutdown_rdzv:
+            with contextlib.suppress(Exception):
+                self._handler.shutdown()
+        if self._registry is not None:
+            with contextlib.suppress(Exception):
+                self._registry.update(state="leaving")
+            self._registry.close()
+            self._registry = None
+        if self._prewarmer is not None:
+            self._prewarmer.stop()
+            self._prewarmer = None
+        if self._node_agent is not None:
+            self._node_agent.stop()
+            self._node_agent = None
+        if self._standalone is not None:
+            self._standalone.close()
+            self._standalone = None
+        for sig, handler in self._old_handlers.items():
+            with contextlib.suppress(Exception):
+                signal.signal(sig, handler)
+        self._old_handlers.clear()
+        self.events("launcher_exit")
+
+
+class _RetryRendezvous(Exception):
+    """The round must be formed again (a machine failed the health check)."""
+
+
+class _FlashAgent(LocalElasticAgent):
+    """torch's local elastic agent with the launch session's hooks around each round."""
+
+    def __init__(self, spec: WorkerSpec, *, logs_specs: DefaultLogsSpecs, session: LaunchSession):
+        super().__init__(spec, logs_specs=logs_specs, start_method="spawn")
+        self._session = session
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        for attempt in range(_MAX_HEALTH_ROUNDS):
+            self._session.before_rendezvous()
+            super()._rendezvous(worker_group)
+            try:
+                self._session.after_rendezvous(worker_group)
+                return
+            except _RetryRendezvous as exc:
+                logger.warning("forming the round again (%s), attempt %d", exc, attempt + 1)
+        raise RendezvousError(
+            f"the health check failed {_MAX_HEALTH_ROUNDS} rounds in a row; see the logs of "
+            "every machine"
+        )
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self._session.before_start_workers(worker_group)
+        ids = super()._start_workers(worker_group)
+        self._session.after_start_workers(len(ids))
+        return ids
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self._session.events("workers_restart", state=worker_group.state.name)
+        super()._restart_workers(worker_group)
+
+
+def _tolerate_etcd_outages(handler: DynamicRendezvousHandler) -> None:
+    """Keeps healthy workers training while etcd is unreachable.
+
+    torch's agent asks ``num_nodes_waiting()`` every ``--monitor-interval`` while the workers
+    run, and an error there ends the launcher (and so the job), although the workers never
+    talk to etcd. Here an etcd outage only means no machine can be seen waiting to join; it is
+    logged, and rendezvous rounds still fail after their own timeouts.
+    """
+    ask = handler.num_nodes_waiting
+    last_warning = [0.0]
+
+    def num_nodes_waiting() -> int:
+        try:
+            return ask()
+        except RendezvousConnectionError as exc:
+            now = time.monotonic()
+            if now - last_warning[0] > 10:
+                last_warning[0] = now
+                logger.warning("etcd unreachable; the workers keep training: %s", exc)
+            return 0
+
+    setattr(handler, "num_nodes_waiting", num_nodes_waiting)  # noqa: B010
+
+
+def _describe_failures(result: RunResult) -> str:
+    parts = []
+    for rank, failure in sorted(result.failures.items()):
+        parts.append(
+            f"rank {rank}: exit code {failure.exitcode} ({failure.message or 'no message'})"
+        )
+    return "; ".join(parts) or result.state.name
+
+
+def _default_run_dir() -> str:
+    from flashckpt.protocol import default_run_dir
+
+    return default_run_dir()
+
+
+def _ensure_dir(path: str) -> str:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path

@@ -1,0 +1,106 @@
+"""Entry point of every worker started by ``flashckpt run``: die with the launcher, then run.
+
+torch's elastic agent starts each worker in a new session (``start_new_session=True``), so a
+launcher killed with SIGKILL would leave its workers running, still holding ports, GPUs and
+shared memory, and still talking to a job that has moved on. Workers are therefore started as::
+
+    python -u -m elastic.worker_entry <script.py> [args...]
+    python -u -m elastic.worker_entry -m <module> [args...]
+
+which sets ``PR_SET_PDEATHSIG=SIGKILL`` (the kernel kills the worker when its launcher dies,
+however it dies), then runs the script or module as ``__main__`` exactly like ``python`` would:
+same ``sys.argv``, script directory first on ``sys.path``. With ``FLASHCKPT_PREWARM_SOCKET``
+set, the script runs in a fork of the launcher's pre-warmed process instead, and this process
+relays signals and the exit status (see :mod:`elastic.prewarm`).
+
+A worker that fails with an exception prints its traceback, flushes its output and logging, and
+exits at once with code 1, without the interpreter's teardown: tearing down torch (process
+groups, the DDP reducer, gloo's threads) takes about a second, which the launcher would spend
+waiting before it can start the recovery. Set ``FLASHCKPT_WORKER_FAST_EXIT=0`` to keep the
+normal teardown (``atexit`` handlers run then). A normal exit or ``sys.exit()`` is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import signal
+import sys
+import traceback
+
+from elastic.prewarm import PREWARM_SOCKET_ENV, exit_with_status, run_prewarmed
+from elastic.procutil import set_parent_death_signal
+
+__all__ = ["FAST_EXIT_ENV", "LAUNCHER_PID_ENV", "main", "run_user_code"]
+
+LAUNCHER_PID_ENV = "FLASHCKPT_LAUNCHER_PID"
+"""Set by the launcher to its pid; a worker whose parent is not this pid exits at once."""
+
+FAST_EXIT_ENV = "FLASHCKPT_WORKER_FAST_EXIT"
+"""``0`` disables the immediate exit of a worker that failed with an exception."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Sets the parent-death signal and runs the user's script or module.
+
+    Args:
+        argv: ``[script, *args]`` or ``["-m", module, *args]``; defaults to ``sys.argv[1:]``.
+
+    Raises:
+        SystemExit: With a usage message if no script is given.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    set_parent_death_signal(
+        signal.SIGKILL, expected_parent=int(launcher) if launcher and launcher.isdigit() else None
+    )
+    if not args or (args[0] == "-m" and len(args) < 2):
+        raise SystemExit(
+            "usage: python -m elastic.worker_entry <script.py> [args] | -m <module> [args]"
+        )
+    socket_path = os.environ.get(PREWARM_SOCKET_ENV)
+    if socket_path:
+        status = run_prewarmed(socket_path, args)
+        if status is not None:
+            exit_with_status(status)
+    run_user_code(args)
+
+
+def run_user_code(args: list[str]) -> None:
+    """Runs ``[script, *args]`` or ``["-m", module, *args]`` as ``__main__``.
+
+    A failure with an exception ends the process at once (see the module docstring).
+    """
+    try:
+        if args[0] == "-m":
+            module = args[1]
+            sys.argv = [module, *args[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            script = args[0]
+            sys.argv = [script, *args[1:]]
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:
+        if os.environ.get(FAST_EXIT_ENV, "1") == "0":
+            raise
+        _exit_now()
+
+
+def _exit_now() -> None:
+    """Reports the exception in flight like the interpreter would, then exits with code 1."""
+    try:
+        traceback.print_exc()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main()

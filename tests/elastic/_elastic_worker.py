@@ -1,0 +1,101 @@
+"""A deterministic DDP (gloo) training loop run by ``flashckpt run`` in the elastic tests.
+
+Not collected by pytest. Every process appends JSON-line events to ``<out>/events.jsonl``
+(``start``, ``restored``, ``step``, ``done``) with wall-clock times, and rank 0 saves the final
+model to ``<out>/final.safetensors``. The job id, node and shared-memory directory come from the
+environment the launcher sets (``FLASHCKPT_JOB``, ``FLASHCKPT_NODE``, ...).
+
+The loss at each step depends only on the model, the step and the rank, so a run interrupted
+and resumed from any snapshot ends with the bitwise same model as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_START = time.time()
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import safetensors.torch  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import flashckpt  # noqa: E402
+
+
+def _event(out: str, name: str, **fields: object) -> None:
+    record = {
+        "t": time.time(),
+        "event": name,
+        "pid": os.getpid(),
+        "node": os.environ.get("FLASHCKPT_NODE"),
+        "rank": int(os.environ.get("RANK", "-1")),
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        **fields,
+    }
+    with open(os.path.join(out, "events.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--storage", required=True)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--step-sleep", type=float, default=0.1)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    _event(a.out, "start", t_process=T_START)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    # The node agent learns of a commit only where rank 0 runs (it writes the manifest), so a
+    # flush on another machine would wait its whole timeout: rank 0's flush is the one that
+    # guarantees the final step is committed.
+    with flashckpt.checkpointing(
+        ddp,
+        opt,
+        scheduler=sched,
+        storage=a.storage,
+        every=a.every,
+        mode="sync",
+        flush_timeout=600.0 if rank == 0 else 1.0,
+    ) as ckpt:
+        _event(
+            a.out,
+            "restored",
+            start_step=ckpt.start_step,
+            restored_from=ckpt.restored_from,
+            world_size=dist.get_world_size(),
+        )
+        for step in range(ckpt.start_step, a.steps):
+            g = torch.Generator().manual_seed(10_000 * rank + step)
+            x = torch.randn(8, 16, generator=g)
+            loss = torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True).sin())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            ckpt.step(step)
+            _event(a.out, "step", step=step, loss=float(loss.item()).hex())
+            time.sleep(a.step_sleep)
+    if rank == 0:
+        final = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+        safetensors.torch.save_file(final, os.path.join(a.out, "final.safetensors"))
+    _event(a.out, "done")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""``flashckpt run`` end to end: real launchers, real etcd, real ``kill -9``, real gloo.
+
+Several machines are simulated on this host as separate launcher process trees with their own
+node ids and shared-memory directories (see ``_cluster.py``). Training is deterministic on CPU,
+so every interrupted run must end with the bitwise same model as the uninterrupted reference.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import psutil
+import pytest
+import safetensors.torch
+import torch
+from _cluster import SimCluster, cluster_env
+
+from elastic import health
+from elastic.testing import EtcdServer
+from flashckpt.storage import Storage
+
+STEPS = 50
+EVERY = 5
+WORKER_ARGS = ["--steps", str(STEPS), "--every", str(EVERY)]
+PACED = [*WORKER_ARGS, "--step-sleep", "0.1"]
+SLOW = [*WORKER_ARGS, "--step-sleep", "0.15"]  # leaves time to start a standby before the kill
+
+pytestmark = [pytest.mark.etcd, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def reference_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The final model of an uninterrupted run: one standalone launcher, two workers."""
+    cluster = SimCluster(
+        tmp_path_factory.mktemp("reference"),
+        None,
+        nnodes="1",
+        nproc=2,
+        worker_args=[*WORKER_ARGS, "--step-sleep", "0"],
+    )
+    try:
+        cluster.start("ref")
+        code = cluster.wait_exit("ref", 120)
+        assert code == 0, cluster.logs()
+        return safetensors.torch.load_file(cluster.out / "final.safetensors")
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[list[SimCluster]]:
+    clusters: list[SimCluster] = []
+    yield clusters
+    for cluster in clusters:
+        cluster.close()
+
+
+def _assert_same_model(cluster: SimCluster, reference: dict[str, torch.Tensor]) -> None:
+    final = safetensors.torch.load_file(cluster.out / "final.safetensors")
+    assert final.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(final[name], tensor), f"{name} differs from the uninterrupted run"
+
+
+def _committed(cluster: SimCluster) -> list[int]:
+    try:
+        return Storage(cluster.storage).committed_steps()
+    except OSError:
+        return []
+
+
+@pytest.mark.timeout(240)
+def test_standby_takes_the_place_of_a_killed_machine(
+    etcd_server: str,
+    tmp_path: Path,
+    reference_model: dict[str, torch.Tensor],
+    make_cluster: list[SimCluster],
+) -> None:
+    cluster = SimCluster(tmp_path, etcd_server, nnodes="2:2", worker_args=SLOW)
+    make_cluster.append(cluster)
+    cluster.start("n0")
+    cluster.start("n1")
+    cluster.wait_for("training to start", lambda: len(cluster.steps()) >= 2, 120)
+    standby = cluster.start("n2")
+    cluster.wait_for(
+        "the standby to join the rendezvous",
+        lambda: any(e["event"] == "rendezvous_start" for e in standby.events()),
+        60,
+    )
+    cluster.wait_for("a committed step", lambda: bool(_committed(cluster)), 60)
+    assert max(cluster.steps()) < STEPS - 10, "training ran out before the kill; slow it down"
+
+    # Kill the machine that hosts rank 0 (it also commits the manifests): launcher, node agent
+    # and worker at the same instant.
+    rank0_node = next(
+        e["node"] for e in reversed(cluster.events()) if e["event"] == "restored" and e["rank"] == 0
+    )
+    survivor = "n1" if rank0_node == "n0" else "n0"
+    committed_before = max(_committed(cluster))
+    last_step_before = max(cluster.steps())
+    killed_at = time.time()
+    victims = cluster.machines[rank0_node].kill()
+    assert victims, "the machine had no processes"
+
+    for node in (survivor, "n2"):
+        assert cluster.wait_exit(node, 150) == 0, cluster.logs()
+    _assert_same_model(cluster, reference_model)
+
+    resumed = [e for e in cluster.events() if e["event"] == "restored" and e["t"] > killed_at]
+    assert {e["node"] for e in resumed} == {survivor, "n2"}, resumed
+    start_steps = {e["start_step"] for e in resumed}
+    assert len(start_steps) == 1, f"ranks resumed from different steps: {resumed}"
+    start_step = start_steps.pop()
+    # Nothing committed before the kill is lost, and at most one interval plus the steps in
+    # flight is recomputed.
+    assert committed_before <= start_step <= last_step_before + 1
+    assert all(e["world_size"] == 2 for e in resumed)
+    assert next(e for e in resumed if e["node"] == "n2")["restored_from"] == "storage"
+    assert max(_committed(cluster)) == STEPS
+    # Both saw exactly the killed machine go (until the first of them finished and left).
+    launchers = {node: cluster.machines[node].events() for node in (survivor, "n2")}
+    done_at = min(e["t"] for ev in launchers.values() for e in ev if e["event"] == "succeeded")
+    for events in launchers.values():
+        lost = [e["peer"] for e in events if e["event"] == "peer_lost" and e["t"] < done_at]
+        assert lost == [rank0_node], events
+    # Every process of the killed machine is gone (the workers died with their launcher).
+    assert not any(_alive(pid) for pid in victims)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(180)
+def test_worker_crash_restarts_workers_from_memory(
+    tmp_path: Path, reference_model: dict[str, torch.Tensor], make_cluster: list[SimCluster]
+) -> None:
+    # One machine (--standalone: its own etcd), two workers; one worker is killed with SIGKILL.
+    cluster = SimCluster(tmp_path, None, nnodes="1", nproc=2, worker_args=PACED)
+    make_cluster.append(cluster)
+    machine = cluster.start("solo")
+    cluster.wait_for("a few snapshots", lambda: len(cluster.steps()) >= 2 * 12, 120)
+    victim = next(e["pid"] for e in cluster.events() if e["event"] == "start" and e["rank"] == 1)
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+
+    assert cluster.wait_exit("solo", 120) == 0, cluster.logs()
+    _assert_same_model(cluster, reference_model)
+    resumed = [e for e in cluster.events() if e["event"] == "restored" and e["t"] > killed_at]
+    assert sorted(e["rank"] for e in resumed) == [0, 1], resumed
+    assert all(e["restored_from"] == "memory" for e in resumed), resumed
+    assert len({e["start_step"] for e in resumed}) == 1
+    assert resumed[0]["start_step"] >= 10
+    # The node agent (and its snapshots in memory) survived the restart of the workers.
+    events = machine.events()
+    assert not [e for e in events if e["event"] == "node_agent_restart"], events
+    assert {e["agent_gen"] for e in events if e["event"] == "workers_start"} == {1}
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_etcd_at_start_fails_fast_with_the_fix(
+    tmp_path: Path, dead_endpoint: str, make_cluster: list[SimCluster]
+) -> None:
+    cluster = SimCluster(tmp_path, dead_endpoint, launcher_args=["--rdzv-conf", "read_timeout=3"])
+    make_cluster.append(cluster)
+    started = time.monotonic()
+    cluster.start("n0")
+    code = cluster.wait_exit("n0", 45)
+    elapsed = time.monotonic() - started
+    output = cluster.machines["n0"].tail()
+    assert code == 2, output
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+    assert "cannot reach etcd at " + dead_endpoint in output, output
+    assert "--rdzv-endpoint" in output and "--standalone" in output, output
+    assert "Traceback" not in output, output
+
+
+@pytest.mark.timeout(240)
+def test_job_survives_an_etcd_restart(
+    tmp_path: Path,
+    etcd_instance: EtcdServer,
+    reference_model: dict[str, torch.Tensor],
+    make_cluster: list[SimCluster],
+) -> None:
+    cluster = SimCluster(tmp_path, etcd_instance.client_url, nnodes="2:2", worker_args=PACED)
+    make_cluster.append(cluster)
+    cluster.start("n0")
+    cluster.start("n1")
+    cluster.wait_for("training", lambda: len(cluster.steps()) >= 2 * 8, 120)
+    etcd_instance.restart(down_for=timedelta(seconds=2))
+    steps_after_restart = len(cluster.steps())
+    for node in ("n0", "n1"):
+        assert cluster.wait_exit(node, 150) == 0, cluster.logs()
+    assert len(cluster.steps()) > steps_after_restart
+    _assert_same_model(cluster, reference_model)
+
+
+@pytest.mark.timeout(240)
+def test_late_machine_scales_the_job_up(
+    etcd_server: str, tmp_path: Path, make_cluster: list[SimCluster]
+) -> None:
+    cluster = SimCluster(
+        tmp_path,
+        etcd_server,
+        nnodes="1:2",
+        worker_args=PACED,
+        launcher_args=["--rdzv-conf", "last_call_timeout=1"],
+    )
+    make_cluster.append(cluster)
+    cluster.start("n0")
+    cluster.wait_for("training on one machine", lambda: len(cluster.steps()) >= 8, 120)
+    joined_at = time.time()
+    cluster.start("n1")
+    for node in ("n0", "n1"):
+        assert cluster.wait_exit(node, 150) == 0, cluster.logs()
+    resumed = [e for e in cluster.events() if e["event"] == "restored" and e["t"] > joined_at]
+    assert {(e["node"], e["world_size"]) for e in resumed} == {("n0", 2), ("n1", 2)}, resumed
+    assert len({e["start_step"] for e in resumed}) == 1
+    assert resumed[0]["start_step"] >= EVERY
+    assert max(_committed(cluster)) == STEPS
+
+
+@pytest.mark.timeout(240)
+def test_health_check_keeps_a_faulty_machine_out_of_the_job(
+    etcd_server: str,
+    tmp_path: Path,
+    reference_model: dict[str, torch.Tensor],
+    make_cluster: list[SimCluster],
+) -> None:
+    cluster = SimCluster(
+        tmp_path,
+        etcd_server,
+        nnodes="2:2",
+        worker_args=[*WORKER_ARGS, "--step-sleep", "0"],
+        launcher_args=["--health-check"],
+    )
+    make_cluster.append(cluster)
+    faulty = {**cluster_env(), health.FAULT_ENV: "1"}
+    cluster.start("n0")
+    cluster.start("n1", env=faulty)
+    # n1's compute probe gives a wrong checksum: it is recorded and its launcher gives up.
+    assert cluster.wait_exit("n1", 120) == 1, cluster.logs()
+    assert "failed the health check" in cluster.machines["n1"].tail()
+    # A healthy machine takes its place and the job runs as if nothing happened.
+    cluster.start("n2")
+    for node in ("n0", "n2"):
+        assert cluster.wait_exit(node, 150) == 0, cluster.logs()
+    _assert_same_model(cluster, reference_model)
+    assert {e["node"] for e in cluster.events() if e["event"] == "restored"} == {"n0", "n2"}
+    # The faulty machine is not admitted to this job again, even once "repaired".
+    cluster.start("n1")
+    assert cluster.wait_exit("n1", 60) == 2, cluster.logs()
+    assert "failed a health check earlier" in cluster.machines["n1"].tail()
+
+
+@pytest.mark.timeout(120)
+def test_killing_the_launcher_alone_takes_its_whole_machine_down(
+    tmp_path: Path, make_cluster: list[SimCluster]
+) -> None:
+    cluster = SimCluster(tmp_path, None, nnodes="1", nproc=2, worker_args=PACED)
+    make_cluster.append(cluster)
+    machine = cluster.start("solo")
+    cluster.wait_for("training", lambda: len(cluster.steps()) >= 2 * 5, 120)
+    assert len(_job_processes(cluster)) >= 5  # launcher, etcd, agents, pre-warm, workers
+    os.kill(machine.proc.pid, signal.SIGKILL)
+    machine.proc.wait(timeout=10)
+    # Workers, node agents, the pre-warm process and the private etcd die with the launcher.
+    deadline = time.monotonic() + 20
+    while _job_processes(cluster) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _job_processes(cluster), [p.info["cmdline"] for p in _job_processes(cluster)]
+    # The node agents got SIGTERM, not SIGKILL: they removed their shared-memory segments.
+    assert not [p for p in cluster.shm_root.rglob("fc.*") if p.is_file()]
+
+
+def _job_processes(cluster: SimCluster) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.info["pid"] != os.getpid() and cluster.run_id in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except (psutil.Error, TypeError):
+            continue
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_a_second_launcher_with_the_same_node_id_is_refused(
+    etcd_server: str, tmp_path: Path, make_cluster: list[SimCluster]
+) -> None:
+    cluster = SimCluster(tmp_path, etcd_server, nnodes="2:2", worker_args=PACED)
+    make_cluster.append(cluster)
+    first = cluster.start("n0")
+    cluster.wait_for(
+        "the first launcher to register",
+        lambda: any(e["event"] == "registered" for e in first.events()),
+        60,
+    )
+    second = SimCluster(tmp_path / "second", etcd_server, nnodes="2:2")
+    second.run_id = cluster.run_id  # same job, same node id
+    make_cluster.append(second)
+    second.start("n0")
+    assert second.wait_exit("n0", 60) == 2, second.logs()
+    assert "already used in this job" in second.machines["n0"].tail()
+    assert first.proc.poll() is None, "the first launcher must keep running"

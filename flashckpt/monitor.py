@@ -664,6 +664,7 @@ class AgentMonitor:
         self._server: WSGIServer | None = None
         self._events: Any = None
         self._first_scan = True
+        self._born_mono = time.monotonic()
         self._next_flush = 0.0
         self._stack_reads: list[tuple[float, int, int, str, int]] = []
         self._last_dump = -1e9
@@ -824,8 +825,10 @@ class AgentMonitor:
             rs.started = True
             rs.inc = self._history[ring.token]
             return
-        if self._first_scan:
-            ring.read_idx = ring.count()  # only what happens from now on is new to us
+        if self._first_scan and 0 < (info["ready_mono"] or 0) < self._born_mono:
+            # A trainer that ran before this agent: only what happens from now on is new to us.
+            # (One that started after us is read from its first record, however late we look.)
+            ring.read_idx = ring.count()
         rs.incarnations += 1
 
     def _read(self, rs: _RankState, off: float) -> None:

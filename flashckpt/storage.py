@@ -16,16 +16,22 @@ xxh3-64 hash; a file that does not match is never loaded.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
+import mmap
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 import xxhash
+
+from flashckpt.shm import buffer_address
 
 __all__ = [
     "CorruptCheckpointError",
@@ -39,6 +45,9 @@ FORMAT = "flashckpt/1"
 MANIFEST = "manifest.json"
 PARTS = "_parts"
 CHUNK = 64 << 20
+# O_DIRECT needs buffer address, file offset and length aligned to the logical block size
+# (512 B or 4 KiB); a page satisfies every local disk.
+DIRECT_ALIGN = 4096
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 
 
@@ -121,6 +130,42 @@ class Storage:
                     f.write(c)
                     size += len(c)
         return FileRecord(size, h.hexdigest())
+
+    def write_buffer(
+        self,
+        path: str,
+        head: bytes,
+        data: memoryview,
+        check: Callable[[], None] | None = None,
+    ) -> FileRecord:
+        """Writes ``head`` then ``data`` to ``path`` (durably for local files); returns size and
+        hash, as :meth:`write_stream` does.
+
+        A local file whose ``head`` is a multiple of 4 KiB and whose ``data`` starts on a page
+        boundary is written with ``O_DIRECT`` straight from ``data``: no copy into the page
+        cache (an order of magnitude less CPU, and a disk-speed write), while this thread hashes
+        each chunk as another writes it. Other file systems get the plain streamed write.
+
+        Args:
+            check: called before each chunk of ``data``; may raise to abandon the write.
+        """
+        direct = getattr(os, "O_DIRECT", 0)  # Linux
+        addr = buffer_address(data) if self.local and direct else None
+        if addr is None or addr % DIRECT_ALIGN or len(head) % DIRECT_ALIGN:
+            return self.write_stream(path, _chunks(head, data, check))
+        self.fs.makedirs(self.fs._parent(path), exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | direct
+        try:
+            fd = os.open(path, flags, 0o666)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            # tmpfs and some FUSE file systems refuse O_DIRECT.
+            return self.write_stream(path, _chunks(head, data, check))
+        try:
+            return _write_direct(fd, head, data, check)
+        finally:
+            os.close(fd)
 
     def write_json(self, path: str, obj: Any) -> FileRecord:
         return self.write_stream(path, [json.dumps(obj, indent=1).encode()])
@@ -283,6 +328,65 @@ class Storage:
         manifest = self.read_manifest(step)
         for name, rec in sorted(manifest["files"].items()):
             yield name, int(rec["size"])
+
+
+def _chunks(
+    head: bytes, data: memoryview, check: Callable[[], None] | None
+) -> Iterator[bytes | memoryview]:
+    yield head
+    for off in range(0, len(data), CHUNK):
+        if check is not None:
+            check()
+        yield data[off : off + CHUNK]
+
+
+def _write_direct(
+    fd: int, head: bytes, data: memoryview, check: Callable[[], None] | None
+) -> FileRecord:
+    """Writes ``head + data`` to ``fd`` (opened with ``O_DIRECT``) and fsyncs it.
+
+    ``head`` goes through a page-aligned copy; ``data`` is written in place up to its last whole
+    4 KiB block, and the tail (not a whole block, which ``O_DIRECT`` cannot write) after
+    clearing ``O_DIRECT``. The hash of each chunk is computed while a worker thread writes it
+    (both release the GIL), so hashing costs CPU but no wall time.
+    """
+    h = xxhash.xxh3_64(head)
+    n = len(data)
+    body = n - n % DIRECT_ALIGN
+    with mmap.mmap(-1, max(len(head), 1)) as hbuf:
+        hbuf[: len(head)] = head
+        hv = memoryview(hbuf)
+        try:
+            _write_all(fd, hv[: len(head)])
+        finally:
+            hv.release()
+    with ThreadPoolExecutor(1, thread_name_prefix="fc-direct-write") as pool:
+        for off in range(0, body, CHUNK):
+            if check is not None:
+                check()
+            chunk = data[off : min(off + CHUNK, body)]
+            done = pool.submit(_write_all, fd, chunk)
+            h.update(chunk)
+            done.result()
+    if body < n:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        _write_all(fd, data[body:])
+        h.update(data[body:])
+    os.fsync(fd)
+    return FileRecord(len(head) + n, h.hexdigest())
+
+
+def _write_all(fd: int, buf: memoryview) -> None:
+    done = 0
+    while done < len(buf):
+        try:
+            done += os.write(fd, buf[done:])
+        except OSError as e:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if e.errno != errno.EINVAL or not flags & os.O_DIRECT:
+                raise
+            # The file system takes O_DIRECT at open but not this buffer or size: go buffered.
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

@@ -8,7 +8,15 @@ import uuid
 
 import pytest
 
-from flashckpt.shm import COMPLETE, ShmSpaceError, Slot, allocate_slot_file
+from flashckpt.shm import (
+    COMPLETE,
+    HUGE_PAGE,
+    ShmSpaceError,
+    Slot,
+    allocate_slot_file,
+    anonymous_buffer,
+    buffer_address,
+)
 
 
 @pytest.fixture
@@ -87,3 +95,38 @@ def test_too_small_tmpfs_fails_up_front(tmp_path) -> None:
         assert not [n for n in os.listdir(mnt) if n.startswith("fc.")]  # nothing left behind
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_buffer_address_is_the_first_byte() -> None:
+    import ctypes
+    import mmap
+
+    m = mmap.mmap(-1, 3 * 4096)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    view = memoryview(m)[4096:]
+    assert buffer_address(view) == base + 4096
+    assert buffer_address(b"read-only") is None
+    assert buffer_address(bytearray()) is None
+    view.release()
+    m.close()  # no buffer export was left behind
+
+
+def test_anonymous_buffer_is_aligned_and_populated() -> None:
+    n = 8 << 20
+    mm, skip = anonymous_buffer(n)
+    addr = buffer_address(mm)
+    assert addr is not None and (addr + skip) % HUGE_PAGE == 0 and len(mm) >= skip + n
+    # Every page is mapped before the first write (MADV_POPULATE_WRITE, Linux >= 5.14).
+    rss = 0
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr + skip < hi
+            elif inside and head == "Rss:":
+                rss = int(line.split()[1]) * 1024
+    assert rss >= n
+    mm[skip : skip + n] = b"\x01" * n
+    mm.close()

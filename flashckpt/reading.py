@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import json
+import struct
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from flashckpt.layout import parse_safetensors, tensor_views, unflatten_state
+from flashckpt.layout import parse_safetensors, tensor_views, torch_dtype, unflatten_state
+from flashckpt.sharded import ShardedPiece, assemble, overlaps, replace_at, walk_pieces
 from flashckpt.storage import CorruptCheckpointError, Storage
 
-__all__ = ["LoadedCheckpoint", "load", "read_rank", "read_shard"]
+__all__ = [
+    "LoadedCheckpoint",
+    "load",
+    "load_full",
+    "read_rank",
+    "read_resharded",
+    "read_shard",
+]
 
 
 @dataclass(slots=True)
@@ -54,6 +64,174 @@ def read_shard(
     return state
 
 
+def _shard_files(storage: Storage, step: int, manifest: dict[str, Any]) -> list[str]:
+    return [manifest["shards"][k]["file"] for k in sorted(manifest["shards"], key=int)]
+
+
+def _peek_header(storage: Storage, step: int, name: str) -> dict[str, Any]:
+    """The safetensors header of a shard file, read without reading its tensors.
+
+    Only used to choose files; the files chosen are then read whole and checked against the
+    manifest before any byte of them is used.
+    """
+    path = storage.step_path(step, name)
+    try:
+        with storage.fs.open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CorruptCheckpointError(path, "is too short to be safetensors")
+            (hlen,) = struct.unpack("<Q", raw)
+            if hlen > 100 << 20:
+                raise CorruptCheckpointError(path, f"has a header length of {hlen} bytes")
+            header = json.loads(f.read(hlen))
+            return header if isinstance(header, dict) else {}
+    except FileNotFoundError:
+        raise CorruptCheckpointError(path, "is missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(path, f"has a header that is not JSON ({e})") from None
+
+
+def _sharded_nodes(skeleton: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(tensor name, piece description) of every DTensor piece in a skeleton."""
+    if isinstance(skeleton, dict):
+        if "S" in skeleton:
+            yield skeleton["S"], skeleton["dt"]
+            return
+        for tag, value in skeleton.items():
+            if tag == "D":
+                for _, v in value:
+                    yield from _sharded_nodes(v)
+            elif tag in ("L", "U"):
+                for v in value:
+                    yield from _sharded_nodes(v)
+
+
+def read_resharded(
+    storage: Storage,
+    step: int,
+    wants: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    manifest: dict[str, Any] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Builds boxes of sharded (DTensor) tensors of a committed step from its saved pieces.
+
+    Reads only the shard files that hold a piece overlapping a wanted box (every file read is
+    checked whole against the manifest).
+
+    Args:
+        wants: tensor name (as in the skeleton) -> (global offset, shape) of the box to build.
+
+    Returns:
+        tensor name -> the box, a new tensor.
+
+    Raises:
+        CorruptCheckpointError: a needed file is missing or corrupt, or the pieces do not cover a
+            box.
+        KeyError: a wanted tensor is not a sharded tensor of the step.
+    """
+    manifest = manifest or storage.read_manifest(step)
+    files = _shard_files(storage, step, manifest)
+    dtypes: dict[str, torch.dtype] = {}
+    needed: list[str] = []
+    for name in files:
+        header = _peek_header(storage, step, name)
+        try:
+            skeleton = json.loads(header["__metadata__"]["skeleton"])
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise CorruptCheckpointError(storage.step_path(step, name), f"no skeleton: {e}") from e
+        use = False
+        for tname, meta in _sharded_nodes(skeleton):
+            if tname in wants and tname not in dtypes:
+                dtypes[tname] = torch_dtype(header[tname]["dtype"])
+            if tname in wants and overlaps(meta, *wants[tname]):
+                use = True
+        if use:
+            needed.append(name)
+    missing = sorted(set(wants) - set(dtypes))
+    if missing:
+        raise KeyError(f"step {step} has no sharded tensor(s) {missing[:5]}")
+    pieces: dict[str, list[ShardedPiece]] = {n: [] for n in wants}
+    for name in needed:
+        state, skeleton = _read_shard_file(storage, step, name, manifest)
+        del state
+        for tname, piece in skeleton.items():
+            if tname in pieces:
+                pieces[tname].append(piece)
+    out = {}
+    for tname, (offset, shape) in wants.items():
+        try:
+            out[tname] = assemble(tname, pieces[tname], offset, shape, dtypes[tname])
+        except ValueError as e:
+            raise CorruptCheckpointError(storage.step_path(step), str(e)) from None
+    return out
+
+
+def _read_shard_file(
+    storage: Storage, step: int, name: str, manifest: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, ShardedPiece]]:
+    """Reads one shard file: its state tree and its DTensor pieces by tensor name."""
+    buf = storage.read_file(step, name, manifest)
+    try:
+        layout, meta, start = parse_safetensors(buf)
+        skeleton = json.loads(meta["skeleton"])
+    except (ValueError, KeyError) as e:
+        raise CorruptCheckpointError(storage.step_path(step, name), str(e)) from None
+    data = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    views = tensor_views(layout, data[start : start + layout.nbytes])
+    state = unflatten_state(skeleton, views)
+    pieces = {n: ShardedPiece(views[n], m, n) for n, m in _sharded_nodes(skeleton)}
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(storage.step_path(step, name), "has no state dict")
+    return state, pieces
+
+
+def load_full(url: str, step: int | None = None) -> LoadedCheckpoint:
+    """Reads a committed checkpoint with every sharded (DTensor) tensor gathered whole.
+
+    Sharded tensors are assembled from the pieces of every shard file; everything else comes from
+    shard 0 (in a sharded job it is the same on every rank). Reads every shard file: use it
+    offline (export, inspection), not in training.
+
+    Args:
+        url: the checkpoint root (any fsspec URL).
+        step: the step; None reads the newest committed step.
+
+    Returns:
+        The full state tree (plain tensors only) and every rank's private state.
+    """
+    storage = Storage(url)
+    if step is None:
+        steps = storage.committed_steps()
+        if not steps:
+            raise FileNotFoundError(f"no committed checkpoint in {url}")
+        step = steps[-1]
+    manifest = storage.read_manifest(step)
+    files = _shard_files(storage, step, manifest)
+    if not files:
+        raise CorruptCheckpointError(storage.step_path(step), "lists no shard files")
+    state: dict[str, Any] = {}
+    pieces: dict[str, list[ShardedPiece]] = {}
+    for i, name in enumerate(files):
+        st, ps = _read_shard_file(storage, step, name, manifest)
+        if i == 0:
+            state = st
+        for tname, piece in ps.items():
+            pieces.setdefault(tname, []).append(piece)
+    for path, piece in list(walk_pieces(state)):
+        tname = piece.name
+        shape = tuple(piece.meta["shape"])
+        try:
+            full = assemble(tname, pieces[tname], (0,) * len(shape), shape, piece.tensor.dtype)
+        except ValueError as e:
+            raise CorruptCheckpointError(storage.step_path(step), str(e)) from None
+        state = replace_at(state, path, full)
+    ranks = {}
+    for r in manifest["ranks"]:
+        private = read_rank(storage, step, int(r), manifest)
+        if private is not None:
+            ranks[int(r)] = private
+    return LoadedCheckpoint(step, state, ranks, manifest)
+
+
 def read_rank(
     storage: Storage, step: int, rank: int, manifest: dict[str, Any]
 ) -> dict[str, Any] | None:
@@ -79,7 +257,9 @@ def load(url: str, step: int | None = None, *, shard: int = 0) -> LoadedCheckpoi
         shard: which shard's tensors to read (0 for data-parallel jobs).
 
     Returns:
-        The state tree (``model``, ``optimizer``, ...) and every rank's private state.
+        The state tree (``model``, ``optimizer``, ...) and every rank's private state. In a
+        sharded (DTensor) checkpoint each sharded tensor is that shard's
+        :class:`~flashckpt.sharded.ShardedPiece`; :func:`load_full` gathers them whole.
     """
     storage = Storage(url)
     steps = [step] if step is not None else sorted(storage.committed_steps(), reverse=True)

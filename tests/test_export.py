@@ -1,0 +1,94 @@
+"""`flashckpt export`: one consolidated safetensors file, and a torch.distributed.checkpoint
+directory that `dcp.load` reads, from a sharded (FSDP2) and from a replicated checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from fchelpers import FcEnv, RunningAgent
+from test_sharded import _run
+from tinytrain import make, train_step
+
+import flashckpt
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flashckpt", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.slow
+def test_export_sharded_to_safetensors_and_dcp(tmp_path: Path, fc_env: FcEnv) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    _run(fc_env, tmp_path, "w2", 2, 4)
+    want = safetensors.torch.load_file(str(tmp_path / "w2.log.final.safetensors"))
+    model_want = {k[len("model/") :]: v for k, v in want.items() if k.startswith("model/")}
+    assert len(model_want) == 4
+
+    out = tmp_path / "export" / "model.safetensors"
+    r = _cli("export", fc_env.storage, "--step", "4", "--to", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "step 4: wrote 4 tensors" in r.stdout
+    got = safetensors.torch.load_file(str(out))
+    assert sorted(got) == sorted(model_want)
+    for k, v in model_want.items():
+        assert torch.equal(got[k], v), k
+
+    d = tmp_path / "dcp"
+    r = _cli("export", fc_env.storage, "--to", str(d), "--format", "dcp")
+    assert r.returncode == 0, r.stderr
+    assert "['model', 'optimizer']" in r.stdout
+    fqns = sorted(model_want)
+    target = {
+        "model": {k: torch.zeros_like(v) for k, v in model_want.items()},
+        "optimizer": {
+            "state": {
+                fqn: {
+                    "exp_avg": torch.zeros_like(model_want[fqn]),
+                    "exp_avg_sq": torch.zeros_like(model_want[fqn]),
+                    "step": torch.zeros(()),
+                }
+                for fqn in fqns
+            }
+        },
+    }
+    dcp.load(target, checkpoint_id=str(d), no_dist=True)
+    for k, v in model_want.items():
+        assert torch.equal(target["model"][k], v), k
+    for fqn in fqns:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(target["optimizer"]["state"][fqn][key], want[f"optim/{fqn}/{key}"])
+
+    r = _cli("export", fc_env.storage, "--to", str(d), "--format", "dcp")
+    assert r.returncode == 1 and "not empty" in r.stderr
+
+
+def test_export_replicated_checkpoint(tmp_path: Path, fc_env: FcEnv) -> None:
+    a = RunningAgent(fc_env.agent_config())
+    try:
+        model, opt, sched = make(0)
+        kw = fc_env.ckpt_kwargs(agent="connect", every=2)
+        with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+            for step in range(2):
+                train_step(model, opt, sched, step)
+                ck.step(step)
+            ck.flush()
+    finally:
+        a.stop()
+    out = tmp_path / "m.safetensors"
+    r = _cli("export", fc_env.storage, "--to", str(out))
+    assert r.returncode == 0, r.stderr
+    got = safetensors.torch.load_file(str(out))
+    want = model.state_dict()
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    r = _cli("export", fc_env.storage, "--step", "7", "--to", str(out))
+    assert r.returncode == 1 and "step 7 is not committed" in r.stderr

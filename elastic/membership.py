@@ -321,6 +321,25 @@ class NodeRegistry:
         except EtcdError as exc:
             logger.warning("could not publish this node's state %r: %s", fields, exc)
 
+    def publish(self, key: str, value: bytes) -> bool:
+        """Writes ``key`` bound to this node's lease, so it disappears with the machine.
+
+        Used for the machine's monitoring summary (:mod:`elastic.jobview`). After the lease
+        lapsed and was registered again, the next call writes the key with the new lease.
+
+        Returns:
+            False when the node holds no lease (not registered, or closed).
+
+        Raises:
+            EtcdError: etcd did not take the write.
+        """
+        with self._lock:
+            lease = self._lease
+        if lease is None:
+            return False
+        self._client.put(key, value, lease=lease)
+        return True
+
     def peers(self) -> dict[str, NodeRecord]:
         """The other live nodes of the job, as last seen by the watch."""
         with self._lock:

@@ -35,9 +35,10 @@ second (records overwritten before they were read are counted as lost, never mis
   ``straggler_window`` steps exceeds ``straggler_factor`` times the median of the other ranks;
 - at shutdown, writes the goodput report of the job (text, optionally a PNG chart).
 
-The agent sees its own machine's ranks; publishing per-machine summaries (for job-wide straggler
-detection and ``flashckpt status`` across hosts) goes through :meth:`AgentMonitor.summary`, the
-hook for the etcd slice.
+The agent sees its own machine's ranks. Under ``flashckpt run`` the launcher publishes a summary
+of its agent's ``status()`` (this monitor's :meth:`AgentMonitor.summary` included) to etcd, for
+``flashckpt status --etcd`` across machines and the straggler -> standby swap: see
+:mod:`elastic.jobview`.
 """
 
 from __future__ import annotations
@@ -664,6 +665,7 @@ class AgentMonitor:
         self._server: WSGIServer | None = None
         self._events: Any = None
         self._first_scan = True
+        self._seen_ring = False
         self._born_mono = time.monotonic()
         self._next_flush = 0.0
         self._stack_reads: list[tuple[float, int, int, str, int]] = []
@@ -734,9 +736,10 @@ class AgentMonitor:
             return
         for rank, incs in incarnations_from_events(events).items():
             rs = self._ranks.setdefault(rank, _RankState(rank))
-            rs.incarnations += len(incs)
             for inc in incs:
-                self._history[inc.token] = inc
+                if inc.token not in self._history:  # idempotent: loaded again at first ring
+                    rs.incarnations += 1
+                    self._history[inc.token] = inc
         for ev in events:
             if ev.get("event") == "steps" and ev.get("last") is not None:
                 rs = self._ranks.setdefault(int(ev["rank"]), _RankState(int(ev["rank"])))
@@ -794,6 +797,12 @@ class AgentMonitor:
                 log.warning("monitor: ignoring %s: %s", path, e)
                 self._bad_inos.add(ino)
                 continue
+            if not self._seen_ring:
+                # A spare agent (elastic launcher) loaded the shared events file long before
+                # it took over: read what the previous generation wrote since (restarts, steps
+                # already done, for recomputed steps).
+                self._seen_ring = True
+                self._load_history()
             self._attach(rank, ring, now_w, off)
 
     def _attach(self, rank: int, ring: _Ring, now_w: float, off: float) -> None:
@@ -1298,7 +1307,7 @@ class AgentMonitor:
 
         status = self._facts() if self._facts is not None else {}
         mon = status.get("monitor") or self.summary()
-        agent_ranks = status.get("ranks", {})
+        agent_ranks = by_global_rank(status.get("ranks") or {})
         base = ["job", "node", "rank"]
         lv = [self.job, self.node]
 
@@ -1396,6 +1405,16 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+def by_global_rank(agent_ranks: dict[str, Any]) -> dict[str, Any]:
+    """The agent status's ``ranks`` (keyed by local rank) keyed by global rank, like the
+    monitor's (an entry without ``rank`` keeps its key)."""
+    out: dict[str, Any] = {}
+    for key, d in agent_ranks.items():
+        r = d.get("rank") if isinstance(d, dict) else None
+        out[str(r) if isinstance(r, int) else str(key)] = d
+    return out
+
+
 def _quantile(sorted_xs: list[float], q: float) -> float | None:
     if not sorted_xs:
         return None
@@ -1463,7 +1482,7 @@ def format_status(agents: list[dict[str, Any]]) -> str:
     for a in sorted(live, key=lambda a: str(a.get("node"))):
         mon = a.get("monitor") or {}
         committed = max(a.get("committed") or [], default=None)
-        slot_ranks = a.get("ranks", {})
+        slot_ranks = by_global_rank(a.get("ranks") or {})
         mranks = mon.get("ranks", {})
         for r in sorted({*mranks, *slot_ranks}, key=int):
             d = mranks.get(r, {})

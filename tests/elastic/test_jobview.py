@@ -1,0 +1,411 @@
+"""Per-machine summaries in etcd, `flashckpt status --etcd`, and the straggler -> standby swap."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _cluster import WORKER, SimCluster, cluster_env
+from fchelpers import FcEnv, RunningAgent
+from tinytrain import make, train_step
+
+import flashckpt
+from elastic.etcd import EtcdClient
+from elastic.jobview import (
+    JobViewPublisher,
+    StragglerSwap,
+    agent_status,
+    format_job_view,
+    machine_summary,
+    read_job_view,
+)
+from elastic.membership import NodeRegistry
+from elastic.rendezvous import job_prefix
+from flashckpt import cli
+from flashckpt.monitor import MonitorConfig
+from flashckpt.protocol import socket_path
+
+
+def _rank(step: int, p50: float, p99: float, fwd: float, opt: float, **kw: Any) -> dict[str, Any]:
+    return {
+        "state": "running",
+        "step": step,
+        "p50_ms": p50,
+        "p99_ms": p99,
+        "p50_parts_ms": {"forward": fwd, "optimizer": opt, "data": 0.1},
+        "restarts": 0,
+        "straggler": False,
+        **kw,
+    }
+
+
+def _status(ranks: dict[str, dict[str, Any]], slots: dict[str, list[int | None]], committed=()):
+    # The monitor keys ranks by global rank, the agent its slots by local rank.
+    return {
+        "monitor": {"ranks": ranks, "alerts": [], "goodput": {}},
+        "ranks": {
+            str(local): {"rank": int(r), "slots": s, "connected": True}
+            for local, (r, s) in enumerate(slots.items())
+        },
+        "committed": list(committed),
+    }
+
+
+def test_machine_summary_by_hand() -> None:
+    st = _status(
+        {
+            "4": _rank(41, 10.0, 20.0, 4.0, 1.0),
+            "5": _rank(40, 30.0, 50.0, 8.0, 2.0, restarts=2, straggler=True),
+            "6": _rank(42, 12.0, 15.0, 5.0, 1.0),
+            # This machine's rank of a former round (the agent stays across rounds): listed,
+            # not counted.
+            "9": _rank(17, 99.0, 99.0, 90.0, 9.0, state="replaced", restarts=1),
+        },
+        {"4": [36, 40], "5": [40, None], "6": [32, 36]},
+        committed=[24, 32],
+    )
+    st["monitor"]["alerts"] = [{"kind": "straggler", "message": "rank 1 is a straggler"}]
+    s = machine_summary(
+        node_id="m1", host="h1", role="active", group_rank=0, restarts=1, agent_status=st, now=5.0
+    )
+    assert s["step"] == 40  # the slowest rank
+    assert s["p50_ms"] == 12.0  # median of 10, 30, 12
+    assert s["p99_ms"] == 50.0  # the worst rank
+    assert s["compute_ms"] == 6.0  # forward + optimizer medians 5, 10, 6 -> 6
+    assert s["snapshot"] == 36  # newest per rank 40, 40, 36: every rank has 36
+    assert s["persisted"] == 32
+    assert s["restarts"] == 2  # a rank restarted twice; the launcher saw one round
+    assert sorted(s["ranks"]) == ["4", "5", "6", "9"] and s["live_ranks"] == 3
+    assert s["ranks"]["5"]["straggler"] is True and s["ranks"]["5"]["compute_ms"] == 10.0
+    assert s["ranks"]["6"]["snapshot"] == 36
+    assert s["alerts"] == ["[straggler] rank 1 is a straggler"]
+    assert s["t"] == 5.0 and s["agent"] is True
+    # No agent answer: the machine is still listed, with nothing measured.
+    s = machine_summary(
+        node_id="m2", host="h2", role="standby", group_rank=None, restarts=0, agent_status=None
+    )
+    assert s["agent"] is False and s["ranks"] == {} and s["step"] is None
+
+
+def _view(*machines: dict[str, Any]) -> dict[str, Any]:
+    return {"machines": list(machines), "now": 0.0}
+
+
+def _m(node: str, role: str = "active", compute: float | None = 10.0, p50: float = 100.0):
+    return {"node": node, "role": role, "compute_ms": compute, "p50_ms": p50, "age_s": 1.0}
+
+
+def test_straggler_swap_decisions() -> None:
+    swap = StragglerSwap(factor=1.5, persist=3)
+    slow = _view(_m("a", compute=10.0), _m("b", compute=11.0), _m("me", compute=30.0))
+    # Flagged (30 > 1.5 x median(10, 11) = 15.75) but no standby: never retires.
+    assert [swap.observe("me", slow) for _ in range(4)] == [None] * 4
+    assert swap.flagged == 4
+    with_standby = _view(*slow["machines"], _m("s", role="standby", compute=None))
+    reason = swap.observe("me", with_standby)
+    assert reason is not None and "compute_ms 30.0 ms vs 10.5 ms" in reason and "s waits" in reason
+    # One check back to normal resets the count: persistently means in a row.
+    swap = StragglerSwap(factor=1.5, persist=3)
+    ok = _view(_m("a", compute=10.0), _m("b", compute=11.0), _m("me", compute=12.0))
+    assert swap.observe("me", with_standby) is None and swap.flagged == 1
+    assert swap.observe("me", ok) is None and swap.flagged == 0
+    assert [swap.observe("me", with_standby) for _ in range(3)][-1] is not None
+    # Not the slowest machine of the job: someone else goes first.
+    swap = StragglerSwap(factor=1.5, persist=1)
+    two_slow = _view(_m("a", compute=10.0), _m("b", compute=40.0), _m("me", compute=30.0))
+    assert swap.observe("me", _view(*two_slow["machines"], _m("s", role="standby"))) is None
+    # Without forward/optimizer timings on some machine: compares iteration times instead.
+    swap = StragglerSwap(factor=1.5, persist=1)
+    v = _view(
+        _m("a", compute=None, p50=100.0), _m("me", compute=5.0, p50=200.0), _m("s", "standby")
+    )
+    assert "p50_ms 200.0 ms vs 100.0 ms" in str(swap.observe("me", v))
+    # A standby itself, or a stale peer summary, never triggers anything.
+    assert StragglerSwap(persist=1).observe("s", v) is None
+    stale = _view(
+        {**_m("a", compute=1.0), "age_s": 999.0}, _m("me", compute=50.0), _m("s", "standby")
+    )
+    assert StragglerSwap(persist=1).observe("me", stale) is None
+    with pytest.raises(ValueError, match="must be > 1"):
+        StragglerSwap(factor=1.0)
+
+
+def test_status_text_flags_a_slow_machine() -> None:
+    v = _view(
+        {**_m("a", compute=10.0), "step": 40, "ranks": {}, "alerts": []},
+        {**_m("b", compute=11.0), "step": 41, "ranks": {}, "alerts": ["[hang] rank 3 ..."]},
+        {**_m("c", compute=30.0), "step": 39, "ranks": {}, "alerts": []},
+        {**_m("s", role="standby", compute=None), "ranks": {}, "alerts": []},
+    )
+    text = format_job_view(v, "j")
+    assert text.splitlines()[0] == "job j: 3 active machine(s), 1 standby, 0 other; 0 rank(s)"
+    alerts = text.split("alerts:\n")[1].splitlines()
+    # c: 30 vs median(10, 11) = 10.5; a and b are within 1.5x of their peers' median.
+    assert alerts == [
+        "  b: [hang] rank 3 ...",
+        "  [straggler] machine c: compute_ms 30.0 ms vs 10.5 ms on the other active machines"
+        " (x2.86)",
+    ]
+    assert "standby: s" in text
+
+
+@pytest.fixture
+def registries(etcd_client: EtcdClient) -> Iterator[Callable[[str, str], NodeRegistry]]:
+    made: list[NodeRegistry] = []
+
+    def make_registry(jp: str, node: str) -> NodeRegistry:
+        reg = NodeRegistry(
+            etcd_client,
+            jp,
+            node,
+            ttl=timedelta(seconds=2),
+            advertise_host="127.0.0.1",
+            bind_host="127.0.0.1",
+        )
+        reg.start(timedelta(seconds=10))
+        made.append(reg)
+        return reg
+
+    yield make_registry
+    for reg in made:
+        reg.close()
+
+
+def _wait_for(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.etcd
+def test_status_from_etcd_shows_the_whole_job(
+    fc_env: FcEnv,
+    etcd_server: str,
+    etcd_client: EtcdClient,
+    etcd_prefix: str,
+    registries: Callable[[str, str], NodeRegistry],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    key_prefix = etcd_prefix.rstrip("/")
+    jp = job_prefix("job1", key_prefix)
+    agent = RunningAgent(fc_env.agent_config(monitor=MonitorConfig(poll_s=0.05)))
+    try:
+        a, b = registries(jp, "m-a"), registries(jp, "m-b")
+        a.update(state="active", group_rank=0)
+        b.update(state="waiting")
+        sock = socket_path(fc_env.run_dir, fc_env.job, fc_env.node)
+        pub_a = JobViewPublisher(
+            client=etcd_client,
+            job_prefix=jp,
+            node_id="m-a",
+            host="host-a",
+            publish=a.publish,
+            agent_status=lambda: agent_status(sock),
+            role=lambda: ("active", 0),
+            restarts=lambda: 1,
+        )
+        pub_b = JobViewPublisher(
+            client=etcd_client,
+            job_prefix=jp,
+            node_id="m-b",
+            host="host-b",
+            publish=b.publish,
+            agent_status=lambda: {"ranks": {}, "committed": [], "monitor": None},  # idle agent
+            role=lambda: ("standby", None),
+            restarts=lambda: 0,
+        )
+        model, opt, sched = make(0)
+        with flashckpt.checkpointing(
+            model, opt, scheduler=sched, every=4, **fc_env.ckpt_kwargs(agent="connect")
+        ) as ck:
+            for step in range(12):
+                train_step(model, opt, sched, step)
+                ck.step(step)
+            assert ck.flush() == 12
+            _wait_for(
+                "rank 0 running at step 11 in the agent's monitor (the flush is over)",
+                lambda: (
+                    (r := ((agent_status(sock) or {}).get("monitor") or {}).get("ranks", {}))
+                    .get("0", {})
+                    .get("step")
+                    == 11
+                    and r["0"]["state"] == "running"
+                ),
+            )
+            mine = pub_a.tick()
+            pub_b.tick()
+            # The summary lives and dies with the machine's node lease.
+            assert etcd_client.get_kv(pub_a.key).lease == etcd_client.get_kv(a.key).lease != 0
+
+            view = read_job_view(etcd_client, jp)
+            by_node = {m["node"]: m for m in view["machines"]}
+            assert sorted(by_node) == ["m-a", "m-b"]
+            ma = by_node["m-a"]
+            assert ma == {**mine, "state": "active", "age_s": ma["age_s"]}
+            assert ma["role"] == "active" and ma["group_rank"] == 0 and ma["host"] == "host-a"
+            assert list(ma["ranks"]) == ["0"] and ma["ranks"]["0"]["state"] == "running"
+            assert ma["step"] == 11 and ma["snapshot"] == 12 and ma["persisted"] == 12
+            assert 0 < ma["p50_ms"] <= ma["p99_ms"] and ma["compute_ms"] > 0
+            assert ma["restarts"] == 1 and ma["alerts"] == []
+            assert by_node["m-b"]["role"] == "standby" and by_node["m-b"]["ranks"] == {}
+
+            argv = ["status", "--etcd", etcd_server, "--job", "job1", "--key-prefix", key_prefix]
+            assert cli.main(argv) == 0
+            out = capsys.readouterr().out
+            assert out.startswith("job job1: 1 active machine(s), 1 standby, 0 other; 1 rank(s)")
+            row = next(line for line in out.splitlines() if line.startswith("m-a "))
+            assert row.split()[:5] == ["m-a", "active", "0", "1", "11"]
+            assert row.split()[8:11] == ["12", "12", "1"]  # snapshot, persisted, restarts
+            assert "standby: m-b" in out and "alerts: none" in out
+            assert format_job_view(view, "job1") in out
+
+        # A machine that leaves (or whose lease lapses) disappears from the view.
+        b.close()
+        assert [m["node"] for m in read_job_view(etcd_client, jp)["machines"]] == ["m-a"]
+        a.close()
+        assert read_job_view(etcd_client, jp)["machines"] == []
+        assert cli.main(["status", "--etcd", etcd_server, "--job", "job1", "--key-prefix",
+                         key_prefix]) == 1  # fmt: skip
+        assert "no machine registered" in capsys.readouterr().out
+    finally:
+        agent.stop()
+
+
+@pytest.mark.etcd
+def test_a_persistent_straggler_retires_once_a_standby_waits(
+    etcd_client: EtcdClient,
+    etcd_prefix: str,
+    registries: Callable[[str, str], NodeRegistry],
+) -> None:
+    jp = job_prefix("job2", etcd_prefix.rstrip("/"))
+    retired: list[str] = []
+
+    def publisher(node: str, reg: NodeRegistry, compute: float, role: str, swap=None):
+        st = _status({"0": _rank(7, compute + 2, compute + 5, compute - 1, 1.0)}, {"0": [4, 8]})
+        return JobViewPublisher(
+            client=etcd_client,
+            job_prefix=jp,
+            node_id=node,
+            host=node,
+            publish=reg.publish,
+            agent_status=lambda: st if role == "active" else None,
+            role=lambda: (role, None),
+            restarts=lambda: 0,
+            swap=swap,
+            on_retire=retired.append,
+            period_s=0.05,
+        )
+
+    fast, slow = registries(jp, "fast"), registries(jp, "slow")
+    publisher("fast", fast, 10.0, "active").tick()
+    slow_pub = publisher("slow", slow, 30.0, "active", StragglerSwap(persist=2))
+    for _ in range(3):  # flagged every time, but no standby waits: stays
+        slow_pub.tick()
+    assert retired == []
+    spare = registries(jp, "spare")
+    spare_pub = publisher("spare", spare, 0.0, "standby")
+    spare_pub.tick()
+    slow_pub.tick()
+    assert len(retired) == 1
+    assert "machine slow is a straggler: compute_ms 30.0 ms vs 10.0 ms" in retired[0]
+    assert "standby spare waits" in retired[0]
+    slow_pub.tick()
+    assert len(retired) == 1  # once
+
+    # The thread publishes on its own and stops on close().
+    done = threading.Event()
+    spare_pub._publish = lambda k, v: (done.set(), spare.publish(k, v))[1]  # type: ignore[method-assign]
+    spare_pub.start()
+    assert done.wait(30)
+    spare_pub.close()
+    assert etcd_client.get_kv(spare_pub.key) is not None
+
+
+class _SwapCluster(SimCluster):
+    """Runs _straggler_worker.py: ``$FCE_SLOW_FORWARD_S`` slows one machine's forward."""
+
+    def command(self, node_id: str, *extra: str) -> list[str]:
+        cmd = super().command(node_id, *extra)
+        cmd[cmd.index(str(WORKER))] = str(Path(__file__).with_name("_straggler_worker.py"))
+        return cmd
+
+
+@pytest.mark.etcd
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_flashckpt_run_swaps_a_straggler_for_the_standby(
+    etcd_server: str, etcd_client: EtcdClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cluster = _SwapCluster(tmp_path, etcd_server, nnodes="2:2", launcher_args=["--swap-stragglers"])
+    jp = job_prefix(cluster.run_id)
+
+    def view() -> dict[str, dict[str, Any]]:
+        return {m["node"]: m for m in read_job_view(etcd_client, jp)["machines"]}
+
+    try:
+        cluster.start("n0")
+        cluster.start("n1", env={**cluster_env(), "FCE_SLOW_FORWARD_S": "0.05"})
+        cluster.wait_for(
+            "both machines' compute times in etcd",
+            lambda: all(view().get(n, {}).get("compute_ms") is not None for n in ("n0", "n1")),
+            120,
+        )
+        v = view()
+        assert v["n0"]["role"] == v["n1"]["role"] == "active"
+        assert v["n1"]["compute_ms"] > 1.5 * v["n0"]["compute_ms"]  # 50 ms of sleep in forward
+        assert cli.main(["status", "--etcd", etcd_server, "--job", cluster.run_id]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"job {cluster.run_id}: 2 active machine(s), 0 standby")
+        assert "standby: none" in out
+        # Flagged at every check, but no standby waits: it stays. Six more summaries of n1 (one
+        # per check, the swap needs five flagged in a row) while it keeps running.
+        seen: set[float] = set()
+        cluster.wait_for(
+            "six more checks on n1",
+            lambda: seen.add(view()["n1"]["t"]) or len(seen) >= 7,  # type: ignore[func-returns-value]
+            120,
+        )
+        assert view()["n1"]["role"] == "active"
+        assert cluster.machines["n1"].proc.poll() is None
+
+        spare = cluster.start("n2")
+        assert cluster.wait_exit("n1", 120) == 0, cluster.logs()
+        retired = [e for e in cluster.machines["n1"].events() if e["event"] == "retired"]
+        assert len(retired) == 1 and "machine n1 is a straggler" in retired[0]["reason"]
+        assert "standby n2 waits" in retired[0]["reason"]
+        # The next round is n0 and the standby; training resumes from the newest step both
+        # can obtain (n0's memory, the straggler's persisted snapshots), not from scratch.
+        cluster.wait_for(
+            "the standby to train in the straggler's place",
+            lambda: any(e["event"] == "restored" and e["node"] == "n2" for e in cluster.events()),
+            150,
+        )
+        resumed = [e for e in cluster.events() if e["event"] == "restored" and e["node"] == "n2"]
+        assert resumed[0]["world_size"] == 2 and resumed[0]["start_step"] > 0, resumed
+        cluster.wait_for(
+            "n0 and n2 active in the job view, n1 gone",
+            lambda: (
+                {n: m.get("role") for n, m in view().items()} == {"n0": "active", "n2": "active"}
+            ),
+            60,
+        )
+        assert spare.proc.poll() is None
+        # The node agents of `flashckpt run` keep one events file per machine in the run dir,
+        # across rounds: the goodput report covers the elastic run.
+        files = sorted(Path(cluster.run_dir).glob(f"{cluster.run_id}.n*.events.jsonl"))
+        assert [f.name.split(".")[1] for f in files] == ["n0", "n1", "n2"]
+        assert cli.main(["goodput", "--json", *map(str, files)]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert sorted(report["ranks"]) == ["0", "1"] and report["ranks"]["1"]["steps"] > 0
+    finally:
+        cluster.close()

@@ -18,9 +18,10 @@ It is torchrun's elastic agent (``LocalElasticAgent``, same flags where they exi
   (:mod:`elastic.membership`): a dead machine is dropped from torch's rendezvous state as soon as
   it is known dead, instead of after torch's heartbeat timeout (15 s by default);
 - a fast recovery path: peers are probed when workers fail, torch's rendezvous wakes on etcd
-  watches instead of polling (:mod:`elastic.rdzv_watch`), a spare node agent is started ahead
-  of time (:mod:`elastic.node_agent`), and workers are forked from a process that has already
-  imported torch (:mod:`elastic.prewarm`, ``--no-prewarm`` to turn off);
+  watches instead of polling (:mod:`elastic.rdzv_watch`), the node agent and its snapshots stay
+  across rounds (:mod:`elastic.node_agent`), so survivors reload from memory, and workers are
+  forked from a process that has already imported torch (:mod:`elastic.prewarm`,
+  ``--no-prewarm`` to turn off);
 - workers that die with their launcher (``PR_SET_PDEATHSIG``, :mod:`elastic.worker_entry`), and
   a worker that fails with an exception exits at once instead of tearing torch down;
 - ``--standalone``: a private etcd for single-machine runs (the default when ``--nnodes`` is 1
@@ -94,6 +95,8 @@ class LauncherConfig:
     """Directory of the node agent's socket and logs (default ``/tmp/flashckpt-<uid>``)."""
     keep: int = 3
     """Committed steps the node agent keeps in storage."""
+    metrics_port: int | None = None
+    """Port of the node agent's Prometheus endpoint (``None``: off)."""
     lease_ttl: float = 5.0
     """Seconds after its last lease renewal that a silent machine is declared dead."""
     probe: bool = True
@@ -106,6 +109,11 @@ class LauncherConfig:
     """Where torch writes worker logs (default: a temporary directory)."""
     event_log: str | None = None
     """Append lifecycle events (JSON lines with wall-clock times) to this file."""
+    swap_stragglers: bool = False
+    """Leave the job for a waiting standby when this machine is persistently the slowest
+    (:mod:`elastic.jobview`)."""
+    straggler_factor: float = 1.5
+    """Slower than this many times the other machines' median counts as a straggler."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
@@ -125,6 +133,13 @@ class LauncherConfig:
             )
         if self.keep < 1:
             raise ValueError(f"--keep {self.keep}: keep at least 1 committed step")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port {self.metrics_port}: use a TCP port (1-65535)")
+        if self.straggler_factor <= 1:
+            raise ValueError(
+                f"--straggler-factor {self.straggler_factor}: must be > 1 (e.g. 1.5: 50% slower "
+                "than the other machines' median)"
+            )
         for flag, value in (("--rdzv-id", self.rdzv_id), ("--node-id", self.node_id)):
             if not _NAME_RE.match(value):
                 raise ValueError(
@@ -281,6 +296,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add("--keep", type=int, default=3, help="committed steps kept in storage (default 3)")
     add(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the node agent's Prometheus metrics on this port (default: off)",
+    )
+    add(
         "--lease-ttl",
         type=float,
         default=5.0,
@@ -311,6 +332,18 @@ def _build_parser() -> argparse.ArgumentParser:
         "--event-log",
         default=None,
         help="append lifecycle events (JSON lines with wall-clock times) to this file",
+    )
+    add(
+        "--swap-stragglers",
+        action="store_true",
+        help="leave the job for a waiting standby when this machine stays the slowest by "
+        "--straggler-factor (checked every 2 s, 5 checks in a row)",
+    )
+    add(
+        "--straggler-factor",
+        type=float,
+        default=1.5,
+        help="a machine slower than this many times the others' median is a straggler (1.5)",
     )
     add(
         "-m",
@@ -363,12 +396,15 @@ def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
             shm_dir=args.shm_dir,
             run_dir=args.run_dir,
             keep=args.keep,
+            metrics_port=args.metrics_port,
             lease_ttl=args.lease_ttl,
             probe=args.probe,
             health_check=args.health_check,
             prewarm=args.prewarm,
             log_dir=args.log_dir,
             event_log=args.event_log,
+            swap_stragglers=args.swap_stragglers,
+            straggler_factor=args.straggler_factor,
         )
     except ValueError as exc:
         parser.error(str(exc))

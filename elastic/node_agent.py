@@ -7,14 +7,14 @@ workers use, in generations:
 - each generation has its own socket directory and shared-memory directory
   (``<run_dir>/<job>.<node>.g<N>/`` and ``<shm_dir>/flashckpt.<job>.<node>.g<N>/``), so two
   generations never share a lock, a socket or a segment;
-- after a membership change the launcher switches to a fresh generation
-  (:meth:`NodeAgentProcess.new_generation`): the previous agent still holds rank records and
-  half-committed steps of the old world (a step waiting for a dead machine's part, a rank this
-  machine no longer runs), which would stall its persistence. The old agent gets SIGTERM: it
-  finishes the write in flight and removes its segments;
-- a *spare* agent of the next generation is started ahead of time, once the workers run, so the
-  switch costs no agent start-up (about 2.5 s of imports on a small machine) on the recovery
-  path;
+- the agent stays across rendezvous rounds: it keys snapshot slots by local rank and tags every
+  snapshot and storage part with its world (round), so after a membership change the surviving
+  trainers reload from its memory under their new global ranks, and a step of the old world
+  that waits for a dead machine's part does not hold up the new world's persistence.
+  :meth:`NodeAgentProcess.new_generation` (a fresh agent in its own directories; the old one
+  gets SIGTERM, finishes the write in flight and removes its segments) remains for callers that
+  want a clean slate; with ``spare=True`` an agent of the next generation is started ahead of
+  time so such a switch costs no agent start-up;
 - agents are spawned from one supervisor thread that lives as long as the launcher, with
   ``PR_SET_PDEATHSIG=SIGTERM``: if the launcher dies, even by SIGKILL, its agents clean up;
 - if the current agent exits on its own (a crash), it is started again in the same generation
@@ -70,6 +70,8 @@ class NodeAgentConfig:
     """Directory under which each generation's socket directory is created; logs go here."""
     keep: int = 3
     """Committed steps kept in storage."""
+    metrics_port: int | None = None
+    """Port of the agent's Prometheus endpoint (``None``: off)."""
     spare: bool = True
     """Keep a started agent of the next generation ready."""
     spare_delay_s: float = 1.0
@@ -371,9 +373,15 @@ class NodeAgentProcess:
             # for a moment.
             "--lock-wait",
             "30",
+            # One events file per job and node across generations: the goodput report and the
+            # monitor's restart counts span the whole elastic run.
+            "--events-dir",
+            cfg.run_dir,
         ]
         if cfg.storage:
             cmd += ["--storage", cfg.storage]
+        if cfg.metrics_port:
+            cmd += ["--metrics-port", str(cfg.metrics_port)]
         with open(gen.log_path, "ab") as log:
             proc = subprocess.Popen(
                 cmd,

@@ -53,6 +53,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic import health
 from elastic.etcd import EtcdError
+from elastic.jobview import JobViewPublisher, StragglerSwap, agent_status
 from elastic.membership import NodeIdInUse, NodeRecord, NodeRegistry, expire_rendezvous_nodes
 from elastic.node_agent import NodeAgentConfig, NodeAgentError, NodeAgentProcess
 from elastic.prewarm import PREWARM_SOCKET_ENV, Prewarmer
@@ -61,6 +62,7 @@ from elastic.rdzv_watch import create_watching_handler
 from elastic.rendezvous import DEFAULT_KEY_PREFIX, EtcdRendezvousBackend, create_backend, job_prefix
 from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
 from elastic.worker_entry import LAUNCHER_PID_ENV
+from flashckpt.interval import JOB_START_ENV
 
 if TYPE_CHECKING:
     from elastic.launcher import EventLog, LauncherConfig
@@ -116,9 +118,10 @@ class LaunchSession:
         self._shutdown_rdzv = False
         self._rounds = 0
         self._lost_active = 0
-        self._agent_restarted = False
         self._last_view: tuple[tuple[int, ...], int] | None = None
         self._old_handlers: dict[int, Any] = {}
+        self._jobview: JobViewPublisher | None = None
+        self._retire_reason: str | None = None
 
     # ---------------------------------------------------------------------------- set-up
 
@@ -221,6 +224,10 @@ class LaunchSession:
                     shm_dir=cfg.shm_dir,
                     run_dir=run_dir,
                     keep=cfg.keep,
+                    metrics_port=cfg.metrics_port,
+                    # The agent stays across rounds (it keys snapshots by local rank and world),
+                    # so no spare generation is needed on the recovery path.
+                    spare=False,
                 )
             )
         except ValueError as exc:
@@ -243,6 +250,7 @@ class LaunchSession:
         _tolerate_etcd_outages(self._handler)
         node_desc = getattr(self._handler, "_this_node", None)
         self._registry.update(rdzv_node=repr(node_desc) if node_desc else None, state="waiting")
+        self._start_job_view(client)
 
         entry = ["-u", "-m", "elastic.worker_entry"]
         entry += ["-m", cfg.entrypoint] if cfg.module else [cfg.entrypoint]
@@ -278,6 +286,8 @@ class LaunchSession:
         if cfg.storage:
             os.environ["FLASHCKPT_STORAGE"] = cfg.storage
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        # every="auto" estimates the failure rate from torch's restart count over this span.
+        os.environ[JOB_START_ENV] = repr(time.time())
 
     def _report_warm(self) -> None:
         """Records when this machine could start workers at once (agent and zygote ready)."""
@@ -305,6 +315,10 @@ class LaunchSession:
         try:
             result = self._agent.run()
         except SignalException as exc:
+            if self._retire_reason is not None:
+                logger.warning("left the job for a standby: %s", self._retire_reason)
+                self.events("retired", reason=self._retire_reason)
+                return 0
             logger.warning("stopping on %s", exc.sigval.name)
             self.events("signal", signal=exc.sigval.name)
             return 128 + int(exc.sigval)
@@ -369,13 +383,6 @@ class LaunchSession:
         self.events("rendezvous_start", round=self._rounds)
         if self._rounds > 1 and self.config.probe:
             self._registry.reap_dead_peers()
-        with self._lock:
-            lost = self._lost_active
-        if lost and self._last_view is not None and not self._agent_restarted:
-            # Switch now: a fresh agent (if no spare is up) starts while the rendezvous runs.
-            self._node_agent.new_generation()
-            self._agent_restarted = True
-            self.events("node_agent_restart", reason="peer lost")
         self._registry.update(state="waiting", group_rank=None)
 
     def after_rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -399,15 +406,15 @@ class LaunchSession:
         )
         with self._lock:
             lost, self._lost_active = self._lost_active, 0
-        changed = self._last_view is not None and (lost > 0 or view != self._last_view)
-        if changed and not self._agent_restarted:
-            self._node_agent.new_generation()
-            self.events("node_agent_restart", reason="membership changed")
+        if self._last_view is not None and (lost > 0 or view != self._last_view):
+            # The node agent stays: it keys snapshots by local rank and tags them with the world
+            # (rendezvous round), so the survivors reload from its memory under their new ranks
+            # and persistence of the new world is not held up by the old world's records.
+            self.events("membership_changed", lost=lost, ranks=list(view[0]))
         generation = self._node_agent.wait_ready(_AGENT_READY_TIMEOUT)
         self._use_prewarmer()
         os.environ["FLASHCKPT_RUN_DIR"] = generation.run_dir
         os.environ["FLASHCKPT_SHM_DIR"] = generation.shm_dir
-        self._agent_restarted = False
         self._last_view = view
         self.events(
             "workers_start", ranks=list(view[0]), world_size=view[1], agent_gen=generation.number
@@ -457,12 +464,58 @@ class LaunchSession:
             )
         raise _RetryRendezvous(f"machines of group ranks {sorted(verdict.unhealthy)} failed")
 
+    # ---------------------------------------------------------------------------- job view
+
+    def _start_job_view(self, client: Any) -> None:
+        """Publishes this machine's monitoring summary to etcd (:mod:`elastic.jobview`)."""
+        registry, cfg = self._registry, self.config
+        assert registry is not None
+
+        def agent_socket() -> str | None:
+            agent = self._node_agent
+            gen = agent.current if agent is not None else None
+            return gen.socket_path if gen is not None else None
+
+        def role() -> tuple[str, int | None]:
+            record = registry.record
+            if record.state == "waiting":
+                return ("rejoining" if self._last_view is not None else "standby"), None
+            return record.state, record.group_rank
+
+        self._jobview = JobViewPublisher(
+            client=client,
+            job_prefix=self._job_prefix,
+            node_id=cfg.node_id,
+            host=registry.record.host,
+            publish=registry.publish,
+            agent_status=lambda: agent_status(agent_socket()),
+            role=role,
+            restarts=lambda: max(0, self._rounds - 1),
+            swap=StragglerSwap(factor=cfg.straggler_factor) if cfg.swap_stragglers else None,
+            on_retire=self._retire,
+        )
+        self._jobview.start()
+
+    def _retire(self, reason: str) -> None:
+        """Leaves the job so a standby takes this machine's place (a persistent straggler).
+
+        The main thread gets SIGTERM: torch's agent stops the workers, :meth:`run` returns 0
+        and the teardown lets the node agent persist what it holds and revokes the node lease;
+        the other machines' next round admits the standby.
+        """
+        self._retire_reason = reason
+        self.events("retiring", reason=reason)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     # ---------------------------------------------------------------------------- teardown
 
     def _teardown(self) -> None:
         if self._handler is not None and self._shutdown_rdzv:
             with contextlib.suppress(Exception):
                 self._handler.shutdown()
+        if self._jobview is not None:
+            self._jobview.close()
+            self._jobview = None
         if self._registry is not None:
             with contextlib.suppress(Exception):
                 self._registry.update(state="leaving")

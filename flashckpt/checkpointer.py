@@ -31,13 +31,23 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import xxhash
 
 from flashckpt.agent import default_node_id
+from flashckpt.interval import AutoInterval
 from flashckpt.layout import FlatState, Layout, flatten_state, tensor_views, unflatten_state
 from flashckpt.monitor import StepRecorder, open_recorder
 from flashckpt.protocol import AgentClient, AgentError, default_run_dir, socket_path
-from flashckpt.reading import read_rank, read_shard
+from flashckpt.reading import read_rank, read_resharded, read_shard
 from flashckpt.rng import capture_rng, restore_rng
+from flashckpt.sharded import (
+    is_dtensor,
+    placement_objects,
+    replace_at,
+    target_box,
+    to_dtensor,
+    walk_pieces,
+)
 from flashckpt.shm import HEADER_SIZE, ShmSpaceError, Slot, check_name, prefault
 from flashckpt.storage import CorruptCheckpointError, Storage
 
@@ -54,8 +64,14 @@ class CheckpointConfig:
 
     storage: str | None = None
     """Checkpoint root URL (any fsspec URL); None keeps snapshots in memory only."""
-    every: int = 0
-    """Snapshot every this many steps from ``ckpt.step()``; 0 snapshots only on ``save()``."""
+    every: int | Literal["auto"] = 0
+    """Snapshot every this many steps from ``ckpt.step()``; 0 snapshots only on ``save()``.
+    ``"auto"``: the interval that minimises lost time, from the measured snapshot stall, step
+    time and failure rate, chosen again after every snapshot (:mod:`flashckpt.interval`;
+    ``status()["every"]`` shows it)."""
+    mtbf_s: float | None = None
+    """With ``every="auto"``: the prior job MTBF in seconds (default: 50,000 GPU-hours per
+    failure divided by the world size); failures seen during the run update it."""
     job: str | None = None
     """Job id (names segments and the agent). Default: $FLASHCKPT_JOB, then
     $TORCHELASTIC_RUN_ID, then a hash of the storage URL."""
@@ -90,8 +106,17 @@ class CheckpointConfig:
     """An auto-started agent persists and exits when no trainer has been back this long."""
 
     def __post_init__(self) -> None:
-        if self.every < 0:
-            raise ValueError(f"every={self.every}: use a positive step interval, or 0 for manual")
+        if isinstance(self.every, str):
+            if self.every != "auto":
+                raise ValueError(
+                    f"every={self.every!r}: use a step interval (int), 0 for manual, or 'auto'"
+                )
+        elif isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
+            raise ValueError(
+                f"every={self.every!r}: use a positive step interval, 0 for manual, or 'auto'"
+            )
+        if self.mtbf_s is not None and not self.mtbf_s > 0:
+            raise ValueError(f"mtbf_s={self.mtbf_s!r}: the job MTBF must be > 0 seconds")
         if self.mode not in ("overlap", "sync"):
             raise ValueError(f"mode={self.mode!r}: use 'overlap' or 'sync'")
         if self.when_busy not in ("wait", "skip"):
@@ -163,6 +188,24 @@ def _env(name: str) -> str | None:
     return v if v else None
 
 
+_HASH_MASK = (1 << 62) - 1
+
+
+def _world_id(world: int) -> str:
+    """Names the world (rendezvous round) this rank belongs to, the same on every rank of it.
+
+    ``FLASHCKPT_WORLD_ID`` when set; else, under torch.distributed launchers, the rendezvous
+    master's address and port (a new round gets a new port) and the world size.
+    """
+    wid = _env("FLASHCKPT_WORLD_ID")
+    if wid:
+        return wid
+    addr, port = _env("MASTER_ADDR"), _env("MASTER_PORT")
+    if world > 1 and addr and port:
+        return f"{addr}:{port}/{world}"
+    return ""
+
+
 class Checkpointer:
     """Flash checkpointing of one rank's training state. Use through :func:`checkpointing`."""
 
@@ -205,6 +248,8 @@ class Checkpointer:
         self._storage = Storage(config.storage) if config.storage else None
         self._rank, self._world = 0, 1
         self._local_world = 1
+        self._local_rank = 0
+        self._world_id = ""
         self._client: AgentClient | None = None
         self._agent_proc: subprocess.Popen[bytes] | None = None
         self._slots: list[_SlotMap | None] = [None, None]
@@ -220,6 +265,7 @@ class Checkpointer:
         self._cuda_stream: Any = None
         self._entered = False
         self._mon: StepRecorder | None = None
+        self._auto: AutoInterval | None = None
         self._agent_shm_dir: str | None = None
         self._run_dir: str | None = None
         self.job = ""
@@ -278,9 +324,26 @@ class Checkpointer:
         """Marks iteration ``step`` done; snapshots (labelled ``step + 1``) when due."""
         self._last_step_done = step
         every = self.config.every
-        handle = self.save(step + 1) if every and (step + 1) % every == 0 else None
+        if every == "auto":
+            handle = self._auto_step(step)
+        else:
+            handle = self.save(step + 1) if every and (step + 1) % every == 0 else None
         if self._mon is not None:
             self._mon.step(step)
+        return handle
+
+    def _auto_step(self, step: int) -> SnapshotHandle | None:
+        auto = self._auto
+        if auto is None:
+            auto = self._auto = AutoInterval(
+                world=self._world, mtbf_s=self.config.mtbf_s, start_step=self.start_step
+            )
+        auto.tick()
+        if not auto.due(step):
+            return None
+        handle = self.save(step + 1)
+        # Every rank reaches this step: they agree on the next interval (the smallest).
+        auto.decide(step + 1, self.stats.stall_s, self.stats.wait_s, lambda n: -self._all_max(-n))
         return handle
 
     def save(
@@ -303,7 +366,11 @@ class Checkpointer:
         flat, async_ptrs = self._collect()
         meta_extra = {
             "step": step,
-            "private": {"rng": capture_rng(), "extras": _json_copy(self.extras, "extras")},
+            "private": {
+                "rng": capture_rng(),
+                "extras": _json_copy(self.extras, "extras"),
+                "buffers_xxh": self._buffers_hash(),
+            },
         }
         slot = self._acquire_slot(flat, when_busy)
         if slot is None:
@@ -338,7 +405,9 @@ class Checkpointer:
                 slot.step = step
                 self.stats.last_snapshot_step = step
                 if self._client is not None:
-                    self._client.notify("snap", rank=self._rank, step=step)
+                    self._client.notify(
+                        "snap", rank=self._rank, local_rank=self._local_rank, step=step
+                    )
             finally:
                 slot.writing = False
 
@@ -423,6 +492,12 @@ class Checkpointer:
             "persist_errors": list(s.persist_errors),
             "first_save_s": s.first_save_s,
             "median_stall_s": _median(s.stall_s),
+            "every": self._auto.status()
+            if self._auto is not None
+            else {
+                "mode": "auto" if self.config.every == "auto" else "steps",
+                "interval_steps": self.config.every if self.config.every != "auto" else None,
+            },
             "agent": agent,
         }
 
@@ -437,6 +512,11 @@ class Checkpointer:
             self._coord_pg = self._pg if backend == "gloo" else dist.new_group(backend="gloo")
         lws = _env("LOCAL_WORLD_SIZE")
         self._local_world = int(lws) if lws else self._world
+        lr = _env("LOCAL_RANK")
+        # The agent keys slots by local rank: after a membership change a surviving trainer may
+        # get another global rank, and still finds its snapshots.
+        self._local_rank = int(lr) if lr else self._rank % max(self._local_world, 1)
+        self._world_id = _world_id(self._world)
         job = cfg.job or _env("FLASHCKPT_JOB")
         if job is None:
             run_id = _env("TORCHELASTIC_RUN_ID")
@@ -459,6 +539,8 @@ class Checkpointer:
             path,
             run_dir,
             rank=self._rank,
+            local_rank=self._local_rank,
+            world_id=self._world_id,
             world_size=self._world,
             local_world_size=self._local_world,
             shard=shard,
@@ -471,6 +553,7 @@ class Checkpointer:
         self._meta_static = {
             "job": self.job,
             "rank": self._rank,
+            "world_id": self._world_id,
             "world_size": self._world,
             "local_world_size": self._local_world,
             "shard": shard,
@@ -592,7 +675,9 @@ class Checkpointer:
         if self._client is not None:
             if done:
                 with contextlib.suppress(AgentError):
-                    self._client.request("done", rank=self._rank, timeout=10)
+                    self._client.request(
+                        "done", rank=self._rank, local_rank=self._local_rank, timeout=10
+                    )
             self._client.close()
             self._client = None
         with self._slot_lock:
@@ -612,13 +697,21 @@ class Checkpointer:
 
     def _collect(self) -> tuple[FlatState, set[int]]:
         state: dict[str, Any] = {"model": self.model.state_dict()}
-        async_ptrs = {p.data_ptr() for p in self.model.parameters()}
+        sharded = any(is_dtensor(v) for v in state["model"].values())
+        if sharded and self.config.replicated:
+            raise ValueError(
+                "the model state holds DTensors (FSDP2 / tensor parallel): every rank holds a "
+                "different piece, so pass replicated=False to flashckpt.checkpointing(...)"
+            )
+        async_ptrs = {_local_ptr(p) for p in self.model.parameters()}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
             for st in self.optimizer.state.values():
                 for v in st.values():
                     if isinstance(v, torch.Tensor):
-                        async_ptrs.add(v.data_ptr())
+                        async_ptrs.add(_local_ptr(v))
+            if sharded:  # what export needs to key optimizer state by parameter name (as DCP)
+                state["optimizer_param_names"] = self._optimizer_param_names()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.stateful:
@@ -630,6 +723,29 @@ class Checkpointer:
             self._layout_specs = specs
         async_ptrs.discard(0)
         return flat, async_ptrs
+
+    def _optimizer_param_names(self) -> list[str | None]:
+        """The model's name of each optimizer parameter, in ``optimizer.state_dict()`` id order."""
+        assert self.optimizer is not None
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return [names.get(id(p)) for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _buffers_hash(self) -> int:
+        """A hash of the model's buffers (the state that is not parameters, e.g. BatchNorm
+        statistics): the part of a data-parallel replica's state that may differ by rank.
+        Two ranks' snapshots of one step with equal hashes are interchangeable."""
+        params = {_local_ptr(p) for p in self.model.parameters()}
+        h = xxhash.xxh3_64()
+        for name, t in self.model.state_dict().items():
+            if not isinstance(t, torch.Tensor) or is_dtensor(t) or _local_ptr(t) in params:
+                continue
+            t = t.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            h.update(name.encode())
+            if t.numel():
+                h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.intdigest() & _HASH_MASK
 
     def _meta_bytes(self, flat: FlatState, layout: Layout, extra: dict[str, Any]) -> bytes:
         meta = {
@@ -645,18 +761,19 @@ class Checkpointer:
             raise TypeError(f"snapshot description is not JSON-serialisable: {e}") from None
 
     def _estimate_bytes(self) -> int:
-        model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        tensors = [t for t in self.model.state_dict().values() if isinstance(t, torch.Tensor)]
+        model_bytes = sum(_local_nbytes(t) for t in tensors)
         opt = self.optimizer
         if opt is None:
             return model_bytes
         if opt.state:
             return model_bytes + sum(
-                v.numel() * v.element_size()
+                _local_nbytes(v)
                 for st in opt.state.values()
                 for v in st.values()
                 if isinstance(v, torch.Tensor)
             )
-        param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        param_bytes = sum(_local_nbytes(p) for p in self.model.parameters())
         name = type(opt).__name__.lower()
         factor = 2 if "adam" in name or "lamb" in name else 1
         return model_bytes + factor * param_bytes + 64 * len(opt.state_dict()["state"] or [1])
@@ -691,6 +808,7 @@ class Checkpointer:
                     "alloc",
                     timeout=self.config.agent_timeout,
                     rank=self._rank,
+                    local_rank=self._local_rank,
                     meta_cap=meta_cap,
                     data_cap=data_cap,
                 )
@@ -793,10 +911,47 @@ class Checkpointer:
             if info is None or not info.complete:
                 continue
             meta = sm.slot.read_meta(info)
-            if meta is None or meta.get("world_size") != self._world:
+            if meta is None:
                 continue
+            own = int(meta.get("rank", self._rank)) == self._rank
+            replicated = self.config.replicated and int(meta.get("num_shards", 1)) == 1
+            if meta.get("world_size") != self._world:
+                # The job shrank or grew (elastic MIN:MAX with no standby left, or a late
+                # machine): a replicated state still serves the rank that took it, with its
+                # own RNG and extras. A sharded one is resharded from storage instead.
+                if not (own and replicated):
+                    continue
+            elif not own:
+                # This position's snapshot was taken by another rank of an earlier world (the
+                # ranks were renumbered after a membership change). A replicated state serves
+                # this rank if its buffers equal this rank's own at that step (the hash in the
+                # small per-rank file the agent wrote through, which also has its RNG/extras).
+                if not (self.config.replicated and int(meta.get("num_shards", 1)) == 1):
+                    continue
+                if not self._interchangeable(info.step, meta["private"].get("buffers_xxh")):
+                    continue
             out[info.step] = (sm, meta)
         return out
+
+    def _interchangeable(self, step: int, buffers_xxh: int | None) -> bool:
+        """Whether a replica's snapshot of ``step`` with this buffers hash can stand for this
+        rank's own (whose RNG/extras and buffers hash are in storage)."""
+        if self._storage is None:
+            return False
+        private = self._storage.read_private(step, self._rank, self._world)
+        if private is None:
+            return False
+        return not self._buffers_matter() or (
+            buffers_xxh is not None and private.get("buffers_xxh") == buffers_xxh
+        )
+
+    def _buffers_matter(self) -> bool:
+        """False where this rank's own buffers are overwritten before use: DDP with
+        ``broadcast_buffers`` (the default) sends rank 0's to every rank at each forward."""
+        ddp = torch.nn.parallel.DistributedDataParallel
+        return not (
+            isinstance(self.model, ddp) and self.model.broadcast_buffers and self._rank != 0
+        )
 
     def _storage_steps(self) -> list[int]:
         if self._storage is None:
@@ -883,29 +1038,52 @@ class Checkpointer:
                 return None
             return cands[0], {0: ("memory" if cands[0] in mem else "storage", 0)}
         mems, sts = self._gather_sets([my_mem, my_st], k)
+        # Each rank's buffers hash of the steps it holds, in the order of its my_mem.
+        mem_hashes = self._gather_rows(
+            [int(mem[s][1]["private"].get("buffers_xxh", -1)) for s in my_mem], k
+        )
         union_mem = set().union(*mems)
-        privs: list[set[int]] = [set() for _ in range(self._world)]
+        # Per rank: step -> the peer whose memory it can take that step from.
+        privs: list[dict[int, int]] = [{} for _ in range(self._world)]
         if self.config.replicated and self._storage is not None:
-            mine = set(my_mem) | set(my_st)
-            have = [
-                s
-                for s in sorted(union_mem - mine, reverse=True)[:k]
-                if self._storage.read_private(s, self._rank, self._world) is not None
-            ]
-            (privs,) = self._gather_sets([have], k)
+            # Steps a replica holds in memory that this rank could take from it (a peer's
+            # memory is preferred over storage, the slow path): the peer's snapshot must have
+            # this rank's buffers (hash in the file written through, with its RNG/extras).
+            have = []
+            for s in sorted(union_mem - set(my_mem), reverse=True)[:k]:
+                private = self._storage.read_private(s, self._rank, self._world)
+                if private is None:
+                    continue
+                want = private.get("buffers_xxh") if self._buffers_matter() else None
+                for q in sorted(range(self._world), key=lambda q: (q - self._rank) % self._world):
+                    held = sorted(mems[q], reverse=True)
+                    if s in mems[q] and want in (None, mem_hashes[q][held.index(s)]):
+                        have.append(s << 16 | q)
+                        break
+            (got,) = self._gather_sets([have], k)
+            privs = [{v >> 16: v & 0xFFFF for v in g} for g in got]
         for s in sorted(union_mem.union(*sts), reverse=True):
             if all(s in mems[r] or s in sts[r] or s in privs[r] for r in range(self._world)):
-                holders = [q for q in range(self._world) if s in mems[q]]
                 sources = {}
                 for r in range(self._world):
                     if s in mems[r]:
                         sources[r] = ("memory", r)
-                    elif s in sts[r]:
-                        sources[r] = ("storage", r)
+                    elif s in privs[r]:
+                        sources[r] = ("replica", privs[r][s])
                     else:
-                        sources[r] = ("replica", holders[0])
+                        sources[r] = ("storage", r)
                 return s, sources
         return None
+
+    def _gather_rows(self, row: list[int], k: int) -> list[list[int]]:
+        """All-gathers one short int list from every rank, order kept: result[rank]."""
+        t = torch.zeros(k + 1, dtype=torch.int64)
+        t[0] = len(row[:k])
+        if row:
+            t[1 : 1 + len(row[:k])] = torch.tensor(row[:k])
+        out = [torch.empty_like(t) for _ in range(self._world)]
+        torch.distributed.all_gather(out, t, group=self._coord_pg)
+        return [o[1 : 1 + int(o[0])].tolist() for o in out]
 
     def _gather_sets(self, lists: list[list[int]], k: int) -> list[list[set[int]]]:
         """All-gathers a few short int lists from every rank: result[i][rank] is a set."""
@@ -985,28 +1163,165 @@ class Checkpointer:
             off = sm.slot.data_off
             views = tensor_views(layout, sm.data[off : off + layout.nbytes])
             state = unflatten_state(meta["skeleton"], views)
+            state = self._resolve_sharded(step, state)
             self._check_model(state)
-            return state, meta["private"], True
+            private = meta["private"]
+            if int(meta.get("rank", self._rank)) != self._rank and self._storage is not None:
+                private = self._storage.read_private(step, self._rank, self._world)
+            return state, private, True
         assert self._storage is not None
         if kind == "replica":
             assert received is not None
             meta, data = received
             layout = Layout.from_json(meta["entries"])
             state = unflatten_state(meta["skeleton"], tensor_views(layout, data))
+            state = self._resolve_sharded(step, state)
             self._check_model(state)
-            private = self._storage.read_private(step, self._rank, self._world)
+            if int(meta.get("rank", -1)) == self._rank:  # the peer holds this rank's own snapshot
+                private = meta["private"]
+            else:
+                private = self._storage.read_private(step, self._rank, self._world)
             return state, private, False
         manifest = self._storage.read_manifest(step)
-        state = read_shard(
-            self._storage, step, 0 if self.config.replicated else self._rank, manifest
-        )
+        # A sharded step saved by another world size: any shard gives the unsharded part (the
+        # same on every rank); the DTensor pieces are then resharded from all shards.
+        shard = 0 if self.config.replicated else self._rank % int(manifest["num_shards"])
+        state = read_shard(self._storage, step, shard, manifest)
+        state = self._resolve_sharded(step, state, manifest)
         self._check_model(state)
         private = None
         if int(manifest["world_size"]) == self._world:
             private = read_rank(self._storage, step, self._rank, manifest)
+        else:
+            private = self._private_from_other_world(step, manifest)
         if private is None:
             log.warning("flashckpt: no saved RNG/extras for rank %d at step %d", self._rank, step)
         return state, private, False
+
+    def _private_from_other_world(
+        self, step: int, manifest: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Extras of a step saved by another world size: rank 0's. The RNG states stay as they
+        are (the saved ones belong to other ranks)."""
+        rank0 = read_rank(self._storage, step, 0, manifest) if self._storage else None
+        if rank0 is None:
+            return None
+        log.info(
+            "flashckpt: step %d was saved by %s ranks: extras from rank 0, RNG not restored",
+            step,
+            manifest["world_size"],
+        )
+        return {"rng": capture_rng(), "extras": rank0.get("extras") or {}}
+
+    _opt_wrap: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], tuple[int, ...]]] | None = None
+
+    def _sharded_targets(self) -> dict[tuple[Any, ...], Any]:
+        """Key path -> the DTensor a restored value must fit (its mesh, placements, shape)."""
+        out: dict[tuple[Any, ...], Any] = {}
+        for k, v in self.model.state_dict().items():
+            if is_dtensor(v):
+                out[("model", k)] = v
+        if self.optimizer is not None:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            for i, p in enumerate(params):
+                if is_dtensor(p):
+                    out[("optimizer", "state", i)] = p
+        return out
+
+    def _resolve_sharded(
+        self, step: int, state: dict[str, Any], manifest: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Turns the saved DTensor pieces of a state into DTensors of this world's meshes.
+
+        A piece whose box is the one this rank needs is used as is; the others (another world
+        size or mesh) are rebuilt from the overlapping pieces of the shards in storage.
+
+        Raises:
+            FileNotFoundError: resharding is needed but the step is not committed to storage
+                (the caller then tries an older step).
+            ValueError: a saved tensor does not fit its target.
+        """
+        found = list(walk_pieces(state))
+        if not found:
+            return state
+        if self._opt_wrap:
+            self._opt_wrap.clear()  # left by an attempt at another step that failed
+        targets = self._sharded_targets()
+        default = next(iter(targets.values()), None)
+        wants: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        todo = []
+        for path, piece in found:
+            shape = tuple(int(x) for x in piece.meta["shape"])
+            where = "/".join(map(str, path))
+            target = targets.get(path[:3]) if path[:2] == ("optimizer", "state") else None
+            target = targets.get(path, target)
+            if target is not None:
+                if tuple(target.shape) != shape:
+                    raise ValueError(
+                        f"checkpoint tensor {where} has shape {list(shape)}, but the model's is "
+                        f"{list(target.shape)}: restore into the same architecture, or pass "
+                        "restore=False"
+                    )
+                mesh, placements = target.device_mesh, tuple(target.placements)
+            elif default is not None and default.device_mesh.ndim == len(piece.meta["mesh"]):
+                mesh, placements = default.device_mesh, tuple(placement_objects(piece.meta))
+            else:
+                raise ValueError(
+                    f"checkpoint tensor {where} is sharded (a DTensor), but no DTensor of this "
+                    "model/optimizer tells on which device mesh to restore it"
+                )
+            box = target_box(shape, mesh, placements)
+            if box == piece.box and tuple(piece.tensor.shape) == box[1]:
+                state = self._put_sharded(state, path, piece.tensor, mesh, placements, shape)
+            else:
+                wants[piece.name] = box
+                todo.append((path, piece.name, mesh, placements, shape))
+        if todo:
+            if self._storage is None or step not in set(self._storage_steps()):
+                raise FileNotFoundError(
+                    f"step {step} must be resharded for this world, but it is not committed to "
+                    "storage"
+                )
+            got = read_resharded(self._storage, step, wants, manifest)
+            for path, name, mesh, placements, shape in todo:
+                state = self._put_sharded(state, path, got[name], mesh, placements, shape)
+            log.info(
+                "flashckpt: rank %d resharded %d tensors of step %d", self._rank, len(todo), step
+            )
+        return state
+
+    def _put_sharded(
+        self,
+        state: dict[str, Any],
+        path: tuple[Any, ...],
+        local: torch.Tensor,
+        mesh: Any,
+        placements: tuple[Any, ...],
+        shape: tuple[int, ...],
+    ) -> dict[str, Any]:
+        """Puts this rank's piece at ``path`` as a DTensor. Optimizer state stays a plain local
+        tensor until ``optimizer.load_state_dict`` (a pre-hook wraps it): the copy that
+        ``_apply`` makes of optimizer state is made for plain tensors."""
+        if path[0] != "optimizer" or self.optimizer is None:
+            return replace_at(state, path, to_dtensor(local, mesh, placements, shape))
+        if self._opt_wrap is None:
+            self._opt_wrap = {}
+            self._hooks.append(
+                self.optimizer.register_load_state_dict_pre_hook(self._wrap_optimizer_pieces)
+            )
+        self._opt_wrap[path[1:]] = (mesh, placements, shape)
+        return replace_at(state, path, local)
+
+    def _wrap_optimizer_pieces(self, optimizer: Any, state_dict: dict[str, Any]) -> Any:
+        wrap, self._opt_wrap = self._opt_wrap, None
+        if not wrap:
+            return None
+        for path, (mesh, placements, shape) in wrap.items():
+            local: Any = state_dict
+            for k in path:
+                local = local[k]
+            state_dict = replace_at(state_dict, path, to_dtensor(local, mesh, placements, shape))
+        return state_dict
 
     def _check_model(self, state: dict[str, Any]) -> None:
         saved = state.get("model", {})
@@ -1034,20 +1349,57 @@ class Checkpointer:
                 raise ValueError(f"checkpoint has no {name} state, but a {name} was given")
 
     def _apply(self, state: dict[str, Any], private: dict[str, Any] | None, from_mem: bool) -> None:
+        # The tensors of `state` view the slot (from_mem: the next snapshot overwrites it) or the
+        # one buffer a storage or replica restore read the whole shard into (model bytes
+        # included). The model copies into its parameters; whatever else keeps tensors gets
+        # copies of its own, so neither the slot nor that buffer stays pinned.
         with torch.no_grad():
             self.model.load_state_dict(state["model"])
         if self.optimizer is not None:
-            opt_state = state["optimizer"]
-            if from_mem:  # tensors view the slot: the optimizer must own its state
-                opt_state = _clone_tensors(opt_state)
-            self.optimizer.load_state_dict(opt_state)
+            opt, saved = self.optimizer, state["optimizer"]
+            # Where to copy each saved tensor. Optimizer.load_state_dict (torch 2.x) keeps a value
+            # whose dtype and device already are what it wants (Tensor.to returns it as is) and
+            # casts the others into new memory: those need no copy from us. The others go into
+            # the optimizer's current state when it has a tensor of the same shape (a restore
+            # in a process that already trained: no new memory, no page faults), else into new
+            # memory.
+            targets: dict[Any, dict[str, torch.Tensor]] = {}
+            saved_state = saved.get("state", {}) if isinstance(saved, dict) else {}
+            saved_groups = saved.get("param_groups", []) if isinstance(saved, dict) else []
+            # In place only when the groups match, so a state that load_state_dict rejects
+            # leaves the optimizer untouched.
+            fits = len(saved_groups) == len(opt.param_groups) and all(
+                len(sg.get("params", [])) == len(g["params"])
+                for sg, g in zip(saved_groups, opt.param_groups, strict=True)
+            )
+            for sg, g in zip(saved_groups, opt.param_groups, strict=False) if fits else ():
+                low_step = bool(sg.get("fused") or sg.get("capturable"))
+                for pid, param in zip(sg.get("params", []), g["params"], strict=True):
+                    src, cur = saved_state.get(pid), opt.state.get(param) or {}
+                    if not isinstance(src, dict):
+                        continue
+                    dst = targets[pid] = {}
+                    for key, t in src.items():
+                        if not isinstance(t, torch.Tensor):
+                            continue
+                        if key == "step" and not low_step:
+                            cast = False  # kept as is, on its device
+                        else:
+                            want = param.dtype if param.is_floating_point() else t.dtype
+                            want = torch.float32 if key == "step" else want
+                            cast = want != t.dtype or param.device != t.device
+                        if cast:
+                            dst[key] = t  # load_state_dict's cast is the one copy
+                        elif isinstance(cur.get(key), torch.Tensor):
+                            dst[key] = cur[key]
+            opt.load_state_dict(_clone_tensors(saved, into={"state": targets}))
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
+            self.scheduler.load_state_dict(_clone_tensors(state["scheduler"]))
         for name, obj in self.stateful.items():
             sub = state.get("stateful", {}).get(name)
             if sub is None:
                 raise ValueError(f"checkpoint has no state for stateful[{name!r}]")
-            obj.load_state_dict(_clone_tensors(sub) if from_mem else sub)
+            obj.load_state_dict(_clone_tensors(sub))
         if private is not None:
             restore_rng(private["rng"])
             self.extras.clear()
@@ -1070,16 +1422,91 @@ class _TornSnapshot(Exception):
     pass
 
 
-def _clone_tensors(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _clone_tensors(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone_tensors(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_clone_tensors(v) for v in obj)
-    return copy.copy(obj)
+def _local_nbytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's piece: a DTensor (FSDP2, tensor parallel) holds only its shard."""
+    if is_dtensor(t):
+        t = t.to_local()  # type: ignore[attr-defined]
+    return t.numel() * t.element_size()
+
+
+def _local_ptr(t: torch.Tensor) -> int:
+    return t.to_local().data_ptr() if is_dtensor(t) else t.data_ptr()  # type: ignore[attr-defined]
+
+
+def _clone_tensors(obj: Any, into: Any = None) -> Any:
+    """Copies a state tree; every tensor in it gets memory of its own.
+
+    New CPU tensors are carved out of one anonymous buffer whose pages are all mapped in one
+    call (MADV_POPULATE_WRITE) instead of one page fault per 4 KiB during the copy. Copying into
+    existing tensors (``into``) is cheaper still: no new memory at all.
+
+    Args:
+        obj: dicts, lists, tuples, tensors; other values are copied shallowly.
+        into: an optional tree parallel to ``obj`` (branches may be missing) of destinations: a
+            tensor of the same shape, dtype and device there receives the copy in place (no new
+            memory); ``obj``'s own tensor there means "keep it" (the caller copies it anyway).
+    """
+    from flashckpt.shm import anonymous_buffer
+
+    dests: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id(src): (src, dst)
+
+    def scan(o: Any, dst: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            # Same class too: a DTensor (its state is wrapped after this copy) is no target.
+            fits = isinstance(dst, torch.Tensor) and (
+                dst is o
+                or (
+                    type(dst) is type(o)
+                    and dst.shape == o.shape
+                    and dst.dtype == o.dtype
+                    and dst.device == o.device
+                )
+            )
+            dests.setdefault(id(o), (o, dst if fits else None))
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                scan(v, dst.get(k) if isinstance(dst, dict) else None)
+        elif isinstance(o, list | tuple):
+            same = isinstance(dst, list | tuple) and len(dst) == len(o)
+            for i, v in enumerate(o):
+                scan(v, dst[i] if same else None)
+
+    scan(obj, into)
+    align = 64
+    cpu = [t for t, d in dests.values() if d is None and t.device.type == "cpu"]
+    total = sum(-(-t.nbytes // align) * align for t in cpu)
+    if total >= 1 << 20:
+        mm, skip = anonymous_buffer(total)
+        # frombuffer keeps `mm` mapped for as long as any view of it lives.
+        block = torch.frombuffer(mm, dtype=torch.uint8)[skip : skip + total]
+    else:
+        block = torch.empty(total, dtype=torch.uint8)
+    off = 0
+    for t in cpu:
+        dests[id(t)] = (t, block[off : off + t.nbytes].view(t.dtype).view(t.shape))
+        off += -(-t.nbytes // align) * align
+    out: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, (t, d) in dests.items():
+            if d is None:
+                out[key] = t.clone()
+            elif d is t:
+                out[key] = t
+            else:
+                out[key] = d.copy_(t)
+
+    def build(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return out[id(o)]
+        if isinstance(o, dict):
+            return {k: build(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [build(v) for v in o]
+        if isinstance(o, tuple):
+            return tuple(build(v) for v in o)
+        return copy.copy(o)
+
+    return build(obj)
 
 
 def _json_copy(obj: Any, what: str) -> Any:

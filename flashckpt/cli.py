@@ -1,5 +1,5 @@
 """The ``flashckpt`` command: ``agent``, ``ls``, ``verify``, ``plan``, ``run``, ``status``,
-``goodput``."""
+``goodput``, ``export``."""
 
 from __future__ import annotations
 
@@ -177,6 +177,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    if args.etcd:
+        return _cmd_status_etcd(args)
     from flashckpt.monitor import collect_status, format_status
     from flashckpt.protocol import default_run_dir
 
@@ -187,6 +189,60 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         print(format_status(agents))
     return 0 if any("error" not in a for a in agents) else 1
+
+
+def _cmd_status_etcd(args: argparse.Namespace) -> int:
+    """The whole job from the per-machine summaries its launchers publish to etcd."""
+    from datetime import timedelta
+
+    from elastic.etcd import EtcdClient, EtcdError
+    from elastic.jobview import format_job_view, read_job_view
+    from elastic.rendezvous import job_prefix
+
+    job = args.job or os.environ.get("FLASHCKPT_JOB")
+    if not job:
+        print(
+            "flashckpt status: --etcd needs --job <id> (the --rdzv-id of `flashckpt run`)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        client = EtcdClient(args.etcd, timeout=timedelta(seconds=args.timeout))
+        view = read_job_view(client, job_prefix(job, args.key_prefix))
+    except ValueError as e:
+        print(f"flashckpt status: {e}", file=sys.stderr)
+        return 2
+    except EtcdError as e:
+        print(
+            f"flashckpt status: cannot read job {job!r} from etcd at {args.etcd}: {e}; check "
+            "--etcd (the launchers' --rdzv-endpoint)",
+            file=sys.stderr,
+        )
+        return 1
+    if args.json:
+        print(json.dumps(view, indent=1, default=str))
+    else:
+        print(format_job_view(view, job))
+    return 0 if view["machines"] else 1
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from flashckpt.export import export_dcp, export_safetensors
+    from flashckpt.storage import CorruptCheckpointError
+
+    try:
+        if args.format == "dcp":
+            step, keys = export_dcp(args.url, args.step, args.to, strip_prefix=args.strip_prefix)
+            print(f"step {step}: wrote a torch.distributed.checkpoint of {keys} to {args.to}")
+        else:
+            step, n = export_safetensors(
+                args.url, args.step, args.to, strip_prefix=args.strip_prefix
+            )
+            print(f"step {step}: wrote {n} tensors of the full model to {args.to}")
+    except (FileNotFoundError, FileExistsError, CorruptCheckpointError, ValueError) as e:
+        print(f"flashckpt export: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _cmd_plan(argv: list[str]) -> int:
@@ -229,9 +285,27 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run", help="launch an elastic job (torchrun-compatible flags)")
     p = sub.add_parser("status", help="the live job: ranks, steps, step times, alerts")
     p.add_argument("--run-dir", default=None, help="agents' run dir (default: $FLASHCKPT_RUN_DIR)")
-    p.add_argument("--job", default=None, help="only this job")
+    p.add_argument("--job", default=None, help="only this job (required with --etcd)")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--etcd",
+        "--rdzv-endpoint",
+        dest="etcd",
+        default=None,
+        help="HOST:PORT of the job's etcd: show every machine of the job (from the summaries "
+        "`flashckpt run` publishes) instead of the agents under --run-dir",
+    )
+    p.add_argument("--key-prefix", default="/flashckpt", help="etcd key prefix (/flashckpt)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for etcd (5)")
     sub.add_parser("goodput", help="wall-time breakdown of a run from its events.jsonl files")
+    p = sub.add_parser(
+        "export", help="write a step as one consolidated safetensors file, or as a DCP directory"
+    )
+    p.add_argument("url", help="checkpoint root URL")
+    p.add_argument("--step", type=int, default=None, help="step (default: newest committed)")
+    p.add_argument("--to", required=True, help="output file (safetensors) or directory (dcp)")
+    p.add_argument("--format", choices=("safetensors", "dcp"), default="safetensors")
+    p.add_argument("--strip-prefix", default=None, help="drop this key prefix (e.g. 'module.')")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if args.cmd == "agent":
@@ -242,5 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_verify(args)
     if args.cmd == "status":
         return _cmd_status(args)
+    if args.cmd == "export":
+        return _cmd_export(args)
     parser.error(f"unknown command {args.cmd}")
     return 2

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from flashckpt.sharded import ShardedPiece, describe, is_dtensor
+
 __all__ = [
     "Layout",
     "TensorEntry",
@@ -189,6 +191,13 @@ def flatten_state(state: Mapping[str, Any]) -> FlatState:
         return name
 
     def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor) and is_dtensor(obj):
+            # Only this rank's piece: nothing is gathered on the save path.
+            local, meta = describe(obj, path)
+            if local.is_complex():
+                raise TypeError(f"state key {path!r}: complex dtype {obj.dtype} is not supported")
+            dtype_code(local.dtype)
+            return {"S": add(path, local), "dt": meta}
         if isinstance(obj, torch.Tensor):
             if obj.is_sparse or obj.layout != torch.strided:
                 raise TypeError(f"state key {path!r}: sparse tensors cannot be checkpointed")
@@ -230,12 +239,18 @@ def flatten_state(state: Mapping[str, Any]) -> FlatState:
 
 
 def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Rebuilds a state from its skeleton and tensors by name (numpy arrays come back as such)."""
+    """Rebuilds a state from its skeleton and tensors by name (numpy arrays come back as such).
+
+    A DTensor comes back as a :class:`~flashckpt.sharded.ShardedPiece` (the saved local piece and
+    where it sits); the restore path turns it into a DTensor of the target mesh.
+    """
 
     def build(node: Any) -> Any:
         if isinstance(node, dict):
             if "T" in node:
                 return _lookup(node["T"])
+            if "S" in node:
+                return ShardedPiece(_lookup(node["S"]), node["dt"], node["S"])
             if "N" in node:
                 return _lookup(node["N"]).numpy()
             if "D" in node:
@@ -260,7 +275,7 @@ def skeleton_tensor_names(skeleton: Any) -> Iterator[str]:
     """Yields the tensor names a skeleton refers to."""
     if isinstance(skeleton, dict):
         for tag, value in skeleton.items():
-            if tag in ("T", "N"):
+            if tag in ("T", "N", "S"):
                 yield value
             elif tag in ("D",):
                 for _, v in value:
@@ -270,11 +285,15 @@ def skeleton_tensor_names(skeleton: Any) -> Iterator[str]:
                     yield from skeleton_tensor_names(v)
 
 
-def safetensors_header(layout: Layout, metadata: Mapping[str, str]) -> bytes:
+def safetensors_header(layout: Layout, metadata: Mapping[str, str], align: int = 8) -> bytes:
     """The bytes that precede the tensor buffer in a safetensors file: length + JSON header.
 
-    Padded with spaces to a multiple of 8 bytes, as the safetensors format recommends.
+    The JSON is padded with trailing spaces (the format allows them) so the header is a multiple
+    of ``align`` bytes: 8 is what the format recommends; a page (4096) puts the tensor bytes at a
+    page-aligned file offset, so the file can be written with ``O_DIRECT`` straight from memory.
     """
+    if align < 8 or align % 8:
+        raise ValueError(f"safetensors header alignment must be a multiple of 8, got {align}")
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     for e in layout.entries:
         header[e.name] = {
@@ -283,7 +302,7 @@ def safetensors_header(layout: Layout, metadata: Mapping[str, str]) -> bytes:
             "data_offsets": [e.offset, e.offset + e.nbytes],
         }
     body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-(8 + len(body)) % 8)
+    body += b" " * (-(8 + len(body)) % align)
     return struct.pack("<Q", len(body)) + body
 
 

@@ -29,7 +29,11 @@ def _launch(
     kill: dict[int, int] | None = None,
     storage: str | None = None,
     nodes: tuple[str, str] | None = None,
+    world_id: str | None = None,
 ) -> list[subprocess.Popen]:
+    import os
+
+    proc_env = {**os.environ, "FLASHCKPT_WORLD_ID": world_id} if world_id else None
     init = tmp / f"init-{tag}-{time.monotonic_ns()}"
     procs = []
     for rank in range(2):
@@ -57,7 +61,9 @@ def _launch(
             cmd += ["--node", nodes[rank], "--local-world", "1"]
         if kill and rank in kill:
             cmd += ["--kill-in-copy", str(kill[rank])]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=proc_env)
+        )
     return procs
 
 
@@ -78,6 +84,20 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
             p.send_signal(signal.SIGKILL)
         p.wait(timeout=30)
     return [p.returncode for p in procs]
+
+
+def _assert_same_as_reference(tmp_path: Path) -> None:
+    """Every logged loss and the final model of each rank equal the uninterrupted run's."""
+    for rank in range(2):
+        ref = dict(_log(tmp_path / f"ref-r{rank}.log"))
+        for step, loss in _log(tmp_path / f"run-r{rank}.log"):
+            assert loss == ref[step], (rank, step)
+        got = safetensors.torch.load_file(str(tmp_path / f"run-r{rank}.log") + ".final.safetensors")
+        want = safetensors.torch.load_file(
+            str(tmp_path / f"ref-r{rank}.log") + ".final.safetensors"
+        )
+        for k in want:
+            assert torch.equal(got[k], want[k]), (rank, k)
 
 
 def _log(path: Path) -> list[tuple[int, str]]:
@@ -173,13 +193,57 @@ def test_replacement_rank_restores_from_a_replica_in_memory(tmp_path: Path, fc_e
     assert _wait_all(procs) == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
     report = (tmp_path / "run-report.txt").read_text().splitlines()
     assert sorted(report[2:]) == ["0 9 memory", "1 9 replica"], report
-    for rank in range(2):
-        ref = dict(_log(tmp_path / f"ref-r{rank}.log"))
-        for step, loss in _log(tmp_path / f"run-r{rank}.log"):
-            assert loss == ref[step], (rank, step)
-        got = safetensors.torch.load_file(str(tmp_path / f"run-r{rank}.log") + ".final.safetensors")
-        want = safetensors.torch.load_file(
-            str(tmp_path / f"ref-r{rank}.log") + ".final.safetensors"
-        )
-        for k in want:
-            assert torch.equal(got[k], want[k]), (rank, k)
+    _assert_same_as_reference(tmp_path)
+
+
+def test_renumbered_ranks_reload_from_their_machines_memory(tmp_path: Path, fc_env: FcEnv) -> None:
+    """A new world (rendezvous round) gives the surviving machines other global ranks: machine n0
+    ran rank 0 and now runs rank 1, n1 the other way round. Each rank still reloads from its own
+    machine's memory (the agent keys slots by local rank), takes its own RNG/extras from the file
+    written through at snapshot time, trains on bitwise like an uninterrupted run, and the agents
+    (which stayed up across the change) go on persisting the new world's steps."""
+    steps = 20
+    ref_env = FcEnv(
+        job=fc_env.job + "ref",
+        node="n0",
+        run_dir=fc_env.run_dir,
+        storage=f"file://{tmp_path}/ref",
+        storage_path=tmp_path / "ref",
+    )
+    procs = _launch(ref_env, tmp_path, "ref", steps, nodes=("n0", "n1"))
+    assert _wait_all(procs) == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
+
+    # World 1: rank 1 dies halfway through its 4th snapshot copy (step 12): the common step is 9.
+    procs = _launch(fc_env, tmp_path, "run", steps, kill={1: 4}, nodes=("n0", "n1"), world_id="w1")
+    assert _wait_all(procs, timeout=60)[1] == -signal.SIGKILL
+    agents_before = _agent_pids(fc_env.job)
+    assert set(agents_before) == {"n0", "n1"}, agents_before
+
+    # World 2: the same machines, ranks swapped.
+    procs = _launch(fc_env, tmp_path, "run", steps, nodes=("n1", "n0"), world_id="w2")
+    assert _wait_all(procs) == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
+    report = (tmp_path / "run-report.txt").read_text().splitlines()
+    # Rank 1 (DDP broadcasts rank 0's buffers at each forward) reloads from its machine's memory,
+    # although that snapshot was taken by rank 0. Rank 0's BatchNorm statistics are its own and
+    # differ from rank 1's: it takes its old snapshot from the other machine's memory over gloo.
+    assert sorted(report[2:]) == ["0 9 replica", "1 9 memory"], report
+    _assert_same_as_reference(tmp_path)
+    # The same agent processes served both worlds, and the new world's last step is committed
+    # with the new world's rank files.
+    still = _agent_pids(fc_env.job)
+    same = all(still.get(n) in (None, pid) for n, pid in agents_before.items())
+    assert same, (agents_before, still)
+    st = Storage(fc_env.storage)
+    assert st.committed_steps()[-1] == steps
+    assert st.verify(steps) == []
+
+
+def _agent_pids(job: str) -> dict[str, int]:
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["cmdline", "pid"]):
+        cmd = p.info["cmdline"] or []
+        if job in " ".join(cmd) and "agent" in cmd and "--node" in cmd:
+            out[cmd[cmd.index("--node") + 1]] = p.info["pid"]
+    return out

@@ -49,6 +49,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.1)
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
     a = p.parse_args()
     torch.set_num_threads(1)
     _event(a.out, "start", t_process=T_START)
@@ -56,9 +57,14 @@ def main() -> int:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    if a.fsdp:  # every rank holds a piece: a new world size reshards at restore
+        from torch.distributed.fsdp import fully_shard
+
+        ddp = fully_shard(model)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
     # The node agent learns of a commit only where rank 0 runs (it writes the manifest), so a
     # flush on another machine would wait its whole timeout: rank 0's flush is the one that
     # guarantees the final step is committed.
@@ -69,6 +75,7 @@ def main() -> int:
         storage=a.storage,
         every=a.every,
         mode="sync",
+        replicated=not a.fsdp,
         flush_timeout=600.0 if rank == 0 else 1.0,
     ) as ckpt:
         _event(
@@ -89,8 +96,14 @@ def main() -> int:
             ckpt.step(step)
             _event(a.out, "step", step=step, loss=float(loss.item()).hex())
             time.sleep(a.step_sleep)
-    if rank == 0:
+    if a.fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        final = {k: v.detach().clone().contiguous() for k, v in full.items()}
+    else:
         final = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if rank == 0:
         safetensors.torch.save_file(final, os.path.join(a.out, "final.safetensors"))
     _event(a.out, "done")
     dist.destroy_process_group()

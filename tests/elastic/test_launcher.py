@@ -8,8 +8,11 @@ so every interrupted run must end with the bitwise same model as the uninterrupt
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import time
+import urllib.request
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -120,7 +123,14 @@ def test_standby_takes_the_place_of_a_killed_machine(
     # flight is recomputed.
     assert committed_before <= start_step <= last_step_before + 1
     assert all(e["world_size"] == 2 for e in resumed)
-    assert next(e for e in resumed if e["node"] == "n2")["restored_from"] == "storage"
+    # The survivor reloads from its node agent's memory (under whatever rank the new round gave
+    # it); the replacement gets the state from the survivor's memory over gloo (a replica's
+    # memory is preferred to storage; its RNG and extras come from the file written through).
+    assert next(e for e in resumed if e["node"] == survivor)["restored_from"] == "memory", resumed
+    assert next(e for e in resumed if e["node"] == "n2")["restored_from"] == "replica", resumed
+    # The agents stayed across the round: no new agent generation.
+    survivor_events = cluster.machines[survivor].events()
+    assert not [e for e in survivor_events if e["event"] == "node_agent_restart"], survivor_events
     assert max(_committed(cluster)) == STEPS
     # Both saw exactly the killed machine go (until the first of them finished and left).
     launchers = {node: cluster.machines[node].events() for node in (survivor, "n2")}
@@ -147,8 +157,14 @@ def test_worker_crash_restarts_workers_from_memory(
     # One machine (--standalone: its own etcd), two workers; one worker is killed with SIGKILL.
     cluster = SimCluster(tmp_path, None, nnodes="1", nproc=2, worker_args=PACED)
     make_cluster.append(cluster)
-    machine = cluster.start("solo")
+    with socket.socket() as s:  # a free port for the node agent's Prometheus endpoint
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    machine = cluster.start("solo", "--metrics-port", str(port))
     cluster.wait_for("a few snapshots", lambda: len(cluster.steps()) >= 2 * 12, 120)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert re.search(r"^flashckpt_last_snapshot_step\S* [1-9]", metrics, re.M), metrics[-2000:]
     victim = next(e["pid"] for e in cluster.events() if e["event"] == "start" and e["rank"] == 1)
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
@@ -212,7 +228,7 @@ def test_late_machine_scales_the_job_up(
         tmp_path,
         etcd_server,
         nnodes="1:2",
-        worker_args=PACED,
+        worker_args=[*WORKER_ARGS, "--step-sleep", "0.5"],  # room for the late start under load
         launcher_args=["--rdzv-conf", "last_call_timeout=1"],
     )
     make_cluster.append(cluster)
@@ -227,6 +243,80 @@ def test_late_machine_scales_the_job_up(
     assert len({e["start_step"] for e in resumed}) == 1
     assert resumed[0]["start_step"] >= EVERY
     assert max(_committed(cluster)) == STEPS
+
+
+@pytest.mark.timeout(240)
+def test_machine_loss_without_standby_shrinks_the_job(
+    etcd_server: str, tmp_path: Path, make_cluster: list[SimCluster]
+) -> None:
+    # MIN:MAX = 1:2 and no standby: when a machine dies the job goes on at the smaller size.
+    cluster = SimCluster(
+        tmp_path,
+        etcd_server,
+        nnodes="1:2",
+        worker_args=SLOW,
+        launcher_args=["--rdzv-conf", "last_call_timeout=1"],
+    )
+    make_cluster.append(cluster)
+    cluster.start("n0")
+    cluster.start("n1")
+    cluster.wait_for("training on two machines", lambda: len(cluster.steps()) >= 2 * 8, 120)
+    cluster.wait_for("a committed step", lambda: bool(_committed(cluster)), 60)
+    assert max(cluster.steps()) < STEPS - 10, "training ran out before the kill; slow it down"
+    committed_before = max(_committed(cluster))
+    last_step_before = max(cluster.steps())
+    # Kill the machine that does not host rank 0: the survivor keeps its rank.
+    rank0_node = next(
+        e["node"] for e in reversed(cluster.events()) if e["event"] == "restored" and e["rank"] == 0
+    )
+    victim = "n1" if rank0_node == "n0" else "n0"
+    survivor = rank0_node
+    killed_at = time.time()
+    assert cluster.machines[victim].kill(), "the machine had no processes"
+
+    assert cluster.wait_exit(survivor, 150) == 0, cluster.logs()
+    resumed = [e for e in cluster.events() if e["event"] == "restored" and e["t"] > killed_at]
+    assert [(e["node"], e["world_size"]) for e in resumed] == [(survivor, 1)], resumed
+    # The survivor reloads the replicated state from its node agent's memory and goes on alone.
+    assert committed_before <= resumed[0]["start_step"] <= last_step_before + 1
+    assert resumed[0]["restored_from"] == "memory", resumed
+    assert max(_committed(cluster)) == STEPS
+
+
+@pytest.mark.timeout(240)
+def test_sharded_job_shrinks_by_resharding(
+    etcd_server: str, tmp_path: Path, make_cluster: list[SimCluster]
+) -> None:
+    # FSDP2 on 2 machines, MIN:MAX = 1:2, no standby: the survivor goes on alone, its state
+    # resharded from the 2-rank pieces in storage to the whole model on 1 rank.
+    cluster = SimCluster(
+        tmp_path,
+        etcd_server,
+        nnodes="1:2",
+        worker_args=[*SLOW, "--fsdp"],
+        launcher_args=["--rdzv-conf", "last_call_timeout=1"],
+    )
+    make_cluster.append(cluster)
+    cluster.start("n0")
+    cluster.start("n1")
+    cluster.wait_for("training on two machines", lambda: len(cluster.steps()) >= 2 * 8, 120)
+    cluster.wait_for("a committed step", lambda: bool(_committed(cluster)), 60)
+    assert max(cluster.steps()) < STEPS - 10, "training ran out before the kill; slow it down"
+    committed_before = max(_committed(cluster))
+    assert Storage(cluster.storage).read_manifest(committed_before)["num_shards"] == 2
+    killed_at = time.time()
+    assert cluster.machines["n1"].kill(), "the machine had no processes"
+
+    assert cluster.wait_exit("n0", 150) == 0, cluster.logs()
+    resumed = [e for e in cluster.events() if e["event"] == "restored" and e["t"] > killed_at]
+    assert [(e["node"], e["world_size"]) for e in resumed] == [("n0", 1)], resumed
+    assert resumed[0]["restored_from"] == "storage", resumed
+    assert resumed[0]["start_step"] >= committed_before
+    assert max(_committed(cluster)) == STEPS
+    assert Storage(cluster.storage).read_manifest(STEPS)["num_shards"] == 1
+    final = safetensors.torch.load_file(cluster.out / "final.safetensors")
+    assert sorted(final) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert final["0.weight"].shape == (32, 16)
 
 
 @pytest.mark.timeout(240)

@@ -1,0 +1,91 @@
+"""The committing node agent: a step whose parts never all arrive (a machine died) does not hold
+up newer steps, and parts of another world (rendezvous round) are never mixed into a manifest."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fchelpers import FcEnv
+
+from flashckpt.agent import AgentConfig, NodeAgent
+from flashckpt.storage import Storage
+
+
+def _part(node: str, step: int, world_id: str, rank: int, world: int = 2) -> dict[str, Any]:
+    files: dict[str, Any] = {f"rank-{rank:05d}-of-{world:05d}.json": {"node": node}}
+    shards: dict[str, Any] = {}
+    if rank == 0:
+        files["shard-00000-of-00001.safetensors"] = {"node": node}
+        shards["0"] = {"file": "shard-00000-of-00001.safetensors", "writer": rank}
+    return {
+        "node": node,
+        "step": step,
+        "world_id": world_id,
+        "world_size": world,
+        "num_shards": 1,
+        "ranks": {str(rank): {"file": f"rank-{rank:05d}-of-{world:05d}.json", "shard": 0}},
+        "shards": shards,
+        "files": files,
+    }
+
+
+def _agent(fc_env: FcEnv, **over: Any) -> NodeAgent:
+    cfg = AgentConfig(
+        job=fc_env.job, node="n0", storage=fc_env.storage, run_dir=fc_env.run_dir, **over
+    )
+    return NodeAgent(cfg)
+
+
+def _wait_for(agent: NodeAgent, step: int) -> None:
+    agent._commits[step] = (2, 1, "w1", time.monotonic() + 60)
+
+
+def test_a_step_missing_a_part_does_not_hold_up_newer_steps(fc_env: FcEnv) -> None:
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    # Step 5: the other machine died before writing its part.
+    st.write_part(5, "n0", _part("n0", 5, "w1", 0))
+    _wait_for(agent, 5)
+    agent._commit_round()
+    assert st.committed_steps() == []
+    assert agent._commits.keys() == {5}
+    # Step 10 of the same world: every part is in; it commits, and the older step is dropped.
+    st.write_part(10, "n0", _part("n0", 10, "w1", 0))
+    st.write_part(10, "n1", _part("n1", 10, "w1", 1))
+    _wait_for(agent, 10)
+    agent._commit_round()
+    assert st.committed_steps() == [10]
+    agent._commit_round()
+    assert agent._commits == {}, "step 5 must be dropped once a newer step is committed"
+    assert agent.status()["committing"] == []
+
+
+def test_a_step_whose_parts_never_arrive_is_reported_after_the_timeout(fc_env: FcEnv) -> None:
+    agent = _agent(fc_env, commit_timeout=0.01)
+    st = Storage(fc_env.storage)
+    st.write_part(5, "n0", _part("n0", 5, "w1", 0))
+    agent._commits[5] = (2, 1, "w1", time.monotonic() - 1)
+    agent._commit_round()
+    assert agent._commits == {}
+    errors = agent.status()["errors"]
+    assert errors and errors[-1]["step"] == 5 and "[1]" in errors[-1]["error"], errors
+    assert st.committed_steps() == []
+
+
+def test_parts_of_another_world_are_never_mixed_in(fc_env: FcEnv) -> None:
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    # World w0 reached step 15 on machine n2 (now dead) and wrote its part for rank 1.
+    st.write_part(15, "n2", _part("n2", 15, "w0", 1))
+    # World w1 reaches step 15 again: rank 0 here, rank 1 on n1 has not written yet.
+    st.write_part(15, "n0", _part("n0", 15, "w1", 0))
+    _wait_for(agent, 15)
+    agent._commit_round()
+    assert st.committed_steps() == [], "the stale part of world w0 completed the step"
+    st.write_part(15, "n1", _part("n1", 15, "w1", 1))
+    agent._commit_round()
+    assert st.committed_steps() == [15]
+    manifest = st.read_manifest(15)
+    assert manifest["nodes"] == ["n0", "n1"]
+    assert manifest["files"]["rank-00001-of-00002.json"] == {"node": "n1"}

@@ -310,26 +310,36 @@ class NodeAgent:
         # Wait for the persist thread to leave its step (it checks _stopping between steps).
         with self._io_lock:
             pass
-        if final_persist and self.storage is not None:
-            try:
-                step = self._pending_step()
-                if step is not None:
-                    self._persist(*step)
-            except Exception:
-                log.exception("final persist failed")
-            self._drain_commits(min(self.cfg.commit_timeout, 10.0))
-        if self.monitor is not None:
-            self.monitor.close()  # before the segments go: the last records of the rings
-        with self._lock:
-            for c in list(self._conns):
-                with contextlib.suppress(OSError):
-                    c.sock.close()
-            self._remove_segments()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        try:
+            if final_persist and self.storage is not None:
+                try:
+                    step = self._pending_step()
+                    if step is not None:
+                        self._persist(*step)
+                except Exception:
+                    log.exception("final persist failed")
+                try:
+                    self._drain_commits(min(self.cfg.commit_timeout, 10.0))
+                except Exception:
+                    log.exception("final commit failed")
+            if self.monitor is not None:
+                try:
+                    self.monitor.close()  # before the segments go: the last records of the rings
+                except Exception:
+                    log.exception("closing the monitor failed")
+        finally:
+            # Whatever failed above, the segments go (an allocation racing the shutdown is
+            # refused under the same locks, so none is created after this).
+            with self._io_lock, self._lock:
+                for c in list(self._conns):
+                    with contextlib.suppress(OSError):
+                        c.sock.close()
+                self._remove_segments()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     # -- segments ----------------------------------------------------------------------------
     def _write_owner(self) -> None:
@@ -401,7 +411,10 @@ class NodeAgent:
         for rec in self._ranks.values():
             for i, s in enumerate(rec.slots):
                 if s is not None:
-                    s.close()
+                    try:
+                        s.close()
+                    except (BufferError, OSError, ValueError) as e:  # a view still exported
+                        log.warning("closing %s: %s (removed anyway)", s.path, e)
                     rec.slots[i] = None
         prefix = slot_prefix(self.cfg.job, self.cfg.node)
         for name in os.listdir(self.cfg.shm_dir):
@@ -551,6 +564,8 @@ class NodeAgent:
             rec = self._ranks.setdefault(rank, _Rank(rank))
         paths = []
         with self._io_lock:  # never remap a slot the persister is reading
+            if self._stopping.is_set():
+                raise ValueError("the node agent is shutting down: no new slots")
             for i in range(2):
                 s = rec.slots[i]
                 if s is not None and s.meta_cap >= meta_cap and s.data_cap >= data_cap:

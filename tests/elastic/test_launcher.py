@@ -369,7 +369,8 @@ def test_killing_the_launcher_alone_takes_its_whole_machine_down(
         time.sleep(0.1)
     assert not _job_processes(cluster), [p.info["cmdline"] for p in _job_processes(cluster)]
     # The node agents got SIGTERM, not SIGKILL: they removed their shared-memory segments.
-    assert not [p for p in cluster.shm_root.rglob("fc.*") if p.is_file()]
+    left = [p for p in cluster.shm_root.rglob("fc.*") if p.is_file()]
+    assert not left, (left, cluster.logs())
 
 
 def _job_processes(cluster: SimCluster) -> list[psutil.Process]:

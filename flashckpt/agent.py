@@ -96,6 +96,9 @@ class AgentConfig:
     """Exit (after persisting) when no trainer has been connected for this long."""
     exit_when_done: bool = False
     """Exit once every rank said done and everything is persisted (auto-started agents)."""
+    unused_timeout: float = 30.0
+    """With ``exit_when_done``: exit if no trainer connected within this many seconds and there
+    are no snapshots to keep (an agent a trainer started while another one was answering)."""
     poll_interval: float = 0.2
     """Seconds between scans of the slots when no trainer notifies."""
     commit_timeout: float = 120.0
@@ -274,6 +277,8 @@ class NodeAgent:
     def run(self) -> int:
         """Serves until SIGTERM/SIGINT, done (``exit_when_done``) or idle timeout; cleans up."""
         reason = "stopped"
+        started = time.monotonic()
+        ever_connected = False
         while True:
             time.sleep(0.05)
             if self._stop_flag:
@@ -284,6 +289,15 @@ class NodeAgent:
                 ranks = list(self._ranks.values())
             if has_clients:
                 self._last_client_time = time.monotonic()
+                ever_connected = True
+            elif (
+                self.cfg.exit_when_done
+                and not ever_connected
+                and not ranks
+                and time.monotonic() - started > self.cfg.unused_timeout
+            ):
+                reason = "unused"
+                break
             elif time.monotonic() - self._last_client_time > self.cfg.idle_timeout:
                 reason = "idle"
                 break

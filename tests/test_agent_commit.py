@@ -89,3 +89,21 @@ def test_parts_of_another_world_are_never_mixed_in(fc_env: FcEnv) -> None:
     manifest = st.read_manifest(15)
     assert manifest["nodes"] == ["n0", "n1"]
     assert manifest["files"]["rank-00001-of-00002.json"] == {"node": "n1"}
+
+
+def test_an_auto_started_agent_nobody_uses_leaves(fc_env: FcEnv) -> None:
+    """An agent a trainer started while another agent was still answering (it waited for the
+    lock) must not linger when no trainer ever connects and it holds no snapshots."""
+    import os
+    import threading
+
+    agent = _agent(fc_env, exit_when_done=True, unused_timeout=0.3)
+    agent.start()
+    out: list[int] = []
+    t = threading.Thread(target=lambda: out.append(agent.run()), daemon=True)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "the unused agent did not leave"
+    assert out == [0]
+    assert not os.path.exists(agent.socket_path)
+    assert not os.path.exists(agent.owner_path)

@@ -363,13 +363,13 @@ class Checkpointer:
         mode = mode or self.config.mode
         when_busy = when_busy or self.config.when_busy
         t0 = time.perf_counter()
-        flat, async_ptrs = self._collect()
+        flat, async_ptrs, model_sd = self._collect()
         meta_extra = {
             "step": step,
             "private": {
                 "rng": capture_rng(),
                 "extras": _json_copy(self.extras, "extras"),
-                "buffers_xxh": self._buffers_hash(),
+                "buffers_xxh": self._buffers_hash(model_sd),
             },
         }
         slot = self._acquire_slot(flat, when_busy)
@@ -695,7 +695,7 @@ class Checkpointer:
             sm.step = info.step
         return sm
 
-    def _collect(self) -> tuple[FlatState, set[int]]:
+    def _collect(self) -> tuple[FlatState, set[int], dict[str, Any]]:
         state: dict[str, Any] = {"model": self.model.state_dict()}
         sharded = any(is_dtensor(v) for v in state["model"].values())
         if sharded and self.config.replicated:
@@ -722,7 +722,7 @@ class Checkpointer:
             self._layout = Layout.build(specs)
             self._layout_specs = specs
         async_ptrs.discard(0)
-        return flat, async_ptrs
+        return flat, async_ptrs, state["model"]
 
     def _optimizer_param_names(self) -> list[str | None]:
         """The model's name of each optimizer parameter, in ``optimizer.state_dict()`` id order."""
@@ -730,13 +730,13 @@ class Checkpointer:
         names = {id(p): n for n, p in self.model.named_parameters()}
         return [names.get(id(p)) for g in self.optimizer.param_groups for p in g["params"]]
 
-    def _buffers_hash(self) -> int:
+    def _buffers_hash(self, model_sd: Mapping[str, Any]) -> int:
         """A hash of the model's buffers (the state that is not parameters, e.g. BatchNorm
         statistics): the part of a data-parallel replica's state that may differ by rank.
         Two ranks' snapshots of one step with equal hashes are interchangeable."""
         params = {_local_ptr(p) for p in self.model.parameters()}
         h = xxhash.xxh3_64()
-        for name, t in self.model.state_dict().items():
+        for name, t in model_sd.items():  # the state dict this snapshot copies (not a 2nd one)
             if not isinstance(t, torch.Tensor) or is_dtensor(t) or _local_ptr(t) in params:
                 continue
             t = t.detach()

@@ -20,8 +20,8 @@ system, from worker and launcher timestamps:
 Systems:
 
 - ``flashckpt``: ``flashckpt run`` with its defaults (etcd v3 rendezvous, 5 s leases, peer
-  probe on failure, event-driven rendezvous, spare node agent, workers forked from a
-  pre-warmed process), resuming with
+  probe on failure, event-driven rendezvous, the node agent kept across rounds, workers forked
+  from a pre-warmed process), resuming with
   ``flashckpt.checkpointing`` (memory or committed storage);
 - ``flashckpt-lease-only``: the same with ``--no-probe``: a dead machine is found by its lease
   lapsing (what a power loss or network partition looks like);
@@ -46,7 +46,6 @@ import os
 import platform
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,15 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from elastic.testing import (
+    EtcdServer,
+    kill_job,
+    kill_processes,
+    loopback_env,
+    process_tree,
+    read_jsonl,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("failover_worker.py")
@@ -71,39 +79,9 @@ SYSTEMS = (
 
 
 def _env(node: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env["GLOO_SOCKET_IFNAME"] = "lo"
-    env["OMP_NUM_THREADS"] = "1"
+    env = loopback_env()
     env["BENCH_NODE"] = node
     return env
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def _kill(processes: list[psutil.Process]) -> None:
-    for p in processes:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(processes, timeout=10)
 
 
 class Job:
@@ -120,7 +98,7 @@ class Job:
         self.shm_root = Path("/dev/shm") / self.uid
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.killed: set[str] = set()
-        self.etcd: Any = None
+        self.etcd: EtcdServer | None = None
         self.store_host: subprocess.Popen[bytes] | None = None
         self.endpoint = self._start_coordinator()
 
@@ -130,8 +108,6 @@ class Job:
 
     def _start_coordinator(self) -> str:
         if self.flashckpt:
-            from elastic.testing import EtcdServer
-
             self.etcd = EtcdServer(self.work / f"etcd-{self.uid}")
             return str(self.etcd.start())
         # torchrun's c10d rendezvous keeps its state in a TCPStore. Hosting it in a process of
@@ -207,20 +183,18 @@ class Job:
             )
 
     def events(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.out / "events.jsonl")
+        return read_jsonl(self.out / "events.jsonl")
 
     def launcher_events(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for node in self.procs:
-            out += _read_jsonl(self.work / f"launcher-{self.uid}-{node}.jsonl")
+            out += read_jsonl(self.work / f"launcher-{self.uid}-{node}.jsonl")
         return out
 
     def kill(self, node: str) -> float:
-        victims = _tree(self.procs[node].pid)
+        victims = process_tree(self.procs[node].pid)
         t = time.time()
-        for p in victims:
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(signal.SIGKILL)
+        kill_processes(victims)
         psutil.wait_procs(victims, timeout=10)
         return t
 
@@ -242,19 +216,10 @@ class Job:
         return f"--- {node}\n{text[-3000:]}"
 
     def close(self) -> None:
-        victims: list[psutil.Process] = []
-        for proc in self.procs.values():
-            victims += _tree(proc.pid)
+        launched = list(self.procs.values())
         if self.store_host is not None:
-            victims += _tree(self.store_host.pid)
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            with contextlib.suppress(psutil.Error, TypeError):
-                if self.uid in " ".join(p.info["cmdline"] or []):
-                    victims.append(p)
-        _kill(victims)
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
+            launched.append(self.store_host)
+        kill_job(launched, self.uid)
         if self.etcd is not None:
             self.etcd.close()
         shutil.rmtree(self.shm_root, ignore_errors=True)

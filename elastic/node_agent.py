@@ -1,24 +1,19 @@
 """Runs the flashckpt node agent beside the workers, for the life of the launcher.
 
 The agent (``python -m flashckpt agent``) owns the shared-memory snapshot slots of every local
-rank and persists them in the background. The launcher keeps one *current* agent that the
-workers use, in generations:
+rank and persists them in the background. The launcher keeps one agent that the workers use:
 
-- each generation has its own socket directory and shared-memory directory
-  (``<run_dir>/<job>.<node>.g<N>/`` and ``<shm_dir>/flashckpt.<job>.<node>.g<N>/``), so two
-  generations never share a lock, a socket or a segment;
-- the agent stays across rendezvous rounds: it keys snapshot slots by local rank and tags every
+- it has its own socket directory and shared-memory directory (``<run_dir>/<job>.<node>.g1/``
+  and ``<shm_dir>/flashckpt.<job>.<node>.g1/``: generation 1, the workers' environment names
+  them through :class:`AgentGeneration`);
+- it stays across rendezvous rounds: it keys snapshot slots by local rank and tags every
   snapshot and storage part with its world (round), so after a membership change the surviving
   trainers reload from its memory under their new global ranks, and a step of the old world
-  that waits for a dead machine's part does not hold up the new world's persistence.
-  :meth:`NodeAgentProcess.new_generation` (a fresh agent in its own directories; the old one
-  gets SIGTERM, finishes the write in flight and removes its segments) remains for callers that
-  want a clean slate; with ``spare=True`` an agent of the next generation is started ahead of
-  time so such a switch costs no agent start-up;
-- agents are spawned from one supervisor thread that lives as long as the launcher, with
-  ``PR_SET_PDEATHSIG=SIGTERM``: if the launcher dies, even by SIGKILL, its agents clean up;
-- if the current agent exits on its own (a crash), it is started again in the same generation
-  and adopts the segments, so the snapshots survive;
+  that waits for a dead machine's part does not hold up the new world's persistence;
+- it is spawned from one supervisor thread that lives as long as the launcher, with
+  ``PR_SET_PDEATHSIG=SIGTERM``: if the launcher dies, even by SIGKILL, the agent cleans up;
+- if it exits on its own (a crash), it is started again in the same generation and adopts the
+  segments, so the snapshots survive;
 - workers start only once :meth:`NodeAgentProcess.wait_ready` saw the current agent answer, so
   ``flashckpt.checkpointing()`` never falls back to starting its own, unsupervised agent.
 """
@@ -33,7 +28,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -56,7 +50,7 @@ class NodeAgentError(RuntimeError):
 
 @dataclass(kw_only=True, slots=True)
 class NodeAgentConfig:
-    """How to run the node agents of one machine."""
+    """How to run the node agent of one machine."""
 
     job: str
     """Job id (the rendezvous id)."""
@@ -65,33 +59,25 @@ class NodeAgentConfig:
     storage: str | None
     """Checkpoint root URL, or ``None`` (the trainers supply it)."""
     shm_dir: str
-    """The tmpfs under which each generation's slot directory is created."""
+    """The tmpfs under which the agent's slot directory is created."""
     run_dir: str
-    """Directory under which each generation's socket directory is created; logs go here."""
+    """Directory under which the agent's socket directory is created; logs go here."""
     keep: int = 3
     """Committed steps kept in storage."""
     metrics_port: int | None = None
     """Port of the agent's Prometheus endpoint (``None``: off)."""
-    spare: bool = True
-    """Keep a started agent of the next generation ready."""
-    spare_delay_s: float = 1.0
-    """Seconds after every local worker connected to the current agent before the spare
-    starts: its start-up (imports) must not compete with the workers' for the CPU."""
-    spare_fallback_s: float = 120.0
-    """Start the spare anyway this long after the workers started, if they never connect
-    (a script without ``flashckpt.checkpointing``)."""
     stop_timeout_s: float = 120.0
-    """How long a retired agent may take to finish its write in flight before it is killed."""
+    """How long the agent may take to finish its write in flight on stop before it is killed."""
     max_crashes: int = 5
-    """Consecutive exits of the current agent before it is ready, before giving up."""
+    """Consecutive exits of the agent before it is ready, before giving up."""
 
 
 @dataclass(frozen=True, slots=True)
 class AgentGeneration:
-    """Where one generation's agent lives: what the workers' environment points at."""
+    """Where the agent lives: what the workers' environment points at."""
 
     number: int
-    """The generation number (1, 2, ...)."""
+    """The generation number: always 1 (the agent keeps its generation across restarts)."""
     run_dir: str
     """Directory of its socket and lock (``FLASHCKPT_RUN_DIR`` of the workers)."""
     shm_dir: str
@@ -103,53 +89,41 @@ class AgentGeneration:
 
 
 class _Agent:
-    """One agent process of one generation."""
+    """One agent process."""
 
     def __init__(self, gen: AgentGeneration, proc: subprocess.Popen[bytes]) -> None:
         self.gen = gen
         self.proc = proc
         self.ready = False
-        self.ready_at = 0.0
 
 
 class NodeAgentProcess:
-    """Keeps the current (and a spare) node agent running; see the module docstring.
+    """Keeps the node agent running; see the module docstring.
 
     Args:
-        config: How to run them.
+        config: How to run it.
     """
 
     def __init__(self, config: NodeAgentConfig) -> None:
         self.config = config
+        self._gen = self._generation()
+        if len(self._gen.socket_path.encode()) > _MAX_SOCKET_PATH:
+            raise ValueError(
+                f"the node agent's socket path {self._gen.socket_path!r} would be longer than "
+                f"{_MAX_SOCKET_PATH} bytes: use a shorter --run-dir, --rdzv-id or --node-id"
+            )
         self._cond = threading.Condition()
         self._current: _Agent | None = None
-        self._spare: _Agent | None = None
-        self._retiring: list[tuple[_Agent, Deadline]] = []
-        self._next_gen = 1
-        self._switch_requested = False
-        self._workers_started_at: float | None = None
-        self._workers_expected = 0
-        self._workers_connected_at: float | None = None
-        self._last_status_poll = 0.0
         self._stopping = False
         self._failure: str | None = None
         self._crashes = 0
         self._thread = threading.Thread(
             target=self._supervise, name="flashckpt-node-agent", daemon=True
         )
-        self._check_paths()
-
-    def _check_paths(self) -> None:
-        probe = self._generation(999_999)
-        if len(probe.socket_path.encode()) > _MAX_SOCKET_PATH:
-            raise ValueError(
-                f"the node agent's socket path {probe.socket_path!r} would be longer than "
-                f"{_MAX_SOCKET_PATH} bytes: use a shorter --run-dir, --rdzv-id or --node-id"
-            )
 
     @property
     def current(self) -> AgentGeneration | None:
-        """The generation the workers should use."""
+        """Where the agent the workers should use lives (``None`` before it is spawned)."""
         with self._cond:
             return self._current.gen if self._current is not None else None
 
@@ -167,18 +141,6 @@ class NodeAgentProcess:
                 with contextlib.suppress(OSError):
                     os.rmdir(os.path.join(cfg.shm_dir, name))
         self._thread.start()
-
-    def new_generation(self) -> None:
-        """Switches to a fresh agent (the spare if one is up); returns at once.
-
-        The previous agent is stopped in the background. Call :meth:`wait_ready` before
-        starting workers against :attr:`current`.
-        """
-        with self._cond:
-            self._switch_requested = True
-            self._cond.notify_all()
-            while self._switch_requested and not self._stopping:
-                self._cond.wait(0.05)
 
     def wait_ready(self, timeout: timedelta) -> AgentGeneration:
         """Blocks until the current agent answers on its socket; returns its generation.
@@ -201,19 +163,8 @@ class NodeAgentProcess:
                 self._cond.wait(min(0.05, max(0.001, deadline.remaining())))
             return self._current.gen
 
-    def workers_started(self, count: int) -> None:
-        """Tells the supervisor ``count`` workers were started.
-
-        The spare starts once they all connected to the current agent (they are past their
-        start-up), so that its own start-up does not slow theirs.
-        """
-        with self._cond:
-            self._workers_started_at = time.monotonic()
-            self._workers_expected = count
-            self._workers_connected_at = None
-
     def stop(self) -> None:
-        """Stops every agent (SIGTERM: each persists what it holds, then removes its segments).
+        """Stops the agent (SIGTERM: it persists what it holds, then removes its segments).
 
         An agent that has not exited after ``stop_timeout_s`` is killed. Never raises.
         """
@@ -225,10 +176,10 @@ class NodeAgentProcess:
 
     # ------------------------------------------------------------------------ internals
 
-    def _generation(self, number: int) -> AgentGeneration:
+    def _generation(self) -> AgentGeneration:
         from flashckpt.protocol import socket_path
 
-        cfg = self.config
+        cfg, number = self.config, 1
         run_dir = os.path.join(cfg.run_dir, f"{cfg.job}.{cfg.node}.g{number}")
         return AgentGeneration(
             number=number,
@@ -244,49 +195,20 @@ class NodeAgentProcess:
             with self._cond:
                 if self._stopping:
                     break
-                switch, self._switch_requested = self._switch_requested, False
                 failed = self._failure is not None
-            self._retiring = [(a, d) for a, d in self._retiring if not self._reap(a, d)]
-            if switch:
-                self._switch()
             if not failed:
                 self._tend_current()
-                self._tend_spare()
             with self._cond:
                 self._cond.notify_all()
-                if not (self._stopping or self._switch_requested):
+                if not self._stopping:
                     busy = self._current is None or not self._current.ready
-                    busy = busy or (self._spare is not None and not self._spare.ready)
                     self._cond.wait(0.02 if busy else 0.2)
         with self._cond:
-            agents = [a for a in (self._current, self._spare) if a is not None]
-            self._current = self._spare = None
-        for agent in agents:
+            agent, self._current = self._current, None
+        if agent is not None:
             with contextlib.suppress(ProcessLookupError):
                 agent.proc.send_signal(signal.SIGTERM)
-        deadline = Deadline.after(timedelta(seconds=self.config.stop_timeout_s))
-        for agent, _ in self._retiring:
-            agents.append(agent)
-        for agent in agents:
-            self._terminate(agent, deadline)
-
-    def _switch(self) -> None:
-        with self._cond:
-            old, spare = self._current, self._spare
-            self._current, self._spare = spare, None
-            # The next spare waits until the new workers are past their start-up.
-            self._workers_started_at = None
-            self._workers_connected_at = None
-        if old is not None:
-            with contextlib.suppress(ProcessLookupError):
-                old.proc.send_signal(signal.SIGTERM)
-            deadline = Deadline.after(timedelta(seconds=self.config.stop_timeout_s))
-            self._retiring.append((old, deadline))
-            logger.info(
-                "node agent generation %d retired; generation %s takes over",
-                old.gen.number,
-                spare.gen.number if spare is not None else "(new)",
-            )
+            self._terminate(agent, Deadline.after(timedelta(seconds=self.config.stop_timeout_s)))
 
     def _tend_current(self) -> None:
         agent = self._current
@@ -297,56 +219,14 @@ class NodeAgentProcess:
             with self._cond:
                 self._current = agent
         if agent is None:
-            agent = self._spawn(self._generation(self._take_gen()))
+            agent = self._spawn(self._gen)
             with self._cond:
                 self._current = agent
         if not agent.ready and self._answers(agent):
             with self._cond:
-                agent.ready, agent.ready_at = True, time.monotonic()
+                agent.ready = True
                 self._crashes = 0
                 self._cond.notify_all()
-
-    def _tend_spare(self) -> None:
-        cfg = self.config
-        if not cfg.spare:
-            return
-        current, spare = self._current, self._spare
-        if spare is not None:
-            if spare.proc.poll() is not None:
-                logger.warning(
-                    "spare node agent exited with code %s (see %s)",
-                    spare.proc.returncode,
-                    spare.gen.log_path,
-                )
-                self._cleanup_dirs(spare.gen)
-                with self._cond:
-                    self._spare = None
-            elif not spare.ready and self._answers(spare):
-                spare.ready, spare.ready_at = True, time.monotonic()
-            return
-        with self._cond:
-            started, connected = self._workers_started_at, self._workers_connected_at
-        if current is None or not current.ready or started is None:
-            return
-        now = time.monotonic()
-        if connected is None and now - started < cfg.spare_fallback_s:
-            if now - self._last_status_poll < 0.5:
-                return
-            self._last_status_poll = now
-            if self._connected_ranks(current) < self._workers_expected:
-                return
-            with self._cond:
-                self._workers_connected_at = connected = now
-        if connected is not None and now - connected < cfg.spare_delay_s:
-            return
-        spare = self._spawn(self._generation(self._take_gen()))
-        with self._cond:
-            self._spare = spare
-
-    def _take_gen(self) -> int:
-        number = self._next_gen
-        self._next_gen += 1
-        return number
 
     def _spawn(self, gen: AgentGeneration) -> _Agent:
         cfg = self.config
@@ -412,23 +292,6 @@ class NodeAgentProcess:
         # Another pid: a crashed predecessor's socket, or an agent a trainer started.
         return int(reply.get("pid", -1)) == agent.proc.pid
 
-    @staticmethod
-    def _connected_ranks(agent: _Agent) -> int:
-        from flashckpt.protocol import AgentClient, AgentError
-
-        try:
-            client = AgentClient(agent.gen.socket_path, timeout=0.01)
-        except AgentError:
-            return 0
-        try:
-            reply = client.request("status", timeout=2)
-        except AgentError:
-            return 0
-        finally:
-            client.close()
-        ranks = reply.get("ranks") or {}
-        return sum(1 for r in ranks.values() if isinstance(r, dict) and r.get("connected"))
-
     def _on_crash(self, agent: _Agent) -> None:
         code = agent.proc.returncode
         with self._cond:
@@ -445,12 +308,6 @@ class NodeAgentProcess:
             code,
             agent.gen.log_path,
         )
-
-    def _reap(self, agent: _Agent, deadline: Deadline) -> bool:
-        if agent.proc.poll() is None and not deadline.expired():
-            return False
-        self._terminate(agent, deadline)
-        return True
 
     def _terminate(self, agent: _Agent, deadline: Deadline) -> None:
         proc = agent.proc

@@ -225,9 +225,6 @@ class LaunchSession:
                     run_dir=run_dir,
                     keep=cfg.keep,
                     metrics_port=cfg.metrics_port,
-                    # The agent stays across rounds (it keys snapshots by local rank and world),
-                    # so no spare generation is needed on the recovery path.
-                    spare=False,
                 )
             )
         except ValueError as exc:
@@ -434,11 +431,6 @@ class LaunchSession:
                 self._prewarmer.log_path,
             )
 
-    def after_start_workers(self, count: int) -> None:
-        """Called once the workers were spawned."""
-        assert self._node_agent is not None
-        self._node_agent.workers_started(count)
-
     def _health_check(self, worker_group: WorkerGroup) -> None:
         assert self._backend is not None and worker_group.store is not None
         rank = worker_group.group_rank
@@ -564,9 +556,7 @@ class _FlashAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._session.before_start_workers(worker_group)
-        ids = super()._start_workers(worker_group)
-        self._session.after_start_workers(len(ids))
-        return ids
+        return super()._start_workers(worker_group)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._session.events("workers_restart", state=worker_group.state.name)

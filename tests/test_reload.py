@@ -4,6 +4,7 @@ where it has some, else into one pre-mapped block; never views of the slot or th
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -36,6 +37,13 @@ def _copy(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v.clone() for _, v in _state(opt)]
 
 
+def _checkpointing(
+    env: FcEnv, model: torch.nn.Module, opt: torch.optim.Optimizer
+) -> flashckpt.Checkpointer:
+    """The test's checkpointer, on the agent of the ``agent`` fixture."""
+    return flashckpt.checkpointing(model, opt, **env.ckpt_kwargs(agent="connect"))
+
+
 def _shm_ranges(env: FcEnv) -> list[tuple[int, int]]:
     """Address ranges of this process's mappings of the job's slot files."""
     out = []
@@ -47,18 +55,42 @@ def _shm_ranges(env: FcEnv) -> list[tuple[int, int]]:
     return out
 
 
+def _in(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+
+
+@dataclass
+class Saved:
+    """A model and optimizer trained two steps, snapshotted at step 2 and committed."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    state: list[torch.Tensor]
+    """A copy of the optimizer state at step 2."""
+
+
+@pytest.fixture
+def saved(fc_env: FcEnv, agent: RunningAgent) -> Saved:
+    model, opt = _make(0)
+    _train(model, opt, 2)
+    with _checkpointing(fc_env, model, opt) as ck:
+        ck.save(2, mode="sync")
+        assert ck.flush() == 2
+    return Saved(model, opt, _copy(opt))
+
+
 def test_memory_restore_copies_into_existing_optimizer_state(
     fc_env: FcEnv, agent: RunningAgent
 ) -> None:
     model, opt = _make(0)
     _train(model, opt, 2)
-    with flashckpt.checkpointing(model, opt, **fc_env.ckpt_kwargs(agent="connect")) as ck:
+    with _checkpointing(fc_env, model, opt) as ck:
         ck.save(2, mode="sync")
         saved = _copy(opt)
         _train(model, opt, 2)  # the live state moves on; the restore must bring step 2 back
         assert any(not torch.equal(a, b) for a, b in zip(_copy(opt), saved, strict=True))
     before = {(id(p), k): v for p, st in opt.state.items() for k, v in st.items()}
-    with flashckpt.checkpointing(model, opt, **fc_env.ckpt_kwargs(agent="connect")) as ck:
+    with _checkpointing(fc_env, model, opt) as ck:
         assert ck.start_step == 2 and ck.restored_from == "memory"
         slots = _shm_ranges(fc_env)
         assert slots, "the restored trainer maps no slot file"
@@ -66,52 +98,41 @@ def test_memory_restore_copies_into_existing_optimizer_state(
         assert after.keys() == before.keys()
         for key, t in after.items():
             assert t is before[key], f"{key[1]}: a new tensor instead of a copy in place"
-            assert not any(lo <= t.data_ptr() < hi for lo, hi in slots), "views the slot"
+            assert not _in(t, slots), "views the slot"
         for a, b in zip(_copy(opt), saved, strict=True):
             assert torch.equal(a, b)
         _train(model, opt, 1)  # the optimizer keeps working on its restored state
 
 
-def test_memory_restore_into_fresh_optimizer_uses_one_block(
-    fc_env: FcEnv, agent: RunningAgent
-) -> None:
-    model, opt = _make(0)
-    _train(model, opt, 2)
-    with flashckpt.checkpointing(model, opt, **fc_env.ckpt_kwargs(agent="connect")) as ck:
-        ck.save(2, mode="sync")
-    saved = _copy(opt)
+def test_memory_restore_into_fresh_optimizer_uses_one_block(fc_env: FcEnv, saved: Saved) -> None:
     model2, opt2 = _make(1)  # a restarted trainer: no optimizer state yet
-    with flashckpt.checkpointing(model2, opt2, **fc_env.ckpt_kwargs(agent="connect")) as ck:
+    with _checkpointing(fc_env, model2, opt2) as ck:
         assert ck.restored_from == "memory"
         slots = _shm_ranges(fc_env)
         state = _state(opt2)
-        assert len(state) == len(saved)
-        for (_, a), b in zip(state, saved, strict=True):
+        assert len(state) == len(saved.state)
+        for (_, a), b in zip(state, saved.state, strict=True):
             assert torch.equal(a, b)
-            assert not any(lo <= a.data_ptr() < hi for lo, hi in slots), "views the slot"
+            assert not _in(a, slots), "views the slot"
         blocks = {v.untyped_storage().data_ptr() for _, v in state}
         assert len(blocks) == 1, "the state is not carved out of one block"
         assert min(v.data_ptr() for _, v in state) % HUGE == 0
         _train(model2, opt2, 1)
 
 
-def test_storage_restore_does_not_keep_the_shard_buffer(fc_env: FcEnv, agent: RunningAgent) -> None:
-    model, opt = _make(0)
-    _train(model, opt, 2)
-    with flashckpt.checkpointing(model, opt, **fc_env.ckpt_kwargs(agent="connect")) as ck:
-        ck.save(2, mode="sync")
-        assert ck.flush() == 2
-    saved = _copy(opt)
+def test_storage_restore_does_not_keep_the_shard_buffer(
+    fc_env: FcEnv, agent: RunningAgent, saved: Saved
+) -> None:
     agent.stop()  # removes the slots: the next restore reads storage
     shard = fc_env.storage_path / "step-000000002" / "shard-00000-of-00001.safetensors"
     shard_bytes = os.path.getsize(shard)
     again = RunningAgent(fc_env.agent_config())
     try:
         model2, opt2 = _make(1)
-        with flashckpt.checkpointing(model2, opt2, **fc_env.ckpt_kwargs(agent="connect")) as ck:
+        with _checkpointing(fc_env, model2, opt2) as ck:
             assert ck.restored_from == "storage"
             state = _state(opt2)
-            for (_, a), b in zip(state, saved, strict=True):
+            for (_, a), b in zip(state, saved.state, strict=True):
                 assert torch.equal(a, b)
             opt_bytes = sum(v.nbytes for _, v in state)
             for _, v in state:
@@ -143,19 +164,15 @@ def test_clone_tensors_targets_aliases_and_kept_values() -> None:
 
 
 def test_rejected_optimizer_state_leaves_the_optimizer_untouched(
-    fc_env: FcEnv, agent: RunningAgent
+    fc_env: FcEnv, saved: Saved
 ) -> None:
-    model, opt = _make(0)
-    _train(model, opt, 2)
-    with flashckpt.checkpointing(model, opt, **fc_env.ckpt_kwargs(agent="connect")) as ck:
-        ck.save(2, mode="sync")
-    layers = list(model.children())
+    layers = list(saved.model.children())
     other = torch.optim.AdamW(
         [{"params": layers[0].parameters()}, {"params": layers[1].parameters()}], lr=1e-2
     )
-    _train(model, other, 1)
+    _train(saved.model, other, 1)
     before = _copy(other)
-    ck = flashckpt.checkpointing(model, other, **fc_env.ckpt_kwargs(agent="connect"))
+    ck = _checkpointing(fc_env, saved.model, other)
     with pytest.raises(ValueError, match="parameter groups"):
         ck.__enter__()
     for a, b in zip(_copy(other), before, strict=True):
@@ -163,21 +180,16 @@ def test_rejected_optimizer_state_leaves_the_optimizer_untouched(
 
 
 def test_state_that_load_state_dict_casts_is_copied_once_and_owned(
-    fc_env: FcEnv, agent: RunningAgent
+    fc_env: FcEnv, saved: Saved
 ) -> None:
-    model, opt = _make(0)
-    _train(model, opt, 2)
-    with flashckpt.checkpointing(model, opt, **fc_env.ckpt_kwargs(agent="connect")) as ck:
-        ck.save(2, mode="sync")
-    saved = _copy(opt)
     model2, _ = _make(1)
     model2 = model2.to(torch.bfloat16)  # the same layout in another dtype: the moments get cast
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-    with flashckpt.checkpointing(model2, opt2, **fc_env.ckpt_kwargs(agent="connect")) as ck:
+    with _checkpointing(fc_env, model2, opt2) as ck:
         assert ck.restored_from == "memory"
         slots = _shm_ranges(fc_env)
         state = _state(opt2)
-        for (key, a), b in zip(state, saved, strict=True):
+        for (key, a), b in zip(state, saved.state, strict=True):
             want = b if key == "step" else b.to(torch.bfloat16)
             assert a.dtype == want.dtype and torch.equal(a, want), key
-            assert not any(lo <= a.data_ptr() < hi for lo, hi in slots), "views the slot"
+            assert not _in(a, slots), "views the slot"

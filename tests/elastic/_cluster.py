@@ -10,10 +10,7 @@ workers, private etcd) and removes the shared-memory and run directories, whatev
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,40 +19,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-import elastic
+from elastic.testing import kill_job, kill_processes, loopback_env, process_tree, read_jsonl
 
 WORKER = Path(__file__).with_name("_elastic_worker.py")
-SOURCE_ROOT = Path(elastic.__file__).resolve().parent.parent
 
 
 def cluster_env() -> dict[str, str]:
     """The environment of every simulated machine: this checkout, loopback gloo, one thread."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(SOURCE_ROOT), env.get("PYTHONPATH", "")) if p
-    )
-    env["GLOO_SOCKET_IFNAME"] = "lo"
-    env["OMP_NUM_THREADS"] = "1"
+    env = loopback_env()
     env.pop("FLASHCKPT_INJECT_HEALTH_FAULT", None)
     return env
-
-
-def tree(pid: int) -> list[psutil.Process]:
-    """A process and all its descendants (empty if it is gone)."""
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def kill_all(processes: Iterable[psutil.Process]) -> None:
-    """SIGKILLs every process at once (like a machine losing power)."""
-    for p in processes:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(signal.SIGKILL)
 
 
 class Machine:
@@ -69,8 +42,8 @@ class Machine:
 
     def kill(self) -> list[int]:
         """SIGKILLs the launcher, its node agent and its workers at the same instant."""
-        victims = tree(self.proc.pid)
-        kill_all(victims)
+        victims = process_tree(self.proc.pid)
+        kill_processes(victims)
         self.proc.wait(timeout=30)
         return [p.pid for p in victims]
 
@@ -86,19 +59,6 @@ class Machine:
             return "(no log)"
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete JSON line of a file (a line being written is skipped)."""
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
-
-
 class SimCluster:
     """Launchers of one job, started and killed at will, all cleaned up by :meth:`close`.
 
@@ -107,7 +67,8 @@ class SimCluster:
         etcd_url: The etcd every launcher uses; ``None`` for ``--standalone`` launchers.
         nnodes: ``--nnodes``.
         nproc: ``--nproc-per-node``.
-        worker_args: Extra arguments of the training script.
+        worker_args: Extra arguments of the training script, on every machine.
+        launcher_args: Extra arguments of every launcher.
     """
 
     def __init__(
@@ -136,8 +97,14 @@ class SimCluster:
         self.launcher_args = list(launcher_args)
         self.machines: dict[str, Machine] = {}
 
-    def command(self, node_id: str, *extra: str) -> list[str]:
-        """The launcher command line of one machine."""
+    def command(self, node_id: str, *extra: str, worker_args: Iterable[str] = ()) -> list[str]:
+        """The launcher command line of one machine.
+
+        Args:
+            node_id: The machine's node id.
+            *extra: More launcher arguments.
+            worker_args: More arguments of this machine's training script (after the cluster's).
+        """
         cmd = [
             sys.executable,
             "-m",
@@ -169,15 +136,21 @@ class SimCluster:
         else:
             cmd += ["--rdzv-endpoint", self.etcd_url, "--rdzv-id", self.run_id]
         cmd += [str(WORKER), "--out", str(self.out), "--storage", self.storage]
-        return cmd + self.worker_args
+        return [*cmd, *self.worker_args, *worker_args]
 
-    def start(self, node_id: str, *extra: str, env: dict[str, str] | None = None) -> Machine:
-        """Starts one machine's launcher in its own session."""
+    def start(
+        self,
+        node_id: str,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        worker_args: Iterable[str] = (),
+    ) -> Machine:
+        """Starts one machine's launcher in its own session (arguments as :meth:`command`)."""
         log = self.root / f"launcher-{node_id}.log"
         (self.shm_root / node_id).mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as f:
             proc = subprocess.Popen(
-                self.command(node_id, *extra),
+                self.command(node_id, *extra, worker_args=worker_args),
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 env=env or cluster_env(),
@@ -221,19 +194,7 @@ class SimCluster:
 
     def close(self) -> None:
         """Kills every process of the job and removes its shared memory and run directory."""
-        victims: list[psutil.Process] = []
-        for machine in self.machines.values():
-            victims += tree(machine.proc.pid)
-        me = os.getpid()
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            with contextlib.suppress(psutil.Error, TypeError):
-                if p.info["pid"] != me and self.run_id in " ".join(p.info["cmdline"] or []):
-                    victims.append(p)
-        kill_all(victims)
-        for machine in self.machines.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                machine.proc.wait(timeout=10)
-        psutil.wait_procs(victims, timeout=10)
+        kill_job((m.proc for m in self.machines.values()), self.run_id)
         # Keep the node agents' logs with the test's other files, for post-mortems.
         run_dir = Path(self.run_dir)
         if run_dir.exists():

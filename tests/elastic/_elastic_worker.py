@@ -7,6 +7,10 @@ environment the launcher sets (``FLASHCKPT_JOB``, ``FLASHCKPT_NODE``, ...).
 
 The loss at each step depends only on the model, the step and the rank, so a run interrupted
 and resumed from any snapshot ends with the bitwise same model as an uninterrupted one.
+
+``--slow-forward S`` makes every forward of this process S seconds slower: a slow GPU, as the
+monitor sees it (compute time, which the all-reduce does not even out). Given to one machine's
+workers, it makes that machine a straggler.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ def main() -> int:
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.1)
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
+    p.add_argument("--mode", choices=("sync", "overlap"), default="sync", help="snapshot mode")
+    p.add_argument("--slow-forward", type=float, default=0.0, help="seconds added to a forward")
     a = p.parse_args()
     torch.set_num_threads(1)
     _event(a.out, "start", t_process=T_START)
@@ -57,6 +63,8 @@ def main() -> int:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    if a.slow_forward:  # a hook, not a wrapper: every machine's state dict has the same keys
+        model.register_forward_pre_hook(lambda _module, _args: time.sleep(a.slow_forward))
     if a.fsdp:  # every rank holds a piece: a new world size reshards at restore
         from torch.distributed.fsdp import fully_shard
 
@@ -74,7 +82,7 @@ def main() -> int:
         scheduler=sched,
         storage=a.storage,
         every=a.every,
-        mode="sync",
+        mode=a.mode,
         replicated=not a.fsdp,
         flush_timeout=600.0 if rank == 0 else 1.0,
     ) as ckpt:

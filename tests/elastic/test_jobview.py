@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cluster import WORKER, SimCluster, cluster_env
+from _cluster import SimCluster
 from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
@@ -331,13 +331,8 @@ def test_a_persistent_straggler_retires_once_a_standby_waits(
     assert etcd_client.get_kv(spare_pub.key) is not None
 
 
-class _SwapCluster(SimCluster):
-    """Runs _straggler_worker.py: ``$FCE_SLOW_FORWARD_S`` slows one machine's forward."""
-
-    def command(self, node_id: str, *extra: str) -> list[str]:
-        cmd = super().command(node_id, *extra)
-        cmd[cmd.index(str(WORKER))] = str(Path(__file__).with_name("_straggler_worker.py"))
-        return cmd
+# Trains until the test ends, snapshots overlapped (the default mode).
+_TRAIN_ON = ["--steps", "100000", "--every", "20", "--step-sleep", "0.02", "--mode", "overlap"]
 
 
 @pytest.mark.etcd
@@ -346,7 +341,13 @@ class _SwapCluster(SimCluster):
 def test_flashckpt_run_swaps_a_straggler_for_the_standby(
     etcd_server: str, etcd_client: EtcdClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cluster = _SwapCluster(tmp_path, etcd_server, nnodes="2:2", launcher_args=["--swap-stragglers"])
+    cluster = SimCluster(
+        tmp_path,
+        etcd_server,
+        nnodes="2:2",
+        launcher_args=["--swap-stragglers"],
+        worker_args=_TRAIN_ON,
+    )
     jp = job_prefix(cluster.run_id)
 
     def view() -> dict[str, dict[str, Any]]:
@@ -354,7 +355,7 @@ def test_flashckpt_run_swaps_a_straggler_for_the_standby(
 
     try:
         cluster.start("n0")
-        cluster.start("n1", env={**cluster_env(), "FCE_SLOW_FORWARD_S": "0.05"})
+        cluster.start("n1", worker_args=["--slow-forward", "0.05"])
         cluster.wait_for(
             "both machines' compute times in etcd",
             lambda: all(view().get(n, {}).get("compute_ms") is not None for n in ("n0", "n1")),

@@ -215,6 +215,7 @@ def bench_fc_sync(
     try:
         tr.step()
         first = C.timed(ck.save, 1)[0]
+        load_at_first = os.getloadavg()  # the machine may be shared: say how busy it was
         steady = []
         for i in range(repeats):
             tr.step()
@@ -234,6 +235,7 @@ def bench_fc_sync(
             steady,
             "first save after __enter__ + 1 training step; memory only (storage=None)",
             enter_s=enter_s,
+            load_avg_at_first=load_at_first,
             **info,
         )
     }

@@ -5,10 +5,22 @@ to storage (safetensors + a JSON manifest, any fsspec URL) in the background; a 
 reloads from memory.
 """
 
-from flashckpt.checkpointer import CheckpointConfig, Checkpointer, SnapshotHandle, checkpointing
-from flashckpt.reading import LoadedCheckpoint, load
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from flashckpt.shm import ShmSpaceError
 from flashckpt.storage import CorruptCheckpointError
+
+if TYPE_CHECKING:
+    from flashckpt.checkpointer import (
+        CheckpointConfig,
+        Checkpointer,
+        SnapshotHandle,
+        checkpointing,
+    )
+    from flashckpt.reading import LoadedCheckpoint, load
 
 __all__ = [
     "CheckpointConfig",
@@ -22,3 +34,27 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# The trainer-side API needs torch; it is imported on first use, so that the node agent
+# (``python -m flashckpt agent``, which imports this package first) never imports torch.
+_LAZY = {
+    "CheckpointConfig": "flashckpt.checkpointer",
+    "Checkpointer": "flashckpt.checkpointer",
+    "SnapshotHandle": "flashckpt.checkpointer",
+    "checkpointing": "flashckpt.checkpointer",
+    "LoadedCheckpoint": "flashckpt.reading",
+    "load": "flashckpt.reading",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flashckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -12,17 +12,20 @@ Nothing here pickles: the skeleton is JSON, the tensors are raw bytes with a dty
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from flashckpt.sharded import ShardedPiece, describe, is_dtensor
+# torch is imported inside the functions that take or make tensors, never at module level: the
+# node agent builds safetensors headers from a layout (``Layout.from_json``,
+# ``safetensors_header``) and must not pay torch's import (~2 s, ~220 MiB) for that.
 
 __all__ = [
     "Layout",
@@ -32,48 +35,73 @@ __all__ = [
     "unflatten_state",
 ]
 
-# safetensors dtype codes, see https://github.com/huggingface/safetensors (format section).
-_TORCH_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+# safetensors dtype codes and element sizes, see https://github.com/huggingface/safetensors
+# (format section); the torch dtype of each code is looked up lazily (``_dtype_tables``).
+_ST_ITEMSIZE: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
 }
-for _name, _code in (
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-):
-    if hasattr(torch, _name):
-        _TORCH_TO_ST[getattr(torch, _name)] = _code
-_ST_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in _TORCH_TO_ST.items()}
+_TORCH_NAMES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+
+
+@functools.cache
+def _dtype_tables() -> tuple[dict[torch.dtype, str], dict[str, torch.dtype]]:
+    """torch dtype -> code and back, for the dtypes this torch has (older ones lack some)."""
+    import torch
+
+    to_st = {
+        getattr(torch, name): code for code, name in _TORCH_NAMES.items() if hasattr(torch, name)
+    }
+    return to_st, {v: k for k, v in to_st.items()}
+
 
 _JSON_SCALARS = (bool, int, float, str, type(None))
 
 
 def dtype_code(dtype: torch.dtype) -> str:
     """Returns the safetensors code of a torch dtype, or raises TypeError."""
+    to_st, _ = _dtype_tables()
     try:
-        return _TORCH_TO_ST[dtype]
+        return to_st[dtype]
     except KeyError:
         raise TypeError(
-            f"dtype {dtype} cannot be checkpointed (supported: "
-            f"{', '.join(str(d) for d in _TORCH_TO_ST)})"
+            f"dtype {dtype} cannot be checkpointed (supported: {', '.join(str(d) for d in to_st)})"
         ) from None
 
 
 def torch_dtype(code: str) -> torch.dtype:
     """Returns the torch dtype of a safetensors code, or raises ValueError."""
     try:
-        return _ST_TO_TORCH[code]
+        return _dtype_tables()[1][code]
     except KeyError:
         raise ValueError(f"unknown tensor dtype code {code!r} in checkpoint") from None
 
@@ -137,7 +165,7 @@ class Layout:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return int(dtype.itemsize)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -175,6 +203,11 @@ def flatten_state(state: Mapping[str, Any]) -> FlatState:
     Raises:
         TypeError: an object of another type, naming its key path.
     """
+    import numpy as np
+    import torch
+
+    from flashckpt.sharded import describe, is_dtensor
+
     names: list[str] = []
     tensors: list[torch.Tensor] = []
     seen: set[str] = set()
@@ -244,6 +277,7 @@ def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     A DTensor comes back as a :class:`~flashckpt.sharded.ShardedPiece` (the saved local piece and
     where it sits); the restore path turns it into a DTensor of the target mesh.
     """
+    from flashckpt.sharded import ShardedPiece
 
     def build(node: Any) -> Any:
         if isinstance(node, dict):
@@ -337,7 +371,10 @@ def parse_safetensors(buf: memoryview | bytes | bytearray) -> tuple[Layout, dict
             f"{len(buf) - data_start}"
         )
     for entry in layout.entries:
-        if entry.nbytes != _itemsize(torch_dtype(entry.dtype)) * _numel(entry.shape):
+        size = _ST_ITEMSIZE.get(entry.dtype)
+        if size is None:
+            raise ValueError(f"unknown tensor dtype code {entry.dtype!r} in checkpoint")
+        if entry.nbytes != size * _numel(entry.shape):
             raise ValueError(f"tensor {entry.name!r}: byte range does not match dtype and shape")
     return layout, meta, data_start
 

@@ -65,6 +65,9 @@ class FileRecord:
 
     size: int
     xxh3_64: str
+    direct: bool = False
+    """Whether the bytes went to the file with ``O_DIRECT`` (the page cache bypassed); not part
+    of the manifest, it says how the file was written."""
 
     def to_json(self) -> dict[str, Any]:
         return {"size": self.size, "xxh3_64": self.xxh3_64}
@@ -144,7 +147,8 @@ class Storage:
         A local file whose ``head`` is a multiple of 4 KiB and whose ``data`` starts on a page
         boundary is written with ``O_DIRECT`` straight from ``data``: no copy into the page
         cache (an order of magnitude less CPU, and a disk-speed write), while this thread hashes
-        each chunk as another writes it. Other file systems get the plain streamed write.
+        each chunk as another writes it. Other file systems get the plain streamed write; the
+        returned record's ``direct`` says which path the bytes took.
 
         Args:
             check: called before each chunk of ``data``; may raise to abandon the write.
@@ -160,7 +164,7 @@ class Storage:
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            # tmpfs and some FUSE file systems refuse O_DIRECT.
+            # tmpfs before Linux 6.6 and some FUSE file systems refuse O_DIRECT.
             return self.write_stream(path, _chunks(head, data, check))
         try:
             return _write_direct(fd, head, data, check)
@@ -368,12 +372,15 @@ def _write_direct(
             done = pool.submit(_write_all, fd, chunk)
             h.update(chunk)
             done.result()
+    # _write_all clears O_DIRECT where the file system refused it for a buffer: then (part of)
+    # the file went through the page cache after all.
+    direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
     if body < n:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         _write_all(fd, data[body:])
         h.update(data[body:])
     os.fsync(fd)
-    return FileRecord(len(head) + n, h.hexdigest())
+    return FileRecord(len(head) + n, h.hexdigest(), direct=direct)
 
 
 def _write_all(fd: int, buf: memoryview) -> None:

@@ -9,10 +9,12 @@ import torch
 
 from flashckpt.layout import (
     Layout,
+    dtype_code,
     flatten_state,
     parse_safetensors,
     safetensors_header,
     tensor_views,
+    torch_dtype,
     unflatten_state,
 )
 
@@ -109,3 +111,16 @@ def test_parse_rejects_truncated_and_garbage() -> None:
         parse_safetensors(blob[:-10])
     with pytest.raises(ValueError):
         parse_safetensors(b"\xff" * 64)
+
+
+def test_dtype_tables_agree_with_torch() -> None:
+    # parse_safetensors sizes entries from its own table (the agent has no torch to ask).
+    from flashckpt.layout import _ST_ITEMSIZE, _TORCH_NAMES
+
+    assert _ST_ITEMSIZE.keys() == _TORCH_NAMES.keys()
+    for code, name in _TORCH_NAMES.items():
+        if not hasattr(torch, name):
+            continue
+        dt = getattr(torch, name)
+        assert torch_dtype(code) == dt and dtype_code(dt) == code
+        assert torch.empty((), dtype=dt).element_size() == _ST_ITEMSIZE[code], code

@@ -11,6 +11,7 @@ import pytest
 from flashckpt.shm import (
     COMPLETE,
     HUGE_PAGE,
+    Prefaulter,
     ShmSpaceError,
     Slot,
     allocate_slot_file,
@@ -130,3 +131,52 @@ def test_anonymous_buffer_is_aligned_and_populated() -> None:
     assert rss >= n
     mm[skip : skip + n] = b"\x01" * n
     mm.close()
+
+
+def _rss_of_mapping(addr: int) -> int:
+    """Bytes of the mapping holding ``addr`` that are mapped into this process."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_prefaulter_maps_slot_pages_until_the_slot_goes(slot_file: str, alive: bool) -> None:
+    import mmap
+
+    n = 8 << 20
+    allocate_slot_file(slot_file, 4096, n)
+    fd = os.open(slot_file, os.O_RDWR)
+    try:
+        mms = [mmap.mmap(fd, os.fstat(fd).st_size) for _ in range(2)]
+    finally:
+        os.close(fd)
+    addrs = [buffer_address(m) or 0 for m in mms]
+    assert all(addrs) and all(_rss_of_mapping(a) == 0 for a in addrs)
+    busy_calls: list[int] = []
+
+    def busy(i: int) -> bool:  # a copy runs into the other range for the first two looks
+        busy_calls.append(i)
+        return len(busy_calls) <= 2
+
+    pf = Prefaulter(
+        [(a, len(m), m) for a, m in zip(addrs, mms, strict=True)],
+        alive=lambda i: alive,
+        busy=busy,
+        chunk=1 << 20,
+    ).start()
+    assert pf.join(timeout=60)
+    assert all(ev.is_set() for ev in pf.done)
+    for a, m in zip(addrs, mms, strict=True):
+        assert _rss_of_mapping(a) == (len(m) if alive else 0)
+    if alive:
+        assert len(busy_calls) > 2  # consulted before each chunk; went on once it was False
+    for m in mms:
+        m.close()

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -37,18 +38,40 @@ from flashckpt.agent import default_node_id
 from flashckpt.interval import AutoInterval
 from flashckpt.layout import FlatState, Layout, flatten_state, tensor_views, unflatten_state
 from flashckpt.monitor import StepRecorder, open_recorder
+from flashckpt.peers import (
+    HeldSnapshot,
+    PeerPlan,
+    Placeholders,
+    exchange,
+    gather_json,
+    piece_nodes,
+    plan_needs,
+    views_of,
+)
 from flashckpt.protocol import AgentClient, AgentError, default_run_dir, socket_path
 from flashckpt.reading import read_rank, read_resharded, read_shard
 from flashckpt.rng import capture_rng, restore_rng
 from flashckpt.sharded import (
+    ShardedPiece,
+    assemble,
     is_dtensor,
+    is_sharded_dtensor,
+    mesh_layout,
     placement_objects,
     replace_at,
     target_box,
     to_dtensor,
     walk_pieces,
 )
-from flashckpt.shm import HEADER_SIZE, ShmSpaceError, Slot, check_name, prefault
+from flashckpt.shm import (
+    HEADER_SIZE,
+    Prefaulter,
+    ShmSpaceError,
+    Slot,
+    check_name,
+    prefault,
+    slot_prefix,
+)
 from flashckpt.storage import CorruptCheckpointError, Storage
 
 __all__ = ["CheckpointConfig", "Checkpointer", "SnapshotHandle", "checkpointing"]
@@ -96,8 +119,14 @@ class CheckpointConfig:
     """auto: start a node agent if none runs; connect: require a running one."""
     restore: bool = True
     """Restore the newest state found on entry."""
-    replicated: bool = True
-    """All ranks hold the same model/optimizer state (data parallel): one replica persists it."""
+    replicated: bool | None = None
+    """Whether all ranks hold the same model/optimizer state. None (the default): detected on
+    entry. A model state dict or optimizer holding a DTensor with a ``Shard`` (or strided)
+    placement (FSDP2, tensor parallel, HSDP) is sharded, anything else replicated. True: data
+    parallel, one replica persists the state (a sharded DTensor is then refused on entry).
+    False: every rank holds a piece of its own; with DTensors on a mesh with replicate dims
+    (HSDP) only the ranks of replica 0 (coordinate 0 on those dims) write the pieces.
+    ``ckpt.config.replicated`` holds the resolved value after entry."""
     flush_timeout: float = 600.0
     """Seconds to wait on exit for the last snapshot to be committed to storage."""
     agent_timeout: float = 60.0
@@ -191,7 +220,7 @@ def _env(name: str) -> str | None:
 _HASH_MASK = (1 << 62) - 1
 
 
-def _world_id(world: int) -> str:
+def _world_id(world: int, group: Any = None) -> str:
     """Names the world (rendezvous round) this rank belongs to, the same on every rank of it.
 
     ``FLASHCKPT_WORLD_ID`` when set; else, under torch.distributed launchers, the rendezvous
@@ -203,6 +232,12 @@ def _world_id(world: int) -> str:
     addr, port = _env("MASTER_ADDR"), _env("MASTER_PORT")
     if world > 1 and addr and port:
         return f"{addr}:{port}/{world}"
+    if world > 1 and torch.distributed.is_initialized():
+        # Another init method (file://, tcp:// URL): rank 0 draws a name for this world. A
+        # shared empty name would let the node agent mix a dead world's ranks into this one's.
+        token = torch.tensor([int.from_bytes(os.urandom(6), "little")], dtype=torch.int64)
+        torch.distributed.broadcast(token, group_src=0, group=group)  # None: the default group
+        return f"w{int(token.item()):012x}/{world}"
     return ""
 
 
@@ -238,11 +273,14 @@ class Checkpointer:
         self.scheduler = scheduler
         self.stateful = dict(stateful or {})
         self.extras: dict[str, Any] = extras if extras is not None else {}
-        self.config = config
+        # A copy: entry resolves replicated=None in it (a config may serve several models).
+        self.config = copy.copy(config)
         self.stats = Stats()
         self.start_step = 0
         self.restored_from: str | None = None
-        """Where the restored state came from: memory, storage or replica (a peer's memory)."""
+        """Where the restored state came from: ``memory``, ``storage``, ``replica`` (a peer's
+        memory) or ``memory-reshard`` (a sharded state rebuilt from the pieces this world's ranks
+        hold in memory); None when nothing was restored."""
         self._pg = process_group
         self._coord_pg: Any = None
         self._storage = Storage(config.storage) if config.storage else None
@@ -253,6 +291,7 @@ class Checkpointer:
         self._client: AgentClient | None = None
         self._agent_proc: subprocess.Popen[bytes] | None = None
         self._slots: list[_SlotMap | None] = [None, None]
+        self._orphans: list[_SlotMap] = []  # other local ranks' slots, during a restore
         self._slot_lock = threading.Lock()
         self._pending: Future[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -261,13 +300,14 @@ class Checkpointer:
         self._layout_specs: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
         self._last_step_done: int | None = None
         self._last_saved_step: int | None = None
-        self._prepare: Future[None] | None = None
         self._cuda_stream: Any = None
         self._entered = False
         self._mon: StepRecorder | None = None
         self._auto: AutoInterval | None = None
         self._agent_shm_dir: str | None = None
         self._run_dir: str | None = None
+        self._opt_names: tuple[tuple[int, ...], list[str | None]] | None = None
+        self._shard = 0
         self.job = ""
         self.node = ""
 
@@ -293,7 +333,7 @@ class Checkpointer:
             self._hook_optimizer()
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
             self._preallocate()
-            self._prepare = self._executor.submit(self._prefault_all)
+            self._prefault_all()
         except BaseException:
             self._teardown()
             raise
@@ -516,7 +556,7 @@ class Checkpointer:
         # The agent keys slots by local rank: after a membership change a surviving trainer may
         # get another global rank, and still finds its snapshots.
         self._local_rank = int(lr) if lr else self._rank % max(self._local_world, 1)
-        self._world_id = _world_id(self._world)
+        self._world_id = _world_id(self._world, self._coord_pg)
         job = cfg.job or _env("FLASHCKPT_JOB")
         if job is None:
             run_id = _env("TORCHELASTIC_RUN_ID")
@@ -533,8 +573,8 @@ class Checkpointer:
         self._run_dir = run_dir
         if len(path.encode()) > 100:
             raise ValueError(f"agent socket path {path!r} is too long: use a shorter run_dir/job")
-        replica = self._rank if cfg.replicated else 0
-        shard, num_shards = (0, 1) if cfg.replicated else (self._rank, self._world)
+        shard, num_shards, replica = self._shard_layout()
+        self._shard = shard
         hello = self._hello(
             path,
             run_dir,
@@ -697,12 +737,10 @@ class Checkpointer:
 
     def _collect(self) -> tuple[FlatState, set[int], dict[str, Any]]:
         state: dict[str, Any] = {"model": self.model.state_dict()}
-        sharded = any(is_dtensor(v) for v in state["model"].values())
-        if sharded and self.config.replicated:
-            raise ValueError(
-                "the model state holds DTensors (FSDP2 / tensor parallel): every rank holds a "
-                "different piece, so pass replicated=False to flashckpt.checkpointing(...)"
-            )
+        if self.config.replicated:  # sharded since entry (checked there): refused, not half-saved
+            key = next((k for k, v in state["model"].items() if is_sharded_dtensor(v)), None)
+            if key is not None:
+                raise self._replicated_error(f"model state key {key!r}")
         async_ptrs = {_local_ptr(p) for p in self.model.parameters()}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
@@ -710,8 +748,8 @@ class Checkpointer:
                 for v in st.values():
                     if isinstance(v, torch.Tensor):
                         async_ptrs.add(_local_ptr(v))
-            if sharded:  # what export needs to key optimizer state by parameter name (as DCP)
-                state["optimizer_param_names"] = self._optimizer_param_names()
+            # What export needs to key optimizer state by parameter name (as DCP does).
+            state["optimizer_param_names"] = self._optimizer_names()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.stateful:
@@ -785,10 +823,28 @@ class Checkpointer:
         self._ensure_slots(_MIN_META_CAP, need, fault=False)
 
     def _prefault_all(self) -> None:
-        """Maps every slot page now, in the copy thread: first-touch faults cost ~10x a copy."""
-        for sm in list(self._slots):
-            if sm is not None:
-                prefault(sm.data.data_ptr() + HEADER_SIZE, sm.data.numel() - HEADER_SIZE)
+        """Maps every slot page in a background thread (returns at once): a copy into fresh
+        slot pages costs 2.5x one into mapped pages (tmpfs zeroes each page on first touch).
+
+        The slot the first snapshot goes to comes first, mapped from its end: a save never waits
+        for it; if it comes before the slot is done, its copy faults the start of the slot while
+        the thread maps the rest. The other slot follows, paused while a copy runs.
+        """
+        with self._slot_lock:
+            slots = [s for s in self._slots if s is not None]
+        if not slots:
+            return
+        target = self._target_slot()
+        slots.sort(key=lambda s: s is not target)
+        ranges = [(s.data.data_ptr() + HEADER_SIZE, s.data.numel() - HEADER_SIZE, s) for s in slots]
+
+        def alive(i: int) -> bool:  # the slot is still mapped here (not torn down, not replaced)
+            return any(s is slots[i] for s in self._slots)
+
+        def busy(i: int) -> bool:  # a copy runs into the other slot
+            return any(s is not None and s is not slots[i] and s.writing for s in self._slots)
+
+        self._prefaulter = Prefaulter(ranges, alive=alive, busy=busy).start()
 
     def _ensure_slots(self, meta_need: int, data_need: int, fault: bool = True) -> None:
         """Makes both slots hold at least the given sizes; existing slots that do are kept
@@ -830,9 +886,6 @@ class Checkpointer:
 
     def _acquire_slot(self, flat: FlatState, when_busy: str) -> _SlotMap | None:
         assert self._layout is not None
-        if self._prepare is not None:
-            prep, self._prepare = self._prepare, None
-            prep.result()
         need_meta = max(_MIN_META_CAP, 2 * len(json.dumps(flat.skeleton)) + 256 * len(flat.names))
         need_data = self._layout.nbytes
         if any(
@@ -964,10 +1017,14 @@ class Checkpointer:
 
     def _restore(self) -> None:
         mem = self._memory_steps()
+        held = None if self.config.replicated else self._held_snapshots()
         stored = set(self._storage_steps())
         excluded: set[int] = set()
         while True:
             plan = self._plan_restore(mem, stored, excluded)
+            peer = None if held is None else self._plan_peers(held, plan, excluded)
+            if peer is not None:
+                plan = (peer.step, {r: ("memory-reshard", -1) for r in range(self._world)})
             if plan is None:
                 if mem or stored - excluded:
                     warnings.warn(
@@ -982,8 +1039,12 @@ class Checkpointer:
             code, loaded = 0, None
             err: Exception | None = None
             try:
-                received = self._exchange_replicas(step, sources, mem)
-                loaded = self._load_step(step, sources[self._rank], mem.get(step), received)
+                if peer is not None:
+                    assert held is not None
+                    loaded = self._load_peers(peer, held)
+                else:
+                    received = self._exchange_replicas(step, sources, mem)
+                    loaded = self._load_step(step, sources[self._rank], mem.get(step), received)
             except (CorruptCheckpointError, FileNotFoundError, _TornSnapshot) as e:
                 code, err = 1, e
                 warnings.warn(
@@ -1038,10 +1099,12 @@ class Checkpointer:
                 return None
             return cands[0], {0: ("memory" if cands[0] in mem else "storage", 0)}
         mems, sts = self._gather_sets([my_mem, my_st], k)
-        # Each rank's buffers hash of the steps it holds, in the order of its my_mem.
-        mem_hashes = self._gather_rows(
-            [int(mem[s][1]["private"].get("buffers_xxh", -1)) for s in my_mem], k
+        # Each rank's buffers hash of each step it holds: step -> hash, per rank.
+        rows = self._gather_rows(
+            [x for s in my_mem for x in (s, int(mem[s][1]["private"].get("buffers_xxh", -1)))],
+            2 * k,
         )
+        mem_hashes = [dict(zip(row[::2], row[1::2], strict=True)) for row in rows]
         union_mem = set().union(*mems)
         # Per rank: step -> the peer whose memory it can take that step from.
         privs: list[dict[int, int]] = [{} for _ in range(self._world)]
@@ -1056,8 +1119,7 @@ class Checkpointer:
                     continue
                 want = private.get("buffers_xxh") if self._buffers_matter() else None
                 for q in sorted(range(self._world), key=lambda q: (q - self._rank) % self._world):
-                    held = sorted(mems[q], reverse=True)
-                    if s in mems[q] and want in (None, mem_hashes[q][held.index(s)]):
+                    if s in mem_hashes[q] and want in (None, mem_hashes[q][s]):
                         have.append(s << 16 | q)
                         break
             (got,) = self._gather_sets([have], k)
@@ -1074,6 +1136,158 @@ class Checkpointer:
                         sources[r] = ("storage", r)
                 return s, sources
         return None
+
+    # -- resharding from memory -------------------------------------------------------------
+    def _held_snapshots(self) -> list[HeldSnapshot]:
+        """Complete snapshots of a sharded state this rank can read: its own slots' (whatever
+        world took them) and those of the local ranks no trainer of this world uses (the
+        machine runs fewer trainers than before: local rank ``i`` reads ``i + k * local_world``).
+        """
+        self._orphans = []
+        for path in self._orphan_slot_paths():
+            try:
+                self._orphans.append(self._map(path))
+            except (OSError, ValueError) as e:
+                log.debug("flashckpt: cannot map slot %s: %s", path, e)
+        maps = [sm for sm in self._slots if sm is not None] + self._orphans
+        out = []
+        for sm in maps:
+            info = sm.slot.header()
+            meta = sm.slot.read_meta(info) if info is not None and info.complete else None
+            if info is None or meta is None or "entries" not in meta:
+                continue
+            if int(meta.get("num_shards", 1)) <= 1 and not any(
+                True for _ in piece_nodes(meta.get("skeleton"))
+            ):
+                continue  # not a sharded state
+            layout_bytes = Layout.from_json(meta["entries"]).nbytes
+            off = sm.slot.data_off
+
+            def check(sm: _SlotMap = sm, step: int = info.step) -> bool:
+                now = sm.slot.header()
+                return now is not None and now.complete and now.step == step
+
+            out.append(
+                HeldSnapshot(
+                    step=info.step,
+                    world_id=str(meta.get("world_id", "")),
+                    world_size=int(meta.get("world_size", 1)),
+                    rank=int(meta.get("rank", 0)),
+                    meta=meta,
+                    data=sm.data[off : off + layout_bytes],
+                    check=check,
+                )
+            )
+        return out
+
+    def _orphan_slot_paths(self) -> list[str]:
+        shm_dir = self._agent_shm_dir
+        if not shm_dir or self._local_world < 1:
+            return []
+        prefix = slot_prefix(self.job, self.node)
+        try:
+            names = os.listdir(shm_dir)
+        except OSError:
+            return []
+        out = []
+        for name in sorted(names):
+            m = _SLOT_RE.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
+            if m is None:
+                continue
+            lr = int(m.group(1))
+            if lr >= self._local_world and lr % self._local_world == self._local_rank:
+                out.append(os.path.join(shm_dir, name))
+        return out
+
+    def _plan_peers(
+        self,
+        held: list[HeldSnapshot],
+        plan: tuple[int, dict[int, tuple[str, int]]] | None,
+        excluded: set[int],
+    ) -> PeerPlan | None:
+        """Agrees (collectively) on a sharded step newer than ``plan``'s (or as new, where
+        ``plan`` is not all from memory) that this world can rebuild from the snapshots its ranks
+        hold in memory, and on who sends what. None if there is none."""
+        base_step = plan[0] if plan is not None else None
+        all_mem = plan is not None and all(k == "memory" for k, _ in plan[1].values())
+        rows = gather_json(
+            [[h.step, h.world_id, h.world_size, h.rank] for h in held], self._world, self._coord_pg
+        )
+        groups: dict[tuple[int, str, int], dict[int, int]] = {}
+        for r, entries in enumerate(rows):
+            for s, wid, w, o in entries:
+                groups.setdefault((int(s), str(wid), int(w)), {}).setdefault(int(o), r)
+        tries = 0
+        for key in sorted(groups, key=lambda g: (-g[0], g[1], g[2])):
+            step, wid, w = key
+            if step in excluded:
+                continue
+            if base_step is not None and (step < base_step or (step == base_step and all_mem)):
+                break
+            tries += 1
+            if tries > 3:
+                break
+            mine = {h.rank: h for h in held if h.key == key}
+            metas: dict[int, dict[str, Any]] = {}
+            for got in gather_json(
+                {str(o): h.meta for o, h in mine.items()}, self._world, self._coord_pg
+            ):
+                for o, m in got.items():
+                    metas.setdefault(int(o), m)
+            code, base, requests = 0, -1, {}
+            try:
+                if mine:
+                    base = min(mine)
+                else:
+                    base = self._rank if w == self._world and self._rank in metas else min(metas)
+                state = unflatten_state(metas[base]["skeleton"], Placeholders())
+                boxes = [(t.piece.name, t.box) for t in self._piece_boxes(state)]
+                requests = plan_needs(self._rank, self._world, metas, set(mine), boxes, base)
+            except Exception as e:  # any: the other ranks wait in the all-reduce below
+                code = 1
+                log.info("flashckpt: step %d cannot be resharded from memory: %s", step, e)
+            if self._all_max(code) == 0:
+                return PeerPlan(step, wid, w, metas, groups[key], base, requests)
+        return None
+
+    def _load_peers(
+        self, plan: PeerPlan, held: list[HeldSnapshot]
+    ) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
+        """Rebuilds this rank's state of a step from the snapshots held in this world's memory
+        (collective: every rank calls it with the same plan)."""
+        key = (plan.step, plan.world_id, plan.world_size)
+        mine = {h.rank: h for h in held if h.key == key}
+        received, error = exchange(plan, self._rank, self._world, self._coord_pg, mine)
+        if error is not None:
+            raise _TornSnapshot(error)
+        views: dict[int, Mapping[str, torch.Tensor]] = {o: views_of(h) for o, h in mine.items()}
+        views.update(received)
+        pieces: dict[str, list[ShardedPiece]] = {}
+        for o, v in views.items():
+            for name, pm in piece_nodes(plan.metas[o]["skeleton"]):
+                if name in v:
+                    pieces.setdefault(name, []).append(ShardedPiece(v[name], pm, name))
+        skeleton = plan.metas[plan.base]["skeleton"]
+        state = unflatten_state(skeleton, Placeholders(views.get(plan.base, {})))
+        state = self._resolve_sharded(plan.step, state, pieces=pieces)
+        self._check_model(state)
+        if not all(h.check() for h in mine.values()):
+            raise _TornSnapshot(f"a snapshot of step {plan.step} changed while read")
+        if plan.world_size == self._world and self._rank in plan.metas:
+            private = plan.metas[self._rank].get("private")
+        else:
+            # Another world size: the extras are rank 0's; the RNG states stay as they are.
+            old0 = plan.metas.get(0, {}).get("private") or {}
+            private = {"rng": capture_rng(), "extras": old0.get("extras") or {}}
+        log.info(
+            "flashckpt: rank %d rebuilt step %d (saved by %d ranks) from memory; received from "
+            "old ranks %s",
+            self._rank,
+            plan.step,
+            plan.world_size,
+            sorted(received),
+        )
+        return state, private, True
 
     def _gather_rows(self, row: list[int], k: int) -> list[list[int]]:
         """All-gathers one short int list from every rank, order kept: result[rank]."""
@@ -1102,16 +1316,24 @@ class Checkpointer:
         one if this rank needs it. Every rank walks the same plan, so sends and receives pair."""
         dist = torch.distributed
         received = None
+        failure: Exception | None = None
         for r in sorted(sources):
             kind, src = sources[r]
             if kind != "replica":
                 continue
             if self._rank == src:
-                sm, meta = mem[step]
-                info = sm.slot.header()
-                ok = info is not None and info.complete and info.step == step
-                meta_b = json.dumps(meta).encode() if ok else b""
-                n = meta.get("entries") and Layout.from_json(meta["entries"]).nbytes if ok else 0
+                # Whatever goes wrong here, the peer gets a header: it must not wait in recv
+                # until the gloo timeout.
+                try:
+                    sm, meta = mem[step]
+                    info = sm.slot.header()
+                    ok = info is not None and info.complete and info.step == step
+                    meta_b = json.dumps(meta).encode() if ok else b""
+                    entries = meta.get("entries") if ok else None
+                    n = Layout.from_json(entries).nbytes if entries else 0
+                except Exception as e:  # reported after the exchange
+                    ok, meta_b, n = False, b"", 0
+                    failure = failure or e
                 head = torch.tensor([len(meta_b) if ok else -1, n or 0], dtype=torch.int64)
                 dist.send(head, r, group=self._coord_pg)
                 if ok:
@@ -1135,6 +1357,8 @@ class Checkpointer:
                 if n:
                     dist.recv(data, src, group=self._coord_pg)
                 received = (json.loads(meta_t.numpy().tobytes()), data)
+        if failure is not None:
+            raise _TornSnapshot(f"this rank's snapshot of step {step} cannot be sent: {failure}")
         return received
 
     def _all_max(self, code: int) -> int:
@@ -1185,7 +1409,7 @@ class Checkpointer:
         manifest = self._storage.read_manifest(step)
         # A sharded step saved by another world size: any shard gives the unsharded part (the
         # same on every rank); the DTensor pieces are then resharded from all shards.
-        shard = 0 if self.config.replicated else self._rank % int(manifest["num_shards"])
+        shard = self._storage_shard(manifest)
         state = read_shard(self._storage, step, shard, manifest)
         state = self._resolve_sharded(step, state, manifest)
         self._check_model(state)
@@ -1228,28 +1452,21 @@ class Checkpointer:
                     out[("optimizer", "state", i)] = p
         return out
 
-    def _resolve_sharded(
-        self, step: int, state: dict[str, Any], manifest: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """Turns the saved DTensor pieces of a state into DTensors of this world's meshes.
-
-        A piece whose box is the one this rank needs is used as is; the others (another world
-        size or mesh) are rebuilt from the overlapping pieces of the shards in storage.
+    def _piece_boxes(self, state: dict[str, Any]) -> list[_PieceTarget]:
+        """Per saved DTensor piece of a state: where it goes (this world's mesh, placements)
+        and the box of the global tensor this rank needs.
 
         Raises:
-            FileNotFoundError: resharding is needed but the step is not committed to storage
-                (the caller then tries an older step).
             ValueError: a saved tensor does not fit its target.
         """
         found = list(walk_pieces(state))
         if not found:
-            return state
+            return []
         if self._opt_wrap:
             self._opt_wrap.clear()  # left by an attempt at another step that failed
         targets = self._sharded_targets()
         default = next(iter(targets.values()), None)
-        wants: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        todo = []
+        out = []
         for path, piece in found:
             shape = tuple(int(x) for x in piece.meta["shape"])
             where = "/".join(map(str, path))
@@ -1270,12 +1487,46 @@ class Checkpointer:
                     f"checkpoint tensor {where} is sharded (a DTensor), but no DTensor of this "
                     "model/optimizer tells on which device mesh to restore it"
                 )
-            box = target_box(shape, mesh, placements)
+            try:
+                box = target_box(shape, mesh, placements)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {where}: {e}") from None
+            out.append(_PieceTarget(path, piece, mesh, placements, shape, box))
+        return out
+
+    def _resolve_sharded(
+        self,
+        step: int,
+        state: dict[str, Any],
+        manifest: dict[str, Any] | None = None,
+        pieces: Mapping[str, list[ShardedPiece]] | None = None,
+    ) -> dict[str, Any]:
+        """Turns the saved DTensor pieces of a state into DTensors of this world's meshes.
+
+        A piece whose box is the one this rank needs is used as is; the others (another world
+        size or mesh) are rebuilt from the overlapping ``pieces`` (pieces held in memory by this
+        world's ranks) or else from the pieces of the shards in storage.
+
+        Raises:
+            FileNotFoundError: resharding is needed but the step is not committed to storage
+                (the caller then tries an older step).
+            ValueError: a saved tensor does not fit its target, or ``pieces`` do not cover it.
+        """
+        wants: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        todo = []
+        for t in self._piece_boxes(state):
+            name, box, piece = t.piece.name, t.box, t.piece
+            if pieces is not None:
+                piece = next((p for p in pieces.get(name, []) if p.box == box), piece)
             if box == piece.box and tuple(piece.tensor.shape) == box[1]:
-                state = self._put_sharded(state, path, piece.tensor, mesh, placements, shape)
+                local = piece.tensor
+            elif pieces is not None:
+                local = assemble(name, pieces.get(name, []), *box, piece.tensor.dtype)
             else:
-                wants[piece.name] = box
-                todo.append((path, piece.name, mesh, placements, shape))
+                wants[name] = box
+                todo.append((t.path, name, t.mesh, t.placements, t.shape))
+                continue
+            state = self._put_sharded(state, t.path, local, t.mesh, t.placements, t.shape)
         if todo:
             if self._storage is None or step not in set(self._storage_steps()):
                 raise FileNotFoundError(
@@ -1406,8 +1657,10 @@ class Checkpointer:
             self.extras.update(private.get("extras") or {})
 
     def _invalidate_after(self, step: int) -> None:
-        """Drops in-memory snapshots newer than the resume point: they belong to a past timeline."""
-        for sm in self._slots:
+        """Drops in-memory snapshots newer than the resume point: they belong to a past timeline.
+        So do those of the local ranks no trainer uses any more (mapped for the restore only)."""
+        orphans, self._orphans = self._orphans, []
+        for sm in [*self._slots, *orphans]:
             if sm is None:
                 continue
             info = sm.slot.header()
@@ -1417,9 +1670,92 @@ class Checkpointer:
             elif info is None or not info.complete:
                 sm.step = None
 
+    # -- sharding ----------------------------------------------------------------------------
+    def _shard_layout(self) -> tuple[int, int, int]:
+        """Resolves ``replicated`` (None: detected) and gives this rank's (shard, num_shards,
+        replica) for the agent and the manifest.
+
+        Replicated: one shard, written by replica 0 (rank 0). Sharded DTensors on one mesh of this
+        world: the ranks at coordinate 0 of the replicate dims (HSDP) write one shard per
+        coordinate on the shard dims; the other replicas write only their per-rank file. Any
+        other sharded state: every rank writes a shard of its own.
+
+        Raises:
+            ValueError: ``replicated=True`` but the state holds a sharded DTensor.
+        """
+        cfg = self.config
+        found = self._sharded_tensors()
+        if cfg.replicated is None:
+            cfg.replicated = not found
+        elif cfg.replicated and found:
+            raise self._replicated_error(found[0][0])
+        if cfg.replicated:
+            return 0, 1, self._rank
+        dist = torch.distributed
+        ranks = (
+            dist.get_process_group_ranks(self._pg) if self._pg is not None else range(self._world)
+        )
+        layout = mesh_layout((t for _, t in found), ranks)
+        return layout if layout is not None else (self._rank, self._world, 0)
+
+    def _sharded_tensors(self) -> list[tuple[str, Any]]:
+        """(where, tensor) of the model state's and optimizer parameters' sharded DTensors."""
+        found = [
+            (f"model state key {k!r}", v)
+            for k, v in self.model.state_dict().items()
+            if is_sharded_dtensor(v)
+        ]
+        if self.optimizer is not None:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            seen = {id(v) for _, v in found}
+            for g in self.optimizer.param_groups:
+                for p in g["params"]:
+                    if id(p) not in seen and is_sharded_dtensor(p):
+                        found.append((f"optimizer parameter {names.get(id(p), '?')!r}", p))
+        return found
+
+    def _replicated_error(self, where: str) -> ValueError:
+        return ValueError(
+            f"{where} is a DTensor sharded over ranks (FSDP2 / tensor parallel / HSDP): every rank "
+            "holds a different piece, but replicated=True persists one rank's state only; drop "
+            "replicated=True (sharding is then detected) or pass replicated=False"
+        )
+
+    def _storage_shard(self, manifest: dict[str, Any]) -> int:
+        """The shard of a committed step this rank reads: its own when the step was saved in this
+        layout; else any (the unsharded part is the same in every shard, and DTensor pieces whose
+        boxes differ are then resharded from all shards)."""
+        if self.config.replicated:
+            return 0
+        return self._shard % int(manifest["num_shards"])
+
+    def _optimizer_names(self) -> list[str | None]:
+        """``_optimizer_param_names``, kept while the optimizer holds the same parameters."""
+        assert self.optimizer is not None
+        ids = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
+        cached = self._opt_names
+        if cached is None or cached[0] != ids:
+            cached = self._opt_names = (ids, self._optimizer_param_names())
+        return cached[1]
+
+
+_SLOT_RE = re.compile(r"r(\d{5})\.s[01]")
+
 
 class _TornSnapshot(Exception):
     pass
+
+
+@dataclass(slots=True)
+class _PieceTarget:
+    """A saved DTensor piece and the DTensor this rank restores it as."""
+
+    path: tuple[Any, ...]
+    piece: ShardedPiece
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: tuple[int, ...]
+    box: tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def _local_nbytes(t: torch.Tensor) -> int:
@@ -1449,9 +1785,17 @@ def _clone_tensors(obj: Any, into: Any = None) -> Any:
     from flashckpt.shm import anonymous_buffer
 
     dests: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id(src): (src, dst)
+    # A DTensor (a stateful object's sharded state) is copied as its local piece and wrapped
+    # again: id(DTensor) -> (DTensor, its local piece, kept alive so its id stays unique).
+    dtensors: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def scan(o: Any, dst: Any) -> None:
         if isinstance(o, torch.Tensor):
+            if is_dtensor(o):
+                if id(o) not in dtensors:
+                    with torch.no_grad():
+                        dtensors[id(o)] = (o, o.to_local())  # type: ignore[attr-defined]
+                o, dst = dtensors[id(o)][1], None
             # Same class too: a DTensor (its state is wrapped after this copy) is no target.
             fits = isinstance(dst, torch.Tensor) and (
                 dst is o
@@ -1497,6 +1841,18 @@ def _clone_tensors(obj: Any, into: Any = None) -> Any:
 
     def build(o: Any) -> Any:
         if isinstance(o, torch.Tensor):
+            if id(o) in dtensors:
+                from torch.distributed.tensor import DTensor
+
+                local = out[id(dtensors[id(o)][1])]
+                return DTensor.from_local(
+                    local,
+                    o.device_mesh,  # type: ignore[attr-defined]
+                    o.placements,  # type: ignore[attr-defined]
+                    run_check=False,
+                    shape=o.shape,
+                    stride=o.stride(),
+                )
             return out[id(o)]
         if isinstance(o, dict):
             return {k: build(v) for k, v in o.items()}

@@ -3,8 +3,9 @@
 * ``safetensors``: one consolidated file of the full model state (sharded pieces gathered), the
   file model hubs expect.
 * ``dcp``: a ``torch.distributed.checkpoint`` directory with the full model state under ``model``
-  and, for sharded checkpoints, the optimizer state keyed by parameter name under ``optimizer``
-  (the shape ``get_optimizer_state_dict`` gives). ``dcp.load`` reshards it into any world.
+  and the optimizer state keyed by parameter name under ``optimizer`` (the shape
+  ``get_optimizer_state_dict`` gives; sharded and replicated checkpoints alike, from steps that
+  record the parameter names). ``dcp.load`` reshards it into any world.
 
 Both read the checkpoint without unpickling anything. (Writing the DCP format means writing its
 pickled ``.metadata`` file: that is DCP's format, which its readers expect.)
@@ -43,15 +44,28 @@ def full_model_state(ck: LoadedCheckpoint, strip_prefix: str | None = None) -> d
     return out
 
 
-def full_optimizer_state(ck: LoadedCheckpoint) -> dict[str, Any] | None:
-    """The optimizer state keyed by parameter name (as ``get_optimizer_state_dict`` gives it), or
-    None when the checkpoint does not record the parameter names (non-sharded checkpoints)."""
+def full_optimizer_state(
+    ck: LoadedCheckpoint, strip_prefix: str | None = None
+) -> dict[str, Any] | None:
+    """The optimizer state keyed by parameter name (as ``get_optimizer_state_dict`` gives it).
+
+    Args:
+        ck: a checkpoint read by :func:`~flashckpt.reading.load_full`.
+        strip_prefix: a name prefix to drop (``module.`` of a DDP-wrapped model), as for the model.
+
+    Returns:
+        None when the checkpoint has no optimizer state or does not record the parameter names
+        (steps saved by versions that recorded them for sharded checkpoints only), or a parameter
+        is not one of the model's.
+    """
     opt = ck.state.get("optimizer")
     names = ck.state.get("optimizer_param_names")
     if not isinstance(opt, dict) or not isinstance(names, list):
         return None
     if any(n is None for n in names):
         return None  # a parameter outside the model: no name to key it by
+    if strip_prefix:
+        names = [n[len(strip_prefix) :] if n.startswith(strip_prefix) else n for n in names]
     state = {names[int(i)]: dict(st) for i, st in opt.get("state", {}).items()}
     groups = []
     for g in opt.get("param_groups", []):
@@ -112,7 +126,7 @@ def export_dcp(
 
     ck = load_full(url, step)
     state: dict[str, Any] = {"model": full_model_state(ck, strip_prefix)}
-    opt = full_optimizer_state(ck)
+    opt = full_optimizer_state(ck, strip_prefix)
     if opt is not None:
         state["optimizer"] = opt
     if os.path.isdir(to) and os.listdir(to):

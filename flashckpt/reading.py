@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import struct
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from flashckpt.layout import parse_safetensors, tensor_views, torch_dtype, unflatten_state
+from flashckpt.peers import piece_nodes
 from flashckpt.sharded import ShardedPiece, assemble, overlaps, replace_at, walk_pieces
 from flashckpt.storage import CorruptCheckpointError, Storage
 
@@ -91,21 +91,6 @@ def _peek_header(storage: Storage, step: int, name: str) -> dict[str, Any]:
         raise CorruptCheckpointError(path, f"has a header that is not JSON ({e})") from None
 
 
-def _sharded_nodes(skeleton: Any) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(tensor name, piece description) of every DTensor piece in a skeleton."""
-    if isinstance(skeleton, dict):
-        if "S" in skeleton:
-            yield skeleton["S"], skeleton["dt"]
-            return
-        for tag, value in skeleton.items():
-            if tag == "D":
-                for _, v in value:
-                    yield from _sharded_nodes(v)
-            elif tag in ("L", "U"):
-                for v in value:
-                    yield from _sharded_nodes(v)
-
-
 def read_resharded(
     storage: Storage,
     step: int,
@@ -139,7 +124,7 @@ def read_resharded(
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise CorruptCheckpointError(storage.step_path(step, name), f"no skeleton: {e}") from e
         use = False
-        for tname, meta in _sharded_nodes(skeleton):
+        for tname, meta in piece_nodes(skeleton):
             if tname in wants and tname not in dtypes:
                 dtypes[tname] = torch_dtype(header[tname]["dtype"])
             if tname in wants and overlaps(meta, *wants[tname]):
@@ -178,7 +163,7 @@ def _read_shard_file(
     data = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
     views = tensor_views(layout, data[start : start + layout.nbytes])
     state = unflatten_state(skeleton, views)
-    pieces = {n: ShardedPiece(views[n], m, n) for n, m in _sharded_nodes(skeleton)}
+    pieces = {n: ShardedPiece(views[n], m, n) for n, m in piece_nodes(skeleton)}
     if not isinstance(state, dict):
         raise CorruptCheckpointError(storage.step_path(step, name), "has no state dict")
     return state, pieces

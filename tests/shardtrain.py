@@ -5,6 +5,10 @@ loss sequence does not depend on the world size (2, 3 or 4 ranks) up to float ro
 writes ``<log>`` (step and global loss), and the gathered full model and optimizer state right after
 restore (``<log>.restored.safetensors``) and at the end (``<log>.final.safetensors``, or
 ``<log>.crash.safetensors`` with ``--exit-at``).
+
+``--mesh R,S`` trains HSDP (a replicate dim of R, a shard dim of S, R * S = world) instead of 1-D
+FSDP2. ``--ema`` adds a ``stateful=`` object holding an exponential moving average of the
+parameters as DTensors (saved in the full state as ``ema/<fqn>``).
 """
 
 from __future__ import annotations
@@ -43,9 +47,35 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+class Ema:
+    """A stateful object whose state is DTensors: a moving average of the (sharded) parameters."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        for n, p in model.named_parameters():
+            self.shadow[n].mul_(0.75).add_(p.detach(), alpha=0.25)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shadow": dict(self.shadow), "decay": 0.75}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for n, t in sd["shadow"].items():
+            # The restored DTensor must carry this rank's piece on this run's mesh.
+            assert t.device_mesh == self.shadow[n].device_mesh, n
+            assert t.placements == self.shadow[n].placements, n
+            self.shadow[n].copy_(t)
+
+
+def full_state(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, ema: Ema | None = None
+) -> dict[str, torch.Tensor]:
     """The full (gathered) model and optimizer state, the way torch.distributed.checkpoint
-    defines it, flattened to ``model/<fqn>`` and ``optim/<fqn>/<key>``. Collective."""
+    defines it, flattened to ``model/<fqn>`` and ``optim/<fqn>/<key>`` (and ``ema/<fqn>``).
+    Collective."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -58,6 +88,9 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
     for fqn, st in osd["state"].items():
         for k, v in st.items():
             out[f"optim/{fqn}/{k}"] = torch.as_tensor(v)
+    if ema is not None:
+        for n, t in ema.shadow.items():
+            out[f"ema/{n}"] = t.full_tensor()
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
@@ -65,16 +98,87 @@ def main() -> int:
     p = argparse.ArgumentParser()
     for name in ("--storage", "--job", "--run-dir", "--log", "--init-file"):
         p.add_argument(name, required=True)
-    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--rank", type=int, default=None, help="default: fork every rank from here")
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--node", default="n0")
+    p.add_argument(
+        "--per-node",
+        type=int,
+        default=0,
+        help="ranks per machine: rank r runs on node <node>-<r // per-node> (default: all on one)",
+    )
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--report", default=None)
     p.add_argument("--exit-at", type=int, default=-1, help="die (no clean exit) after this step")
+    p.add_argument("--mesh", default=None, help="HSDP: R,S (replicate dim R, shard dim S)")
+    p.add_argument("--replicated", choices=("auto", "false", "true"), default="auto")
+    p.add_argument("--ema", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
-    os.environ["LOCAL_WORLD_SIZE"] = str(a.world)
+    if a.rank is None:
+        return launch(a)
+    return train(a)
+
+
+def launch(a: argparse.Namespace) -> int:
+    """Runs every rank in a process of its own, forked from this one once it has imported what
+    the ranks use: a rank then starts in milliseconds instead of seconds of imports (on a loaded
+    2-core machine, most of a sharded test's time). The children share nothing after the fork.
+
+    Returns:
+        The ranks' exit code when they all agree; else 1 (the codes are printed to stderr). A rank
+        failing with another code than the one expected (0, or 3 with --exit-at) gets the others
+        killed (they would wait in a collective until its timeout).
+    """
+    import ctypes
+    import signal
+    import traceback
+
+    import torch.distributed.checkpoint.state_dict
+    import torch.distributed.fsdp  # noqa: F401
+
+    import flashckpt.checkpointer  # noqa: F401
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    expected = 3 if a.exit_at >= 0 else 0
+    pids: dict[int, int] = {}
+    for rank in range(a.world):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
+                a.rank = rank
+                code = train(a)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids[pid] = rank
+    codes: dict[int, int] = {}
+    while len(codes) < len(pids):
+        pid, status = os.wait()
+        codes[pids[pid]] = code = os.waitstatus_to_exitcode(status)
+        if code != expected:
+            for other in pids:
+                if pids[other] not in codes:
+                    os.kill(other, signal.SIGKILL)
+    if len(set(codes.values())) == 1:
+        return codes[0]
+    print(f"shardtrain: exit codes by rank {dict(sorted(codes.items()))}", file=sys.stderr)
+    return 1
+
+
+def train(a: argparse.Namespace) -> int:
+    per_node = a.per_node or a.world
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    os.environ["LOCAL_RANK"] = str(a.rank % per_node)
+    node = f"{a.node}-{a.rank // per_node}" if a.per_node else a.node
     dist.init_process_group(
         "gloo",
         init_method=f"file://{a.init_file}",
@@ -85,33 +189,40 @@ def main() -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (a.world,))
+    dims = tuple(int(n) for n in a.mesh.split(",")) if a.mesh else (a.world,)
+    names = ("replicate", "shard") if len(dims) == 2 else None  # HSDP state dicts want names
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
     model = make_model()
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt, sched = make_optim(model)
+    ema = Ema(model) if a.ema else None
+    options: dict[str, Any] = {}
+    if a.replicated != "auto":  # else detected: sharded (DTensors with Shard placements)
+        options["replicated"] = a.replicated == "true"
     rows = BATCH // a.world
     lo = a.rank * rows
     with flashckpt.checkpointing(
         model,
         opt,
         scheduler=sched,
+        stateful={"ema": ema} if ema is not None else None,
         storage=a.storage,
         every=a.every,
         job=a.job,
-        node=a.node,
+        node=node,
         run_dir=a.run_dir,
         mode="sync",
-        replicated=False,
         agent_idle_timeout=120,
+        **options,
     ) as ckpt:
         if a.report:
             with open(a.report, "a") as f:
                 f.write(f"{a.rank} {ckpt.start_step} {ckpt.restored_from}\n")
         if ckpt.start_step:
-            restored = full_state(model, opt)
+            restored = full_state(model, opt, ema)
             if a.rank == 0:
                 safetensors.torch.save_file(restored, a.log + ".restored.safetensors")
         with open(a.log, "a") as log:
@@ -122,6 +233,8 @@ def main() -> int:
                 loss.backward()
                 opt.step()
                 sched.step()
+                if ema is not None:
+                    ema.update(model)
                 total = loss.detach().clone()
                 dist.all_reduce(total)
                 if a.rank == 0:
@@ -129,12 +242,12 @@ def main() -> int:
                     log.flush()
                 ckpt.step(step)
                 if step == a.exit_at:
-                    crash = full_state(model, opt)
+                    crash = full_state(model, opt, ema)
                     if a.rank == 0:
                         safetensors.torch.save_file(crash, a.log + ".crash.safetensors")
                     dist.barrier()
                     os._exit(3)  # as if killed: the agent keeps the snapshots in memory
-    final = full_state(model, opt)
+    final = full_state(model, opt, ema)
     if a.rank == 0:
         safetensors.torch.save_file(final, a.log + ".final.safetensors")
     dist.destroy_process_group()

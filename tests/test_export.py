@@ -92,3 +92,45 @@ def test_export_replicated_checkpoint(tmp_path: Path, fc_env: FcEnv) -> None:
         assert torch.equal(got[k], v), k
     r = _cli("export", fc_env.storage, "--step", "7", "--to", str(out))
     assert r.returncode == 1 and "step 7 is not committed" in r.stderr
+
+
+def test_export_replicated_optimizer_to_dcp(tmp_path: Path, fc_env: FcEnv) -> None:
+    """The DCP export of a data-parallel checkpoint has the optimizer state too, in the layout of
+    ``get_state_dict``: ``set_state_dict`` after ``dcp.load`` gives an equal optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    a = RunningAgent(fc_env.agent_config())
+    try:
+        model, opt, sched = make(0)
+        kw = fc_env.ckpt_kwargs(agent="connect", every=8)
+        with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+            assert ck.config.replicated is True  # detected: no DTensor
+            for step in range(8):  # StepLR has halved the learning rate at step 7
+                train_step(model, opt, sched, step)
+                ck.step(step)
+            ck.flush()
+    finally:
+        a.stop()
+    d = tmp_path / "dcp"
+    r = _cli("export", fc_env.storage, "--to", str(d), "--format", "dcp")
+    assert r.returncode == 0, r.stderr
+    assert "step 8" in r.stdout and "['model', 'optimizer']" in r.stdout
+
+    model2, opt2, _ = make(1)  # other weights, no optimizer state yet
+    msd, osd = get_state_dict(model2, opt2)
+    target = {"model": msd, "optimizer": osd}
+    dcp.load(target, checkpoint_id=str(d), no_dist=True)
+    set_state_dict(
+        model2, opt2, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
+    )
+    want, got = opt.state_dict(), opt2.state_dict()
+    assert sorted(got["state"]) == sorted(want["state"]) == list(range(len(want["state"])))
+    for i, st in want["state"].items():
+        assert sorted(got["state"][i]) == sorted(st) == ["exp_avg", "exp_avg_sq", "step"]
+        for key, v in st.items():
+            assert torch.equal(got["state"][i][key], v), (i, key)
+    assert got["param_groups"] == want["param_groups"]
+    assert want["param_groups"][0]["lr"] == pytest.approx(5e-3)
+    for k, v in model.state_dict().items():
+        assert torch.equal(model2.state_dict()[k], v), k

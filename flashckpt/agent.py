@@ -173,7 +173,8 @@ class NodeAgent:
         # The current world (rendezvous round): set by the newest trainer's hello. Only ranks and
         # snapshots of the current world are persisted together.
         self._world_id: str | None = None
-        self._snap_worlds: dict[str, tuple[int, str | None]] = {}  # slot path -> (seq, world)
+        # slot path -> ((seq, step, meta crc), world id) of its last complete snapshot
+        self._snap_worlds: dict[str, tuple[tuple[int, int, int], str | None]] = {}
         # Steps this node commits once every node's part is in: step -> (world size, shards,
         # world id, deadline). The commit thread waits for them; persistence goes on meanwhile.
         self._commits: dict[int, tuple[int, int, str, float]] = {}
@@ -584,6 +585,9 @@ class NodeAgent:
     def _alloc(self, msg: dict[str, Any]) -> dict[str, Any]:
         rank = _key(msg)
         meta_cap, data_cap = int(msg["meta_cap"]), int(msg["data_cap"])
+        # Slots the trainer needs as they are (the newest snapshot, maybe of an older layout):
+        # never replaced here, whatever their size.
+        keep = {int(i) for i in msg.get("keep") or ()}
         with self._lock:
             rec = self._ranks.setdefault(rank, _Rank(rank))
         paths = []
@@ -592,15 +596,20 @@ class NodeAgent:
                 raise ValueError("the node agent is shutting down: no new slots")
             for i in range(2):
                 s = rec.slots[i]
-                if s is not None and s.meta_cap >= meta_cap and s.data_cap >= data_cap:
+                if s is not None and (
+                    i in keep or (s.meta_cap >= meta_cap and s.data_cap >= data_cap)
+                ):
                     paths.append(s.path)
                     continue
                 path = slot_path(self.cfg.shm_dir, self.cfg.job, self.cfg.node, rank, i)
                 if s is not None:
+                    with self._lock:  # the status and pending-step readers hold it
+                        rec.slots[i] = None
                     s.close()
-                    rec.slots[i] = None
                 allocate_slot_file(path, meta_cap, data_cap)
-                rec.slots[i] = Slot(path)
+                new = Slot(path)
+                with self._lock:
+                    rec.slots[i] = new
                 paths.append(path)
         return {"ok": True, "slots": paths}
 
@@ -700,10 +709,14 @@ class NodeAgent:
                 rec = self._ranks.get(rank)
                 slots = [s for s in (rec.slots if rec else []) if s is not None]
             for slot in slots:
-                info = slot.header()
-                if info is None or not info.complete or info.step != step:
+                try:
+                    info = slot.header()
+                    ok = info is not None and info.complete and info.step == step
+                    meta = slot.read_meta(info) if ok and info is not None else None
+                except ValueError:  # the slot was just reallocated (closed): the snapshot is gone
+                    break
+                if not ok:
                     continue
-                meta = slot.read_meta(info)
                 if meta is None:
                     break
                 try:
@@ -981,13 +994,16 @@ class NodeAgent:
 
     def _snap_world(self, slot: Slot, info: SlotInfo) -> str | None:
         """The world id a complete snapshot was taken in (cached per slot generation)."""
+        # The sequence number alone does not name a snapshot: a slot file that was replaced
+        # (a bigger state) starts counting again.
+        tag = (info.seq, info.step, info.meta_crc)
         cached = self._snap_worlds.get(slot.path)
-        if cached is not None and cached[0] == info.seq:
+        if cached is not None and cached[0] == tag:
             return cached[1]
         meta = slot.read_meta(info)
         world = str(meta.get("world_id", "")) if meta is not None else None
         if meta is not None:
-            self._snap_worlds[slot.path] = (info.seq, world)
+            self._snap_worlds[slot.path] = (tag, world)
         return world
 
 

@@ -292,6 +292,7 @@ class Checkpointer:
         self._agent_proc: subprocess.Popen[bytes] | None = None
         self._slots: list[_SlotMap | None] = [None, None]
         self._orphans: list[_SlotMap] = []  # other local ranks' slots, during a restore
+        self._restore_info: dict[str, Any] = {}
         self._slot_lock = threading.Lock()
         self._pending: Future[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -524,6 +525,7 @@ class Checkpointer:
             "node": self.node,
             "start_step": self.start_step,
             "restored_from": self.restored_from,
+            "restore": dict(self._restore_info),
             "saves": s.saves,
             "skips": s.skips,
             "skipped_steps": list(s.skipped_steps),
@@ -847,12 +849,25 @@ class Checkpointer:
         self._prefaulter = Prefaulter(ranges, alive=alive, busy=busy).start()
 
     def _ensure_slots(self, meta_need: int, data_need: int, fault: bool = True) -> None:
-        """Makes both slots hold at least the given sizes; existing slots that do are kept
-        (after a restart they hold the snapshots just restored from). New ones get headroom."""
+        """Makes the slots hold at least the given sizes; existing slots that do are kept
+        (after a restart they hold the snapshots just restored from). New ones get headroom.
+
+        The slot holding the newest complete snapshot is never replaced, even when too small
+        (the state's layout changed: another world size, a resharded state): replacing it would
+        lose the one step to resume from until the next snapshot completes. It is replaced once
+        the other slot holds a newer one and it becomes the target.
+        """
+        target = self._target_slot() if any(self._slots) else None
         with self._slot_lock:
+            keep = [
+                i
+                for i, s in enumerate(self._slots)
+                if s is not None and s is not target and s.step is not None
+            ]
             ok = all(
-                s is not None and s.slot.meta_cap >= meta_need and s.slot.data_cap >= data_need
-                for s in self._slots
+                i in keep
+                or (s is not None and s.slot.meta_cap >= meta_need and s.slot.data_cap >= data_need)
+                for i, s in enumerate(self._slots)
             )
             if ok:
                 return
@@ -867,6 +882,7 @@ class Checkpointer:
                     local_rank=self._local_rank,
                     meta_cap=meta_cap,
                     data_cap=data_cap,
+                    keep=keep,
                 )
             except AgentError as e:
                 if e.kind == "ShmSpaceError":
@@ -888,11 +904,10 @@ class Checkpointer:
         assert self._layout is not None
         need_meta = max(_MIN_META_CAP, 2 * len(json.dumps(flat.skeleton)) + 256 * len(flat.names))
         need_data = self._layout.nbytes
-        if any(
-            s is None or s.slot.meta_cap < need_meta or s.slot.data_cap < need_data
-            for s in self._slots
-        ):
-            # First save without pre-allocation, or the state outgrew the slots: reallocate.
+        target = self._target_slot() if all(self._slots) else None
+        if target is None or target.slot.meta_cap < need_meta or target.slot.data_cap < need_data:
+            # First save without pre-allocation, or the state outgrew the slot: reallocate it
+            # (the other one, holding the newest snapshot, stays as it is).
             self.wait()
             self._ensure_slots(need_meta, need_data)
         deadline = time.monotonic() + self.config.agent_timeout
@@ -1016,6 +1031,7 @@ class Checkpointer:
             return []
 
     def _restore(self) -> None:
+        t0 = time.perf_counter()
         mem = self._memory_steps()
         held = None if self.config.replicated else self._held_snapshots()
         stored = set(self._storage_steps())
@@ -1036,6 +1052,7 @@ class Checkpointer:
                 self._invalidate_after(-1)
                 return
             step, sources = plan
+            self._restore_info = {}
             code, loaded = 0, None
             err: Exception | None = None
             try:
@@ -1060,6 +1077,9 @@ class Checkpointer:
                 self.start_step = step
                 self._last_saved_step = step
                 self.restored_from = sources[self._rank][0]
+                self._restore_info.update(
+                    step=step, source=self.restored_from, seconds=time.perf_counter() - t0
+                )
                 self._invalidate_after(step)
                 if self._client is not None:
                     with contextlib.suppress(AgentError):
@@ -1139,17 +1159,23 @@ class Checkpointer:
 
     # -- resharding from memory -------------------------------------------------------------
     def _held_snapshots(self) -> list[HeldSnapshot]:
-        """Complete snapshots of a sharded state this rank can read: its own slots' (whatever
-        world took them) and those of the local ranks no trainer of this world uses (the
-        machine runs fewer trainers than before: local rank ``i`` reads ``i + k * local_world``).
+        """Complete snapshots of a sharded state this rank can read: those in every slot of this
+        machine's node agent (its own, the other trainers' of this machine, and those of local
+        ranks no trainer of this world uses when the machine runs fewer trainers than before).
+        Shared memory is shared: a piece on this machine is never sent over the network.
         """
         self._orphans = []
-        for path in self._orphan_slot_paths():
+        others = []
+        for path, lr in self._machine_slot_paths():
             try:
-                self._orphans.append(self._map(path))
+                sm = self._map(path)
             except (OSError, ValueError) as e:
                 log.debug("flashckpt: cannot map slot %s: %s", path, e)
-        maps = [sm for sm in self._slots if sm is not None] + self._orphans
+                continue
+            others.append(sm)
+            if lr >= self._local_world and lr % self._local_world == self._local_rank:
+                self._orphans.append(sm)  # no trainer owns it: this rank cleans it up
+        maps = [sm for sm in self._slots if sm is not None] + others
         out = []
         for sm in maps:
             info = sm.slot.header()
@@ -1180,9 +1206,10 @@ class Checkpointer:
             )
         return out
 
-    def _orphan_slot_paths(self) -> list[str]:
+    def _machine_slot_paths(self) -> list[tuple[str, int]]:
+        """(path, local rank) of the slots of the other local ranks of this job on this node."""
         shm_dir = self._agent_shm_dir
-        if not shm_dir or self._local_world < 1:
+        if not shm_dir:
             return []
         prefix = slot_prefix(self.job, self.node)
         try:
@@ -1192,11 +1219,8 @@ class Checkpointer:
         out = []
         for name in sorted(names):
             m = _SLOT_RE.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
-            if m is None:
-                continue
-            lr = int(m.group(1))
-            if lr >= self._local_world and lr % self._local_world == self._local_rank:
-                out.append(os.path.join(shm_dir, name))
+            if m is not None and int(m.group(1)) != self._local_rank:
+                out.append((os.path.join(shm_dir, name), int(m.group(1))))
         return out
 
     def _plan_peers(
@@ -1228,10 +1252,11 @@ class Checkpointer:
             if tries > 3:
                 break
             mine = {h.rank: h for h in held if h.key == key}
+            # One description per old rank travels: the designated holder's (the lowest rank
+            # that holds it, the same choice on every rank).
+            send = {str(o): h.meta for o, h in mine.items() if groups[key][o] == self._rank}
             metas: dict[int, dict[str, Any]] = {}
-            for got in gather_json(
-                {str(o): h.meta for o, h in mine.items()}, self._world, self._coord_pg
-            ):
+            for got in gather_json(send, self._world, self._coord_pg):
                 for o, m in got.items():
                     metas.setdefault(int(o), m)
             code, base, requests = 0, -1, {}
@@ -1279,6 +1304,11 @@ class Checkpointer:
             # Another world size: the extras are rank 0's; the RNG states stay as they are.
             old0 = plan.metas.get(0, {}).get("private") or {}
             private = {"rng": capture_rng(), "extras": old0.get("extras") or {}}
+        self._restore_info = {
+            "saved_world_size": plan.world_size,
+            "received_from_old_ranks": sorted(received),
+            "received_bytes": sum(t.nbytes for got in received.values() for t in got.values()),
+        }
         log.info(
             "flashckpt: rank %d rebuilt step %d (saved by %d ranks) from memory; received from "
             "old ranks %s",

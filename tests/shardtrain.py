@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 from typing import Any
@@ -28,10 +29,12 @@ import flashckpt
 BATCH = 12
 
 
-def make_model() -> torch.nn.Module:
+def make_model(hidden: int = 10) -> torch.nn.Module:
     torch.manual_seed(0)
     # Dims 10 and 3 split unevenly over 3 and 4 ranks (4 ranks: 3+3+3+1 and 1+1+1+0 rows).
-    return torch.nn.Sequential(torch.nn.Linear(16, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 3)
+    )
 
 
 def make_optim(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
@@ -114,6 +117,7 @@ def main() -> int:
     p.add_argument("--mesh", default=None, help="HSDP: R,S (replicate dim R, shard dim S)")
     p.add_argument("--replicated", choices=("auto", "false", "true"), default="auto")
     p.add_argument("--ema", action="store_true")
+    p.add_argument("--hidden", type=int, default=10, help="hidden width (a bigger state)")
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.rank is None:
@@ -192,7 +196,7 @@ def train(a: argparse.Namespace) -> int:
     dims = tuple(int(n) for n in a.mesh.split(",")) if a.mesh else (a.world,)
     names = ("replicate", "shard") if len(dims) == 2 else None  # HSDP state dicts want names
     mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
-    model = make_model()
+    model = make_model(a.hidden)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -221,6 +225,8 @@ def train(a: argparse.Namespace) -> int:
         if a.report:
             with open(a.report, "a") as f:
                 f.write(f"{a.rank} {ckpt.start_step} {ckpt.restored_from}\n")
+            with open(a.log + ".restore.jsonl", "a") as f:
+                f.write(json.dumps({"rank": a.rank, **ckpt.status()["restore"]}) + "\n")
         if ckpt.start_step:
             restored = full_state(model, opt, ema)
             if a.rank == 0:

@@ -1,16 +1,12 @@
-"""Resharding from memory: a sharded (FSDP2) job that changes size on one machine rebuilds its
-state from the snapshots the node agent still holds, not from storage.
-
-4 ranks die after the snapshot of step 4; 2 ranks resume (each reads its own old slot and the one
-of a local rank no trainer uses any more), die after the snapshot of step 6; 3 ranks resume (the
-new rank gets its pieces from the other two over gloo). At each resume the gathered full model
-and optimizer state equal the dying job's, and the loss goes on as the unsharded reference's.
+"""Resharding from memory: a sharded (FSDP2) job that changes size rebuilds its state from the
+snapshots its machines' node agents still hold, not from storage. Pieces on the same machine are
+read from its shared memory; pieces on another machine come over gloo.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import json
 import os
 from pathlib import Path
 
@@ -23,20 +19,47 @@ from test_sharded import _assert_same_state, _losses, _reference, _run
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp2_shrinks_and_grows_from_memory(tmp_path: Path, fc_env: FcEnv) -> None:
-    chain = [("w4", 4, 3, None), ("w2", 2, 5, 4), ("w3", 3, 8, 6)]
-    for tag, world, exit_at, _ in chain:
-        code = 3 if tag != "w3" else 0
-        extra = ["--every", "2"] + (["--exit-at", str(exit_at)] if code else [])
-        _run(fc_env, tmp_path, tag, world, 8, *extra, code=code)
+    # 4 ranks on machine n0-0 die after the snapshot of step 4. 3 ranks come back, 2 on n0-0
+    # (each also reads the slots of the local ranks 2 and 3 that no trainer uses now) and 1 on a
+    # new machine n0-1, which receives its pieces from n0-0 over gloo. They die after the
+    # snapshot of step 6, and 2 ranks come back, one per machine: rank 1 on n0-1 takes rows
+    # 5..9 from old rank 1 (n0-0, over gloo) and old rank 2 (its own machine's memory). These
+    # die before their first snapshot: the snapshots of step 6 of the 3-rank world must still be
+    # there (their slots are too small for the new layout, but they are not replaced until a
+    # newer snapshot exists), and 2 ranks come back from them again.
+    chain = [("w4", 4, "4", 3), ("w3", 3, "2", 5), ("w2a", 2, "1", 6), ("w2", 2, "1", None)]
+    for tag, world, per_node, exit_at in chain:
+        extra = ["--every", "2", "--per-node", per_node]
+        extra += ["--exit-at", str(exit_at)] if exit_at is not None else []
+        _run(fc_env, tmp_path, tag, world, 8, *extra, code=3 if exit_at is not None else 0)
 
     report = sorted((tmp_path / "report.txt").read_text().splitlines())
     assert report == sorted(
         [f"{r} 0 None" for r in range(4)]
-        + [f"{r} 4 memory-reshard" for r in range(2)]
-        + [f"{r} 6 memory-reshard" for r in range(3)]
+        + [f"{r} 4 memory-reshard" for r in range(3)]
+        + [f"{r} 6 memory-reshard" for r in range(2)] * 2
     ), report
 
-    for (prev, *_), (tag, *_) in itertools.pairwise(chain):
+    # Which snapshots sent pieces over gloo: only those not on the receiver's machine (the new
+    # machine's rank also takes the unsharded values, step counters and scheduler, from old
+    # rank 0's).
+    received = {}
+    for tag in ("w3", "w2a", "w2"):
+        for line in (tmp_path / f"{tag}.log.restore.jsonl").read_text().splitlines():
+            info = json.loads(line)
+            received[tag, info["rank"]] = info["received_from_old_ranks"]
+    assert received == {
+        ("w3", 0): [],
+        ("w3", 1): [],
+        ("w3", 2): [0, 2, 3],
+        ("w2a", 0): [],
+        ("w2a", 1): [1],
+        ("w2", 0): [],
+        ("w2", 1): [1],
+    }, received
+
+    crash_of = {"w3": "w4", "w2a": "w3", "w2": "w3"}
+    for tag, prev in crash_of.items():
         _assert_same_state(
             tmp_path / f"{prev}.log.crash.safetensors", tmp_path / f"{tag}.log.restored.safetensors"
         )
@@ -82,3 +105,27 @@ def test_hsdp_survivors_rebuild_the_state_of_a_lost_replica_machine(
     assert sorted(got) == list(range(8))
     for step, loss in got.items():
         assert loss == pytest.approx(ref[step], rel=1e-5, abs=1e-7), step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_crash_before_the_first_snapshot_of_a_new_layout_keeps_the_old_one(
+    tmp_path: Path, fc_env: FcEnv
+) -> None:
+    # A state of 12 MiB: each rank's piece doubles from 4 ranks to 2, so the new world's
+    # snapshots do not fit the old slots. 4 ranks die after the snapshot of step 4; 2 ranks
+    # resume from it and die before their first snapshot: the slot that held step 4 must not
+    # have been replaced (only the older one is, for the next snapshot). 2 ranks resume again.
+    args = ["--every", "2", "--per-node", "4", "--hidden", "50000"]
+    _run(fc_env, tmp_path, "w4", 4, 6, *args, "--exit-at", "3", code=3)
+    args[3] = "2"
+    _run(fc_env, tmp_path, "w2a", 2, 6, *args, "--exit-at", "4", code=3)
+    _run(fc_env, tmp_path, "w2", 2, 6, *args)
+    report = sorted((tmp_path / "report.txt").read_text().splitlines())
+    assert report == sorted(
+        [f"{r} 0 None" for r in range(4)] + [f"{r} 4 memory-reshard" for r in range(2)] * 2
+    ), report
+    for tag in ("w2a", "w2"):
+        _assert_same_state(
+            tmp_path / "w4.log.crash.safetensors", tmp_path / f"{tag}.log.restored.safetensors"
+        )

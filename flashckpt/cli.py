@@ -307,9 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=("safetensors", "dcp"), default="safetensors")
     p.add_argument("--strip-prefix", default=None, help="drop this key prefix (e.g. 'module.')")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if args.cmd == "agent":
+        # SIGPIPE stays ignored: a trainer that dies while the agent writes to its socket must
+        # give the agent an EPIPE error, not kill it (with the snapshots it keeps).
         return _cmd_agent(args)
+    # The listing commands end quietly when their output is cut (`flashckpt ls URL | head`).
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if args.cmd == "ls":
         return _cmd_ls(args)
     if args.cmd == "verify":

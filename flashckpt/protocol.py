@@ -48,7 +48,9 @@ def socket_path(run_dir: str, job: str, node: str) -> str:
 def send_msg(sock: socket.socket, obj: dict[str, Any], lock: threading.Lock) -> None:
     data = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
     with lock:
-        sock.sendall(data)
+        # MSG_NOSIGNAL: a peer that went away gives EPIPE, never a SIGPIPE, whatever the
+        # process's SIGPIPE disposition (an embedding application may have reset it).
+        sock.sendall(data, socket.MSG_NOSIGNAL)
 
 
 class LineReader:

@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import safetensors.torch
@@ -126,28 +127,37 @@ def main() -> int:
 
 
 def launch(a: argparse.Namespace) -> int:
-    """Runs every rank in a process of its own, forked from this one once it has imported what
-    the ranks use: a rank then starts in milliseconds instead of seconds of imports (on a loaded
-    2-core machine, most of a sharded test's time). The children share nothing after the fork.
-
-    Returns:
-        The ranks' exit code when they all agree; else 1 (the codes are printed to stderr). A rank
-        failing with another code than the one expected (0, or 3 with --exit-at) gets the others
-        killed (they would wait in a collective until its timeout).
-    """
-    import ctypes
-    import signal
-    import traceback
-
+    """Runs every rank in a process of its own (see :func:`fork_ranks`)."""
     import torch.distributed.checkpoint.state_dict
     import torch.distributed.fsdp  # noqa: F401
 
     import flashckpt.checkpointer  # noqa: F401
 
+    def run(rank: int) -> int:
+        a.rank = rank
+        return train(a)
+
+    return fork_ranks(a.world, 3 if a.exit_at >= 0 else 0, run, "shardtrain")
+
+
+def fork_ranks(world: int, expected: int, run: Callable[[int], int], name: str) -> int:
+    """Runs ``run(rank)`` for every rank in a process of its own, forked from this one once it
+    has imported what the ranks use: a rank then starts in milliseconds instead of seconds of
+    imports (on a loaded 2-core machine, most of a sharded test's time). The children share
+    nothing after the fork.
+
+    Returns:
+        The ranks' exit code when they all agree; else 1 (the codes are printed to stderr). A rank
+        failing with another code than ``expected`` gets the others killed (they would wait in a
+        collective until its timeout).
+    """
+    import ctypes
+    import signal
+    import traceback
+
     libc = ctypes.CDLL(None, use_errno=True)
-    expected = 3 if a.exit_at >= 0 else 0
     pids: dict[int, int] = {}
-    for rank in range(a.world):
+    for rank in range(world):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -155,8 +165,7 @@ def launch(a: argparse.Namespace) -> int:
             code = 1
             try:
                 libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
-                a.rank = rank
-                code = train(a)
+                code = run(rank)
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -174,7 +183,7 @@ def launch(a: argparse.Namespace) -> int:
                     os.kill(other, signal.SIGKILL)
     if len(set(codes.values())) == 1:
         return codes[0]
-    print(f"shardtrain: exit codes by rank {dict(sorted(codes.items()))}", file=sys.stderr)
+    print(f"{name}: exit codes by rank {dict(sorted(codes.items()))}", file=sys.stderr)
     return 1
 
 

@@ -25,7 +25,7 @@ import sys
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from shardtrain import BATCH, batch, full_state, make_model, make_optim
+from shardtrain import BATCH, batch, fork_ranks, full_state, make_model, make_optim
 
 import flashckpt
 
@@ -47,53 +47,15 @@ def main() -> int:
 
 
 def launch(a: argparse.Namespace) -> int:
-    """Forks every rank from here once torch is imported (as shardtrain.launch does).
-
-    Returns:
-        The ranks' common exit code, else 1. A rank exiting with another code than expected
-        (0, or 3 with --exit-at) gets the others killed.
-    """
-    import ctypes
-    import signal
-    import traceback
-
+    """Forks every rank from here once torch is imported (shardtrain.fork_ranks)."""
     import torch.distributed.checkpoint.state_dict
     import torch.distributed.fsdp
     import torch.distributed.tensor.parallel  # noqa: F401
 
     import flashckpt.checkpointer  # noqa: F401
 
-    libc = ctypes.CDLL(None, use_errno=True)
     expected = 3 if a.exit_at >= 0 else 0
-    pids: dict[int, int] = {}
-    for rank in range(a.world):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
-                code = train(a, rank)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids[pid] = rank
-    codes: dict[int, int] = {}
-    while len(codes) < len(pids):
-        pid, status = os.wait()
-        codes[pids[pid]] = code = os.waitstatus_to_exitcode(status)
-        if code != expected:
-            for other in pids:
-                if pids[other] not in codes:
-                    os.kill(other, signal.SIGKILL)
-    if len(set(codes.values())) == 1:
-        return codes[0]
-    print(f"tptrain: exit codes by rank {dict(sorted(codes.items()))}", file=sys.stderr)
-    return 1
+    return fork_ranks(a.world, expected, lambda rank: train(a, rank), "tptrain")
 
 
 def check_pieces(model: torch.nn.Module) -> dict[str, str]:

@@ -36,7 +36,14 @@ import xxhash
 
 from flashckpt.agent import default_node_id
 from flashckpt.interval import AutoInterval
-from flashckpt.layout import FlatState, Layout, flatten_state, tensor_views, unflatten_state
+from flashckpt.layout import (
+    FlatState,
+    Layout,
+    flatten_state,
+    piece_nodes,
+    tensor_views,
+    unflatten_state,
+)
 from flashckpt.monitor import StepRecorder, open_recorder
 from flashckpt.peers import (
     HeldSnapshot,
@@ -44,7 +51,6 @@ from flashckpt.peers import (
     Placeholders,
     exchange,
     gather_json,
-    piece_nodes,
     plan_needs,
     views_of,
 )
@@ -751,7 +757,7 @@ class Checkpointer:
                     if isinstance(v, torch.Tensor):
                         async_ptrs.add(_local_ptr(v))
             # What export needs to key optimizer state by parameter name (as DCP does).
-            state["optimizer_param_names"] = self._optimizer_names()
+            state["optimizer_param_names"] = self._optimizer_param_names()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.stateful:
@@ -765,10 +771,15 @@ class Checkpointer:
         return flat, async_ptrs, state["model"]
 
     def _optimizer_param_names(self) -> list[str | None]:
-        """The model's name of each optimizer parameter, in ``optimizer.state_dict()`` id order."""
+        """The model's name of each optimizer parameter, in ``optimizer.state_dict()`` id order;
+        kept while the optimizer holds the same parameters (it is recorded at every save)."""
         assert self.optimizer is not None
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        return [names.get(id(p)) for g in self.optimizer.param_groups for p in g["params"]]
+        ids = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
+        if self._opt_names is None or self._opt_names[0] != ids:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            params = (p for g in self.optimizer.param_groups for p in g["params"])
+            self._opt_names = (ids, [names.get(id(p)) for p in params])
+        return self._opt_names[1]
 
     def _buffers_hash(self, model_sd: Mapping[str, Any]) -> int:
         """A hash of the model's buffers (the state that is not parameters, e.g. BatchNorm
@@ -846,7 +857,7 @@ class Checkpointer:
         def busy(i: int) -> bool:  # a copy runs into the other slot
             return any(s is not None and s is not slots[i] and s.writing for s in self._slots)
 
-        self._prefaulter = Prefaulter(ranges, alive=alive, busy=busy).start()
+        Prefaulter(ranges, alive=alive, busy=busy).start()  # stops once its slots go
 
     def _ensure_slots(self, meta_need: int, data_need: int, fault: bool = True) -> None:
         """Makes the slots hold at least the given sizes; existing slots that do are kept
@@ -1758,15 +1769,6 @@ class Checkpointer:
         if self.config.replicated:
             return 0
         return self._shard % int(manifest["num_shards"])
-
-    def _optimizer_names(self) -> list[str | None]:
-        """``_optimizer_param_names``, kept while the optimizer holds the same parameters."""
-        assert self.optimizer is not None
-        ids = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
-        cached = self._opt_names
-        if cached is None or cached[0] != ids:
-            cached = self._opt_names = (ids, self._optimizer_param_names())
-        return cached[1]
 
 
 _SLOT_RE = re.compile(r"r(\d{5})\.s[01]")

@@ -31,6 +31,7 @@ __all__ = [
     "Layout",
     "TensorEntry",
     "flatten_state",
+    "piece_nodes",
     "safetensors_header",
     "unflatten_state",
 ]
@@ -303,6 +304,21 @@ def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             raise ValueError(f"checkpoint skeleton names tensor {name!r} that is missing") from None
 
     return build(skeleton)
+
+
+def piece_nodes(skeleton: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(tensor name, piece description) of every DTensor piece in a skeleton."""
+    if isinstance(skeleton, dict):
+        if "S" in skeleton:
+            yield skeleton["S"], skeleton["dt"]
+            return
+        for tag, value in skeleton.items():
+            if tag == "D":
+                for _, v in value:
+                    yield from piece_nodes(v)
+            elif tag in ("L", "U"):
+                for v in value:
+                    yield from piece_nodes(v)
 
 
 def skeleton_tensor_names(skeleton: Any) -> Iterator[str]:

@@ -18,20 +18,21 @@ left waiting in a receive.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from flashckpt.layout import Layout, tensor_views, torch_dtype
+from flashckpt.layout import Layout, piece_nodes, tensor_views, torch_dtype
+from flashckpt.sharded import overlap_volume
 
 __all__ = [
     "HeldSnapshot",
     "PeerPlan",
     "covered",
     "gather_json",
-    "piece_nodes",
 ]
 
 
@@ -93,47 +94,13 @@ def gather_json(obj: Any, world: int, group: Any) -> list[Any]:
     ]
 
 
-def piece_nodes(skeleton: Any) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(tensor name, piece description) of every DTensor piece in a skeleton."""
-    if isinstance(skeleton, dict):
-        if "S" in skeleton:
-            yield skeleton["S"], skeleton["dt"]
-            return
-        for tag, value in skeleton.items():
-            if tag == "D":
-                for _, v in value:
-                    yield from piece_nodes(v)
-            elif tag in ("L", "U"):
-                for v in value:
-                    yield from piece_nodes(v)
-
-
-def _volume(shape: Iterable[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _overlap_volume(
-    a_off: tuple[int, ...], a_len: tuple[int, ...], b_off: tuple[int, ...], b_len: tuple[int, ...]
-) -> int:
-    n = 1
-    for x, nx, y, ny in zip(a_off, a_len, b_off, b_len, strict=True):
-        d = min(x + nx, y + ny) - max(x, y)
-        if d <= 0:
-            return 0
-        n *= d
-    return n
-
-
 def covered(
     box: tuple[tuple[int, ...], tuple[int, ...]],
     pieces: Iterable[tuple[tuple[int, ...], tuple[int, ...]]],
 ) -> bool:
     """Whether pieces (Shard/Replicate boxes: two boxes are equal or disjoint) cover ``box``."""
-    total = sum(_overlap_volume(*p, *box) for p in set(pieces))
-    return total == _volume(box[1])
+    total = sum(overlap_volume(p, box) for p in set(pieces))
+    return total == math.prod(box[1])
 
 
 def plan_needs(
@@ -169,7 +136,7 @@ def plan_needs(
         # One source per distinct box that overlaps: a snapshot this rank holds if any.
         by_box: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
         for o, b in sorted(have, key=lambda ob: (ob[0] not in mine, ob[0])):
-            if _overlap_volume(*b, *box) and b not in by_box:
+            if overlap_volume(b, box) and b not in by_box:
                 by_box[b] = o
         for o in by_box.values():
             if o not in mine:

@@ -10,8 +10,13 @@ from typing import Any
 
 import torch
 
-from flashckpt.layout import parse_safetensors, tensor_views, torch_dtype, unflatten_state
-from flashckpt.peers import piece_nodes
+from flashckpt.layout import (
+    parse_safetensors,
+    piece_nodes,
+    tensor_views,
+    torch_dtype,
+    unflatten_state,
+)
 from flashckpt.sharded import ShardedPiece, assemble, overlaps, replace_at, walk_pieces
 from flashckpt.storage import CorruptCheckpointError, Storage
 

@@ -34,6 +34,7 @@ __all__ = [
     "is_dtensor",
     "is_sharded_dtensor",
     "mesh_layout",
+    "overlap_volume",
     "overlaps",
     "placement_objects",
     "replace_at",
@@ -335,6 +336,14 @@ def _overlap(
     if any(h <= low for low, h in zip(lo, hi, strict=True)):
         return None
     return lo, tuple(h - low for low, h in zip(lo, hi, strict=True))
+
+
+def overlap_volume(
+    a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]
+) -> int:
+    """Elements two boxes ``(offset, shape)`` share."""
+    ov = _overlap(*a, *b)
+    return 0 if ov is None else _numel(ov[1])
 
 
 def overlaps(meta: Mapping[str, Any], offset: Iterable[int], shape: Iterable[int]) -> bool:

@@ -10,8 +10,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from flashckpt.shm import ShmSpaceError
-from flashckpt.storage import CorruptCheckpointError
+from flashckpt.errors import (
+    AgentError,
+    CorruptCheckpointError,
+    FlashckptError,
+    PersistError,
+    ShmSpaceError,
+    StorageUnavailableError,
+)
 
 if TYPE_CHECKING:
     from flashckpt.checkpointer import (
@@ -23,12 +29,16 @@ if TYPE_CHECKING:
     from flashckpt.reading import LoadedCheckpoint, load
 
 __all__ = [
+    "AgentError",
     "CheckpointConfig",
     "Checkpointer",
     "CorruptCheckpointError",
+    "FlashckptError",
     "LoadedCheckpoint",
+    "PersistError",
     "ShmSpaceError",
     "SnapshotHandle",
+    "StorageUnavailableError",
     "checkpointing",
     "load",
 ]

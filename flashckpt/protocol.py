@@ -18,23 +18,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from flashckpt.errors import AgentError
+
 __all__ = ["AgentClient", "AgentError", "default_run_dir", "socket_path"]
 
 log = logging.getLogger(__name__)
 
 MAX_LINE = 16 << 20
-
-
-class AgentError(RuntimeError):
-    """The node agent refused a request or could not be reached.
-
-    Attributes:
-        kind: the agent-side exception type name when the agent refused (e.g. ``ShmSpaceError``).
-    """
-
-    def __init__(self, message: str, kind: str | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 def default_run_dir() -> str:

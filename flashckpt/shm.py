@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flashckpt.errors import ShmSpaceError
+
 __all__ = [
     "HEADER_SIZE",
     "Prefaulter",
@@ -57,10 +59,6 @@ _HDR_CRC_OFF = _HDR.size  # u32 crc32 of the bytes before it
 _AGENT_OFF = 1024
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-class ShmSpaceError(RuntimeError):
-    """The shared-memory file system has too little room for the snapshot slots."""
 
 
 def check_name(kind: str, value: str) -> str:

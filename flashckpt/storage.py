@@ -31,6 +31,7 @@ from typing import Any
 import fsspec
 import xxhash
 
+from flashckpt.errors import CorruptCheckpointError
 from flashckpt.shm import buffer_address
 
 __all__ = [
@@ -49,14 +50,6 @@ CHUNK = 64 << 20
 # (512 B or 4 KiB); a page satisfies every local disk.
 DIRECT_ALIGN = 4096
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
-
-
-class CorruptCheckpointError(ValueError):
-    """A committed checkpoint file is missing, truncated or fails its checksum."""
-
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"checkpoint file {path} {problem}")
-        self.path = path
 
 
 @dataclass(frozen=True, slots=True)

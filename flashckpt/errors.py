@@ -1,0 +1,68 @@
+"""The public error hierarchy: every error flashckpt raises on purpose derives from FlashckptError.
+
+The bottom layer: this module imports nothing of flashckpt (and no torch), so the node agent,
+storage, the CLI and the trainer side all raise the same types. Where a subclass also derives from
+a builtin (``ValueError``, ``RuntimeError``, ``TimeoutError``), code that caught the builtin before
+the hierarchy existed keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentError",
+    "CorruptCheckpointError",
+    "FlashckptError",
+    "PersistError",
+    "ShmSpaceError",
+    "StorageUnavailableError",
+]
+
+
+class FlashckptError(Exception):
+    """Base class of the errors flashckpt raises on purpose."""
+
+
+class CorruptCheckpointError(FlashckptError, ValueError):
+    """A checkpoint file (or its manifest) is missing, malformed, truncated or fails its checksum.
+
+    Attributes:
+        path: the file (or step directory) at fault.
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"checkpoint file {path} {problem}")
+        self.path = path
+
+
+class ShmSpaceError(FlashckptError, RuntimeError):
+    """The shared-memory file system has too little room for the snapshot slots."""
+
+
+class AgentError(FlashckptError, RuntimeError):
+    """The node agent refused a request or could not be reached.
+
+    Attributes:
+        kind: the agent-side exception type name when the agent refused (e.g. ``ShmSpaceError``).
+    """
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class StorageUnavailableError(FlashckptError, OSError):
+    """The checkpoint storage cannot be written (read-only, full, gone, no permission)."""
+
+
+class PersistError(FlashckptError, RuntimeError):
+    """Work was not made durable: the final snapshot was not committed to storage.
+
+    Attributes:
+        step: the snapshot that is not committed (None when unknown).
+        errors: the persist failures the agent reported, newest last.
+    """
+
+    def __init__(self, message: str, step: int | None = None, errors: list | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.errors = list(errors or [])

@@ -31,10 +31,16 @@ Systems:
   (5 s x 3), resuming from ``torch.save`` files written every interval by rank 0;
 - ``torchrun-tuned``: the same with keep-alive 1 s x 3.
 
+With ``--namespaces`` (root, Linux) every machine runs in its own network namespace, with its own
+address on a private bridge, hostname and ``/dev/shm`` (``elastic/netns.py``); etcd (or torch's
+TCPStore) runs in the hub namespace, and a kill takes every process of the machine and its shared
+memory at once. Without it, machines are process trees on this host's loopback.
+
 Run from the repository root::
 
     python benchmarks/failover.py                     # every system, 3 kills each
     python benchmarks/failover.py --systems flashckpt --repeats 1
+    python benchmarks/failover.py --namespaces        # machines that really are separate
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from typing import Any
 
 import psutil
 
+from elastic import netns
 from elastic.testing import (
     EtcdServer,
     kill_job,
@@ -78,9 +85,11 @@ SYSTEMS = (
 )
 
 
-def _env(node: str) -> dict[str, str]:
+def _env(node: str, namespaced: bool) -> dict[str, str]:
     env = loopback_env()
     env["BENCH_NODE"] = node
+    if namespaced:
+        env["GLOO_SOCKET_IFNAME"] = "eth0"
     return env
 
 
@@ -100,13 +109,23 @@ class Job:
         self.killed: set[str] = set()
         self.etcd: EtcdServer | None = None
         self.store_host: subprocess.Popen[bytes] | None = None
-        self.endpoint = self._start_coordinator()
+        self.net: netns.Cluster | None = netns.Cluster(shm_size="2g") if args.namespaces else None
+        try:
+            self.endpoint = self._start_coordinator()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def flashckpt(self) -> bool:
         return self.system.startswith("flashckpt")
 
+    def _addr(self, node: str) -> str:
+        return self.net.machines[node].addr if self.net is not None else "127.0.0.1"
+
     def _start_coordinator(self) -> str:
+        if self.net is not None and self.flashckpt:
+            return self.net.start_etcd(str(self.work / f"etcd-{self.uid}"))
         if self.flashckpt:
             self.etcd = EtcdServer(self.work / f"etcd-{self.uid}")
             return str(self.etcd.start())
@@ -119,12 +138,20 @@ class Job:
             "print(s.port, flush=True)\n"
             "time.sleep(1e6)\n"
         )
-        self.store_host = subprocess.Popen(
-            [sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True
-        )
+        host = "127.0.0.1"
+        if self.net is not None:
+            host = self.net.hub_addr
+            code = code.replace("'127.0.0.1'", repr(host))
+            self.store_host = self.net.hub.popen(
+                [sys.executable, "-c", code], stdout=subprocess.PIPE, env=loopback_env()
+            )
+        else:
+            self.store_host = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True
+            )
         assert self.store_host.stdout is not None
         port = int(self.store_host.stdout.readline())
-        return f"127.0.0.1:{port}"
+        return f"{host}:{port}"
 
     def command(self, node: str) -> list[str]:
         a = self.args
@@ -142,8 +169,8 @@ class Job:
                 sys.executable, "-m", "flashckpt", "run",
                 "--nnodes", "2:2", "--nproc-per-node", "1",
                 "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.uid,
-                "--node-id", node, "--local-addr", "127.0.0.1",
-                "--run-dir", self.run_dir, "--shm-dir", str(self.shm_root / node),
+                "--node-id", node, "--local-addr", self._addr(node),
+                "--run-dir", f"{self.run_dir}/{node}", "--shm-dir", str(self.shm_root / node),
                 "--storage", f"file://{self.work}/ckpt-{self.uid}",
                 "--event-log", str(self.work / f"launcher-{self.uid}-{node}.jsonl"),
                 "--log-dir", str(self.work / f"logs-{self.uid}-{node}"),
@@ -164,20 +191,33 @@ class Job:
             "--nnodes", "2:2", "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.uid,
             "--rdzv-conf", conf, "--max-restarts", "3", "--monitor-interval", "0.1",
-            "--local-addr", "127.0.0.1",
+            "--local-addr", self._addr(node),
             "--log-dir", str(self.work / f"logs-{self.uid}-{node}"),
         ]  # fmt: skip
         return [*cmd, *worker, "--mode", "torchsave", "--storage",
                 str(self.work / f"torchsave-{self.uid}")]  # fmt: skip
 
     def start(self, node: str) -> None:
+        log_path = self.work / f"launcher-{self.uid}-{node}.log"
+        if self.net is not None:
+            machine = self.net.add(node)
+            machine.run(["mkdir", "-p", str(self.shm_root / node)], check=True)
+            with open(log_path, "ab") as log:
+                self.procs[node] = machine.popen(
+                    self.command(node),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=_env(node, True),
+                    cwd=str(self.work),
+                )
+            return
         (self.shm_root / node).mkdir(parents=True, exist_ok=True)
-        with open(self.work / f"launcher-{self.uid}-{node}.log", "ab") as log:
+        with open(log_path, "ab") as log:
             self.procs[node] = subprocess.Popen(
                 self.command(node),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=_env(node),
+                env=_env(node, False),
                 cwd=self.work,
                 start_new_session=True,
             )
@@ -192,6 +232,10 @@ class Job:
         return out
 
     def kill(self, node: str) -> float:
+        if self.net is not None:  # every process of the machine, and its memory
+            t = time.time()
+            self.net.machines[node].kill()
+            return t
         victims = process_tree(self.procs[node].pid)
         t = time.time()
         kill_processes(victims)
@@ -222,6 +266,8 @@ class Job:
         kill_job(launched, self.uid)
         if self.etcd is not None:
             self.etcd.close()
+        if self.net is not None:
+            self.net.close()
         shutil.rmtree(self.shm_root, ignore_errors=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
@@ -372,6 +418,11 @@ def main() -> int:
         default=4.0,
         help="seconds the standby gets to reach the rendezvous before the kill",
     )
+    p.add_argument(
+        "--namespaces",
+        action="store_true",
+        help="every machine in its own network namespace, hostname and /dev/shm (root)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="debug logs from flashckpt run")
     p.add_argument(
@@ -386,6 +437,8 @@ def main() -> int:
             saved = json.load(f)
         print(_table(saved["summary"], saved["settings"]["every"]))
         return 0
+    if args.namespaces and (reason := netns.unavailable()) is not None:
+        p.error(f"--namespaces: {reason}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
         if s not in SYSTEMS:

@@ -81,6 +81,10 @@ class LauncherConfig:
     """Start a private etcd on loopback (single machine)."""
     max_restarts: int = 3
     """Worker-group restarts after failures before the launcher gives up."""
+    shutdown_timeout: float = field(default_factory=lambda: _default_shutdown_timeout())
+    """Seconds from a SIGTERM/SIGINT until everything is stopped: the workers get SIGTERM and
+    are killed after it (torchrun's ``--shutdown-timeout``, ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``,
+    30 s), then the node agent persists what it holds in what is left of it."""
     monitor_interval: float = 0.1
     """Seconds between checks of the workers."""
     local_addr: str | None = None
@@ -124,6 +128,8 @@ class LauncherConfig:
             raise ValueError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts {self.max_restarts}: must be >= 0")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout {self.shutdown_timeout}: must be >= 0 seconds")
         if self.monitor_interval <= 0:
             raise ValueError(f"--monitor-interval {self.monitor_interval}: must be > 0 seconds")
         if self.lease_ttl < 2:
@@ -169,6 +175,17 @@ class LauncherConfig:
                 "multi-machine jobs need a job id shared by all their machines: pass "
                 "--rdzv-id <id> to every launcher"
             )
+
+
+def _default_shutdown_timeout() -> float:
+    text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r}: use a number of seconds (torchrun's "
+            "default is 30)"
+        ) from None
 
 
 def _default_node_id() -> str:
@@ -269,6 +286,14 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         default=3,
         help="worker-group restarts after failures before giving up (default 3)",
+    )
+    add(
+        "--shutdown-timeout",
+        "--shutdown_timeout",
+        type=float,
+        default=None,
+        help="seconds after SIGTERM/SIGINT before workers are killed and the launcher has "
+        "stopped (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30, as torchrun)",
     )
     add(
         "--monitor-interval",
@@ -389,6 +414,11 @@ def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
             rdzv_conf=_parse_rdzv_conf(args.rdzv_conf),
             standalone=standalone,
             max_restarts=args.max_restarts,
+            shutdown_timeout=(
+                args.shutdown_timeout
+                if args.shutdown_timeout is not None
+                else _default_shutdown_timeout()
+            ),
             monitor_interval=args.monitor_interval,
             local_addr=args.local_addr,
             node_id=args.node_id or _default_node_id(),

@@ -22,11 +22,16 @@ write a heartbeat every few seconds, keep it.
 
 The store handed to torch (for ``MASTER_ADDR``/``MASTER_PORT`` and the agents' barriers) is an
 :class:`elastic.store.EtcdStore` under ``<key_prefix>/<run_id>/store/``.
+
+Creating the handler turns off torch's shared rendezvous TCPStore for the process
+(:func:`use_fresh_worker_store`): with it, a restarted worker group can hang (see there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import ssl
 import struct
 import threading
@@ -69,7 +74,13 @@ __all__ = [
     "create_handler",
     "decode_state",
     "encode_state",
+    "use_fresh_worker_store",
 ]
+
+logger = logging.getLogger(__name__)
+
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torch's switch of the TCPStore shared between its rendezvous and the workers."""
 
 DEFAULT_KEY_PREFIX = "/flashckpt"
 _DEFAULT_STATE_TTL = timedelta(hours=2)
@@ -388,16 +399,45 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     return backend, store
 
 
+def use_fresh_worker_store() -> None:
+    """Makes every worker group host its own TCPStore (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
+
+    By default (torch >= 2.4) the elastic agent of group rank 0 creates one TCPStore server the
+    first time it is rank 0, and hands the same ``MASTER_ADDR:MASTER_PORT`` to the workers of
+    every later round; they connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE=True``)
+    with no per-attempt key prefix (torch's ``_create_c10d_store`` assumes a new store per
+    attempt). After a worker is killed, the restarted group therefore meets the previous
+    attempt's keys: gloo's full-mesh setup can read the dead rank's old address before the new
+    rank overwrites it and connect to its old port, which hangs until gloo's timeout (seen in 2
+    of 6 ``torchrun --max-restarts`` runs). With sharing off, worker rank 0 hosts a new store on
+    a port the agent picks for each round, so no key of an earlier attempt exists.
+
+    torch reads the variable in the agent (``use_agent_store``, ``next_rendezvous``) and the
+    workers inherit it, so setting it in the agent's process when our handler is created is
+    enough. An explicit ``0`` is overridden with a warning: it is known to hang restarts.
+    """
+    if os.environ.get(SHARE_STORE_ENV, "1") != "1":
+        logger.warning(
+            "%s=%s overridden with 1: sharing the rendezvous TCPStore with the workers can hang "
+            "a restarted worker group on stale keys of the previous attempt",
+            SHARE_STORE_ENV,
+            os.environ[SHARE_STORE_ENV],
+        )
+    os.environ[SHARE_STORE_ENV] = "1"
+
+
 def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     """Builds torch's ``DynamicRendezvousHandler`` on our etcd v3 backend.
 
     This is what ``--rdzv-backend=flashckpt-etcd`` runs. torch's own options (``join_timeout``,
     ``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
-    ``keep_alive_max_attempt``) are passed through; see :func:`create_backend` for ours.
+    ``keep_alive_max_attempt``) are passed through; see :func:`create_backend` for ours. Each
+    worker group gets its own TCPStore (:func:`use_fresh_worker_store`).
 
     Raises:
         ValueError: If a parameter is invalid.
         RendezvousConnectionError: If etcd cannot be reached when the handler needs it.
     """
     backend, store = create_backend(params)
+    use_fresh_worker_store()
     return _torch_create_handler(store, backend, params)

@@ -59,7 +59,13 @@ from elastic.node_agent import NodeAgentConfig, NodeAgentError, NodeAgentProcess
 from elastic.prewarm import PREWARM_SOCKET_ENV, Prewarmer
 from elastic.rdzv_registry import BACKEND_NAME
 from elastic.rdzv_watch import create_watching_handler
-from elastic.rendezvous import DEFAULT_KEY_PREFIX, EtcdRendezvousBackend, create_backend, job_prefix
+from elastic.rendezvous import (
+    DEFAULT_KEY_PREFIX,
+    EtcdRendezvousBackend,
+    create_backend,
+    job_prefix,
+    use_fresh_worker_store,
+)
 from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
 from elastic.worker_entry import LAUNCHER_PID_ENV
 from flashckpt.interval import JOB_START_ENV
@@ -76,6 +82,17 @@ _AGENT_READY_TIMEOUT = timedelta(seconds=120)
 _HEALTH_TIMEOUT = timedelta(seconds=60)
 _MAX_HEALTH_ROUNDS = 5
 _PREWARM_READY_TIMEOUT_S = 120.0
+# Every etcd call of the teardown: etcd answers in milliseconds when it is up, and when it is
+# gone waiting the full read_timeout (30 s) per call only delays the exit (leases lapse anyway).
+_TEARDOWN_ETCD_TIMEOUT = timedelta(seconds=2)
+# Before the exit barrier, and while workers train (polling for waiting machines).
+_PROBE_ETCD_TIMEOUT = timedelta(seconds=2)
+# torchrun's default set (--signals-to-handle).
+_HANDLED_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
+)
 
 
 class LaunchError(RuntimeError):
@@ -84,11 +101,6 @@ class LaunchError(RuntimeError):
 
 class _Unhealthy(Exception):
     """This machine failed the health check."""
-
-
-def _raise_signal(signum: int, frame: FrameType | None) -> None:
-    sigval = signal.Signals(signum)
-    raise SignalException(f"launcher {os.getpid()} got signal {sigval.name}", sigval=sigval)
 
 
 class LaunchSession:
@@ -122,12 +134,14 @@ class LaunchSession:
         self._old_handlers: dict[int, Any] = {}
         self._jobview: JobViewPublisher | None = None
         self._retire_reason: str | None = None
+        self._signalled_at: float | None = None
+        self._in_teardown = False
 
     # ---------------------------------------------------------------------------- set-up
 
     def __enter__(self) -> LaunchSession:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            self._old_handlers[sig] = signal.signal(sig, _raise_signal)
+        for sig in _HANDLED_SIGNALS:
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
             self._setup()
         except BaseException:
@@ -142,6 +156,33 @@ class LaunchSession:
         tb: TracebackType | None,
     ) -> None:
         self._teardown()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """The launcher's handler of SIGTERM/SIGINT/SIGHUP/SIGQUIT (torchrun's set).
+
+        Like torch's own handler it raises ``SignalException`` in the main thread, so torch's
+        agent stops the workers (SIGTERM, then SIGKILL after ``--shutdown-timeout``) and
+        :meth:`run` returns 128+N. First it only sets flags: the shutdown deadline starts, and
+        the node agent is no longer restarted if it exits (a signal to the whole process group
+        reaches it too). During the teardown further signals are noted, not raised: a second
+        Ctrl-C must not skip the clean-up.
+        """
+        sigval = signal.Signals(signum)
+        if self._signalled_at is None:
+            self._signalled_at = time.monotonic()
+        agent = self._node_agent
+        if agent is not None:
+            agent.refuse_restarts()
+        if self._in_teardown:
+            return
+        raise SignalException(f"launcher {os.getpid()} got signal {sigval.name}", sigval=sigval)
+
+    def install_signal_handlers(self) -> None:
+        """(Re)installs :meth:`_on_signal`; torch's process context replaces it at each start
+        of the workers with its own, which would skip the flags."""
+        for sig in _HANDLED_SIGNALS:
+            with contextlib.suppress(ValueError):  # not the main thread
+                signal.signal(sig, self._on_signal)
 
     def _setup(self) -> None:
         cfg = self.config
@@ -244,7 +285,7 @@ class LaunchSession:
 
         threading.Thread(target=self._report_warm, name="flashckpt-warm", daemon=True).start()
         self._handler = create_watching_handler(store, backend, params)
-        _tolerate_etcd_outages(self._handler)
+        _tolerate_etcd_outages(self._handler, backend)
         node_desc = getattr(self._handler, "_this_node", None)
         self._registry.update(rdzv_node=repr(node_desc) if node_desc else None, state="waiting")
         self._start_job_view(client)
@@ -265,16 +306,13 @@ class LaunchSession:
             spec,
             logs_specs=DefaultLogsSpecs(log_dir=cfg.log_dir),
             session=self,
+            shutdown_timeout=cfg.shutdown_timeout,
         )
 
     def _set_worker_environment(self) -> None:
         cfg = self.config
-        # A standby joining while the old rank 0 survives can hang on the TCPStore that torch
-        # otherwise shares between the rendezvous and the workers; with it off, worker rank 0
-        # hosts a fresh store every round.
-        if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1") != "1":
-            logger.warning("overriding TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0: sharing can hang")
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        # Worker rank 0 hosts a fresh TCPStore every round (see use_fresh_worker_store).
+        use_fresh_worker_store()
         # Inherited by the workers: flashckpt.checkpointing() connects to our node agent.
         os.environ["FLASHCKPT_JOB"] = cfg.rdzv_id
         os.environ["FLASHCKPT_NODE"] = cfg.node_id
@@ -502,22 +540,35 @@ class LaunchSession:
     # ---------------------------------------------------------------------------- teardown
 
     def _teardown(self) -> None:
-        if self._handler is not None and self._shutdown_rdzv:
-            with contextlib.suppress(Exception):
-                self._handler.shutdown()
+        """Releases everything, within the shutdown deadline after a signal.
+
+        Every etcd call is capped at 2 s (etcd may be gone for good); after a signal the node
+        agent gets what is left of ``--shutdown-timeout`` since the signal to persist what it
+        holds (it is killed after that, and its segments removed either way).
+        """
+        self._in_teardown = True
+        signalled = self._signalled_at is not None
+        if self._node_agent is not None and signalled:
+            self._node_agent.refuse_restarts()
+        if self._handler is not None:
+            self._leave_rendezvous(close=self._shutdown_rdzv and not signalled)
         if self._jobview is not None:
-            self._jobview.close()
+            self._jobview.close(timeout=_TEARDOWN_ETCD_TIMEOUT.total_seconds())
             self._jobview = None
         if self._registry is not None:
             with contextlib.suppress(Exception):
-                self._registry.update(state="leaving")
-            self._registry.close()
+                self._registry.update(state="leaving", timeout=_TEARDOWN_ETCD_TIMEOUT)
+            self._registry.close(timeout=_TEARDOWN_ETCD_TIMEOUT)
             self._registry = None
         if self._prewarmer is not None:
             self._prewarmer.stop()
             self._prewarmer = None
         if self._node_agent is not None:
-            self._node_agent.stop()
+            if self._signalled_at is not None:
+                left = self.config.shutdown_timeout - (time.monotonic() - self._signalled_at)
+                self._node_agent.stop(timeout_s=max(1.0, left))
+            else:
+                self._node_agent.stop()
             self._node_agent = None
         if self._standalone is not None:
             self._standalone.close()
@@ -528,6 +579,47 @@ class LaunchSession:
         self._old_handlers.clear()
         self.events("launcher_exit")
 
+    def _leave_rendezvous(self, *, close: bool) -> None:
+        """Closes the rendezvous (the job finished) or gives up this node's place in it.
+
+        After a signal torch leaves the rendezvous open (closing it would end the job for every
+        machine, and a standby must be able to take this one's place); this node's heartbeat is
+        set to the epoch instead, so the others drop it at their next read rather than count it
+        as waiting until torch's heartbeat timeout (15 s).
+        """
+        handler, backend = self._handler, self._backend
+        assert handler is not None
+        with contextlib.ExitStack() as stack:
+            if backend is not None:
+                stack.enter_context(backend.call_timeout(_TEARDOWN_ETCD_TIMEOUT))
+            if close:
+                with contextlib.suppress(Exception):
+                    handler.shutdown()
+                return
+            # torch's keep-alive timer would write a fresh heartbeat over the epoch.
+            stop_heartbeats = getattr(handler, "_stop_heartbeats", None)
+            if callable(stop_heartbeats):
+                with contextlib.suppress(Exception):
+                    stop_heartbeats()
+            node = getattr(handler, "_this_node", None)
+            if node is None or backend is None:
+                return
+            try:
+                expire_rendezvous_nodes(backend, [repr(node)], attempts=3)
+            except Exception as exc:  # torch's heartbeat timeout drops it instead
+                logger.info("could not give up this node's place in the rendezvous: %s", exc)
+
+    def etcd_reachable(self) -> bool:
+        """Whether etcd answers within 2 s."""
+        backend = self._backend
+        if backend is None:
+            return False
+        try:
+            backend.client.revision(timeout=_PROBE_ETCD_TIMEOUT)
+        except EtcdError:
+            return False
+        return True
+
 
 class _RetryRendezvous(Exception):
     """The round must be formed again (a machine failed the health check)."""
@@ -536,8 +628,20 @@ class _RetryRendezvous(Exception):
 class _FlashAgent(LocalElasticAgent):
     """torch's local elastic agent with the launch session's hooks around each round."""
 
-    def __init__(self, spec: WorkerSpec, *, logs_specs: DefaultLogsSpecs, session: LaunchSession):
-        super().__init__(spec, logs_specs=logs_specs, start_method="spawn")
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        logs_specs: DefaultLogsSpecs,
+        session: LaunchSession,
+        shutdown_timeout: float,
+    ):
+        super().__init__(
+            spec,
+            logs_specs=logs_specs,
+            start_method="spawn",
+            shutdown_timeout=max(0, round(shutdown_timeout)),
+        )
         self._session = session
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -556,14 +660,29 @@ class _FlashAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._session.before_start_workers(worker_group)
-        return super()._start_workers(worker_group)
+        try:
+            return super()._start_workers(worker_group)
+        finally:
+            # torch's process context installed its own handlers; ours also set the flags.
+            self._session.install_signal_handlers()
+
+    def _exit_barrier(self) -> None:
+        # The barrier keeps an agent alive while the others finish because torch's agents may
+        # host the store; ours is in etcd. With etcd gone it could only fail after its
+        # timeouts, so it is skipped.
+        if not self._session.etcd_reachable():
+            logger.warning("etcd is unreachable: not waiting for the other machines to finish")
+            return
+        super()._exit_barrier()
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._session.events("workers_restart", state=worker_group.state.name)
         super()._restart_workers(worker_group)
 
 
-def _tolerate_etcd_outages(handler: DynamicRendezvousHandler) -> None:
+def _tolerate_etcd_outages(
+    handler: DynamicRendezvousHandler, backend: EtcdRendezvousBackend
+) -> None:
     """Keeps healthy workers training while etcd is unreachable.
 
     torch's agent asks ``num_nodes_waiting()`` every ``--monitor-interval`` while the workers
@@ -576,7 +695,10 @@ def _tolerate_etcd_outages(handler: DynamicRendezvousHandler) -> None:
 
     def num_nodes_waiting() -> int:
         try:
-            return ask()
+            # A poll, not a rendezvous: a short deadline keeps the monitor loop (which also
+            # notices finished or failed workers) running while etcd is down.
+            with backend.call_timeout(_PROBE_ETCD_TIMEOUT):
+                return ask()
         except RendezvousConnectionError as exc:
             now = time.monotonic()
             if now - last_warning[0] > 10:

@@ -110,7 +110,21 @@ class LauncherConfig:
     prewarm: bool = True
     """Fork workers from a process that has already imported torch (:mod:`elastic.prewarm`)."""
     log_dir: str | None = None
-    """Where torch writes worker logs (default: a temporary directory)."""
+    """Where torch writes worker logs (default: a temporary directory); a job-level
+    sub-directory named after the job id is created in it (torchrun's ``--log-dir``)."""
+    redirects: str = "0"
+    """torchrun's ``--redirects``: which std streams of which local ranks go to log files
+    only (``3``: both for every rank; ``0:1,1:2``: stdout of rank 0, stderr of rank 1)."""
+    tee: str = "0"
+    """torchrun's ``--tee``: like ``redirects``, but the console still shows the stream."""
+    local_ranks_filter: frozenset[int] | None = None
+    """torchrun's ``--local-ranks-filter``: only these local ranks' output reaches the
+    console (log files are not filtered)."""
+    no_python: bool = False
+    """torchrun's ``--no-python``: run the entry point directly, not with ``python``."""
+    start_method: str = "spawn"
+    """torchrun's ``--start-method`` (``spawn``, ``fork``, ``forkserver``); as in torchrun it
+    only applies to function entry points, a script always runs as a new process."""
     event_log: str | None = None
     """Append lifecycle events (JSON lines with wall-clock times) to this file."""
     swap_stragglers: bool = False
@@ -128,6 +142,26 @@ class LauncherConfig:
             raise ValueError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts {self.max_restarts}: must be >= 0")
+        from torch.distributed.elastic.multiprocessing import Std
+
+        for flag, value in (("--redirects", self.redirects), ("--tee", self.tee)):
+            try:
+                Std.from_str(value)
+            except ValueError:
+                raise ValueError(
+                    f"{flag} {value!r}: use 0-3 for every local rank (1 stdout, 2 stderr, 3 "
+                    "both) or rank:value pairs such as 0:1,1:2"
+                ) from None
+        if self.local_ranks_filter is not None and (
+            not self.local_ranks_filter or min(self.local_ranks_filter) < 0
+        ):
+            raise ValueError(
+                "--local-ranks-filter: use a comma-separated list of local ranks, e.g. 0,1"
+            )
+        if self.start_method not in ("spawn", "fork", "forkserver"):
+            raise ValueError(f"--start-method {self.start_method!r}: use spawn, fork or forkserver")
+        if self.no_python and self.module:
+            raise ValueError("use either --no-python or --module (-m), not both (as torchrun)")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout {self.shutdown_timeout}: must be >= 0 seconds")
         if self.monitor_interval <= 0:
@@ -352,7 +386,66 @@ def _build_parser() -> argparse.ArgumentParser:
         help="before each round, run a compute + all-reduce probe; a machine that fails is "
         "recorded in etcd and not admitted again to this job",
     )
-    add("--log-dir", "--log_dir", default=None, help="directory for torch's worker logs")
+    add(
+        "--log-dir",
+        "--log_dir",
+        default=None,
+        help="base directory of the worker logs (a sub-directory per job id is created)",
+    )
+    add(
+        "-r",
+        "--redirects",
+        default="0",
+        help="redirect std streams of workers to log files in the log directory: 0-3 for all "
+        "(1 stdout, 2 stderr, 3 both) or 0:1,1:2 per local rank (as torchrun)",
+    )
+    add(
+        "-t",
+        "--tee",
+        default="0",
+        help="like --redirects, but also show the streams on the console (as torchrun)",
+    )
+    add(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        default="",
+        help="only show these local ranks' output on the console, e.g. 0 or 0,1 (as torchrun)",
+    )
+    add(
+        "--start-method",
+        "--start_method",
+        default="spawn",
+        choices=["spawn", "fork", "forkserver"],
+        help="multiprocessing start method (as torchrun: scripts always run as new processes)",
+    )
+    add(
+        "--no-python",
+        "--no_python",
+        action="store_true",
+        help="run the entry point directly (a binary or a shell script), not with python",
+    )
+    add(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        default=0,
+        help="accepted for torchrun compatibility; as with torchrun's dynamic backends it is "
+        "ignored: the etcd rendezvous assigns the machines' ranks",
+    )
+    add(
+        "--master-addr",
+        "--master_addr",
+        default=None,
+        help="accepted for torchrun compatibility; only torchrun's static rendezvous uses it",
+    )
+    add(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        help="accepted for torchrun compatibility; only torchrun's static rendezvous uses it "
+        "(worker rank 0 gets a free port every round)",
+    )
     add(
         "--event-log",
         default=None,
@@ -402,6 +495,16 @@ def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
         min_nodes, max_nodes = _parse_nnodes(args.nnodes)
         standalone = args.standalone or (args.rdzv_endpoint is None and max_nodes == 1)
         rdzv_id = args.rdzv_id or ("s" + uuid.uuid4().hex[:12] if standalone else "none")
+        _warn_static_only(args)
+        ranks_filter: frozenset[int] | None = None
+        if args.local_ranks_filter:
+            try:
+                ranks_filter = frozenset(int(r) for r in args.local_ranks_filter.split(","))
+            except ValueError:
+                raise ValueError(
+                    f"--local-ranks-filter {args.local_ranks_filter!r}: use a comma-separated "
+                    "list of local ranks, e.g. 0,1"
+                ) from None
         config = LauncherConfig(
             entrypoint=args.training_script,
             entrypoint_args=list(args.training_script_args),
@@ -432,6 +535,11 @@ def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
             health_check=args.health_check,
             prewarm=args.prewarm,
             log_dir=args.log_dir,
+            redirects=args.redirects,
+            tee=args.tee,
+            local_ranks_filter=ranks_filter,
+            no_python=args.no_python,
+            start_method=args.start_method,
             event_log=args.event_log,
             swap_stragglers=args.swap_stragglers,
             straggler_factor=args.straggler_factor,
@@ -439,6 +547,24 @@ def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
     except ValueError as exc:
         parser.error(str(exc))
     return config, args.verbose
+
+
+def _warn_static_only(args: argparse.Namespace) -> None:
+    # torchrun's own behaviour for non-static rendezvous backends: accepted, unused, said so.
+    unused = []
+    if args.node_rank != 0:
+        unused.append(f"--node-rank {args.node_rank}")
+    if args.master_addr is not None:
+        unused.append(f"--master-addr {args.master_addr}")
+    if args.master_port is not None:
+        unused.append(f"--master-port {args.master_port}")
+    if unused:
+        logger.warning(
+            "%s: only torchrun's static rendezvous uses these; with the etcd rendezvous the "
+            "machines' ranks are assigned each round and worker rank 0 hosts the store on a "
+            "free port (MASTER_ADDR/MASTER_PORT in the workers' environment)",
+            ", ".join(unused),
+        )
 
 
 class EventLog:

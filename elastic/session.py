@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -66,8 +66,9 @@ from elastic.rendezvous import (
     job_prefix,
     use_fresh_worker_store,
 )
+from elastic.restore_report import RestoreReporter, events_path, job_summary
 from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
-from elastic.worker_entry import LAUNCHER_PID_ENV
+from elastic.worker_entry import EXEC_FLAG, LAUNCHER_PID_ENV
 from flashckpt.interval import JOB_START_ENV
 
 if TYPE_CHECKING:
@@ -136,6 +137,8 @@ class LaunchSession:
         self._retire_reason: str | None = None
         self._signalled_at: float | None = None
         self._in_teardown = False
+        self._starts = 0
+        self._reporter = RestoreReporter(os.devnull, 0)
 
     # ---------------------------------------------------------------------------- set-up
 
@@ -271,7 +274,13 @@ class LaunchSession:
         except ValueError as exc:
             raise LaunchError(str(exc)) from exc
         self._node_agent.start()
-        if cfg.prewarm:
+        self._reporter = RestoreReporter(
+            events_path(run_dir, cfg.rdzv_id, cfg.node_id),
+            cfg.nproc_per_node,
+            prefix=f"[flashckpt run {cfg.node_id}] ",
+        )
+        # A zygote forks Python processes; --no-python runs something else.
+        if cfg.prewarm and not cfg.no_python:
             sock = os.path.join(run_dir, f"{cfg.rdzv_id}.{cfg.node_id}.prewarm")
             if len(sock.encode()) > 100:
                 raise LaunchError(
@@ -291,7 +300,10 @@ class LaunchSession:
         self._start_job_view(client)
 
         entry = ["-u", "-m", "elastic.worker_entry"]
-        entry += ["-m", cfg.entrypoint] if cfg.module else [cfg.entrypoint]
+        if cfg.no_python:
+            entry += [EXEC_FLAG, cfg.entrypoint]
+        else:
+            entry += ["-m", cfg.entrypoint] if cfg.module else [cfg.entrypoint]
         spec = WorkerSpec(
             role="trainer",
             local_world_size=cfg.nproc_per_node,
@@ -304,15 +316,33 @@ class LaunchSession:
         )
         self._agent = _FlashAgent(
             spec,
-            logs_specs=DefaultLogsSpecs(log_dir=cfg.log_dir),
+            logs_specs=DefaultLogsSpecs(
+                log_dir=cfg.log_dir,
+                redirects=Std.from_str(cfg.redirects),
+                tee=Std.from_str(cfg.tee),
+                local_ranks_filter=set(cfg.local_ranks_filter) if cfg.local_ranks_filter else None,
+            ),
             session=self,
             shutdown_timeout=cfg.shutdown_timeout,
+            start_method=cfg.start_method,
         )
 
     def _set_worker_environment(self) -> None:
         cfg = self.config
         # Worker rank 0 hosts a fresh TCPStore every round (see use_fresh_worker_store).
         use_fresh_worker_store()
+        if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
+            # torchrun's default and its message: N workers x all cores oversubscribe the CPU,
+            # and the numerics follow the thread count.
+            logger.warning(
+                "\n*****************************************\n"
+                "Setting OMP_NUM_THREADS environment variable for each process to be "
+                "1 in default, to avoid your system being overloaded, "
+                "please further tune the variable for optimal performance in "
+                "your application as needed. \n"
+                "*****************************************"
+            )
+            os.environ["OMP_NUM_THREADS"] = "1"
         # Inherited by the workers: flashckpt.checkpointing() connects to our node agent.
         os.environ["FLASHCKPT_JOB"] = cfg.rdzv_id
         os.environ["FLASHCKPT_NODE"] = cfg.node_id
@@ -451,9 +481,11 @@ class LaunchSession:
         os.environ["FLASHCKPT_RUN_DIR"] = generation.run_dir
         os.environ["FLASHCKPT_SHM_DIR"] = generation.shm_dir
         self._last_view = view
+        self._starts += 1
         self.events(
             "workers_start", ranks=list(view[0]), world_size=view[1], agent_gen=generation.number
         )
+        self._reporter.workers_started(time.time())
 
     def _use_prewarmer(self) -> None:
         os.environ.pop(PREWARM_SOCKET_ENV, None)
@@ -570,6 +602,7 @@ class LaunchSession:
             else:
                 self._node_agent.stop()
             self._node_agent = None
+            self._print_summary()
         if self._standalone is not None:
             self._standalone.close()
             self._standalone = None
@@ -578,6 +611,18 @@ class LaunchSession:
                 signal.signal(sig, handler)
         self._old_handlers.clear()
         self.events("launcher_exit")
+
+    def _print_summary(self) -> None:
+        """Prints the job's summary on this machine, once the node agent wrote its last events."""
+        if self._starts == 0:
+            return
+        try:
+            line = job_summary(self._reporter.path, restarts=self._starts - 1)
+        except Exception:  # a report: never a reason to fail the exit
+            logger.exception("summarizing the node agent's events failed")
+            return
+        if line is not None:
+            print(f"[flashckpt run {self.config.node_id}] {line}", flush=True)
 
     def _leave_rendezvous(self, *, close: bool) -> None:
         """Closes the rendezvous (the job finished) or gives up this node's place in it.
@@ -635,11 +680,12 @@ class _FlashAgent(LocalElasticAgent):
         logs_specs: DefaultLogsSpecs,
         session: LaunchSession,
         shutdown_timeout: float,
+        start_method: str = "spawn",
     ):
         super().__init__(
             spec,
             logs_specs=logs_specs,
-            start_method="spawn",
+            start_method=start_method,
             shutdown_timeout=max(0, round(shutdown_timeout)),
         )
         self._session = session

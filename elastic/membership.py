@@ -396,17 +396,18 @@ class NodeRegistry:
             self._report_lost(record)
         return dead
 
-    def close(self, timeout: timedelta = timedelta(seconds=2)) -> None:
+    def close(self, timeout: timedelta = timedelta(seconds=2), *, revoke: bool = True) -> None:
         """Stops renewing and revokes the lease, which deletes the node key. Never raises.
 
         Args:
             timeout: Deadline of the revocation; if etcd does not take it, the key goes when
                 the lease lapses (``ttl``).
+            revoke: ``False`` when etcd is known to be unreachable: the lease lapses.
         """
         self._stop.set()
         with self._lock:
             lease, self._lease = self._lease, None
-        if lease is not None:
+        if lease is not None and revoke:
             try:
                 self._client.revoke_lease(lease, timeout=timeout)
             except EtcdError as exc:

@@ -574,23 +574,32 @@ class LaunchSession:
     def _teardown(self) -> None:
         """Releases everything, within the shutdown deadline after a signal.
 
-        Every etcd call is capped at 2 s (etcd may be gone for good); after a signal the node
-        agent gets what is left of ``--shutdown-timeout`` since the signal to persist what it
-        holds (it is killed after that, and its segments removed either way).
+        Every etcd call is capped at 2 s, and when etcd does not answer a first probe none is
+        made (the node key, the summary and this node's rendezvous heartbeat then go with their
+        leases and timeouts); after a signal the node agent gets what is left of
+        ``--shutdown-timeout`` since the signal to persist what it holds (it is killed after
+        that, and its segments removed either way).
         """
         self._in_teardown = True
         signalled = self._signalled_at is not None
         if self._node_agent is not None and signalled:
             self._node_agent.refuse_restarts()
+        etcd_up = self._backend is not None and self.etcd_reachable()
+        if self._backend is not None and not etcd_up:
+            logger.warning(
+                "etcd does not answer: this node's key and rendezvous place go with their "
+                "lease and heartbeat timeouts"
+            )
         if self._handler is not None:
-            self._leave_rendezvous(close=self._shutdown_rdzv and not signalled)
+            self._leave_rendezvous(close=self._shutdown_rdzv and not signalled, etcd_up=etcd_up)
         if self._jobview is not None:
-            self._jobview.close(timeout=_TEARDOWN_ETCD_TIMEOUT.total_seconds())
+            self._jobview.close(timeout=_TEARDOWN_ETCD_TIMEOUT.total_seconds() if etcd_up else 0.5)
             self._jobview = None
         if self._registry is not None:
-            with contextlib.suppress(Exception):
-                self._registry.update(state="leaving", timeout=_TEARDOWN_ETCD_TIMEOUT)
-            self._registry.close(timeout=_TEARDOWN_ETCD_TIMEOUT)
+            if etcd_up:
+                with contextlib.suppress(Exception):
+                    self._registry.update(state="leaving", timeout=_TEARDOWN_ETCD_TIMEOUT)
+            self._registry.close(timeout=_TEARDOWN_ETCD_TIMEOUT, revoke=etcd_up)
             self._registry = None
         if self._prewarmer is not None:
             self._prewarmer.stop()
@@ -624,7 +633,7 @@ class LaunchSession:
         if line is not None:
             print(f"[flashckpt run {self.config.node_id}] {line}", flush=True)
 
-    def _leave_rendezvous(self, *, close: bool) -> None:
+    def _leave_rendezvous(self, *, close: bool, etcd_up: bool) -> None:
         """Closes the rendezvous (the job finished) or gives up this node's place in it.
 
         After a signal torch leaves the rendezvous open (closing it would end the job for every
@@ -637,7 +646,7 @@ class LaunchSession:
         with contextlib.ExitStack() as stack:
             if backend is not None:
                 stack.enter_context(backend.call_timeout(_TEARDOWN_ETCD_TIMEOUT))
-            if close:
+            if close and etcd_up:
                 with contextlib.suppress(Exception):
                     handler.shutdown()
                 return
@@ -647,7 +656,7 @@ class LaunchSession:
                 with contextlib.suppress(Exception):
                     stop_heartbeats()
             node = getattr(handler, "_this_node", None)
-            if node is None or backend is None:
+            if node is None or backend is None or not etcd_up:
                 return
             try:
                 expire_rendezvous_nodes(backend, [repr(node)], attempts=3)
@@ -734,7 +743,8 @@ def _tolerate_etcd_outages(
     torch's agent asks ``num_nodes_waiting()`` every ``--monitor-interval`` while the workers
     run, and an error there ends the launcher (and so the job), although the workers never
     talk to etcd. Here an etcd outage only means no machine can be seen waiting to join; it is
-    logged, and rendezvous rounds still fail after their own timeouts.
+    logged, and rendezvous rounds still fail after their own timeouts. Both the poll and torch's
+    heartbeat give up on etcd after 2 s, so neither holds up the monitor loop.
     """
     ask = handler.num_nodes_waiting
     last_warning = [0.0]
@@ -753,6 +763,19 @@ def _tolerate_etcd_outages(
             return 0
 
     setattr(handler, "num_nodes_waiting", num_nodes_waiting)  # noqa: B010
+
+    # torch's keep-alive thread holds the handler's heartbeat lock for its whole etcd write,
+    # which num_nodes_waiting() also takes: with etcd down and the client's 30 s read_timeout,
+    # the monitor loop stalled for 30 s at a time (workers that had finished went unnoticed).
+    # A heartbeat is retried every keep_alive_interval anyway.
+    keep_alive = getattr(handler, "_keep_alive", None)
+    if callable(keep_alive):
+
+        def capped_keep_alive() -> None:
+            with backend.call_timeout(_PROBE_ETCD_TIMEOUT):
+                keep_alive()
+
+        setattr(handler, "_keep_alive", capped_keep_alive)  # noqa: B010
 
 
 def _describe_failures(result: RunResult) -> str:

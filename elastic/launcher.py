@@ -625,10 +625,20 @@ def launch(config: LauncherConfig) -> int:
         elastic.session.LaunchError: If etcd is unreachable, the node id is taken, the node
             was marked unhealthy, or the node agent does not start.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from elastic.session import LaunchSession
 
-    with LaunchSession(config, EventLog(config.event_log, config.node_id)) as session:
-        return session.run()
+    events = EventLog(config.event_log, config.node_id)
+    try:
+        with LaunchSession(config, events) as session:
+            return session.run()
+    except SignalException as exc:
+        # Stopped while setting up (connecting to etcd, registering, starting the agent): the
+        # session released what it had; a signal is an exit code, not a traceback.
+        logger.warning("stopping on %s", exc.sigval.name)
+        events("signal", signal=exc.sigval.name)
+        return 128 + int(exc.sigval)
 
 
 if __name__ == "__main__":

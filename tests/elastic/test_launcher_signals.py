@@ -148,3 +148,23 @@ def test_etcd_gone_for_good(
         assert cluster.wait_exit("n0", EXIT_BOUND_S) == 0, cluster.logs()
     assert not _leftovers(cluster, "n0", None), cluster.logs()
     assert _agent_starts(cluster, "n0") == 1, cluster.logs()
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_while_connecting_to_etcd(
+    tmp_path: Path, dead_endpoint: str, cluster_box: list[SimCluster]
+) -> None:
+    # Before the rendezvous: the launcher retries an etcd that does not answer (read_timeout).
+    cluster = SimCluster(tmp_path, dead_endpoint, launcher_args=["--rdzv-conf", "read_timeout=300"])
+    cluster_box.append(cluster)
+    machine = cluster.start("n0")
+    cluster.wait_for(
+        "the launcher to start",
+        lambda: any(e["event"] == "launcher_start" for e in machine.events()),
+        60,
+    )
+    time.sleep(1)  # inside the etcd client's retries
+    os.kill(machine.proc.pid, signal.SIGTERM)
+    _wait_signalled_exit(cluster, "n0", signal.SIGTERM)
+    assert "Traceback" not in machine.tail(), cluster.logs()
+    assert not _leftovers(cluster, "n0", None), cluster.logs()

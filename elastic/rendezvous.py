@@ -68,6 +68,7 @@ from elastic.store import EtcdStore
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
+    "SHARE_STORE_ENV",
     "EtcdRendezvousBackend",
     "create_backend",
     "create_client",

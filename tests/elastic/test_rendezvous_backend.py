@@ -32,6 +32,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from elastic.etcd import EtcdClient
 from elastic.rdzv_registry import BACKEND_NAME
 from elastic.rendezvous import (
+    SHARE_STORE_ENV,
     EtcdRendezvousBackend,
     create_backend,
     create_handler,
@@ -350,3 +351,18 @@ def test_tls_etcd_through_torchrun_options(tmp_path: Path) -> None:
         with pytest.raises(RendezvousConnectionError, match="ca_cert"):
             untrusting.get_state()
         assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.parametrize("before", [None, "0", "1"])
+def test_handler_gives_each_worker_group_its_own_store(
+    before: str | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # torchrun creates our handler in its agent process; the workers inherit the variable.
+    if before is None:
+        monkeypatch.delenv(SHARE_STORE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SHARE_STORE_ENV, before)
+    handler = create_handler(_params("h1:1"))
+    assert os.environ[SHARE_STORE_ENV] == "1"
+    assert handler.use_agent_store is False  # workers: TORCHELASTIC_USE_AGENT_STORE=False
+    assert ("overridden" in caplog.text) == (before == "0"), caplog.text

@@ -31,6 +31,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from elastic.etcd import EtcdClient, EtcdError
 
@@ -119,6 +120,8 @@ def run_health_check(
     try:
         value, elapsed = _checksum(device)
         ok = 1.0
+    except SignalException:  # SIGTERM/SIGINT in the launcher: stop, do not fail the check
+        raise
     except Exception as exc:  # a broken device must fail the check, not the launcher
         logger.error("health check compute failed on %s: %s", device, exc)
         value, elapsed, ok = float("nan"), float("inf"), 0.0

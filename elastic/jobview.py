@@ -424,11 +424,20 @@ class JobViewPublisher:
         """Starts the thread; returns at once."""
         self._thread.start()
 
-    def close(self) -> None:
-        """Stops the thread (the summary goes with the node lease). Never raises."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stops the thread (the summary goes with the node lease). Never raises.
+
+        Args:
+            timeout: Seconds to wait for a round in flight (an etcd write may hang while etcd
+                is unreachable); default: one period plus the agent's answer time. The thread
+                is a daemon: one still blocked ends with the process, and its late write fails
+                on the revoked lease.
+        """
         self._stop.set()
+        if timeout is None:
+            timeout = self._period + _AGENT_TIMEOUT_S + 2
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self._period + _AGENT_TIMEOUT_S + 2)
+            self._thread.join(timeout=timeout)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

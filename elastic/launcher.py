@@ -81,6 +81,10 @@ class LauncherConfig:
     """Start a private etcd on loopback (single machine)."""
     max_restarts: int = 3
     """Worker-group restarts after failures before the launcher gives up."""
+    shutdown_timeout: float = field(default_factory=lambda: _default_shutdown_timeout())
+    """Seconds from a SIGTERM/SIGINT until everything is stopped: the workers get SIGTERM and
+    are killed after it (torchrun's ``--shutdown-timeout``, ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``,
+    30 s), then the node agent persists what it holds in what is left of it."""
     monitor_interval: float = 0.1
     """Seconds between checks of the workers."""
     local_addr: str | None = None
@@ -106,7 +110,21 @@ class LauncherConfig:
     prewarm: bool = True
     """Fork workers from a process that has already imported torch (:mod:`elastic.prewarm`)."""
     log_dir: str | None = None
-    """Where torch writes worker logs (default: a temporary directory)."""
+    """Where torch writes worker logs (default: a temporary directory); a job-level
+    sub-directory named after the job id is created in it (torchrun's ``--log-dir``)."""
+    redirects: str = "0"
+    """torchrun's ``--redirects``: which std streams of which local ranks go to log files
+    only (``3``: both for every rank; ``0:1,1:2``: stdout of rank 0, stderr of rank 1)."""
+    tee: str = "0"
+    """torchrun's ``--tee``: like ``redirects``, but the console still shows the stream."""
+    local_ranks_filter: frozenset[int] | None = None
+    """torchrun's ``--local-ranks-filter``: only these local ranks' output reaches the
+    console (log files are not filtered)."""
+    no_python: bool = False
+    """torchrun's ``--no-python``: run the entry point directly, not with ``python``."""
+    start_method: str = "spawn"
+    """torchrun's ``--start-method`` (``spawn``, ``fork``, ``forkserver``); as in torchrun it
+    only applies to function entry points, a script always runs as a new process."""
     event_log: str | None = None
     """Append lifecycle events (JSON lines with wall-clock times) to this file."""
     swap_stragglers: bool = False
@@ -124,6 +142,28 @@ class LauncherConfig:
             raise ValueError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts {self.max_restarts}: must be >= 0")
+        from torch.distributed.elastic.multiprocessing import Std
+
+        for flag, value in (("--redirects", self.redirects), ("--tee", self.tee)):
+            try:
+                Std.from_str(value)
+            except ValueError:
+                raise ValueError(
+                    f"{flag} {value!r}: use 0-3 for every local rank (1 stdout, 2 stderr, 3 "
+                    "both) or rank:value pairs such as 0:1,1:2"
+                ) from None
+        if self.local_ranks_filter is not None and (
+            not self.local_ranks_filter or min(self.local_ranks_filter) < 0
+        ):
+            raise ValueError(
+                "--local-ranks-filter: use a comma-separated list of local ranks, e.g. 0,1"
+            )
+        if self.start_method not in ("spawn", "fork", "forkserver"):
+            raise ValueError(f"--start-method {self.start_method!r}: use spawn, fork or forkserver")
+        if self.no_python and self.module:
+            raise ValueError("use either --no-python or --module (-m), not both (as torchrun)")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout {self.shutdown_timeout}: must be >= 0 seconds")
         if self.monitor_interval <= 0:
             raise ValueError(f"--monitor-interval {self.monitor_interval}: must be > 0 seconds")
         if self.lease_ttl < 2:
@@ -169,6 +209,17 @@ class LauncherConfig:
                 "multi-machine jobs need a job id shared by all their machines: pass "
                 "--rdzv-id <id> to every launcher"
             )
+
+
+def _default_shutdown_timeout() -> float:
+    text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r}: use a number of seconds (torchrun's "
+            "default is 30)"
+        ) from None
 
 
 def _default_node_id() -> str:
@@ -271,6 +322,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="worker-group restarts after failures before giving up (default 3)",
     )
     add(
+        "--shutdown-timeout",
+        "--shutdown_timeout",
+        type=float,
+        default=None,
+        help="seconds after SIGTERM/SIGINT before workers are killed and the launcher has "
+        "stopped (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30, as torchrun)",
+    )
+    add(
         "--monitor-interval",
         "--monitor_interval",
         type=float,
@@ -327,7 +386,66 @@ def _build_parser() -> argparse.ArgumentParser:
         help="before each round, run a compute + all-reduce probe; a machine that fails is "
         "recorded in etcd and not admitted again to this job",
     )
-    add("--log-dir", "--log_dir", default=None, help="directory for torch's worker logs")
+    add(
+        "--log-dir",
+        "--log_dir",
+        default=None,
+        help="base directory of the worker logs (a sub-directory per job id is created)",
+    )
+    add(
+        "-r",
+        "--redirects",
+        default="0",
+        help="redirect std streams of workers to log files in the log directory: 0-3 for all "
+        "(1 stdout, 2 stderr, 3 both) or 0:1,1:2 per local rank (as torchrun)",
+    )
+    add(
+        "-t",
+        "--tee",
+        default="0",
+        help="like --redirects, but also show the streams on the console (as torchrun)",
+    )
+    add(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        default="",
+        help="only show these local ranks' output on the console, e.g. 0 or 0,1 (as torchrun)",
+    )
+    add(
+        "--start-method",
+        "--start_method",
+        default="spawn",
+        choices=["spawn", "fork", "forkserver"],
+        help="multiprocessing start method (as torchrun: scripts always run as new processes)",
+    )
+    add(
+        "--no-python",
+        "--no_python",
+        action="store_true",
+        help="run the entry point directly (a binary or a shell script), not with python",
+    )
+    add(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        default=0,
+        help="accepted for torchrun compatibility; as with torchrun's dynamic backends it is "
+        "ignored: the etcd rendezvous assigns the machines' ranks",
+    )
+    add(
+        "--master-addr",
+        "--master_addr",
+        default=None,
+        help="accepted for torchrun compatibility; only torchrun's static rendezvous uses it",
+    )
+    add(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        help="accepted for torchrun compatibility; only torchrun's static rendezvous uses it "
+        "(worker rank 0 gets a free port every round)",
+    )
     add(
         "--event-log",
         default=None,
@@ -377,6 +495,16 @@ def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
         min_nodes, max_nodes = _parse_nnodes(args.nnodes)
         standalone = args.standalone or (args.rdzv_endpoint is None and max_nodes == 1)
         rdzv_id = args.rdzv_id or ("s" + uuid.uuid4().hex[:12] if standalone else "none")
+        _warn_static_only(args)
+        ranks_filter: frozenset[int] | None = None
+        if args.local_ranks_filter:
+            try:
+                ranks_filter = frozenset(int(r) for r in args.local_ranks_filter.split(","))
+            except ValueError:
+                raise ValueError(
+                    f"--local-ranks-filter {args.local_ranks_filter!r}: use a comma-separated "
+                    "list of local ranks, e.g. 0,1"
+                ) from None
         config = LauncherConfig(
             entrypoint=args.training_script,
             entrypoint_args=list(args.training_script_args),
@@ -389,6 +517,11 @@ def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
             rdzv_conf=_parse_rdzv_conf(args.rdzv_conf),
             standalone=standalone,
             max_restarts=args.max_restarts,
+            shutdown_timeout=(
+                args.shutdown_timeout
+                if args.shutdown_timeout is not None
+                else _default_shutdown_timeout()
+            ),
             monitor_interval=args.monitor_interval,
             local_addr=args.local_addr,
             node_id=args.node_id or _default_node_id(),
@@ -402,6 +535,11 @@ def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
             health_check=args.health_check,
             prewarm=args.prewarm,
             log_dir=args.log_dir,
+            redirects=args.redirects,
+            tee=args.tee,
+            local_ranks_filter=ranks_filter,
+            no_python=args.no_python,
+            start_method=args.start_method,
             event_log=args.event_log,
             swap_stragglers=args.swap_stragglers,
             straggler_factor=args.straggler_factor,
@@ -409,6 +547,24 @@ def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
     except ValueError as exc:
         parser.error(str(exc))
     return config, args.verbose
+
+
+def _warn_static_only(args: argparse.Namespace) -> None:
+    # torchrun's own behaviour for non-static rendezvous backends: accepted, unused, said so.
+    unused = []
+    if args.node_rank != 0:
+        unused.append(f"--node-rank {args.node_rank}")
+    if args.master_addr is not None:
+        unused.append(f"--master-addr {args.master_addr}")
+    if args.master_port is not None:
+        unused.append(f"--master-port {args.master_port}")
+    if unused:
+        logger.warning(
+            "%s: only torchrun's static rendezvous uses these; with the etcd rendezvous the "
+            "machines' ranks are assigned each round and worker rank 0 hosts the store on a "
+            "free port (MASTER_ADDR/MASTER_PORT in the workers' environment)",
+            ", ".join(unused),
+        )
 
 
 class EventLog:
@@ -469,10 +625,20 @@ def launch(config: LauncherConfig) -> int:
         elastic.session.LaunchError: If etcd is unreachable, the node id is taken, the node
             was marked unhealthy, or the node agent does not start.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from elastic.session import LaunchSession
 
-    with LaunchSession(config, EventLog(config.event_log, config.node_id)) as session:
-        return session.run()
+    events = EventLog(config.event_log, config.node_id)
+    try:
+        with LaunchSession(config, events) as session:
+            return session.run()
+    except SignalException as exc:
+        # Stopped while setting up (connecting to etcd, registering, starting the agent): the
+        # session released what it had; a signal is an exit code, not a traceback.
+        logger.warning("stopping on %s", exc.sigval.name)
+        events("signal", signal=exc.sigval.name)
+        return 128 + int(exc.sigval)
 
 
 if __name__ == "__main__":

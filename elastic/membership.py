@@ -305,11 +305,15 @@ class NodeRegistry:
             thread.start()
             self._threads.append(thread)
 
-    def update(self, **fields: Any) -> None:
+    def update(self, *, timeout: timedelta | None = None, **fields: Any) -> None:
         """Changes fields of the published record (``state``, ``group_rank``, ``rdzv_node``).
 
         A failure to publish is logged, not raised: the record is informative, liveness rests
         on the lease alone.
+
+        Args:
+            timeout: Deadline of the etcd write (default: the client's).
+            **fields: The fields to change.
         """
         with self._lock:
             self._record = replace(self._record, **fields)
@@ -317,7 +321,7 @@ class NodeRegistry:
         if lease is None:
             return
         try:
-            self._client.put(self._key, record.to_json(), lease=lease)
+            self._client.put(self._key, record.to_json(), lease=lease, timeout=timeout)
         except EtcdError as exc:
             logger.warning("could not publish this node's state %r: %s", fields, exc)
 
@@ -392,14 +396,20 @@ class NodeRegistry:
             self._report_lost(record)
         return dead
 
-    def close(self) -> None:
-        """Stops renewing and revokes the lease, which deletes the node key. Never raises."""
+    def close(self, timeout: timedelta = timedelta(seconds=2), *, revoke: bool = True) -> None:
+        """Stops renewing and revokes the lease, which deletes the node key. Never raises.
+
+        Args:
+            timeout: Deadline of the revocation; if etcd does not take it, the key goes when
+                the lease lapses (``ttl``).
+            revoke: ``False`` when etcd is known to be unreachable: the lease lapses.
+        """
         self._stop.set()
         with self._lock:
             lease, self._lease = self._lease, None
-        if lease is not None:
+        if lease is not None and revoke:
             try:
-                self._client.revoke_lease(lease, timeout=timedelta(seconds=2))
+                self._client.revoke_lease(lease, timeout=timeout)
             except EtcdError as exc:
                 logger.info("could not revoke this node's lease (it lapses on its own): %s", exc)
         if self._probe_server is not None:

@@ -115,6 +115,10 @@ class NodeAgentProcess:
         self._cond = threading.Condition()
         self._current: _Agent | None = None
         self._stopping = False
+        # Set from a signal handler (a plain attribute: a handler must not take the lock the
+        # interrupted thread may hold); read by the supervisor thread.
+        self._no_restart = False
+        self._stop_timeout_s = config.stop_timeout_s
         self._failure: str | None = None
         self._crashes = 0
         self._thread = threading.Thread(
@@ -163,16 +167,32 @@ class NodeAgentProcess:
                 self._cond.wait(min(0.05, max(0.001, deadline.remaining())))
             return self._current.gen
 
-    def stop(self) -> None:
+    def refuse_restarts(self) -> None:
+        """From now on an agent that exits is not started again (the launcher is stopping).
+
+        Safe to call from a signal handler: it only sets a flag. A signal sent to the whole
+        process group (a scheduler's SIGTERM, a terminal's Ctrl-C) reaches the agent too; it
+        persists and exits on its own, and must not be replaced while the launcher shuts down.
+        """
+        self._no_restart = True
+
+    def stop(self, timeout_s: float | None = None) -> None:
         """Stops the agent (SIGTERM: it persists what it holds, then removes its segments).
 
-        An agent that has not exited after ``stop_timeout_s`` is killed. Never raises.
+        Args:
+            timeout_s: How long the agent may take before it is killed; default
+                ``stop_timeout_s``. Its directories and segments are removed either way.
+
+        Never raises.
         """
+        self._no_restart = True
         with self._cond:
+            if timeout_s is not None:
+                self._stop_timeout_s = max(0.0, timeout_s)
             self._stopping = True
             self._cond.notify_all()
         if self._thread.is_alive():
-            self._thread.join(self.config.stop_timeout_s + 10)
+            self._thread.join(self._stop_timeout_s + 10)
 
     # ------------------------------------------------------------------------ internals
 
@@ -196,7 +216,7 @@ class NodeAgentProcess:
                 if self._stopping:
                     break
                 failed = self._failure is not None
-            if not failed:
+            if not failed and not self._no_restart:
                 self._tend_current()
             with self._cond:
                 self._cond.notify_all()
@@ -208,7 +228,7 @@ class NodeAgentProcess:
         if agent is not None:
             with contextlib.suppress(ProcessLookupError):
                 agent.proc.send_signal(signal.SIGTERM)
-            self._terminate(agent, Deadline.after(timedelta(seconds=self.config.stop_timeout_s)))
+            self._terminate(agent, Deadline.after(timedelta(seconds=self._stop_timeout_s)))
 
     def _tend_current(self) -> None:
         agent = self._current

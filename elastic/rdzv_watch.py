@@ -38,6 +38,7 @@ from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
 
+from elastic.etcd import EtcdError
 from elastic.rendezvous import EtcdRendezvousBackend
 
 __all__ = ["WatchingStateHolder", "create_watching_handler"]
@@ -100,7 +101,9 @@ class WatchingStateHolder(_HolderBase):
             changed = self._etcd.client.wait_for_change(
                 self._etcd.key, after_revision=token, timeout=timedelta(seconds=seconds)
             )
-        except Exception as exc:  # etcd unreachable: behave like torch's plain sleep
+        # Only etcd's own failures: torch's SignalException (SIGTERM/SIGINT) is an Exception too,
+        # and must end the wait, not be slept through.
+        except EtcdError as exc:  # etcd unreachable: behave like torch's plain sleep
             logger.debug("watching the rendezvous state failed: %s", exc)
             time.sleep(max(0.0, seconds - (time.monotonic() - start)))
             return

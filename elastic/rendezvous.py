@@ -5,7 +5,11 @@ heartbeats) as one opaque blob in a backend that offers compare-and-set. Its ``e
 needs etcd's v2 API, which is off by default since etcd 3.4 and removed in 3.6; this is the same
 contract on v3:
 
-- the state is stored raw under ``<key_prefix>/<run_id>/rdzv/state``;
+- the state is stored under ``<key_prefix>/<run_id>/rdzv/state`` in a frame
+  (:func:`encode_state`): a magic, a format version, the length and a CRC-32 around
+  torch's bytes. A value that is not such a frame (corrupted, truncated, written by something
+  else, or by another format version) raises torch's ``RendezvousStateError`` naming the key and
+  the fix, before torch's handler unpickles anything;
 - the fencing token is the key's ``mod_revision``; ``set_state`` is one etcd transaction that
   writes only if the revision is still the token (``None`` or ``0``: only if absent);
 - on a stale token, nothing is written and the current state and token come back with
@@ -18,18 +22,28 @@ write a heartbeat every few seconds, keep it.
 
 The store handed to torch (for ``MASTER_ADDR``/``MASTER_PORT`` and the agents' barriers) is an
 :class:`elastic.store.EtcdStore` under ``<key_prefix>/<run_id>/store/``.
+
+Creating the handler turns off torch's shared rendezvous TCPStore for the process
+(:func:`use_fresh_worker_store`): with it, a restarted worker group can hang (see there).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import ssl
+import struct
 import threading
 import time
+import zlib
+from collections.abc import Iterator
 from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousParameters,
+    RendezvousStateError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -54,16 +68,87 @@ from elastic.store import EtcdStore
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
+    "SHARE_STORE_ENV",
     "EtcdRendezvousBackend",
     "create_backend",
     "create_client",
     "create_handler",
+    "decode_state",
+    "encode_state",
+    "use_fresh_worker_store",
 ]
+
+logger = logging.getLogger(__name__)
+
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torch's switch of the TCPStore shared between its rendezvous and the workers."""
 
 DEFAULT_KEY_PREFIX = "/flashckpt"
 _DEFAULT_STATE_TTL = timedelta(hours=2)
 _DEFAULT_READ_TIMEOUT_S = 60  # torch's etcd-v2 default
 _DEFAULT_STORE_TIMEOUT_S = 300  # c10d's default
+
+_FRAME_MAGIC = b"FCRDZV"
+_FRAME_VERSION = 1
+# magic, version, payload length; then the payload; then the CRC-32 of everything before it.
+_FRAME_HEAD = struct.Struct("<6sBI")
+_FRAME_TAIL = struct.Struct("<I")
+# etcd refuses values over 1.5 MiB by default; this bounds what a foreign value can announce.
+_MAX_STATE_BYTES = 64 << 20
+
+
+def encode_state(state: bytes) -> bytes:
+    """Frames torch's rendezvous state for etcd: magic, version, length, bytes, CRC-32.
+
+    Raises:
+        ValueError: If the state is larger than any rendezvous state can be (64 MiB).
+    """
+    if len(state) > _MAX_STATE_BYTES:
+        raise ValueError(f"rendezvous state of {len(state)} bytes exceeds {_MAX_STATE_BYTES}")
+    head = _FRAME_HEAD.pack(_FRAME_MAGIC, _FRAME_VERSION, len(state))
+    return head + state + _FRAME_TAIL.pack(zlib.crc32(state, zlib.crc32(head)))
+
+
+def decode_state(value: bytes, key: str) -> bytes:
+    """Checks a framed state read from etcd and returns torch's bytes in it.
+
+    Args:
+        value: The etcd value.
+        key: Its key, for the error message.
+
+    Raises:
+        RendezvousStateError: If ``value`` is not a frame of this format version, or its length
+            or checksum do not match: nothing of it may reach torch's unpickler.
+    """
+    fix = (
+        f"delete it (etcdctl del {key}) once no launcher of the job runs, or use another "
+        "--rdzv-id; every machine of a job must run the same flashckpt version"
+    )
+    head_size, tail_size = _FRAME_HEAD.size, _FRAME_TAIL.size
+    if len(value) < head_size + tail_size or not value.startswith(_FRAME_MAGIC):
+        raise RendezvousStateError(
+            f"the rendezvous state at {key!r} ({len(value)} bytes) was not written by "
+            f"flashckpt's etcd backend (no {_FRAME_MAGIC.decode()} frame): {fix}"
+        )
+    _, version, length = _FRAME_HEAD.unpack_from(value)
+    if version != _FRAME_VERSION:
+        raise RendezvousStateError(
+            f"the rendezvous state at {key!r} has frame version {version}, this flashckpt "
+            f"reads version {_FRAME_VERSION}: {fix}"
+        )
+    if length != len(value) - head_size - tail_size:
+        raise RendezvousStateError(
+            f"the rendezvous state at {key!r} is truncated or padded: its frame announces "
+            f"{length} bytes of state, the value holds {len(value) - head_size - tail_size}: "
+            f"{fix}"
+        )
+    state = value[head_size : head_size + length]
+    (stored,) = _FRAME_TAIL.unpack_from(value, head_size + length)
+    if zlib.crc32(state, zlib.crc32(value[:head_size])) != stored:
+        raise RendezvousStateError(
+            f"the rendezvous state at {key!r} is corrupt (its CRC-32 does not match): {fix}"
+        )
+    return state
 
 
 def job_prefix(run_id: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
@@ -112,6 +197,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._lease_lock = threading.Lock()
         self._lease: Lease | None = None
         self._lease_granted_at = 0.0
+        self._local = threading.local()
 
     @property
     def name(self) -> str:
@@ -128,13 +214,37 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """The etcd client."""
         return self._client
 
-    def get_state(self) -> tuple[bytes, Token] | None:
-        """See base class."""
+    @contextlib.contextmanager
+    def call_timeout(self, timeout: timedelta) -> Iterator[None]:
+        """Caps the deadline of this thread's etcd calls (retries included) inside the block.
+
+        Used where waiting the client's full ``read_timeout`` helps nobody: the launcher's
+        shutdown, and its poll for waiting machines while workers train.
+        """
+        previous = getattr(self._local, "timeout", None)
+        self._local.timeout = timeout if previous is None else min(previous, timeout)
         try:
-            found = self._client.get(self._key)
+            yield
+        finally:
+            self._local.timeout = previous
+
+    def _timeout(self) -> timedelta | None:
+        return getattr(self._local, "timeout", None)
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """See base class.
+
+        Raises:
+            RendezvousConnectionError: etcd could not be read.
+            RendezvousStateError: The stored value is not a frame this backend wrote.
+        """
+        try:
+            found = self._client.get(self._key, timeout=self._timeout())
         except EtcdError as exc:
             raise self._connection_error("read", exc) from exc
-        return found
+        if found is None:
+            return None
+        return decode_state(found[0], self._key), found[1]
 
     def set_state(
         self, state: bytes, token: Token | None = None
@@ -160,19 +270,23 @@ class EtcdRendezvousBackend(RendezvousBackend):
             raise self._connection_error("write", exc) from exc
         if current is None:
             return None
-        return current.value, current.mod_revision, succeeded
+        if succeeded:
+            return state, current.mod_revision, True
+        return decode_state(current.value, self._key), current.mod_revision, False
 
     def _compare_and_set(self, state: bytes, revision: int) -> tuple[bool, KeyValue | None]:
+        framed = encode_state(state)
+        timeout = self._timeout()
         lease = self._lease_for_write()
         try:
             return self._client.compare_and_set(
-                self._key, state, mod_revision=revision, lease=lease
+                self._key, framed, mod_revision=revision, lease=lease, timeout=timeout
             )
         except EtcdLeaseNotFound:
             # The lease ended early (revoked by an operator, or this process slept past it).
             lease = self._lease_for_write(renew=True)
             return self._client.compare_and_set(
-                self._key, state, mod_revision=revision, lease=lease
+                self._key, framed, mod_revision=revision, lease=lease, timeout=timeout
             )
 
     def _lease_for_write(self, *, renew: bool = False) -> Lease | None:
@@ -181,7 +295,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         with self._lease_lock:
             age = time.monotonic() - self._lease_granted_at
             if renew or self._lease is None or age > self._state_ttl.total_seconds() / 2:
-                self._lease = self._client.grant_lease(self._state_ttl)
+                self._lease = self._client.grant_lease(self._state_ttl, timeout=self._timeout())
                 self._lease_granted_at = time.monotonic()
             return self._lease
 
@@ -286,16 +400,45 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     return backend, store
 
 
+def use_fresh_worker_store() -> None:
+    """Makes every worker group host its own TCPStore (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
+
+    By default (torch >= 2.4) the elastic agent of group rank 0 creates one TCPStore server the
+    first time it is rank 0, and hands the same ``MASTER_ADDR:MASTER_PORT`` to the workers of
+    every later round; they connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE=True``)
+    with no per-attempt key prefix (torch's ``_create_c10d_store`` assumes a new store per
+    attempt). After a worker is killed, the restarted group therefore meets the previous
+    attempt's keys: gloo's full-mesh setup can read the dead rank's old address before the new
+    rank overwrites it and connect to its old port, which hangs until gloo's timeout (seen in 2
+    of 6 ``torchrun --max-restarts`` runs). With sharing off, worker rank 0 hosts a new store on
+    a port the agent picks for each round, so no key of an earlier attempt exists.
+
+    torch reads the variable in the agent (``use_agent_store``, ``next_rendezvous``) and the
+    workers inherit it, so setting it in the agent's process when our handler is created is
+    enough. An explicit ``0`` is overridden with a warning: it is known to hang restarts.
+    """
+    if os.environ.get(SHARE_STORE_ENV, "1") != "1":
+        logger.warning(
+            "%s=%s overridden with 1: sharing the rendezvous TCPStore with the workers can hang "
+            "a restarted worker group on stale keys of the previous attempt",
+            SHARE_STORE_ENV,
+            os.environ[SHARE_STORE_ENV],
+        )
+    os.environ[SHARE_STORE_ENV] = "1"
+
+
 def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     """Builds torch's ``DynamicRendezvousHandler`` on our etcd v3 backend.
 
     This is what ``--rdzv-backend=flashckpt-etcd`` runs. torch's own options (``join_timeout``,
     ``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
-    ``keep_alive_max_attempt``) are passed through; see :func:`create_backend` for ours.
+    ``keep_alive_max_attempt``) are passed through; see :func:`create_backend` for ours. Each
+    worker group gets its own TCPStore (:func:`use_fresh_worker_store`).
 
     Raises:
         ValueError: If a parameter is invalid.
         RendezvousConnectionError: If etcd cannot be reached when the handler needs it.
     """
     backend, store = create_backend(params)
+    use_fresh_worker_store()
     return _torch_create_handler(store, backend, params)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -59,9 +59,16 @@ from elastic.node_agent import NodeAgentConfig, NodeAgentError, NodeAgentProcess
 from elastic.prewarm import PREWARM_SOCKET_ENV, Prewarmer
 from elastic.rdzv_registry import BACKEND_NAME
 from elastic.rdzv_watch import create_watching_handler
-from elastic.rendezvous import DEFAULT_KEY_PREFIX, EtcdRendezvousBackend, create_backend, job_prefix
+from elastic.rendezvous import (
+    DEFAULT_KEY_PREFIX,
+    EtcdRendezvousBackend,
+    create_backend,
+    job_prefix,
+    use_fresh_worker_store,
+)
+from elastic.restore_report import RestoreReporter, events_path, job_summary
 from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
-from elastic.worker_entry import LAUNCHER_PID_ENV
+from elastic.worker_entry import EXEC_FLAG, LAUNCHER_PID_ENV
 from flashckpt.interval import JOB_START_ENV
 
 if TYPE_CHECKING:
@@ -76,6 +83,17 @@ _AGENT_READY_TIMEOUT = timedelta(seconds=120)
 _HEALTH_TIMEOUT = timedelta(seconds=60)
 _MAX_HEALTH_ROUNDS = 5
 _PREWARM_READY_TIMEOUT_S = 120.0
+# Every etcd call of the teardown: etcd answers in milliseconds when it is up, and when it is
+# gone waiting the full read_timeout (30 s) per call only delays the exit (leases lapse anyway).
+_TEARDOWN_ETCD_TIMEOUT = timedelta(seconds=2)
+# Before the exit barrier, and while workers train (polling for waiting machines).
+_PROBE_ETCD_TIMEOUT = timedelta(seconds=2)
+# torchrun's default set (--signals-to-handle).
+_HANDLED_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
+)
 
 
 class LaunchError(RuntimeError):
@@ -84,11 +102,6 @@ class LaunchError(RuntimeError):
 
 class _Unhealthy(Exception):
     """This machine failed the health check."""
-
-
-def _raise_signal(signum: int, frame: FrameType | None) -> None:
-    sigval = signal.Signals(signum)
-    raise SignalException(f"launcher {os.getpid()} got signal {sigval.name}", sigval=sigval)
 
 
 class LaunchSession:
@@ -122,12 +135,16 @@ class LaunchSession:
         self._old_handlers: dict[int, Any] = {}
         self._jobview: JobViewPublisher | None = None
         self._retire_reason: str | None = None
+        self._signalled_at: float | None = None
+        self._in_teardown = False
+        self._starts = 0
+        self._reporter = RestoreReporter(os.devnull, 0)
 
     # ---------------------------------------------------------------------------- set-up
 
     def __enter__(self) -> LaunchSession:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            self._old_handlers[sig] = signal.signal(sig, _raise_signal)
+        for sig in _HANDLED_SIGNALS:
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
             self._setup()
         except BaseException:
@@ -142,6 +159,33 @@ class LaunchSession:
         tb: TracebackType | None,
     ) -> None:
         self._teardown()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """The launcher's handler of SIGTERM/SIGINT/SIGHUP/SIGQUIT (torchrun's set).
+
+        Like torch's own handler it raises ``SignalException`` in the main thread, so torch's
+        agent stops the workers (SIGTERM, then SIGKILL after ``--shutdown-timeout``) and
+        :meth:`run` returns 128+N. First it only sets flags: the shutdown deadline starts, and
+        the node agent is no longer restarted if it exits (a signal to the whole process group
+        reaches it too). During the teardown further signals are noted, not raised: a second
+        Ctrl-C must not skip the clean-up.
+        """
+        sigval = signal.Signals(signum)
+        if self._signalled_at is None:
+            self._signalled_at = time.monotonic()
+        agent = self._node_agent
+        if agent is not None:
+            agent.refuse_restarts()
+        if self._in_teardown:
+            return
+        raise SignalException(f"launcher {os.getpid()} got signal {sigval.name}", sigval=sigval)
+
+    def install_signal_handlers(self) -> None:
+        """(Re)installs :meth:`_on_signal`; torch's process context replaces it at each start
+        of the workers with its own, which would skip the flags."""
+        for sig in _HANDLED_SIGNALS:
+            with contextlib.suppress(ValueError):  # not the main thread
+                signal.signal(sig, self._on_signal)
 
     def _setup(self) -> None:
         cfg = self.config
@@ -230,7 +274,13 @@ class LaunchSession:
         except ValueError as exc:
             raise LaunchError(str(exc)) from exc
         self._node_agent.start()
-        if cfg.prewarm:
+        self._reporter = RestoreReporter(
+            events_path(run_dir, cfg.rdzv_id, cfg.node_id),
+            cfg.nproc_per_node,
+            prefix=f"[flashckpt run {cfg.node_id}] ",
+        )
+        # A zygote forks Python processes; --no-python runs something else.
+        if cfg.prewarm and not cfg.no_python:
             sock = os.path.join(run_dir, f"{cfg.rdzv_id}.{cfg.node_id}.prewarm")
             if len(sock.encode()) > 100:
                 raise LaunchError(
@@ -244,13 +294,16 @@ class LaunchSession:
 
         threading.Thread(target=self._report_warm, name="flashckpt-warm", daemon=True).start()
         self._handler = create_watching_handler(store, backend, params)
-        _tolerate_etcd_outages(self._handler)
+        _tolerate_etcd_outages(self._handler, backend)
         node_desc = getattr(self._handler, "_this_node", None)
         self._registry.update(rdzv_node=repr(node_desc) if node_desc else None, state="waiting")
         self._start_job_view(client)
 
         entry = ["-u", "-m", "elastic.worker_entry"]
-        entry += ["-m", cfg.entrypoint] if cfg.module else [cfg.entrypoint]
+        if cfg.no_python:
+            entry += [EXEC_FLAG, cfg.entrypoint]
+        else:
+            entry += ["-m", cfg.entrypoint] if cfg.module else [cfg.entrypoint]
         spec = WorkerSpec(
             role="trainer",
             local_world_size=cfg.nproc_per_node,
@@ -263,18 +316,33 @@ class LaunchSession:
         )
         self._agent = _FlashAgent(
             spec,
-            logs_specs=DefaultLogsSpecs(log_dir=cfg.log_dir),
+            logs_specs=DefaultLogsSpecs(
+                log_dir=cfg.log_dir,
+                redirects=Std.from_str(cfg.redirects),
+                tee=Std.from_str(cfg.tee),
+                local_ranks_filter=set(cfg.local_ranks_filter) if cfg.local_ranks_filter else None,
+            ),
             session=self,
+            shutdown_timeout=cfg.shutdown_timeout,
+            start_method=cfg.start_method,
         )
 
     def _set_worker_environment(self) -> None:
         cfg = self.config
-        # A standby joining while the old rank 0 survives can hang on the TCPStore that torch
-        # otherwise shares between the rendezvous and the workers; with it off, worker rank 0
-        # hosts a fresh store every round.
-        if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1") != "1":
-            logger.warning("overriding TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0: sharing can hang")
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        # Worker rank 0 hosts a fresh TCPStore every round (see use_fresh_worker_store).
+        use_fresh_worker_store()
+        if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
+            # torchrun's default and its message: N workers x all cores oversubscribe the CPU,
+            # and the numerics follow the thread count.
+            logger.warning(
+                "\n*****************************************\n"
+                "Setting OMP_NUM_THREADS environment variable for each process to be "
+                "1 in default, to avoid your system being overloaded, "
+                "please further tune the variable for optimal performance in "
+                "your application as needed. \n"
+                "*****************************************"
+            )
+            os.environ["OMP_NUM_THREADS"] = "1"
         # Inherited by the workers: flashckpt.checkpointing() connects to our node agent.
         os.environ["FLASHCKPT_JOB"] = cfg.rdzv_id
         os.environ["FLASHCKPT_NODE"] = cfg.node_id
@@ -413,9 +481,11 @@ class LaunchSession:
         os.environ["FLASHCKPT_RUN_DIR"] = generation.run_dir
         os.environ["FLASHCKPT_SHM_DIR"] = generation.shm_dir
         self._last_view = view
+        self._starts += 1
         self.events(
             "workers_start", ranks=list(view[0]), world_size=view[1], agent_gen=generation.number
         )
+        self._reporter.workers_started(time.time())
 
     def _use_prewarmer(self) -> None:
         os.environ.pop(PREWARM_SOCKET_ENV, None)
@@ -502,23 +572,46 @@ class LaunchSession:
     # ---------------------------------------------------------------------------- teardown
 
     def _teardown(self) -> None:
-        if self._handler is not None and self._shutdown_rdzv:
-            with contextlib.suppress(Exception):
-                self._handler.shutdown()
+        """Releases everything, within the shutdown deadline after a signal.
+
+        Every etcd call is capped at 2 s, and when etcd does not answer a first probe none is
+        made (the node key, the summary and this node's rendezvous heartbeat then go with their
+        leases and timeouts); after a signal the node agent gets what is left of
+        ``--shutdown-timeout`` since the signal to persist what it holds (it is killed after
+        that, and its segments removed either way).
+        """
+        self._in_teardown = True
+        signalled = self._signalled_at is not None
+        if self._node_agent is not None and signalled:
+            self._node_agent.refuse_restarts()
+        etcd_up = self._backend is not None and self.etcd_reachable()
+        if self._backend is not None and not etcd_up:
+            logger.warning(
+                "etcd does not answer: this node's key and rendezvous place go with their "
+                "lease and heartbeat timeouts"
+            )
+        if self._handler is not None:
+            self._leave_rendezvous(close=self._shutdown_rdzv and not signalled, etcd_up=etcd_up)
         if self._jobview is not None:
-            self._jobview.close()
+            self._jobview.close(timeout=_TEARDOWN_ETCD_TIMEOUT.total_seconds() if etcd_up else 0.5)
             self._jobview = None
         if self._registry is not None:
-            with contextlib.suppress(Exception):
-                self._registry.update(state="leaving")
-            self._registry.close()
+            if etcd_up:
+                with contextlib.suppress(Exception):
+                    self._registry.update(state="leaving", timeout=_TEARDOWN_ETCD_TIMEOUT)
+            self._registry.close(timeout=_TEARDOWN_ETCD_TIMEOUT, revoke=etcd_up)
             self._registry = None
         if self._prewarmer is not None:
             self._prewarmer.stop()
             self._prewarmer = None
         if self._node_agent is not None:
-            self._node_agent.stop()
+            if self._signalled_at is not None:
+                left = self.config.shutdown_timeout - (time.monotonic() - self._signalled_at)
+                self._node_agent.stop(timeout_s=max(1.0, left))
+            else:
+                self._node_agent.stop()
             self._node_agent = None
+            self._print_summary()
         if self._standalone is not None:
             self._standalone.close()
             self._standalone = None
@@ -528,6 +621,59 @@ class LaunchSession:
         self._old_handlers.clear()
         self.events("launcher_exit")
 
+    def _print_summary(self) -> None:
+        """Prints the job's summary on this machine, once the node agent wrote its last events."""
+        if self._starts == 0:
+            return
+        try:
+            line = job_summary(self._reporter.path, restarts=self._starts - 1)
+        except Exception:  # a report: never a reason to fail the exit
+            logger.exception("summarizing the node agent's events failed")
+            return
+        if line is not None:
+            print(f"[flashckpt run {self.config.node_id}] {line}", flush=True)
+
+    def _leave_rendezvous(self, *, close: bool, etcd_up: bool) -> None:
+        """Closes the rendezvous (the job finished) or gives up this node's place in it.
+
+        After a signal torch leaves the rendezvous open (closing it would end the job for every
+        machine, and a standby must be able to take this one's place); this node's heartbeat is
+        set to the epoch instead, so the others drop it at their next read rather than count it
+        as waiting until torch's heartbeat timeout (15 s).
+        """
+        handler, backend = self._handler, self._backend
+        assert handler is not None
+        with contextlib.ExitStack() as stack:
+            if backend is not None:
+                stack.enter_context(backend.call_timeout(_TEARDOWN_ETCD_TIMEOUT))
+            if close and etcd_up:
+                with contextlib.suppress(Exception):
+                    handler.shutdown()
+                return
+            # torch's keep-alive timer would write a fresh heartbeat over the epoch.
+            stop_heartbeats = getattr(handler, "_stop_heartbeats", None)
+            if callable(stop_heartbeats):
+                with contextlib.suppress(Exception):
+                    stop_heartbeats()
+            node = getattr(handler, "_this_node", None)
+            if node is None or backend is None or not etcd_up:
+                return
+            try:
+                expire_rendezvous_nodes(backend, [repr(node)], attempts=3)
+            except Exception as exc:  # torch's heartbeat timeout drops it instead
+                logger.info("could not give up this node's place in the rendezvous: %s", exc)
+
+    def etcd_reachable(self) -> bool:
+        """Whether etcd answers within 2 s."""
+        backend = self._backend
+        if backend is None:
+            return False
+        try:
+            backend.client.revision(timeout=_PROBE_ETCD_TIMEOUT)
+        except EtcdError:
+            return False
+        return True
+
 
 class _RetryRendezvous(Exception):
     """The round must be formed again (a machine failed the health check)."""
@@ -536,8 +682,21 @@ class _RetryRendezvous(Exception):
 class _FlashAgent(LocalElasticAgent):
     """torch's local elastic agent with the launch session's hooks around each round."""
 
-    def __init__(self, spec: WorkerSpec, *, logs_specs: DefaultLogsSpecs, session: LaunchSession):
-        super().__init__(spec, logs_specs=logs_specs, start_method="spawn")
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        logs_specs: DefaultLogsSpecs,
+        session: LaunchSession,
+        shutdown_timeout: float,
+        start_method: str = "spawn",
+    ):
+        super().__init__(
+            spec,
+            logs_specs=logs_specs,
+            start_method=start_method,
+            shutdown_timeout=max(0, round(shutdown_timeout)),
+        )
         self._session = session
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -556,27 +715,46 @@ class _FlashAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._session.before_start_workers(worker_group)
-        return super()._start_workers(worker_group)
+        try:
+            return super()._start_workers(worker_group)
+        finally:
+            # torch's process context installed its own handlers; ours also set the flags.
+            self._session.install_signal_handlers()
+
+    def _exit_barrier(self) -> None:
+        # The barrier keeps an agent alive while the others finish because torch's agents may
+        # host the store; ours is in etcd. With etcd gone it could only fail after its
+        # timeouts, so it is skipped.
+        if not self._session.etcd_reachable():
+            logger.warning("etcd is unreachable: not waiting for the other machines to finish")
+            return
+        super()._exit_barrier()
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._session.events("workers_restart", state=worker_group.state.name)
         super()._restart_workers(worker_group)
 
 
-def _tolerate_etcd_outages(handler: DynamicRendezvousHandler) -> None:
+def _tolerate_etcd_outages(
+    handler: DynamicRendezvousHandler, backend: EtcdRendezvousBackend
+) -> None:
     """Keeps healthy workers training while etcd is unreachable.
 
     torch's agent asks ``num_nodes_waiting()`` every ``--monitor-interval`` while the workers
     run, and an error there ends the launcher (and so the job), although the workers never
     talk to etcd. Here an etcd outage only means no machine can be seen waiting to join; it is
-    logged, and rendezvous rounds still fail after their own timeouts.
+    logged, and rendezvous rounds still fail after their own timeouts. Both the poll and torch's
+    heartbeat give up on etcd after 2 s, so neither holds up the monitor loop.
     """
     ask = handler.num_nodes_waiting
     last_warning = [0.0]
 
     def num_nodes_waiting() -> int:
         try:
-            return ask()
+            # A poll, not a rendezvous: a short deadline keeps the monitor loop (which also
+            # notices finished or failed workers) running while etcd is down.
+            with backend.call_timeout(_PROBE_ETCD_TIMEOUT):
+                return ask()
         except RendezvousConnectionError as exc:
             now = time.monotonic()
             if now - last_warning[0] > 10:
@@ -585,6 +763,19 @@ def _tolerate_etcd_outages(handler: DynamicRendezvousHandler) -> None:
             return 0
 
     setattr(handler, "num_nodes_waiting", num_nodes_waiting)  # noqa: B010
+
+    # torch's keep-alive thread holds the handler's heartbeat lock for its whole etcd write,
+    # which num_nodes_waiting() also takes: with etcd down and the client's 30 s read_timeout,
+    # the monitor loop stalled for 30 s at a time (workers that had finished went unnoticed).
+    # A heartbeat is retried every keep_alive_interval anyway.
+    keep_alive = getattr(handler, "_keep_alive", None)
+    if callable(keep_alive):
+
+        def capped_keep_alive() -> None:
+            with backend.call_timeout(_PROBE_ETCD_TIMEOUT):
+                keep_alive()
+
+        setattr(handler, "_keep_alive", capped_keep_alive)  # noqa: B010
 
 
 def _describe_failures(result: RunResult) -> str:

@@ -6,10 +6,12 @@ shared memory, and still talking to a job that has moved on. Workers are therefo
 
     python -u -m elastic.worker_entry <script.py> [args...]
     python -u -m elastic.worker_entry -m <module> [args...]
+    python -u -m elastic.worker_entry --exec <program> [args...]   (flashckpt run --no-python)
 
 which sets ``PR_SET_PDEATHSIG=SIGKILL`` (the kernel kills the worker when its launcher dies,
 however it dies), then runs the script or module as ``__main__`` exactly like ``python`` would:
-same ``sys.argv``, script directory first on ``sys.path``. With ``FLASHCKPT_PREWARM_SOCKET``
+same ``sys.argv``, script directory first on ``sys.path``. With ``--exec`` the process becomes
+the program (``execvp``; the parent-death signal survives it). With ``FLASHCKPT_PREWARM_SOCKET``
 set, the script runs in a fork of the launcher's pre-warmed process instead, and this process
 relays signals and the exit status (see :mod:`elastic.prewarm`).
 
@@ -32,7 +34,10 @@ import traceback
 from elastic.prewarm import PREWARM_SOCKET_ENV, exit_with_status, run_prewarmed
 from elastic.procutil import set_parent_death_signal
 
-__all__ = ["FAST_EXIT_ENV", "LAUNCHER_PID_ENV", "main", "run_user_code"]
+__all__ = ["EXEC_FLAG", "FAST_EXIT_ENV", "LAUNCHER_PID_ENV", "main", "run_user_code"]
+
+EXEC_FLAG = "--exec"
+"""``--exec <program> [args]``: replace this process by the program (``--no-python``)."""
 
 LAUNCHER_PID_ENV = "FLASHCKPT_LAUNCHER_PID"
 """Set by the launcher to its pid; a worker whose parent is not this pid exits at once."""
@@ -55,10 +60,18 @@ def main(argv: list[str] | None = None) -> None:
     set_parent_death_signal(
         signal.SIGKILL, expected_parent=int(launcher) if launcher and launcher.isdigit() else None
     )
-    if not args or (args[0] == "-m" and len(args) < 2):
+    if not args or (args[0] in ("-m", EXEC_FLAG) and len(args) < 2):
         raise SystemExit(
-            "usage: python -m elastic.worker_entry <script.py> [args] | -m <module> [args]"
+            "usage: python -m elastic.worker_entry <script.py> [args] | -m <module> [args] | "
+            f"{EXEC_FLAG} <program> [args]"
         )
+    if args[0] == EXEC_FLAG:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            os.execvp(args[1], args[1:])
+        except OSError as exc:
+            raise SystemExit(f"flashckpt run --no-python: cannot run {args[1]!r}: {exc}") from exc
     socket_path = os.environ.get(PREWARM_SOCKET_ENV)
     if socket_path:
         status = run_prewarmed(socket_path, args)

@@ -69,6 +69,7 @@ class SimCluster:
         nproc: ``--nproc-per-node``.
         worker_args: Extra arguments of the training script, on every machine.
         launcher_args: Extra arguments of every launcher.
+        worker: The training script (default: ``_elastic_worker.py``).
     """
 
     def __init__(
@@ -80,7 +81,9 @@ class SimCluster:
         nproc: int = 1,
         worker_args: Iterable[str] = (),
         launcher_args: Iterable[str] = (),
+        worker: Path = WORKER,
     ) -> None:
+        self.worker = worker
         self.uid = uuid.uuid4().hex[:10]
         self.run_id = f"fce-{self.uid}"
         self.root = root
@@ -135,7 +138,7 @@ class SimCluster:
             cmd += ["--standalone", "--rdzv-id", self.run_id]
         else:
             cmd += ["--rdzv-endpoint", self.etcd_url, "--rdzv-id", self.run_id]
-        cmd += [str(WORKER), "--out", str(self.out), "--storage", self.storage]
+        cmd += [str(self.worker), "--out", str(self.out), "--storage", self.storage]
         return [*cmd, *self.worker_args, *worker_args]
 
     def start(

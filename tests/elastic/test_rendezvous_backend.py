@@ -1,12 +1,17 @@
 """RendezvousBackend contract, run against our etcd backend and the in-memory reference.
 
-The contract is torch's (``dynamic_rendezvous.RendezvousBackend.set_state``): a write succeeds
-only with the current token (``None``: only if there is no state); otherwise nothing is written
-and the current state and token come back with ``False``.
+The contract is torch's (``dynamic_rendezvous.RendezvousBackend``, and the behaviours its
+``RendezvousBackendTestMixin`` checks, listed below): a write succeeds only with the current
+token (``None``: only if there is no state); otherwise nothing is written and the current state
+and token come back with ``False``; a stored value that is not a valid state raises
+``RendezvousStateError``.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import re
 import shutil
 import threading
 import time
@@ -17,12 +22,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from elastic.etcd import EtcdClient
 from elastic.rdzv_registry import BACKEND_NAME
-from elastic.rendezvous import EtcdRendezvousBackend, create_backend, create_handler
+from elastic.rendezvous import (
+    SHARE_STORE_ENV,
+    EtcdRendezvousBackend,
+    create_backend,
+    create_handler,
+    decode_state,
+    encode_state,
+)
 from elastic.testing import EtcdServer, InMemoryRendezvousBackend, make_test_certificates
 
 BackendFactory = Callable[[], RendezvousBackend]
@@ -126,8 +142,98 @@ def test_concurrent_writers_exactly_one_wins_per_round(make_backend: BackendFact
 # --------------------------------------------------------------------------- etcd specifics
 
 
+# ---------------------------------------------------------- torch's RendezvousBackendTestMixin
+# torch ships the backend contract in its test tree only
+# (test/distributed/elastic/rendezvous/rendezvous_backend_test.py); its eight behaviours, and
+# where each is tested here:
+#   get_state returns the backend state ..................... test_get_state_returns_what_was_set
+#   get_state returns None if there is no state ............. test_absent_state_reads_as_none
+#   get_state raises RendezvousStateError if corrupt ........ test_corrupt_state_raises_*
+#   set_state sets the state if it does not exist ........... test_create_if_absent
+#   set_state sets the state if the token is current ........ test_update_with_current_token_...
+#   set_state returns the current state if the token is old . test_update_with_current_token_...
+#   set_state returns the current state if the token is None  test_create_if_absent
+#   set_state returns the current state if the token is bad . test_foreign_token_is_stale
+
+
+def test_get_state_returns_what_was_set(make_backend: BackendFactory) -> None:
+    backend = make_backend()
+    backend.set_state(b"x")
+    found = backend.get_state()
+    assert found is not None
+    state, token = found
+    assert state == b"x"
+    assert token is not None
+
+
+class _Trap:
+    """Unpickling this creates a directory: proof that a value reached ``pickle.loads``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.mkdir, (str(self.marker),)
+
+
+def _corruptions(marker: Path) -> dict[str, bytes]:
+    good = encode_state(pickle.dumps({"round": 1}))
+    wrong_version = bytearray(good)
+    wrong_version[6] = 99
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x01
+    return {
+        "empty": b"",
+        "garbage": b"\x80\x04not a state at all",
+        # torch's bytes without a frame: an older flashckpt, or another tool, wrote the key. A
+        # trap inside shows whether anything reached the unpickler.
+        "unframed pickle": pickle.dumps(_Trap(marker)),
+        "truncated": good[:-3],
+        "padded": good + b"\x00",
+        "bit flip": bytes(flipped),
+        "other version": bytes(wrong_version),
+        "framed trap, bad checksum": encode_state(pickle.dumps(_Trap(marker)))[:-1] + b"\x00",
+    }
+
+
 @pytest.mark.etcd
-def test_state_is_stored_raw_under_the_job_key_with_a_lease(etcd_server: str) -> None:
+@pytest.mark.parametrize(
+    "case",
+    [
+        "empty",
+        "garbage",
+        "unframed pickle",
+        "truncated",
+        "padded",
+        "bit flip",
+        "other version",
+        "framed trap, bad checksum",
+    ],
+)
+def test_corrupt_state_raises_rendezvous_state_error(
+    etcd_server: str, tmp_path: Path, case: str
+) -> None:
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=5))
+    run_id = f"job-{uuid.uuid4().hex[:8]}"
+    params = _params(etcd_server, read_timeout=5, key_prefix="/test-corrupt")
+    params.run_id = run_id
+    backend, _ = create_backend(params)
+    marker = tmp_path / "unpickled"
+    client.put(backend.key, _corruptions(marker)[case])
+    with pytest.raises(RendezvousStateError, match=re.escape(backend.key)):
+        backend.get_state()
+    # A writer that loses the compare-and-set is told the current state: the same check.
+    with pytest.raises(RendezvousStateError):
+        backend.set_state(b"mine", None)
+    # Through torch's handler (what torchrun runs): the error surfaces, nothing is unpickled.
+    handler = create_handler(params)
+    with pytest.raises(RendezvousStateError, match="etcdctl del"):
+        handler.num_nodes_waiting()
+    assert not marker.exists(), "a corrupt value reached torch's unpickler"
+
+
+@pytest.mark.etcd
+def test_state_is_framed_under_the_job_key_with_a_lease(etcd_server: str) -> None:
     client = EtcdClient(etcd_server, timeout=timedelta(seconds=5))
     backend = EtcdRendezvousBackend(
         client, "job-raw", key_prefix="/test-raw", state_ttl=timedelta(seconds=60)
@@ -135,9 +241,11 @@ def test_state_is_stored_raw_under_the_job_key_with_a_lease(etcd_server: str) ->
     client.delete_prefix("/test-raw/")
     backend.set_state(b"\x00\xffpickle")
     kv = client.get_kv("/test-raw/job-raw/rdzv/state")
-    assert kv is not None and kv.value == b"\x00\xffpickle"
+    assert kv is not None and kv.value == encode_state(b"\x00\xffpickle")
+    assert kv.value.startswith(b"FCRDZV") and kv.value != b"\x00\xffpickle"
+    assert decode_state(kv.value, backend.key) == b"\x00\xffpickle"
     assert kv.lease != 0
-    assert backend.get_state() == (kv.value, kv.mod_revision)
+    assert backend.get_state() == (b"\x00\xffpickle", kv.mod_revision)
     assert backend.name == BACKEND_NAME
 
 
@@ -243,3 +351,18 @@ def test_tls_etcd_through_torchrun_options(tmp_path: Path) -> None:
         with pytest.raises(RendezvousConnectionError, match="ca_cert"):
             untrusting.get_state()
         assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.parametrize("before", [None, "0", "1"])
+def test_handler_gives_each_worker_group_its_own_store(
+    before: str | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # torchrun creates our handler in its agent process; the workers inherit the variable.
+    if before is None:
+        monkeypatch.delenv(SHARE_STORE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SHARE_STORE_ENV, before)
+    handler = create_handler(_params("h1:1"))
+    assert os.environ[SHARE_STORE_ENV] == "1"
+    assert handler.use_agent_store is False  # workers: TORCHELASTIC_USE_AGENT_STORE=False
+    assert ("overridden" in caplog.text) == (before == "0"), caplog.text

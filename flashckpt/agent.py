@@ -92,6 +92,9 @@ class AgentConfig:
     """Directory of the socket, lock and log files."""
     keep: int = 3
     """Committed steps kept in storage."""
+    storage_file_mode: int = 0o600
+    """Permission bits of the checkpoint files written to a local file system (directories get
+    the matching execute bits): private by default; ``0o644`` shares read access."""
     idle_timeout: float = 600.0
     """Exit (after persisting) when no trainer has been connected for this long."""
     exit_when_done: bool = False
@@ -160,7 +163,9 @@ class NodeAgent:
 
     def __init__(self, config: AgentConfig) -> None:
         self.cfg = config
-        self.storage: Storage | None = Storage(config.storage) if config.storage else None
+        self.storage: Storage | None = (
+            Storage(config.storage, file_mode=config.storage_file_mode) if config.storage else None
+        )
         self._ranks: dict[int, _Rank] = {}
         self._conns: set[_Conn] = set()
         self._lock = threading.RLock()  # guards _ranks/_conns and slot (re)mapping
@@ -545,7 +550,7 @@ class NodeAgent:
         storage = msg.get("storage")
         with self._lock:
             if storage and self.storage is None:
-                self.storage = Storage(storage)
+                self.storage = Storage(storage, file_mode=self.cfg.storage_file_mode)
                 self._init_storage_state()
             elif storage and self.storage is not None and storage != self.storage.url:
                 raise ValueError(

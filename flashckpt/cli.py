@@ -26,6 +26,12 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--run-dir", default=default_run_dir())
     p.add_argument("--keep", type=int, default=3, help="committed steps to keep")
+    p.add_argument(
+        "--shared-read",
+        action="store_true",
+        help="make checkpoint files readable by everyone (0644, directories 0755); by default "
+        "they are private to the user (0600/0700)",
+    )
     p.add_argument("--idle-timeout", type=float, default=600.0)
     p.add_argument("--exit-when-done", action="store_true")
     p.add_argument(
@@ -65,6 +71,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         shm_dir=args.shm_dir,
         run_dir=args.run_dir,
         keep=args.keep,
+        storage_file_mode=0o644 if args.shared_read else 0o600,
         idle_timeout=args.idle_timeout,
         exit_when_done=args.exit_when_done,
         monitor=MonitorConfig(

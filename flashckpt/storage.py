@@ -521,7 +521,7 @@ class Storage:
             return None
         return private
 
-    def check_step(self, step: int) -> StepCheck:
+    def check_step(self, step: int, *, _again: bool = True) -> StepCheck:
         """Checks a committed step exactly as loading and restoring it do: the manifest, then
         every file (size, hash), every shard's header and skeleton, every rank file.
 
@@ -529,6 +529,7 @@ class Storage:
         deleted it, or an agent is rewriting it), is ``missing``, not corrupt.
         """
         problems = []
+        manifest: dict[str, Any] | None = None
         try:
             manifest = self.read_manifest(step)
         except FileNotFoundError:
@@ -551,8 +552,16 @@ class Storage:
             return StepCheck(step, "ok")
         # Retention removes the manifest first and then the files: a step found broken whose
         # manifest is now gone was deleted under the check, not corrupt.
-        if not self.fs.exists(self.step_path(step, MANIFEST)):
+        try:
+            now = self.read_manifest(step)
+        except FileNotFoundError:
             return StepCheck(step, "missing", [f"step {step} was removed while being checked"])
+        except CorruptCheckpointError:
+            now = None
+        if manifest is not None and now is not None and now != manifest and _again:
+            # Rewritten and committed again under the check (an agent re-persisting the step):
+            # check the new one.
+            return self.check_step(step, _again=False)
         return StepCheck(step, "corrupt", problems)
 
     def verify(self, step: int) -> list[str]:

@@ -255,3 +255,28 @@ def test_verify_a_listed_step_whose_directory_vanished(
     rc = cli.main(["verify", st.url])
     out = capsys.readouterr().out
     assert rc == 1 and "step 2: CORRUPT" in out and "checksum" in out, out
+
+
+def test_agent_writes_checkpoints_private_by_default_or_shared(fc_env: FcEnv) -> None:
+    """What the node agent commits is 0600/0700 by default; with storage_file_mode=0o644 (the
+    agent's --shared-read) others may read it."""
+    _make_steps(fc_env, steps=2)
+    step_dir = fc_env.storage_path / "step-000000002"
+    files = [p for p in step_dir.rglob("*") if p.is_file()]
+    assert len(files) >= 3  # shard, rank file, part, manifest
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), files
+    assert stat.S_IMODE(step_dir.stat().st_mode) == 0o700
+    a = RunningAgent(fc_env.agent_config(storage_file_mode=0o644))
+    try:
+        model, opt, _ = make(0)
+        with flashckpt.checkpointing(
+            model, opt, **fc_env.ckpt_kwargs(agent="connect", every=0, restore=False)
+        ) as ck:
+            ck.save(50)
+            assert ck.flush() == 50
+    finally:
+        a.stop()
+    step_dir = fc_env.storage_path / "step-000000050"
+    files = [p for p in step_dir.rglob("*") if p.is_file()]
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in files), files
+    assert stat.S_IMODE(step_dir.stat().st_mode) == 0o755

@@ -142,3 +142,49 @@ def test_page_aligned_shard_is_valid_safetensors(tmp_path) -> None:
     assert meta == {"k": "v"} and start % 4096 == 0
     with pytest.raises(ValueError, match="multiple of 8"):
         safetensors_header(layout, {}, align=100)
+
+
+def _modes(root) -> dict[str, int]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            out[os.path.relpath(p, root)] = os.stat(p).st_mode & 0o777
+    out["."] = os.stat(root).st_mode & 0o777
+    return out
+
+
+@pytest.mark.parametrize(("file_mode", "dir_mode"), [(None, 0o700), (0o640, 0o750), (0o644, 0o755)])
+def test_storage_files_are_private_unless_shared(tmp_path, file_mode, dir_mode) -> None:
+    old = os.umask(0o022)  # the usual umask: it used to leave checkpoints world-readable
+    try:
+        kw = {} if file_mode is None else {"file_mode": file_mode}
+        st = Storage(f"file://{tmp_path}/root", **kw)
+        st.commit(7, write_step(st, 7))
+        st.write_part(7, "n0", {"node": "n0"})
+        m, view = _page_aligned(b"d" * 3 * 4096)  # the O_DIRECT path
+        assert st.write_buffer(st.step_path(7, "direct.bin"), b"H" * 4096, view).direct in (
+            True,
+            False,
+        )
+        view.release()
+        m.close()
+        # An existing file rewritten gets the mode too (not the one it had).
+        loose = tmp_path / "root" / "step-000000007" / "rank-00000-of-00001.json"
+        os.chmod(loose, 0o666)
+        st.write_private(7, 0, 1, {"extras": {}})
+    finally:
+        os.umask(old)
+    modes = _modes(tmp_path / "root")
+    want_file = 0o600 if file_mode is None else file_mode
+    assert {"step-000000007/manifest.json", "latest", "step-000000007/_parts/n0.json"} <= set(modes)
+    for rel, mode in modes.items():
+        is_dir = os.path.isdir(tmp_path / "root" / rel)
+        assert mode == (dir_mode if is_dir else want_file), (rel, oct(mode))
+
+
+def test_bad_file_mode_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(ValueError, match="permission bits"):
+        Storage(f"file://{tmp_path}", file_mode=0o4755)
+    with pytest.raises(ValueError, match="owner must read and write"):
+        Storage(f"file://{tmp_path}", file_mode=0o444)

@@ -456,6 +456,7 @@ class NodeAgent:
         assert self.storage is not None
         try:
             self._committed = self.storage.committed_steps()
+            self.storage.remove_partial_steps(self._committed)  # left by an earlier agent
         except OSError as e:
             self._record_error(None, f"cannot list storage {self.storage.url}: {e}")
             return
@@ -708,8 +709,8 @@ class NodeAgent:
             except queue.Empty:
                 continue
             storage = self.storage
-            if storage is None or step in self._committed:
-                continue
+            if storage is None or step <= max(self._committed, default=-1):
+                continue  # committed, or never will be: a write would leave a partial step
             with self._lock:
                 rec = self._ranks.get(rank)
                 slots = [s for s in (rec.slots if rec else []) if s is not None]

@@ -275,9 +275,7 @@ class Storage:
 
     def retain(self, keep: int) -> list[int]:
         """Deletes all but the newest ``keep`` committed steps, and the partial step directories
-        (no manifest) older than the newest committed one: those can never commit (a step is
-        committed only while no newer one is), so they are abandoned, not in flight. Partial
-        steps newer than the newest committed one are kept (they may be being written).
+        older than the newest committed one (:meth:`remove_partial_steps`).
 
         Returns:
             The deleted steps.
@@ -285,22 +283,43 @@ class Storage:
         committed = self.committed_steps()
         if not committed:
             return []
-        newest = committed[-1]
-        doomed = set(committed[:-keep] if keep > 0 else [])
-        doomed |= {s for s in self.all_step_dirs() if s < newest and s not in committed}
-        removed = []
-        for s in sorted(doomed):
-            # The manifest goes first so a half-deleted step is never visible as committed.
-            try:
-                self.uncommit(s)
-                self.fs.rm(self.step_path(s), recursive=True)
-            except FileNotFoundError:
-                pass  # another agent (or a user) removed it first
-            except OSError:
-                # A late writer adding a file while the tree goes; the next retention takes it.
-                continue
-            removed.append(s)
-        return removed
+        doomed = committed[:-keep] if keep > 0 else []
+        removed = [s for s in doomed if self._remove_step(s)]
+        return sorted(removed + self.remove_partial_steps(committed))
+
+    def remove_partial_steps(self, committed: list[int] | None = None) -> list[int]:
+        """Deletes the step directories without a manifest that are older than the newest
+        committed step: a step commits only while no newer one is committed, so those were
+        abandoned (a failed or torn persist, a full disk, a write-through of a skipped
+        snapshot), never in flight. Partial steps newer than the newest committed one are kept:
+        they may be being written.
+
+        Args:
+            committed: the committed steps, if just listed.
+
+        Returns:
+            The deleted steps.
+        """
+        committed = self.committed_steps() if committed is None else committed
+        if not committed:
+            return []
+        newest, done = max(committed), set(committed)
+        partial = [s for s in self.all_step_dirs() if s < newest and s not in done]
+        return [s for s in partial if self._remove_step(s)]
+
+    def _remove_step(self, step: int) -> bool:
+        """Removes a step directory, manifest first (a half-deleted step is never visible as
+        committed). False if it could not be removed now (the next retention tries again)."""
+        try:
+            self.uncommit(step)
+            self.fs.rm(self.step_path(step), recursive=True)
+        except FileNotFoundError:
+            pass  # another agent (or a user) removed it first
+        except OSError:
+            # E.g. a late writer adding a file while the tree goes: one step that cannot go now
+            # must not stop retention of the others (nor fail the commit that ran it).
+            return False
+        return True
 
     # -- reading -----------------------------------------------------------------------------
     def all_step_dirs(self) -> list[int]:

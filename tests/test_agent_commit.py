@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from fchelpers import FcEnv
+from fchelpers import FcEnv, RunningAgent
 
 from flashckpt.agent import AgentConfig, NodeAgent
 from flashckpt.storage import Storage
@@ -110,3 +110,22 @@ def test_an_auto_started_agent_nobody_uses_leaves(fc_env: FcEnv) -> None:
     assert out == [0]
     assert not os.path.exists(agent.socket_path)
     assert not os.path.exists(agent.owner_path)
+
+
+def test_an_agent_removes_partial_steps_left_behind_at_start(fc_env: FcEnv) -> None:
+    """Partial steps older than the newest committed one (an earlier agent died mid-persist, or
+    the disk was full) go when an agent starts, not only at its first commit; newer ones (maybe
+    in flight on another machine) stay."""
+    from stephelpers import write_step
+
+    st = Storage(fc_env.storage)
+    st.commit(1, write_step(st, 1))
+    write_step(st, 2)
+    st.commit(3, write_step(st, 3))
+    write_step(st, 4)
+    agent = RunningAgent(fc_env.agent_config())
+    try:
+        assert st.all_step_dirs() == [1, 3, 4]
+        assert st.committed_steps() == [1, 3]
+    finally:
+        agent.stop()

@@ -188,3 +188,37 @@ def test_bad_file_mode_is_a_clear_error(tmp_path) -> None:
         Storage(f"file://{tmp_path}", file_mode=0o4755)
     with pytest.raises(ValueError, match="owner must read and write"):
         Storage(f"file://{tmp_path}", file_mode=0o444)
+
+
+def test_partial_steps_older_than_the_newest_commit_are_removed(storage: Storage) -> None:
+    storage.commit(1, _write_step(storage, 1))
+    _write_step(storage, 2)  # a persist that never committed (torn, failed, disk full)
+    storage.write_part(3, "n1", {"node": "n1"})  # only another node's part of a dropped step
+    storage.write_private(4, 0, 1, {"extras": {}})  # a write-through of a skipped snapshot
+    storage.commit(5, _write_step(storage, 5))
+    _write_step(storage, 6)  # newer than the newest commit: may be in flight, kept
+    assert storage.retain(3) == [2, 3, 4]
+    assert storage.all_step_dirs() == [1, 5, 6] and storage.committed_steps() == [1, 5]
+    assert storage.remove_partial_steps() == []
+
+
+def test_retention_goes_on_past_a_step_it_cannot_remove(
+    storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for s in (1, 2, 3, 4):
+        storage.commit(s, _write_step(storage, s))
+    _write_step(storage, 3_5)
+    real = storage.fs.rm
+
+    def rm(path, recursive=False, **kw):
+        if path.endswith("step-000000002") and recursive:
+            raise OSError(39, "Directory not empty")  # a writer adding a file meanwhile
+        return real(path, recursive=recursive, **kw)
+
+    monkeypatch.setattr(storage.fs, "rm", rm)
+    _write_step(storage, 0)  # a partial step below everything
+    assert storage.retain(1) == [0, 1, 3]
+    assert storage.committed_steps() == [4]  # step 2 lost its manifest first: not visible
+    monkeypatch.undo()
+    assert storage.retain(1) == [2]  # now a partial step: the next retention takes it
+    assert storage.all_step_dirs() == [4, 35]

@@ -263,8 +263,15 @@ class Storage:
         return out
 
     def commit(self, step: int, manifest: dict[str, Any]) -> None:
-        """Writes the manifest (the commit marker), then moves ``latest`` forward."""
-        self.replace_json(self.step_path(step, MANIFEST), manifest)
+        """Writes the manifest (the commit marker), then moves ``latest`` forward.
+
+        Raises:
+            CorruptCheckpointError: the manifest is one readers would reject (a part from another
+                node named a file outside the format): nothing is committed.
+        """
+        path = self.step_path(step, MANIFEST)
+        Manifest.from_json(manifest, path, step)
+        self.replace_json(path, manifest)
         newest = max(self.committed_steps(), default=step)
         self.replace_json(self.path("latest"), {"step": newest, "dir": step_dir_name(newest)})
 

@@ -14,10 +14,12 @@ from flashckpt.storage import Storage
 
 
 def _part(node: str, step: int, world_id: str, rank: int, world: int = 2) -> dict[str, Any]:
-    files: dict[str, Any] = {f"rank-{rank:05d}-of-{world:05d}.json": {"node": node}}
+    # The records name the node that wrote them (commit checks only size and hash).
+    rec = {"node": node, "size": 0, "xxh3_64": "0" * 16}
+    files: dict[str, Any] = {f"rank-{rank:05d}-of-{world:05d}.json": rec}
     shards: dict[str, Any] = {}
     if rank == 0:
-        files["shard-00000-of-00001.safetensors"] = {"node": node}
+        files["shard-00000-of-00001.safetensors"] = rec
         shards["0"] = {"file": "shard-00000-of-00001.safetensors", "writer": rank}
     return {
         "node": node,
@@ -87,11 +89,10 @@ def test_parts_of_another_world_are_never_mixed_in(fc_env: FcEnv) -> None:
     st.write_part(15, "n1", _part("n1", 15, "w1", 1))
     agent._commit_round()
     assert st.committed_steps() == [15]
-    # The raw manifest: these parts' file records are tags, not sizes and hashes (read_manifest
-    # would reject them).
+    # The raw manifest: read_manifest keeps only sizes and hashes, not the test's node tags.
     manifest = json.loads(st.fs.cat_file(st.step_path(15, "manifest.json")))
     assert manifest["nodes"] == ["n0", "n1"]
-    assert manifest["files"]["rank-00001-of-00002.json"] == {"node": "n1"}
+    assert manifest["files"]["rank-00001-of-00002.json"]["node"] == "n1"
 
 
 def test_an_auto_started_agent_nobody_uses_leaves(fc_env: FcEnv) -> None:
@@ -129,3 +130,20 @@ def test_an_agent_removes_partial_steps_left_behind_at_start(fc_env: FcEnv) -> N
         assert st.committed_steps() == [1, 3]
     finally:
         agent.stop()
+
+
+def test_a_part_naming_a_file_outside_the_format_is_never_committed(fc_env: FcEnv) -> None:
+    """A part (from another node's agent, or planted) that names a file outside the step
+    directory: the commit is refused and reported, nothing readers would reject is committed."""
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    st.write_part(20, "n0", _part("n0", 20, "w1", 0))
+    evil = _part("n1", 20, "w1", 1)
+    evil["files"]["../../elsewhere/evil.json"] = evil["files"].pop("rank-00001-of-00002.json")
+    evil["ranks"]["1"]["file"] = "../../elsewhere/evil.json"
+    st.write_part(20, "n1", evil)
+    agent._commits[20] = (2, 1, "w1", time.monotonic() + 60)
+    agent._commit_round()
+    assert st.committed_steps() == []
+    errors = agent.status()["errors"]
+    assert errors and "format says" in errors[-1]["error"], errors

@@ -255,7 +255,9 @@ def test_names_are_checked_for_non_local_storage() -> None:
             "../elsewhere.safetensors": file_record(shard_bytes(b"E" * 1000)),
             RANK: manifest["files"][RANK],
         }
-        st.commit(BAD, manifest)
+        with pytest.raises(CorruptCheckpointError, match="format says"):
+            st.commit(BAD, manifest)  # the agent never commits it; a planted one is rejected
+        st.replace_json(st.step_path(BAD, "manifest.json"), manifest)
         assert st.check_step(BAD).status == "corrupt"
         with pytest.raises(CorruptCheckpointError, match="format says"):
             load(st.url, step=BAD)

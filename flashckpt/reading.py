@@ -266,6 +266,10 @@ def load(url: str, step: int | None = None, *, shard: int = 0) -> LoadedCheckpoi
                 if private is not None:
                     ranks[int(r)] = private
             return LoadedCheckpoint(s, state, ranks, manifest)
+        except FileNotFoundError:
+            if step is not None:
+                raise
+            continue  # deleted by retention since it was listed
         except CorruptCheckpointError as e:
             if step is not None:
                 raise

@@ -90,6 +90,10 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
+class _Missing(CorruptCheckpointError):
+    """A file of a step is not there (for the manifest: the step is not committed)."""
+
+
 @dataclass(slots=True)
 class StepCheck:
     """What checking a committed step found."""
@@ -368,7 +372,7 @@ class Storage:
             try:
                 info = self.fs.info(path)
             except FileNotFoundError:
-                raise CorruptCheckpointError(path, "is missing") from None
+                raise _Missing(path, "is missing") from None
             size = info.get("size")
             if info.get("type") != "file" or not isinstance(size, int) or size < 0:
                 raise CorruptCheckpointError(path, "is not a regular file")
@@ -379,7 +383,7 @@ class Storage:
         try:
             dfd = os.open(step_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise CorruptCheckpointError(path, "is missing (its step directory is gone)") from None
+            raise _Missing(path, "is missing (its step directory is gone)") from None
         except OSError as e:
             raise CorruptCheckpointError(
                 step_dir, f"is not a directory of its own (a symbolic link?): {e.strerror}"
@@ -389,7 +393,7 @@ class Storage:
             flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
             fd = os.open(name, flags, dir_fd=dfd)
         except FileNotFoundError:
-            raise CorruptCheckpointError(path, "is missing") from None
+            raise _Missing(path, "is missing") from None
         except OSError as e:
             problem = (
                 "is a symbolic link (a step's files must be regular files in its directory)"
@@ -438,10 +442,8 @@ class Storage:
         path = self.step_path(step, MANIFEST)
         try:
             raw = self._read_small(step, MANIFEST, MAX_MANIFEST_BYTES)
-        except CorruptCheckpointError as e:
-            if "is missing" in str(e):
-                raise FileNotFoundError(f"step {step} is not committed in {self.url}") from None
-            raise
+        except _Missing:
+            raise FileNotFoundError(f"step {step} is not committed in {self.url}") from None
         try:
             doc = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -566,15 +568,13 @@ class Storage:
         except CorruptCheckpointError as e:
             problems.append(str(e))
         else:
+            rank_of = {e["file"]: int(r) for r, e in manifest["ranks"].items()}
             for name in sorted(manifest["files"]):
                 try:
-                    if name.endswith(".safetensors"):
-                        self.read_shard_file(step, name, manifest)
+                    if name in rank_of:
+                        self.read_rank_file(step, rank_of[name], manifest)
                     else:
-                        rank = next(
-                            int(r) for r, e in manifest["ranks"].items() if e["file"] == name
-                        )
-                        self.read_rank_file(step, rank, manifest)
+                        self.read_shard_file(step, name, manifest)
                 except CorruptCheckpointError as e:
                     problems.append(str(e))
         if not problems:

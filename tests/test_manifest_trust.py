@@ -340,3 +340,20 @@ def test_trainer_restore_falls_back_past_untrusted_steps(fc_env: Any, case: str)
         assert torch.equal(model.weight, torch.full((4, 4), float(GOOD)))
     finally:
         a2.stop()
+
+
+def test_load_skips_a_listed_step_retention_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load() lists the steps, then retention deletes the newest before it is read: it reads
+    the next one instead of failing with FileNotFoundError."""
+    import shutil
+
+    st, root = _root(tmp_path)
+    st.commit(BAD, write_step(st, BAD))
+    listed = st.committed_steps()
+    shutil.rmtree(root / f"step-{BAD:09d}")
+    monkeypatch.setattr(Storage, "committed_steps", lambda self: listed)
+    assert load(st.url).step == GOOD
+    with pytest.raises(FileNotFoundError):
+        load(st.url, step=BAD)

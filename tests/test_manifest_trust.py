@@ -357,3 +357,15 @@ def test_load_skips_a_listed_step_retention_deleted(
     assert load(st.url).step == GOOD
     with pytest.raises(FileNotFoundError):
         load(st.url, step=BAD)
+
+
+@pytest.mark.parametrize("case", ["FIFO in place", "symlink in place", "negative shape"])
+def test_resharding_reads_headers_as_carefully(tmp_path: Path, case: str) -> None:
+    """Resharding peeks at every shard's header before reading any whole: the same checks."""
+    from flashckpt.reading import read_resharded
+
+    st, root = _root(tmp_path)
+    _commit_bad(st, root, CASES[case][0])
+    manifest = st.read_manifest(BAD)
+    with pytest.raises(CorruptCheckpointError, match=f"step-{BAD:09d}/{SHARD}"):
+        _bounded(lambda: read_resharded(st, BAD, {"model/w": ((0,), (10,))}, manifest))

@@ -74,7 +74,7 @@ def _peek_header(storage: Storage, step: int, name: str) -> dict[str, Any]:
     """
     path = storage.step_path(step, name)
     try:
-        with storage._open_step_file(step, name) as (f, size):
+        with storage.open_step_file(step, name) as (f, size):
             raw = f.read(8)
             if len(raw) < 8:
                 raise CorruptCheckpointError(path, "is too short to be safetensors")

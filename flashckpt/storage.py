@@ -12,7 +12,7 @@ Format (the storage URL is the job's checkpoint root)::
 A step without ``manifest.json`` does not exist. The manifest lists every file with its size and
 xxh3-64 hash; a file that does not match is never loaded. Nothing read back is trusted: the
 manifest, shard headers and rank files are validated (:mod:`flashckpt.manifest`), and files are
-opened only inside their step directory (see :meth:`Storage._open_step_file`). Local files are
+opened only inside their step directory (see :meth:`Storage.open_step_file`). Local files are
 created ``0600`` and directories ``0700`` unless ``file_mode`` shares them.
 """
 
@@ -257,6 +257,8 @@ class Storage:
         self.replace_json(self.step_path(step, PARTS, f"{node}.json"), part)
 
     def read_parts(self, step: int) -> list[dict[str, Any]]:
+        """The parts of a step the node agents wrote (read as carefully as the step's files;
+        what a part says is validated when the manifest built from it is)."""
         d = self.step_path(step, PARTS)
         try:
             names = self.fs.ls(d, detail=False)
@@ -264,9 +266,18 @@ class Storage:
             return []
         out = []
         for n in names:
-            if str(n).endswith(".json"):
-                with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-                    out.append(json.loads(self.fs.cat_file(n)))
+            name = str(n).rstrip("/").rsplit("/", 1)[-1]
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            try:
+                with self.open_step_file(step, name, PARTS) as (f, size):
+                    if size > MAX_MANIFEST_BYTES:
+                        continue
+                    part = json.loads(f.read(MAX_MANIFEST_BYTES))
+            except (CorruptCheckpointError, OSError, ValueError, RecursionError):
+                continue  # gone, a FIFO or link, half written by a dead agent: not a part
+            if isinstance(part, dict):
+                out.append(part)
         return out
 
     def commit(self, step: int, manifest: dict[str, Any]) -> None:
@@ -353,7 +364,9 @@ class Storage:
         return [s for s in self.all_step_dirs() if self.fs.exists(self.step_path(s, MANIFEST))]
 
     @contextlib.contextmanager
-    def _open_step_file(self, step: int, name: str) -> Iterator[tuple[Any, int]]:
+    def open_step_file(
+        self, step: int, name: str, sub: str | None = None
+    ) -> Iterator[tuple[Any, int]]:
         """Opens a file of a step directory for reading, confined to it; yields it and its size.
 
         Only a plain name is opened, relative to the step directory and without following a
@@ -361,11 +374,14 @@ class Storage:
         a FIFO, a device or a link to elsewhere is corrupt, never opened for reading (so nothing
         hangs on a FIFO or reads /dev/zero).
 
+        Args:
+            sub: a subdirectory of the step directory holding the file (``_parts``).
+
         Raises:
             CorruptCheckpointError: the file (or its step directory) is missing, not a regular
                 file, a link, or cannot be read.
         """
-        path = self.step_path(step, name)
+        path = self.step_path(step, *([sub] if sub else []), name)
         if "/" in name or name in ("", ".", ".."):
             raise CorruptCheckpointError(path, "is not a plain file name in its step directory")
         if not self.local:
@@ -388,6 +404,17 @@ class Storage:
             raise CorruptCheckpointError(
                 step_dir, f"is not a directory of its own (a symbolic link?): {e.strerror}"
             ) from None
+        if sub:
+            try:
+                sfd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+            except FileNotFoundError:
+                os.close(dfd)
+                raise _Missing(path, "is missing") from None
+            except OSError as e:
+                os.close(dfd)
+                raise CorruptCheckpointError(path, f"is not in a directory: {e.strerror}") from None
+            os.close(dfd)
+            dfd = sfd
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer (its type is checked next).
             flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -421,7 +448,7 @@ class Storage:
         """A whole small file of a step (a manifest, a rank file), bounded by ``limit`` bytes."""
         path = self.step_path(step, name)
         try:
-            with self._open_step_file(step, name) as (f, size):
+            with self.open_step_file(step, name) as (f, size):
                 if size > limit:
                     raise CorruptCheckpointError(path, f"is {size} bytes, over the {limit} limit")
                 raw = f.read(limit + 1)
@@ -485,7 +512,7 @@ class Storage:
             raise CorruptCheckpointError(path, f"has an invalid size {size!r} in the manifest")
         h = xxhash.xxh3_64()
         try:
-            with self._open_step_file(step, name) as (f, on_disk):
+            with self.open_step_file(step, name) as (f, on_disk):
                 if on_disk != size:
                     raise CorruptCheckpointError(
                         path,

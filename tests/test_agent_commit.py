@@ -147,3 +147,21 @@ def test_a_part_naming_a_file_outside_the_format_is_never_committed(fc_env: FcEn
     assert st.committed_steps() == []
     errors = agent.status()["errors"]
     assert errors and "format says" in errors[-1]["error"], errors
+
+
+def test_a_fifo_among_the_parts_does_not_hang_the_commit(fc_env: FcEnv) -> None:
+    import os
+    import threading
+
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    st.write_part(25, "n0", _part("n0", 25, "w1", 0))
+    st.write_part(25, "n1", _part("n1", 25, "w1", 1))
+    os.mkfifo(fc_env.storage_path / "step-000000025" / "_parts" / "n9.json")
+    (fc_env.storage_path / "step-000000025" / "_parts" / "n8.json").write_text("{half")
+    agent._commits[25] = (2, 1, "w1", time.monotonic() + 60)
+    t = threading.Thread(target=agent._commit_round, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the commit hung on a FIFO in _parts"
+    assert st.committed_steps() == [25]

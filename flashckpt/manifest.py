@@ -346,5 +346,19 @@ def _check_piece(meta: Any, local_shape: tuple[int, ...], bad: Any) -> None:
         raise bad(f"a DTensor piece whose box {offset}+{local} exceeds shape {shape}")
     if len(coord) not in (0, len(mesh)) or any(c >= m for c, m in zip(coord, mesh, strict=False)):
         raise bad(f"a DTensor piece with coordinate {coord} outside mesh {mesh}")
-    if math.prod(mesh) > MAX_WORLD or not isinstance(meta.get("placements"), list):
+    placements = meta.get("placements")
+    if math.prod(mesh) > MAX_WORLD or not isinstance(placements, list):
         raise bad("a DTensor piece with an invalid mesh or placements")
+    if len(placements) != len(mesh) or not all(_placement_ok(p, len(shape)) for p in placements):
+        raise bad(f"a DTensor piece with placements {placements!r} for mesh {mesh}"[:300])
+
+
+def _placement_ok(p: Any, ndim: int) -> bool:
+    """A placement as :func:`flashckpt.sharded.describe` writes it."""
+    if p == "replicate":
+        return True
+    if not isinstance(p, dict) or set(p) - {"shard", "split_factor"}:
+        return False
+    dim = _int(p.get("shard"))
+    split = _int(p.get("split_factor", 1))
+    return dim is not None and 0 <= dim < ndim and split is not None and split >= 1

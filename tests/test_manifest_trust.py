@@ -152,6 +152,18 @@ def _skeleton_names_missing_tensor(doc: dict[str, Any], d: Path) -> None:
     doc["files"][SHARD] = _rewrite_shard(d, header, b"x" * 1000)
 
 
+def _piece_outside_its_tensor(doc: dict[str, Any], d: Path) -> None:
+    # A DTensor piece of 1000 elements said to sit in a global tensor of 10.
+    dt = {"shape": [10], "offset": [0], "local": [1000], "mesh": [2], "coord": [0]}
+    dt["placements"] = [{"shard": 0}]
+    skeleton = {"D": [["model", {"D": [["w", {"S": "model/w", "dt": dt}]]}]]}
+    header = {
+        "__metadata__": {"skeleton": json.dumps(skeleton)},
+        "model/w": {"dtype": "U8", "shape": [1000], "data_offsets": [0, 1000]},
+    }
+    doc["files"][SHARD] = _rewrite_shard(d, header, b"x" * 1000)
+
+
 def _rank_of_another_step(doc: dict[str, Any], d: Path) -> None:
     # The rank file of step GOOD, hashed into step BAD's manifest.
     data = (d.parent / f"step-{GOOD:09d}" / RANK).read_bytes()
@@ -178,6 +190,7 @@ CASES: dict[str, tuple[Callable[[dict[str, Any], Path], Any], str]] = {
     "negative shape": (_negative_shape, r"invalid shape"),
     "skeleton names a missing tensor": (_skeleton_names_missing_tensor, r"not in the file"),
     "shard not in files": (_unlisted_shard, r"does not list .*shard-00000-of-00001"),
+    "DTensor piece outside its tensor": (_piece_outside_its_tensor, r"exceeds shape \[10\]"),
     "rank file of another step": (_rank_of_another_step, r"step 3.*not of rank 0, step 6"),
     "rank file not JSON": (_rank_not_json, r"not valid JSON"),
 }

@@ -214,8 +214,15 @@ def _is_hex16(v: Any) -> bool:
     return isinstance(v, str) and len(v) == 16 and all(c in "0123456789abcdef" for c in v)
 
 
-def parse_rank_doc(raw: bytes | bytearray, path: str, step: int, rank: int, world: int) -> Any:
+def parse_rank_doc(
+    raw: bytes | bytearray, path: str, step: int, rank: int, world: int, *, listed: bool = True
+) -> Any:
     """The private state (RNG, extras) of a rank file, checked against who it claims to be.
+
+    Args:
+        listed: the file's bytes were checked against a manifest's hash: its own ``world_size``
+            and embedded hash may then be absent (files of versions before they were written);
+            a file read without a manifest (write-through) needs both.
 
     Raises:
         CorruptCheckpointError: not JSON, another rank's, step's or world's file, or its embedded
@@ -227,7 +234,8 @@ def parse_rank_doc(raw: bytes | bytearray, path: str, step: int, rank: int, worl
         raise CorruptCheckpointError(path, f"is not valid JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("format", FORMAT) != FORMAT:
         raise CorruptCheckpointError(path, f"is not a {FORMAT} rank file")
-    who = (doc.get("rank"), doc.get("step"), doc.get("world_size"))
+    doc_world = doc.get("world_size", world if listed else None)
+    who = (doc.get("rank"), doc.get("step"), doc_world)
     if who != (rank, step, world) or any(_int(x) is None for x in who):
         raise CorruptCheckpointError(
             path,
@@ -237,6 +245,8 @@ def parse_rank_doc(raw: bytes | bytearray, path: str, step: int, rank: int, worl
     private = doc.get("private")
     if not isinstance(private, dict):
         raise CorruptCheckpointError(path, "holds no private state")
+    if listed and "xxh3_64" not in doc:
+        return private
     try:
         body = json.dumps(private, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError, RecursionError) as e:

@@ -573,7 +573,7 @@ class Storage:
         try:
             raw = self._read_small(step, name, MAX_RANK_FILE_BYTES)
             private: dict[str, Any] = parse_rank_doc(
-                raw, self.step_path(step, name), step, rank, world_size
+                raw, self.step_path(step, name), step, rank, world_size, listed=False
             )
         except (CorruptCheckpointError, OSError):
             return None

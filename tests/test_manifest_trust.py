@@ -382,3 +382,18 @@ def test_resharding_reads_headers_as_carefully(tmp_path: Path, case: str) -> Non
     manifest = st.read_manifest(BAD)
     with pytest.raises(CorruptCheckpointError, match=f"step-{BAD:09d}/{SHARD}"):
         _bounded(lambda: read_resharded(st, BAD, {"model/w": ((0,), (10,))}, manifest))
+
+
+def test_rank_files_of_earlier_versions_still_load(tmp_path: Path) -> None:
+    """Rank files written before they carried world_size and an embedded hash: the manifest's
+    hash vouches for them (a write-through file, read without a manifest, must carry both)."""
+    st, root = _root(tmp_path)
+    manifest = write_step(st, BAD)
+    old = {"format": "flashckpt/1", "rank": 0, "step": BAD, "private": {"extras": {"pos": 9}}}
+    raw = json.dumps(old).encode()
+    (root / f"step-{BAD:09d}" / RANK).write_bytes(raw)
+    manifest["files"][RANK] = file_record(raw)
+    st.commit(BAD, manifest)
+    assert st.check_step(BAD).status == "ok"
+    assert load(st.url).ranks[0]["extras"] == {"pos": 9}
+    assert st.read_private(BAD, 0, 1) is None

@@ -171,8 +171,9 @@ class Storage:
                 os.chmod(d, self.dir_mode)  # exact bits, whatever the umask
 
     def _create(self, path: str, extra_flags: int = 0) -> int:
-        """Opens a local file for writing with ``file_mode`` (also when it already exists)."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | extra_flags
+        """Opens a local file for writing with ``file_mode`` (also when it already exists),
+        never through a symbolic link planted in its place (that is an error)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW | extra_flags
         fd = os.open(path, flags, self.file_mode)
         try:
             os.fchmod(fd, self.file_mode)

@@ -222,3 +222,21 @@ def test_retention_goes_on_past_a_step_it_cannot_remove(
     monkeypatch.undo()
     assert storage.retain(1) == [2]  # now a partial step: the next retention takes it
     assert storage.all_step_dirs() == [4, 35]
+
+
+def test_a_link_planted_where_a_file_goes_is_not_written_through(tmp_path) -> None:
+    st = Storage(f"file://{tmp_path}/root")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    step_dir = tmp_path / "root" / "step-000000001"
+    step_dir.mkdir(parents=True)
+    (step_dir / "rank-00000-of-00001.json").symlink_to(victim)
+    with pytest.raises(OSError):
+        st.write_private(1, 0, 1, {"extras": {}})
+    m, view = _page_aligned(b"d" * 4096)
+    (step_dir / "shard-00000-of-00001.safetensors").symlink_to(victim)
+    with pytest.raises(OSError):
+        st.write_buffer(st.step_path(1, "shard-00000-of-00001.safetensors"), b"H" * 4096, view)
+    view.release()
+    m.close()
+    assert victim.read_bytes() == b"precious"

@@ -92,6 +92,9 @@ class AgentConfig:
     """Directory of the socket, lock and log files."""
     keep: int = 3
     """Committed steps kept in storage."""
+    storage_file_mode: int = 0o600
+    """Permission bits of the checkpoint files written to a local file system (directories get
+    the matching execute bits): private by default; ``0o644`` shares read access."""
     idle_timeout: float = 600.0
     """Exit (after persisting) when no trainer has been connected for this long."""
     exit_when_done: bool = False
@@ -160,7 +163,9 @@ class NodeAgent:
 
     def __init__(self, config: AgentConfig) -> None:
         self.cfg = config
-        self.storage: Storage | None = Storage(config.storage) if config.storage else None
+        self.storage: Storage | None = (
+            Storage(config.storage, file_mode=config.storage_file_mode) if config.storage else None
+        )
         self._ranks: dict[int, _Rank] = {}
         self._conns: set[_Conn] = set()
         self._lock = threading.RLock()  # guards _ranks/_conns and slot (re)mapping
@@ -451,6 +456,7 @@ class NodeAgent:
         assert self.storage is not None
         try:
             self._committed = self.storage.committed_steps()
+            self.storage.remove_partial_steps(self._committed)  # left by an earlier agent
         except OSError as e:
             self._record_error(None, f"cannot list storage {self.storage.url}: {e}")
             return
@@ -545,7 +551,7 @@ class NodeAgent:
         storage = msg.get("storage")
         with self._lock:
             if storage and self.storage is None:
-                self.storage = Storage(storage)
+                self.storage = Storage(storage, file_mode=self.cfg.storage_file_mode)
                 self._init_storage_state()
             elif storage and self.storage is not None and storage != self.storage.url:
                 raise ValueError(
@@ -703,8 +709,8 @@ class NodeAgent:
             except queue.Empty:
                 continue
             storage = self.storage
-            if storage is None or step in self._committed:
-                continue
+            if storage is None or step <= max(self._committed, default=-1):
+                continue  # committed, or never will be: a write would leave a partial step
             with self._lock:
                 rec = self._ranks.get(rank)
                 slots = [s for s in (rec.slots if rec else []) if s is not None]

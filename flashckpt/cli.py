@@ -10,7 +10,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from typing import Any
 
 __all__ = ["main"]
 
@@ -24,6 +26,12 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--run-dir", default=default_run_dir())
     p.add_argument("--keep", type=int, default=3, help="committed steps to keep")
+    p.add_argument(
+        "--shared-read",
+        action="store_true",
+        help="make checkpoint files readable by everyone (0644, directories 0755); by default "
+        "they are private to the user (0600/0700)",
+    )
     p.add_argument("--idle-timeout", type=float, default=600.0)
     p.add_argument("--exit-when-done", action="store_true")
     p.add_argument(
@@ -63,6 +71,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         shm_dir=args.shm_dir,
         run_dir=args.run_dir,
         keep=args.keep,
+        storage_file_mode=0o644 if args.shared_read else 0o600,
         idle_timeout=args.idle_timeout,
         exit_when_done=args.exit_when_done,
         monitor=MonitorConfig(
@@ -123,37 +132,46 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from flashckpt.storage import Storage
+    from flashckpt.storage import CorruptCheckpointError, Storage
 
     st = Storage(args.url)
     steps = st.committed_steps()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for s in steps:
-        m = st.read_manifest(s)
-        size = sum(int(f["size"]) for f in m["files"].values())
+        try:
+            m = st.manifest(s)
+        except FileNotFoundError:
+            continue  # deleted (retention) since it was listed
+        except CorruptCheckpointError as e:
+            rows.append({"step": s, "error": str(e)})
+            continue
         rows.append(
             {
                 "step": s,
-                "bytes": size,
-                "files": len(m["files"]),
-                "world_size": m["world_size"],
-                "created": m["created"],
+                "bytes": sum(f.size for f in m.files.values()),
+                "files": len(m.files),
+                "world_size": m.world_size,
+                "created": m.created,
             }
         )
+    bad = any("error" in r for r in rows)
     if args.json:
         print(json.dumps(rows, indent=1))
-        return 0
+        return 1 if bad else 0
     if not rows:
         print(f"no committed steps in {args.url}")
         return 0
     print(f"{'step':>10} {'size':>12} {'files':>6} {'world':>6}  created")
     for r in rows:
+        if "error" in r:
+            print(f"{r['step']:>10} CORRUPT: {r['error']} (`flashckpt verify` checks every file)")
+            continue
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"]))
         print(
             f"{r['step']:>10} {_human(r['bytes']):>12} {r['files']:>6} {r['world_size']:>6}  "
             f"{created}"
         )
-    return 0
+    return 1 if bad else 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -166,13 +184,20 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 1
     bad = 0
     for s in steps:
-        problems = st.verify(s)
-        if problems:
-            bad += 1
-            for p in problems:
-                print(f"step {s}: CORRUPT: {p}")
-        else:
+        check = st.check_step(s)
+        if check.status == "ok":
             print(f"step {s}: ok")
+        elif check.status == "missing" and args.step is None:
+            # Listed, then deleted by retention (or uncommitted for a rewrite) under the check:
+            # not corrupt.
+            print(f"step {s}: removed while verifying (retention deleted it)")
+        elif check.status == "missing":
+            bad += 1
+            print(f"step {s}: not committed in {args.url}")
+        else:
+            bad += 1
+            for p in check.problems:
+                print(f"step {s}: CORRUPT: {p}")
     return 1 if bad else 0
 
 
@@ -261,6 +286,23 @@ def _human(n: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("agent", "run"):
+        # SIGPIPE stays ignored: a trainer that dies while the agent writes to its socket must
+        # give the agent an EPIPE error, not kill it (with the snapshots it keeps); the launcher
+        # must not die with its job because its output was cut.
+        return _main(argv)
+    # Every other command lists or reports: it ends quietly when its output is cut
+    # (`flashckpt plan ... | head -1`), as Unix tools do, instead of a BrokenPipeError.
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGPIPE, previous)
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] == "plan":
         return _cmd_plan(argv[1:])
     if argv and argv[0] == "goodput":
@@ -308,11 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strip-prefix", default=None, help="drop this key prefix (e.g. 'module.')")
     args = parser.parse_args(argv)
     if args.cmd == "agent":
-        # SIGPIPE stays ignored: a trainer that dies while the agent writes to its socket must
-        # give the agent an EPIPE error, not kill it (with the snapshots it keeps).
         return _cmd_agent(args)
-    # The listing commands end quietly when their output is cut (`flashckpt ls URL | head`).
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if args.cmd == "ls":
         return _cmd_ls(args)
     if args.cmd == "verify":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import struct
 from collections.abc import Iterator, Mapping
@@ -356,6 +357,56 @@ def safetensors_header(layout: Layout, metadata: Mapping[str, str], align: int =
     return struct.pack("<Q", len(body)) + body
 
 
+def parse_safetensors_header(header: Any) -> tuple[Layout, dict[str, str]]:
+    """Validates a parsed safetensors JSON header (read from a file: trusted in nothing).
+
+    Returns:
+        The layout (offsets relative to the data start) and the ``__metadata__``.
+
+    Raises:
+        ValueError: not a dict of tensors with a known dtype, a shape of non-negative ints and
+            byte ranges that match them and do not overlap.
+    """
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not a JSON object")
+    header = dict(header)
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise ValueError("safetensors __metadata__ is not a map of strings")
+    entries = []
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise ValueError(f"tensor {name!r}: header entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        size = _ST_ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
+        if size is None:
+            raise ValueError(f"unknown tensor dtype code {dtype!r} in checkpoint")
+        if not isinstance(shape, list) or not all(_is_uint(s) for s in shape):
+            raise ValueError(f"tensor {name!r}: invalid shape {shape!r}")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_uint(o) for o in offsets)
+            and offsets[0] <= offsets[1]
+        ):
+            raise ValueError(f"tensor {name!r}: invalid data_offsets {offsets!r}")
+        start, end = offsets
+        if end - start != size * _numel(tuple(shape)):
+            raise ValueError(f"tensor {name!r}: byte range does not match dtype and shape")
+        entries.append([name, dtype, shape, start, end - start])
+    entries.sort(key=lambda e: (e[3], e[4]))
+    for prev, cur in itertools.pairwise(entries):
+        if prev[3] + prev[4] > cur[3]:
+            raise ValueError(f"tensors {prev[0]!r} and {cur[0]!r} overlap")
+    return Layout.from_json(entries), meta
+
+
+def _is_uint(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def parse_safetensors(buf: memoryview | bytes | bytearray) -> tuple[Layout, dict[str, str], int]:
     """Parses a safetensors file held in memory.
 
@@ -372,26 +423,15 @@ def parse_safetensors(buf: memoryview | bytes | bytearray) -> tuple[Layout, dict
         raise ValueError(f"safetensors header length {hlen} exceeds the file")
     try:
         header = json.loads(bytes(buf[8 : 8 + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"safetensors header is not JSON: {e}") from None
-    meta = header.pop("__metadata__", {}) or {}
-    entries = []
-    for name, info in header.items():
-        start, end = info["data_offsets"]
-        entries.append([name, info["dtype"], info["shape"], start, end - start])
-    layout = Layout.from_json(sorted(entries, key=lambda e: e[3]))
+    layout, meta = parse_safetensors_header(header)
     data_start = 8 + hlen
     if data_start + layout.nbytes > len(buf):
         raise ValueError(
             f"safetensors data is truncated: needs {layout.nbytes} bytes, has "
             f"{len(buf) - data_start}"
         )
-    for entry in layout.entries:
-        size = _ST_ITEMSIZE.get(entry.dtype)
-        if size is None:
-            raise ValueError(f"unknown tensor dtype code {entry.dtype!r} in checkpoint")
-        if entry.nbytes != size * _numel(entry.shape):
-            raise ValueError(f"tensor {entry.name!r}: byte range does not match dtype and shape")
     return layout, meta, data_start
 
 

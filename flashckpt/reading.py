@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from flashckpt.layout import (
-    parse_safetensors,
+    parse_safetensors_header,
     piece_nodes,
     tensor_views,
     torch_dtype,
     unflatten_state,
 )
+from flashckpt.manifest import check_skeleton
 from flashckpt.sharded import ShardedPiece, assemble, overlaps, replace_at, walk_pieces
 from flashckpt.storage import CorruptCheckpointError, Storage
 
@@ -56,16 +57,7 @@ def read_shard(
             storage.step_path(step),
             f"has no shard {shard} (the manifest lists shards {sorted(manifest['shards'])})",
         )
-    buf = storage.read_file(step, info["file"], manifest)
-    try:
-        layout, meta, start = parse_safetensors(buf)
-        skeleton = json.loads(meta["skeleton"])
-    except (ValueError, KeyError) as e:
-        raise CorruptCheckpointError(storage.step_path(step, info["file"]), str(e)) from None
-    data = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    state = unflatten_state(skeleton, tensor_views(layout, data[start : start + layout.nbytes]))
-    if not isinstance(state, dict):
-        raise CorruptCheckpointError(storage.step_path(step, info["file"]), "has no state dict")
+    state, _ = _read_shard_file(storage, step, info["file"], manifest)
     return state
 
 
@@ -74,26 +66,32 @@ def _shard_files(storage: Storage, step: int, manifest: dict[str, Any]) -> list[
 
 
 def _peek_header(storage: Storage, step: int, name: str) -> dict[str, Any]:
-    """The safetensors header of a shard file, read without reading its tensors.
+    """The safetensors header of a shard file, read (confined to the step directory, validated)
+    without reading its tensors.
 
     Only used to choose files; the files chosen are then read whole and checked against the
     manifest before any byte of them is used.
     """
     path = storage.step_path(step, name)
     try:
-        with storage.fs.open(path, "rb") as f:
+        with storage.open_step_file(step, name) as (f, size):
             raw = f.read(8)
             if len(raw) < 8:
                 raise CorruptCheckpointError(path, "is too short to be safetensors")
             (hlen,) = struct.unpack("<Q", raw)
-            if hlen > 100 << 20:
+            if hlen > 100 << 20 or hlen > size - 8:
                 raise CorruptCheckpointError(path, f"has a header length of {hlen} bytes")
             header = json.loads(f.read(hlen))
-            return header if isinstance(header, dict) else {}
-    except FileNotFoundError:
-        raise CorruptCheckpointError(path, "is missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(path, f"has a header that is not JSON ({e})") from None
+        layout, meta = parse_safetensors_header(header)
+        check_skeleton(json.loads(meta["skeleton"]), layout, path)
+    except OSError as e:
+        raise CorruptCheckpointError(path, f"cannot be read: {e}") from None
+    except KeyError:
+        raise CorruptCheckpointError(path, "has no skeleton in its safetensors metadata") from None
+    except (UnicodeDecodeError, RecursionError, ValueError) as e:
+        raise CorruptCheckpointError(path, f"has a malformed safetensors header ({e})") from None
+    assert isinstance(header, dict)
+    return header
 
 
 def read_resharded(
@@ -124,14 +122,14 @@ def read_resharded(
     needed: list[str] = []
     for name in files:
         header = _peek_header(storage, step, name)
-        try:
-            skeleton = json.loads(header["__metadata__"]["skeleton"])
-        except (KeyError, TypeError, json.JSONDecodeError) as e:
-            raise CorruptCheckpointError(storage.step_path(step, name), f"no skeleton: {e}") from e
+        skeleton = json.loads(header["__metadata__"]["skeleton"])
         use = False
         for tname, meta in piece_nodes(skeleton):
             if tname in wants and tname not in dtypes:
-                dtypes[tname] = torch_dtype(header[tname]["dtype"])
+                try:
+                    dtypes[tname] = torch_dtype(header[tname]["dtype"])
+                except ValueError as e:
+                    raise CorruptCheckpointError(storage.step_path(step, name), str(e)) from None
             if tname in wants and overlaps(meta, *wants[tname]):
                 use = True
         if use:
@@ -158,19 +156,23 @@ def read_resharded(
 def _read_shard_file(
     storage: Storage, step: int, name: str, manifest: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, ShardedPiece]]:
-    """Reads one shard file: its state tree and its DTensor pieces by tensor name."""
-    buf = storage.read_file(step, name, manifest)
-    try:
-        layout, meta, start = parse_safetensors(buf)
-        skeleton = json.loads(meta["skeleton"])
-    except (ValueError, KeyError) as e:
-        raise CorruptCheckpointError(storage.step_path(step, name), str(e)) from None
+    """Reads one shard file: its state tree and its DTensor pieces by tensor name.
+
+    Raises:
+        CorruptCheckpointError: the file fails any check of :meth:`Storage.read_shard_file`.
+    """
+    buf, content = storage.read_shard_file(step, name, manifest)
+    path = storage.step_path(step, name)
     data = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    views = tensor_views(layout, data[start : start + layout.nbytes])
-    state = unflatten_state(skeleton, views)
-    pieces = {n: ShardedPiece(views[n], m, n) for n, m in piece_nodes(skeleton)}
+    start = content.data_start
+    try:
+        views = tensor_views(content.layout, data[start : start + content.layout.nbytes])
+        state = unflatten_state(content.skeleton, views)
+        pieces = {n: ShardedPiece(views[n], m, n) for n, m in piece_nodes(content.skeleton)}
+    except (ValueError, TypeError, RuntimeError) as e:  # validated before; a dtype torch lacks
+        raise CorruptCheckpointError(path, str(e)) from None
     if not isinstance(state, dict):
-        raise CorruptCheckpointError(storage.step_path(step, name), "has no state dict")
+        raise CorruptCheckpointError(path, "has no state dict")
     return state, pieces
 
 
@@ -225,16 +227,14 @@ def load_full(url: str, step: int | None = None) -> LoadedCheckpoint:
 def read_rank(
     storage: Storage, step: int, rank: int, manifest: dict[str, Any]
 ) -> dict[str, Any] | None:
-    """A rank's private state (RNG, extras) of a committed step, or None if it has none."""
-    info = manifest["ranks"].get(str(rank))
-    if info is None:
+    """A rank's private state (RNG, extras) of a committed step, or None if it has none.
+
+    Raises:
+        CorruptCheckpointError: the rank file is missing, corrupt, or another rank's.
+    """
+    if str(rank) not in manifest["ranks"]:
         return None
-    raw = storage.read_file(step, info["file"], manifest)
-    try:
-        private = json.loads(raw)["private"]
-    except (ValueError, KeyError) as e:
-        raise CorruptCheckpointError(storage.step_path(step, info["file"]), str(e)) from None
-    return private if isinstance(private, dict) else None
+    return storage.read_rank_file(step, rank, manifest)
 
 
 def load(url: str, step: int | None = None, *, shard: int = 0) -> LoadedCheckpoint:
@@ -266,6 +266,10 @@ def load(url: str, step: int | None = None, *, shard: int = 0) -> LoadedCheckpoi
                 if private is not None:
                     ranks[int(r)] = private
             return LoadedCheckpoint(s, state, ranks, manifest)
+        except FileNotFoundError:
+            if step is not None:
+                raise
+            continue  # deleted by retention since it was listed
         except CorruptCheckpointError as e:
             if step is not None:
                 raise

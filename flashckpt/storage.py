@@ -10,7 +10,10 @@ Format (the storage URL is the job's checkpoint root)::
     <url>/latest                           atomically replaced pointer to the newest step
 
 A step without ``manifest.json`` does not exist. The manifest lists every file with its size and
-xxh3-64 hash; a file that does not match is never loaded.
+xxh3-64 hash; a file that does not match is never loaded. Nothing read back is trusted: the
+manifest, shard headers and rank files are validated (:mod:`flashckpt.manifest`), and files are
+opened only inside their step directory (see :meth:`Storage.open_step_file`). Local files are
+created ``0600`` and directories ``0700`` unless ``file_mode`` shares them.
 """
 
 from __future__ import annotations
@@ -22,27 +25,38 @@ import json
 import mmap
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import fsspec
 import xxhash
 
 from flashckpt.errors import CorruptCheckpointError
+from flashckpt.manifest import (
+    FORMAT,
+    MAX_FILE_SIZE,
+    Manifest,
+    ShardContent,
+    check_shard,
+    parse_rank_doc,
+    rank_file_name,
+    shard_file_name,
+)
 from flashckpt.shm import buffer_address
 
 __all__ = [
     "CorruptCheckpointError",
     "FileRecord",
+    "StepCheck",
     "Storage",
     "rank_file_name",
     "shard_file_name",
 ]
 
-FORMAT = "flashckpt/1"
 MANIFEST = "manifest.json"
 PARTS = "_parts"
 CHUNK = 64 << 20
@@ -50,6 +64,12 @@ CHUNK = 64 << 20
 # (512 B or 4 KiB); a page satisfies every local disk.
 DIRECT_ALIGN = 4096
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
+_FILE_RE = re.compile(r"^(shard-\d{5,}-of-\d{5,}\.safetensors|rank-\d{5,}-of-\d{5,}\.json)$")
+MAX_MANIFEST_BYTES = 64 << 20
+"""A manifest lists a few hundred bytes per rank: a bigger ``manifest.json`` is not one."""
+MAX_RANK_FILE_BYTES = 1 << 30
+"""Bound of a rank file read without a manifest to size it (RNG states and extras)."""
+DEFAULT_FILE_MODE = 0o600
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,16 +86,26 @@ class FileRecord:
         return {"size": self.size, "xxh3_64": self.xxh3_64}
 
 
-def shard_file_name(shard: int, num_shards: int) -> str:
-    return f"shard-{shard:05d}-of-{num_shards:05d}.safetensors"
-
-
-def rank_file_name(rank: int, world_size: int) -> str:
-    return f"rank-{rank:05d}-of-{world_size:05d}.json"
-
-
 def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
+
+
+class _Missing(CorruptCheckpointError):
+    """A file of a step is not there (for the manifest: the step is not committed)."""
+
+
+@dataclass(slots=True)
+class StepCheck:
+    """What checking a committed step found."""
+
+    step: int
+    """The step checked."""
+    status: Literal["ok", "corrupt", "missing"]
+    """``ok``: every file is sound; ``corrupt``: ``problems`` says what is wrong; ``missing``:
+    the step is not committed (any more: retention or a rewrite removed it, perhaps while it
+    was being checked)."""
+    problems: list[str] = field(default_factory=list)
+    """One line per problem, each naming its file."""
 
 
 class Storage:
@@ -84,12 +114,25 @@ class Storage:
     Args:
         url: any fsspec URL (``file:///ckpt/run1``, ``memory://run1``, ``s3://bucket/run1``) or a
             local path.
+        file_mode: permission bits of the files it creates on a local file system (directories
+            get the matching execute bits): ``0o600`` (the default) keeps checkpoints private to
+            the user; ``0o640`` or ``0o644`` shares read access with the group or everyone.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, file_mode: int = DEFAULT_FILE_MODE) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError(f"storage must be a non-empty URL string, got {url!r}")
+        if isinstance(file_mode, bool) or not isinstance(file_mode, int) or file_mode & ~0o666:
+            raise ValueError(
+                f"file_mode={file_mode!r}: give read/write permission bits such as 0o600 "
+                "(private, the default) or 0o644 (readable by everyone)"
+            )
+        if not file_mode & 0o200 or not file_mode & 0o400:
+            raise ValueError(f"file_mode={oct(file_mode)}: the owner must read and write its files")
         self.url = url
+        self.file_mode = file_mode
+        # A directory is searchable by whoever may read the files in it.
+        self.dir_mode = file_mode | (file_mode & 0o444) >> 2
         try:
             self.fs, self.root = fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as e:
@@ -108,13 +151,44 @@ class Storage:
         return self.path(step_dir_name(step), *parts)
 
     # -- writing -----------------------------------------------------------------------------
+    def _makedirs(self, path: str) -> None:
+        if not self.local:
+            self.fs.makedirs(path, exist_ok=True)
+            return
+        # Every directory made here gets ``dir_mode`` (os.makedirs gives it to the leaf only);
+        # existing ones (the root a user made) keep theirs.
+        missing = []
+        p = os.path.abspath(path)
+        while not os.path.isdir(p):
+            missing.append(p)
+            parent = os.path.dirname(p)
+            if parent == p:
+                break
+            p = parent
+        for d in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d, self.dir_mode)
+                os.chmod(d, self.dir_mode)  # exact bits, whatever the umask
+
+    def _create(self, path: str, extra_flags: int = 0) -> int:
+        """Opens a local file for writing with ``file_mode`` (also when it already exists),
+        never through a symbolic link planted in its place (that is an error)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW | extra_flags
+        fd = os.open(path, flags, self.file_mode)
+        try:
+            os.fchmod(fd, self.file_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def write_stream(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
         """Writes chunks to ``path`` (durably for local files); returns size and hash."""
         h = xxhash.xxh3_64()
         size = 0
-        self.fs.makedirs(self.fs._parent(path), exist_ok=True)
+        self._makedirs(self.fs._parent(path))
         if self.local:
-            with open(path, "wb", buffering=0) as f:
+            with open(self._create(path), "wb", buffering=0) as f:
                 for c in chunks:
                     h.update(c)
                     size += f.write(c) or 0
@@ -150,10 +224,9 @@ class Storage:
         addr = buffer_address(data) if self.local and direct else None
         if addr is None or addr % DIRECT_ALIGN or len(head) % DIRECT_ALIGN:
             return self.write_stream(path, _chunks(head, data, check))
-        self.fs.makedirs(self.fs._parent(path), exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | direct
+        self._makedirs(self.fs._parent(path))
         try:
-            fd = os.open(path, flags, 0o666)
+            fd = self._create(path, direct)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
@@ -170,8 +243,13 @@ class Storage:
     def replace_json(self, path: str, obj: Any) -> None:
         """Writes ``path`` atomically (temp file, then rename) so readers never see half of it."""
         tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-        self.write_json(tmp, obj)
-        self.fs.mv(tmp, path)
+        try:
+            self.write_json(tmp, obj)
+            self.fs.mv(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.fs.rm(tmp)  # a full disk must not also collect temp files
+            raise
         if self.local:
             _fsync_dir(os.path.dirname(path))
 
@@ -180,6 +258,8 @@ class Storage:
         self.replace_json(self.step_path(step, PARTS, f"{node}.json"), part)
 
     def read_parts(self, step: int) -> list[dict[str, Any]]:
+        """The parts of a step the node agents wrote (read as carefully as the step's files;
+        what a part says is validated when the manifest built from it is)."""
         d = self.step_path(step, PARTS)
         try:
             names = self.fs.ls(d, detail=False)
@@ -187,14 +267,30 @@ class Storage:
             return []
         out = []
         for n in names:
-            if str(n).endswith(".json"):
-                with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-                    out.append(json.loads(self.fs.cat_file(n)))
+            name = str(n).rstrip("/").rsplit("/", 1)[-1]
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            try:
+                with self.open_step_file(step, name, PARTS) as (f, size):
+                    if size > MAX_MANIFEST_BYTES:
+                        continue
+                    part = json.loads(f.read(MAX_MANIFEST_BYTES))
+            except (CorruptCheckpointError, OSError, ValueError, RecursionError):
+                continue  # gone, a FIFO or link, half written by a dead agent: not a part
+            if isinstance(part, dict):
+                out.append(part)
         return out
 
     def commit(self, step: int, manifest: dict[str, Any]) -> None:
-        """Writes the manifest (the commit marker), then moves ``latest`` forward."""
-        self.replace_json(self.step_path(step, MANIFEST), manifest)
+        """Writes the manifest (the commit marker), then moves ``latest`` forward.
+
+        Raises:
+            CorruptCheckpointError: the manifest is one readers would reject (a part from another
+                node named a file outside the format): nothing is committed.
+        """
+        path = self.step_path(step, MANIFEST)
+        Manifest.from_json(manifest, path, step)
+        self.replace_json(path, manifest)
         newest = max(self.committed_steps(), default=step)
         self.replace_json(self.path("latest"), {"step": newest, "dir": step_dir_name(newest)})
 
@@ -204,20 +300,52 @@ class Storage:
             self.fs.rm(self.step_path(step, MANIFEST))
 
     def retain(self, keep: int) -> list[int]:
-        """Deletes all but the newest ``keep`` committed steps, and abandoned partial steps older
-        than the newest committed one. Returns the deleted steps."""
+        """Deletes all but the newest ``keep`` committed steps, and the partial step directories
+        older than the newest committed one (:meth:`remove_partial_steps`).
+
+        Returns:
+            The deleted steps.
+        """
         committed = self.committed_steps()
         if not committed:
             return []
-        newest = committed[-1]
-        doomed = set(committed[:-keep] if keep > 0 else [])
-        doomed |= {s for s in self.all_step_dirs() if s < newest and s not in committed}
-        for s in sorted(doomed):
-            # The manifest goes first so a half-deleted step is never visible as committed.
-            self.uncommit(s)
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(self.step_path(s), recursive=True)
-        return sorted(doomed)
+        doomed = committed[:-keep] if keep > 0 else []
+        removed = [s for s in doomed if self._remove_step(s)]
+        return sorted(removed + self.remove_partial_steps(committed))
+
+    def remove_partial_steps(self, committed: list[int] | None = None) -> list[int]:
+        """Deletes the step directories without a manifest that are older than the newest
+        committed step: a step commits only while no newer one is committed, so those were
+        abandoned (a failed or torn persist, a full disk, a write-through of a skipped
+        snapshot), never in flight. Partial steps newer than the newest committed one are kept:
+        they may be being written.
+
+        Args:
+            committed: the committed steps, if just listed.
+
+        Returns:
+            The deleted steps.
+        """
+        committed = self.committed_steps() if committed is None else committed
+        if not committed:
+            return []
+        newest, done = max(committed), set(committed)
+        partial = [s for s in self.all_step_dirs() if s < newest and s not in done]
+        return [s for s in partial if self._remove_step(s)]
+
+    def _remove_step(self, step: int) -> bool:
+        """Removes a step directory, manifest first (a half-deleted step is never visible as
+        committed). False if it could not be removed now (the next retention tries again)."""
+        try:
+            self.uncommit(step)
+            self.fs.rm(self.step_path(step), recursive=True)
+        except FileNotFoundError:
+            pass  # another agent (or a user) removed it first
+        except OSError:
+            # E.g. a late writer adding a file while the tree goes: one step that cannot go now
+            # must not stop retention of the others (nor fail the commit that ran it).
+            return False
+        return True
 
     # -- reading -----------------------------------------------------------------------------
     def all_step_dirs(self) -> list[int]:
@@ -236,29 +364,163 @@ class Storage:
         """Steps whose manifest exists, oldest first."""
         return [s for s in self.all_step_dirs() if self.fs.exists(self.step_path(s, MANIFEST))]
 
-    def read_manifest(self, step: int) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def open_step_file(
+        self, step: int, name: str, sub: str | None = None
+    ) -> Iterator[tuple[Any, int]]:
+        """Opens a file of a step directory for reading, confined to it; yields it and its size.
+
+        Only a plain name is opened, relative to the step directory and without following a
+        symbolic link (the step directory's own name included), and only a regular file is read:
+        a FIFO, a device or a link to elsewhere is corrupt, never opened for reading (so nothing
+        hangs on a FIFO or reads /dev/zero).
+
+        Args:
+            sub: a subdirectory of the step directory holding the file (``_parts``).
+
+        Raises:
+            CorruptCheckpointError: the file (or its step directory) is missing, not a regular
+                file, a link, or cannot be read.
+        """
+        path = self.step_path(step, *([sub] if sub else []), name)
+        if "/" in name or name in ("", ".", ".."):
+            raise CorruptCheckpointError(path, "is not a plain file name in its step directory")
+        if not self.local:
+            try:
+                info = self.fs.info(path)
+            except FileNotFoundError:
+                raise _Missing(path, "is missing") from None
+            size = info.get("size")
+            if info.get("type") != "file" or not isinstance(size, int) or size < 0:
+                raise CorruptCheckpointError(path, "is not a regular file")
+            with self.fs.open(path, "rb") as f:
+                yield f, size
+            return
+        step_dir = self.step_path(step)
+        try:
+            dfd = os.open(step_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise _Missing(path, "is missing (its step directory is gone)") from None
+        except OSError as e:
+            raise CorruptCheckpointError(
+                step_dir, f"is not a directory of its own (a symbolic link?): {e.strerror}"
+            ) from None
+        if sub:
+            try:
+                sfd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+            except FileNotFoundError:
+                os.close(dfd)
+                raise _Missing(path, "is missing") from None
+            except OSError as e:
+                os.close(dfd)
+                raise CorruptCheckpointError(path, f"is not in a directory: {e.strerror}") from None
+            os.close(dfd)
+            dfd = sfd
+        try:
+            # O_NONBLOCK: opening a FIFO must not wait for a writer (its type is checked next).
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(name, flags, dir_fd=dfd)
+        except FileNotFoundError:
+            raise _Missing(path, "is missing") from None
+        except OSError as e:
+            problem = (
+                "is a symbolic link (a step's files must be regular files in its directory)"
+                if e.errno == errno.ELOOP
+                else f"cannot be opened: {e.strerror}"
+            )
+            raise CorruptCheckpointError(path, problem) from None
+        finally:
+            os.close(dfd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(
+                    path, "is not a regular file (a FIFO, device or directory): not read"
+                )
+            os.set_blocking(fd, True)
+            f = os.fdopen(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
+            yield f, st.st_size
+
+    def _read_small(self, step: int, name: str, limit: int) -> bytes:
+        """A whole small file of a step (a manifest, a rank file), bounded by ``limit`` bytes."""
+        path = self.step_path(step, name)
+        try:
+            with self.open_step_file(step, name) as (f, size):
+                if size > limit:
+                    raise CorruptCheckpointError(path, f"is {size} bytes, over the {limit} limit")
+                raw = f.read(limit + 1)
+        except OSError as e:
+            raise CorruptCheckpointError(path, f"cannot be read: {e}") from None
+        if len(raw) > limit:
+            raise CorruptCheckpointError(path, f"is over the {limit}-byte limit")
+        return raw
+
+    def manifest(self, step: int) -> Manifest:
+        """The validated manifest of a committed step.
+
+        Raises:
+            FileNotFoundError: the step is not committed.
+            CorruptCheckpointError: the manifest is malformed, not of this step, or names a file
+                the format does not define.
+        """
         path = self.step_path(step, MANIFEST)
         try:
-            manifest = json.loads(self.fs.cat_file(path))
-        except FileNotFoundError:
+            raw = self._read_small(step, MANIFEST, MAX_MANIFEST_BYTES)
+        except _Missing:
             raise FileNotFoundError(f"step {step} is not committed in {self.url}") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise CorruptCheckpointError(path, f"is not valid JSON ({e})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise CorruptCheckpointError(path, f"is not a {FORMAT} manifest")
-        return manifest
+        return Manifest.from_json(doc, path, step)
+
+    def read_manifest(self, step: int) -> dict[str, Any]:
+        """The manifest of a committed step as JSON, validated as :meth:`manifest` does (its
+        ``ranks`` and ``shards`` keys, the decimal strings of JSON, are kept)."""
+        m = self.manifest(step)
+        return {
+            "format": FORMAT,
+            "job": m.job,
+            "step": m.step,
+            "world_size": m.world_size,
+            "num_shards": m.num_shards,
+            "created": m.created,
+            "nodes": list(m.nodes),
+            "files": {n: {"size": f.size, "xxh3_64": f.xxh3_64} for n, f in m.files.items()},
+            "ranks": {str(r): {"file": e.file, "shard": e.shard} for r, e in m.ranks.items()},
+            "shards": {str(i): {"file": e.file, "writer": e.writer} for i, e in m.shards.items()},
+        }
 
     def read_file(self, step: int, name: str, manifest: dict[str, Any]) -> bytearray:
-        """Reads a committed file whole and checks it against the manifest."""
+        """Reads a committed file whole and checks it against the manifest.
+
+        The file system must agree with the manifest on the size before a byte is allocated.
+        """
         path = self.step_path(step, name)
-        rec = manifest["files"].get(name)
+        if not isinstance(name, str) or not _FILE_RE.match(name):
+            raise CorruptCheckpointError(path, "is not a file name the checkpoint format defines")
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        rec = files.get(name) if isinstance(files, dict) else None
         if rec is None:
             raise CorruptCheckpointError(path, "is not listed in the manifest")
-        size = int(rec["size"])
-        buf = bytearray(size)
+        size = rec.get("size") if isinstance(rec, dict) else None
+        want = rec.get("xxh3_64") if isinstance(rec, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_FILE_SIZE:
+            raise CorruptCheckpointError(path, f"has an invalid size {size!r} in the manifest")
         h = xxhash.xxh3_64()
         try:
-            with self.fs.open(path, "rb") as f:
+            with self.open_step_file(step, name) as (f, on_disk):
+                if on_disk != size:
+                    raise CorruptCheckpointError(
+                        path,
+                        f"has the wrong size (expected {size} bytes, the file has {on_disk}; "
+                        "truncated or overwritten)",
+                    )
+                buf = bytearray(size)
                 view = memoryview(buf)
                 got = 0
                 while got < size:
@@ -268,15 +530,30 @@ class Storage:
                     h.update(view[got : got + n])
                     got += n
                 extra = f.read(1)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(path, "is missing") from None
+        except OSError as e:
+            raise CorruptCheckpointError(path, f"cannot be read: {e}") from None
         if got != size or extra:
             raise CorruptCheckpointError(
                 path, f"has the wrong size (expected {size} bytes; truncated or overwritten)"
             )
-        if h.hexdigest() != rec["xxh3_64"]:
+        if h.hexdigest() != want:
             raise CorruptCheckpointError(path, "fails its checksum (corrupted)")
         return buf
+
+    def read_shard_file(
+        self, step: int, name: str, manifest: dict[str, Any]
+    ) -> tuple[bytearray, ShardContent]:
+        """Reads a shard file of a committed step and validates its header and skeleton."""
+        buf = self.read_file(step, name, manifest)
+        return buf, check_shard(buf, self.step_path(step, name))
+
+    def read_rank_file(self, step: int, rank: int, manifest: dict[str, Any]) -> dict[str, Any]:
+        """A rank's private state (RNG, extras) of a committed step, checked."""
+        world = int(manifest["world_size"])
+        name = rank_file_name(rank, world)
+        raw = self.read_file(step, name, manifest)
+        private: dict[str, Any] = parse_rank_doc(raw, self.step_path(step, name), step, rank, world)
+        return private
 
     def write_private(self, step: int, rank: int, world_size: int, private: Any) -> FileRecord:
         """Writes a rank's private state (RNG, extras) of a step, self-checking (embedded hash)."""
@@ -293,33 +570,61 @@ class Storage:
 
     def read_private(self, step: int, rank: int, world_size: int) -> dict[str, Any] | None:
         """A rank's private state of a step, committed or not, if present and intact."""
-        path = self.step_path(step, rank_file_name(rank, world_size))
+        name = rank_file_name(rank, world_size)
         try:
-            doc = json.loads(self.fs.cat_file(path))
-            body = json.dumps(doc["private"], sort_keys=True, separators=(",", ":"))
-            ok = (
-                doc["rank"] == rank
-                and doc["step"] == step
-                and doc["world_size"] == world_size
-                and doc["xxh3_64"] == xxhash.xxh3_64_hexdigest(body.encode())
+            raw = self._read_small(step, name, MAX_RANK_FILE_BYTES)
+            private: dict[str, Any] = parse_rank_doc(
+                raw, self.step_path(step, name), step, rank, world_size, listed=False
             )
-        except (OSError, ValueError, KeyError, TypeError):
+        except (CorruptCheckpointError, OSError):
             return None
-        return doc["private"] if ok and isinstance(doc["private"], dict) else None
+        return private
 
-    def verify(self, step: int) -> list[str]:
-        """Checks every file of a committed step; returns the problems found (empty if sound)."""
+    def check_step(self, step: int, *, _again: bool = True) -> StepCheck:
+        """Checks a committed step exactly as loading and restoring it do: the manifest, then
+        every file (size, hash), every shard's header and skeleton, every rank file.
+
+        A step that is not committed, or stops being committed while it is checked (retention
+        deleted it, or an agent is rewriting it), is ``missing``, not corrupt.
+        """
         problems = []
+        manifest: dict[str, Any] | None = None
         try:
             manifest = self.read_manifest(step)
-        except (FileNotFoundError, CorruptCheckpointError) as e:
-            return [str(e)]
-        for name in manifest["files"]:
-            try:
-                self.read_file(step, name, manifest)
-            except CorruptCheckpointError as e:
-                problems.append(str(e))
-        return problems
+        except FileNotFoundError:
+            return StepCheck(step, "missing", [f"step {step} is not committed in {self.url}"])
+        except CorruptCheckpointError as e:
+            problems.append(str(e))
+        else:
+            rank_of = {e["file"]: int(r) for r, e in manifest["ranks"].items()}
+            for name in sorted(manifest["files"]):
+                try:
+                    if name in rank_of:
+                        self.read_rank_file(step, rank_of[name], manifest)
+                    else:
+                        self.read_shard_file(step, name, manifest)
+                except CorruptCheckpointError as e:
+                    problems.append(str(e))
+        if not problems:
+            return StepCheck(step, "ok")
+        # Retention removes the manifest first and then the files: a step found broken whose
+        # manifest is now gone was deleted under the check, not corrupt.
+        try:
+            now = self.read_manifest(step)
+        except FileNotFoundError:
+            return StepCheck(step, "missing", [f"step {step} was removed while being checked"])
+        except CorruptCheckpointError:
+            now = None
+        if manifest is not None and now is not None and now != manifest and _again:
+            # Rewritten and committed again under the check (an agent re-persisting the step):
+            # check the new one.
+            return self.check_step(step, _again=False)
+        return StepCheck(step, "corrupt", problems)
+
+    def verify(self, step: int) -> list[str]:
+        """Checks a committed step (see :meth:`check_step`); returns the problems found (empty if
+        sound; one line if the step is not committed)."""
+        return self.check_step(step).problems
 
     def iter_files(self, step: int) -> Iterator[tuple[str, int]]:
         manifest = self.read_manifest(step)

@@ -3,20 +3,23 @@ up newer steps, and parts of another world (rendezvous round) are never mixed in
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
-from fchelpers import FcEnv
+from fchelpers import FcEnv, RunningAgent
 
 from flashckpt.agent import AgentConfig, NodeAgent
 from flashckpt.storage import Storage
 
 
 def _part(node: str, step: int, world_id: str, rank: int, world: int = 2) -> dict[str, Any]:
-    files: dict[str, Any] = {f"rank-{rank:05d}-of-{world:05d}.json": {"node": node}}
+    # The records name the node that wrote them (commit checks only size and hash).
+    rec = {"node": node, "size": 0, "xxh3_64": "0" * 16}
+    files: dict[str, Any] = {f"rank-{rank:05d}-of-{world:05d}.json": rec}
     shards: dict[str, Any] = {}
     if rank == 0:
-        files["shard-00000-of-00001.safetensors"] = {"node": node}
+        files["shard-00000-of-00001.safetensors"] = rec
         shards["0"] = {"file": "shard-00000-of-00001.safetensors", "writer": rank}
     return {
         "node": node,
@@ -86,9 +89,10 @@ def test_parts_of_another_world_are_never_mixed_in(fc_env: FcEnv) -> None:
     st.write_part(15, "n1", _part("n1", 15, "w1", 1))
     agent._commit_round()
     assert st.committed_steps() == [15]
-    manifest = st.read_manifest(15)
+    # The raw manifest: read_manifest keeps only sizes and hashes, not the test's node tags.
+    manifest = json.loads(st.fs.cat_file(st.step_path(15, "manifest.json")))
     assert manifest["nodes"] == ["n0", "n1"]
-    assert manifest["files"]["rank-00001-of-00002.json"] == {"node": "n1"}
+    assert manifest["files"]["rank-00001-of-00002.json"]["node"] == "n1"
 
 
 def test_an_auto_started_agent_nobody_uses_leaves(fc_env: FcEnv) -> None:
@@ -107,3 +111,57 @@ def test_an_auto_started_agent_nobody_uses_leaves(fc_env: FcEnv) -> None:
     assert out == [0]
     assert not os.path.exists(agent.socket_path)
     assert not os.path.exists(agent.owner_path)
+
+
+def test_an_agent_removes_partial_steps_left_behind_at_start(fc_env: FcEnv) -> None:
+    """Partial steps older than the newest committed one (an earlier agent died mid-persist, or
+    the disk was full) go when an agent starts, not only at its first commit; newer ones (maybe
+    in flight on another machine) stay."""
+    from stephelpers import write_step
+
+    st = Storage(fc_env.storage)
+    st.commit(1, write_step(st, 1))
+    write_step(st, 2)
+    st.commit(3, write_step(st, 3))
+    write_step(st, 4)
+    agent = RunningAgent(fc_env.agent_config())
+    try:
+        assert st.all_step_dirs() == [1, 3, 4]
+        assert st.committed_steps() == [1, 3]
+    finally:
+        agent.stop()
+
+
+def test_a_part_naming_a_file_outside_the_format_is_never_committed(fc_env: FcEnv) -> None:
+    """A part (from another node's agent, or planted) that names a file outside the step
+    directory: the commit is refused and reported, nothing readers would reject is committed."""
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    st.write_part(20, "n0", _part("n0", 20, "w1", 0))
+    evil = _part("n1", 20, "w1", 1)
+    evil["files"]["../../elsewhere/evil.json"] = evil["files"].pop("rank-00001-of-00002.json")
+    evil["ranks"]["1"]["file"] = "../../elsewhere/evil.json"
+    st.write_part(20, "n1", evil)
+    agent._commits[20] = (2, 1, "w1", time.monotonic() + 60)
+    agent._commit_round()
+    assert st.committed_steps() == []
+    errors = agent.status()["errors"]
+    assert errors and "format says" in errors[-1]["error"], errors
+
+
+def test_a_fifo_among_the_parts_does_not_hang_the_commit(fc_env: FcEnv) -> None:
+    import os
+    import threading
+
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    st.write_part(25, "n0", _part("n0", 25, "w1", 0))
+    st.write_part(25, "n1", _part("n1", 25, "w1", 1))
+    os.mkfifo(fc_env.storage_path / "step-000000025" / "_parts" / "n9.json")
+    (fc_env.storage_path / "step-000000025" / "_parts" / "n8.json").write_text("{half")
+    agent._commits[25] = (2, 1, "w1", time.monotonic() + 60)
+    t = threading.Thread(target=agent._commit_round, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the commit hung on a FIFO in _parts"
+    assert st.committed_steps() == [25]

@@ -12,11 +12,14 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent
+from stephelpers import write_step
 from tinytrain import make, train_step
 
 import flashckpt
+from flashckpt.storage import Storage
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -140,3 +143,140 @@ def test_bad_options_are_clear_errors() -> None:
         flashckpt.checkpointing(model, opt, when_busy="maybe")
     with pytest.raises(TypeError, match=r"model must be a torch.nn.Module"):
         flashckpt.checkpointing(opt)  # type: ignore[arg-type]
+
+
+def _small_root(tmp_path: Path, steps: tuple[int, ...] = (1, 2, 3)) -> Storage:
+    st = Storage(f"file://{tmp_path}/ckpt")
+    for s in steps:
+        st.commit(s, write_step(st, s))
+    return st
+
+
+LISTING = {
+    "help": ["--help"],
+    "plan help": ["plan", "--help"],
+    "plan": ["plan", "--params", "7e9", "--tokens", "2e12", "--gpus", "1024"],
+    "ls": ["ls", "{url}"],
+    "ls json": ["ls", "{url}", "--json"],
+    "verify": ["verify", "{url}"],
+    "goodput": ["goodput", "{events}"],
+    "status": ["status", "--run-dir", "{run_dir}"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(LISTING))
+def test_listing_commands_survive_a_closed_pipe(tmp_path: Path, name: str) -> None:
+    """`flashckpt plan ... | head -1`: the reader is gone before the command writes a byte (the
+    read end is closed before it starts); it ends quietly, no BrokenPipeError traceback."""
+    st = _small_root(tmp_path)
+    events = tmp_path / "events.jsonl"
+    events.write_text("")
+    args = [a.format(url=st.url, events=events, run_dir=tmp_path / "run") for a in LISTING[name]]
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "flashckpt", *args],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(w)
+    assert "BrokenPipeError" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert p.returncode in (0, 1, -signal.SIGPIPE), (p.returncode, p.stderr)
+
+
+def test_ls_reports_a_corrupt_manifest_as_a_line(tmp_path: Path) -> None:
+    st = _small_root(tmp_path)
+    (tmp_path / "ckpt" / "step-000000002" / "manifest.json").write_text("{not json")
+    doc = json.loads((tmp_path / "ckpt" / "step-000000003" / "manifest.json").read_text())
+    del doc["shards"]
+    (tmp_path / "ckpt" / "step-000000003" / "manifest.json").write_text(json.dumps(doc))
+    r = _cli("ls", st.url)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r
+    lines = r.stdout.splitlines()
+    assert any(ln.split()[0] == "1" and "CORRUPT" not in ln for ln in lines[1:]), r
+    assert any(ln.split()[:2] == ["2", "CORRUPT:"] and "not valid JSON" in ln for ln in lines), r
+    assert any(ln.split()[:2] == ["3", "CORRUPT:"] and "'shards'" in ln for ln in lines), r
+    r = _cli("ls", st.url, "--json")
+    rows = {row["step"]: row for row in json.loads(r.stdout)}
+    assert r.returncode == 1 and rows[1]["files"] == 2 and "manifest.json" in rows[2]["error"]
+
+
+def test_verify_racing_retention_reports_no_corrupt_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Retention deletes the oldest step while verify reads it (deterministically, from inside
+    verify's read of that step's first file): the step is reported removed, not CORRUPT."""
+    from flashckpt import cli
+
+    st = _small_root(tmp_path)
+    real = Storage.read_file
+    raced = []
+
+    def racing(self: Storage, step: int, name: str, manifest: dict) -> bytearray:
+        if step == 1 and not raced:
+            raced.append(self.retain(2))  # what a committing agent does meanwhile
+        return real(self, step, name, manifest)
+
+    monkeypatch.setattr(Storage, "read_file", racing)
+    rc = cli.main(["verify", st.url])
+    out = capsys.readouterr().out
+    assert raced == [[1]]
+    assert rc == 0 and "CORRUPT" not in out, out
+    assert "step 1: removed" in out and "step 2: ok" in out and "step 3: ok" in out, out
+
+
+def test_verify_a_listed_step_whose_directory_vanished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The other order of the race: listed, then deleted before verify opens its manifest."""
+    import shutil
+
+    from flashckpt import cli
+
+    st = _small_root(tmp_path)
+    listed = st.committed_steps()
+    shutil.rmtree(tmp_path / "ckpt" / "step-000000001")
+    monkeypatch.setattr(Storage, "committed_steps", lambda self: listed)
+    rc = cli.main(["verify", st.url])
+    out = capsys.readouterr().out
+    assert rc == 0 and "CORRUPT" not in out and "step 1: removed" in out, out
+    # Asked for by number, a step that is not there is an error (not "removed").
+    rc = cli.main(["verify", st.url, "--step", "1"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "step 1: not committed" in out, out
+    # A truly corrupt step is still CORRUPT (the race check does not hide corruption).
+    shard = tmp_path / "ckpt" / "step-000000002" / "shard-00000-of-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1] + b"!")
+    monkeypatch.undo()
+    rc = cli.main(["verify", st.url])
+    out = capsys.readouterr().out
+    assert rc == 1 and "step 2: CORRUPT" in out and "checksum" in out, out
+
+
+def test_agent_writes_checkpoints_private_by_default_or_shared(fc_env: FcEnv) -> None:
+    """What the node agent commits is 0600/0700 by default; with storage_file_mode=0o644 (the
+    agent's --shared-read) others may read it."""
+    _make_steps(fc_env, steps=2)
+    step_dir = fc_env.storage_path / "step-000000002"
+    files = [p for p in step_dir.rglob("*") if p.is_file()]
+    assert len(files) >= 3  # shard, rank file, part, manifest
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), files
+    assert stat.S_IMODE(step_dir.stat().st_mode) == 0o700
+    a = RunningAgent(fc_env.agent_config(storage_file_mode=0o644))
+    try:
+        model, opt, _ = make(0)
+        with flashckpt.checkpointing(
+            model, opt, **fc_env.ckpt_kwargs(agent="connect", every=0, restore=False)
+        ) as ck:
+            ck.save(50)
+            assert ck.flush() == 50
+    finally:
+        a.stop()
+    step_dir = fc_env.storage_path / "step-000000050"
+    files = [p for p in step_dir.rglob("*") if p.is_file()]
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in files), files
+    assert stat.S_IMODE(step_dir.stat().st_mode) == 0o755

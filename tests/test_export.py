@@ -134,3 +134,32 @@ def test_export_replicated_optimizer_to_dcp(tmp_path: Path, fc_env: FcEnv) -> No
     assert want["param_groups"][0]["lr"] == pytest.approx(5e-3)
     for k, v in model.state_dict().items():
         assert torch.equal(model2.state_dict()[k], v), k
+
+
+def test_export_of_an_untrusted_step_is_a_clear_error(tmp_path: Path) -> None:
+    """A step whose manifest points outside its directory is not exported (nor read)."""
+    import json
+
+    from stephelpers import SHARD, file_record, shard_bytes, write_step
+
+    from flashckpt.storage import Storage
+
+    st = Storage(f"file://{tmp_path}/ckpt")
+    st.commit(1, write_step(st, 1))
+    manifest = write_step(st, 2)
+    st.commit(2, manifest)
+    evil = shard_bytes(b"E" * 1000)
+    (tmp_path / "evil.safetensors").write_bytes(evil)
+    doc = json.loads((tmp_path / "ckpt" / "step-000000002" / "manifest.json").read_text())
+    doc["files"]["../../evil.safetensors"] = file_record(evil)
+    del doc["files"][SHARD]
+    doc["shards"]["0"]["file"] = "../../evil.safetensors"
+    (tmp_path / "ckpt" / "step-000000002" / "manifest.json").write_text(json.dumps(doc))
+    out = tmp_path / "out.safetensors"
+    r = _cli("export", st.url, "--step", "2", "--to", str(out))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r
+    assert "step-000000002/manifest.json" in r.stderr and "format says" in r.stderr, r
+    assert not out.exists()
+    r = _cli("export", st.url, "--step", "1", "--to", str(out))
+    assert r.returncode == 0, r
+    assert bytes(safetensors.torch.load_file(str(out))["w"].numpy()) == b"x" * 1000

@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 import xxhash
+from stephelpers import write_step
 
 from flashckpt.storage import CHUNK, CorruptCheckpointError, Storage
 
@@ -26,21 +27,7 @@ def storage(request, tmp_path):
 
 
 def _write_step(st: Storage, step: int, payload: bytes = b"x" * 1000) -> dict:
-    rec = st.write_stream(
-        st.step_path(step, "shard-00000-of-00001.safetensors"), [payload[:10], payload[10:]]
-    )
-    files = {"shard-00000-of-00001.safetensors": rec.to_json()}
-    manifest = {
-        "format": "flashckpt/1",
-        "step": step,
-        "world_size": 1,
-        "num_shards": 1,
-        "created": 0.0,
-        "files": files,
-        "ranks": {},
-        "shards": {"0": {"file": "shard-00000-of-00001.safetensors"}},
-    }
-    return manifest
+    return write_step(st, step, payload)
 
 
 def test_step_is_invisible_until_committed(storage: Storage) -> None:
@@ -51,7 +38,7 @@ def test_step_is_invisible_until_committed(storage: Storage) -> None:
     assert storage.committed_steps() == [10]
     assert storage.verify(10) == []
     data = storage.read_file(10, "shard-00000-of-00001.safetensors", storage.read_manifest(10))
-    assert bytes(data) == b"x" * 1000
+    assert bytes(data).endswith(b"x" * 1000)
 
 
 def test_latest_moves_forward_and_retention_keeps_k(storage: Storage) -> None:
@@ -69,7 +56,8 @@ def test_latest_moves_forward_and_retention_keeps_k(storage: Storage) -> None:
 def test_corruption_and_truncation_are_detected(storage: Storage) -> None:
     storage.commit(5, _write_step(storage, 5))
     path = storage.step_path(5, "shard-00000-of-00001.safetensors")
-    storage.fs.pipe_file(path, b"x" * 999 + b"y")
+    good = storage.fs.cat_file(path)
+    storage.fs.pipe_file(path, good[:-1] + b"y")
     problems = storage.verify(5)
     assert len(problems) == 1 and "checksum" in problems[0] and "shard-00000" in problems[0]
     storage.fs.pipe_file(path, b"x" * 500)
@@ -154,3 +142,101 @@ def test_page_aligned_shard_is_valid_safetensors(tmp_path) -> None:
     assert meta == {"k": "v"} and start % 4096 == 0
     with pytest.raises(ValueError, match="multiple of 8"):
         safetensors_header(layout, {}, align=100)
+
+
+def _modes(root) -> dict[str, int]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            out[os.path.relpath(p, root)] = os.stat(p).st_mode & 0o777
+    out["."] = os.stat(root).st_mode & 0o777
+    return out
+
+
+@pytest.mark.parametrize(("file_mode", "dir_mode"), [(None, 0o700), (0o640, 0o750), (0o644, 0o755)])
+def test_storage_files_are_private_unless_shared(tmp_path, file_mode, dir_mode) -> None:
+    old = os.umask(0o022)  # the usual umask: it used to leave checkpoints world-readable
+    try:
+        kw = {} if file_mode is None else {"file_mode": file_mode}
+        st = Storage(f"file://{tmp_path}/root", **kw)
+        st.commit(7, write_step(st, 7))
+        st.write_part(7, "n0", {"node": "n0"})
+        m, view = _page_aligned(b"d" * 3 * 4096)  # the O_DIRECT path
+        assert st.write_buffer(st.step_path(7, "direct.bin"), b"H" * 4096, view).direct in (
+            True,
+            False,
+        )
+        view.release()
+        m.close()
+        # An existing file rewritten gets the mode too (not the one it had).
+        loose = tmp_path / "root" / "step-000000007" / "rank-00000-of-00001.json"
+        os.chmod(loose, 0o666)
+        st.write_private(7, 0, 1, {"extras": {}})
+    finally:
+        os.umask(old)
+    modes = _modes(tmp_path / "root")
+    want_file = 0o600 if file_mode is None else file_mode
+    assert {"step-000000007/manifest.json", "latest", "step-000000007/_parts/n0.json"} <= set(modes)
+    for rel, mode in modes.items():
+        is_dir = os.path.isdir(tmp_path / "root" / rel)
+        assert mode == (dir_mode if is_dir else want_file), (rel, oct(mode))
+
+
+def test_bad_file_mode_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(ValueError, match="permission bits"):
+        Storage(f"file://{tmp_path}", file_mode=0o4755)
+    with pytest.raises(ValueError, match="owner must read and write"):
+        Storage(f"file://{tmp_path}", file_mode=0o444)
+
+
+def test_partial_steps_older_than_the_newest_commit_are_removed(storage: Storage) -> None:
+    storage.commit(1, _write_step(storage, 1))
+    _write_step(storage, 2)  # a persist that never committed (torn, failed, disk full)
+    storage.write_part(3, "n1", {"node": "n1"})  # only another node's part of a dropped step
+    storage.write_private(4, 0, 1, {"extras": {}})  # a write-through of a skipped snapshot
+    storage.commit(5, _write_step(storage, 5))
+    _write_step(storage, 6)  # newer than the newest commit: may be in flight, kept
+    assert storage.retain(3) == [2, 3, 4]
+    assert storage.all_step_dirs() == [1, 5, 6] and storage.committed_steps() == [1, 5]
+    assert storage.remove_partial_steps() == []
+
+
+def test_retention_goes_on_past_a_step_it_cannot_remove(
+    storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for s in (1, 2, 3, 4):
+        storage.commit(s, _write_step(storage, s))
+    _write_step(storage, 3_5)
+    real = storage.fs.rm
+
+    def rm(path, recursive=False, **kw):
+        if path.endswith("step-000000002") and recursive:
+            raise OSError(39, "Directory not empty")  # a writer adding a file meanwhile
+        return real(path, recursive=recursive, **kw)
+
+    monkeypatch.setattr(storage.fs, "rm", rm)
+    _write_step(storage, 0)  # a partial step below everything
+    assert storage.retain(1) == [0, 1, 3]
+    assert storage.committed_steps() == [4]  # step 2 lost its manifest first: not visible
+    monkeypatch.undo()
+    assert storage.retain(1) == [2]  # now a partial step: the next retention takes it
+    assert storage.all_step_dirs() == [4, 35]
+
+
+def test_a_link_planted_where_a_file_goes_is_not_written_through(tmp_path) -> None:
+    st = Storage(f"file://{tmp_path}/root")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    step_dir = tmp_path / "root" / "step-000000001"
+    step_dir.mkdir(parents=True)
+    (step_dir / "rank-00000-of-00001.json").symlink_to(victim)
+    with pytest.raises(OSError):
+        st.write_private(1, 0, 1, {"extras": {}})
+    m, view = _page_aligned(b"d" * 4096)
+    (step_dir / "shard-00000-of-00001.safetensors").symlink_to(victim)
+    with pytest.raises(OSError):
+        st.write_buffer(st.step_path(1, "shard-00000-of-00001.safetensors"), b"H" * 4096, view)
+    view.release()
+    m.close()
+    assert victim.read_bytes() == b"precious"

@@ -1,0 +1,51 @@
+"""Committed steps written straight through :class:`flashckpt.storage.Storage` (no trainer, no
+agent): a real safetensors shard and real rank files, as the agent writes them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import xxhash
+
+from flashckpt.layout import Layout, safetensors_header
+from flashckpt.storage import Storage, rank_file_name, shard_file_name
+
+SHARD = shard_file_name(0, 1)
+RANK = rank_file_name(0, 1)
+
+
+def shard_bytes(payload: bytes, step: int = 0) -> bytes:
+    """A one-tensor shard file: ``model/w``, a uint8 vector holding ``payload``."""
+    layout = Layout.from_json([["model/w", "U8", [len(payload)], 0, len(payload)]])
+    skeleton = {"D": [["model", {"D": [["w", {"T": "model/w"}]]}]]}
+    head = safetensors_header(
+        layout,
+        {"format": "flashckpt/1", "step": str(step), "skeleton": json.dumps(skeleton)},
+    )
+    return head + payload
+
+
+def write_step(
+    st: Storage, step: int, payload: bytes = b"x" * 1000, extras: Any = None
+) -> dict[str, Any]:
+    """Writes the files of a one-rank step and returns its manifest (not committed yet)."""
+    rec = st.write_stream(st.step_path(step, SHARD), [shard_bytes(payload, step)])
+    private = {"extras": extras if extras is not None else {"pos": step}}
+    rrec = st.write_private(step, 0, 1, private)
+    return {
+        "format": "flashckpt/1",
+        "job": "test",
+        "step": step,
+        "world_size": 1,
+        "num_shards": 1,
+        "created": 0.0,
+        "nodes": ["n0"],
+        "files": {SHARD: rec.to_json(), RANK: rrec.to_json()},
+        "ranks": {"0": {"file": RANK, "shard": 0}},
+        "shards": {"0": {"file": SHARD, "writer": 0}},
+    }
+
+
+def file_record(data: bytes) -> dict[str, Any]:
+    return {"size": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}

@@ -116,7 +116,7 @@ def main() -> int:
         _event(a.out, "restored", start_step=ckpt.start_step, restored_from=ckpt.restored_from)
         for step in range(ckpt.start_step, a.steps):
             train(step)
-            ckpt.step(step)
+            ckpt.step()
             _event(a.out, "step", step=step)
             time.sleep(a.step_sleep)
     return 0

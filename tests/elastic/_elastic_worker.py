@@ -101,7 +101,7 @@ def main() -> int:
             loss.backward()
             opt.step()
             sched.step()
-            ckpt.step(step)
+            ckpt.step()
             _event(a.out, "step", step=step, loss=float(loss.item()).hex())
             time.sleep(a.step_sleep)
     if a.fsdp:

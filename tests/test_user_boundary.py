@@ -1,0 +1,301 @@
+"""The user boundary (issue 10): a step count the library owns, loud lost work, a run that never
+takes an older run's steps for its own, and the habits PyTorch users bring."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from fchelpers import FcEnv, RunningAgent
+from tinytrain import make, train_step
+
+import flashckpt
+from flashckpt.checkpointer import CheckpointConfig
+
+
+def _env(fc_env: FcEnv, storage_path: Path) -> FcEnv:
+    return FcEnv(
+        job=fc_env.job,
+        node="n0",
+        run_dir=fc_env.run_dir,
+        storage=f"file://{storage_path}",
+        storage_path=storage_path,
+    )
+
+
+def _equal_models(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for k, v in a.state_dict().items():
+        assert torch.equal(b.state_dict()[k], v), k
+
+
+def _train(env: FcEnv, steps: int, *, stop_at: int | None = None, seed: int = 0, **kw):
+    """A loop written the ecosystem's way: ``ckpt.step(global_step)``, 1-based."""
+    model, opt, sched = make(seed)
+    ck = flashckpt.checkpointing(
+        model, opt, scheduler=sched, **env.ckpt_kwargs(agent="connect", **kw)
+    )
+    try:
+        with ck:
+            for i in range(ck.start_step, steps):
+                if i == stop_at:
+                    raise KeyboardInterrupt
+                train_step(model, opt, sched, i)
+                ck.step(i + 1)  # global_step: steps completed
+    except KeyboardInterrupt:
+        pass
+    return model, ck
+
+
+# -- 1. the library owns the step count ---------------------------------------------------------
+def test_uninterrupted_n_step_run_commits_step_n(fc_env: FcEnv, agent: RunningAgent) -> None:
+    _, ck = _train(fc_env, 10, every=4)
+    assert ck.steps_done == 10
+    assert ck.stats.last_committed_step == 10
+    assert flashckpt.load(fc_env.storage).step == 10
+    assert sorted(int(p.name[5:]) for p in fc_env.storage_path.glob("step-*")) == [4, 8, 10]
+
+
+def test_global_step_loop_resumes_bitwise(fc_env: FcEnv, agent: RunningAgent, tmp_path) -> None:
+    ref_env = _env(fc_env, tmp_path / "ref")
+    ref_env.job += "r"
+    ref_agent = RunningAgent(ref_env.agent_config())
+    try:
+        ref, _ = _train(ref_env, 14, every=3)
+    finally:
+        ref_agent.stop()
+    _, ck1 = _train(fc_env, 14, every=3, stop_at=8)  # killed in iteration 8: 6 steps snapshotted
+    assert ck1.stats.last_snapshot_step == 6
+    model, ck2 = _train(fc_env, 14, every=3, seed=5)
+    assert ck2.start_step == 6 and ck2.restored_from == "memory"
+    _equal_models(ref, model)
+
+
+def test_step_convention_mistakes_raise_naming_both_conventions(
+    fc_env: FcEnv, agent: RunningAgent
+) -> None:
+    model, opt, sched = make(0)
+    with flashckpt.checkpointing(
+        model, opt, scheduler=sched, every=0, **fc_env.ckpt_kwargs(agent="connect")
+    ) as ck:
+        with pytest.raises(ValueError, match=r"ckpt.step\(0\) looks like a 0-based") as ei:
+            ck.step(0)  # the 0-based habit: right after iteration 0
+        msg = str(ei.value)
+        assert "ckpt.step() with no argument" in msg and "global_step" in msg
+        assert "ckpt.step(i + 1)" in msg
+        assert ck.steps_done == 0  # a refused call counts nothing
+        assert ck.step(1) is None and ck.step() is None and ck.step(3) is None
+        with pytest.raises(ValueError, match=r"ckpt.step\(3\) after 3 steps done"):
+            ck.step(3)
+        with pytest.raises(ValueError, match=r"ckpt.step\(2\) after 3 steps done"):
+            ck.step(2)
+        with pytest.raises(ValueError, match=r"skips 2 step"):
+            ck.step(6)
+        with pytest.raises(TypeError, match="an int"):
+            ck.step(4.5)  # type: ignore[arg-type]
+        assert ck.steps_done == 3
+        with pytest.raises(ValueError, match=r"save\(step=7\): 3 steps are done"):
+            ck.save(7)
+        assert ck.save(3).step == 3 and ck.save().step == 3
+    assert flashckpt.load(fc_env.storage).step == 3
+    # The count goes on from the restored step: start_step is both the steps done and the
+    # index of the next iteration.
+    model, opt, sched = make(0)
+    with flashckpt.checkpointing(
+        model, opt, scheduler=sched, every=0, **fc_env.ckpt_kwargs(agent="connect")
+    ) as ck:
+        assert ck.start_step == 3 and ck.steps_done == 3
+        with pytest.raises(ValueError, match=r"ckpt.step\(3\) looks like a 0-based"):
+            ck.step(ck.start_step)
+        ck.step(ck.start_step + 1)
+    assert flashckpt.load(fc_env.storage).step == 4  # the exit snapshot
+
+
+# -- 2. every="auto" by default -----------------------------------------------------------------
+def test_default_every_is_auto(fc_env: FcEnv, agent: RunningAgent) -> None:
+    assert CheckpointConfig().every == "auto"
+    model, opt, sched = make(0)
+    taken = []
+    with flashckpt.checkpointing(
+        model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect")
+    ) as ck:
+        for i in range(12):
+            train_step(model, opt, sched, i)
+            h = ck.step()
+            if h is not None:
+                taken.append(h.step)
+        assert ck.status()["every"]["mode"] == "auto"
+    assert taken and taken[0] == 10  # the first periodic snapshot, with no every= given
+
+
+# -- 3. the habits: a scheduler left out, a misnamed keyword ------------------------------------
+def test_scheduler_left_out_is_refused_with_the_fix(fc_env: FcEnv) -> None:
+    model, opt, sched = make(0)
+    with pytest.raises(ValueError, match=r"initial_lr.*scheduler=.*allow_unsaved_scheduler=True"):
+        flashckpt.checkpointing(model, opt, **fc_env.ckpt_kwargs())
+    # Given in scheduler= or stateful=, or left out on purpose: accepted.
+    flashckpt.checkpointing(model, opt, scheduler=sched, **fc_env.ckpt_kwargs())
+    flashckpt.checkpointing(model, opt, stateful={"lr": sched}, **fc_env.ckpt_kwargs())
+    flashckpt.checkpointing(model, opt, allow_unsaved_scheduler=True, **fc_env.ckpt_kwargs())
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)  # no scheduler ever touched it
+    flashckpt.checkpointing(model, plain, **fc_env.ckpt_kwargs())
+
+
+def test_unknown_keywords_suggest_the_right_one() -> None:
+    model, opt, sched = make(0)
+    with pytest.raises(TypeError) as ei:
+        flashckpt.checkpointing(model, opt, lr_scheduler=sched, storag="file:///x")
+    msg = str(ei.value)
+    assert "'lr_scheduler' (did you mean 'scheduler'?)" in msg
+    assert "'storag' (did you mean 'storage'?)" in msg
+    for name in ("scheduler", "stateful", "extras", "process_group", "every", "overwrite"):
+        assert name in msg.split("It takes:")[1], name
+
+
+# -- 4. lost work is loud -----------------------------------------------------------------------
+def _storage_fails_mid_run(fc_env: FcEnv, root: Path, **kw) -> flashckpt.Checkpointer:
+    """Commits step 2, then the storage goes away (a file where its parent directory was: a
+    real failure of every write), then trains 2 more steps and leaves the ``with`` block."""
+    env = _env(fc_env, root / "store" / "ckpt")
+    a = RunningAgent(env.agent_config())
+    try:
+        model, opt, sched = make(0)
+        with flashckpt.checkpointing(
+            model, opt, scheduler=sched, every=2, **env.ckpt_kwargs(agent="connect", **kw)
+        ) as ck:
+            for i in range(2):
+                train_step(model, opt, sched, i)
+                ck.step()
+            assert ck.flush() == 2
+            shutil.rmtree(root / "store")
+            (root / "store").write_text("not a directory")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for i in range(2, 4):  # training goes on from memory
+                    train_step(model, opt, sched, i)
+                    ck.step()
+    finally:
+        a.stop()
+    return ck
+
+
+def test_storage_failing_mid_run_raises_persist_error_on_exit(fc_env: FcEnv, tmp_path) -> None:
+    with pytest.raises(flashckpt.PersistError) as ei:
+        _storage_fails_mid_run(fc_env, tmp_path)
+    err = ei.value
+    assert isinstance(err, flashckpt.FlashckptError)
+    assert err.step == 4 and err.errors, err
+    msg = str(err)
+    assert f"file://{tmp_path}/store/ckpt" in msg and "Not a directory" in msg, msg
+    assert "newest committed step is 2" in msg and "on_persist_failure='warn'" in msg
+
+
+def test_persist_failure_opt_out_only_warns(fc_env: FcEnv, tmp_path) -> None:
+    with pytest.warns(UserWarning, match=r"step 4 \(the final snapshot\) was not committed"):
+        ck = _storage_fails_mid_run(fc_env, tmp_path, on_persist_failure="warn")
+    assert ck.steps_done == 4 and ck.stats.last_committed_step == 2
+
+
+# -- 5. a run never takes an older run's steps for its own --------------------------------------
+def test_fresh_run_over_an_older_runs_root(fc_env: FcEnv, agent: RunningAgent) -> None:
+    _train(fc_env, 10, every=5)
+    assert flashckpt.load(fc_env.storage).step == 10
+    # restore=False over committed steps: refused at entry, nothing touched.
+    model, opt, sched = make(7)
+    ck = flashckpt.checkpointing(
+        model, opt, scheduler=sched, restore=False, **fc_env.ckpt_kwargs(agent="connect")
+    )
+    with pytest.raises(ValueError, match=r"holds committed steps \[5, 10\].*overwrite=True"):
+        ck.__enter__()
+    assert flashckpt.load(fc_env.storage).step == 10
+    # overwrite=True: the old steps go, this run's steps persist and commit, flush() reports
+    # this run's step, and `latest` points at it.
+    with flashckpt.checkpointing(
+        model,
+        opt,
+        scheduler=sched,
+        every=2,
+        restore=False,
+        overwrite=True,
+        **fc_env.ckpt_kwargs(agent="connect"),
+    ) as ck:
+        assert ck.start_step == 0
+        for i in range(4):
+            train_step(model, opt, sched, i)
+            ck.step()
+        assert ck.flush() == 4
+    loaded = flashckpt.load(fc_env.storage)
+    assert loaded.step == 4
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state["model"][k], v), k
+    assert sorted(int(p.name[5:]) for p in fc_env.storage_path.glob("step-*")) == [2, 4]
+    assert '"step": 4' in (fc_env.storage_path / "latest").read_text()
+    # The next run resumes this run's step, not the older run's.
+    resumed, ck = _train(fc_env, 4, every=2, seed=3)
+    assert ck.start_step == 4
+    _equal_models(model, resumed)
+
+
+def test_nothing_restorable_over_committed_steps_needs_overwrite(
+    fc_env: FcEnv, agent: RunningAgent
+) -> None:
+    _train(fc_env, 3, every=3)
+    agent.stop()  # the memory snapshots go with it
+    shard = fc_env.storage_path / "step-000000003" / "shard-00000-of-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    again = RunningAgent(fc_env.agent_config())
+    try:
+        model, opt, sched = make(0)
+        ck = flashckpt.checkpointing(
+            model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect")
+        )
+        with (
+            pytest.warns(UserWarning, match="fails its checksum"),
+            pytest.raises(ValueError, match=r"\[3\].*none of them could be restored"),
+        ):
+            ck.__enter__()
+        with (
+            pytest.warns(UserWarning, match="fails its checksum"),
+            flashckpt.checkpointing(
+                model,
+                opt,
+                scheduler=sched,
+                every=0,
+                overwrite=True,
+                **fc_env.ckpt_kwargs(agent="connect"),
+            ) as ck,
+        ):
+            assert ck.start_step == 0 and ck.restored_from is None
+            ck.step()
+            ck.save()
+            assert ck.flush() == 1
+        assert flashckpt.load(fc_env.storage).step == 1
+        assert [p.name for p in fc_env.storage_path.glob("step-*")] == ["step-000000001"]
+    finally:
+        again.stop()
+
+
+# -- 7. where each rank restored from, and how long it took ------------------------------------
+def test_entry_logs_the_restore_source_and_time(
+    fc_env: FcEnv, agent: RunningAgent, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="flashckpt"):
+        _, ck = _train(fc_env, 2, every=2)
+        assert any(
+            "rank 0 starts at step 0: nothing to restore" in r.message for r in caplog.records
+        )
+        caplog.clear()
+        _, ck = _train(fc_env, 3, every=2)
+    lines = [r.message for r in caplog.records if "restored step" in r.message]
+    assert len(lines) == 1 and lines[0].startswith(
+        "flashckpt: rank 0 restored step 2 from memory in "
+    )
+    assert lines[0].endswith(" s")
+    assert isinstance(ck._restore_s, float) and ck._restore_s >= 0
+    st = ck.status()
+    assert st["restore_s"] == ck._restore_s and st["restore"]["source"] == "memory"

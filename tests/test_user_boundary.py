@@ -3,6 +3,7 @@ takes an older run's steps for its own, and the habits PyTorch users bring."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 import warnings
@@ -299,3 +300,84 @@ def test_entry_logs_the_restore_source_and_time(
     assert isinstance(ck._restore_s, float) and ck._restore_s >= 0
     st = ck.status()
     assert st["restore_s"] == ck._restore_s and st["restore"]["source"] == "memory"
+
+
+# -- 6. the data position -----------------------------------------------------------------------
+def _dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 16, generator=g)
+    return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())  # 12 batches of 4
+
+
+def _data_run(env: FcEnv, pattern: str, total: int, stop_at: int | None = None, seed: int = 0):
+    """Trains ``total`` steps over a shuffled loader with 2 workers (epochs of 12 batches),
+    snapshotting every 5 steps; returns the model and the batch of each step."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    kw = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    extras = {"epoch": 0, "batch": 0}
+    if pattern == "stateful":  # torchdata's loader keeps its own position
+        loader = StatefulDataLoader(_dataset(), **kw)
+        stateful = {"loader": loader}
+    else:  # a plain DataLoader: the epoch seeds its order; extras keep the position
+        gen = torch.Generator()
+        loader = torch.utils.data.DataLoader(_dataset(), generator=gen, **kw)
+        stateful = {}
+    seen: dict[int, torch.Tensor] = {}
+    ck = flashckpt.checkpointing(
+        model, opt, stateful=stateful, extras=extras, every=5, **env.ckpt_kwargs(agent="connect")
+    )
+    try:
+        with ck:
+            while ck.steps_done < total:
+                if pattern == "stateful":
+                    batches = iter(loader)
+                else:
+                    gen.manual_seed(1234 + extras["epoch"])
+                    batches = itertools.islice(loader, extras["batch"], None)
+                for x, y in batches:
+                    i = ck.steps_done
+                    if i == stop_at:
+                        raise KeyboardInterrupt
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    seen[i] = x.clone()
+                    extras["batch"] += 1
+                    ck.step()
+                    if ck.steps_done == total:
+                        break
+                else:
+                    extras["epoch"] += 1
+                    extras["batch"] = 0
+    except KeyboardInterrupt:
+        pass
+    return model, seen, ck
+
+
+@pytest.mark.parametrize("pattern", ["stateful", "plain"])
+def test_shuffled_loader_with_workers_resumes_mid_epoch_bitwise(
+    fc_env: FcEnv, agent: RunningAgent, tmp_path, pattern: str
+) -> None:
+    ref_env = _env(fc_env, tmp_path / "ref")
+    ref_env.job += "r"
+    ref_agent = RunningAgent(ref_env.agent_config())
+    try:
+        ref, ref_seen, _ = _data_run(ref_env, pattern, 20)
+    finally:
+        ref_agent.stop()
+    assert sorted(ref_seen) == list(range(20))
+    # Killed in step 13: the snapshot of step 10 is mid-epoch (epochs are 12 batches).
+    _, _, ck1 = _data_run(fc_env, pattern, 20, stop_at=13)
+    assert ck1.stats.last_snapshot_step == 10
+    torch.manual_seed(99)  # the global RNG moved on: the restore brings it back
+    model, seen, ck2 = _data_run(fc_env, pattern, 20, seed=5)
+    assert ck2.start_step == 10 and ck2.restored_from == "memory"
+    assert sorted(seen) == list(range(10, 20))
+    for i in range(10, 20):  # the rest of epoch 0, then all of epoch 1's order
+        assert torch.equal(seen[i], ref_seen[i]), f"batch of step {i} differs"
+    _equal_models(ref, model)

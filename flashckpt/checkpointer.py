@@ -476,6 +476,8 @@ class Checkpointer:
         Raises:
             ValueError: ``n`` is not the library's count plus one.
         """
+        if not self._entered:
+            raise RuntimeError("step() outside the `with flashckpt.checkpointing(...)` block")
         done = self._count + 1
         if n is not None and n != done:
             self._bad_step(n, done)

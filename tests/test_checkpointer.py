@@ -253,6 +253,35 @@ def test_unwritable_storage_is_refused_at_entry(fc_env: FcEnv, tmp_path) -> None
     assert blocker.read_text().startswith("a file")  # nothing was written over it
 
 
+def test_full_storage_is_refused_at_entry(fc_env: FcEnv, tmp_path) -> None:
+    import errno
+    import subprocess
+
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        (mnt / "ckpt").mkdir()
+        with open(mnt / "filler", "wb", buffering=0) as f:  # fill it up: a real ENOSPC
+            with pytest.raises(OSError) as full:
+                while True:
+                    f.write(b"x" * 4096)
+            assert full.value.errno == errno.ENOSPC
+        model, opt, sched = make(0)
+        ck = flashckpt.checkpointing(
+            model, opt, scheduler=sched, **fc_env.ckpt_kwargs(storage=f"file://{mnt}/ckpt")
+        )
+        with pytest.raises(flashckpt.StorageUnavailableError, match=r"No space left on device"):
+            ck.__enter__()
+        assert os.listdir(mnt / "ckpt") == []  # the probe left nothing behind
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
 def test_sync_and_overlap_snapshots_are_identical(fc_env: FcEnv, agent: RunningAgent) -> None:
     results = []
     for mode in ("sync", "overlap"):

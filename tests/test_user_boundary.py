@@ -102,6 +102,8 @@ def test_step_convention_mistakes_raise_naming_both_conventions(
             ck.save(7)
         assert ck.save(3).step == 3 and ck.save().step == 3
     assert flashckpt.load(fc_env.storage).step == 3
+    with pytest.raises(RuntimeError, match="outside"):
+        ck.step()  # after the block: nothing counts it
     # The count goes on from the restored step: start_step is both the steps done and the
     # index of the next iteration.
     model, opt, sched = make(0)

@@ -41,6 +41,7 @@ import xxhash
 from flashckpt.agent import default_node_id
 from flashckpt.errors import PersistError, StorageUnavailableError
 from flashckpt.interval import AutoInterval
+from flashckpt.jsonstate import decode_state, encode_state
 from flashckpt.layout import (
     FlatState,
     Layout,
@@ -282,6 +283,7 @@ class Checkpointer:
         *,
         scheduler: Any = None,
         stateful: Mapping[str, Any] | None = None,
+        per_rank: Mapping[str, Any] | None = None,
         extras: dict[str, Any] | None = None,
         process_group: Any = None,
         config: CheckpointConfig,
@@ -290,9 +292,13 @@ class Checkpointer:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
-        for name, obj in (stateful or {}).items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"stateful[{name!r}] has no state_dict()/load_state_dict()")
+        for what, objs in (("stateful", stateful), ("per_rank", per_rank)):
+            for name, obj in (objs or {}).items():
+                if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                    raise TypeError(f"{what}[{name!r}] has no state_dict()/load_state_dict()")
+        both = sorted(set(stateful or {}) & set(per_rank or {}))
+        if both:
+            raise ValueError(f"{both} given in both stateful= and per_rank=: pick one")
         if extras is not None and not isinstance(extras, dict):
             raise TypeError(
                 f"extras must be a dict of JSON-serialisable values, got {type(extras)}"
@@ -305,6 +311,7 @@ class Checkpointer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.stateful = dict(stateful or {})
+        self.per_rank = dict(per_rank or {})
         self.extras: dict[str, Any] = extras if extras is not None else {}
         # A copy: entry resolves replicated=None in it (a config may serve several models).
         self.config = copy.copy(config)
@@ -584,6 +591,7 @@ class Checkpointer:
                 "rng": capture_rng(),
                 "extras": _json_copy(self.extras, "extras"),
                 "buffers_xxh": self._buffers_hash(model_sd),
+                **self._per_rank_state(),
             },
         }
         slot = self._acquire_slot(flat, when_busy)
@@ -1558,7 +1566,11 @@ class Checkpointer:
         else:
             # Another world size: the extras are rank 0's; the RNG states stay as they are.
             old0 = plan.metas.get(0, {}).get("private") or {}
-            private = {"rng": capture_rng(), "extras": old0.get("extras") or {}}
+            private = {
+                "rng": capture_rng(),
+                "extras": old0.get("extras") or {},
+                "other_world": plan.world_size,
+            }
         self._restore_info = {
             "saved_world_size": plan.world_size,
             "received_from_old_ranks": sorted(received),
@@ -1720,7 +1732,11 @@ class Checkpointer:
             step,
             manifest["world_size"],
         )
-        return {"rng": capture_rng(), "extras": rank0.get("extras") or {}}
+        return {
+            "rng": capture_rng(),
+            "extras": rank0.get("extras") or {},
+            "other_world": int(manifest["world_size"]),
+        }
 
     _opt_wrap: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], tuple[int, ...]]] | None = None
 
@@ -1940,6 +1956,37 @@ class Checkpointer:
             restore_rng(private["rng"])
             self.extras.clear()
             self.extras.update(private.get("extras") or {})
+        self._apply_per_rank(private)
+
+    def _per_rank_state(self) -> dict[str, Any]:
+        """The ``per_rank`` objects' states, for this rank's own JSON part of a snapshot."""
+        if not self.per_rank:
+            return {}
+        return {
+            "per_rank": {
+                k: encode_state(v.state_dict(), f"per_rank/{k}") for k, v in self.per_rank.items()
+            }
+        }
+
+    def _apply_per_rank(self, private: dict[str, Any] | None) -> None:
+        if not self.per_rank:
+            return
+        if private is not None and private.get("other_world"):
+            # Their states belong to the ranks of another world size: none is this rank's.
+            warnings.warn(
+                f"flashckpt: per_rank {sorted(self.per_rank)} not restored: the step was saved "
+                f"by {private['other_world']} ranks, this world has {self._world}",
+                stacklevel=4,
+            )
+            return
+        saved = (private or {}).get("per_rank")
+        for name, obj in self.per_rank.items():
+            sub = saved.get(name) if isinstance(saved, dict) else None
+            if sub is None:
+                raise ValueError(
+                    f"checkpoint has no state of rank {self._rank} for per_rank[{name!r}]"
+                )
+            obj.load_state_dict(decode_state(sub, f"per_rank/{name}"))
 
     def _invalidate_after(self, step: int) -> None:
         """Drops in-memory snapshots newer than the resume point: they belong to a past timeline.
@@ -2155,7 +2202,15 @@ def _median(xs: list[float]) -> float | None:
     return s[len(s) // 2]
 
 
-_ARGUMENTS = ("model", "optimizer", "scheduler", "stateful", "extras", "process_group")
+_ARGUMENTS = (
+    "model",
+    "optimizer",
+    "scheduler",
+    "stateful",
+    "per_rank",
+    "extras",
+    "process_group",
+)
 # Names other libraries use for these (difflib does not find them all).
 _ALIASES = {
     "lr_scheduler": "scheduler",
@@ -2220,6 +2275,7 @@ def checkpointing(
     *,
     scheduler: Any = None,
     stateful: Mapping[str, Any] | None = None,
+    per_rank: Mapping[str, Any] | None = None,
     extras: dict[str, Any] | None = None,
     process_group: Any = None,
     **options: Any,
@@ -2230,7 +2286,11 @@ def checkpointing(
         model: the module whose ``state_dict`` is saved.
         optimizer: its optimizer (its ``step()`` waits for a pending snapshot copy).
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``).
-        stateful: more named objects with ``state_dict``/``load_state_dict``.
+        stateful: more named objects with ``state_dict``/``load_state_dict``, saved with the
+            model (under data parallelism one replica's copy is persisted).
+        per_rank: named objects whose state differs by rank (a data loader, a sampler): their
+            small ``state_dict`` (JSON values and small tensors) goes into each rank's own file
+            with its RNG states, so every rank gets its own back, from memory or storage.
         extras: a dict of JSON values (step, data position, ...) saved with each snapshot and
             updated in place on restore.
         process_group: the group whose ranks agree on the resume step (default: the world).
@@ -2248,6 +2308,7 @@ def checkpointing(
         optimizer,
         scheduler=scheduler,
         stateful=stateful,
+        per_rank=per_rank,
         extras=extras,
         process_group=process_group,
         config=config,

@@ -321,21 +321,27 @@ def _data_run(env: FcEnv, pattern: str, total: int, stop_at: int | None = None, 
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     kw = {"batch_size": 4, "shuffle": True, "num_workers": 2}
     extras = {"epoch": 0, "batch": 0}
-    if pattern == "stateful":  # torchdata's loader keeps its own position
+    stateful, per_rank = {}, {}
+    if pattern in ("stateful", "per_rank"):  # torchdata's loader keeps its own position
         loader = StatefulDataLoader(_dataset(), **kw)
-        stateful = {"loader": loader}
+        (stateful if pattern == "stateful" else per_rank)["loader"] = loader
     else:  # a plain DataLoader: the epoch seeds its order; extras keep the position
         gen = torch.Generator()
         loader = torch.utils.data.DataLoader(_dataset(), generator=gen, **kw)
-        stateful = {}
     seen: dict[int, torch.Tensor] = {}
     ck = flashckpt.checkpointing(
-        model, opt, stateful=stateful, extras=extras, every=5, **env.ckpt_kwargs(agent="connect")
+        model,
+        opt,
+        stateful=stateful,
+        per_rank=per_rank,
+        extras=extras,
+        every=5,
+        **env.ckpt_kwargs(agent="connect"),
     )
     try:
         with ck:
             while ck.steps_done < total:
-                if pattern == "stateful":
+                if pattern != "plain":
                     batches = iter(loader)
                 else:
                     gen.manual_seed(1234 + extras["epoch"])
@@ -361,7 +367,7 @@ def _data_run(env: FcEnv, pattern: str, total: int, stop_at: int | None = None, 
     return model, seen, ck
 
 
-@pytest.mark.parametrize("pattern", ["stateful", "plain"])
+@pytest.mark.parametrize("pattern", ["per_rank", "stateful", "plain"])
 def test_shuffled_loader_with_workers_resumes_mid_epoch_bitwise(
     fc_env: FcEnv, agent: RunningAgent, tmp_path, pattern: str
 ) -> None:
@@ -383,3 +389,115 @@ def test_shuffled_loader_with_workers_resumes_mid_epoch_bitwise(
     for i in range(10, 20):  # the rest of epoch 0, then all of epoch 1's order
         assert torch.equal(seen[i], ref_seen[i]), f"batch of step {i} differs"
     _equal_models(ref, model)
+
+
+def test_per_rank_state_round_trips_as_json_and_is_validated() -> None:
+    import json
+
+    from flashckpt.jsonstate import decode_state, encode_state
+
+    state = {
+        "pos": 7,
+        "gen": torch.randint(0, 255, (40,), dtype=torch.uint8),
+        "empty": torch.zeros(0, 3),
+        "pair": (1, [2.5, None, "x"]),
+        "flag": torch.tensor([True, False]),
+    }
+    back = decode_state(json.loads(json.dumps(encode_state(state, "s"))), "s")
+    assert back["pos"] == 7 and back["pair"] == (1, [2.5, None, "x"])
+    for k in ("gen", "empty", "flag"):
+        assert back[k].dtype == state[k].dtype and torch.equal(back[k], state[k]), k
+    with pytest.raises(TypeError, match=r"s/workers: key 0 is a int"):
+        encode_state({"workers": {0: 1}}, "s")
+    with pytest.raises(TypeError, match=r"s/f: a builtin_function_or_method cannot"):
+        encode_state({"f": print}, "s")
+    bad = encode_state({"t": torch.arange(4)}, "s")
+    bad["t"]["__flashckpt_tensor__"]["shape"] = [5]  # storage is not trusted
+    with pytest.raises(ValueError, match=r"s/t: tensor data does not match|bytes of tensor data"):
+        decode_state(bad, "s")
+    bad["t"]["__flashckpt_tensor__"].update(shape=[4], dtype="object")
+    with pytest.raises(ValueError, match="unknown tensor dtype"):
+        decode_state(bad, "s")
+
+
+_PER_RANK_WORKER = r"""
+import sys, torch, torch.distributed as dist
+import flashckpt
+
+rank, init, storage, job, run_dir, phase = sys.argv[1:7]
+rank = int(rank)
+dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+
+
+class Cursor:  # a data position that differs by rank (a sharded loader's)
+    def __init__(self):
+        self.pos, self.seen = 0, torch.zeros(3, dtype=torch.int64)
+
+    def state_dict(self):
+        return {"pos": self.pos, "seen": self.seen.clone()}
+
+    def load_state_dict(self, sd):
+        self.pos, self.seen = sd["pos"], sd["seen"]
+
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+own, shared = Cursor(), Cursor()
+kw = dict(storage=storage, job=job, node="n0", run_dir=run_dir, every=3, agent_idle_timeout=60)
+with flashckpt.checkpointing(model, per_rank={"cursor": own}, stateful={"shared": shared},
+                             **kw) as ck:
+    if phase == "train":
+        for i in range(3):
+            for c in (own, shared):
+                c.pos += 100 * rank + 1
+                c.seen[i] = 10 * rank + i
+            ck.step()
+    else:
+        print(ck.start_step, ck.restored_from, own.pos, own.seen.tolist(), shared.pos, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_per_rank_state_comes_back_to_each_rank_from_storage(fc_env: FcEnv, tmp_path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    def run(phase: str) -> list[str]:
+        init = tmp_path / f"init-{phase}"
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _PER_RANK_WORKER,
+                    str(r),
+                    str(init),
+                    fc_env.storage,
+                    fc_env.job,
+                    fc_env.run_dir,
+                    phase,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(out.strip())
+        return outs
+
+    run("train")
+    deadline = time.monotonic() + 120
+    while fc_env.segments() and time.monotonic() < deadline:  # the agent leaves when done
+        time.sleep(0.2)
+    assert fc_env.segments() == [], "the memory snapshots must be gone: restore from storage"
+    r0, r1 = run("restore")
+    assert r0 == "3 storage 3 [0, 1, 2] 3", r0
+    # Rank 1 gets its own position back; a stateful= object is one replica's (rank 0's).
+    assert r1 == "3 storage 303 [10, 11, 12] 3", r1

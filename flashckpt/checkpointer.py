@@ -306,7 +306,7 @@ class Checkpointer:
         if scheduler is not None and not hasattr(scheduler, "state_dict"):
             raise TypeError("scheduler has no state_dict()/load_state_dict()")
         if optimizer is not None and scheduler is None and not config.allow_unsaved_scheduler:
-            _check_scheduler_given(optimizer, stateful or {})
+            _check_scheduler_given(optimizer, {**(stateful or {}), **(per_rank or {})})
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -665,8 +665,9 @@ class Checkpointer:
     def flush(self, timeout: float | None = None) -> int | None:
         """Waits until the newest snapshot is committed to storage; returns the committed step.
 
-        A storage failure does not raise (training goes on from memory): it is logged and kept in
-        ``stats.persist_errors``; the return value is then None.
+        A storage failure does not raise here (training goes on from memory): it is logged and
+        kept in ``stats.persist_errors``; the return value is then None. Leaving the ``with``
+        block raises :class:`PersistError` when the final snapshot is not committed.
         """
         self.wait()
         step = self.stats.last_snapshot_step

@@ -182,6 +182,9 @@ class CheckpointConfig:
             raise ValueError(f"keep={self.keep}: keep at least 1 committed step")
         if self.agent not in ("auto", "connect"):
             raise ValueError(f"agent={self.agent!r}: use 'auto' or 'connect'")
+        for name in ("restore", "overwrite", "allow_unsaved_scheduler"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: use True or False")
         if self.on_persist_failure not in ("raise", "warn"):
             raise ValueError(
                 f"on_persist_failure={self.on_persist_failure!r}: use 'raise' or 'warn'"

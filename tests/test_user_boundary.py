@@ -147,6 +147,13 @@ def test_scheduler_left_out_is_refused_with_the_fix(fc_env: FcEnv) -> None:
     flashckpt.checkpointing(model, plain, **fc_env.ckpt_kwargs())
 
 
+def test_bad_values_of_the_new_options_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="overwrite='yes': use True or False"):
+        CheckpointConfig(overwrite="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="on_persist_failure='ignore'"):
+        CheckpointConfig(on_persist_failure="ignore")  # type: ignore[arg-type]
+
+
 def test_unknown_keywords_suggest_the_right_one() -> None:
     model, opt, sched = make(0)
     with pytest.raises(TypeError) as ei:

@@ -76,7 +76,8 @@ def _rank_main(a: argparse.Namespace, rank: int, world: int, phase: str, init: s
         model(torch.ones(2, DIM)).sum().backward()
         opt.step()
         with flashckpt.checkpointing(model, opt, every=1000, **kw) as ckpt:
-            ckpt.save(1)
+            ckpt.step()
+            ckpt.save()
             ckpt.flush()
             dist.barrier()
             os._exit(3)  # as if the machine's trainers died: the agent keeps the snapshot

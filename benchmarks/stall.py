@@ -170,6 +170,7 @@ def bench_memcpy(
 # -- 2./3. flashckpt stall --------------------------------------------------------------------
 def _enter_fc(ws: C.Workspace, tr: C.Trainer, job: str, **opts: Any) -> tuple[Any, float, int]:
     opts.setdefault("agent_idle_timeout", 120.0)  # an orphaned agent leaves soon
+    opts.setdefault("every", 0)  # manual: each benchmark snapshots where it measures
     ck = flashckpt.checkpointing(
         tr.model, tr.optimizer, job=job, node=NODE, run_dir=ws.run_dir, **opts
     )
@@ -214,14 +215,16 @@ def bench_fc_sync(
     paired: list[float] = []
     try:
         tr.step()
-        first = C.timed(ck.save, 1)[0]
+        ck.step()
+        first = C.timed(ck.save)[0]
         load_at_first = os.getloadavg()  # the machine may be shared: say how busy it was
         steady = []
         for i in range(repeats):
             tr.step()
+            ck.step()
             if bound is not None and i % 2 == 0:
                 paired.append(bound.copy())
-            steady.append(C.timed(ck.save, 2 + i)[0])
+            steady.append(C.timed(ck.save)[0])
             if bound is not None and i % 2 == 1:
                 paired.append(bound.copy())
         stats = ck.stats
@@ -261,7 +264,8 @@ def bench_fc_overlap(tr: C.Trainer, ws: C.Workspace, repeats: int) -> dict[str, 
 
         def save_then(step: int, between: Callable[[], None] | None) -> tuple[float, float]:
             n_wait = len(ck.stats.wait_s)
-            call = C.timed(ck.save, step)[0]
+            ck.step(step)  # the training step just done (checked against the library's count)
+            call = C.timed(ck.save)[0]
             if between is not None:
                 between()
             tr.opt_step()  # the pre-step hook waits for the background copy
@@ -503,6 +507,8 @@ class _Method:
 
     def before_opt(self) -> None: ...
 
+    def step_done(self) -> None: ...
+
     def ckpt(self, step: int) -> None: ...
 
     def teardown(self) -> dict[str, Any]:
@@ -527,14 +533,19 @@ class _FcMethod(_Method):
             restore=False,
         )
         self.tr.step()
-        self.ck.save(1)
+        self.ck.step()
+        self.ck.save()
         self.tr.step()
+        self.ck.step()
         self.ck.flush()  # start the timed loop with nothing in flight (as for DCP)
         self.n0 = len(self.ck.stats.stall_s)
         self.w0 = len(self.ck.stats.wait_s)
 
+    def step_done(self) -> None:
+        self.ck.step()  # every=0: counts the step, never snapshots by itself
+
     def ckpt(self, step: int) -> None:
-        self.ck.save(step + 10)
+        self.ck.save()  # labelled with the steps done
 
     def teardown(self) -> dict[str, Any]:
         s = self.ck.stats
@@ -660,6 +671,7 @@ def _loop(tr: C.Trainer, m: _Method, steps: int, every: int) -> tuple[float, lis
         tr.fwd_bwd()
         m.before_opt()
         tr.opt_step()
+        m.step_done()
         if i % every == 0:
             m.ckpt(i)
             n += 1
@@ -769,7 +781,8 @@ def bench_persist_reload(
         for _ in range(repeats):
             tr.step()
             step += 1
-            ck.save(step)
+            ck.step(step)
+            ck.save()
             t0 = time.perf_counter()
             committed = ck.flush()
             flush_s.append(time.perf_counter() - t0)
@@ -847,7 +860,8 @@ def bench_persist_reload(
             tr.step()  # a new snapshot in the fresh agent's memory for the next memory reload
             tr.optimizer.zero_grad(set_to_none=True)
             step += 1
-            ck.save(step)
+            ck.step(step)
+            ck.save()
             ck.flush()
         finally:
             ck.__exit__(None, None, None)

@@ -54,7 +54,15 @@ def torchrun(
         out,
         *extra,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # A restart must not reuse the rendezvous TCP store (and its port): gloo of the new workers
+    # would otherwise try the dead worker's old address and hang or fail (`flashckpt run` sets
+    # the same).
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     return subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -135,7 +135,7 @@ def main() -> int:
                 )
                 progress.flush()
                 if ckpt is not None:
-                    ckpt.step(step)
+                    ckpt.step()
 
     if a.no_checkpoint:
         train(0, None)

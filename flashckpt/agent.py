@@ -525,9 +525,15 @@ class NodeAgent:
                 self._private_q.put((_key(msg), int(msg["step"])))
             return None
         if op == "restored":
+            # The trainers' timeline starts at this step (-1: a fresh start, nothing restored).
+            # A committed step after it is an abandoned timeline's or an older run's: this
+            # run's snapshot of that number is not persisted yet, and flush() and the commit
+            # loop must not take the old step for this run's.
+            step = int(msg["step"])
             with self._lock:
-                self._persisted_high = min(self._persisted_high, int(msg["step"]))
-                self._resumed_at = min(self._resumed_at, int(msg["step"]))
+                self._persisted_high = min(self._persisted_high, step)
+                self._resumed_at = min(self._resumed_at, step)
+                self._committed = [s for s in self._committed if s <= step]
             return {"ok": True}
         if op == "flush":
             return self._flush(int(msg["step"]), float(msg.get("timeout_s", 300.0)))

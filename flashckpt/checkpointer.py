@@ -4,21 +4,25 @@ Usage::
 
     with flashckpt.checkpointing(model, optimizer, scheduler=sched,
                                  storage="file:///ckpt/run1", every=10) as ckpt:
-        for step in range(ckpt.start_step, total_steps):
-            train_one_step(step)
-            ckpt.step(step)          # snapshots after steps 9, 19, ... (when due)
+        for i in range(ckpt.start_step, total_steps):
+            train_one_step(i)
+            ckpt.step()              # one more step done; snapshots after 10, 20, ... steps
 
-``ckpt.step(step)`` is called at the end of iteration ``step``; a snapshot taken there is labelled
-``step + 1``, the first iteration not yet done, which is what ``start_step`` is after a restore.
+The library owns the step count: every number it shows or takes (``ckpt.step(n)``, snapshot
+labels, ``start_step``, ``save()``, ``every``, storage step names) is a number of steps
+*completed*, the ecosystem's ``global_step``. ``start_step`` is then also the 0-based index of the
+next iteration. ``ckpt.step(n)`` checks ``n`` against the count and raises on a mismatch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import hashlib
 import json
 import logging
+import operator
 import os
 import re
 import subprocess
@@ -35,7 +39,9 @@ import torch
 import xxhash
 
 from flashckpt.agent import default_node_id
+from flashckpt.errors import PersistError, StorageUnavailableError
 from flashckpt.interval import AutoInterval
+from flashckpt.jsonstate import decode_state, encode_state
 from flashckpt.layout import (
     FlatState,
     Layout,
@@ -93,11 +99,12 @@ class CheckpointConfig:
 
     storage: str | None = None
     """Checkpoint root URL (any fsspec URL); None keeps snapshots in memory only."""
-    every: int | Literal["auto"] = 0
-    """Snapshot every this many steps from ``ckpt.step()``; 0 snapshots only on ``save()``.
-    ``"auto"``: the interval that minimises lost time, from the measured snapshot stall, step
-    time and failure rate, chosen again after every snapshot (:mod:`flashckpt.interval`;
-    ``status()["every"]`` shows it)."""
+    every: int | Literal["auto"] = "auto"
+    """When ``ckpt.step()`` snapshots. ``"auto"`` (the default): at the interval that minimises
+    lost time, from the measured snapshot stall, step time and failure rate, chosen again after
+    every snapshot (:mod:`flashckpt.interval`; ``status()["every"]`` shows it); the first one
+    after 10 steps. An int N: whenever the number of steps done is a multiple of N. 0: manual,
+    snapshots only on ``save()`` (and the one on exit)."""
     mtbf_s: float | None = None
     """With ``every="auto"``: the prior job MTBF in seconds (default: 50,000 GPU-hours per
     failure divided by the world size); failures seen during the run update it."""
@@ -124,7 +131,22 @@ class CheckpointConfig:
     agent: Literal["auto", "connect"] = "auto"
     """auto: start a node agent if none runs; connect: require a running one."""
     restore: bool = True
-    """Restore the newest state found on entry."""
+    """Restore the newest state found on entry. False starts from step 0 (the snapshots in
+    memory are dropped); over a storage root that holds committed steps it needs
+    ``overwrite=True``."""
+    overwrite: bool = False
+    """Whether a run that starts from step 0 (``restore=False``, or nothing any rank can restore)
+    may take over a storage root that holds committed steps: they are deleted on entry, and this
+    run's steps replace them. Without it entry refuses with an error: the older run's steps would
+    otherwise be taken for this run's (and resumed from next time)."""
+    allow_unsaved_scheduler: bool = False
+    """Whether an optimizer driven by an LR scheduler (its param groups carry ``initial_lr``) may
+    go without the scheduler in ``scheduler=`` or ``stateful=``. By default entry refuses: a
+    resume would silently restart the schedule (warm-up included)."""
+    on_persist_failure: Literal["raise", "warn"] = "raise"
+    """What leaving the ``with`` block does when the final snapshot is not committed to storage
+    (storage failed mid-run; training went on from memory): raise :class:`PersistError` (the
+    job exits non-zero), or only log and warn."""
     replicated: bool | None = None
     """Whether all ranks hold the same model/optimizer state. None (the default): detected on
     entry. A model state dict or optimizer holding a DTensor with a ``Shard`` (or strided)
@@ -160,6 +182,13 @@ class CheckpointConfig:
             raise ValueError(f"keep={self.keep}: keep at least 1 committed step")
         if self.agent not in ("auto", "connect"):
             raise ValueError(f"agent={self.agent!r}: use 'auto' or 'connect'")
+        for name in ("restore", "overwrite", "allow_unsaved_scheduler"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: use True or False")
+        if self.on_persist_failure not in ("raise", "warn"):
+            raise ValueError(
+                f"on_persist_failure={self.on_persist_failure!r}: use 'raise' or 'warn'"
+            )
         if self.storage is not None:
             Storage(self.storage)  # validates the URL early
 
@@ -257,6 +286,7 @@ class Checkpointer:
         *,
         scheduler: Any = None,
         stateful: Mapping[str, Any] | None = None,
+        per_rank: Mapping[str, Any] | None = None,
         extras: dict[str, Any] | None = None,
         process_group: Any = None,
         config: CheckpointConfig,
@@ -265,24 +295,33 @@ class Checkpointer:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
-        for name, obj in (stateful or {}).items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"stateful[{name!r}] has no state_dict()/load_state_dict()")
+        for what, objs in (("stateful", stateful), ("per_rank", per_rank)):
+            for name, obj in (objs or {}).items():
+                if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                    raise TypeError(f"{what}[{name!r}] has no state_dict()/load_state_dict()")
+        both = sorted(set(stateful or {}) & set(per_rank or {}))
+        if both:
+            raise ValueError(f"{both} given in both stateful= and per_rank=: pick one")
         if extras is not None and not isinstance(extras, dict):
             raise TypeError(
                 f"extras must be a dict of JSON-serialisable values, got {type(extras)}"
             )
         if scheduler is not None and not hasattr(scheduler, "state_dict"):
             raise TypeError("scheduler has no state_dict()/load_state_dict()")
+        if optimizer is not None and scheduler is None and not config.allow_unsaved_scheduler:
+            _check_scheduler_given(optimizer, {**(stateful or {}), **(per_rank or {})})
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.stateful = dict(stateful or {})
+        self.per_rank = dict(per_rank or {})
         self.extras: dict[str, Any] = extras if extras is not None else {}
         # A copy: entry resolves replicated=None in it (a config may serve several models).
         self.config = copy.copy(config)
         self.stats = Stats()
         self.start_step = 0
+        """Steps completed when the ``with`` block was entered (the restored step; 0 on a fresh
+        start), which is also the 0-based index of the next iteration."""
         self.restored_from: str | None = None
         """Where the restored state came from: ``memory``, ``storage``, ``replica`` (a peer's
         memory) or ``memory-reshard`` (a sharded state rebuilt from the pieces this world's ranks
@@ -305,7 +344,7 @@ class Checkpointer:
         self._hooks: list[Any] = []
         self._layout: Layout | None = None
         self._layout_specs: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
-        self._last_step_done: int | None = None
+        self._count = 0  # steps completed (the library's step count)
         self._last_saved_step: int | None = None
         self._cuda_stream: Any = None
         self._entered = False
@@ -314,6 +353,7 @@ class Checkpointer:
         self._agent_shm_dir: str | None = None
         self._run_dir: str | None = None
         self._opt_names: tuple[tuple[int, ...], list[str | None]] | None = None
+        self._restore_s: float | None = None
         self._shard = 0
         self.job = ""
         self.node = ""
@@ -335,6 +375,19 @@ class Checkpointer:
         try:
             if self.config.restore:
                 self._restore()
+            else:
+                # A past timeline's snapshots must never be resumed from after this run's start.
+                self._invalidate_after(-1)
+            if self.restored_from is None:
+                self._start_fresh()
+            self._count = self.start_step
+            if self._client is not None:
+                # Tells the node agent where this run's timeline starts (-1: from scratch): a
+                # committed step after it is not this run's, so it is neither taken as already
+                # persisted nor reported by flush().
+                self._client.request(
+                    "restored", step=self.start_step if self.restored_from else -1, timeout=10
+                )
             if self._mon is not None:  # before the optimizer hook below: it times its wait
                 self._hooks.extend(self._mon.attach(self.model, self.optimizer))
             self._hook_optimizer()
@@ -347,66 +400,190 @@ class Checkpointer:
         self._entered = True
         if self._mon is not None:
             self._mon.ready(self.start_step, self.restored_from)
+        self._log_entry()
         return self
+
+    def _log_entry(self) -> None:
+        if self.restored_from is not None:
+            log.info(
+                "flashckpt: rank %d restored step %d from %s in %.2f s",
+                self._rank,
+                self.start_step,
+                self.restored_from,
+                self._restore_s or 0.0,
+            )
+        else:
+            log.info(
+                "flashckpt: rank %d starts at step 0: %s",
+                self._rank,
+                "restore=False"
+                if not self.config.restore
+                else f"nothing to restore (looked for {self._restore_s or 0.0:.2f} s)",
+            )
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._mon is not None:
             self._mon.finishing()
+        lost: PersistError | None = None
         try:
             if exc_type is None:
                 self.wait()
-                if self._last_step_done is not None:
-                    last = self._last_step_done + 1
-                    if self._last_saved_step is None or self._last_saved_step < last:
-                        self.save(last, mode="sync", when_busy="wait")
-                self.flush()
+                count = self._count
+                if count > self.start_step and (
+                    self._last_saved_step is None or self._last_saved_step < count
+                ):
+                    self.save(mode="sync", when_busy="wait")
+                lost = self._lost_work(self.flush())
             else:
                 with contextlib.suppress(Exception):
                     self.wait()
         finally:
             self._teardown(done=exc_type is None)
+        if lost is not None:
+            if self.config.on_persist_failure == "raise":
+                raise lost
+            log.error("flashckpt: %s", lost)
+            warnings.warn(f"flashckpt: {lost}", stacklevel=2)
+
+    def _lost_work(self, committed: int | None) -> PersistError | None:
+        """The error to raise on exit when the newest snapshot is not committed, else None."""
+        step = self.stats.last_snapshot_step
+        if self._storage is None or step is None or (committed is not None and committed >= step):
+            return None
+        errors = list(self.stats.persist_errors)
+        why = f": {errors[-1]['error']}" if errors else ""
+        durable = self.stats.last_committed_step
+        return PersistError(
+            f"step {step} (the final snapshot) was not committed to storage "
+            f"{self._storage.url}{why}. It is in this machine's shared memory only (the node "
+            f"agent keeps retrying while it runs); the newest committed step is "
+            f"{'none' if durable is None else durable}. Fix the storage and run again to resume, "
+            "or pass on_persist_failure='warn' to exit normally anyway",
+            step=step,
+            errors=errors,
+        )
 
     # -- public API --------------------------------------------------------------------------
-    def step(self, step: int) -> SnapshotHandle | None:
-        """Marks iteration ``step`` done; snapshots (labelled ``step + 1``) when due."""
-        self._last_step_done = step
+    @property
+    def steps_done(self) -> int:
+        """Steps completed so far: ``start_step`` plus the ``step()`` calls of this run."""
+        return self._count
+
+    def step(self, n: int | None = None) -> SnapshotHandle | None:
+        """Marks one more training step done; snapshots when due (see ``every``).
+
+        Call it once per training step (per optimizer step under gradient accumulation), at
+        its end. The snapshot it takes is labelled with the number of steps done.
+
+        Args:
+            n: optional, the number of steps completed so far (a 1-based ``global_step``): it
+                must be the library's count plus one. Checked so that a 0-based iteration index
+                or a skipped step raises instead of labelling snapshots off by one.
+
+        Returns:
+            The snapshot's handle when one was taken, else None.
+
+        Raises:
+            ValueError: ``n`` is not the library's count plus one.
+        """
+        if not self._entered:
+            raise RuntimeError("step() outside the `with flashckpt.checkpointing(...)` block")
+        done = self._count + 1
+        if n is not None and n != done:
+            self._bad_step(n, done)
+        self._count = done
         every = self.config.every
         if every == "auto":
-            handle = self._auto_step(step)
+            handle = self._auto_step(done)
         else:
-            handle = self.save(step + 1) if every and (step + 1) % every == 0 else None
+            handle = self.save() if every and done % every == 0 else None
         if self._mon is not None:
-            self._mon.step(step)
+            self._mon.step(done - 1)  # the monitor records the 0-based iteration index
         return handle
 
-    def _auto_step(self, step: int) -> SnapshotHandle | None:
+    def _bad_step(self, n: Any, done: int) -> None:
+        try:
+            k = operator.index(n)
+        except TypeError:
+            raise TypeError(
+                f"ckpt.step({n!r}): pass the number of steps completed (an int), or nothing"
+            ) from None
+        if k == done:
+            return
+        count = self._count
+        conventions = (
+            "flashckpt counts steps completed: ckpt.step() with no argument marks one more "
+            "step done, and ckpt.step(n) takes the number of steps completed so far (the "
+            "1-based global_step of torchtitan, Lightning and Hugging Face), not the 0-based "
+            "index of the iteration just finished. Fix: call ckpt.step() at the end of every "
+            "iteration, or ckpt.step(i + 1) at the end of iteration i (ckpt.start_step is the "
+            "index of the next iteration)"
+        )
+        if k == count and count == self.start_step:
+            raise ValueError(
+                f"ckpt.step({k}) looks like a 0-based iteration index: {count} steps were "
+                f"already done before it (ckpt.start_step={self.start_step}), so this call "
+                f"would mark step {done} done. {conventions}"
+            )
+        if k <= count:
+            raise ValueError(
+                f"ckpt.step({k}) after {count} steps done: the count must grow by one per "
+                f"call, this one would be step {done}. {conventions}"
+            )
+        raise ValueError(
+            f"ckpt.step({k}) after {count} steps done skips {k - done} step(s): a snapshot "
+            f"would carry a count no run reached and a resume would start at the wrong "
+            f"iteration. Call ckpt.step() once per training step (once per optimizer step "
+            f"under gradient accumulation); a loop with a step counter of its own starts it at "
+            f"ckpt.start_step. {conventions}"
+        )
+
+    def _auto_step(self, done: int) -> SnapshotHandle | None:
         auto = self._auto
         if auto is None:
             auto = self._auto = AutoInterval(
                 world=self._world, mtbf_s=self.config.mtbf_s, start_step=self.start_step
             )
         auto.tick()
-        if not auto.due(step):
+        if not auto.due(done):
             return None
-        handle = self.save(step + 1)
+        handle = self.save()
         # Every rank reaches this step: they agree on the next interval (the smallest).
-        auto.decide(step + 1, self.stats.stall_s, self.stats.wait_s, lambda n: -self._all_max(-n))
+        auto.decide(done, self.stats.stall_s, self.stats.wait_s, lambda n: -self._all_max(-n))
         return handle
 
     def save(
         self,
-        step: int,
+        step: int | None = None,
         *,
         mode: Literal["overlap", "sync"] | None = None,
         when_busy: Literal["wait", "skip"] | None = None,
     ) -> SnapshotHandle:
-        """Snapshots the state into shared memory, labelled ``step`` (the step to resume at).
+        """Snapshots the state into shared memory now, labelled with the steps done.
 
         Returns at once in overlap mode (the bulk copy runs in the background and the optimizer's
         next ``step()`` waits for it). Never mutates the caller's state and never pickles.
+
+        Args:
+            step: optional, the label; it must equal the steps done (``steps_done``): a
+                snapshot's label is what a resume starts at, so it is never set apart from the
+                count.
+            mode: overrides the configured ``mode`` for this snapshot.
+            when_busy: overrides the configured ``when_busy`` for this snapshot.
+
+        Raises:
+            ValueError: ``step`` differs from the steps done.
         """
         if not self._entered:
             raise RuntimeError("save() outside the `with flashckpt.checkpointing(...)` block")
+        if step is not None and step != self._count:
+            raise ValueError(
+                f"save(step={step!r}): {self._count} steps are done (ckpt.step() counts them) "
+                f"and a snapshot is labelled with the steps done, the step a resume starts at. "
+                "Call save() with no step, or mark the steps done first with ckpt.step() once "
+                "per training step"
+            )
+        step = self._count
         mode = mode or self.config.mode
         when_busy = when_busy or self.config.when_busy
         t0 = time.perf_counter()
@@ -417,6 +594,7 @@ class Checkpointer:
                 "rng": capture_rng(),
                 "extras": _json_copy(self.extras, "extras"),
                 "buffers_xxh": self._buffers_hash(model_sd),
+                **self._per_rank_state(),
             },
         }
         slot = self._acquire_slot(flat, when_busy)
@@ -490,8 +668,9 @@ class Checkpointer:
     def flush(self, timeout: float | None = None) -> int | None:
         """Waits until the newest snapshot is committed to storage; returns the committed step.
 
-        A storage failure does not raise (training goes on from memory): it is logged and kept in
-        ``stats.persist_errors``; the return value is then None.
+        A storage failure does not raise here (training goes on from memory): it is logged and
+        kept in ``stats.persist_errors``; the return value is then None. Leaving the ``with``
+        block raises :class:`PersistError` when the final snapshot is not committed.
         """
         self.wait()
         step = self.stats.last_snapshot_step
@@ -530,7 +709,9 @@ class Checkpointer:
             "job": self.job,
             "node": self.node,
             "start_step": self.start_step,
+            "steps_done": self._count,
             "restored_from": self.restored_from,
+            "restore_s": self._restore_s,
             "restore": dict(self._restore_info),
             "saves": s.saves,
             "skips": s.skips,
@@ -565,6 +746,8 @@ class Checkpointer:
         # get another global rank, and still finds its snapshots.
         self._local_rank = int(lr) if lr else self._rank % max(self._local_world, 1)
         self._world_id = _world_id(self._world, self._coord_pg)
+        if self._storage is not None:
+            self._probe_storage(self._storage)
         job = cfg.job or _env("FLASHCKPT_JOB")
         if job is None:
             run_id = _env("TORCHELASTIC_RUN_ID")
@@ -614,6 +797,86 @@ class Checkpointer:
                     self._slots[i] = self._map(p)
                 except (OSError, ValueError) as e:
                     log.warning("flashckpt: ignoring slot %s: %s", p, e)
+
+    def _probe_storage(self, st: Storage) -> None:
+        """Writes, reads back and deletes a small file under the storage root (every rank, then
+        all agree), so storage that cannot keep the work fails here, not silently at the end.
+
+        Raises:
+            StorageUnavailableError: this rank's probe failed (with the URL and the OS error), or
+                another rank's did.
+        """
+        name = f".flashckpt-probe-{self._rank}-{os.getpid()}-{os.urandom(4).hex()}"
+        path = st.path(name)
+        payload = b"flashckpt storage probe " + os.urandom(16)
+        error = None
+        try:
+            if st.local:  # a local root is created here, as the node agent would
+                st.fs.makedirs(st.root, exist_ok=True)
+            st.fs.pipe_file(path, payload)
+            got = st.fs.cat_file(path)
+            st.fs.rm(path)
+            if got != payload:
+                error = f"the file read back differs ({len(got)} bytes, {len(payload)} written)"
+        except Exception as e:  # any backend's failure (OSError, botocore, ...), reported as is
+            error = f"{type(e).__name__}: {e}"
+            with contextlib.suppress(Exception):
+                st.fs.rm(path)
+        others = self._all_max(1 if error else 0)
+        if error is not None:
+            raise StorageUnavailableError(
+                f"storage {st.url} cannot keep checkpoints: writing, reading back and deleting "
+                f"{path} failed: {error}. Fix the URL, its permissions or its free space, or "
+                "pass storage=None to keep snapshots in memory only"
+            )
+        if others:
+            raise StorageUnavailableError(
+                f"storage {st.url} cannot keep checkpoints: another rank could not write, read "
+                "back and delete a file there (its error names the cause)"
+            )
+
+    def _start_fresh(self) -> None:
+        """A run that starts from step 0 over a storage root holding committed steps: refused,
+        unless ``overwrite=True``, which deletes them (every rank agrees first).
+
+        Raises:
+            ValueError: the root holds committed steps and ``overwrite`` is False.
+        """
+        if self._storage is None:
+            return
+        st = self._storage
+        stored = self._storage_steps()
+        if not self._all_max(1 if stored else 0):
+            return
+        why = (
+            "restore=False"
+            if not self.config.restore
+            else "none of them could be restored by every rank (see the warnings above)"
+        )
+        if not self.config.overwrite:
+            held = f"committed steps {stored}" if stored else "committed steps (seen by a rank)"
+            raise ValueError(
+                f"storage {st.url} holds {held} of an earlier run, and this run starts from "
+                f"step 0 ({why}): its steps would be mixed with those, and the older run's taken "
+                "for this one's. Pass overwrite=True to delete them and start over, use a new "
+                "storage root"
+                + (", or drop restore=False to resume" if not self.config.restore else "")
+            )
+        if self._rank == 0:
+            doomed = st.all_step_dirs()
+            for s in sorted(doomed, reverse=True):
+                st.uncommit(s)  # the commit marker first: never a half-deleted committed step
+                with contextlib.suppress(FileNotFoundError):
+                    st.fs.rm(st.step_path(s), recursive=True)
+            with contextlib.suppress(FileNotFoundError):
+                st.fs.rm(st.path("latest"))
+            log.warning(
+                "flashckpt: overwrite=True: deleted steps %s of an earlier run from %s (%s)",
+                doomed,
+                st.url,
+                why,
+            )
+        self._all_max(0)  # nobody writes before the old steps are gone
 
     def _connect(self, path: str, run_dir: str) -> AgentClient:
         """Connects to the node agent, starting one if needed (agent='auto').
@@ -1057,10 +1320,11 @@ class Checkpointer:
                     warnings.warn(
                         f"flashckpt: rank {self._rank} holds steps {sorted(mem)} in memory and "
                         f"{sorted(stored)} in storage, but no step can be obtained by every rank; "
-                        "starting from scratch",
+                        "nothing restored",
                         stacklevel=3,
                     )
                 self._invalidate_after(-1)
+                self._restore_s = time.perf_counter() - t0
                 return
             step, sources = plan
             self._restore_info = {}
@@ -1088,19 +1352,11 @@ class Checkpointer:
                 self.start_step = step
                 self._last_saved_step = step
                 self.restored_from = sources[self._rank][0]
+                self._restore_s = time.perf_counter() - t0
                 self._restore_info.update(
-                    step=step, source=self.restored_from, seconds=time.perf_counter() - t0
+                    step=step, source=self.restored_from, seconds=self._restore_s
                 )
                 self._invalidate_after(step)
-                if self._client is not None:
-                    with contextlib.suppress(AgentError):
-                        self._client.request("restored", step=step, timeout=10)
-                log.info(
-                    "flashckpt: rank %d resumed at step %d from %s",
-                    self._rank,
-                    step,
-                    self.restored_from,
-                )
                 return
             if worst == 2:
                 if err is not None:
@@ -1314,7 +1570,11 @@ class Checkpointer:
         else:
             # Another world size: the extras are rank 0's; the RNG states stay as they are.
             old0 = plan.metas.get(0, {}).get("private") or {}
-            private = {"rng": capture_rng(), "extras": old0.get("extras") or {}}
+            private = {
+                "rng": capture_rng(),
+                "extras": old0.get("extras") or {},
+                "other_world": plan.world_size,
+            }
         self._restore_info = {
             "saved_world_size": plan.world_size,
             "received_from_old_ranks": sorted(received),
@@ -1476,7 +1736,11 @@ class Checkpointer:
             step,
             manifest["world_size"],
         )
-        return {"rng": capture_rng(), "extras": rank0.get("extras") or {}}
+        return {
+            "rng": capture_rng(),
+            "extras": rank0.get("extras") or {},
+            "other_world": int(manifest["world_size"]),
+        }
 
     _opt_wrap: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], tuple[int, ...]]] | None = None
 
@@ -1696,6 +1960,37 @@ class Checkpointer:
             restore_rng(private["rng"])
             self.extras.clear()
             self.extras.update(private.get("extras") or {})
+        self._apply_per_rank(private)
+
+    def _per_rank_state(self) -> dict[str, Any]:
+        """The ``per_rank`` objects' states, for this rank's own JSON part of a snapshot."""
+        if not self.per_rank:
+            return {}
+        return {
+            "per_rank": {
+                k: encode_state(v.state_dict(), f"per_rank/{k}") for k, v in self.per_rank.items()
+            }
+        }
+
+    def _apply_per_rank(self, private: dict[str, Any] | None) -> None:
+        if not self.per_rank:
+            return
+        if private is not None and private.get("other_world"):
+            # Their states belong to the ranks of another world size: none is this rank's.
+            warnings.warn(
+                f"flashckpt: per_rank {sorted(self.per_rank)} not restored: the step was saved "
+                f"by {private['other_world']} ranks, this world has {self._world}",
+                stacklevel=4,
+            )
+            return
+        saved = (private or {}).get("per_rank")
+        for name, obj in self.per_rank.items():
+            sub = saved.get(name) if isinstance(saved, dict) else None
+            if sub is None:
+                raise ValueError(
+                    f"checkpoint has no state of rank {self._rank} for per_rank[{name!r}]"
+                )
+            obj.load_state_dict(decode_state(sub, f"per_rank/{name}"))
 
     def _invalidate_after(self, step: int) -> None:
         """Drops in-memory snapshots newer than the resume point: they belong to a past timeline.
@@ -1911,12 +2206,80 @@ def _median(xs: list[float]) -> float | None:
     return s[len(s) // 2]
 
 
+_ARGUMENTS = (
+    "model",
+    "optimizer",
+    "scheduler",
+    "stateful",
+    "per_rank",
+    "extras",
+    "process_group",
+)
+# Names other libraries use for these (difflib does not find them all).
+_ALIASES = {
+    "lr_scheduler": "scheduler",
+    "sched": "scheduler",
+    "optim": "optimizer",
+    "interval": "every",
+    "save_every": "every",
+    "save_interval": "every",
+    "checkpoint_every": "every",
+    "path": "storage",
+    "dir": "storage",
+    "url": "storage",
+    "root": "storage",
+    "checkpoint_dir": "storage",
+    "output_dir": "storage",
+    "resume": "restore",
+    "load": "restore",
+    "keep_last": "keep",
+    "save_total_limit": "keep",
+    "group": "process_group",
+    "pg": "process_group",
+    "state": "stateful",
+}
+
+
+def _unknown_options(unknown: list[str]) -> str:
+    """The message for unknown keywords: a suggestion per keyword, then every keyword taken."""
+    valid = [*_ARGUMENTS, *CheckpointConfig.__dataclass_fields__]
+    hints = []
+    for name in unknown:
+        close = _ALIASES.get(name) or next(
+            iter(difflib.get_close_matches(name, valid, n=1, cutoff=0.6)), None
+        )
+        hints.append(f"{name!r} (did you mean {close!r}?)" if close else repr(name))
+    return (
+        f"checkpointing() got unknown keyword(s) {', '.join(hints)}. It takes: {', '.join(valid)}"
+    )
+
+
+def _check_scheduler_given(optimizer: torch.optim.Optimizer, stateful: Mapping[str, Any]) -> None:
+    """Refuses an optimizer an LR scheduler drives (a scheduler writes ``initial_lr`` into its
+    param groups) when no scheduler is checkpointed: a resume would restart the schedule."""
+    if not any("initial_lr" in g for g in optimizer.param_groups):
+        return
+    for obj in stateful.values():
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+            getattr(obj, "optimizer", None) is optimizer and hasattr(obj, "get_last_lr")
+        ):
+            return
+    raise ValueError(
+        "the optimizer's param groups carry 'initial_lr': an LR scheduler drives it, but no "
+        "scheduler is checkpointed, so a resume would silently restart the schedule (warm-up "
+        "included) and train with other learning rates than an uninterrupted run. Pass "
+        "scheduler=<your scheduler> (or put it in stateful=), or allow_unsaved_scheduler=True "
+        "if the schedule is rebuilt on purpose"
+    )
+
+
 def checkpointing(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     scheduler: Any = None,
     stateful: Mapping[str, Any] | None = None,
+    per_rank: Mapping[str, Any] | None = None,
     extras: dict[str, Any] | None = None,
     process_group: Any = None,
     **options: Any,
@@ -1927,7 +2290,11 @@ def checkpointing(
         model: the module whose ``state_dict`` is saved.
         optimizer: its optimizer (its ``step()`` waits for a pending snapshot copy).
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``).
-        stateful: more named objects with ``state_dict``/``load_state_dict``.
+        stateful: more named objects with ``state_dict``/``load_state_dict``, saved with the
+            model (under data parallelism one replica's copy is persisted).
+        per_rank: named objects whose state differs by rank (a data loader, a sampler): their
+            small ``state_dict`` (JSON values and small tensors) goes into each rank's own file
+            with its RNG states, so every rank gets its own back, from memory or storage.
         extras: a dict of JSON values (step, data position, ...) saved with each snapshot and
             updated in place on restore.
         process_group: the group whose ranks agree on the resume step (default: the world).
@@ -1936,18 +2303,16 @@ def checkpointing(
     Returns:
         A :class:`Checkpointer`; use it in a ``with`` block.
     """
-    unknown = set(options) - set(CheckpointConfig.__dataclass_fields__)
+    unknown = sorted(set(options) - set(CheckpointConfig.__dataclass_fields__))
     if unknown:
-        raise TypeError(
-            f"unknown checkpointing option(s) {sorted(unknown)}; valid: "
-            f"{sorted(CheckpointConfig.__dataclass_fields__)}"
-        )
+        raise TypeError(_unknown_options(unknown))
     config = CheckpointConfig(**options)
     return Checkpointer(
         model,
         optimizer,
         scheduler=scheduler,
         stateful=stateful,
+        per_rank=per_rank,
         extras=extras,
         process_group=process_group,
         config=config,

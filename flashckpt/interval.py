@@ -106,7 +106,7 @@ class AutoInterval:
     Args:
         world: Ranks of the job (GPUs), for the prior.
         mtbf_s: The job MTBF prior in seconds; None: ``GPU_MTBF_PRIOR_H`` / world.
-        start_step: The first step of this process (``ckpt.start_step``).
+        start_step: Steps done when this process started (``ckpt.start_step``).
         first_steps: Steps before the first snapshot (it measures the stall).
         window: Recent iterations and snapshots the medians are taken over.
         clock: Monotonic clock (for tests).
@@ -138,7 +138,7 @@ class AutoInterval:
         self._window = window
         self._last: float | None = None
         self.next_due = start_step + first_steps
-        """The snapshot label (``step + 1``) of the next snapshot."""
+        """The label of the next snapshot: the number of steps done when it is taken."""
         self.steps: int | None = None
         """The interval in steps last chosen (None before the first snapshot)."""
         self.seconds: float | None = None
@@ -157,9 +157,9 @@ class AutoInterval:
             self._times.append(t - self._last)
         self._last = t
 
-    def due(self, step: int) -> bool:
-        """Whether iteration ``step`` ends with a snapshot (labelled ``step + 1``)."""
-        return step + 1 >= self.next_due
+    def due(self, done: int) -> bool:
+        """Whether a snapshot is due once ``done`` steps are completed (it is labelled ``done``)."""
+        return done >= self.next_due
 
     def decide(
         self,
@@ -171,7 +171,7 @@ class AutoInterval:
         """Chooses the next interval after the snapshot labelled ``step``.
 
         Args:
-            step: The label of the snapshot just taken.
+            step: The label of the snapshot just taken (the steps done).
             stalls: ``save()`` stalls so far (seconds).
             waits: Waits for background copies so far (seconds).
             agree: Makes every rank use the same interval (the checkpointer's all-reduce of

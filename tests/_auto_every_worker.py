@@ -59,7 +59,7 @@ def main() -> int:
             train_step(model, opt, sched, step)
             if a.rank == 1:
                 time.sleep(0.002)
-            handle = ckpt.step(step)
+            handle = ckpt.step()
             if handle is not None:
                 labels.append(handle.step)
                 decisions.append(ckpt.status()["every"])

@@ -70,7 +70,7 @@ def main() -> int:
                 sched.step()
                 log.write(f"{step} {float(loss.item()).hex()}\n")
                 log.flush()
-                ckpt.step(step)
+                ckpt.step()
     final = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
     safetensors.torch.save_file(final, a.log + ".final.safetensors")
     dist.destroy_process_group()

@@ -255,7 +255,7 @@ def train(a: argparse.Namespace) -> int:
                 if a.rank == 0:
                     log.write(f"{step} {float(total.item() / a.world).hex()}\n")
                     log.flush()
-                ckpt.step(step)
+                ckpt.step()
                 if step == a.exit_at:
                     crash = full_state(model, opt, ema)
                     if a.rank == 0:

@@ -96,9 +96,12 @@ def test_write_buffer_falls_back_where_o_direct_is_refused(
 def _persist_one(env: FcEnv, storage: str) -> dict[str, int]:
     agent = RunningAgent(env.agent_config(storage=storage))
     try:
-        model, opt, _ = make(0)
-        with flashckpt.checkpointing(model, opt, **env.ckpt_kwargs(agent="connect")) as ck:
-            ck.save(1, mode="sync")
+        model, opt, sched = make(0)
+        with flashckpt.checkpointing(
+            model, opt, scheduler=sched, **env.ckpt_kwargs(agent="connect")
+        ) as ck:
+            ck.step()
+            ck.save(mode="sync")
             assert ck.flush() == 1
         assert flashckpt.load(storage).step == 1  # sound, whichever way it was written
         return dict(agent.agent.status()["shard_writes"])

@@ -35,10 +35,13 @@ def test_agent_modules_do_not_import_torch() -> None:
 
 def test_agent_started_by_a_trainer_has_no_torch(fc_env: FcEnv) -> None:
     assert _maps_torch(os.getpid()), "the check must see torch in a process that imported it"
-    model, opt, _ = make(0)
-    with flashckpt.checkpointing(model, opt, **fc_env.ckpt_kwargs()) as ck:  # agent="auto"
+    model, opt, sched = make(0)
+    with flashckpt.checkpointing(
+        model, opt, scheduler=sched, **fc_env.ckpt_kwargs()
+    ) as ck:  # agent="auto"
         pid = ck.status()["agent"]["pid"]
         assert pid != os.getpid()
-        ck.save(1, mode="sync")
+        ck.step()
+        ck.save(mode="sync")
         assert ck.flush() == 1  # the agent has persisted a shard (layout, header, write)
         assert _maps_torch(pid) == []

@@ -37,15 +37,18 @@ def _join_prefault_threads() -> None:
 
 
 def test_slots_prefaulted_after_entry_and_unmapped_after_exit(fc_env: FcEnv) -> None:
-    model, opt, _ = make(0)
-    ck = flashckpt.checkpointing(model, opt, **fc_env.ckpt_kwargs())  # agent in its own process
+    model, opt, sched = make(0)
+    ck = flashckpt.checkpointing(
+        model, opt, scheduler=sched, **fc_env.ckpt_kwargs()
+    )  # agent in its own process
     with ck:
         paths = [f"{fc_env.shm_dir}/{n}" for n in fc_env.segments() if n[-3:] in (".s0", ".s1")]
         assert len(paths) == 2
         _join_prefault_threads()
         rss = _slot_mappings(paths)
         assert rss == {p: os.path.getsize(p) for p in paths}, "every slot page is mapped"
-        ck.save(1, mode="sync")
+        ck.step()
+        ck.save(mode="sync")
     _join_prefault_threads()
     # The checkpointer object is still referenced here (stats are read after the block): it
     # must not keep the slots' memory mapped.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -40,7 +39,7 @@ def _run(env: FcEnv, steps: int, every: int = 3, stop_with_error_at: int | None 
                     raise KeyboardInterrupt
                 losses[step] = train_step(model, opt, sched, step)
                 extras["pos"] = step + 1
-                ckpt.step(step)
+                ckpt.step()
     except KeyboardInterrupt:
         pass
     return model, opt, sched, extras, losses, ck
@@ -100,19 +99,22 @@ def test_rng_states_are_restored(fc_env: FcEnv, agent: RunningAgent) -> None:
 
     import numpy as np
 
-    model, opt, _ = make(0)
-    with flashckpt.checkpointing(model, opt, **fc_env.ckpt_kwargs(agent="connect")) as ckpt:
+    model, opt, sched = make(0)
+    with flashckpt.checkpointing(
+        model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect")
+    ) as ckpt:
         torch.manual_seed(5)
         random.seed(6)
         np.random.seed(7)
-        ckpt.save(1, mode="sync")
+        ckpt.step()
+        ckpt.save(mode="sync")
         expect = (torch.rand(3), random.random(), np.random.rand())
     torch.manual_seed(99)
     random.seed(99)
     np.random.seed(99)
-    model, opt, _ = make(0)
+    model, opt, sched = make(0)
     with flashckpt.checkpointing(
-        model, opt, **fc_env.ckpt_kwargs(agent="connect", every=0)
+        model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect", every=0)
     ) as ckpt:
         assert ckpt.start_step == 1
         got = (torch.rand(3), random.random(), np.random.rand())
@@ -130,9 +132,11 @@ def test_overlapped_copy_is_guarded_by_optimizer_step(fc_env: FcEnv, agent: Runn
         for _ in range(2):
             model(torch.randn(4, 512)).sum().backward()
             opt.step()
+        ckpt.step()
+        ckpt.step()
         before = _params(model)
         momentum = _opt_tensors(opt)
-        h = ckpt.save(2)
+        h = ckpt.save()
         assert h.taken
         model(torch.randn(4, 512)).sum().backward()
         opt.step()  # must wait for the copy of the pre-step values
@@ -160,7 +164,8 @@ def test_save_never_mutates_callers_state(fc_env: FcEnv, agent: RunningAgent) ->
     with flashckpt.checkpointing(
         model, opt, scheduler=sched, extras=extras, **fc_env.ckpt_kwargs(agent="connect")
     ) as ckpt:
-        ckpt.save(1, mode="sync")
+        ckpt.step()
+        ckpt.save(mode="sync")
         extras["nested"]["a"].append(3)  # later edits do not leak into the taken snapshot
     assert set(model.state_dict()) == keys_before
     assert opt.state_dict()["param_groups"] == sd_before["param_groups"]
@@ -193,65 +198,88 @@ def test_unsupported_state_is_a_type_error_naming_the_key(
         def load_state_dict(self, sd):
             pass
 
-    model, opt, _ = make(0)
+    model, opt, sched = make(0)
     with flashckpt.checkpointing(
-        model, opt, stateful={"w": Weird()}, **fc_env.ckpt_kwargs(agent="connect")
+        model, opt, stateful={"w": Weird(), "s": sched}, **fc_env.ckpt_kwargs(agent="connect")
     ) as ck:
+        ck.step()
         with pytest.raises(TypeError, match=r"stateful/w/handle"):
-            ck.save(1)
-        ck.stateful.clear()
+            ck.save()
+        del ck.stateful["w"]
         ck.extras["bad"] = {1, 2}
         with pytest.raises(TypeError, match="extras must be JSON"):
-            ck.save(1)
+            ck.save()
         ck.extras.pop("bad")
-        assert ck.save(1).taken
+        assert ck.save().taken
 
 
 def test_skip_policy_reports_every_skip(fc_env: FcEnv, agent: RunningAgent) -> None:
-    model, opt, _ = make(0)
+    model, opt, sched = make(0)
     with flashckpt.checkpointing(
-        model, opt, **fc_env.ckpt_kwargs(agent="connect", when_busy="skip", storage=None)
+        model,
+        opt,
+        scheduler=sched,
+        **fc_env.ckpt_kwargs(agent="connect", when_busy="skip", storage=None),
     ) as ck:
-        assert ck.save(1, mode="sync").taken
+        ck.step()
+        assert ck.save(mode="sync").taken
         for sm in ck._slots:
             sm.slot.pin(0)  # as the agent does while persisting
+        ck.step()
         with pytest.warns(UserWarning, match="step 2 skipped"):
-            h = ck.save(2)
+            h = ck.save()
         assert not h.taken and h.skipped
         assert ck.stats.skips == 1 and ck.stats.skipped_steps == [2]
         assert ck.status()["skips"] == 1
         for sm in ck._slots:
             sm.slot.unpin()
-        assert ck.save(3).taken
+        ck.step()
+        assert ck.save().taken
 
 
-def test_unwritable_storage_keeps_training(fc_env: FcEnv, tmp_path) -> None:
+def test_unwritable_storage_is_refused_at_entry(fc_env: FcEnv, tmp_path) -> None:
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where the checkpoint directory should be")
     url = f"file://{blocker}/ckpt"
-    env = FcEnv(
-        job=fc_env.job, node="n0", run_dir=fc_env.run_dir, storage=url, storage_path=blocker
+    model, opt, sched = make(0)
+    ck = flashckpt.checkpointing(
+        model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect", storage=url)
     )
-    a = RunningAgent(env.agent_config())
+    with pytest.raises(flashckpt.StorageUnavailableError) as ei:
+        ck.__enter__()  # no agent runs: the probe comes before the agent is needed
+    msg = str(ei.value)
+    assert url in msg and ("Not a directory" in msg or "NotADirectoryError" in msg), msg
+    assert isinstance(ei.value, OSError) and isinstance(ei.value, flashckpt.FlashckptError)
+    assert blocker.read_text().startswith("a file")  # nothing was written over it
+
+
+def test_full_storage_is_refused_at_entry(fc_env: FcEnv, tmp_path) -> None:
+    import errno
+    import subprocess
+
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
     try:
+        (mnt / "ckpt").mkdir()
+        with open(mnt / "filler", "wb", buffering=0) as f:  # fill it up: a real ENOSPC
+            with pytest.raises(OSError) as full:
+                while True:
+                    f.write(b"x" * 4096)
+            assert full.value.errno == errno.ENOSPC
         model, opt, sched = make(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with flashckpt.checkpointing(
-                model, opt, every=2, flush_timeout=5, **env.ckpt_kwargs(agent="connect")
-            ) as ck:
-                for step in range(6):
-                    train_step(model, opt, sched, step)
-                    ck.step(step)
-                assert ck.stats.last_snapshot_step == 6 or ck.stats.last_snapshot_step == 4
-                assert ck.flush(timeout=5) is None
-                assert ck.stats.persist_errors, "storage errors must be surfaced"
-                assert any(
-                    "blocker" in str(e["error"]) or "Not a directory" in str(e["error"])
-                    for e in ck.status()["persist_errors"]
-                )
+        ck = flashckpt.checkpointing(
+            model, opt, scheduler=sched, **fc_env.ckpt_kwargs(storage=f"file://{mnt}/ckpt")
+        )
+        with pytest.raises(flashckpt.StorageUnavailableError, match=r"No space left on device"):
+            ck.__enter__()
+        assert os.listdir(mnt / "ckpt") == []  # the probe left nothing behind
     finally:
-        a.stop()
+        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_sync_and_overlap_snapshots_are_identical(fc_env: FcEnv, agent: RunningAgent) -> None:
@@ -262,12 +290,15 @@ def test_sync_and_overlap_snapshots_are_identical(fc_env: FcEnv, agent: RunningA
             model,
             opt,
             scheduler=sched,
-            **fc_env.ckpt_kwargs(agent="connect", mode=mode, restore=False),
+            every=0,
+            # the second run replaces the first one's step (read just before)
+            **fc_env.ckpt_kwargs(agent="connect", mode=mode, restore=False, overwrite=True),
         ) as ck:
             for step in range(4):
                 train_step(model, opt, sched, step)
-            ck.save(100 if mode == "sync" else 200)
-        results.append(flashckpt.load(fc_env.storage, step=100 if mode == "sync" else 200).state)
+                ck.step()
+            ck.save()
+        results.append(flashckpt.load(fc_env.storage, step=4).state)
     a, b = results
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k])
@@ -280,7 +311,7 @@ def test_corrupt_storage_falls_back_to_previous_step(fc_env: FcEnv, agent: Runni
     ) as ck:
         for step in range(9):
             train_step(model, opt, sched, step)
-            if ck.step(step) is not None:
+            if ck.step() is not None:
                 assert ck.flush() == step + 1  # commit each snapshot: 3, 6, 9
     agent.stop()
     assert sorted(int(p.name[5:]) for p in fc_env.storage_path.glob("step-*")) == [3, 6, 9]
@@ -308,12 +339,14 @@ def test_corrupt_storage_falls_back_to_previous_step(fc_env: FcEnv, agent: Runni
 
 def test_auto_started_agent_serves_and_exits(fc_env: FcEnv) -> None:
     model, opt, sched = make(0)
-    with flashckpt.checkpointing(model, opt, every=2, **fc_env.ckpt_kwargs()) as ck:
+    with flashckpt.checkpointing(
+        model, opt, scheduler=sched, every=2, **fc_env.ckpt_kwargs()
+    ) as ck:
         pid = ck.status()["agent"]["pid"]
         assert pid != os.getpid()
         for step in range(4):
             train_step(model, opt, sched, step)
-            ck.step(step)
+            ck.step()
     assert flashckpt.load(fc_env.storage).step == 4
     import psutil
 
@@ -360,10 +393,12 @@ def test_memory_fsspec_storage(fc_env: FcEnv) -> None:
     a = RunningAgent(env.agent_config())  # in-process: memory:// is per process
     try:
         model, opt, sched = make(0)
-        with flashckpt.checkpointing(model, opt, every=2, **env.ckpt_kwargs(agent="connect")) as ck:
+        with flashckpt.checkpointing(
+            model, opt, scheduler=sched, every=2, **env.ckpt_kwargs(agent="connect")
+        ) as ck:
             for step in range(4):
                 train_step(model, opt, sched, step)
-                ck.step(step)
+                ck.step()
         loaded = flashckpt.load(url)
         assert loaded.step == 4
         for k, v in model.state_dict().items():

@@ -32,10 +32,12 @@ def _make_steps(env: FcEnv, steps: int = 4) -> None:
     a = RunningAgent(env.agent_config())
     try:
         model, opt, sched = make(0)
-        with flashckpt.checkpointing(model, opt, **env.ckpt_kwargs(agent="connect", every=2)) as ck:
+        with flashckpt.checkpointing(
+            model, opt, scheduler=sched, **env.ckpt_kwargs(agent="connect", every=2)
+        ) as ck:
             for step in range(steps):
                 train_step(model, opt, sched, step)
-                if ck.step(step) is not None:
+                if ck.step() is not None:
                     ck.flush()
     finally:
         a.stop()
@@ -107,11 +109,13 @@ def test_detached_agent_with_pid_file_and_private_socket(fc_env: FcEnv, tmp_path
     assert r2.returncode == 3
     # Trainers use it (agent="connect" requires it to be there).
     model, opt, sched = make(0)
-    with flashckpt.checkpointing(model, opt, **fc_env.ckpt_kwargs(agent="connect", every=2)) as ck:
+    with flashckpt.checkpointing(
+        model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect", every=2)
+    ) as ck:
         assert ck.status()["agent"]["pid"] == pid
         for step in range(2):
             train_step(model, opt, sched, step)
-            ck.step(step)
+            ck.step()
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
     assert not sock.exists()
@@ -124,10 +128,12 @@ def test_connect_without_agent_is_a_clear_error(fc_env: FcEnv) -> None:
 
     from flashckpt.protocol import AgentError
 
-    model, opt, _ = make(0)
+    model, opt, sched = make(0)
     t0 = time.monotonic()
     with pytest.raises(AgentError, match=r"no flashckpt node agent.*flashckpt agent --job"):
-        flashckpt.checkpointing(model, opt, **fc_env.ckpt_kwargs(agent="connect")).__enter__()
+        flashckpt.checkpointing(
+            model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect")
+        ).__enter__()
     assert time.monotonic() - t0 < 30
 
 
@@ -135,7 +141,7 @@ def test_bad_options_are_clear_errors() -> None:
     import pytest
 
     model, opt, _ = make(0)
-    with pytest.raises(TypeError, match=r"unknown checkpointing option.*'evry'"):
+    with pytest.raises(TypeError, match=r"unknown keyword.*'evry' \(did you mean 'every'\?\)"):
         flashckpt.checkpointing(model, opt, evry=3)
     with pytest.raises(ValueError, match="every=-1"):
         flashckpt.checkpointing(model, opt, every=-1)

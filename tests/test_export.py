@@ -78,7 +78,7 @@ def test_export_replicated_checkpoint(tmp_path: Path, fc_env: FcEnv) -> None:
         with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
             for step in range(2):
                 train_step(model, opt, sched, step)
-                ck.step(step)
+                ck.step()
             ck.flush()
     finally:
         a.stop()
@@ -108,7 +108,7 @@ def test_export_replicated_optimizer_to_dcp(tmp_path: Path, fc_env: FcEnv) -> No
             assert ck.config.replicated is True  # detected: no DTensor
             for step in range(8):  # StepLR has halved the learning rate at step 7
                 train_step(model, opt, sched, step)
-                ck.step(step)
+                ck.step()
             ck.flush()
     finally:
         a.stop()

@@ -25,8 +25,9 @@ def test_cuda_state_snapshots_and_restores(fc_env: FcEnv, agent: RunningAgent, m
         for _ in range(3):
             model(torch.randn(8, 256, device="cuda")).sum().backward()
             opt.step()
+            ck.step()
         want = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        ck.save(3)
+        ck.save()
         model(torch.randn(8, 256, device="cuda")).sum().backward()
         opt.step()  # waits for the side-stream copy of the pre-step values
         ck.wait()

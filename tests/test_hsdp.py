@@ -179,7 +179,7 @@ with flashckpt.checkpointing(model, opt, stateful={"t": table}, **kw) as ck:
     for step in range(2):
         model(distribute_tensor(torch.ones(3, 4), mesh, [Replicate()])).sum().backward()
         opt.step()
-        ck.step(step)
+        ck.step()
 model2, opt2, table2 = make(1)
 with flashckpt.checkpointing(model2, opt2, stateful={"t": table2}, **kw) as ck:
     print("restored", ck.start_step, ck.restored_from)

@@ -66,8 +66,8 @@ def test_auto_interval_uses_the_prior_the_restarts_and_the_medians(
     # Prior: 50,000 GPU-hours per failure over 8 GPUs = 6,250 h = 22,500,000 s.
     assert auto.prior_s == 22_500_000.0
     assert auto.status()["interval_steps"] is None
-    # The first snapshot is labelled start_step + first_steps = 110: it ends iteration 109.
-    assert next(s for s in range(100, 130) if auto.due(s)) == 109
+    # The first snapshot is labelled start_step + first_steps = 110: due once 110 steps are done.
+    assert next(s for s in range(100, 130) if auto.due(s)) == 110
     for _ in range(11):  # iterations of 0.1 s, one of 5 s (a snapshot) the median ignores
         auto.tick()
         mono[0] += 0.1
@@ -125,7 +125,7 @@ def test_auto_interval_in_a_real_loop(fc_env: FcEnv, agent: RunningAgent) -> Non
         step = 0
         while len(labels) < 3 and step < 5000:  # snapshots come tens to hundreds of steps apart
             train_step(model, opt, sched, step)
-            handle = ck.step(step)
+            handle = ck.step()
             if handle is not None:
                 labels.append(handle.step)
                 decisions.append(ck.status()["every"])

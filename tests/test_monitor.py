@@ -88,7 +88,7 @@ def test_live_status_prometheus_and_events(fc_env: FcEnv, capsys: pytest.Capture
         ) as ck:
             for step in range(12):
                 train_step(model, opt, sched, step)
-                ck.step(step)
+                ck.step()
             mon = _wait_for(
                 "rank 0 at step 11",
                 lambda: (
@@ -207,7 +207,7 @@ with flashckpt.checkpointing(model, opt, scheduler=sched, every=4, job={job!r}, 
     print("resumed at", ck.start_step, ck.restored_from, flush=True)
     for step in range(ck.start_step, {steps}):
         train_step(model, opt, sched, step)
-        ck.step(step)
+        ck.step()
     if {hang}:
         wait_for_a_peer_that_never_comes()
 """

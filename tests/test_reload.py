@@ -74,7 +74,9 @@ def saved(fc_env: FcEnv, agent: RunningAgent) -> Saved:
     model, opt = _make(0)
     _train(model, opt, 2)
     with _checkpointing(fc_env, model, opt) as ck:
-        ck.save(2, mode="sync")
+        ck.step()
+        ck.step()
+        ck.save(mode="sync")
         assert ck.flush() == 2
     return Saved(model, opt, _copy(opt))
 
@@ -85,7 +87,9 @@ def test_memory_restore_copies_into_existing_optimizer_state(
     model, opt = _make(0)
     _train(model, opt, 2)
     with _checkpointing(fc_env, model, opt) as ck:
-        ck.save(2, mode="sync")
+        ck.step()
+        ck.step()
+        ck.save(mode="sync")
         saved = _copy(opt)
         _train(model, opt, 2)  # the live state moves on; the restore must bring step 2 back
         assert any(not torch.equal(a, b) for a, b in zip(_copy(opt), saved, strict=True))

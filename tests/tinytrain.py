@@ -88,7 +88,7 @@ def main() -> int:
                 extras["epoch"] = step // 10
                 log.write(f"{step} {loss.hex()}\n")
                 log.flush()
-                ckpt.step(step)
+                ckpt.step()
     final = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
     safetensors.torch.save_file(final, a.log + ".final.safetensors")
     return 0

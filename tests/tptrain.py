@@ -145,7 +145,7 @@ def train(a: argparse.Namespace, rank: int) -> int:
                 if rank == 0:
                     log.write(f"{step} {float(total.item() / a.world).hex()}\n")
                     log.flush()
-                ckpt.step(step)
+                ckpt.step()
                 if step == a.exit_at:
                     crash = full_state(model, opt)
                     if rank == 0:

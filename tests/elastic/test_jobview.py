@@ -230,7 +230,7 @@ def test_status_from_etcd_shows_the_whole_job(
         ) as ck:
             for step in range(12):
                 train_step(model, opt, sched, step)
-                ck.step(step)
+                ck.step()
             assert ck.flush() == 12
             _wait_for(
                 "rank 0 running at step 11 in the agent's monitor (the flush is over)",

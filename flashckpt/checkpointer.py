@@ -14,6 +14,7 @@ Usage::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import hashlib
@@ -75,6 +76,8 @@ from flashckpt.shm import (
     ShmSpaceError,
     Slot,
     check_name,
+    ensure_private_dir,
+    file_problem,
     prefault,
     slot_prefix,
 )
@@ -296,6 +299,12 @@ class Checkpointer:
         self._world_id = ""
         self._client: AgentClient | None = None
         self._agent_proc: subprocess.Popen[bytes] | None = None
+        # What reconnecting to a (restarted) node agent needs: the socket and the hello fields.
+        self._agent_path: str | None = None
+        self._hello_fields: dict[str, Any] = {}
+        self._next_reconnect = 0.0
+        self.agent_restarts = 0
+        """Times this rank lost its node agent and found (or started) another one."""
         self._slots: list[_SlotMap | None] = [None, None]
         self._orphans: list[_SlotMap] = []  # other local ranks' slots, during a restore
         self._restore_info: dict[str, Any] = {}
@@ -419,15 +428,26 @@ class Checkpointer:
                 "buffers_xxh": self._buffers_hash(model_sd),
             },
         }
-        slot = self._acquire_slot(flat, when_busy)
+        if not self._agent_alive():
+            self._relink()  # the agent died: find (or start) another; never waits
+        skipped = "both slots busy"
+        try:
+            slot = self._acquire_slot(flat, when_busy)
+        except AgentError as err:
+            if self._agent_alive():
+                raise
+            # New slots (the state outgrew them) need an agent: this snapshot is lost, training
+            # goes on, and the next one is taken once an agent is back.
+            slot, skipped = None, f"no node agent to allocate slots ({err})"
         if slot is None:
             self.stats.skips += 1
             self.stats.skipped_steps.append(step)
             warnings.warn(
-                f"flashckpt: snapshot of step {step} skipped: both slots busy (when_busy='skip')",
+                f"flashckpt: snapshot of step {step} skipped: {skipped}"
+                + (" (when_busy='skip')" if skipped == "both slots busy" else ""),
                 stacklevel=2,
             )
-            return SnapshotHandle(step, None, skipped="both slots busy")
+            return SnapshotHandle(step, None, skipped=skipped)
         assert self._layout is not None
         layout = self._layout
         meta = self._meta_bytes(flat, layout, meta_extra)
@@ -497,19 +517,32 @@ class Checkpointer:
         step = self.stats.last_snapshot_step
         if step is None or self._storage is None or self._client is None:
             return None
+        if not self._agent_alive() and not self._relink(wait=True):
+            log.error("flashckpt: step %d not persisted: no node agent", step)
+            self.stats.persist_errors.append({"step": step, "error": "no node agent"})
+            return None
+        assert self._client is not None
         if self._mon is not None:
             self._mon.pause()  # waiting for storage is no hang
         try:
-            reply = self._client.request(
-                "flush",
-                step=step,
-                timeout_s=timeout or self.config.flush_timeout,
-                timeout=(timeout or self.config.flush_timeout) + 5,
-            )
-        except AgentError as e:
-            log.error("flashckpt: step %d not persisted: %s", step, e)
-            self.stats.persist_errors.append({"step": step, "error": str(e)})
-            return None
+            for attempt in range(3):
+                try:
+                    reply = self._client.request(
+                        "flush",
+                        step=step,
+                        timeout_s=timeout or self.config.flush_timeout,
+                        timeout=(timeout or self.config.flush_timeout) + 5,
+                    )
+                    break
+                except AgentError as e:
+                    # The agent died while persisting: its successor adopts the slots and
+                    # persists the step; ask it.
+                    if attempt < 2 and not self._agent_alive() and self._relink(wait=True):
+                        assert self._client is not None
+                        continue
+                    log.error("flashckpt: step %d not persisted: %s", step, e)
+                    self.stats.persist_errors.append({"step": step, "error": str(e)})
+                    return None
         finally:
             if self._mon is not None:
                 self._mon.resume()
@@ -640,6 +673,7 @@ class Checkpointer:
                 self._spawn_agent(run_dir)
 
     def _hello(self, path: str, run_dir: str, **fields: Any) -> dict[str, Any]:
+        self._agent_path, self._hello_fields = path, dict(fields)
         for attempt in range(3):
             self._client = self._connect(path, run_dir)
             try:
@@ -653,7 +687,9 @@ class Checkpointer:
 
     def _spawn_agent(self, run_dir: str) -> None:
         cfg = self.config
-        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        # The log is appended to and the socket connected to there: a directory another user
+        # can write into is refused, never used.
+        ensure_private_dir(run_dir, "agent run dir")
         cmd = [
             sys.executable,
             "-m",
@@ -677,7 +713,9 @@ class Checkpointer:
         ]
         if cfg.storage:
             cmd += ["--storage", cfg.storage]
-        logf = open(os.path.join(run_dir, f"{self.job}.{self.node}.log"), "ab")  # noqa: SIM115
+        log_path = os.path.join(run_dir, f"{self.job}.{self.node}.log")
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        logf = os.fdopen(fd, "ab")
         try:
             # A new session: the agent must outlive this trainer (that is its whole point).
             proc = subprocess.Popen(
@@ -697,6 +735,81 @@ class Checkpointer:
         elif ev == "persist_error":
             self.stats.persist_errors.append({"step": msg.get("step"), "error": msg.get("error")})
             log.warning("flashckpt: persisting step %s failed: %s", msg.get("step"), msg["error"])
+
+    def _agent_alive(self) -> bool:
+        return self._client is not None and self._client.connected
+
+    def _relink(self, wait: bool = False) -> bool:
+        """Finds a node agent again after losing it (it died or was restarted); True if linked.
+
+        Training does not depend on the agent: snapshots go on into the slots (files the new
+        agent adopts), only their persistence waits. Without ``wait`` one quick attempt is made
+        (at most one per second; with agent='auto' it starts an agent when none listens); with
+        ``wait`` (on exit, to persist the last snapshot) up to ``agent_timeout``.
+        """
+        if self._agent_alive():
+            return True
+        path, run_dir = self._agent_path, self._run_dir
+        if path is None or run_dir is None:
+            return False
+        now = time.monotonic()
+        if not wait and now < self._next_reconnect:
+            return False
+        self._next_reconnect = now + 1.0
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        try:
+            if wait:
+                client = self._connect(path, run_dir)
+            else:
+                try:
+                    client = AgentClient(path, on_event=self._on_event, timeout=0.0)
+                except AgentError:
+                    if self.config.agent == "auto" and (
+                        self._agent_proc is None or self._agent_proc.poll() is not None
+                    ):
+                        self._spawn_agent(run_dir)  # connected to at the next attempt
+                    return False
+            reply = client.request("hello", timeout=self.config.agent_timeout, **self._hello_fields)
+        except AgentError as e:
+            log.warning(
+                "flashckpt: rank %d: no node agent yet (%s); training goes on", self._rank, e
+            )
+            return False
+        self._client = client
+        self.agent_restarts += 1
+        self._adopt_hello_slots(reply.get("slots") or [])
+        if self.restored_from is not None:
+            # The new agent learns where this timeline began (steps after it in storage that
+            # this run did not commit belong to an abandoned one and are rewritten).
+            last = self.stats.last_committed_step
+            since = max(self.start_step, last if last is not None else -1)
+            with contextlib.suppress(AgentError):
+                client.request("restored", step=since, timeout=10)
+        log.warning(
+            "flashckpt: rank %d lost its node agent and is linked to agent pid %s now",
+            self._rank,
+            reply.get("pid"),
+        )
+        return True
+
+    def _adopt_hello_slots(self, paths: list[str | None]) -> None:
+        """Keeps the mapped slots the new agent serves (same files); drops the others."""
+        with self._slot_lock:
+            same = all(
+                (sm is None and p is None)
+                or (sm is not None and p == sm.slot.path and _same_file(p, sm.ino))
+                for sm, p in zip(self._slots, [*paths, None, None][:2], strict=True)
+            )
+        if same:
+            return
+        self.wait()  # no copy runs into a slot that is dropped here
+        with self._slot_lock:
+            for i, p in enumerate([*paths, None, None][:2]):
+                sm = self._slots[i]
+                if sm is not None and not (p == sm.slot.path and _same_file(p, sm.ino)):
+                    self._slots[i] = None  # the agent discarded it: the next save allocates
 
     def _hook_optimizer(self) -> None:
         if self.optimizer is None:
@@ -734,6 +847,10 @@ class Checkpointer:
 
     # -- slots -------------------------------------------------------------------------------
     def _map(self, path: str) -> _SlotMap:
+        problem = file_problem(path)
+        if problem is not None:
+            # Another user's file (or one others may read or write) holds no state of ours.
+            raise ValueError(f"slot file {path} is not trusted: {problem}")
         size = os.path.getsize(path)
         data = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         slot = Slot(path, buf=data.numpy())
@@ -824,9 +941,16 @@ class Checkpointer:
                 for v in st.values()
                 if isinstance(v, torch.Tensor)
             )
+        dry = _dry_run_state_bytes(opt)
+        if dry is not None:
+            return model_bytes + dry
+        # The optimizer cannot step on stand-in parameters (a closure, sharded or fused ones):
+        # a guess by name, counting AMSGrad's third buffer.
         param_bytes = sum(_local_nbytes(p) for p in self.model.parameters())
         name = type(opt).__name__.lower()
         factor = 2 if "adam" in name or "lamb" in name else 1
+        if any(g.get("amsgrad") for g in opt.param_groups):
+            factor += 1
         return model_bytes + factor * param_bytes + 64 * len(opt.state_dict()["state"] or [1])
 
     def _preallocate(self) -> None:
@@ -924,7 +1048,9 @@ class Checkpointer:
         deadline = time.monotonic() + self.config.agent_timeout
         while True:
             target = self._target_slot()
-            if not target.writing and not target.slot.pinned():
+            # A pin is the agent's (it reads the slot): one left by an agent that died means
+            # nothing (its successor clears it on adoption), so it is not waited for.
+            if not target.writing and (not target.slot.pinned() or not self._agent_alive()):
                 break
             if when_busy == "skip":
                 return None
@@ -933,7 +1059,7 @@ class Checkpointer:
                 continue
             # The agent persists this (older) snapshot: ask it to yield, and wait.
             target.slot.want(True)
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and self._agent_alive():
                 target.slot.want(False)
                 raise TimeoutError(
                     f"no snapshot slot became free within {self.config.agent_timeout:.0f} s"
@@ -1012,6 +1138,33 @@ class Checkpointer:
             out[info.step] = (sm, meta)
         return out
 
+    def _verify_memory(self, sm: _SlotMap, info: Any, step: int) -> None:
+        """Checks a snapshot in shared memory against the data hash the agent recorded when it
+        was complete.
+
+        Raises:
+            _BadMemory: the data changed since (scribbled), or no hash can be had.
+        """
+        ok = sm.slot.verify_data(info)
+        if ok is None and self._agent_alive():
+            assert self._client is not None
+            # The agent hashes in the background; have it hash this position's slots now.
+            with contextlib.suppress(AgentError):
+                self._client.request(
+                    "hash", rank=self._rank, local_rank=self._local_rank, timeout=60
+                )
+            ok = sm.slot.verify_data(info)
+        if ok is not True:
+            why = (
+                "fails its data hash: the shared memory was overwritten since the snapshot"
+                if ok is False
+                else "has no data hash to check it against"
+            )
+            raise _BadMemory(
+                f"rank {self._rank}: the snapshot of step {step} in memory ({sm.slot.path}) "
+                f"{why}; not restored from it"
+            )
+
     def _interchangeable(self, step: int, buffers_xxh: int | None) -> bool:
         """Whether a replica's snapshot of ``step`` with this buffers hash can stand for this
         rank's own (whose RNG/extras and buffers hash are in storage)."""
@@ -1065,6 +1218,7 @@ class Checkpointer:
             step, sources = plan
             self._restore_info = {}
             code, loaded = 0, None
+            memory_only = False
             err: Exception | None = None
             try:
                 if peer is not None:
@@ -1073,6 +1227,12 @@ class Checkpointer:
                 else:
                     received = self._exchange_replicas(step, sources, mem)
                     loaded = self._load_step(step, sources[self._rank], mem.get(step), received)
+            except _BadMemory as e:
+                # Only this copy is bad: the step may still come from storage (or a replica).
+                code, err = 1, e
+                mem.pop(step, None)
+                memory_only = True
+                warnings.warn(f"flashckpt: {e}; trying another source", stacklevel=3)
             except (CorruptCheckpointError, FileNotFoundError, _TornSnapshot) as e:
                 code, err = 1, e
                 warnings.warn(
@@ -1106,7 +1266,10 @@ class Checkpointer:
                 if err is not None:
                     raise err
                 raise RuntimeError(f"another rank failed to restore step {step}; see its log")
-            excluded.add(step)
+            # Every rank takes part: the step is excluded unless each failure was a bad copy in
+            # memory (those ranks dropped it from their memory steps and plan again).
+            if self._all_max(0 if code == 0 or memory_only else 1):
+                excluded.add(step)
 
     def _plan_restore(
         self, mem: dict[int, Any], stored: set[int], excluded: set[int]
@@ -1369,6 +1532,8 @@ class Checkpointer:
                     sm, meta = mem[step]
                     info = sm.slot.header()
                     ok = info is not None and info.complete and info.step == step
+                    if ok:
+                        self._verify_memory(sm, info, step)  # never sends scribbled bytes
                     meta_b = json.dumps(meta).encode() if ok else b""
                     entries = meta.get("entries") if ok else None
                     n = Layout.from_json(entries).nbytes if entries else 0
@@ -1424,6 +1589,7 @@ class Checkpointer:
             info = sm.slot.header()
             if info is None or info.step != step or not info.complete:
                 raise _TornSnapshot(f"slot {sm.slot.path} changed")
+            self._verify_memory(sm, info, step)
             layout = Layout.from_json(meta["entries"])
             off = sm.slot.data_off
             views = tensor_views(layout, sm.data[off : off + layout.nbytes])
@@ -1774,6 +1940,18 @@ class Checkpointer:
 _SLOT_RE = re.compile(r"r(\d{5})\.s[01]")
 
 
+def _same_file(path: str | None, ino: int) -> bool:
+    try:
+        return path is not None and os.stat(path).st_ino == ino
+    except OSError:
+        return False
+
+
+class _BadMemory(Exception):
+    """This rank's snapshot in shared memory fails its data hash: the step may still come from
+    storage or a replica."""
+
+
 class _TornSnapshot(Exception):
     pass
 
@@ -1788,6 +1966,40 @@ class _PieceTarget:
     placements: tuple[Any, ...]
     shape: tuple[int, ...]
     box: tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _dry_run_state_bytes(opt: torch.optim.Optimizer) -> int | None:
+    """Bytes of the state ``opt`` will hold after its first step, found by stepping a copy of it
+    on meta-device stand-ins of its parameters (no memory, no effect on the real one): any
+    optimizer, any number of state tensors per parameter. None where that copy cannot step."""
+    try:
+        groups = []
+        for g in opt.param_groups:
+            params = []
+            for p in g["params"]:
+                if is_dtensor(p) or not isinstance(p, torch.Tensor):
+                    return None
+                m = torch.empty_like(p, device="meta").requires_grad_(True)
+                m.grad = torch.empty_like(m)
+                params.append(m)
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+        # A shallow copy through the optimizer's own __getstate__/__setstate__: no hooks (the
+        # monitor's and ours stay on the real one), then fresh groups and state of its own.
+        clone = copy.copy(opt)
+        clone.param_groups = groups
+        clone.state = collections.defaultdict(dict)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            clone.step()
+        return sum(
+            v.numel() * v.element_size()
+            for st in clone.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
+    except Exception as e:  # the estimate falls back to a guess by optimizer name
+        log.debug("flashckpt: cannot dry-run %s on meta tensors: %s", type(opt).__name__, e)
+        return None
 
 
 def _local_nbytes(t: torch.Tensor) -> int:

@@ -515,7 +515,7 @@ class Checkpointer:
         """
         self.wait()
         step = self.stats.last_snapshot_step
-        if step is None or self._storage is None or self._client is None:
+        if step is None or self._storage is None or self._agent_path is None:
             return None
         if not self._agent_alive() and not self._relink(wait=True):
             log.error("flashckpt: step %d not persisted: no node agent", step)
@@ -1008,7 +1008,8 @@ class Checkpointer:
                 return
             meta_cap = max(4 * _MIN_META_CAP, 2 * meta_need)
             data_cap = data_need + data_need // 16 + (1 << 20)
-            assert self._client is not None
+            if self._client is None:
+                raise AgentError("no node agent: lost, and none found again yet")
             try:
                 reply = self._client.request(
                     "alloc",

@@ -1434,6 +1434,7 @@ def collect_status(
         One dict per socket: the agent's ``status()``, or ``{"socket", "error"}`` if it did not
         answer (a stale socket of a dead agent).
     """
+    from flashckpt.errors import UnsafeLocalStateError
     from flashckpt.protocol import AgentClient, AgentError
 
     socks = sorted(
@@ -1447,7 +1448,7 @@ def collect_status(
             continue
         try:
             client = AgentClient(path, timeout=min(timeout, 1.0))
-        except AgentError as e:
+        except (AgentError, UnsafeLocalStateError) as e:  # a foreign socket is not asked
             out.append({"socket": path, "error": str(e)})
             continue
         try:

@@ -648,18 +648,23 @@ class Checkpointer:
                 except (OSError, ValueError) as e:
                     log.warning("flashckpt: ignoring slot %s: %s", p, e)
 
-    def _connect(self, path: str, run_dir: str) -> AgentClient:
+    def _connect(self, path: str, run_dir: str, *, again: bool = False) -> AgentClient:
         """Connects to the node agent, starting one if needed (agent='auto').
 
         An agent that is just shutting down (the previous run finished) refuses new work by
         closing; then a fresh one is started, until ``agent_timeout`` runs out.
+
+        Args:
+            again: the agent was lost. Wait up to ``agent_timeout`` for it to be back (also with
+                agent='connect': its owner restarts it), and start one only if this rank had
+                started the lost one (an agent a launcher supervises is restarted by it).
         """
         deadline = time.monotonic() + self.config.agent_timeout
         while True:
             try:
                 return AgentClient(path, on_event=self._on_event, timeout=0.2)
             except AgentError:
-                if self.config.agent == "connect":
+                if self.config.agent == "connect" and not again:
                     raise AgentError(
                         f"no flashckpt node agent at {path}: start one (`flashckpt agent --job "
                         f"{self.job} --node {self.node}`) or pass agent='auto'"
@@ -669,6 +674,8 @@ class Checkpointer:
                     f"the node agent did not start within {self.config.agent_timeout:.0f} s; "
                     f"see {os.path.join(run_dir, f'{self.job}.{self.node}.log')}"
                 )
+            if again and (self.config.agent != "auto" or self._agent_proc is None):
+                continue
             if self._agent_proc is None or self._agent_proc.poll() is not None:
                 self._spawn_agent(run_dir)
 
@@ -744,8 +751,9 @@ class Checkpointer:
 
         Training does not depend on the agent: snapshots go on into the slots (files the new
         agent adopts), only their persistence waits. Without ``wait`` one quick attempt is made
-        (at most one per second; with agent='auto' it starts an agent when none listens); with
-        ``wait`` (on exit, to persist the last snapshot) up to ``agent_timeout``.
+        (at most one per second; with agent='auto', a rank that had started the lost agent
+        starts the next); with ``wait`` (on exit, to persist the last snapshot) up to
+        ``agent_timeout``.
         """
         if self._agent_alive():
             return True
@@ -761,13 +769,18 @@ class Checkpointer:
             self._client = None
         try:
             if wait:
-                client = self._connect(path, run_dir)
+                client = self._connect(path, run_dir, again=True)
             else:
                 try:
                     client = AgentClient(path, on_event=self._on_event, timeout=0.0)
                 except AgentError:
-                    if self.config.agent == "auto" and (
-                        self._agent_proc is None or self._agent_proc.poll() is not None
+                    # Only the rank that started the lost agent starts the next one: an agent
+                    # of a launcher (or of another rank, or started by hand) is its owner's to
+                    # restart, and two would race for the job's lock.
+                    if (
+                        self.config.agent == "auto"
+                        and self._agent_proc is not None
+                        and self._agent_proc.poll() is not None
                     ):
                         self._spawn_agent(run_dir)  # connected to at the next attempt
                     return False

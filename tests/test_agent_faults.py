@@ -324,15 +324,18 @@ def test_entry_estimate_matches_the_first_step_of_any_optimizer(
             assert ck._layout.nbytes >= est - 4096 * 4, (name, ck._layout.nbytes, est)
 
 
-def test_trainer_outlives_its_agent_and_links_to_the_next(fc_env_private: FcEnv) -> None:
+@pytest.mark.parametrize("mode", ["connect", "auto"])
+def test_trainer_outlives_its_agent_and_links_to_the_next(fc_env_private: FcEnv, mode: str) -> None:
     """Finding 1 in one process: the agent dies; snapshots go on into the slots; the trainer
-    links to the next agent, which persists them."""
+    links to the next agent, which persists them. An agent the trainer did not start (its
+    owner, e.g. a launcher, restarts it) is not replaced by one of the trainer's, even with
+    agent='auto': two would race for the job's lock."""
     fc_env = fc_env_private
     a = _agent_proc(fc_env)
     try:
         model, opt, sched = make(0)
         with flashckpt.checkpointing(
-            model, opt, scheduler=sched, every=2, **fc_env.ckpt_kwargs(agent="connect")
+            model, opt, scheduler=sched, every=2, **fc_env.ckpt_kwargs(agent=mode)
         ) as ck:
             _train(ck, model, opt, sched, 0, 2)
             assert ck.flush() == 2
@@ -345,9 +348,11 @@ def test_trainer_outlives_its_agent_and_links_to_the_next(fc_env_private: FcEnv)
             _train(ck, model, opt, sched, 2, 4)  # no agent: snapshots go on into the slots
             ck.wait()
             assert ck.stats.last_snapshot_step == 4 and ck.stats.skips == 0
+            assert ck._agent_proc is None  # save() tried to relink: not the trainer's to restart
             a = _agent_proc(fc_env)
             ck._next_reconnect = 0.0
             _train(ck, model, opt, sched, 4, 6)
+            assert ck._agent_proc is None
             assert ck.agent_restarts == 1
             assert ck.flush() == 6
             st = ck.status()["agent"]

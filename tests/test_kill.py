@@ -14,7 +14,7 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
-from fchelpers import FcEnv
+from fchelpers import FcEnv, kill_job_processes
 
 from flashckpt.storage import Storage
 
@@ -175,14 +175,17 @@ def test_sigkill_of_the_agent_during_persistence(tmp_path: Path, fc_env: FcEnv) 
     while time.monotonic() < deadline:
         dirs, done = st.all_step_dirs(), st.committed_steps()
         if [d for d in dirs if d not in done]:
+            # Both at once: a trainer outlives its agent and would start the next one (issue
+            # 12), which would finish the half-written step this test wants to see left.
             agent.send_signal(signal.SIGKILL)
+            trainer.send_signal(signal.SIGKILL)
             break
         time.sleep(0.005)
     else:
         pytest.fail("never saw a step being persisted")
     agent.wait(timeout=30)
-    trainer.send_signal(signal.SIGKILL)
     trainer.wait(timeout=30)
+    kill_job_processes(fc_env.job)  # an agent the trainer may have started in between
     committed = st.committed_steps()
     partial = [d for d in st.all_step_dirs() if d not in committed]
     assert partial, "the kill should have left a half-written step behind"

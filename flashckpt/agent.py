@@ -725,6 +725,9 @@ class NodeAgent:
             "pid": os.getpid(),
             "committed": list(self._committed),
             "shm_dir": self.cfg.shm_dir,
+            # Started by a trainer (it exits when done): any trainer of the job may start the
+            # next one if it dies; an agent without it belongs to a launcher or an operator.
+            "auto_started": self.cfg.exit_when_done,
         }
 
     def _alloc(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:

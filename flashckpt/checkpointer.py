@@ -303,6 +303,7 @@ class Checkpointer:
         self._agent_path: str | None = None
         self._hello_fields: dict[str, Any] = {}
         self._next_reconnect = 0.0
+        self._agent_auto = False  # the agent was started by a trainer (not by its launcher)
         self.agent_restarts = 0
         """Times this rank lost its node agent and found (or started) another one."""
         self._slots: list[_SlotMap | None] = [None, None]
@@ -631,6 +632,7 @@ class Checkpointer:
             pid=os.getpid(),
         )
         self._agent_shm_dir = hello.get("shm_dir")
+        self._agent_auto = bool(hello.get("auto_started"))
         self._meta_static = {
             "job": self.job,
             "rank": self._rank,
@@ -674,7 +676,7 @@ class Checkpointer:
                     f"the node agent did not start within {self.config.agent_timeout:.0f} s; "
                     f"see {os.path.join(run_dir, f'{self.job}.{self.node}.log')}"
                 )
-            if again and (self.config.agent != "auto" or self._agent_proc is None):
+            if again and not self._may_restart_agent():
                 continue
             if self._agent_proc is None or self._agent_proc.poll() is not None:
                 self._spawn_agent(run_dir)
@@ -774,14 +776,9 @@ class Checkpointer:
                 try:
                     client = AgentClient(path, on_event=self._on_event, timeout=0.0)
                 except AgentError:
-                    # Only the rank that started the lost agent starts the next one: an agent
-                    # of a launcher (or of another rank, or started by hand) is its owner's to
-                    # restart, and two would race for the job's lock.
-                    if (
-                        self.config.agent == "auto"
-                        and self._agent_proc is not None
-                        and self._agent_proc.poll() is not None
-                    ):
+                    # An agent of a launcher (or started by hand) is its owner's to restart:
+                    # one of ours would race it for the job's lock.
+                    if self._may_restart_agent():
                         self._spawn_agent(run_dir)  # connected to at the next attempt
                     return False
             reply = client.request("hello", timeout=self.config.agent_timeout, **self._hello_fields)
@@ -791,6 +788,7 @@ class Checkpointer:
             )
             return False
         self._client = client
+        self._agent_auto = bool(reply.get("auto_started"))
         self.agent_restarts += 1
         self._adopt_hello_slots(reply.get("slots") or [])
         if self.restored_from is not None:
@@ -806,6 +804,16 @@ class Checkpointer:
             reply.get("pid"),
         )
         return True
+
+    def _may_restart_agent(self) -> bool:
+        """Whether this rank starts the next agent after losing one: with agent='auto', when
+        the lost one was started by a trainer (this rank's own, or another's) and none of this
+        rank's is still starting. An agent of a launcher or an operator is theirs to restart."""
+        if self.config.agent != "auto":
+            return False
+        if self._agent_proc is not None:
+            return self._agent_proc.poll() is not None
+        return self._agent_auto
 
     def _adopt_hello_slots(self, paths: list[str | None]) -> None:
         """Keeps the mapped slots the new agent serves (same files); drops the others."""

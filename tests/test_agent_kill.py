@@ -234,10 +234,16 @@ def test_trainer_killed_right_after_its_agent_restarted_resumes_equal(
     p.wait(timeout=60)
     assert len(_lines(log)) < STEPS, "the trainer finished before it could be killed"
     p = _worker(env, log)
+    # The new trainer did not start this agent (the dead one did): when it dies too, the
+    # trainer still starts the next one (an agent started by a trainer is any trainer's).
+    assert _wait(lambda: _linked(env, second), p)
+    os.kill(second, signal.SIGKILL)
+    assert _wait(lambda: _agent_pid(env) not in (None, second), p)
     _finish(p, log)
     _assert_same_run(log, ref, ref_final)
     start, source = Path(str(log) + ".report.start").read_text().splitlines()[-1].split()
     assert int(start) > 0 and source in ("memory", "storage"), (start, source)
     st = Storage(env.storage)
     assert st.committed_steps()[-1] == STEPS
-    assert _agent_pid(env) in (None, second)  # no third agent was needed
+    restarts = Path(str(log) + ".report").read_text().splitlines()[-1].split()[2]
+    assert restarts == "1", restarts

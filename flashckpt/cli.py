@@ -25,6 +25,13 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default=default_run_dir())
     p.add_argument("--keep", type=int, default=3, help="committed steps to keep")
     p.add_argument("--idle-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--orphan-age",
+        type=float,
+        default=86400.0,
+        help="seconds a dead agent's segments stay untouched before another job's agent removes "
+        "them (default a day; `flashckpt clean` removes them on demand)",
+    )
     p.add_argument("--exit-when-done", action="store_true")
     p.add_argument(
         "--lock-wait",
@@ -59,6 +66,7 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_agent(args: argparse.Namespace) -> int:
     from flashckpt.agent import AgentConfig, default_node_id, run_agent
+    from flashckpt.errors import UnsafeLocalStateError
     from flashckpt.monitor import MonitorConfig
     from flashckpt.protocol import AgentClient, AgentError, socket_path
 
@@ -70,6 +78,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         keep=args.keep,
         idle_timeout=args.idle_timeout,
+        orphan_age_s=args.orphan_age,
         exit_when_done=args.exit_when_done,
         monitor=MonitorConfig(
             metrics_port=args.metrics_port or None,
@@ -83,8 +92,14 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     )
     if args.detach:
         cmd = [sys.executable, "-m", "flashckpt", *[a for a in sys.argv[1:] if a != "--detach"]]
+        from flashckpt.shm import ensure_private_dir
+
         log_path = args.log_file or os.path.join(cfg.run_dir, f"{cfg.job}.{cfg.node}.log")
-        os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
+        try:
+            ensure_private_dir(cfg.run_dir, "agent run dir")  # the log must not go elsewhere
+        except UnsafeLocalStateError as e:
+            print(f"flashckpt agent: {e}", file=sys.stderr)
+            return 1
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True
@@ -118,6 +133,10 @@ def _cmd_agent(args: argparse.Namespace) -> int:
             f.write(f"{os.getpid()}\n")
     try:
         return run_agent(cfg, lock_wait=args.lock_wait)
+    except UnsafeLocalStateError as e:  # a clear message, not a traceback
+        logging.getLogger("flashckpt.agent").error("%s", e)
+        print(f"flashckpt agent: {e}", file=sys.stderr)
+        return 1
     finally:
         if args.pid_file:
             try:

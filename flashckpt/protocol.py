@@ -3,6 +3,14 @@
 Requests carry an ``id``; the agent answers each with ``{"id": ..., "ok": ...}``. The agent also
 pushes events (``{"event": ...}``, no id) such as a committed step or a persistence error. JSON
 only: nothing on this channel is ever unpickled.
+
+Requests: ``hello`` (a trainer takes its local-rank position; the reply names its slots), ``alloc``
+(slots for the position this connection said hello for, nothing else), ``snap`` (one-way: a
+snapshot is complete), ``hash`` (record the data hash of the position's complete snapshots now,
+before a restore checks them), ``restored``, ``flush``, ``done``, ``status``, ``ping``.
+
+A client connects only to a socket of its own user in a run dir private to that user
+(:func:`check_socket`); anything else is another user's and is refused, never retried.
 """
 
 from __future__ import annotations

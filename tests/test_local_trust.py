@@ -297,3 +297,25 @@ def test_clean_leaves_other_users_files(fc_env_private: FcEnv) -> None:
     _clean(env)
     assert all(p.exists() for p in slots)
     shutil.rmtree(env.run_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_agent_command_refuses_a_loose_run_dir_with_a_clear_message(
+    fc_env: FcEnv, tmp_path: Path, detach: bool
+) -> None:
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    os.chmod(loose, 0o755)
+    cmd = [sys.executable, "-m", "flashckpt", "agent", "--job", fc_env.job]
+    cmd += ["--run-dir", str(loose), "--shm-dir", str(tmp_path)]
+    out = subprocess.run(
+        cmd + (["--detach"] if detach else []),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1, out
+    assert f"agent run dir {loose} has mode 0755" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert os.listdir(loose) == []

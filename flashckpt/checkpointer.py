@@ -308,6 +308,8 @@ class Checkpointer:
         """Times this rank lost its node agent and found (or started) another one."""
         self._slots: list[_SlotMap | None] = [None, None]
         self._orphans: list[_SlotMap] = []  # other local ranks' slots, during a restore
+        # Index in the held snapshots -> (slot, header) this rank verifies before resharding.
+        self._held_verify: dict[int, tuple[_SlotMap, Any]] = {}
         self._restore_info: dict[str, Any] = {}
         self._slot_lock = threading.Lock()
         self._pending: Future[None] | None = None
@@ -1372,7 +1374,11 @@ class Checkpointer:
             if lr >= self._local_world and lr % self._local_world == self._local_rank:
                 self._orphans.append(sm)  # no trainer owns it: this rank cleans it up
         maps = [sm for sm in self._slots if sm is not None] + others
-        out = []
+        # Each slot of the machine is verified (data hash) by one rank: its own trainer's, or,
+        # for a position no trainer uses now, the rank that cleans it up.
+        mine = {id(sm) for sm in self._slots if sm is not None} | {id(sm) for sm in self._orphans}
+        self._held_verify = {}
+        out: list[HeldSnapshot] = []
         for sm in maps:
             info = sm.slot.header()
             meta = sm.slot.read_meta(info) if info is not None and info.complete else None
@@ -1389,6 +1395,8 @@ class Checkpointer:
                 now = sm.slot.header()
                 return now is not None and now.complete and now.step == step
 
+            if id(sm) in mine:
+                self._held_verify[len(out)] = (sm, info)
             out.append(
                 HeldSnapshot(
                     step=info.step,
@@ -1478,7 +1486,18 @@ class Checkpointer:
         (collective: every rank calls it with the same plan)."""
         key = (plan.step, plan.world_id, plan.world_size)
         mine = {h.rank: h for h in held if h.key == key}
+        # Checked before the exchange, reported after it (every rank takes part in it).
+        bad: str | None = None
+        for i, h in enumerate(held):
+            entry = self._held_verify.get(i)
+            if entry is not None and h.key == key:
+                try:
+                    self._verify_memory(entry[0], entry[1], plan.step)
+                except _BadMemory as e:
+                    bad = bad or str(e)
         received, error = exchange(plan, self._rank, self._world, self._coord_pg, mine)
+        if bad is not None:
+            raise _TornSnapshot(bad)
         if error is not None:
             raise _TornSnapshot(error)
         views: dict[int, Mapping[str, torch.Tensor]] = {o: views_of(h) for o, h in mine.items()}

@@ -209,3 +209,30 @@ def test_a_slot_with_a_bad_header_is_discarded_by_the_next_agent(fc_env_private:
     finally:
         b.send_signal(signal.SIGTERM)
         assert b.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_scribbled_piece_is_not_resharded_from_memory(tmp_path: Path, fc_env: FcEnv) -> None:
+    """The memory-reshard path (a sharded job changed size) checks the data hash too: the slot
+    of a local rank no trainer uses now is verified by the rank that reads it for cleanup."""
+    from test_sharded import _run
+
+    _run(fc_env, tmp_path, "w2", 2, 8, "--every", "2", "--exit-at", "3", code=3)
+    rank1 = sorted(Path(fc_env.shm_dir).glob(f"fc.{fc_env.job}.{fc_env.node}.r00001.s?"))
+    newest = None
+    for p in rank1:
+        s = Slot(str(p))
+        info = s.header()
+        s.close()
+        if info is not None and info.complete and info.step == 4:
+            newest = p
+    assert newest is not None, rank1
+    _wait_hashed(newest)
+    _scribble(newest)
+    _run(fc_env, tmp_path, "w1", 1, 8, "--every", "2")
+    report = (tmp_path / "report.txt").read_text().splitlines()
+    # Step 4 cannot be had from memory (rank 1's piece is scribbled): an older one is.
+    assert report[-1].split()[:2] == ["0", "2"], report
+    errs = "".join(p.read_text() for p in tmp_path.glob("w1-*.stderr"))
+    assert "fails its data hash" in errs and str(newest) in errs, errs[-3000:]

@@ -440,7 +440,7 @@ class NodeAgent:
         finally:
             # Whatever failed above, the segments go (an allocation racing the shutdown is
             # refused under the same locks, so none is created after this).
-            with self._io_lock, self._lock:
+            with self._io_lock, self._lock, self._map_lock:  # not under the hasher either
                 for c in list(self._conns):
                     with contextlib.suppress(OSError):
                         c.sock.close()

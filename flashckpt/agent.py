@@ -637,9 +637,11 @@ class NodeAgent:
         if op == "alloc":
             return self._alloc(conn, msg)
         if op == "hash":
-            # A trainer about to restore from memory: every complete snapshot of its position
-            # gets its data hash now (the background pass may not have reached it yet).
-            self._hash_pass(_key(msg))
+            # A trainer about to restore from memory: every complete snapshot gets its data hash
+            # now (the background pass may not have reached it yet). All positions: a trainer
+            # also checks those of local ranks no trainer uses now (memory reshard). Hashes are
+            # computed once (under one lock): the other trainers' requests find them recorded.
+            self._hash_pass()
             return {"ok": True}
         if op == "snap":
             self._wake.set()

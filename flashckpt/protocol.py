@@ -6,7 +6,7 @@ only: nothing on this channel is ever unpickled.
 
 Requests: ``hello`` (a trainer takes its local-rank position; the reply names its slots), ``alloc``
 (slots for the position this connection said hello for, nothing else), ``snap`` (one-way: a
-snapshot is complete), ``hash`` (record the data hash of the position's complete snapshots now,
+snapshot is complete), ``hash`` (record the data hash of every complete snapshot now,
 before a restore checks them), ``restored``, ``flush``, ``done``, ``status``, ``ping``.
 
 A client connects only to a socket of its own user in a run dir private to that user

@@ -319,3 +319,20 @@ def test_agent_command_refuses_a_loose_run_dir_with_a_clear_message(
     assert f"agent run dir {loose} has mode 0755" in out.stderr
     assert "Traceback" not in out.stderr
     assert os.listdir(loose) == []
+
+
+def test_status_lists_a_foreign_socket_as_an_error(tmp_path: Path) -> None:
+    from flashckpt.monitor import collect_status
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    path = str(run_dir / "j.n0.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        srv.bind(path)
+        srv.listen(1)
+        os.chown(path, NOBODY, NOBODY)
+        (got,) = collect_status(str(run_dir))
+        assert got["socket"] == path and "not a socket of this user" in got["error"]
+    finally:
+        srv.close()

@@ -16,6 +16,7 @@ next iteration. ``ckpt.step(n)`` checks ``n`` against the count and raises on a 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import difflib
@@ -81,6 +82,8 @@ from flashckpt.shm import (
     ShmSpaceError,
     Slot,
     check_name,
+    ensure_private_dir,
+    file_problem,
     prefault,
     slot_prefix,
 )
@@ -335,8 +338,17 @@ class Checkpointer:
         self._world_id = ""
         self._client: AgentClient | None = None
         self._agent_proc: subprocess.Popen[bytes] | None = None
+        # What reconnecting to a (restarted) node agent needs: the socket and the hello fields.
+        self._agent_path: str | None = None
+        self._hello_fields: dict[str, Any] = {}
+        self._next_reconnect = 0.0
+        self._agent_auto = False  # the agent was started by a trainer (not by its launcher)
+        self.agent_restarts = 0
+        """Times this rank lost its node agent and found (or started) another one."""
         self._slots: list[_SlotMap | None] = [None, None]
         self._orphans: list[_SlotMap] = []  # other local ranks' slots, during a restore
+        # Index in the held snapshots -> (slot, header) this rank verifies before resharding.
+        self._held_verify: dict[int, tuple[_SlotMap, Any]] = {}
         self._restore_info: dict[str, Any] = {}
         self._slot_lock = threading.Lock()
         self._pending: Future[None] | None = None
@@ -597,15 +609,26 @@ class Checkpointer:
                 **self._per_rank_state(),
             },
         }
-        slot = self._acquire_slot(flat, when_busy)
+        if not self._agent_alive():
+            self._relink()  # the agent died: find (or start) another; never waits
+        skipped = "both slots busy"
+        try:
+            slot = self._acquire_slot(flat, when_busy)
+        except AgentError as err:
+            if self._agent_alive():
+                raise
+            # New slots (the state outgrew them) need an agent: this snapshot is lost, training
+            # goes on, and the next one is taken once an agent is back.
+            slot, skipped = None, f"no node agent to allocate slots ({err})"
         if slot is None:
             self.stats.skips += 1
             self.stats.skipped_steps.append(step)
             warnings.warn(
-                f"flashckpt: snapshot of step {step} skipped: both slots busy (when_busy='skip')",
+                f"flashckpt: snapshot of step {step} skipped: {skipped}"
+                + (" (when_busy='skip')" if skipped == "both slots busy" else ""),
                 stacklevel=2,
             )
-            return SnapshotHandle(step, None, skipped="both slots busy")
+            return SnapshotHandle(step, None, skipped=skipped)
         assert self._layout is not None
         layout = self._layout
         meta = self._meta_bytes(flat, layout, meta_extra)
@@ -674,21 +697,34 @@ class Checkpointer:
         """
         self.wait()
         step = self.stats.last_snapshot_step
-        if step is None or self._storage is None or self._client is None:
+        if step is None or self._storage is None or self._agent_path is None:
             return None
+        if not self._agent_alive() and not self._relink(wait=True):
+            log.error("flashckpt: step %d not persisted: no node agent", step)
+            self.stats.persist_errors.append({"step": step, "error": "no node agent"})
+            return None
+        assert self._client is not None
         if self._mon is not None:
             self._mon.pause()  # waiting for storage is no hang
         try:
-            reply = self._client.request(
-                "flush",
-                step=step,
-                timeout_s=timeout or self.config.flush_timeout,
-                timeout=(timeout or self.config.flush_timeout) + 5,
-            )
-        except AgentError as e:
-            log.error("flashckpt: step %d not persisted: %s", step, e)
-            self.stats.persist_errors.append({"step": step, "error": str(e)})
-            return None
+            for attempt in range(3):
+                try:
+                    reply = self._client.request(
+                        "flush",
+                        step=step,
+                        timeout_s=timeout or self.config.flush_timeout,
+                        timeout=(timeout or self.config.flush_timeout) + 5,
+                    )
+                    break
+                except AgentError as e:
+                    # The agent died while persisting: its successor adopts the slots and
+                    # persists the step; ask it.
+                    if attempt < 2 and not self._agent_alive() and self._relink(wait=True):
+                        assert self._client is not None
+                        continue
+                    log.error("flashckpt: step %d not persisted: %s", step, e)
+                    self.stats.persist_errors.append({"step": step, "error": str(e)})
+                    return None
         finally:
             if self._mon is not None:
                 self._mon.resume()
@@ -781,6 +817,7 @@ class Checkpointer:
             pid=os.getpid(),
         )
         self._agent_shm_dir = hello.get("shm_dir")
+        self._agent_auto = bool(hello.get("auto_started"))
         self._meta_static = {
             "job": self.job,
             "rank": self._rank,
@@ -878,18 +915,23 @@ class Checkpointer:
             )
         self._all_max(0)  # nobody writes before the old steps are gone
 
-    def _connect(self, path: str, run_dir: str) -> AgentClient:
+    def _connect(self, path: str, run_dir: str, *, again: bool = False) -> AgentClient:
         """Connects to the node agent, starting one if needed (agent='auto').
 
         An agent that is just shutting down (the previous run finished) refuses new work by
         closing; then a fresh one is started, until ``agent_timeout`` runs out.
+
+        Args:
+            again: the agent was lost. Wait up to ``agent_timeout`` for it to be back (also with
+                agent='connect': its owner restarts it), and start one only if this rank had
+                started the lost one (an agent a launcher supervises is restarted by it).
         """
         deadline = time.monotonic() + self.config.agent_timeout
         while True:
             try:
                 return AgentClient(path, on_event=self._on_event, timeout=0.2)
             except AgentError:
-                if self.config.agent == "connect":
+                if self.config.agent == "connect" and not again:
                     raise AgentError(
                         f"no flashckpt node agent at {path}: start one (`flashckpt agent --job "
                         f"{self.job} --node {self.node}`) or pass agent='auto'"
@@ -899,10 +941,13 @@ class Checkpointer:
                     f"the node agent did not start within {self.config.agent_timeout:.0f} s; "
                     f"see {os.path.join(run_dir, f'{self.job}.{self.node}.log')}"
                 )
+            if again and not self._may_restart_agent():
+                continue
             if self._agent_proc is None or self._agent_proc.poll() is not None:
                 self._spawn_agent(run_dir)
 
     def _hello(self, path: str, run_dir: str, **fields: Any) -> dict[str, Any]:
+        self._agent_path, self._hello_fields = path, dict(fields)
         for attempt in range(3):
             self._client = self._connect(path, run_dir)
             try:
@@ -916,7 +961,9 @@ class Checkpointer:
 
     def _spawn_agent(self, run_dir: str) -> None:
         cfg = self.config
-        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        # The log is appended to and the socket connected to there: a directory another user
+        # can write into is refused, never used.
+        ensure_private_dir(run_dir, "agent run dir")
         cmd = [
             sys.executable,
             "-m",
@@ -940,7 +987,9 @@ class Checkpointer:
         ]
         if cfg.storage:
             cmd += ["--storage", cfg.storage]
-        logf = open(os.path.join(run_dir, f"{self.job}.{self.node}.log"), "ab")  # noqa: SIM115
+        log_path = os.path.join(run_dir, f"{self.job}.{self.node}.log")
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        logf = os.fdopen(fd, "ab")
         try:
             # A new session: the agent must outlive this trainer (that is its whole point).
             proc = subprocess.Popen(
@@ -960,6 +1009,93 @@ class Checkpointer:
         elif ev == "persist_error":
             self.stats.persist_errors.append({"step": msg.get("step"), "error": msg.get("error")})
             log.warning("flashckpt: persisting step %s failed: %s", msg.get("step"), msg["error"])
+
+    def _agent_alive(self) -> bool:
+        return self._client is not None and self._client.connected
+
+    def _relink(self, wait: bool = False) -> bool:
+        """Finds a node agent again after losing it (it died or was restarted); True if linked.
+
+        Training does not depend on the agent: snapshots go on into the slots (files the new
+        agent adopts), only their persistence waits. Without ``wait`` one quick attempt is made
+        (at most one per second; with agent='auto', a rank that had started the lost agent
+        starts the next); with ``wait`` (on exit, to persist the last snapshot) up to
+        ``agent_timeout``.
+        """
+        if self._agent_alive():
+            return True
+        path, run_dir = self._agent_path, self._run_dir
+        if path is None or run_dir is None:
+            return False
+        now = time.monotonic()
+        if not wait and now < self._next_reconnect:
+            return False
+        self._next_reconnect = now + 1.0
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        try:
+            if wait:
+                client = self._connect(path, run_dir, again=True)
+            else:
+                try:
+                    client = AgentClient(path, on_event=self._on_event, timeout=0.0)
+                except AgentError:
+                    # An agent of a launcher (or started by hand) is its owner's to restart:
+                    # one of ours would race it for the job's lock.
+                    if self._may_restart_agent():
+                        self._spawn_agent(run_dir)  # connected to at the next attempt
+                    return False
+            reply = client.request("hello", timeout=self.config.agent_timeout, **self._hello_fields)
+        except AgentError as e:
+            log.warning(
+                "flashckpt: rank %d: no node agent yet (%s); training goes on", self._rank, e
+            )
+            return False
+        self._client = client
+        self._agent_auto = bool(reply.get("auto_started"))
+        self.agent_restarts += 1
+        self._adopt_hello_slots(reply.get("slots") or [])
+        if self.restored_from is not None:
+            # The new agent learns where this timeline began (steps after it in storage that
+            # this run did not commit belong to an abandoned one and are rewritten).
+            last = self.stats.last_committed_step
+            since = max(self.start_step, last if last is not None else -1)
+            with contextlib.suppress(AgentError):
+                client.request("restored", step=since, timeout=10)
+        log.warning(
+            "flashckpt: rank %d lost its node agent and is linked to agent pid %s now",
+            self._rank,
+            reply.get("pid"),
+        )
+        return True
+
+    def _may_restart_agent(self) -> bool:
+        """Whether this rank starts the next agent after losing one: with agent='auto', when
+        the lost one was started by a trainer (this rank's own, or another's) and none of this
+        rank's is still starting. An agent of a launcher or an operator is theirs to restart."""
+        if self.config.agent != "auto":
+            return False
+        if self._agent_proc is not None:
+            return self._agent_proc.poll() is not None
+        return self._agent_auto
+
+    def _adopt_hello_slots(self, paths: list[str | None]) -> None:
+        """Keeps the mapped slots the new agent serves (same files); drops the others."""
+        with self._slot_lock:
+            same = all(
+                (sm is None and p is None)
+                or (sm is not None and p == sm.slot.path and _same_file(p, sm.ino))
+                for sm, p in zip(self._slots, [*paths, None, None][:2], strict=True)
+            )
+        if same:
+            return
+        self.wait()  # no copy runs into a slot that is dropped here
+        with self._slot_lock:
+            for i, p in enumerate([*paths, None, None][:2]):
+                sm = self._slots[i]
+                if sm is not None and not (p == sm.slot.path and _same_file(p, sm.ino)):
+                    self._slots[i] = None  # the agent discarded it: the next save allocates
 
     def _hook_optimizer(self) -> None:
         if self.optimizer is None:
@@ -997,6 +1133,10 @@ class Checkpointer:
 
     # -- slots -------------------------------------------------------------------------------
     def _map(self, path: str) -> _SlotMap:
+        problem = file_problem(path)
+        if problem is not None:
+            # Another user's file (or one others may read or write) holds no state of ours.
+            raise ValueError(f"slot file {path} is not trusted: {problem}")
         size = os.path.getsize(path)
         data = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         slot = Slot(path, buf=data.numpy())
@@ -1087,9 +1227,16 @@ class Checkpointer:
                 for v in st.values()
                 if isinstance(v, torch.Tensor)
             )
+        dry = _dry_run_state_bytes(opt)
+        if dry is not None:
+            return model_bytes + dry
+        # The optimizer cannot step on stand-in parameters (a closure, sharded or fused ones):
+        # a guess by name, counting AMSGrad's third buffer.
         param_bytes = sum(_local_nbytes(p) for p in self.model.parameters())
         name = type(opt).__name__.lower()
         factor = 2 if "adam" in name or "lamb" in name else 1
+        if any(g.get("amsgrad") for g in opt.param_groups):
+            factor += 1
         return model_bytes + factor * param_bytes + 64 * len(opt.state_dict()["state"] or [1])
 
     def _preallocate(self) -> None:
@@ -1147,7 +1294,8 @@ class Checkpointer:
                 return
             meta_cap = max(4 * _MIN_META_CAP, 2 * meta_need)
             data_cap = data_need + data_need // 16 + (1 << 20)
-            assert self._client is not None
+            if self._client is None:
+                raise AgentError("no node agent: lost, and none found again yet")
             try:
                 reply = self._client.request(
                     "alloc",
@@ -1187,7 +1335,9 @@ class Checkpointer:
         deadline = time.monotonic() + self.config.agent_timeout
         while True:
             target = self._target_slot()
-            if not target.writing and not target.slot.pinned():
+            # A pin is the agent's (it reads the slot): one left by an agent that died means
+            # nothing (its successor clears it on adoption), so it is not waited for.
+            if not target.writing and (not target.slot.pinned() or not self._agent_alive()):
                 break
             if when_busy == "skip":
                 return None
@@ -1196,7 +1346,7 @@ class Checkpointer:
                 continue
             # The agent persists this (older) snapshot: ask it to yield, and wait.
             target.slot.want(True)
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and self._agent_alive():
                 target.slot.want(False)
                 raise TimeoutError(
                     f"no snapshot slot became free within {self.config.agent_timeout:.0f} s"
@@ -1275,6 +1425,33 @@ class Checkpointer:
             out[info.step] = (sm, meta)
         return out
 
+    def _verify_memory(self, sm: _SlotMap, info: Any, step: int) -> None:
+        """Checks a snapshot in shared memory against the data hash the agent recorded when it
+        was complete.
+
+        Raises:
+            _BadMemory: the data changed since (scribbled), or no hash can be had.
+        """
+        ok = sm.slot.verify_data(info)
+        if ok is None and self._agent_alive():
+            assert self._client is not None
+            # The agent hashes in the background; have it hash this position's slots now.
+            with contextlib.suppress(AgentError):
+                self._client.request(
+                    "hash", rank=self._rank, local_rank=self._local_rank, timeout=60
+                )
+            ok = sm.slot.verify_data(info)
+        if ok is not True:
+            why = (
+                "fails its data hash: the shared memory was overwritten since the snapshot"
+                if ok is False
+                else "has no data hash to check it against"
+            )
+            raise _BadMemory(
+                f"rank {self._rank}: the snapshot of step {step} in memory ({sm.slot.path}) "
+                f"{why}; not restored from it"
+            )
+
     def _interchangeable(self, step: int, buffers_xxh: int | None) -> bool:
         """Whether a replica's snapshot of ``step`` with this buffers hash can stand for this
         rank's own (whose RNG/extras and buffers hash are in storage)."""
@@ -1329,6 +1506,7 @@ class Checkpointer:
             step, sources = plan
             self._restore_info = {}
             code, loaded = 0, None
+            memory_only = False
             err: Exception | None = None
             try:
                 if peer is not None:
@@ -1337,6 +1515,12 @@ class Checkpointer:
                 else:
                     received = self._exchange_replicas(step, sources, mem)
                     loaded = self._load_step(step, sources[self._rank], mem.get(step), received)
+            except _BadMemory as e:
+                # Only this copy is bad: the step may still come from storage (or a replica).
+                code, err = 1, e
+                mem.pop(step, None)
+                memory_only = True
+                warnings.warn(f"flashckpt: {e}; trying another source", stacklevel=3)
             except (CorruptCheckpointError, FileNotFoundError, _TornSnapshot) as e:
                 code, err = 1, e
                 warnings.warn(
@@ -1362,7 +1546,10 @@ class Checkpointer:
                 if err is not None:
                     raise err
                 raise RuntimeError(f"another rank failed to restore step {step}; see its log")
-            excluded.add(step)
+            # Every rank takes part: the step is excluded unless each failure was a bad copy in
+            # memory (those ranks dropped it from their memory steps and plan again).
+            if self._all_max(0 if code == 0 or memory_only else 1):
+                excluded.add(step)
 
     def _plan_restore(
         self, mem: dict[int, Any], stored: set[int], excluded: set[int]
@@ -1443,7 +1630,11 @@ class Checkpointer:
             if lr >= self._local_world and lr % self._local_world == self._local_rank:
                 self._orphans.append(sm)  # no trainer owns it: this rank cleans it up
         maps = [sm for sm in self._slots if sm is not None] + others
-        out = []
+        # Each slot of the machine is verified (data hash) by one rank: its own trainer's, or,
+        # for a position no trainer uses now, the rank that cleans it up.
+        mine = {id(sm) for sm in self._slots if sm is not None} | {id(sm) for sm in self._orphans}
+        self._held_verify = {}
+        out: list[HeldSnapshot] = []
         for sm in maps:
             info = sm.slot.header()
             meta = sm.slot.read_meta(info) if info is not None and info.complete else None
@@ -1460,6 +1651,8 @@ class Checkpointer:
                 now = sm.slot.header()
                 return now is not None and now.complete and now.step == step
 
+            if id(sm) in mine:
+                self._held_verify[len(out)] = (sm, info)
             out.append(
                 HeldSnapshot(
                     step=info.step,
@@ -1549,7 +1742,18 @@ class Checkpointer:
         (collective: every rank calls it with the same plan)."""
         key = (plan.step, plan.world_id, plan.world_size)
         mine = {h.rank: h for h in held if h.key == key}
+        # Checked before the exchange, reported after it (every rank takes part in it).
+        bad: str | None = None
+        for i, h in enumerate(held):
+            entry = self._held_verify.get(i)
+            if entry is not None and h.key == key:
+                try:
+                    self._verify_memory(entry[0], entry[1], plan.step)
+                except _BadMemory as e:
+                    bad = bad or str(e)
         received, error = exchange(plan, self._rank, self._world, self._coord_pg, mine)
+        if bad is not None:
+            raise _TornSnapshot(bad)
         if error is not None:
             raise _TornSnapshot(error)
         views: dict[int, Mapping[str, torch.Tensor]] = {o: views_of(h) for o, h in mine.items()}
@@ -1629,6 +1833,8 @@ class Checkpointer:
                     sm, meta = mem[step]
                     info = sm.slot.header()
                     ok = info is not None and info.complete and info.step == step
+                    if ok:
+                        self._verify_memory(sm, info, step)  # never sends scribbled bytes
                     meta_b = json.dumps(meta).encode() if ok else b""
                     entries = meta.get("entries") if ok else None
                     n = Layout.from_json(entries).nbytes if entries else 0
@@ -1684,6 +1890,7 @@ class Checkpointer:
             info = sm.slot.header()
             if info is None or info.step != step or not info.complete:
                 raise _TornSnapshot(f"slot {sm.slot.path} changed")
+            self._verify_memory(sm, info, step)
             layout = Layout.from_json(meta["entries"])
             off = sm.slot.data_off
             views = tensor_views(layout, sm.data[off : off + layout.nbytes])
@@ -2069,6 +2276,18 @@ class Checkpointer:
 _SLOT_RE = re.compile(r"r(\d{5})\.s[01]")
 
 
+def _same_file(path: str | None, ino: int) -> bool:
+    try:
+        return path is not None and os.stat(path).st_ino == ino
+    except OSError:
+        return False
+
+
+class _BadMemory(Exception):
+    """This rank's snapshot in shared memory fails its data hash: the step may still come from
+    storage or a replica."""
+
+
 class _TornSnapshot(Exception):
     pass
 
@@ -2083,6 +2302,40 @@ class _PieceTarget:
     placements: tuple[Any, ...]
     shape: tuple[int, ...]
     box: tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _dry_run_state_bytes(opt: torch.optim.Optimizer) -> int | None:
+    """Bytes of the state ``opt`` will hold after its first step, found by stepping a copy of it
+    on meta-device stand-ins of its parameters (no memory, no effect on the real one): any
+    optimizer, any number of state tensors per parameter. None where that copy cannot step."""
+    try:
+        groups = []
+        for g in opt.param_groups:
+            params = []
+            for p in g["params"]:
+                if is_dtensor(p) or not isinstance(p, torch.Tensor):
+                    return None
+                m = torch.empty_like(p, device="meta").requires_grad_(True)
+                m.grad = torch.empty_like(m)
+                params.append(m)
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+        # A shallow copy through the optimizer's own __getstate__/__setstate__: no hooks (the
+        # monitor's and ours stay on the real one), then fresh groups and state of its own.
+        clone = copy.copy(opt)
+        clone.param_groups = groups
+        clone.state = collections.defaultdict(dict)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            clone.step()
+        return sum(
+            v.numel() * v.element_size()
+            for st in clone.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
+    except Exception as e:  # the estimate falls back to a guess by optimizer name
+        log.debug("flashckpt: cannot dry-run %s on meta tensors: %s", type(opt).__name__, e)
+        return None
 
 
 def _local_nbytes(t: torch.Tensor) -> int:

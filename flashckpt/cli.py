@@ -1,5 +1,5 @@
-"""The ``flashckpt`` command: ``agent``, ``ls``, ``verify``, ``plan``, ``run``, ``status``,
-``goodput``, ``export``."""
+"""The ``flashckpt`` command: ``agent``, ``ls``, ``verify``, ``clean``, ``plan``, ``run``,
+``status``, ``goodput``, ``export``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
         "they are private to the user (0600/0700)",
     )
     p.add_argument("--idle-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--orphan-age",
+        type=float,
+        default=86400.0,
+        help="seconds a dead agent's segments stay untouched before another job's agent removes "
+        "them (default a day; `flashckpt clean` removes them on demand)",
+    )
     p.add_argument("--exit-when-done", action="store_true")
     p.add_argument(
         "--lock-wait",
@@ -46,7 +53,13 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true")
     m = p.add_argument_group("monitoring")
     m.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
-    m.add_argument("--metrics-addr", default="0.0.0.0", help="Prometheus bind address")
+    m.add_argument(
+        "--metrics-host",
+        "--metrics-addr",
+        dest="metrics_addr",
+        default="127.0.0.1",
+        help="Prometheus bind address (127.0.0.1: this machine only; 0.0.0.0: every interface)",
+    )
     m.add_argument("--events-dir", default=None, help="events.jsonl dir (default: --run-dir)")
     m.add_argument("--hang-floor", type=float, default=300.0, help="least seconds for a hang")
     m.add_argument("--hang-factor", type=float, default=10.0, help="hang after N x p50 step")
@@ -61,6 +74,7 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_agent(args: argparse.Namespace) -> int:
     from flashckpt.agent import AgentConfig, default_node_id, run_agent
+    from flashckpt.errors import UnsafeLocalStateError
     from flashckpt.monitor import MonitorConfig
     from flashckpt.protocol import AgentClient, AgentError, socket_path
 
@@ -73,6 +87,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         keep=args.keep,
         storage_file_mode=0o644 if args.shared_read else 0o600,
         idle_timeout=args.idle_timeout,
+        orphan_age_s=args.orphan_age,
         exit_when_done=args.exit_when_done,
         monitor=MonitorConfig(
             metrics_port=args.metrics_port or None,
@@ -86,8 +101,14 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     )
     if args.detach:
         cmd = [sys.executable, "-m", "flashckpt", *[a for a in sys.argv[1:] if a != "--detach"]]
+        from flashckpt.shm import ensure_private_dir
+
         log_path = args.log_file or os.path.join(cfg.run_dir, f"{cfg.job}.{cfg.node}.log")
-        os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
+        try:
+            ensure_private_dir(cfg.run_dir, "agent run dir")  # the log must not go elsewhere
+        except UnsafeLocalStateError as e:
+            print(f"flashckpt agent: {e}", file=sys.stderr)
+            return 1
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True
@@ -121,6 +142,10 @@ def _cmd_agent(args: argparse.Namespace) -> int:
             f.write(f"{os.getpid()}\n")
     try:
         return run_agent(cfg, lock_wait=args.lock_wait)
+    except UnsafeLocalStateError as e:  # a clear message, not a traceback
+        logging.getLogger("flashckpt.agent").error("%s", e)
+        print(f"flashckpt agent: {e}", file=sys.stderr)
+        return 1
     finally:
         if args.pid_file:
             try:
@@ -199,6 +224,38 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             for p in check.problems:
                 print(f"step {s}: CORRUPT: {p}")
     return 1 if bad else 0
+
+
+def _cmd_clean(args: argparse.Namespace) -> int:
+    from flashckpt.agent import abandoned_segments
+
+    if args.older_than < 0:
+        print("flashckpt clean: --older-than must be >= 0 seconds", file=sys.stderr)
+        return 2
+    try:
+        groups = abandoned_segments(args.shm_dir, args.older_than)
+    except OSError as e:
+        print(f"flashckpt clean: cannot read {args.shm_dir}: {e}", file=sys.stderr)
+        return 1
+    if args.job:
+        groups = [g for g in groups if g.key[0] == args.job]
+    verb = "would remove" if args.dry_run else "removed"
+    total = 0
+    for g in groups:
+        job, node = g.key
+        if not args.dry_run:
+            g.remove()
+        total += g.nbytes
+        print(
+            f"{verb} job {job} node {node}: {len(g.paths)} files, {_human(g.nbytes)} ({g.reason})"
+        )
+        for p in g.paths:
+            print(f"  {p}")
+    if not groups:
+        print(f"nothing to clean in {args.shm_dir} (segments of live agents are never removed)")
+    else:
+        print(f"{verb} {_human(total)} in {len(groups)} segment groups")
+    return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -323,6 +380,19 @@ def _main(argv: list[str]) -> int:
     p = sub.add_parser("verify", help="check the integrity of committed steps")
     p.add_argument("url")
     p.add_argument("--step", type=int, default=None)
+    p = sub.add_parser(
+        "clean",
+        help="remove the shared-memory segments of dead node agents (snapshots nobody resumes)",
+    )
+    p.add_argument("--shm-dir", default="/dev/shm", help="the slots' tmpfs (/dev/shm)")
+    p.add_argument("--job", default=None, help="only this job's segments")
+    p.add_argument(
+        "--older-than",
+        type=float,
+        default=0.0,
+        help="only segments unchanged for this many seconds (0: every dead agent's)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
     sub.add_parser("plan", help="plan training time, memory per GPU and checkpoint interval")
     sub.add_parser("run", help="launch an elastic job (torchrun-compatible flags)")
     p = sub.add_parser("status", help="the live job: ranks, steps, step times, alerts")
@@ -355,6 +425,8 @@ def _main(argv: list[str]) -> int:
         return _cmd_ls(args)
     if args.cmd == "verify":
         return _cmd_verify(args)
+    if args.cmd == "clean":
+        return _cmd_clean(args)
     if args.cmd == "status":
         return _cmd_status(args)
     if args.cmd == "export":

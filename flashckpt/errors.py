@@ -15,6 +15,7 @@ __all__ = [
     "PersistError",
     "ShmSpaceError",
     "StorageUnavailableError",
+    "UnsafeLocalStateError",
 ]
 
 
@@ -66,3 +67,9 @@ class PersistError(FlashckptError, RuntimeError):
         super().__init__(message)
         self.step = step
         self.errors = list(errors or [])
+
+
+class UnsafeLocalStateError(FlashckptError, PermissionError):
+    """Local state (the run dir, a slot file) could be controlled or read by another user of
+    the machine: refused instead of trusted. The message names the path, the problem and the fix.
+    """

@@ -424,8 +424,9 @@ class MonitorConfig:
     metrics_port: int | None = None
     """Prometheus endpoint port; None: no endpoint; 0: a free port chosen by the OS (reported in
     ``status()`` and the log)."""
-    metrics_addr: str = "0.0.0.0"
-    """Address the Prometheus endpoint binds."""
+    metrics_addr: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds: this machine only by default (the metrics name
+    the job, its hosts and its progress); ``0.0.0.0`` serves every interface."""
     events_dir: str | None = None
     """Directory of ``<job>.<node>.events.jsonl`` and the goodput report. Default: the agent's
     run_dir. A launcher whose run_dir is per agent generation should pass a stable one."""
@@ -1433,6 +1434,7 @@ def collect_status(
         One dict per socket: the agent's ``status()``, or ``{"socket", "error"}`` if it did not
         answer (a stale socket of a dead agent).
     """
+    from flashckpt.errors import UnsafeLocalStateError
     from flashckpt.protocol import AgentClient, AgentError
 
     socks = sorted(
@@ -1446,7 +1448,7 @@ def collect_status(
             continue
         try:
             client = AgentClient(path, timeout=min(timeout, 1.0))
-        except AgentError as e:
+        except (AgentError, UnsafeLocalStateError) as e:  # a foreign socket is not asked
             out.append({"socket": path, "error": str(e)})
             continue
         try:

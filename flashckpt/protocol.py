@@ -3,6 +3,14 @@
 Requests carry an ``id``; the agent answers each with ``{"id": ..., "ok": ...}``. The agent also
 pushes events (``{"event": ...}``, no id) such as a committed step or a persistence error. JSON
 only: nothing on this channel is ever unpickled.
+
+Requests: ``hello`` (a trainer takes its local-rank position; the reply names its slots), ``alloc``
+(slots for the position this connection said hello for, nothing else), ``snap`` (one-way: a
+snapshot is complete), ``hash`` (record the data hash of every complete snapshot now,
+before a restore checks them), ``restored``, ``flush``, ``done``, ``status``, ``ping``.
+
+A client connects only to a socket of its own user in a run dir private to that user
+(:func:`check_socket`); anything else is another user's and is refused, never retried.
 """
 
 from __future__ import annotations
@@ -13,14 +21,16 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from flashckpt.errors import AgentError
+from flashckpt.errors import AgentError, UnsafeLocalStateError
+from flashckpt.shm import check_private_dir
 
-__all__ = ["AgentClient", "AgentError", "default_run_dir", "socket_path"]
+__all__ = ["AgentClient", "AgentError", "check_socket", "default_run_dir", "socket_path"]
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +132,11 @@ class AgentClient:
         return reply
 
     def notify(self, op: str, **fields: Any) -> None:
-        """Sends a one-way message; never raises (the agent may be gone)."""
-        with contextlib.suppress(OSError):
+        """Sends a one-way message; never raises (the agent may be gone: the trainer goes on)."""
+        try:
             self._send({"op": op, **fields})
+        except (AgentError, OSError) as e:
+            log.debug("notify %r not delivered: %s", op, e)
 
     def _send(self, obj: dict[str, Any]) -> None:
         if self._closed.is_set():
@@ -170,9 +182,31 @@ class AgentClient:
         self._reader.join(timeout=5)
 
 
+def check_socket(path: str) -> None:
+    """Refuses a socket (or its directory) another user could have put there: the trainer's
+    ``hello`` and snapshots would go to whoever listens.
+
+    Raises:
+        UnsafeLocalStateError: the directory is not private to this user, or the socket is not
+            a socket of this user.
+    """
+    check_private_dir(os.path.dirname(path) or ".", "agent run dir")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise UnsafeLocalStateError(
+            f"{path} is not a socket of this user (uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): remove it; the node agent creates its own"
+        )
+
+
 def _connect(path: str, timeout: float) -> socket.socket:
     deadline = time.monotonic() + timeout
     while True:
+        if os.path.lexists(os.path.dirname(path) or "."):
+            check_socket(path)  # raises: a foreign socket is never connected to, nor retried
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.connect(path)

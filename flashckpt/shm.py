@@ -24,6 +24,7 @@ import json
 import mmap
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -32,7 +33,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flashckpt.errors import ShmSpaceError
+import xxhash
+
+from flashckpt.errors import ShmSpaceError, UnsafeLocalStateError
 
 __all__ = [
     "HEADER_SIZE",
@@ -41,6 +44,9 @@ __all__ = [
     "Slot",
     "SlotInfo",
     "allocate_slot_file",
+    "check_private_dir",
+    "ensure_private_dir",
+    "file_problem",
     "slot_path",
 ]
 
@@ -57,6 +63,10 @@ _HDR_CRC_OFF = _HDR.size  # u32 crc32 of the bytes before it
 # Fields outside the header CRC: pinned u32 (written by the agent), wanted u32 (written by the
 # trainer: it waits for this slot), pinned_seq u64.
 _AGENT_OFF = 1024
+# The data hash record, written by the agent once a snapshot is complete: seq u64 (the snapshot it
+# belongs to), xxh3_64 u64 of the data region's ``data_len`` bytes, crc32 u32 of those two.
+_HASH_OFF = _AGENT_OFF + 64
+_HASH = struct.Struct("<QQ")
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -103,7 +113,9 @@ def allocate_slot_file(path: str, meta_cap: int, data_cap: int) -> int:
     if total > free + old:
         raise ShmSpaceError(_space_message(shm_dir, total, free + old))
     tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover (or a planted link): never written through
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         try:
             os.posix_fallocate(fd, 0, total)
@@ -161,11 +173,12 @@ class Slot:
         path: the slot file.
         buf: a writable buffer mapping the whole file (``mmap`` or a numpy view of a torch tensor
             from ``torch.from_file``); ``None`` maps the file with ``mmap``.
+        own: ``buf`` is an ``mmap`` this slot closes (as one it mapped itself).
     """
 
-    def __init__(self, path: str, buf: Any = None) -> None:
+    def __init__(self, path: str, buf: Any = None, own: bool = False) -> None:
         self.path = path
-        self._mm: mmap.mmap | None = None
+        self._mm: mmap.mmap | None = buf if own and isinstance(buf, mmap.mmap) else None
         if buf is None:
             fd = os.open(path, os.O_RDWR)
             try:
@@ -174,11 +187,25 @@ class Slot:
                 os.close(fd)
             buf = self._mm
         self.buf = memoryview(buf).cast("B")
+        if len(self.buf) < HEADER_SIZE:
+            self.close()
+            raise ValueError(f"{path} is not a flashckpt slot (only {len(self.buf)} bytes)")
         magic = bytes(self.buf[:8])
         if magic != MAGIC:
             self.close()
             raise ValueError(f"{path} is not a flashckpt slot (bad magic {magic!r})")
-        info = self._raw_header()
+        # The capacities place the regions: never taken from a header that fails its CRC. A
+        # writer rewrites the header in one short copy, so a torn read is retried a few times.
+        got = None
+        for _ in range(5):
+            got = self.header()
+            if got is not None:
+                break
+            time.sleep(0.002)
+        if got is None:
+            self.close()
+            raise ValueError(f"{path}: the slot header fails its CRC (corrupted)")
+        info = got
         self.meta_cap = info.meta_cap
         self.data_cap = info.data_cap
         self.meta_off = HEADER_SIZE
@@ -307,6 +334,97 @@ class Slot:
 
     def wanted(self) -> bool:
         return bool(struct.unpack_from("<I", self.buf, _AGENT_OFF + 4)[0])
+
+    def clear_flags(self) -> None:
+        """Clears the pin and wanted flags (left set by an agent or trainer that died)."""
+        struct.pack_into("<IIQ", self.buf, _AGENT_OFF, 0, 0, 0)
+
+    # -- data hash (written by the agent; checked on restore and before a commit) ---------------
+    def data_hash(self, info: SlotInfo) -> int:
+        """xxh3_64 of the data region of a snapshot (``info.data_len`` bytes)."""
+        if info.data_len > self.data_cap:
+            raise ValueError(f"{self.path}: data length {info.data_len} exceeds the slot")
+        return int(xxhash.xxh3_64_intdigest(self.data(info.data_len)))
+
+    def record_hash(self, seq: int, value: int) -> None:
+        rec = _HASH.pack(seq, value)
+        self.buf[_HASH_OFF : _HASH_OFF + _HASH.size + 4] = rec + struct.pack("<I", zlib.crc32(rec))
+
+    def recorded_hash(self, info: SlotInfo) -> int | None:
+        """The data hash recorded for this snapshot (same ``seq``), or None if there is none."""
+        raw = bytes(self.buf[_HASH_OFF : _HASH_OFF + _HASH.size + 4])
+        (crc,) = struct.unpack_from("<I", raw, _HASH.size)
+        if zlib.crc32(raw[: _HASH.size]) != crc:
+            return None
+        seq, value = _HASH.unpack_from(raw, 0)
+        return int(value) if seq == info.seq and info.complete else None
+
+    def verify_data(self, info: SlotInfo) -> bool | None:
+        """Whether the data still hashes to the recorded value (None: no hash recorded)."""
+        want = self.recorded_hash(info)
+        if want is None:
+            return None
+        return self.data_hash(info) == want
+
+
+def file_problem(path: str, fd: int | None = None) -> str | None:
+    """Why a slot (or other private file) must not be trusted, or None if it may.
+
+    A slot file is trusted only when it is a regular file (no link), owned by this process's
+    user, with no access for group or others: another user of the machine could otherwise plant
+    the state a trainer restores, or read it.
+    """
+    try:
+        st = os.fstat(fd) if fd is not None else os.lstat(path)
+    except OSError as e:
+        return f"cannot stat it: {e}"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not {os.geteuid()}"
+    if st.st_mode & 0o077:
+        return f"mode {stat.S_IMODE(st.st_mode):04o} is looser than 0600"
+    return None
+
+
+def check_private_dir(path: str, what: str = "run dir") -> None:
+    """Refuses a directory another user could write into, swap, or read.
+
+    Raises:
+        UnsafeLocalStateError: it is a symlink, not a directory, owned by another user, or
+            grants group/other access; the message names the fix.
+    """
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise UnsafeLocalStateError(f"{what} {path} cannot be checked: {e}") from None
+    fix = (
+        f"remove it (or pass another directory) so flashckpt creates it with mode 0700, or "
+        f"`chmod 700 {path}` if it is yours"
+    )
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeLocalStateError(f"{what} {path} is a symbolic link: {fix}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeLocalStateError(f"{what} {path} is not a directory: {fix}")
+    if st.st_uid != os.geteuid():
+        raise UnsafeLocalStateError(
+            f"{what} {path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): "
+            f"another user could swap the agent's socket or log; {fix}"
+        )
+    if st.st_mode & 0o077:
+        raise UnsafeLocalStateError(
+            f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users could swap the "
+            f"agent's socket or log; {fix}"
+        )
+
+
+def ensure_private_dir(path: str, what: str = "run dir") -> None:
+    """Creates ``path`` with mode 0700 if missing (parents too), then checks it is private."""
+    try:
+        os.makedirs(path, mode=0o700)
+    except FileExistsError:
+        pass
+    check_private_dir(path, what)
 
 
 _libc: Any = None

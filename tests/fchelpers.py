@@ -9,6 +9,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import uuid
 from collections.abc import Iterator
@@ -90,6 +91,39 @@ def fc_env(tmp_path: Path) -> Iterator[FcEnv]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join("/dev/shm", n))
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def private_shm(path: Path, size: str = "1g") -> Iterator[str]:
+    """A tmpfs of this test's own at ``path`` (root), else a plain 0700 directory.
+
+    Tests that leave a dead agent's segments behind use one: an agent of another job (another
+    test, possibly of older code) must not see them."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
+    try:
+        yield str(path)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def fc_env_private(fc_env: FcEnv, tmp_path: Path) -> Iterator[FcEnv]:
+    """``fc_env`` with a shared-memory directory of its own (see :func:`private_shm`)."""
+    with private_shm(tmp_path / "shm") as shm:
+        fc_env.shm_dir = shm
+        try:
+            yield fc_env
+        finally:
+            kill_job_processes(fc_env.job)
 
 
 class RunningAgent:

@@ -22,7 +22,7 @@ from flashckpt.protocol import AgentClient, socket_path
 
 
 def test_agent_survives_a_client_that_vanishes_while_it_writes(fc_env: FcEnv) -> None:
-    os.makedirs(fc_env.run_dir, exist_ok=True)
+    os.makedirs(fc_env.run_dir, mode=0o700, exist_ok=True)
     cmd = [sys.executable, "-m", "flashckpt", "agent", "--job", fc_env.job, "--node", fc_env.node]
     cmd += ["--run-dir", fc_env.run_dir, "--shm-dir", fc_env.shm_dir]
     log = open(os.path.join(fc_env.run_dir, "agent.log"), "wb")  # noqa: SIM115

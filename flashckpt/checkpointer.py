@@ -366,6 +366,7 @@ class Checkpointer:
         self._run_dir: str | None = None
         self._opt_names: tuple[tuple[int, ...], list[str | None]] | None = None
         self._restore_s: float | None = None
+        self._timeline_start = -1  # the step this run resumed at; -1: started from scratch
         self._shard = 0
         self.job = ""
         self.node = ""
@@ -393,13 +394,14 @@ class Checkpointer:
             if self.restored_from is None:
                 self._start_fresh()
             self._count = self.start_step
+            self._timeline_start = self.start_step if self.restored_from else -1
             if self._client is not None:
                 # Tells the node agent where this run's timeline starts (-1: from scratch): a
                 # committed step after it is not this run's, so it is neither taken as already
-                # persisted nor reported by flush().
-                self._client.request(
-                    "restored", step=self.start_step if self.restored_from else -1, timeout=10
-                )
+                # persisted nor reported by flush(). An agent that dies meanwhile is told again
+                # by the next one's link (_relink), so its loss costs no entry.
+                with contextlib.suppress(AgentError):
+                    self._client.request("restored", step=self._timeline_start, timeout=10)
             if self._mon is not None:  # before the optimizer hook below: it times its wait
                 self._hooks.extend(self._mon.attach(self.model, self.optimizer))
             self._hook_optimizer()
@@ -1056,13 +1058,12 @@ class Checkpointer:
         self._agent_auto = bool(reply.get("auto_started"))
         self.agent_restarts += 1
         self._adopt_hello_slots(reply.get("slots") or [])
-        if self.restored_from is not None:
-            # The new agent learns where this timeline began (steps after it in storage that
-            # this run did not commit belong to an abandoned one and are rewritten).
-            last = self.stats.last_committed_step
-            since = max(self.start_step, last if last is not None else -1)
-            with contextlib.suppress(AgentError):
-                client.request("restored", step=since, timeout=10)
+        # The new agent learns where this timeline began (steps after it in storage that this
+        # run did not commit belong to an abandoned one, or an older run's, and are rewritten).
+        last = self.stats.last_committed_step
+        since = max(self._timeline_start, last if last is not None else -1)
+        with contextlib.suppress(AgentError):
+            client.request("restored", step=since, timeout=10)
         log.warning(
             "flashckpt: rank %d lost its node agent and is linked to agent pid %s now",
             self._rank,

@@ -178,7 +178,7 @@ def test_auto_agent_leaves_after_a_failed_entry(fc_env: FcEnv) -> None:
     """Finding 11: an auto-started agent lingered its whole idle timeout (600 s) after its
     trainer failed at entry."""
     ra = RunningAgent(
-        fc_env.agent_config(exit_when_done=True, unused_timeout=1.0, idle_timeout=600)
+        fc_env.agent_config(exit_when_done=True, unused_timeout=5.0, idle_timeout=600)
     )
     try:
         model, opt, sched = make(0)

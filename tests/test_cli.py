@@ -274,11 +274,16 @@ def test_agent_writes_checkpoints_private_by_default_or_shared(fc_env: FcEnv) ->
     assert stat.S_IMODE(step_dir.stat().st_mode) == 0o700
     a = RunningAgent(fc_env.agent_config(storage_file_mode=0o644))
     try:
-        model, opt, _ = make(0)
+        model, opt, sched = make(0)
         with flashckpt.checkpointing(
-            model, opt, **fc_env.ckpt_kwargs(agent="connect", every=0, restore=False)
+            model,
+            opt,
+            scheduler=sched,
+            **fc_env.ckpt_kwargs(agent="connect", every=0, restore=False, overwrite=True),
         ) as ck:
-            ck.save(50)
+            for _ in range(50):  # every=0: marks steps done, snapshots nothing
+                ck.step()
+            ck.save()
             assert ck.flush() == 50
     finally:
         a.stop()

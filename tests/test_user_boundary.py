@@ -57,7 +57,10 @@ def test_uninterrupted_n_step_run_commits_step_n(fc_env: FcEnv, agent: RunningAg
     assert ck.steps_done == 10
     assert ck.stats.last_committed_step == 10
     assert flashckpt.load(fc_env.storage).step == 10
-    assert sorted(int(p.name[5:]) for p in fc_env.storage_path.glob("step-*")) == [4, 8, 10]
+    # Every step directory holds a snapshot of this run (step 8 may be superseded by 10 before
+    # the agent gets to it: it persists the newest complete snapshot).
+    dirs = sorted(int(p.name[5:]) for p in fc_env.storage_path.glob("step-*"))
+    assert dirs[-1] == 10 and set(dirs) <= {4, 8, 10}, dirs
 
 
 def test_global_step_loop_resumes_bitwise(fc_env: FcEnv, agent: RunningAgent, tmp_path) -> None:
@@ -241,7 +244,8 @@ def test_fresh_run_over_an_older_runs_root(fc_env: FcEnv, agent: RunningAgent) -
     assert loaded.step == 4
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.state["model"][k], v), k
-    assert sorted(int(p.name[5:]) for p in fc_env.storage_path.glob("step-*")) == [2, 4]
+    dirs = sorted(int(p.name[5:]) for p in fc_env.storage_path.glob("step-*"))
+    assert dirs[-1] == 4 and set(dirs) <= {2, 4}, dirs  # the old run's step 10 is gone
     assert '"step": 4' in (fc_env.storage_path / "latest").read_text()
     # The next run resumes this run's step, not the older run's.
     resumed, ck = _train(fc_env, 4, every=2, seed=3)

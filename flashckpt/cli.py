@@ -328,7 +328,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(argv: list[str]) -> int:
-    from elastic import planner
+    from flashckpt import planner
 
     return planner.main(argv)
 
@@ -363,7 +363,7 @@ def _main(argv: list[str]) -> int:
     if argv and argv[0] == "plan":
         return _cmd_plan(argv[1:])
     if argv and argv[0] == "goodput":
-        from elastic import goodput
+        from flashckpt import goodput
 
         return goodput.main(argv[1:])
     if argv and argv[0] == "run":

@@ -25,7 +25,7 @@ second (records overwritten before they were read are counted as lost, never mis
 
 - keeps per-rank windows for p50/p99 step times and the other parts;
 - appends JSON lines to ``<events_dir>/<job>.<node>.events.jsonl`` (``start``, ``steps`` batches,
-  ``end``, ``hang``, ``hang_kill``, ``straggler``, ``goodput``; see :mod:`elastic.goodput`);
+  ``end``, ``hang``, ``hang_kill``, ``straggler``, ``goodput``; see :mod:`flashckpt.goodput`);
 - serves Prometheus metrics on ``metrics_port`` (the standard ``prometheus_client`` library);
 - flags a hang when a rank made no progress for ``max(hang_factor x p50, hang_floor_s)``: dumps
   the Python stacks of every local rank (``SIGUSR1``) into the agent's log, then, when enabled
@@ -66,7 +66,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import psutil
 
-from elastic.goodput import (
+from flashckpt.goodput import (
     CATEGORIES,
     Incarnation,
     compute_goodput,

@@ -19,8 +19,8 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
 import flashckpt
-from elastic.goodput import compute_goodput, incarnations_from_events, read_events
 from flashckpt import cli
+from flashckpt.goodput import compute_goodput, incarnations_from_events, read_events
 from flashckpt.monitor import EXITED, RUNNING, MonitorConfig, StepRecorder, _Ring, ring_path
 
 HERE = Path(__file__).resolve().parent

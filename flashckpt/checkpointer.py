@@ -51,7 +51,6 @@ from flashckpt.layout import (
     tensor_views,
     unflatten_state,
 )
-from flashckpt.monitor import StepRecorder, open_recorder
 from flashckpt.peers import (
     HeldSnapshot,
     PeerPlan,
@@ -63,6 +62,7 @@ from flashckpt.peers import (
 )
 from flashckpt.protocol import AgentClient, AgentError, default_run_dir, socket_path
 from flashckpt.reading import read_rank, read_resharded, read_shard
+from flashckpt.ring import StepRecorder, open_recorder
 from flashckpt.rng import capture_rng, restore_rng
 from flashckpt.sharded import (
     ShardedPiece,

@@ -21,7 +21,8 @@ from tinytrain import make, train_step
 import flashckpt
 from flashckpt import cli
 from flashckpt.goodput import compute_goodput, incarnations_from_events, read_events
-from flashckpt.monitor import EXITED, RUNNING, MonitorConfig, StepRecorder, _Ring, ring_path
+from flashckpt.monitor import MonitorConfig, _Ring
+from flashckpt.ring import EXITED, RUNNING, StepRecorder, ring_path
 
 HERE = Path(__file__).resolve().parent
 

@@ -73,10 +73,10 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from flashckpt.agent import AgentConfig, default_node_id, run_agent
+    from flashckpt.agent import AgentConfig, run_agent
     from flashckpt.errors import UnsafeLocalStateError
     from flashckpt.monitor import MonitorConfig
-    from flashckpt.protocol import AgentClient, AgentError, socket_path
+    from flashckpt.protocol import AgentClient, AgentError, default_node_id, socket_path
 
     cfg = AgentConfig(
         job=args.job,

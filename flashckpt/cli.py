@@ -261,8 +261,8 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     if args.etcd:
         return _cmd_status_etcd(args)
-    from flashckpt.monitor import collect_status, format_status
     from flashckpt.protocol import default_run_dir
+    from flashckpt.statusview import collect_status, format_status
 
     run_dir = args.run_dir or os.environ.get("FLASHCKPT_RUN_DIR") or default_run_dir()
     agents = collect_status(run_dir, args.job)

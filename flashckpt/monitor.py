@@ -28,14 +28,12 @@ of its agent's ``status()`` (this monitor's :meth:`AgentMonitor.summary` include
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
 import mmap
 import os
 import re
 import signal
-import socketserver
 import statistics
 import threading
 import time
@@ -43,12 +41,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import psutil
 
 from flashckpt.goodput import (
-    CATEGORIES,
     Incarnation,
     compute_goodput,
     format_report,
@@ -56,6 +52,7 @@ from flashckpt.goodput import (
     plot_report,
     read_events,
 )
+from flashckpt.metrics import MetricsServer, metric_families, serve_metrics
 from flashckpt.ring import (
     COUNT,
     COUNT_OFF,
@@ -87,8 +84,6 @@ from flashckpt.ring import (
 __all__ = [
     "AgentMonitor",
     "MonitorConfig",
-    "collect_status",
-    "format_status",
 ]
 
 log = logging.getLogger("flashckpt.monitor")
@@ -345,7 +340,7 @@ class AgentMonitor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._server: WSGIServer | None = None
+        self._server: MetricsServer | None = None
         self._events: Any = None
         self._first_scan = True
         self._seen_ring = False
@@ -956,146 +951,14 @@ class AgentMonitor:
 
     # -- Prometheus ------------------------------------------------------------------------------
     def _start_metrics(self, port: int) -> None:
-        try:
-            from prometheus_client import CollectorRegistry, make_wsgi_app
-        except ImportError:
-            raise RuntimeError(
-                "metrics_port is set but prometheus_client is not installed: "
-                "pip install prometheus_client (or leave --metrics-port at 0)"
-            ) from None
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector(self))
-        try:
-            server = make_server(
-                self.cfg.metrics_addr,
-                port,
-                make_wsgi_app(registry),
-                server_class=_ThreadingWSGIServer,
-                handler_class=_QuietHandler,
-            )
-        except OSError as e:
-            raise RuntimeError(
-                f"cannot serve metrics on {self.cfg.metrics_addr}:{port}: {e}; pick a free "
-                "--metrics-port (0 = no endpoint)"
-            ) from None
-        self._server = server
-        self.metrics_port = int(server.server_address[1])
-        threading.Thread(
-            target=server.serve_forever, name="flashckpt-agent-metrics", daemon=True
-        ).start()
+        self._server = serve_metrics(self.cfg.metrics_addr, port, self.metric_families)
+        self.metrics_port = int(self._server.server_address[1])
 
     def metric_families(self) -> list[Any]:
         """The current metrics, as prometheus_client metric families."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         status = self._facts() if self._facts is not None else {}
         mon = status.get("monitor") or self.summary()
-        agent_ranks = by_global_rank(status.get("ranks") or {})
-        base = ["job", "node", "rank"]
-        lv = [self.job, self.node]
-
-        def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=base + (extra or []))
-
-        fam_step = gauge("flashckpt_step", "last iteration done")
-        fam_steps = CounterMetricFamily(
-            "flashckpt_steps", "iterations recorded by this agent", labels=base
-        )
-        fam_time = gauge("flashckpt_step_time_seconds", "iteration time quantile", ["quantile"])
-        fam_part = gauge("flashckpt_step_part_seconds", "median time per iteration part", ["part"])
-        fam_ckpt = CounterMetricFamily(
-            "flashckpt_checkpoint_stall_seconds", "time blocked by flashckpt", labels=base
-        )
-        fam_idle = gauge("flashckpt_seconds_since_progress", "seconds since the last step ended")
-        fam_rest = CounterMetricFamily("flashckpt_restarts", "trainer restarts", labels=base)
-        fam_hung = gauge("flashckpt_hung", "1 while the rank is flagged hung")
-        fam_strag = gauge("flashckpt_straggler", "1 while the rank is flagged a straggler")
-        fam_snap = gauge("flashckpt_last_snapshot_step", "newest complete snapshot in memory")
-        for r, d in mon.get("ranks", {}).items():
-            labels = [*lv, r]
-            if d.get("step") is not None:
-                fam_step.add_metric(labels, d["step"])
-            fam_steps.add_metric(labels, d["steps"])
-            for q, key in (("0.5", "p50_ms"), ("0.99", "p99_ms")):
-                if d.get(key) is not None:
-                    fam_time.add_metric([*labels, q], d[key] / 1e3)
-            for part, v in (d.get("p50_parts_ms") or {}).items():
-                if v is not None:
-                    fam_part.add_metric([*labels, part], v / 1e3)
-            fam_ckpt.add_metric(labels, d["ckpt_total_s"])
-            if d.get("idle_s") is not None:
-                fam_idle.add_metric(labels, d["idle_s"])
-            fam_rest.add_metric(labels, d["restarts"])
-            fam_hung.add_metric(labels, 1.0 if d["state"] == "hung" else 0.0)
-            fam_strag.add_metric(labels, 1.0 if d["straggler"] else 0.0)
-            slots = [s for s in (agent_ranks.get(r, {}).get("slots") or []) if s is not None]
-            if slots:
-                fam_snap.add_metric(labels, max(slots))
-        fam_commit = GaugeMetricFamily(
-            "flashckpt_last_committed_step",
-            "newest step committed to storage",
-            labels=["job", "node"],
-        )
-        if status.get("committed"):
-            fam_commit.add_metric(lv, max(status["committed"]))
-        gp = mon.get("goodput") or {}
-        fam_gp = GaugeMetricFamily(
-            "flashckpt_goodput_ratio", "useful time over wall time", labels=["job", "node"]
-        )
-        fam_gps = GaugeMetricFamily(
-            "flashckpt_goodput_seconds",
-            "wall time per category (mean over ranks)",
-            labels=["job", "node", "category"],
-        )
-        if gp.get("ranks"):
-            fam_gp.add_metric(lv, gp["goodput"])
-            for c in CATEGORIES:
-                fam_gps.add_metric([*lv, c], gp["job_s"][c])
-        return [
-            fam_step,
-            fam_steps,
-            fam_time,
-            fam_part,
-            fam_ckpt,
-            fam_idle,
-            fam_rest,
-            fam_hung,
-            fam_strag,
-            fam_snap,
-            fam_commit,
-            fam_gp,
-            fam_gps,
-        ]
-
-
-class _Collector:
-    def __init__(self, monitor: AgentMonitor) -> None:
-        self._monitor = monitor
-
-    def collect(self) -> Any:
-        try:
-            yield from self._monitor.metric_families()
-        except Exception:  # a scrape must never take the agent down
-            log.exception("monitor: collecting metrics failed")
-
-
-class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def by_global_rank(agent_ranks: dict[str, Any]) -> dict[str, Any]:
-    """The agent status's ``ranks`` (keyed by local rank) keyed by global rank, like the
-    monitor's (an entry without ``rank`` keeps its key)."""
-    out: dict[str, Any] = {}
-    for key, d in agent_ranks.items():
-        r = d.get("rank") if isinstance(d, dict) else None
-        out[str(r) if isinstance(r, int) else str(key)] = d
-    return out
+        return metric_families(job=self.job, node=self.node, status=status, summary=mon)
 
 
 def _quantile(sorted_xs: list[float], q: float) -> float | None:
@@ -1103,98 +966,3 @@ def _quantile(sorted_xs: list[float], q: float) -> float | None:
         return None
     i = min(len(sorted_xs) - 1, max(0, round(q * (len(sorted_xs) - 1))))
     return float(sorted_xs[i])
-
-
-# -- `flashckpt status` ------------------------------------------------------------------------
-def collect_status(
-    run_dir: str, job: str | None = None, timeout: float = 5.0
-) -> list[dict[str, Any]]:
-    """Asks every node agent whose socket is in ``run_dir`` (or one level below it, where a
-    launcher keeps each agent generation) for its status.
-
-    Returns:
-        One dict per socket: the agent's ``status()``, or ``{"socket", "error"}`` if it did not
-        answer (a stale socket of a dead agent).
-    """
-    from flashckpt.errors import UnsafeLocalStateError
-    from flashckpt.protocol import AgentClient, AgentError
-
-    socks = sorted(
-        set(glob.glob(os.path.join(run_dir, "*.sock")))
-        | set(glob.glob(os.path.join(run_dir, "*", "*.sock")))
-    )
-    out = []
-    for path in socks:
-        name = os.path.basename(path)
-        if job is not None and not name.startswith(f"{job}."):
-            continue
-        try:
-            client = AgentClient(path, timeout=min(timeout, 1.0))
-        except (AgentError, UnsafeLocalStateError) as e:  # a foreign socket is not asked
-            out.append({"socket": path, "error": str(e)})
-            continue
-        try:
-            st = client.request("status", timeout=timeout)
-            st.pop("id", None)
-            st.pop("ok", None)
-            out.append({"socket": path, **st})
-        except AgentError as e:
-            out.append({"socket": path, "error": str(e)})
-        finally:
-            client.close()
-    return out
-
-
-def format_status(agents: list[dict[str, Any]]) -> str:
-    """The live job at a glance: machines, ranks, steps, step times, snapshots, alerts."""
-    live = [a for a in agents if "error" not in a]
-    if not agents:
-        return "no node agent found (is the job running? pass its --run-dir)"
-    jobs = sorted({a.get("job", "?") for a in live})
-    nranks = sum(len((a.get("monitor") or {}).get("ranks", {})) for a in live)
-    lines = [
-        f"job {', '.join(jobs) or '?'}: {len(live)} machine(s) reachable"
-        + (f", {len(agents) - len(live)} not answering" if len(agents) > len(live) else "")
-        + f", {nranks} rank(s)"
-    ]
-    head = (
-        f"{'node':<12} {'rank':>5} {'pid':>8} {'state':<10} {'step':>8} {'p50 ms':>9} "
-        f"{'p99 ms':>9} {'snapshot':>9} {'persisted':>9} {'restarts':>8}"
-    )
-    lines.append(head)
-    alerts: list[str] = []
-    for a in sorted(live, key=lambda a: str(a.get("node"))):
-        mon = a.get("monitor") or {}
-        committed = max(a.get("committed") or [], default=None)
-        slot_ranks = by_global_rank(a.get("ranks") or {})
-        mranks = mon.get("ranks", {})
-        for r in sorted({*mranks, *slot_ranks}, key=int):
-            d = mranks.get(r, {})
-            snaps = [s for s in (slot_ranks.get(r, {}).get("slots") or []) if s is not None]
-            lines.append(
-                f"{a.get('node')!s:<12} {r:>5} {_fmt(d.get('pid')):>8} "
-                f"{d.get('state', '-')!s:<10} {_fmt(d.get('step')):>8} "
-                f"{_fmt(d.get('p50_ms'), '.1f'):>9} {_fmt(d.get('p99_ms'), '.1f'):>9} "
-                f"{_fmt(max(snaps, default=None)):>9} {_fmt(committed):>9} "
-                f"{_fmt(d.get('restarts', 0)):>8}"
-            )
-        for al in mon.get("alerts", []):
-            alerts.append(f"  [{al.get('kind')}] {a.get('node')}: {al.get('message')}")
-        gp = mon.get("goodput") or {}
-        if gp.get("ranks"):
-            lines.append(
-                f"{'':<12} goodput so far {100 * gp['goodput']:.1f}% of {gp['wall_s']:.0f} s"
-                f" (restarts {gp['restarts']})"
-            )
-    for a in agents:
-        if "error" in a:
-            lines.append(f"not answering: {a['socket']}: {a['error']}")
-    lines.append("alerts:" if alerts else "alerts: none")
-    lines.extend(alerts)
-    return "\n".join(lines)
-
-
-def _fmt(v: Any, spec: str = "") -> str:
-    if v is None:
-        return "-"
-    return format(v, spec)

@@ -1,49 +1,38 @@
-"""The node agent's step monitor: reads the trainers' rings, detects hangs and stragglers,
-writes events, serves metrics.
+"""The node agent's step monitor (:class:`AgentMonitor`, a thread of the node agent): reads the
+trainers' step rings, keeps per-rank figures, writes events, raises alerts, serves metrics.
 
 The trainers write the rings (:mod:`flashckpt.ring`, the only monitoring module a trainer
-imports).
-
-Agent side (:class:`AgentMonitor`, a thread of the node agent): reads every ring a few times a
-second (records overwritten before they were read are counted as lost, never misread), and
+imports). The monitor reads every ring a few times a second (records overwritten before they were
+read are counted as lost, never misread, :mod:`flashckpt.rankview`), and
 
 - keeps per-rank windows for p50/p99 step times and the other parts;
 - appends JSON lines to ``<events_dir>/<job>.<node>.events.jsonl`` (``start``, ``steps`` batches,
   ``end``, ``hang``, ``hang_kill``, ``straggler``, ``goodput``; see :mod:`flashckpt.goodput`);
-- serves Prometheus metrics on ``metrics_port`` (the standard ``prometheus_client`` library);
-- flags a hang when a rank made no progress for ``max(hang_factor x p50, hang_floor_s)``: dumps
-  the Python stacks of every local rank (``SIGUSR1``) into the agent's log, then, when enabled
-  (by default under an elastic launcher), kills the hung workers with ``SIGKILL`` so the
-  launcher restarts them and they resume from memory;
-- flags a straggler: a rank whose median iteration part (``straggler_metric``) over the last
-  ``straggler_window`` steps exceeds ``straggler_factor`` times the median of the other ranks;
+- serves Prometheus metrics on ``metrics_port`` (:mod:`flashckpt.metrics`);
+- flags hangs (stack dumps, then the kill under an elastic launcher) and stragglers
+  (:mod:`flashckpt.alerts`);
 - at shutdown, writes the goodput report of the job (text, optionally a PNG chart).
 
 The agent sees its own machine's ranks. Under ``flashckpt run`` the launcher publishes a summary
 of its agent's ``status()`` (this monitor's :meth:`AgentMonitor.summary` included) to etcd, for
 ``flashckpt status --etcd`` across machines and the straggler -> standby swap: see
-:mod:`elastic.jobview`.
+:mod:`elastic.jobview`. ``flashckpt status`` on one machine: :mod:`flashckpt.statusview`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import mmap
 import os
 import re
-import signal
-import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-import psutil
-
+from flashckpt.alerts import Alerts
 from flashckpt.goodput import (
     Incarnation,
     compute_goodput,
@@ -53,32 +42,16 @@ from flashckpt.goodput import (
     read_events,
 )
 from flashckpt.metrics import MetricsServer, metric_families, serve_metrics
+from flashckpt.rankview import Batch, RankState, RingReader, quantile
 from flashckpt.ring import (
-    COUNT,
-    COUNT_OFF,
     ENTERING,
     EXITED,
-    FIXED,
     FLAG_ELASTIC,
-    FLAG_STACKS,
-    HEADER_SIZE,
-    INFO,
-    INFO_OFF,
-    MAGIC,
     PART_INDEX,
     PARTS,
-    PHASE,
-    PHASE_OFF,
     PHASES,
-    REC,
-    REC_SIZE,
     REC_SNAPSHOT,
     RUNNING,
-    STACKS_LEN,
-    STACKS_OFF,
-    TOKEN,
-    TOKEN_OFF,
-    VERSION,
 )
 
 __all__ = [
@@ -89,7 +62,6 @@ __all__ = [
 log = logging.getLogger("flashckpt.monitor")
 
 
-# -- agent side --------------------------------------------------------------------------------
 @dataclass(kw_only=True, slots=True)
 class MonitorConfig:
     """Settings of the node agent's step monitor."""
@@ -176,131 +148,6 @@ class MonitorConfig:
             )
 
 
-class _Ring:
-    """The agent's read-only view of one ring file."""
-
-    def __init__(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            st = os.fstat(fd)
-            if st.st_size < HEADER_SIZE:
-                raise ValueError(f"{path}: too small for a monitor ring")
-            self.mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
-        self.path = path
-        self.ino = st.st_ino
-        magic, version, rec_size, cap, rank, world, pid, flags = FIXED.unpack_from(self.mm, 0)
-        if magic != MAGIC or version != VERSION or rec_size != REC_SIZE:
-            self.mm.close()
-            raise ValueError(f"{path} is not a version-{VERSION} flashckpt monitor ring")
-        if cap <= 0 or HEADER_SIZE + cap * rec_size > st.st_size:
-            self.mm.close()
-            raise ValueError(f"{path}: capacity {cap} exceeds the file size")
-        self.cap, self.rank, self.world, self.pid, self.flags = cap, rank, world, pid, flags
-        self.token = f"{TOKEN.unpack_from(self.mm, TOKEN_OFF)[0]:016x}"
-        raw = bytes(self.mm[STACKS_OFF : STACKS_OFF + STACKS_LEN]).split(b"\0", 1)[0]
-        self.stacks_path = raw.decode(errors="replace") or None
-        self.read_idx = 0
-        self._proc: psutil.Process | None = None
-
-    def phase(self) -> int:
-        return int(PHASE.unpack_from(self.mm, PHASE_OFF)[0])
-
-    def info(self) -> dict[str, Any]:
-        f = INFO.unpack_from(self.mm, INFO_OFF)
-        return {
-            "proc_start": f[0],
-            "enter": f[1],
-            "ready": f[2] or None,
-            "ready_mono": f[3] or None,
-            "exit": f[4] or None,
-            "resume_step": f[5],
-            "exit_code": f[6],
-            "restored_from": f[7].split(b"\0", 1)[0].decode(errors="replace") or None,
-        }
-
-    def count(self) -> int:
-        return int(COUNT.unpack_from(self.mm, COUNT_OFF)[0])
-
-    def read_new(self) -> tuple[list[tuple[Any, ...]], int]:
-        """Records published since the last call, and how many were overwritten unread."""
-        c1 = self.count()
-        if c1 < self.read_idx:  # cannot happen with one writer; resynchronise
-            self.read_idx = c1
-        start = max(self.read_idx, c1 - self.cap)
-        recs = [
-            REC.unpack_from(self.mm, HEADER_SIZE + (i % self.cap) * REC_SIZE)
-            for i in range(start, c1)
-        ]
-        c2 = self.count()
-        # The writer fills record i + cap (the same place as i) once it has published i + cap
-        # records: a record read while that may have happened is dropped.
-        first_valid = max(start, c2 - self.cap + 1)
-        drop = first_valid - start
-        lost = start - self.read_idx + drop
-        self.read_idx = c1
-        return recs[drop:], lost
-
-    def alive(self, proc_start: float) -> bool:
-        """Whether the writing process still runs (the pid is not reused by another one)."""
-        try:
-            if self._proc is None:
-                p = psutil.Process(self.pid)
-                if abs(p.create_time() - proc_start) > 1.0:
-                    return False
-                self._proc = p
-            return self._proc.is_running() and self._proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    def close(self) -> None:
-        with contextlib.suppress(BufferError, ValueError):
-            self.mm.close()
-
-
-@dataclass(slots=True)
-class _Batch:
-    """Iterations read since the last ``steps`` line of a rank."""
-
-    n: int = 0
-    first: int | None = None
-    last: int | None = None
-    t1: float = 0.0
-    step_s: float = 0.0
-    ckpt_s: float = 0.0
-    recomputed_s: float = 0.0
-    recomputed_n: int = 0
-    snapshots: int = 0
-    lost: int = 0
-    step_ms: list[float] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _RankState:
-    rank: int
-    ring: _Ring | None = None
-    inc: Incarnation | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    started: bool = False
-    ended: bool = True
-    phase: int = ENTERING
-    window: deque[tuple[Any, ...]] = field(default_factory=deque)
-    batch: _Batch = field(default_factory=_Batch)
-    high_water: int = -1
-    last_step: int | None = None
-    last_progress_mono: float = 0.0
-    steps_total: int = 0
-    ckpt_total_s: float = 0.0
-    lost_total: int = 0
-    incarnations: int = 0
-    hang: dict[str, Any] | None = None
-    kill_at: float | None = None
-    killed: bool = False
-    straggler: dict[str, Any] | None = None
-    end_reason: str | None = None
-
-
 class AgentMonitor:
     """The node agent's monitor thread: reads the rings, detects hangs and stragglers, writes
     events, serves metrics. See the module docstring.
@@ -333,10 +180,9 @@ class AgentMonitor:
         self.metrics_port: int | None = None
         self._facts = facts
         self._ring_re = re.compile(rf"^fc\.{re.escape(job)}\.{re.escape(node)}\.r(\d{{5}})\.mon$")
-        self._ranks: dict[int, _RankState] = {}
+        self._ranks: dict[int, RankState] = {}
         self._history: dict[str, Incarnation] = {}
         self._bad_inos: set[int] = set()
-        self._alerts_log: deque[dict[str, Any]] = deque(maxlen=20)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -346,8 +192,7 @@ class AgentMonitor:
         self._seen_ring = False
         self._born_mono = time.monotonic()
         self._next_flush = 0.0
-        self._stack_reads: list[tuple[float, int, int, str, int]] = []
-        self._last_dump = -1e9
+        self._alerts = Alerts(config, self._emit)
         self._closed = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -413,14 +258,14 @@ class AgentMonitor:
             log.warning("monitor: cannot read earlier events %s: %s", self.events_path, e)
             return
         for rank, incs in incarnations_from_events(events).items():
-            rs = self._ranks.setdefault(rank, _RankState(rank))
+            rs = self._ranks.setdefault(rank, RankState(rank))
             for inc in incs:
                 if inc.token not in self._history:  # idempotent: loaded again at first ring
                     rs.incarnations += 1
                     self._history[inc.token] = inc
         for ev in events:
             if ev.get("event") == "steps" and ev.get("last") is not None:
-                rs = self._ranks.setdefault(int(ev["rank"]), _RankState(int(ev["rank"])))
+                rs = self._ranks.setdefault(int(ev["rank"]), RankState(int(ev["rank"])))
                 rs.high_water = max(rs.high_water, int(ev["last"]))
 
     def _loop(self) -> None:
@@ -440,9 +285,10 @@ class AgentMonitor:
             for rs in self._ranks.values():
                 self._read(rs, off)
                 self._check_end(rs, now_w, off)
-            self._check_hangs(now_m, now_w)
-            self._check_stragglers(now_w)
-            self._act(now_m, now_w)
+            ranks = self._ranks.values()
+            self._alerts.check_hangs(ranks, now_m, now_w)
+            self._alerts.check_stragglers(ranks, now_w)
+            self._alerts.act(ranks, now_m, now_w)
             if now_m >= self._next_flush:
                 for rs in self._ranks.values():
                     self._flush_batch(rs)
@@ -470,7 +316,7 @@ class AgentMonitor:
             ):
                 continue
             try:
-                ring = _Ring(path)
+                ring = RingReader(path)
             except (OSError, ValueError) as e:
                 log.warning("monitor: ignoring %s: %s", path, e)
                 self._bad_inos.add(ino)
@@ -483,8 +329,8 @@ class AgentMonitor:
                 self._load_history()
             self._attach(rank, ring, now_w, off)
 
-    def _attach(self, rank: int, ring: _Ring, now_w: float, off: float) -> None:
-        rs = self._ranks.setdefault(rank, _RankState(rank))
+    def _attach(self, rank: int, ring: RingReader, now_w: float, off: float) -> None:
+        rs = self._ranks.setdefault(rank, RankState(rank))
         if rs.ring is not None:
             # A new process of this rank replaced the ring: the old one is over.
             self._read(rs, off)
@@ -518,7 +364,7 @@ class AgentMonitor:
             ring.read_idx = ring.count()
         rs.incarnations += 1
 
-    def _read(self, rs: _RankState, off: float) -> None:
+    def _read(self, rs: RankState, off: float) -> None:
         ring = rs.ring
         if ring is None or rs.ended:
             return
@@ -577,7 +423,7 @@ class AgentMonitor:
             log.warning("monitor: rank %d makes progress again (step %s)", rs.rank, rs.last_step)
             rs.hang, rs.kill_at = None, None
 
-    def _start(self, rs: _RankState) -> None:
+    def _start(self, rs: RankState) -> None:
         ring = rs.ring
         assert ring is not None
         info = ring.info()
@@ -613,7 +459,7 @@ class AgentMonitor:
             }
         )
 
-    def _check_end(self, rs: _RankState, now_w: float, off: float) -> None:
+    def _check_end(self, rs: RankState, now_w: float, off: float) -> None:
         ring = rs.ring
         if ring is None or rs.ended:
             return
@@ -626,7 +472,7 @@ class AgentMonitor:
             self._read(rs, off)
             self._end(rs, "killed" if rs.killed else "died", now_w)
 
-    def _end(self, rs: _RankState, reason: str, t: float) -> None:
+    def _end(self, rs: RankState, reason: str, t: float) -> None:
         ring = rs.ring
         assert ring is not None
         if not rs.started:
@@ -660,7 +506,7 @@ class AgentMonitor:
             rs.straggler = None
         rs.hang, rs.kill_at = None, None
 
-    def _flush_batch(self, rs: _RankState) -> None:
+    def _flush_batch(self, rs: RankState) -> None:
         b = rs.batch
         if b.n == 0 and b.lost == 0:
             return
@@ -681,178 +527,11 @@ class AgentMonitor:
                 "recomputed_n": b.recomputed_n,
                 "snapshots": b.snapshots,
                 "lost": b.lost,
-                "p50_ms": _quantile(ms, 0.5),
-                "p99_ms": _quantile(ms, 0.99),
+                "p50_ms": quantile(ms, 0.5),
+                "p99_ms": quantile(ms, 0.99),
             }
         )
-        rs.batch = _Batch()
-
-    # -- hangs ---------------------------------------------------------------------------------
-    def hang_threshold(self, rs: _RankState) -> float:
-        """Seconds without a step after which the rank counts as hung."""
-        p50 = _quantile(sorted(r[2] for r in rs.window), 0.5)
-        if p50 is None:
-            return self.cfg.hang_floor_s
-        return max(self.cfg.hang_factor * p50 / 1e3, self.cfg.hang_floor_s)
-
-    def _check_hangs(self, now_m: float, now_w: float) -> None:
-        newly: list[_RankState] = []
-        for rs in self._ranks.values():
-            if rs.ring is None or rs.ended or not rs.started or rs.phase != RUNNING:
-                continue
-            if rs.hang is not None:
-                continue
-            idle = now_m - rs.last_progress_mono
-            threshold = self.hang_threshold(rs)
-            if idle > threshold:
-                rs.hang = {
-                    "kind": "hang",
-                    "rank": rs.rank,
-                    "since": now_w - idle,
-                    "step": rs.last_step,
-                    "idle_s": idle,
-                    "threshold_s": threshold,
-                    "message": f"rank {rs.rank} made no progress for {idle:.1f} s after step "
-                    f"{rs.last_step} (threshold {threshold:.1f} s)",
-                }
-                newly.append(rs)
-        if not newly:
-            return
-        kill = [rs for rs in newly if self._kill_enabled(rs)]
-        for rs in newly:
-            assert rs.ring is not None
-            log.error("monitor: HANG: %s", rs.hang["message"] if rs.hang else "")
-            self._emit({"event": "hang", "pid": rs.ring.pid, **(rs.hang or {})})
-            self._alerts_log.append(dict(rs.hang or {}))
-            if rs in kill:
-                rs.kill_at = now_m + self.cfg.hang_dump_wait_s
-        # Ranks stuck in one collective are flagged a poll or two apart: one dump covers them.
-        if now_m - self._last_dump > max(30.0, 4 * self.cfg.hang_dump_wait_s):
-            self._last_dump = now_m
-            self._dump_stacks(now_m)
-
-    def _kill_enabled(self, rs: _RankState) -> bool:
-        if self.cfg.hang_kill == "on":
-            return True
-        return (
-            self.cfg.hang_kill == "auto"
-            and rs.ring is not None
-            and bool(rs.ring.flags & FLAG_ELASTIC)
-        )
-
-    def _dump_stacks(self, now_m: float) -> None:
-        """SIGUSR1 to every local trainer with a stack dump handler; reads the dumps later."""
-        collect_at = now_m + min(1.0, self.cfg.hang_dump_wait_s * 0.5)
-        for rs in self._ranks.values():
-            ring = rs.ring
-            if ring is None or rs.ended:
-                continue
-            if not ring.flags & FLAG_STACKS or not ring.stacks_path:
-                log.warning(
-                    "monitor: rank %d (pid %d) has no stack dump handler: not signalled",
-                    rs.rank,
-                    ring.pid,
-                )
-                continue
-            try:
-                offset = os.path.getsize(ring.stacks_path)
-            except OSError:
-                offset = 0
-            if not ring.alive(rs.info.get("proc_start", 0.0)):
-                continue
-            try:
-                os.kill(ring.pid, signal.SIGUSR1)
-            except OSError as e:
-                log.warning("monitor: cannot signal rank %d (pid %d): %s", rs.rank, ring.pid, e)
-                continue
-            self._stack_reads.append((collect_at, rs.rank, ring.pid, ring.stacks_path, offset))
-
-    def _act(self, now_m: float, now_w: float) -> None:
-        due = [r for r in self._stack_reads if r[0] <= now_m]
-        self._stack_reads = [r for r in self._stack_reads if r[0] > now_m]
-        for _, rank, pid, path, offset in due:
-            try:
-                with open(path, "rb") as f:
-                    f.seek(offset)
-                    text = f.read(1 << 20).decode(errors="replace")
-            except OSError as e:
-                text = f"(cannot read {path}: {e})"
-            log.warning(
-                "monitor: Python stacks of rank %d (pid %d), from %s:\n%s", rank, pid, path, text
-            )
-            self._emit({"event": "stacks", "rank": rank, "pid": pid, "path": path})
-        for rs in self._ranks.values():
-            if rs.kill_at is None or now_m < rs.kill_at or rs.hang is None:
-                continue
-            rs.kill_at = None
-            ring = rs.ring
-            if ring is None or rs.ended or not ring.alive(rs.info.get("proc_start", 0.0)):
-                continue
-            try:
-                os.kill(ring.pid, signal.SIGKILL)
-            except OSError as e:
-                log.error("monitor: cannot kill hung rank %d (pid %d): %s", rs.rank, ring.pid, e)
-                continue
-            rs.killed = True
-            log.error(
-                "monitor: killed hung rank %d (pid %d) so its launcher restarts it",
-                rs.rank,
-                ring.pid,
-            )
-            self._emit({"event": "hang_kill", "rank": rs.rank, "pid": ring.pid})
-
-    # -- stragglers ----------------------------------------------------------------------------
-    def _check_stragglers(self, now_w: float) -> None:
-        cfg = self.cfg
-        live = [
-            rs
-            for rs in self._ranks.values()
-            if rs.ring is not None
-            and not rs.ended
-            and rs.started
-            and len(rs.window) >= cfg.straggler_min_steps
-        ]
-        if len(live) < 2:
-            return
-        metric = cfg.straggler_metric
-        recent = {rs.rank: list(rs.window)[-cfg.straggler_window :] for rs in live}
-        if metric == "compute" and any(
-            all(r[PART_INDEX["forward"]] == 0 and r[PART_INDEX["optimizer"]] == 0 for r in recs)
-            for recs in recent.values()
-        ):
-            metric = "step"  # the model's forward or the optimizer is not seen
-
-        def value(r: tuple[Any, ...]) -> float:
-            if metric == "compute":
-                return float(r[PART_INDEX["forward"]] + r[PART_INDEX["optimizer"]])
-            return float(r[PART_INDEX[metric]])
-
-        med = {rank: statistics.median(value(r) for r in recs) for rank, recs in recent.items()}
-        for rs in live:
-            mine = med[rs.rank]
-            others = statistics.median(v for r, v in med.items() if r != rs.rank)
-            ratio = mine / others if others > 0 else (float("inf") if mine > 0 else 1.0)
-            slow = ratio > cfg.straggler_factor and mine - others >= cfg.straggler_min_ms
-            if slow and rs.straggler is None:
-                rs.straggler = {
-                    "kind": "straggler",
-                    "rank": rs.rank,
-                    "since": now_w,
-                    "metric": metric,
-                    "median_ms": mine,
-                    "others_ms": others,
-                    "ratio": ratio,
-                    "message": f"rank {rs.rank} is a straggler: {metric} median {mine:.1f} ms "
-                    f"vs {others:.1f} ms on the other ranks (x{ratio:.2f})",
-                }
-                log.warning("monitor: STRAGGLER: %s", rs.straggler["message"])
-                self._emit({"event": "straggler", **rs.straggler})
-                self._alerts_log.append(dict(rs.straggler))
-            elif slow and rs.straggler is not None:
-                rs.straggler.update(median_ms=mine, others_ms=others, ratio=ratio)
-            elif not slow and rs.straggler is not None:
-                rs.straggler = None
-                self._emit({"event": "straggler_cleared", "rank": rs.rank, "ratio": ratio})
+        rs.batch = Batch()
 
     # -- events, summary, reports --------------------------------------------------------------
     def _emit(self, ev: dict[str, Any]) -> None:
@@ -892,7 +571,7 @@ class AgentMonitor:
                     continue
                 step_ms = sorted(x[2] for x in rs.window)
                 parts = {
-                    p: _quantile(sorted(x[PART_INDEX[p]] for x in rs.window), 0.5)
+                    p: quantile(sorted(x[PART_INDEX[p]] for x in rs.window), 0.5)
                     for p in PARTS
                     if p != "step"
                 }
@@ -907,12 +586,12 @@ class AgentMonitor:
                     "state": state,
                     "step": rs.last_step,
                     "steps": rs.steps_total,
-                    "p50_ms": _quantile(step_ms, 0.5),
-                    "p99_ms": _quantile(step_ms, 0.99),
+                    "p50_ms": quantile(step_ms, 0.5),
+                    "p99_ms": quantile(step_ms, 0.99),
                     "p50_parts_ms": parts,
                     "ckpt_total_s": rs.ckpt_total_s,
                     "idle_s": None if rs.ended else now_m - rs.last_progress_mono,
-                    "hang_threshold_s": self.hang_threshold(rs),
+                    "hang_threshold_s": self._alerts.hang_threshold(rs),
                     "restarts": max(0, rs.incarnations - 1),
                     "resume_step": rs.info.get("resume_step"),
                     "restored_from": rs.info.get("restored_from"),
@@ -927,7 +606,7 @@ class AgentMonitor:
                 "events_path": self.events_path,
                 "ranks": ranks,
                 "alerts": alerts,
-                "recent_alerts": list(self._alerts_log),
+                "recent_alerts": list(self._alerts.recent),
                 "goodput": self.goodput(),
             }
 
@@ -959,10 +638,3 @@ class AgentMonitor:
         status = self._facts() if self._facts is not None else {}
         mon = status.get("monitor") or self.summary()
         return metric_families(job=self.job, node=self.node, status=status, summary=mon)
-
-
-def _quantile(sorted_xs: list[float], q: float) -> float | None:
-    if not sorted_xs:
-        return None
-    i = min(len(sorted_xs) - 1, max(0, round(q * (len(sorted_xs) - 1))))
-    return float(sorted_xs[i])

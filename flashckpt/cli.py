@@ -370,8 +370,15 @@ def _main(argv: list[str]) -> int:
         from elastic import launcher
 
         return launcher.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="flashckpt", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser = argparse.ArgumentParser(
+        prog="flashckpt",
+        description="Flash checkpointing for PyTorch training: the node agent, the elastic "
+        "launcher and the tools that read a run's checkpoints and events.",
+        epilog="`flashckpt VERB --help` describes a verb.",
+    )
+    # One line per verb in `flashckpt --help` (each help fits the 80-column default); the longer
+    # description is the verb's own --help.
+    sub = parser.add_subparsers(dest="cmd", required=True, title="verbs", metavar="VERB")
     p = sub.add_parser("agent", help="run the node agent (a daemon per machine)")
     _agent_args(p)
     p = sub.add_parser("ls", help="list committed steps with sizes")
@@ -382,7 +389,9 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--step", type=int, default=None)
     p = sub.add_parser(
         "clean",
-        help="remove the shared-memory segments of dead node agents (snapshots nobody resumes)",
+        help="remove the shared-memory segments of dead agents",
+        description="Remove the shared-memory segments of dead node agents (snapshots nobody "
+        "resumes).",
     )
     p.add_argument("--shm-dir", default="/dev/shm", help="the slots' tmpfs (/dev/shm)")
     p.add_argument("--job", default=None, help="only this job's segments")
@@ -393,7 +402,7 @@ def _main(argv: list[str]) -> int:
         help="only segments unchanged for this many seconds (0: every dead agent's)",
     )
     p.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
-    sub.add_parser("plan", help="plan training time, memory per GPU and checkpoint interval")
+    sub.add_parser("plan", help="plan training time, GPU memory and checkpoint interval")
     sub.add_parser("run", help="launch an elastic job (torchrun-compatible flags)")
     p = sub.add_parser("status", help="the live job: ranks, steps, step times, alerts")
     p.add_argument("--run-dir", default=None, help="agents' run dir (default: $FLASHCKPT_RUN_DIR)")
@@ -409,9 +418,11 @@ def _main(argv: list[str]) -> int:
     )
     p.add_argument("--key-prefix", default="/flashckpt", help="etcd key prefix (/flashckpt)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for etcd (5)")
-    sub.add_parser("goodput", help="wall-time breakdown of a run from its events.jsonl files")
+    sub.add_parser("goodput", help="wall-time breakdown of a run from its events files")
     p = sub.add_parser(
-        "export", help="write a step as one consolidated safetensors file, or as a DCP directory"
+        "export",
+        help="write a step as one safetensors file or a DCP dir",
+        description="Write a step as one consolidated safetensors file, or as a DCP directory.",
     )
     p.add_argument("url", help="checkpoint root URL")
     p.add_argument("--step", type=int, default=None, help="step (default: newest committed)")

@@ -37,7 +37,7 @@ from typing import Any
 
 from elastic.etcd import EtcdClient, EtcdError
 from elastic.membership import NodeRecord, nodes_prefix
-from flashckpt.monitor import by_global_rank
+from flashckpt.statusview import by_global_rank
 
 __all__ = [
     "JobViewPublisher",

@@ -11,7 +11,7 @@ local ranks and prints one line for the machine::
     [flashckpt run n0] round 2: ranks 0-1 restored step 40 from memory in 0.84 s
 
 At the end :func:`job_summary` condenses the whole events file (every round of the job on this
-machine) with :mod:`elastic.goodput`: the step reached, iterations run and recomputed, restarts,
+machine) with :mod:`flashckpt.goodput`: the step reached, iterations run and recomputed, restarts,
 goodput.
 """
 
@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from elastic.goodput import compute_goodput, incarnations_from_events, read_events
+from flashckpt.goodput import compute_goodput, incarnations_from_events, read_events
 
 __all__ = ["RestoreReporter", "events_path", "format_restore_line", "job_summary"]
 

@@ -54,7 +54,7 @@ import psutil
 
 from flashckpt.layout import Layout, safetensors_header
 from flashckpt.monitor import AgentMonitor, MonitorConfig
-from flashckpt.protocol import LineReader, default_run_dir, send_msg, socket_path
+from flashckpt.protocol import LineReader, default_node_id, default_run_dir, send_msg, socket_path
 from flashckpt.shm import (
     ShmSpaceError,
     Slot,
@@ -81,7 +81,6 @@ __all__ = [
     "NodeAgent",
     "SegmentGroup",
     "abandoned_segments",
-    "default_node_id",
 ]
 
 log = logging.getLogger("flashckpt.agent")
@@ -92,10 +91,6 @@ MAX_SLOT_BYTES = 1 << 44
 """Largest slot region a trainer may ask for (16 TiB; the tmpfs bounds it further)."""
 
 _SLOT_RE = re.compile(r"^fc\.([A-Za-z0-9_-]+)\.([A-Za-z0-9_-]+)\.r(\d{5})\.s([01])$")
-
-
-def default_node_id() -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:64] or "node"
 
 
 class AgentRunning(RuntimeError):

@@ -39,7 +39,6 @@ from typing import Any, Literal
 import torch
 import xxhash
 
-from flashckpt.agent import default_node_id
 from flashckpt.errors import PersistError, StorageUnavailableError
 from flashckpt.interval import AutoInterval
 from flashckpt.jsonstate import decode_state, encode_state
@@ -51,7 +50,6 @@ from flashckpt.layout import (
     tensor_views,
     unflatten_state,
 )
-from flashckpt.monitor import StepRecorder, open_recorder
 from flashckpt.peers import (
     HeldSnapshot,
     PeerPlan,
@@ -61,8 +59,15 @@ from flashckpt.peers import (
     plan_needs,
     views_of,
 )
-from flashckpt.protocol import AgentClient, AgentError, default_run_dir, socket_path
+from flashckpt.protocol import (
+    AgentClient,
+    AgentError,
+    default_node_id,
+    default_run_dir,
+    socket_path,
+)
 from flashckpt.reading import read_rank, read_resharded, read_shard
+from flashckpt.ring import StepRecorder, open_recorder
 from flashckpt.rng import capture_rng, restore_rng
 from flashckpt.sharded import (
     ShardedPiece,

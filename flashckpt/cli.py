@@ -73,10 +73,10 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from flashckpt.agent import AgentConfig, default_node_id, run_agent
+    from flashckpt.agent import AgentConfig, run_agent
     from flashckpt.errors import UnsafeLocalStateError
     from flashckpt.monitor import MonitorConfig
-    from flashckpt.protocol import AgentClient, AgentError, socket_path
+    from flashckpt.protocol import AgentClient, AgentError, default_node_id, socket_path
 
     cfg = AgentConfig(
         job=args.job,
@@ -261,8 +261,8 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     if args.etcd:
         return _cmd_status_etcd(args)
-    from flashckpt.monitor import collect_status, format_status
     from flashckpt.protocol import default_run_dir
+    from flashckpt.statusview import collect_status, format_status
 
     run_dir = args.run_dir or os.environ.get("FLASHCKPT_RUN_DIR") or default_run_dir()
     agents = collect_status(run_dir, args.job)
@@ -328,7 +328,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(argv: list[str]) -> int:
-    from elastic import planner
+    from flashckpt import planner
 
     return planner.main(argv)
 
@@ -363,15 +363,22 @@ def _main(argv: list[str]) -> int:
     if argv and argv[0] == "plan":
         return _cmd_plan(argv[1:])
     if argv and argv[0] == "goodput":
-        from elastic import goodput
+        from flashckpt import goodput
 
         return goodput.main(argv[1:])
     if argv and argv[0] == "run":
         from elastic import launcher
 
         return launcher.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="flashckpt", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser = argparse.ArgumentParser(
+        prog="flashckpt",
+        description="Flash checkpointing for PyTorch training: the node agent, the elastic "
+        "launcher and the tools that read a run's checkpoints and events.",
+        epilog="`flashckpt VERB --help` describes a verb.",
+    )
+    # One line per verb in `flashckpt --help` (each help fits the 80-column default); the longer
+    # description is the verb's own --help.
+    sub = parser.add_subparsers(dest="cmd", required=True, title="verbs", metavar="VERB")
     p = sub.add_parser("agent", help="run the node agent (a daemon per machine)")
     _agent_args(p)
     p = sub.add_parser("ls", help="list committed steps with sizes")
@@ -382,7 +389,9 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--step", type=int, default=None)
     p = sub.add_parser(
         "clean",
-        help="remove the shared-memory segments of dead node agents (snapshots nobody resumes)",
+        help="remove the shared-memory segments of dead agents",
+        description="Remove the shared-memory segments of dead node agents (snapshots nobody "
+        "resumes).",
     )
     p.add_argument("--shm-dir", default="/dev/shm", help="the slots' tmpfs (/dev/shm)")
     p.add_argument("--job", default=None, help="only this job's segments")
@@ -393,7 +402,7 @@ def _main(argv: list[str]) -> int:
         help="only segments unchanged for this many seconds (0: every dead agent's)",
     )
     p.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
-    sub.add_parser("plan", help="plan training time, memory per GPU and checkpoint interval")
+    sub.add_parser("plan", help="plan training time, GPU memory and checkpoint interval")
     sub.add_parser("run", help="launch an elastic job (torchrun-compatible flags)")
     p = sub.add_parser("status", help="the live job: ranks, steps, step times, alerts")
     p.add_argument("--run-dir", default=None, help="agents' run dir (default: $FLASHCKPT_RUN_DIR)")
@@ -409,9 +418,11 @@ def _main(argv: list[str]) -> int:
     )
     p.add_argument("--key-prefix", default="/flashckpt", help="etcd key prefix (/flashckpt)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for etcd (5)")
-    sub.add_parser("goodput", help="wall-time breakdown of a run from its events.jsonl files")
+    sub.add_parser("goodput", help="wall-time breakdown of a run from its events files")
     p = sub.add_parser(
-        "export", help="write a step as one consolidated safetensors file, or as a DCP directory"
+        "export",
+        help="write a step as one safetensors file or a DCP dir",
+        description="Write a step as one consolidated safetensors file, or as a DCP directory.",
     )
     p.add_argument("url", help="checkpoint root URL")
     p.add_argument("--step", type=int, default=None, help="step (default: newest committed)")

@@ -2,7 +2,7 @@
 failure rate.
 
 The interval that minimises lost time is Daly's optimum of the expected wall time per useful
-second (:func:`elastic.planner.choose_interval`; about Young's ``sqrt(2 * stall * MTBF)``).
+second (:func:`flashckpt.planner.choose_interval`; about Young's ``sqrt(2 * stall * MTBF)``).
 It is in seconds; divided by the measured step time it becomes a number of steps. Inputs:
 
 - **stall** (delta): seconds the loop is blocked per snapshot: the median of the recent
@@ -81,10 +81,10 @@ def interval_steps(
         max_steps: Upper bound on the answer.
 
     Returns:
-        ``(steps, seconds)``: ``seconds`` from :func:`elastic.planner.choose_interval`, ``steps``
+        ``(steps, seconds)``: ``seconds`` from :func:`flashckpt.planner.choose_interval`, ``steps``
         its rounding to whole steps, at least 1 and at most ``max_steps``.
     """
-    from elastic.planner import choose_interval
+    from flashckpt.planner import choose_interval
 
     if not step_s > 0:
         raise ValueError(f"step time {step_s!r} s: must be > 0")

@@ -1,73 +1,39 @@
-"""Millisecond step monitoring, hang and straggler detection, metrics and events.
+"""The node agent's step monitor (:class:`AgentMonitor`, a thread of the node agent): reads the
+trainers' step rings, keeps per-rank figures, writes events, raises alerts, serves metrics.
 
-Trainer side (:class:`StepRecorder`, driven by the checkpointer): each rank owns a small ring
-file in the agent's shared-memory directory, ``fc.<job>.<node>.r<rank>.mon``, mapped into the
-trainer. ``ckpt.step()`` appends one fixed-size record per iteration (step, end time and the
-iteration's parts in milliseconds) with one ``struct.pack_into`` into the mapping and then
-publishes the record count: no syscall, no lock, no allocation on the hot path. Forward and
-optimizer hooks time the parts:
-
-- ``step``: from the end of the previous iteration (or of ``checkpointing()`` entry) to this one;
-- ``data``: from the start of the iteration to the model's first forward (fetching the batch);
-- ``forward``: inside the model's forward calls; ``forward_backward``: from the first forward to
-  ``optimizer.step()`` (to the end of the iteration without an optimizer);
-- ``optimizer``: inside ``optimizer.step()``, less checkpoint waits;
-- ``checkpoint``: blocked in flashckpt: snapshot copies, waits for a copy, flushes.
-
-The ring header carries what the agent needs to know about the process: pid and creation time,
-when it entered ``checkpointing()`` and when its first step began (the restore time), the step
-it resumed at, its phase (entering, running, paused in a flush, finishing, exited), and whether
-a ``SIGUSR1`` stack dump handler is installed (``faulthandler`` writes every thread's Python
-stack to ``<run_dir>/<job>.<node>.r<rank>.stacks.log``).
-
-Agent side (:class:`AgentMonitor`, a thread of the node agent): reads every ring a few times a
-second (records overwritten before they were read are counted as lost, never misread), and
+The trainers write the rings (:mod:`flashckpt.ring`, the only monitoring module a trainer
+imports). The monitor reads every ring a few times a second (records overwritten before they were
+read are counted as lost, never misread, :mod:`flashckpt.rankview`), and
 
 - keeps per-rank windows for p50/p99 step times and the other parts;
 - appends JSON lines to ``<events_dir>/<job>.<node>.events.jsonl`` (``start``, ``steps`` batches,
-  ``end``, ``hang``, ``hang_kill``, ``straggler``, ``goodput``; see :mod:`elastic.goodput`);
-- serves Prometheus metrics on ``metrics_port`` (the standard ``prometheus_client`` library);
-- flags a hang when a rank made no progress for ``max(hang_factor x p50, hang_floor_s)``: dumps
-  the Python stacks of every local rank (``SIGUSR1``) into the agent's log, then, when enabled
-  (by default under an elastic launcher), kills the hung workers with ``SIGKILL`` so the
-  launcher restarts them and they resume from memory;
-- flags a straggler: a rank whose median iteration part (``straggler_metric``) over the last
-  ``straggler_window`` steps exceeds ``straggler_factor`` times the median of the other ranks;
+  ``end``, ``hang``, ``hang_kill``, ``straggler``, ``goodput``; see :mod:`flashckpt.goodput`);
+- serves Prometheus metrics on ``metrics_port`` (:mod:`flashckpt.metrics`);
+- flags hangs (stack dumps, then the kill under an elastic launcher) and stragglers
+  (:mod:`flashckpt.alerts`);
 - at shutdown, writes the goodput report of the job (text, optionally a PNG chart).
 
 The agent sees its own machine's ranks. Under ``flashckpt run`` the launcher publishes a summary
 of its agent's ``status()`` (this monitor's :meth:`AgentMonitor.summary` included) to etcd, for
 ``flashckpt status --etcd`` across machines and the straggler -> standby swap: see
-:mod:`elastic.jobview`.
+:mod:`elastic.jobview`. ``flashckpt status`` on one machine: :mod:`flashckpt.statusview`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
-import glob
 import json
 import logging
-import mmap
 import os
 import re
-import signal
-import socketserver
-import statistics
-import struct
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-import psutil
-
-from elastic.goodput import (
-    CATEGORIES,
+from flashckpt.alerts import Alerts
+from flashckpt.goodput import (
     Incarnation,
     compute_goodput,
     format_report,
@@ -75,344 +41,27 @@ from elastic.goodput import (
     plot_report,
     read_events,
 )
+from flashckpt.metrics import MetricsServer, metric_families, serve_metrics
+from flashckpt.rankview import Batch, RankState, RingReader, quantile
+from flashckpt.ring import (
+    ENTERING,
+    EXITED,
+    FLAG_ELASTIC,
+    PART_INDEX,
+    PARTS,
+    PHASES,
+    REC_SNAPSHOT,
+    RUNNING,
+)
 
 __all__ = [
     "AgentMonitor",
     "MonitorConfig",
-    "StepRecorder",
-    "collect_status",
-    "format_status",
-    "open_recorder",
-    "ring_path",
 ]
 
 log = logging.getLogger("flashckpt.monitor")
 
-MAGIC = b"FLCKMON1"
-VERSION = 1
-CAPACITY = 4096
-"""Records per ring (a power of two): 4096 x 64 B = 256 KiB; at 1 ms per step the agent has
-4 s to read them."""
 
-_HEADER_SIZE = 4096
-# step, t_end (CLOCK_MONOTONIC s), step, data, forward, forward_backward, optimizer, checkpoint
-# (ms), flags
-_REC = struct.Struct("<qdffffffI20x")
-_REC_SIZE = _REC.size
-# magic, version, record size, capacity, rank, world size, pid, flags
-_FIXED = struct.Struct("<8sIIIIIII")
-_PHASE = struct.Struct("<I")
-_PHASE_OFF = 36
-_TOKEN = struct.Struct("<Q")
-_TOKEN_OFF = 40
-_COUNT = struct.Struct("<Q")
-_COUNT_OFF = 64
-# proc_start, enter, ready (wall s), ready (monotonic s), exit (wall s), resume step, exit code,
-# restored_from
-_INFO = struct.Struct("<dddddqi16s")
-_INFO_OFF = 128
-_STACKS_OFF = 512
-_STACKS_LEN = 512
-
-FLAG_ELASTIC = 1  # runs under an elastic launcher (torchelastic): a killed worker is restarted
-FLAG_STACKS = 2  # SIGUSR1 dumps the Python stacks (faulthandler)
-REC_SNAPSHOT = 1  # a snapshot was taken at the end of this iteration
-
-ENTERING, RUNNING, PAUSED, FINISHING, EXITED = range(5)
-PHASES = ("entering", "running", "paused", "finishing", "exited")
-
-_PARTS = ("step", "data", "forward", "forward_backward", "optimizer", "checkpoint")
-# index of each part in a record tuple
-_IDX = {p: i + 2 for i, p in enumerate(_PARTS)}
-
-
-def ring_path(shm_dir: str, job: str, node: str, rank: int) -> str:
-    """Path of a rank's monitor ring (named like the slots, so the agent cleans it up too)."""
-    return os.path.join(shm_dir, f"fc.{job}.{node}.r{rank:05d}.mon")
-
-
-def _under_elastic_launcher() -> bool:
-    # torchrun and `flashckpt run` (torchelastic's LocalElasticAgent) set this for their workers.
-    return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
-
-
-# -- trainer side ------------------------------------------------------------------------------
-class StepRecorder:
-    """A rank's writer end of its monitor ring. Single-threaded: the training loop's thread.
-
-    Args:
-        path: the ring file (created, or atomically replaced: a new process is a new ring).
-        rank: the rank.
-        world: the world size.
-        enter_wall: when ``checkpointing()`` was entered (``time.time()``).
-        stacks_path: where ``SIGUSR1`` dumps the Python stacks (None: no handler installed).
-        capacity: records in the ring (a power of two).
-
-    Raises:
-        OSError: the ring cannot be created (e.g. no room in the shared-memory directory).
-    """
-
-    __slots__ = (
-        "_ck",
-        "_ck_at_opt",
-        "_closed",
-        "_count",
-        "_flags",
-        "_fwd",
-        "_mask",
-        "_mm",
-        "_opt",
-        "_pause_phase",
-        "_pause_t0",
-        "_phase",
-        "_stacks_file",
-        "_t_fwd",
-        "_t_fwd0",
-        "_t_iter",
-        "_t_opt",
-        "_t_opt0",
-        "path",
-    )
-
-    def __init__(
-        self,
-        path: str,
-        *,
-        rank: int,
-        world: int,
-        enter_wall: float,
-        stacks_path: str | None = None,
-        capacity: int = CAPACITY,
-    ) -> None:
-        if capacity <= 0 or capacity & (capacity - 1):
-            raise ValueError(f"capacity={capacity}: use a power of two")
-        self.path = path
-        self._mask = capacity - 1
-        self._count = 0
-        self._closed = False
-        self._t_iter = time.monotonic()
-        self._t_fwd = self._t_fwd0 = self._t_opt = self._t_opt0 = 0.0
-        self._fwd = self._opt = self._ck = self._ck_at_opt = 0.0
-        self._flags = 0
-        self._phase = ENTERING
-        self._pause_phase = RUNNING
-        self._pause_t0 = 0.0
-        self._stacks_file: Any = None
-        flags = FLAG_ELASTIC if _under_elastic_launcher() else 0
-        if stacks_path is not None and self._install_stack_dump(stacks_path):
-            flags |= FLAG_STACKS
-        size = _HEADER_SIZE + capacity * _REC_SIZE
-        tmp = f"{path}.tmp{os.getpid()}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            # Reserve every page now: a full tmpfs is an error here, never a SIGBUS mid-run.
-            os.posix_fallocate(fd, 0, size)
-            self._mm = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            self._remove_stack_dump()
-            raise
-        os.close(fd)
-        me = psutil.Process()
-        _FIXED.pack_into(
-            self._mm, 0, MAGIC, VERSION, _REC_SIZE, capacity, rank, world, os.getpid(), flags
-        )
-        _PHASE.pack_into(self._mm, _PHASE_OFF, ENTERING)
-        _TOKEN.pack_into(self._mm, _TOKEN_OFF, uuid.uuid4().int & (2**64 - 1))
-        _INFO.pack_into(
-            self._mm, _INFO_OFF, me.create_time(), enter_wall, 0.0, 0.0, 0.0, -1, 0, b""
-        )
-        if flags & FLAG_STACKS and stacks_path is not None:
-            raw = stacks_path.encode()[: _STACKS_LEN - 1]
-            self._mm[_STACKS_OFF : _STACKS_OFF + len(raw)] = raw
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            self._mm.close()
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            self._remove_stack_dump()
-            raise
-
-    def _install_stack_dump(self, stacks_path: str) -> bool:
-        try:
-            f = open(stacks_path, "a")  # noqa: SIM115 (kept open: faulthandler writes to its fd)
-        except OSError as e:
-            log.warning("flashckpt: no stack dumps on SIGUSR1: cannot open %s: %s", stacks_path, e)
-            return False
-        f.write(f"== pid {os.getpid()}: Python stacks are dumped here on SIGUSR1 (hang)\n")
-        f.flush()
-        try:
-            faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
-        except (AttributeError, ValueError, RuntimeError) as e:  # no SIGUSR1 on this platform
-            f.close()
-            log.warning("flashckpt: no stack dumps on SIGUSR1: %s", e)
-            return False
-        self._stacks_file = f
-        return True
-
-    def _remove_stack_dump(self) -> None:
-        if self._stacks_file is None:
-            return
-        with contextlib.suppress(Exception):
-            faulthandler.unregister(signal.SIGUSR1)
-        with contextlib.suppress(OSError):
-            self._stacks_file.close()
-        self._stacks_file = None
-
-    def attach(self, model: Any, optimizer: Any) -> list[Any]:
-        """Installs the forward and optimizer timing hooks; returns their removable handles.
-
-        The optimizer pre-hook must be registered before the checkpointer's own (which waits
-        for a pending copy), so that wait is measured as checkpoint time, not optimizer time.
-        """
-        handles = [
-            model.register_forward_pre_hook(self._fwd_pre),
-            model.register_forward_hook(self._fwd_post),
-        ]
-        if optimizer is not None:
-            handles.append(optimizer.register_step_pre_hook(self._opt_pre))
-            handles.append(optimizer.register_step_post_hook(self._opt_post))
-        return handles
-
-    def ready(self, resume_step: int, restored_from: str | None) -> None:
-        """Entry is done: the first iteration starts now (restore time = now - enter)."""
-        now_m = time.monotonic()
-        info = list(_INFO.unpack_from(self._mm, _INFO_OFF))
-        info[2], info[3], info[5] = time.time(), now_m, resume_step
-        info[7] = (restored_from or "").encode()[:16]
-        _INFO.pack_into(self._mm, _INFO_OFF, *info)
-        self._t_iter = now_m
-        self._set_phase(RUNNING)  # after the info: a reader that sees RUNNING sees the info
-
-    # -- hot path ------------------------------------------------------------------------------
-    def step(self, step: int) -> None:
-        """Records iteration ``step`` as done now (a few microseconds, no syscall)."""
-        now = time.monotonic()
-        t0 = self._t_iter
-        f0 = self._t_fwd0
-        if f0:
-            data = f0 - t0
-            o0 = self._t_opt0
-            fb = (o0 or now) - f0
-        else:
-            data = fb = 0.0
-        i = self._count
-        _REC.pack_into(
-            self._mm,
-            _HEADER_SIZE + (i & self._mask) * _REC_SIZE,
-            step,
-            now,
-            (now - t0) * 1e3,
-            data * 1e3,
-            self._fwd * 1e3,
-            fb * 1e3,
-            self._opt * 1e3,
-            self._ck * 1e3,
-            self._flags,
-        )
-        self._count = i + 1
-        _COUNT.pack_into(self._mm, _COUNT_OFF, i + 1)  # publish after the record (x86 TSO)
-        self._t_iter = now
-        self._t_fwd0 = self._t_opt0 = 0.0
-        self._fwd = self._opt = self._ck = 0.0
-        self._flags = 0
-
-    def ckpt_stall(self, seconds: float, snapshot: bool = False) -> None:
-        """Adds time the loop was blocked by flashckpt to the current iteration."""
-        self._ck += seconds
-        if snapshot:
-            self._flags |= REC_SNAPSHOT
-
-    def _fwd_pre(self, module: Any, args: Any) -> None:
-        now = time.monotonic()
-        if not self._t_fwd0:
-            self._t_fwd0 = now
-        self._t_fwd = now
-
-    def _fwd_post(self, module: Any, args: Any, output: Any) -> None:
-        self._fwd += time.monotonic() - self._t_fwd
-
-    def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        now = time.monotonic()
-        if not self._t_opt0:
-            self._t_opt0 = now
-        self._t_opt = now
-        self._ck_at_opt = self._ck
-
-    def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
-        self._opt += time.monotonic() - self._t_opt - (self._ck - self._ck_at_opt)
-
-    # -- phases --------------------------------------------------------------------------------
-    def _set_phase(self, phase: int) -> None:
-        self._phase = phase
-        if not self._closed:
-            _PHASE.pack_into(self._mm, _PHASE_OFF, phase)
-
-    def pause(self) -> None:
-        """The loop blocks in flashckpt (a flush): not a hang; the time counts as checkpoint."""
-        self._pause_phase = self._phase
-        self._pause_t0 = time.monotonic()
-        self._set_phase(PAUSED)
-
-    def resume(self) -> None:
-        """Ends :meth:`pause`."""
-        self._ck += time.monotonic() - self._pause_t0
-        self._set_phase(self._pause_phase)
-
-    def finishing(self) -> None:
-        """The loop is over; the final save and commit follow (not a hang)."""
-        self._set_phase(FINISHING)
-
-    def close(self, exit_code: int = 0) -> None:
-        """Marks the process exited (0: cleanly) and unmaps the ring; idempotent."""
-        if self._closed:
-            return
-        info = list(_INFO.unpack_from(self._mm, _INFO_OFF))
-        info[4], info[6] = time.time(), exit_code
-        _INFO.pack_into(self._mm, _INFO_OFF, *info)
-        self._set_phase(EXITED)
-        self._closed = True
-        self._remove_stack_dump()
-        with contextlib.suppress(BufferError):
-            self._mm.close()
-
-
-def open_recorder(
-    *,
-    shm_dir: str,
-    run_dir: str,
-    job: str,
-    node: str,
-    rank: int,
-    world: int,
-    enter_wall: float,
-) -> StepRecorder | None:
-    """Creates a rank's ring; on failure warns and returns None: monitoring never stops training."""
-    path = ring_path(shm_dir, job, node, rank)
-    try:
-        return StepRecorder(
-            path,
-            rank=rank,
-            world=world,
-            enter_wall=enter_wall,
-            stacks_path=os.path.join(run_dir, f"{job}.{node}.r{rank:05d}.stacks.log"),
-        )
-    except (OSError, psutil.Error) as e:
-        log.warning(
-            "flashckpt: step monitoring is off for rank %d: cannot create %s (%s); free room in "
-            "%s to get step metrics and hang detection",
-            rank,
-            path,
-            e,
-            shm_dir,
-        )
-        return None
-
-
-# -- agent side --------------------------------------------------------------------------------
 @dataclass(kw_only=True, slots=True)
 class MonitorConfig:
     """Settings of the node agent's step monitor."""
@@ -499,131 +148,6 @@ class MonitorConfig:
             )
 
 
-class _Ring:
-    """The agent's read-only view of one ring file."""
-
-    def __init__(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            st = os.fstat(fd)
-            if st.st_size < _HEADER_SIZE:
-                raise ValueError(f"{path}: too small for a monitor ring")
-            self.mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
-        self.path = path
-        self.ino = st.st_ino
-        magic, version, rec_size, cap, rank, world, pid, flags = _FIXED.unpack_from(self.mm, 0)
-        if magic != MAGIC or version != VERSION or rec_size != _REC_SIZE:
-            self.mm.close()
-            raise ValueError(f"{path} is not a version-{VERSION} flashckpt monitor ring")
-        if cap <= 0 or _HEADER_SIZE + cap * rec_size > st.st_size:
-            self.mm.close()
-            raise ValueError(f"{path}: capacity {cap} exceeds the file size")
-        self.cap, self.rank, self.world, self.pid, self.flags = cap, rank, world, pid, flags
-        self.token = f"{_TOKEN.unpack_from(self.mm, _TOKEN_OFF)[0]:016x}"
-        raw = bytes(self.mm[_STACKS_OFF : _STACKS_OFF + _STACKS_LEN]).split(b"\0", 1)[0]
-        self.stacks_path = raw.decode(errors="replace") or None
-        self.read_idx = 0
-        self._proc: psutil.Process | None = None
-
-    def phase(self) -> int:
-        return int(_PHASE.unpack_from(self.mm, _PHASE_OFF)[0])
-
-    def info(self) -> dict[str, Any]:
-        f = _INFO.unpack_from(self.mm, _INFO_OFF)
-        return {
-            "proc_start": f[0],
-            "enter": f[1],
-            "ready": f[2] or None,
-            "ready_mono": f[3] or None,
-            "exit": f[4] or None,
-            "resume_step": f[5],
-            "exit_code": f[6],
-            "restored_from": f[7].split(b"\0", 1)[0].decode(errors="replace") or None,
-        }
-
-    def count(self) -> int:
-        return int(_COUNT.unpack_from(self.mm, _COUNT_OFF)[0])
-
-    def read_new(self) -> tuple[list[tuple[Any, ...]], int]:
-        """Records published since the last call, and how many were overwritten unread."""
-        c1 = self.count()
-        if c1 < self.read_idx:  # cannot happen with one writer; resynchronise
-            self.read_idx = c1
-        start = max(self.read_idx, c1 - self.cap)
-        recs = [
-            _REC.unpack_from(self.mm, _HEADER_SIZE + (i % self.cap) * _REC_SIZE)
-            for i in range(start, c1)
-        ]
-        c2 = self.count()
-        # The writer fills record i + cap (the same place as i) once it has published i + cap
-        # records: a record read while that may have happened is dropped.
-        first_valid = max(start, c2 - self.cap + 1)
-        drop = first_valid - start
-        lost = start - self.read_idx + drop
-        self.read_idx = c1
-        return recs[drop:], lost
-
-    def alive(self, proc_start: float) -> bool:
-        """Whether the writing process still runs (the pid is not reused by another one)."""
-        try:
-            if self._proc is None:
-                p = psutil.Process(self.pid)
-                if abs(p.create_time() - proc_start) > 1.0:
-                    return False
-                self._proc = p
-            return self._proc.is_running() and self._proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    def close(self) -> None:
-        with contextlib.suppress(BufferError, ValueError):
-            self.mm.close()
-
-
-@dataclass(slots=True)
-class _Batch:
-    """Iterations read since the last ``steps`` line of a rank."""
-
-    n: int = 0
-    first: int | None = None
-    last: int | None = None
-    t1: float = 0.0
-    step_s: float = 0.0
-    ckpt_s: float = 0.0
-    recomputed_s: float = 0.0
-    recomputed_n: int = 0
-    snapshots: int = 0
-    lost: int = 0
-    step_ms: list[float] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _RankState:
-    rank: int
-    ring: _Ring | None = None
-    inc: Incarnation | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    started: bool = False
-    ended: bool = True
-    phase: int = ENTERING
-    window: deque[tuple[Any, ...]] = field(default_factory=deque)
-    batch: _Batch = field(default_factory=_Batch)
-    high_water: int = -1
-    last_step: int | None = None
-    last_progress_mono: float = 0.0
-    steps_total: int = 0
-    ckpt_total_s: float = 0.0
-    lost_total: int = 0
-    incarnations: int = 0
-    hang: dict[str, Any] | None = None
-    kill_at: float | None = None
-    killed: bool = False
-    straggler: dict[str, Any] | None = None
-    end_reason: str | None = None
-
-
 class AgentMonitor:
     """The node agent's monitor thread: reads the rings, detects hangs and stragglers, writes
     events, serves metrics. See the module docstring.
@@ -656,21 +180,19 @@ class AgentMonitor:
         self.metrics_port: int | None = None
         self._facts = facts
         self._ring_re = re.compile(rf"^fc\.{re.escape(job)}\.{re.escape(node)}\.r(\d{{5}})\.mon$")
-        self._ranks: dict[int, _RankState] = {}
+        self._ranks: dict[int, RankState] = {}
         self._history: dict[str, Incarnation] = {}
         self._bad_inos: set[int] = set()
-        self._alerts_log: deque[dict[str, Any]] = deque(maxlen=20)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._server: WSGIServer | None = None
+        self._server: MetricsServer | None = None
         self._events: Any = None
         self._first_scan = True
         self._seen_ring = False
         self._born_mono = time.monotonic()
         self._next_flush = 0.0
-        self._stack_reads: list[tuple[float, int, int, str, int]] = []
-        self._last_dump = -1e9
+        self._alerts = Alerts(config, self._emit)
         self._closed = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -736,14 +258,14 @@ class AgentMonitor:
             log.warning("monitor: cannot read earlier events %s: %s", self.events_path, e)
             return
         for rank, incs in incarnations_from_events(events).items():
-            rs = self._ranks.setdefault(rank, _RankState(rank))
+            rs = self._ranks.setdefault(rank, RankState(rank))
             for inc in incs:
                 if inc.token not in self._history:  # idempotent: loaded again at first ring
                     rs.incarnations += 1
                     self._history[inc.token] = inc
         for ev in events:
             if ev.get("event") == "steps" and ev.get("last") is not None:
-                rs = self._ranks.setdefault(int(ev["rank"]), _RankState(int(ev["rank"])))
+                rs = self._ranks.setdefault(int(ev["rank"]), RankState(int(ev["rank"])))
                 rs.high_water = max(rs.high_water, int(ev["last"]))
 
     def _loop(self) -> None:
@@ -763,9 +285,10 @@ class AgentMonitor:
             for rs in self._ranks.values():
                 self._read(rs, off)
                 self._check_end(rs, now_w, off)
-            self._check_hangs(now_m, now_w)
-            self._check_stragglers(now_w)
-            self._act(now_m, now_w)
+            ranks = self._ranks.values()
+            self._alerts.check_hangs(ranks, now_m, now_w)
+            self._alerts.check_stragglers(ranks, now_w)
+            self._alerts.act(ranks, now_m, now_w)
             if now_m >= self._next_flush:
                 for rs in self._ranks.values():
                     self._flush_batch(rs)
@@ -793,7 +316,7 @@ class AgentMonitor:
             ):
                 continue
             try:
-                ring = _Ring(path)
+                ring = RingReader(path)
             except (OSError, ValueError) as e:
                 log.warning("monitor: ignoring %s: %s", path, e)
                 self._bad_inos.add(ino)
@@ -806,8 +329,8 @@ class AgentMonitor:
                 self._load_history()
             self._attach(rank, ring, now_w, off)
 
-    def _attach(self, rank: int, ring: _Ring, now_w: float, off: float) -> None:
-        rs = self._ranks.setdefault(rank, _RankState(rank))
+    def _attach(self, rank: int, ring: RingReader, now_w: float, off: float) -> None:
+        rs = self._ranks.setdefault(rank, RankState(rank))
         if rs.ring is not None:
             # A new process of this rank replaced the ring: the old one is over.
             self._read(rs, off)
@@ -841,7 +364,7 @@ class AgentMonitor:
             ring.read_idx = ring.count()
         rs.incarnations += 1
 
-    def _read(self, rs: _RankState, off: float) -> None:
+    def _read(self, rs: RankState, off: float) -> None:
         ring = rs.ring
         if ring is None or rs.ended:
             return
@@ -900,7 +423,7 @@ class AgentMonitor:
             log.warning("monitor: rank %d makes progress again (step %s)", rs.rank, rs.last_step)
             rs.hang, rs.kill_at = None, None
 
-    def _start(self, rs: _RankState) -> None:
+    def _start(self, rs: RankState) -> None:
         ring = rs.ring
         assert ring is not None
         info = ring.info()
@@ -936,7 +459,7 @@ class AgentMonitor:
             }
         )
 
-    def _check_end(self, rs: _RankState, now_w: float, off: float) -> None:
+    def _check_end(self, rs: RankState, now_w: float, off: float) -> None:
         ring = rs.ring
         if ring is None or rs.ended:
             return
@@ -949,7 +472,7 @@ class AgentMonitor:
             self._read(rs, off)
             self._end(rs, "killed" if rs.killed else "died", now_w)
 
-    def _end(self, rs: _RankState, reason: str, t: float) -> None:
+    def _end(self, rs: RankState, reason: str, t: float) -> None:
         ring = rs.ring
         assert ring is not None
         if not rs.started:
@@ -983,7 +506,7 @@ class AgentMonitor:
             rs.straggler = None
         rs.hang, rs.kill_at = None, None
 
-    def _flush_batch(self, rs: _RankState) -> None:
+    def _flush_batch(self, rs: RankState) -> None:
         b = rs.batch
         if b.n == 0 and b.lost == 0:
             return
@@ -1004,178 +527,11 @@ class AgentMonitor:
                 "recomputed_n": b.recomputed_n,
                 "snapshots": b.snapshots,
                 "lost": b.lost,
-                "p50_ms": _quantile(ms, 0.5),
-                "p99_ms": _quantile(ms, 0.99),
+                "p50_ms": quantile(ms, 0.5),
+                "p99_ms": quantile(ms, 0.99),
             }
         )
-        rs.batch = _Batch()
-
-    # -- hangs ---------------------------------------------------------------------------------
-    def hang_threshold(self, rs: _RankState) -> float:
-        """Seconds without a step after which the rank counts as hung."""
-        p50 = _quantile(sorted(r[2] for r in rs.window), 0.5)
-        if p50 is None:
-            return self.cfg.hang_floor_s
-        return max(self.cfg.hang_factor * p50 / 1e3, self.cfg.hang_floor_s)
-
-    def _check_hangs(self, now_m: float, now_w: float) -> None:
-        newly: list[_RankState] = []
-        for rs in self._ranks.values():
-            if rs.ring is None or rs.ended or not rs.started or rs.phase != RUNNING:
-                continue
-            if rs.hang is not None:
-                continue
-            idle = now_m - rs.last_progress_mono
-            threshold = self.hang_threshold(rs)
-            if idle > threshold:
-                rs.hang = {
-                    "kind": "hang",
-                    "rank": rs.rank,
-                    "since": now_w - idle,
-                    "step": rs.last_step,
-                    "idle_s": idle,
-                    "threshold_s": threshold,
-                    "message": f"rank {rs.rank} made no progress for {idle:.1f} s after step "
-                    f"{rs.last_step} (threshold {threshold:.1f} s)",
-                }
-                newly.append(rs)
-        if not newly:
-            return
-        kill = [rs for rs in newly if self._kill_enabled(rs)]
-        for rs in newly:
-            assert rs.ring is not None
-            log.error("monitor: HANG: %s", rs.hang["message"] if rs.hang else "")
-            self._emit({"event": "hang", "pid": rs.ring.pid, **(rs.hang or {})})
-            self._alerts_log.append(dict(rs.hang or {}))
-            if rs in kill:
-                rs.kill_at = now_m + self.cfg.hang_dump_wait_s
-        # Ranks stuck in one collective are flagged a poll or two apart: one dump covers them.
-        if now_m - self._last_dump > max(30.0, 4 * self.cfg.hang_dump_wait_s):
-            self._last_dump = now_m
-            self._dump_stacks(now_m)
-
-    def _kill_enabled(self, rs: _RankState) -> bool:
-        if self.cfg.hang_kill == "on":
-            return True
-        return (
-            self.cfg.hang_kill == "auto"
-            and rs.ring is not None
-            and bool(rs.ring.flags & FLAG_ELASTIC)
-        )
-
-    def _dump_stacks(self, now_m: float) -> None:
-        """SIGUSR1 to every local trainer with a stack dump handler; reads the dumps later."""
-        collect_at = now_m + min(1.0, self.cfg.hang_dump_wait_s * 0.5)
-        for rs in self._ranks.values():
-            ring = rs.ring
-            if ring is None or rs.ended:
-                continue
-            if not ring.flags & FLAG_STACKS or not ring.stacks_path:
-                log.warning(
-                    "monitor: rank %d (pid %d) has no stack dump handler: not signalled",
-                    rs.rank,
-                    ring.pid,
-                )
-                continue
-            try:
-                offset = os.path.getsize(ring.stacks_path)
-            except OSError:
-                offset = 0
-            if not ring.alive(rs.info.get("proc_start", 0.0)):
-                continue
-            try:
-                os.kill(ring.pid, signal.SIGUSR1)
-            except OSError as e:
-                log.warning("monitor: cannot signal rank %d (pid %d): %s", rs.rank, ring.pid, e)
-                continue
-            self._stack_reads.append((collect_at, rs.rank, ring.pid, ring.stacks_path, offset))
-
-    def _act(self, now_m: float, now_w: float) -> None:
-        due = [r for r in self._stack_reads if r[0] <= now_m]
-        self._stack_reads = [r for r in self._stack_reads if r[0] > now_m]
-        for _, rank, pid, path, offset in due:
-            try:
-                with open(path, "rb") as f:
-                    f.seek(offset)
-                    text = f.read(1 << 20).decode(errors="replace")
-            except OSError as e:
-                text = f"(cannot read {path}: {e})"
-            log.warning(
-                "monitor: Python stacks of rank %d (pid %d), from %s:\n%s", rank, pid, path, text
-            )
-            self._emit({"event": "stacks", "rank": rank, "pid": pid, "path": path})
-        for rs in self._ranks.values():
-            if rs.kill_at is None or now_m < rs.kill_at or rs.hang is None:
-                continue
-            rs.kill_at = None
-            ring = rs.ring
-            if ring is None or rs.ended or not ring.alive(rs.info.get("proc_start", 0.0)):
-                continue
-            try:
-                os.kill(ring.pid, signal.SIGKILL)
-            except OSError as e:
-                log.error("monitor: cannot kill hung rank %d (pid %d): %s", rs.rank, ring.pid, e)
-                continue
-            rs.killed = True
-            log.error(
-                "monitor: killed hung rank %d (pid %d) so its launcher restarts it",
-                rs.rank,
-                ring.pid,
-            )
-            self._emit({"event": "hang_kill", "rank": rs.rank, "pid": ring.pid})
-
-    # -- stragglers ----------------------------------------------------------------------------
-    def _check_stragglers(self, now_w: float) -> None:
-        cfg = self.cfg
-        live = [
-            rs
-            for rs in self._ranks.values()
-            if rs.ring is not None
-            and not rs.ended
-            and rs.started
-            and len(rs.window) >= cfg.straggler_min_steps
-        ]
-        if len(live) < 2:
-            return
-        metric = cfg.straggler_metric
-        recent = {rs.rank: list(rs.window)[-cfg.straggler_window :] for rs in live}
-        if metric == "compute" and any(
-            all(r[_IDX["forward"]] == 0 and r[_IDX["optimizer"]] == 0 for r in recs)
-            for recs in recent.values()
-        ):
-            metric = "step"  # the model's forward or the optimizer is not seen
-
-        def value(r: tuple[Any, ...]) -> float:
-            if metric == "compute":
-                return float(r[_IDX["forward"]] + r[_IDX["optimizer"]])
-            return float(r[_IDX[metric]])
-
-        med = {rank: statistics.median(value(r) for r in recs) for rank, recs in recent.items()}
-        for rs in live:
-            mine = med[rs.rank]
-            others = statistics.median(v for r, v in med.items() if r != rs.rank)
-            ratio = mine / others if others > 0 else (float("inf") if mine > 0 else 1.0)
-            slow = ratio > cfg.straggler_factor and mine - others >= cfg.straggler_min_ms
-            if slow and rs.straggler is None:
-                rs.straggler = {
-                    "kind": "straggler",
-                    "rank": rs.rank,
-                    "since": now_w,
-                    "metric": metric,
-                    "median_ms": mine,
-                    "others_ms": others,
-                    "ratio": ratio,
-                    "message": f"rank {rs.rank} is a straggler: {metric} median {mine:.1f} ms "
-                    f"vs {others:.1f} ms on the other ranks (x{ratio:.2f})",
-                }
-                log.warning("monitor: STRAGGLER: %s", rs.straggler["message"])
-                self._emit({"event": "straggler", **rs.straggler})
-                self._alerts_log.append(dict(rs.straggler))
-            elif slow and rs.straggler is not None:
-                rs.straggler.update(median_ms=mine, others_ms=others, ratio=ratio)
-            elif not slow and rs.straggler is not None:
-                rs.straggler = None
-                self._emit({"event": "straggler_cleared", "rank": rs.rank, "ratio": ratio})
+        rs.batch = Batch()
 
     # -- events, summary, reports --------------------------------------------------------------
     def _emit(self, ev: dict[str, Any]) -> None:
@@ -1215,8 +571,8 @@ class AgentMonitor:
                     continue
                 step_ms = sorted(x[2] for x in rs.window)
                 parts = {
-                    p: _quantile(sorted(x[_IDX[p]] for x in rs.window), 0.5)
-                    for p in _PARTS
+                    p: quantile(sorted(x[PART_INDEX[p]] for x in rs.window), 0.5)
+                    for p in PARTS
                     if p != "step"
                 }
                 if rs.ended:
@@ -1230,12 +586,12 @@ class AgentMonitor:
                     "state": state,
                     "step": rs.last_step,
                     "steps": rs.steps_total,
-                    "p50_ms": _quantile(step_ms, 0.5),
-                    "p99_ms": _quantile(step_ms, 0.99),
+                    "p50_ms": quantile(step_ms, 0.5),
+                    "p99_ms": quantile(step_ms, 0.99),
                     "p50_parts_ms": parts,
                     "ckpt_total_s": rs.ckpt_total_s,
                     "idle_s": None if rs.ended else now_m - rs.last_progress_mono,
-                    "hang_threshold_s": self.hang_threshold(rs),
+                    "hang_threshold_s": self._alerts.hang_threshold(rs),
                     "restarts": max(0, rs.incarnations - 1),
                     "resume_step": rs.info.get("resume_step"),
                     "restored_from": rs.info.get("restored_from"),
@@ -1250,7 +606,7 @@ class AgentMonitor:
                 "events_path": self.events_path,
                 "ranks": ranks,
                 "alerts": alerts,
-                "recent_alerts": list(self._alerts_log),
+                "recent_alerts": list(self._alerts.recent),
                 "goodput": self.goodput(),
             }
 
@@ -1274,245 +630,11 @@ class AgentMonitor:
 
     # -- Prometheus ------------------------------------------------------------------------------
     def _start_metrics(self, port: int) -> None:
-        try:
-            from prometheus_client import CollectorRegistry, make_wsgi_app
-        except ImportError:
-            raise RuntimeError(
-                "metrics_port is set but prometheus_client is not installed: "
-                "pip install prometheus_client (or leave --metrics-port at 0)"
-            ) from None
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector(self))
-        try:
-            server = make_server(
-                self.cfg.metrics_addr,
-                port,
-                make_wsgi_app(registry),
-                server_class=_ThreadingWSGIServer,
-                handler_class=_QuietHandler,
-            )
-        except OSError as e:
-            raise RuntimeError(
-                f"cannot serve metrics on {self.cfg.metrics_addr}:{port}: {e}; pick a free "
-                "--metrics-port (0 = no endpoint)"
-            ) from None
-        self._server = server
-        self.metrics_port = int(server.server_address[1])
-        threading.Thread(
-            target=server.serve_forever, name="flashckpt-agent-metrics", daemon=True
-        ).start()
+        self._server = serve_metrics(self.cfg.metrics_addr, port, self.metric_families)
+        self.metrics_port = int(self._server.server_address[1])
 
     def metric_families(self) -> list[Any]:
         """The current metrics, as prometheus_client metric families."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         status = self._facts() if self._facts is not None else {}
         mon = status.get("monitor") or self.summary()
-        agent_ranks = by_global_rank(status.get("ranks") or {})
-        base = ["job", "node", "rank"]
-        lv = [self.job, self.node]
-
-        def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=base + (extra or []))
-
-        fam_step = gauge("flashckpt_step", "last iteration done")
-        fam_steps = CounterMetricFamily(
-            "flashckpt_steps", "iterations recorded by this agent", labels=base
-        )
-        fam_time = gauge("flashckpt_step_time_seconds", "iteration time quantile", ["quantile"])
-        fam_part = gauge("flashckpt_step_part_seconds", "median time per iteration part", ["part"])
-        fam_ckpt = CounterMetricFamily(
-            "flashckpt_checkpoint_stall_seconds", "time blocked by flashckpt", labels=base
-        )
-        fam_idle = gauge("flashckpt_seconds_since_progress", "seconds since the last step ended")
-        fam_rest = CounterMetricFamily("flashckpt_restarts", "trainer restarts", labels=base)
-        fam_hung = gauge("flashckpt_hung", "1 while the rank is flagged hung")
-        fam_strag = gauge("flashckpt_straggler", "1 while the rank is flagged a straggler")
-        fam_snap = gauge("flashckpt_last_snapshot_step", "newest complete snapshot in memory")
-        for r, d in mon.get("ranks", {}).items():
-            labels = [*lv, r]
-            if d.get("step") is not None:
-                fam_step.add_metric(labels, d["step"])
-            fam_steps.add_metric(labels, d["steps"])
-            for q, key in (("0.5", "p50_ms"), ("0.99", "p99_ms")):
-                if d.get(key) is not None:
-                    fam_time.add_metric([*labels, q], d[key] / 1e3)
-            for part, v in (d.get("p50_parts_ms") or {}).items():
-                if v is not None:
-                    fam_part.add_metric([*labels, part], v / 1e3)
-            fam_ckpt.add_metric(labels, d["ckpt_total_s"])
-            if d.get("idle_s") is not None:
-                fam_idle.add_metric(labels, d["idle_s"])
-            fam_rest.add_metric(labels, d["restarts"])
-            fam_hung.add_metric(labels, 1.0 if d["state"] == "hung" else 0.0)
-            fam_strag.add_metric(labels, 1.0 if d["straggler"] else 0.0)
-            slots = [s for s in (agent_ranks.get(r, {}).get("slots") or []) if s is not None]
-            if slots:
-                fam_snap.add_metric(labels, max(slots))
-        fam_commit = GaugeMetricFamily(
-            "flashckpt_last_committed_step",
-            "newest step committed to storage",
-            labels=["job", "node"],
-        )
-        if status.get("committed"):
-            fam_commit.add_metric(lv, max(status["committed"]))
-        gp = mon.get("goodput") or {}
-        fam_gp = GaugeMetricFamily(
-            "flashckpt_goodput_ratio", "useful time over wall time", labels=["job", "node"]
-        )
-        fam_gps = GaugeMetricFamily(
-            "flashckpt_goodput_seconds",
-            "wall time per category (mean over ranks)",
-            labels=["job", "node", "category"],
-        )
-        if gp.get("ranks"):
-            fam_gp.add_metric(lv, gp["goodput"])
-            for c in CATEGORIES:
-                fam_gps.add_metric([*lv, c], gp["job_s"][c])
-        return [
-            fam_step,
-            fam_steps,
-            fam_time,
-            fam_part,
-            fam_ckpt,
-            fam_idle,
-            fam_rest,
-            fam_hung,
-            fam_strag,
-            fam_snap,
-            fam_commit,
-            fam_gp,
-            fam_gps,
-        ]
-
-
-class _Collector:
-    def __init__(self, monitor: AgentMonitor) -> None:
-        self._monitor = monitor
-
-    def collect(self) -> Any:
-        try:
-            yield from self._monitor.metric_families()
-        except Exception:  # a scrape must never take the agent down
-            log.exception("monitor: collecting metrics failed")
-
-
-class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def by_global_rank(agent_ranks: dict[str, Any]) -> dict[str, Any]:
-    """The agent status's ``ranks`` (keyed by local rank) keyed by global rank, like the
-    monitor's (an entry without ``rank`` keeps its key)."""
-    out: dict[str, Any] = {}
-    for key, d in agent_ranks.items():
-        r = d.get("rank") if isinstance(d, dict) else None
-        out[str(r) if isinstance(r, int) else str(key)] = d
-    return out
-
-
-def _quantile(sorted_xs: list[float], q: float) -> float | None:
-    if not sorted_xs:
-        return None
-    i = min(len(sorted_xs) - 1, max(0, round(q * (len(sorted_xs) - 1))))
-    return float(sorted_xs[i])
-
-
-# -- `flashckpt status` ------------------------------------------------------------------------
-def collect_status(
-    run_dir: str, job: str | None = None, timeout: float = 5.0
-) -> list[dict[str, Any]]:
-    """Asks every node agent whose socket is in ``run_dir`` (or one level below it, where a
-    launcher keeps each agent generation) for its status.
-
-    Returns:
-        One dict per socket: the agent's ``status()``, or ``{"socket", "error"}`` if it did not
-        answer (a stale socket of a dead agent).
-    """
-    from flashckpt.errors import UnsafeLocalStateError
-    from flashckpt.protocol import AgentClient, AgentError
-
-    socks = sorted(
-        set(glob.glob(os.path.join(run_dir, "*.sock")))
-        | set(glob.glob(os.path.join(run_dir, "*", "*.sock")))
-    )
-    out = []
-    for path in socks:
-        name = os.path.basename(path)
-        if job is not None and not name.startswith(f"{job}."):
-            continue
-        try:
-            client = AgentClient(path, timeout=min(timeout, 1.0))
-        except (AgentError, UnsafeLocalStateError) as e:  # a foreign socket is not asked
-            out.append({"socket": path, "error": str(e)})
-            continue
-        try:
-            st = client.request("status", timeout=timeout)
-            st.pop("id", None)
-            st.pop("ok", None)
-            out.append({"socket": path, **st})
-        except AgentError as e:
-            out.append({"socket": path, "error": str(e)})
-        finally:
-            client.close()
-    return out
-
-
-def format_status(agents: list[dict[str, Any]]) -> str:
-    """The live job at a glance: machines, ranks, steps, step times, snapshots, alerts."""
-    live = [a for a in agents if "error" not in a]
-    if not agents:
-        return "no node agent found (is the job running? pass its --run-dir)"
-    jobs = sorted({a.get("job", "?") for a in live})
-    nranks = sum(len((a.get("monitor") or {}).get("ranks", {})) for a in live)
-    lines = [
-        f"job {', '.join(jobs) or '?'}: {len(live)} machine(s) reachable"
-        + (f", {len(agents) - len(live)} not answering" if len(agents) > len(live) else "")
-        + f", {nranks} rank(s)"
-    ]
-    head = (
-        f"{'node':<12} {'rank':>5} {'pid':>8} {'state':<10} {'step':>8} {'p50 ms':>9} "
-        f"{'p99 ms':>9} {'snapshot':>9} {'persisted':>9} {'restarts':>8}"
-    )
-    lines.append(head)
-    alerts: list[str] = []
-    for a in sorted(live, key=lambda a: str(a.get("node"))):
-        mon = a.get("monitor") or {}
-        committed = max(a.get("committed") or [], default=None)
-        slot_ranks = by_global_rank(a.get("ranks") or {})
-        mranks = mon.get("ranks", {})
-        for r in sorted({*mranks, *slot_ranks}, key=int):
-            d = mranks.get(r, {})
-            snaps = [s for s in (slot_ranks.get(r, {}).get("slots") or []) if s is not None]
-            lines.append(
-                f"{a.get('node')!s:<12} {r:>5} {_fmt(d.get('pid')):>8} "
-                f"{d.get('state', '-')!s:<10} {_fmt(d.get('step')):>8} "
-                f"{_fmt(d.get('p50_ms'), '.1f'):>9} {_fmt(d.get('p99_ms'), '.1f'):>9} "
-                f"{_fmt(max(snaps, default=None)):>9} {_fmt(committed):>9} "
-                f"{_fmt(d.get('restarts', 0)):>8}"
-            )
-        for al in mon.get("alerts", []):
-            alerts.append(f"  [{al.get('kind')}] {a.get('node')}: {al.get('message')}")
-        gp = mon.get("goodput") or {}
-        if gp.get("ranks"):
-            lines.append(
-                f"{'':<12} goodput so far {100 * gp['goodput']:.1f}% of {gp['wall_s']:.0f} s"
-                f" (restarts {gp['restarts']})"
-            )
-    for a in agents:
-        if "error" in a:
-            lines.append(f"not answering: {a['socket']}: {a['error']}")
-    lines.append("alerts:" if alerts else "alerts: none")
-    lines.extend(alerts)
-    return "\n".join(lines)
-
-
-def _fmt(v: Any, spec: str = "") -> str:
-    if v is None:
-        return "-"
-    return format(v, spec)
+        return metric_families(job=self.job, node=self.node, status=status, summary=mon)

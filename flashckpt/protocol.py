@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import socket
 import stat
 import threading
@@ -30,11 +31,23 @@ from typing import Any
 from flashckpt.errors import AgentError, UnsafeLocalStateError
 from flashckpt.shm import check_private_dir
 
-__all__ = ["AgentClient", "AgentError", "check_socket", "default_run_dir", "socket_path"]
+__all__ = [
+    "AgentClient",
+    "AgentError",
+    "check_socket",
+    "default_node_id",
+    "default_run_dir",
+    "socket_path",
+]
 
 log = logging.getLogger(__name__)
 
 MAX_LINE = 16 << 20
+
+
+def default_node_id() -> str:
+    """This machine's node id: its host name, confined to the characters of a segment name."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:64] or "node"
 
 
 def default_run_dir() -> str:

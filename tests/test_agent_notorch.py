@@ -33,6 +33,22 @@ def test_agent_modules_do_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_trainer_imports_only_the_step_ring_of_monitoring() -> None:
+    """A trainer records a step in about a microsecond: importing the checkpointer must not load
+    the agent daemon, its monitor, the HTTP server, psutil, Prometheus or the goodput report."""
+    code = (
+        "import sys\n"
+        "import flashckpt.checkpointer\n"
+        "agent_side = ('flashckpt.agent', 'flashckpt.monitor', 'flashckpt.rankview',\n"
+        "    'flashckpt.alerts', 'flashckpt.metrics', 'flashckpt.statusview',\n"
+        "    'flashckpt.goodput', 'elastic', 'wsgiref', 'psutil', 'prometheus_client')\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(agent_side))\n"
+        "assert not bad, bad\n"
+        "assert 'flashckpt.ring' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_agent_started_by_a_trainer_has_no_torch(fc_env: FcEnv) -> None:
     assert _maps_torch(os.getpid()), "the check must see torch in a process that imported it"
     model, opt, sched = make(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from stephelpers import write_step
 from tinytrain import make, train_step
 
 import flashckpt
+from flashckpt import cli
 from flashckpt.storage import Storage
 
 
@@ -156,6 +158,23 @@ def _small_root(tmp_path: Path, steps: tuple[int, ...] = (1, 2, 3)) -> Storage:
     for s in steps:
         st.commit(s, write_step(st, s))
     return st
+
+
+VERBS = ("agent", "ls", "verify", "clean", "plan", "run", "status", "goodput", "export")
+
+
+def test_help_lists_every_verb_with_one_line_each(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps help text at the terminal width
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    # "verbs:", "  VERB", then one line per verb up to the blank line
+    rows = list(itertools.takewhile(str.strip, lines[lines.index("verbs:") + 2 :]))
+    assert [r.split()[0] for r in rows] == list(VERBS), rows
+    assert all(len(r.split()) > 1 for r in rows), rows  # the help is on the verb's line
 
 
 LISTING = {

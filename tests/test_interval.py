@@ -13,7 +13,6 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
 import flashckpt
-from elastic.planner import choose_interval
 from flashckpt.checkpointer import CheckpointConfig
 from flashckpt.interval import (
     JOB_START_ENV,
@@ -22,6 +21,7 @@ from flashckpt.interval import (
     estimate_mtbf_s,
     interval_steps,
 )
+from flashckpt.planner import choose_interval
 
 HERE = Path(__file__).resolve().parent
 

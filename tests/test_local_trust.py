@@ -325,7 +325,7 @@ def test_agent_command_refuses_a_loose_run_dir_with_a_clear_message(
 
 
 def test_status_lists_a_foreign_socket_as_an_error(tmp_path: Path) -> None:
-    from flashckpt.monitor import collect_status
+    from flashckpt.statusview import collect_status
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)

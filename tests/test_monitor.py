@@ -19,9 +19,11 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
 import flashckpt
-from elastic.goodput import compute_goodput, incarnations_from_events, read_events
 from flashckpt import cli
-from flashckpt.monitor import EXITED, RUNNING, MonitorConfig, StepRecorder, _Ring, ring_path
+from flashckpt.goodput import compute_goodput, incarnations_from_events, read_events
+from flashckpt.monitor import MonitorConfig
+from flashckpt.rankview import RingReader
+from flashckpt.ring import EXITED, RUNNING, StepRecorder, ring_path
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,7 +50,7 @@ def _monitor(agent: RunningAgent) -> dict[str, Any]:
 def test_ring_records_phases_and_overwritten_records(tmp_path: Path) -> None:
     path = str(tmp_path / "fc.j.n.r00003.mon")
     rec = StepRecorder(path, rank=3, world=4, enter_wall=time.time(), capacity=8)
-    ring = _Ring(path)
+    ring = RingReader(path)
     assert (ring.rank, ring.world, ring.pid, ring.cap) == (3, 4, os.getpid(), 8)
     assert ring.phase() != RUNNING
     rec.ready(resume_step=7, restored_from="memory")

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from elastic.procutil import die_with_parent, set_parent_death_signal
+from elastic.usercode import run_user_code
 
 __all__ = [
     "DEFAULT_MODULES",
@@ -317,8 +318,6 @@ def _become_worker(
         if request.get("affinity") and hasattr(os, "sched_setaffinity"):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, request["affinity"])
-        from elastic.worker_entry import run_user_code
-
         status = 0
         try:
             run_user_code(list(request["args"]))

@@ -34,7 +34,7 @@ import threading
 import time
 from datetime import timedelta
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -54,6 +54,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elastic import health
 from elastic.etcd import EtcdError
 from elastic.jobview import JobViewPublisher, StragglerSwap, agent_status
+from elastic.launch_config import EventLog, LauncherConfig, LaunchError
 from elastic.membership import NodeIdInUse, NodeRecord, NodeRegistry, expire_rendezvous_nodes
 from elastic.node_agent import NodeAgentConfig, NodeAgentError, NodeAgentProcess
 from elastic.prewarm import PREWARM_SOCKET_ENV, Prewarmer
@@ -70,9 +71,6 @@ from elastic.restore_report import RestoreReporter, events_path, job_summary
 from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
 from elastic.worker_entry import EXEC_FLAG, LAUNCHER_PID_ENV
 from flashckpt.interval import JOB_START_ENV
-
-if TYPE_CHECKING:
-    from elastic.launcher import EventLog, LauncherConfig
 
 __all__ = ["LaunchError", "LaunchSession"]
 
@@ -94,10 +92,6 @@ _HANDLED_SIGNALS = tuple(
     for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     if hasattr(signal, name)
 )
-
-
-class LaunchError(RuntimeError):
-    """The launcher cannot run this machine: the message names the problem and the fix."""
 
 
 class _Unhealthy(Exception):

@@ -45,6 +45,7 @@ from typing import Any
 
 from elastic.procutil import die_with_parent, set_parent_death_signal
 from elastic.usercode import run_user_code
+from flashckpt import envnames
 
 __all__ = [
     "DEFAULT_MODULES",
@@ -55,7 +56,7 @@ __all__ = [
     "serve",
 ]
 
-PREWARM_SOCKET_ENV = "FLASHCKPT_PREWARM_SOCKET"
+PREWARM_SOCKET_ENV = envnames.PREWARM_SOCKET
 """Set by the launcher in the workers' environment: the zygote's socket."""
 
 DEFAULT_MODULES = (

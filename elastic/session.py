@@ -70,6 +70,7 @@ from elastic.rendezvous import (
 from elastic.restore_report import RestoreReporter, events_path, job_summary
 from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
 from elastic.worker_entry import EXEC_FLAG, LAUNCHER_PID_ENV
+from flashckpt import envnames
 from flashckpt.interval import JOB_START_ENV
 
 __all__ = ["LaunchError", "LaunchSession"]
@@ -338,12 +339,12 @@ class LaunchSession:
             )
             os.environ["OMP_NUM_THREADS"] = "1"
         # Inherited by the workers: flashckpt.checkpointing() connects to our node agent.
-        os.environ["FLASHCKPT_JOB"] = cfg.rdzv_id
-        os.environ["FLASHCKPT_NODE"] = cfg.node_id
+        os.environ[envnames.JOB] = cfg.rdzv_id
+        os.environ[envnames.NODE] = cfg.node_id
         # FLASHCKPT_RUN_DIR and FLASHCKPT_SHM_DIR follow the node agent's generation; they are
         # set before each start of the workers.
         if cfg.storage:
-            os.environ["FLASHCKPT_STORAGE"] = cfg.storage
+            os.environ[envnames.STORAGE] = cfg.storage
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
         # every="auto" estimates the failure rate from torch's restart count over this span.
         os.environ[JOB_START_ENV] = repr(time.time())
@@ -472,8 +473,8 @@ class LaunchSession:
             self.events("membership_changed", lost=lost, ranks=list(view[0]))
         generation = self._node_agent.wait_ready(_AGENT_READY_TIMEOUT)
         self._use_prewarmer()
-        os.environ["FLASHCKPT_RUN_DIR"] = generation.run_dir
-        os.environ["FLASHCKPT_SHM_DIR"] = generation.shm_dir
+        os.environ[envnames.RUN_DIR] = generation.run_dir
+        os.environ[envnames.SHM_DIR] = generation.shm_dir
         self._last_view = view
         self._starts += 1
         self.events(

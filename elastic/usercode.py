@@ -15,9 +15,11 @@ import runpy
 import sys
 import traceback
 
+from flashckpt import envnames
+
 __all__ = ["FAST_EXIT_ENV", "run_user_code"]
 
-FAST_EXIT_ENV = "FLASHCKPT_WORKER_FAST_EXIT"
+FAST_EXIT_ENV = envnames.WORKER_FAST_EXIT
 """``0`` disables the immediate exit of a worker that failed with an exception."""
 
 

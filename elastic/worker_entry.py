@@ -31,13 +31,14 @@ import sys
 from elastic.prewarm import PREWARM_SOCKET_ENV, exit_with_status, run_prewarmed
 from elastic.procutil import set_parent_death_signal
 from elastic.usercode import FAST_EXIT_ENV, run_user_code
+from flashckpt import envnames
 
 __all__ = ["EXEC_FLAG", "FAST_EXIT_ENV", "LAUNCHER_PID_ENV", "main", "run_user_code"]
 
 EXEC_FLAG = "--exec"
 """``--exec <program> [args]``: replace this process by the program (``--no-python``)."""
 
-LAUNCHER_PID_ENV = "FLASHCKPT_LAUNCHER_PID"
+LAUNCHER_PID_ENV = envnames.LAUNCHER_PID
 """Set by the launcher to its pid; a worker whose parent is not this pid exits at once."""
 
 

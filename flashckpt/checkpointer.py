@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 import xxhash
 
+from flashckpt import envnames
 from flashckpt.agent import default_node_id
 from flashckpt.errors import PersistError, StorageUnavailableError
 from flashckpt.interval import AutoInterval
@@ -264,7 +265,7 @@ def _world_id(world: int, group: Any = None) -> str:
     ``FLASHCKPT_WORLD_ID`` when set; else, under torch.distributed launchers, the rendezvous
     master's address and port (a new round gets a new port) and the world size.
     """
-    wid = _env("FLASHCKPT_WORLD_ID")
+    wid = envnames.world_id()
     if wid:
         return wid
     addr, port = _env("MASTER_ADDR"), _env("MASTER_PORT")
@@ -784,7 +785,7 @@ class Checkpointer:
         self._world_id = _world_id(self._world, self._coord_pg)
         if self._storage is not None:
             self._probe_storage(self._storage)
-        job = cfg.job or _env("FLASHCKPT_JOB")
+        job = cfg.job or envnames.job()
         if job is None:
             run_id = _env("TORCHELASTIC_RUN_ID")
             if run_id and run_id != "none":
@@ -794,8 +795,8 @@ class Checkpointer:
                 raise ValueError("pass job= (or storage=) so the snapshots have a name")
             job = "j" + hashlib.sha1(cfg.storage.encode()).hexdigest()[:12]
         self.job = check_name("job", job)
-        self.node = check_name("node", cfg.node or _env("FLASHCKPT_NODE") or default_node_id())
-        run_dir = cfg.run_dir or _env("FLASHCKPT_RUN_DIR") or default_run_dir()
+        self.node = check_name("node", cfg.node or envnames.node() or default_node_id())
+        run_dir = cfg.run_dir or envnames.run_dir() or default_run_dir()
         path = socket_path(run_dir, self.job, self.node)
         self._run_dir = run_dir
         if len(path.encode()) > 100:
@@ -974,7 +975,7 @@ class Checkpointer:
             "--node",
             self.node,
             "--shm-dir",
-            cfg.shm_dir or _env("FLASHCKPT_SHM_DIR") or "/dev/shm",
+            cfg.shm_dir or envnames.shm_dir() or "/dev/shm",
             "--run-dir",
             run_dir,
             "--keep",

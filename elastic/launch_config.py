@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashckpt import names
+
 __all__ = [
     "EventLog",
     "LaunchError",
@@ -31,9 +33,6 @@ logger = logging.getLogger("flashckpt.launcher")
 
 class LaunchError(RuntimeError):
     """The launcher cannot run this machine: the message names the problem and the fix."""
-
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -164,7 +163,7 @@ class LauncherConfig:
                 "than the other machines' median)"
             )
         for flag, value in (("--rdzv-id", self.rdzv_id), ("--node-id", self.node_id)):
-            if not _NAME_RE.match(value):
+            if not names.ID_RE.match(value):
                 raise ValueError(
                     f"{flag} {value!r}: use 1-64 letters, digits, '-' or '_' (it names etcd "
                     "keys, shared-memory segments and sockets)"

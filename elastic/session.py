@@ -70,7 +70,7 @@ from elastic.rendezvous import (
 from elastic.restore_report import RestoreReporter, events_path, job_summary
 from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
 from elastic.worker_entry import EXEC_FLAG, LAUNCHER_PID_ENV
-from flashckpt import envnames
+from flashckpt import envnames, names
 from flashckpt.interval import JOB_START_ENV
 
 __all__ = ["LaunchError", "LaunchSession"]
@@ -276,14 +276,14 @@ class LaunchSession:
         )
         # A zygote forks Python processes; --no-python runs something else.
         if cfg.prewarm and not cfg.no_python:
-            sock = os.path.join(run_dir, f"{cfg.rdzv_id}.{cfg.node_id}.prewarm")
+            sock = names.prewarm_socket_path(run_dir, cfg.rdzv_id, cfg.node_id)
             if len(sock.encode()) > 100:
                 raise LaunchError(
                     f"the pre-warm socket path {sock!r} is too long for a Unix socket: use a "
                     "shorter --run-dir, --rdzv-id or --node-id"
                 )
             self._prewarmer = Prewarmer(
-                sock, os.path.join(run_dir, f"{cfg.rdzv_id}.{cfg.node_id}.prewarm.log")
+                sock, names.prewarm_log_path(run_dir, cfg.rdzv_id, cfg.node_id)
             )
             self._prewarmer.start()
 

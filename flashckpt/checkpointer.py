@@ -25,7 +25,6 @@ import json
 import logging
 import operator
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -53,6 +52,7 @@ from flashckpt.layout import (
     unflatten_state,
 )
 from flashckpt.monitor import StepRecorder, open_recorder
+from flashckpt.names import SLOT_SUFFIX_RE, agent_log_path
 from flashckpt.peers import (
     HeldSnapshot,
     PeerPlan,
@@ -940,7 +940,7 @@ class Checkpointer:
             if time.monotonic() > deadline:
                 raise AgentError(
                     f"the node agent did not start within {self.config.agent_timeout:.0f} s; "
-                    f"see {os.path.join(run_dir, f'{self.job}.{self.node}.log')}"
+                    f"see {agent_log_path(run_dir, self.job, self.node)}"
                 )
             if again and not self._may_restart_agent():
                 continue
@@ -988,7 +988,7 @@ class Checkpointer:
         ]
         if cfg.storage:
             cmd += ["--storage", cfg.storage]
-        log_path = os.path.join(run_dir, f"{self.job}.{self.node}.log")
+        log_path = agent_log_path(run_dir, self.job, self.node)
         fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         logf = os.fdopen(fd, "ab")
         try:
@@ -2274,7 +2274,7 @@ class Checkpointer:
         return self._shard % int(manifest["num_shards"])
 
 
-_SLOT_RE = re.compile(r"r(\d{5})\.s[01]")
+_SLOT_RE = SLOT_SUFFIX_RE
 
 
 def _same_file(path: str | None, ino: int) -> bool:

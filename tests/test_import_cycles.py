@@ -91,3 +91,22 @@ def test_the_graph_sees_imports_inside_functions() -> None:
 
 def test_no_import_cycles() -> None:
     assert find_cycles(import_graph()) == []
+
+
+def test_product_modules_never_import_the_test_helpers() -> None:
+    # flashckpt run --standalone starts its etcd with elastic.etcd_server, not a test helper.
+    users = sorted(name for name, deps in import_graph().items() if "elastic.testing" in deps)
+    assert users == []
+
+
+def test_the_standalone_etcd_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import elastic.etcd_server, elastic.standalone\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -65,8 +65,8 @@ from typing import Any
 import psutil
 
 from elastic import netns
+from elastic.etcd_server import EtcdServer
 from elastic.testing import (
-    EtcdServer,
     kill_job,
     kill_processes,
     loopback_env,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import json
 import os
@@ -38,6 +37,7 @@ from typing import Any
 import _common as C
 import torch
 
+from elastic.procutil import set_parent_death_signal
 from elastic.testing import kill_job
 
 DIM = 2048
@@ -94,7 +94,6 @@ def _rank_main(a: argparse.Namespace, rank: int, world: int, phase: str, init: s
 
 def _fork_ranks(a: argparse.Namespace, world: int, phase: str, tmp: Path) -> None:
     init = str(tmp / f"init-{uuid.uuid4().hex}")
-    libc = ctypes.CDLL(None, use_errno=True)
     pids = []
     for rank in range(world):
         sys.stdout.flush()
@@ -102,7 +101,7 @@ def _fork_ranks(a: argparse.Namespace, world: int, phase: str, tmp: Path) -> Non
         if pid == 0:
             code = 1
             try:
-                libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+                set_parent_death_signal(signal.SIGKILL)  # die with the launcher
                 code = _rank_main(a, rank, world, phase, init)
             finally:
                 os._exit(code)

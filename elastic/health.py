@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from elastic.etcd import EtcdClient, EtcdError
+from flashckpt import envnames
 
 __all__ = [
     "FAULT_ENV",
@@ -46,7 +47,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FAULT_ENV = "FLASHCKPT_INJECT_HEALTH_FAULT"
+FAULT_ENV = envnames.INJECT_HEALTH_FAULT
 """Fault injection for tests: when ``1``, this machine's compute checksum comes out wrong."""
 
 _SIZE = 256

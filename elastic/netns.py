@@ -42,6 +42,8 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
+from elastic.etcd_server import find_etcd_binary
+
 __all__ = ["Cluster", "Machine", "connect_in", "unavailable"]
 
 _CLONE_NEWNET = 0x40000000
@@ -362,8 +364,6 @@ class Cluster:
         Every machine reaches it at ``http://<hub_addr>:2379``; this process reaches it through
         :meth:`forward` (``http://127.0.0.1:<cluster.forward(2379)>``).
         """
-        from elastic.testing import find_etcd_binary  # the test helpers import torch
-
         url = f"http://{self.hub_addr}:2379"
         peer = f"http://{self.hub_addr}:2380"
         os.makedirs(data_dir, exist_ok=True)

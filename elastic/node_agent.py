@@ -33,6 +33,7 @@ from datetime import timedelta
 
 from elastic.deadline import Deadline
 from elastic.procutil import die_with_parent
+from flashckpt import names
 
 __all__ = ["AgentGeneration", "NodeAgentConfig", "NodeAgentError", "NodeAgentProcess"]
 
@@ -139,7 +140,7 @@ class NodeAgentProcess:
         # Empty generation directories left by a launcher of this job and node that was killed
         # (its agents removed their segments on the way out). rmdir never removes a non-empty
         # one, so a live launcher's directories are safe.
-        prefix = f"flashckpt.{cfg.job}.{cfg.node}.g"
+        prefix = names.generation_shm_prefix(cfg.job, cfg.node)
         for name in os.listdir(cfg.shm_dir):
             if name.startswith(prefix):
                 with contextlib.suppress(OSError):
@@ -197,16 +198,14 @@ class NodeAgentProcess:
     # ------------------------------------------------------------------------ internals
 
     def _generation(self) -> AgentGeneration:
-        from flashckpt.protocol import socket_path
-
         cfg, number = self.config, 1
-        run_dir = os.path.join(cfg.run_dir, f"{cfg.job}.{cfg.node}.g{number}")
+        run_dir = names.generation_run_dir(cfg.run_dir, cfg.job, cfg.node, number)
         return AgentGeneration(
             number=number,
             run_dir=run_dir,
-            shm_dir=os.path.join(cfg.shm_dir, f"flashckpt.{cfg.job}.{cfg.node}.g{number}"),
-            log_path=os.path.join(cfg.run_dir, f"{cfg.job}.{cfg.node}.g{number}.log"),
-            socket_path=socket_path(run_dir, cfg.job, cfg.node),
+            shm_dir=names.generation_shm_dir(cfg.shm_dir, cfg.job, cfg.node, number),
+            log_path=names.generation_log_path(cfg.run_dir, cfg.job, cfg.node, number),
+            socket_path=names.socket_path(run_dir, cfg.job, cfg.node),
         )
 
     def _supervise(self) -> None:
@@ -344,9 +343,12 @@ class NodeAgentProcess:
         # The agent removed its segments and socket on the way out; its lock file remains. Other
         # files in its run directory (event logs of the agent's monitor) are kept.
         cfg = self.config
-        for name in (f"{cfg.job}.{cfg.node}.lock", f"{cfg.job}.{cfg.node}.sock"):
+        for path in (
+            names.lock_path(gen.run_dir, cfg.job, cfg.node),
+            names.socket_path(gen.run_dir, cfg.job, cfg.node),
+        ):
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(gen.run_dir, name))
+                os.unlink(path)
         with contextlib.suppress(OSError):
             os.rmdir(gen.run_dir)
         shutil.rmtree(gen.shm_dir, ignore_errors=True)

@@ -43,6 +43,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from elastic.procutil import die_with_parent, set_parent_death_signal
+from elastic.usercode import run_user_code
+from flashckpt import envnames
+
 __all__ = [
     "DEFAULT_MODULES",
     "PREWARM_SOCKET_ENV",
@@ -52,7 +56,7 @@ __all__ = [
     "serve",
 ]
 
-PREWARM_SOCKET_ENV = "FLASHCKPT_PREWARM_SOCKET"
+PREWARM_SOCKET_ENV = envnames.PREWARM_SOCKET
 """Set by the launcher in the workers' environment: the zygote's socket."""
 
 DEFAULT_MODULES = (
@@ -73,7 +77,6 @@ _FORWARDED_SIGNALS = (
     signal.SIGUSR1,
     signal.SIGUSR2,
 )
-_PR_SET_PDEATHSIG = 1
 
 
 # ---------------------------------------------------------------------------------- stub side
@@ -305,10 +308,7 @@ def _become_worker(
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         os.setsid()  # its own process group: the stub forwards signals to it as a group
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        set_parent_death_signal(signal.SIGKILL)  # the zygote's death kills its workers
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -319,8 +319,6 @@ def _become_worker(
         if request.get("affinity") and hasattr(os, "sched_setaffinity"):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, request["affinity"])
-        from elastic.worker_entry import run_user_code
-
         status = 0
         try:
             run_user_code(list(request["args"]))
@@ -376,8 +374,6 @@ class Prewarmer:
     def start(self) -> None:
         """Starts the zygote (again, if it died); returns at once."""
         import subprocess
-
-        from elastic.procutil import die_with_parent
 
         if self._proc is not None and self._proc.poll() is None:
             return

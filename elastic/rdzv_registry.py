@@ -13,11 +13,14 @@ so that ``torchrun --rdzv-backend=flashckpt-etcd --rdzv-endpoint=host:2379 ...``
 
 This module imports nothing from torch at import time: torch loads it *while* its rendezvous
 package is still initializing, and importing that package back from here would be a cycle.
+The backend name lives in :mod:`elastic.rdzv_name`, which both modules import.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from elastic.rdzv_name import BACKEND_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -26,12 +29,11 @@ if TYPE_CHECKING:
 
 __all__ = ["BACKEND_NAME", "create_handler", "get_handler_creator", "register"]
 
-BACKEND_NAME = "flashckpt-etcd"
-"""The name users pass as ``--rdzv-backend``."""
-
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Creates our etcd v3 rendezvous handler; see :func:`elastic.rendezvous.create_handler`."""
+    # Imported when torch calls this, not when torch loads the entry point: elastic.rendezvous
+    # imports torch's rendezvous package, which is still initialising at that point.
     from elastic.rendezvous import create_handler as _create_handler
 
     return _create_handler(params)

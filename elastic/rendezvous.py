@@ -63,7 +63,7 @@ from elastic.etcd import (
     Lease,
     parse_endpoints,
 )
-from elastic.rdzv_registry import BACKEND_NAME
+from elastic.rdzv_name import BACKEND_NAME
 from elastic.store import EtcdStore
 
 __all__ = [

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from flashckpt import names
 from flashckpt.goodput import compute_goodput, incarnations_from_events, read_events
 
 __all__ = ["RestoreReporter", "events_path", "format_restore_line", "job_summary"]
@@ -40,7 +40,7 @@ _GRACE_S = 5.0
 
 def events_path(run_dir: str, job: str, node: str) -> str:
     """The node agent's events file of one job and machine."""
-    return os.path.join(run_dir, f"{job}.{node}.events.jsonl")
+    return names.events_path(run_dir, job, node)
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:

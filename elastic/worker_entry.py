@@ -24,26 +24,22 @@ normal teardown (``atexit`` handlers run then). A normal exit or ``sys.exit()`` 
 
 from __future__ import annotations
 
-import logging
 import os
-import runpy
 import signal
 import sys
-import traceback
 
 from elastic.prewarm import PREWARM_SOCKET_ENV, exit_with_status, run_prewarmed
 from elastic.procutil import set_parent_death_signal
+from elastic.usercode import FAST_EXIT_ENV, run_user_code
+from flashckpt import envnames
 
 __all__ = ["EXEC_FLAG", "FAST_EXIT_ENV", "LAUNCHER_PID_ENV", "main", "run_user_code"]
 
 EXEC_FLAG = "--exec"
 """``--exec <program> [args]``: replace this process by the program (``--no-python``)."""
 
-LAUNCHER_PID_ENV = "FLASHCKPT_LAUNCHER_PID"
+LAUNCHER_PID_ENV = envnames.LAUNCHER_PID
 """Set by the launcher to its pid; a worker whose parent is not this pid exits at once."""
-
-FAST_EXIT_ENV = "FLASHCKPT_WORKER_FAST_EXIT"
-"""``0`` disables the immediate exit of a worker that failed with an exception."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,41 +74,6 @@ def main(argv: list[str] | None = None) -> None:
         if status is not None:
             exit_with_status(status)
     run_user_code(args)
-
-
-def run_user_code(args: list[str]) -> None:
-    """Runs ``[script, *args]`` or ``["-m", module, *args]`` as ``__main__``.
-
-    A failure with an exception ends the process at once (see the module docstring).
-    """
-    try:
-        if args[0] == "-m":
-            module = args[1]
-            sys.argv = [module, *args[2:]]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        else:
-            script = args[0]
-            sys.argv = [script, *args[1:]]
-            sys.path[0] = os.path.dirname(os.path.abspath(script))
-            runpy.run_path(script, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
-        raise
-    except BaseException:
-        if os.environ.get(FAST_EXIT_ENV, "1") == "0":
-            raise
-        _exit_now()
-
-
-def _exit_now() -> None:
-    """Reports the exception in flight like the interpreter would, then exits with code 1."""
-    try:
-        traceback.print_exc()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ import logging
 import mmap
 import os
 import queue
-import re
 import signal
 import socket
 import threading
@@ -52,6 +51,7 @@ from typing import Any
 
 import psutil
 
+from flashckpt import names
 from flashckpt.layout import Layout, safetensors_header
 from flashckpt.monitor import AgentMonitor, MonitorConfig
 from flashckpt.protocol import LineReader, default_node_id, default_run_dir, send_msg, socket_path
@@ -90,7 +90,7 @@ MAX_LOCAL_RANKS = 4096
 MAX_SLOT_BYTES = 1 << 44
 """Largest slot region a trainer may ask for (16 TiB; the tmpfs bounds it further)."""
 
-_SLOT_RE = re.compile(r"^fc\.([A-Za-z0-9_-]+)\.([A-Za-z0-9_-]+)\.r(\d{5})\.s([01])$")
+_SLOT_RE = names.SLOT_NAME_RE
 
 
 class AgentRunning(RuntimeError):
@@ -254,7 +254,7 @@ class NodeAgent:
         self._server: socket.socket | None = None
         self.monitor: AgentMonitor | None = None
         self.socket_path = socket_path(config.run_dir, config.job, config.node)
-        self.owner_path = os.path.join(config.shm_dir, f"fc.{config.job}.{config.node}.owner")
+        self.owner_path = names.owner_path(config.shm_dir, config.job, config.node)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, lock_wait: float = 0.0) -> None:
@@ -267,7 +267,7 @@ class NodeAgent:
         # The socket, lock and log live here: another user able to write into it could swap
         # the socket (and receive the trainers' hello) or point the log elsewhere.
         ensure_private_dir(cfg.run_dir, "agent run dir")
-        lock_path = os.path.join(cfg.run_dir, f"{cfg.job}.{cfg.node}.lock")
+        lock_path = names.lock_path(cfg.run_dir, cfg.job, cfg.node)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         # A previous agent may be finishing its shutdown (final persist): give it a moment.
         deadline = time.monotonic() + lock_wait
@@ -1262,7 +1262,7 @@ def _key(msg: dict[str, Any]) -> int:
     return int(msg["local_rank"]) if msg.get("local_rank") is not None else int(msg["rank"])
 
 
-_GROUP_RE = re.compile(r"^fc\.([A-Za-z0-9_-]{1,64})\.([A-Za-z0-9_-]{1,64})\.")
+_GROUP_RE = names.GROUP_NAME_RE
 
 
 @dataclass(frozen=True, slots=True)
@@ -1307,10 +1307,10 @@ def abandoned_segments(
     """
     groups: dict[tuple[str, str], list[tuple[str, os.stat_result]]] = {}
     try:
-        names = os.listdir(shm_dir)
+        entries = os.listdir(shm_dir)
     except OSError:
         return []
-    for name in names:
+    for name in entries:
         m = _GROUP_RE.match(name)
         if not m:
             continue
@@ -1327,7 +1327,7 @@ def abandoned_segments(
     for key, files in sorted(groups.items()):
         if key == skip:
             continue
-        owner = os.path.join(shm_dir, f"fc.{key[0]}.{key[1]}.owner")
+        owner = names.owner_path(shm_dir, key[0], key[1])
         if _owner_alive(owner):
             continue
         age = now - max(st.st_mtime for _, st in files)

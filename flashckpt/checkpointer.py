@@ -25,7 +25,6 @@ import json
 import logging
 import operator
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ from typing import Any, Literal
 import torch
 import xxhash
 
+from flashckpt import envnames
 from flashckpt.errors import PersistError, StorageUnavailableError
 from flashckpt.interval import AutoInterval
 from flashckpt.jsonstate import decode_state, encode_state
@@ -50,6 +50,7 @@ from flashckpt.layout import (
     tensor_views,
     unflatten_state,
 )
+from flashckpt.names import SLOT_SUFFIX_RE, agent_log_path
 from flashckpt.peers import (
     HeldSnapshot,
     PeerPlan,
@@ -269,7 +270,7 @@ def _world_id(world: int, group: Any = None) -> str:
     ``FLASHCKPT_WORLD_ID`` when set; else, under torch.distributed launchers, the rendezvous
     master's address and port (a new round gets a new port) and the world size.
     """
-    wid = _env("FLASHCKPT_WORLD_ID")
+    wid = envnames.world_id()
     if wid:
         return wid
     addr, port = _env("MASTER_ADDR"), _env("MASTER_PORT")
@@ -791,7 +792,7 @@ class Checkpointer:
         self._world_id = _world_id(self._world, self._coord_pg)
         if self._storage is not None:
             self._probe_storage(self._storage)
-        job = cfg.job or _env("FLASHCKPT_JOB")
+        job = cfg.job or envnames.job()
         if job is None:
             run_id = _env("TORCHELASTIC_RUN_ID")
             if run_id and run_id != "none":
@@ -801,8 +802,8 @@ class Checkpointer:
                 raise ValueError("pass job= (or storage=) so the snapshots have a name")
             job = "j" + hashlib.sha1(cfg.storage.encode()).hexdigest()[:12]
         self.job = check_name("job", job)
-        self.node = check_name("node", cfg.node or _env("FLASHCKPT_NODE") or default_node_id())
-        run_dir = cfg.run_dir or _env("FLASHCKPT_RUN_DIR") or default_run_dir()
+        self.node = check_name("node", cfg.node or envnames.node() or default_node_id())
+        run_dir = cfg.run_dir or envnames.run_dir() or default_run_dir()
         path = socket_path(run_dir, self.job, self.node)
         self._run_dir = run_dir
         if len(path.encode()) > 100:
@@ -946,7 +947,7 @@ class Checkpointer:
             if time.monotonic() > deadline:
                 raise AgentError(
                     f"the node agent did not start within {self.config.agent_timeout:.0f} s; "
-                    f"see {os.path.join(run_dir, f'{self.job}.{self.node}.log')}"
+                    f"see {agent_log_path(run_dir, self.job, self.node)}"
                 )
             if again and not self._may_restart_agent():
                 continue
@@ -981,7 +982,7 @@ class Checkpointer:
             "--node",
             self.node,
             "--shm-dir",
-            cfg.shm_dir or _env("FLASHCKPT_SHM_DIR") or "/dev/shm",
+            cfg.shm_dir or envnames.shm_dir() or "/dev/shm",
             "--run-dir",
             run_dir,
             "--keep",
@@ -994,7 +995,7 @@ class Checkpointer:
         ]
         if cfg.storage:
             cmd += ["--storage", cfg.storage]
-        log_path = os.path.join(run_dir, f"{self.job}.{self.node}.log")
+        log_path = agent_log_path(run_dir, self.job, self.node)
         fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         logf = os.fdopen(fd, "ab")
         try:
@@ -2279,7 +2280,7 @@ class Checkpointer:
         return self._shard % int(manifest["num_shards"])
 
 
-_SLOT_RE = re.compile(r"r(\d{5})\.s[01]")
+_SLOT_RE = SLOT_SUFFIX_RE
 
 
 def _same_file(path: str | None, ino: int) -> bool:

@@ -37,6 +37,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from flashckpt import envnames
+
 __all__ = [
     "GPU_MTBF_PRIOR_H",
     "JOB_START_ENV",
@@ -45,7 +47,7 @@ __all__ = [
     "interval_steps",
 ]
 
-JOB_START_ENV = "FLASHCKPT_JOB_START"
+JOB_START_ENV = envnames.JOB_START
 """Wall-clock time (``time.time()``) the launcher started; set by ``flashckpt run``."""
 RESTARTS_ENV = "TORCHELASTIC_RESTART_COUNT"
 GPU_MTBF_PRIOR_H = 50_000.0

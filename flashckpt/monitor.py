@@ -42,6 +42,7 @@ from flashckpt.goodput import (
     read_events,
 )
 from flashckpt.metrics import MetricsServer, metric_families, serve_metrics
+from flashckpt.names import events_path, goodput_report_path
 from flashckpt.rankview import Batch, RankState, RingReader, quantile
 from flashckpt.ring import (
     ENTERING,
@@ -175,8 +176,8 @@ class AgentMonitor:
         self.job, self.node = job, node
         self.shm_dir = shm_dir
         self.events_dir = config.events_dir or run_dir
-        self.events_path = os.path.join(self.events_dir, f"{job}.{node}.events.jsonl")
-        self.report_path = os.path.join(self.events_dir, f"{job}.{node}.goodput.txt")
+        self.events_path = events_path(self.events_dir, job, node)
+        self.report_path = goodput_report_path(self.events_dir, job, node)
         self.metrics_port: int | None = None
         self._facts = facts
         self._ring_re = re.compile(rf"^fc\.{re.escape(job)}\.{re.escape(node)}\.r(\d{{5}})\.mon$")

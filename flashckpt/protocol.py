@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flashckpt.errors import AgentError, UnsafeLocalStateError
+from flashckpt.names import socket_path
 from flashckpt.shm import check_private_dir
 
 __all__ = [
@@ -52,10 +53,6 @@ def default_node_id() -> str:
 
 def default_run_dir() -> str:
     return os.path.join("/tmp", f"flashckpt-{os.getuid()}")
-
-
-def socket_path(run_dir: str, job: str, node: str) -> str:
-    return os.path.join(run_dir, f"{job}.{node}.sock")
 
 
 def send_msg(sock: socket.socket, obj: dict[str, Any], lock: threading.Lock) -> None:

@@ -37,6 +37,8 @@ import time
 import uuid
 from typing import Any
 
+from flashckpt.names import ring_path, stacks_path
+
 __all__ = [
     "StepRecorder",
     "open_recorder",
@@ -82,11 +84,6 @@ PHASES = ("entering", "running", "paused", "finishing", "exited")
 PARTS = ("step", "data", "forward", "forward_backward", "optimizer", "checkpoint")
 # index of each part in a record tuple
 PART_INDEX = {p: i + 2 for i, p in enumerate(PARTS)}
-
-
-def ring_path(shm_dir: str, job: str, node: str, rank: int) -> str:
-    """Path of a rank's monitor ring (named like the slots, so the agent cleans it up too)."""
-    return os.path.join(shm_dir, f"fc.{job}.{node}.r{rank:05d}.mon")
 
 
 def _under_elastic_launcher() -> bool:
@@ -375,7 +372,7 @@ def open_recorder(
             rank=rank,
             world=world,
             enter_wall=enter_wall,
-            stacks_path=os.path.join(run_dir, f"{job}.{node}.r{rank:05d}.stacks.log"),
+            stacks_path=stacks_path(run_dir, job, node, rank),
         )
     except OSError as e:
         log.warning(

@@ -23,7 +23,6 @@ import errno
 import json
 import mmap
 import os
-import re
 import stat
 import struct
 import threading
@@ -36,6 +35,7 @@ from typing import Any
 import xxhash
 
 from flashckpt.errors import ShmSpaceError, UnsafeLocalStateError
+from flashckpt.names import check_name, slot_path, slot_prefix  # re-exported: built in names
 
 __all__ = [
     "HEADER_SIZE",
@@ -44,10 +44,12 @@ __all__ = [
     "Slot",
     "SlotInfo",
     "allocate_slot_file",
+    "check_name",
     "check_private_dir",
     "ensure_private_dir",
     "file_problem",
     "slot_path",
+    "slot_prefix",
 ]
 
 HEADER_SIZE = 4096
@@ -67,26 +69,6 @@ _AGENT_OFF = 1024
 # belongs to), xxh3_64 u64 of the data region's ``data_len`` bytes, crc32 u32 of those two.
 _HASH_OFF = _AGENT_OFF + 64
 _HASH = struct.Struct("<QQ")
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-def check_name(kind: str, value: str) -> str:
-    """Validates a job or node id used in shared-memory and socket names."""
-    if not _NAME_RE.match(value):
-        raise ValueError(
-            f"{kind} {value!r} is not a valid id: use 1-64 characters from A-Z a-z 0-9 _ -"
-        )
-    return value
-
-
-def slot_prefix(job: str, node: str) -> str:
-    return f"fc.{job}.{node}."
-
-
-def slot_path(shm_dir: str, job: str, node: str, rank: int, index: int) -> str:
-    """Path of slot ``index`` (0 or 1) of ``rank``."""
-    return os.path.join(shm_dir, f"{slot_prefix(job, node)}r{rank:05d}.s{index}")
 
 
 def round_up(n: int, to: int = PAGE) -> int:

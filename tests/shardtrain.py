@@ -151,11 +151,11 @@ def fork_ranks(world: int, expected: int, run: Callable[[int], int], name: str) 
         failing with another code than ``expected`` gets the others killed (they would wait in a
         collective until its timeout).
     """
-    import ctypes
     import signal
     import traceback
 
-    libc = ctypes.CDLL(None, use_errno=True)
+    from elastic.procutil import set_parent_death_signal
+
     pids: dict[int, int] = {}
     for rank in range(world):
         sys.stdout.flush()
@@ -164,7 +164,7 @@ def fork_ranks(world: int, expected: int, run: Callable[[int], int], name: str) 
         if pid == 0:
             code = 1
             try:
-                libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
+                set_parent_death_signal(signal.SIGKILL)  # die with the launcher
                 code = run(rank)
             except BaseException:
                 traceback.print_exc()

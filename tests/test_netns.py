@@ -155,7 +155,7 @@ def test_hub_service_reached_from_machines_and_through_forward(cluster: netns.Cl
 
 
 def test_etcd_in_the_hub(cluster: netns.Cluster, tmp_path: object) -> None:
-    from elastic.testing import EtcdServerError, find_etcd_binary
+    from elastic.etcd_server import EtcdServerError, find_etcd_binary
 
     try:
         binary = find_etcd_binary()

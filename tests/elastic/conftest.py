@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd import EtcdClient
-from elastic.testing import EtcdServer, EtcdServerError, find_etcd_binary
+from elastic.etcd_server import EtcdServer, EtcdServerError, find_etcd_binary
 
 
 def _binary() -> str:

@@ -19,7 +19,7 @@ from elastic.etcd import (
     EtcdUnavailable,
     parse_endpoints,
 )
-from elastic.testing import EtcdServer
+from elastic.etcd_server import EtcdServer
 
 SHORT = timedelta(seconds=1)
 

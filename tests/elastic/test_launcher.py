@@ -24,7 +24,7 @@ import torch
 from _cluster import SimCluster, cluster_env
 
 from elastic import health
-from elastic.testing import EtcdServer
+from elastic.etcd_server import EtcdServer
 from flashckpt.storage import Storage
 
 STEPS = 50

@@ -18,7 +18,7 @@ from _cluster import SimCluster
 from _nscluster import NsSimCluster
 
 from elastic import netns
-from elastic.testing import find_etcd_binary
+from elastic.etcd_server import find_etcd_binary
 from flashckpt.storage import Storage
 
 STEPS = 40

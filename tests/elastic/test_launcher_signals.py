@@ -24,8 +24,9 @@ import pytest
 from _cluster import SimCluster
 
 from elastic.etcd import EtcdClient
+from elastic.etcd_server import EtcdServer
 from elastic.rendezvous import DEFAULT_KEY_PREFIX, decode_state, job_prefix
-from elastic.testing import EtcdServer, job_processes
+from elastic.testing import job_processes
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 

@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from elastic.etcd import EtcdClient
+from elastic.etcd_server import EtcdServer
 from elastic.rdzv_registry import BACKEND_NAME
 from elastic.rendezvous import (
     SHARE_STORE_ENV,
@@ -39,7 +40,7 @@ from elastic.rendezvous import (
     decode_state,
     encode_state,
 )
-from elastic.testing import EtcdServer, InMemoryRendezvousBackend, make_test_certificates
+from elastic.testing import InMemoryRendezvousBackend, make_test_certificates
 
 BackendFactory = Callable[[], RendezvousBackend]
 

@@ -1,0 +1,233 @@
+"""What one ``flashckpt run`` is told and what it reports: its configuration, its event log and
+its error.
+
+Below both :mod:`elastic.launcher` (the command line, which builds a :class:`LauncherConfig`)
+and :mod:`elastic.session` (which runs one): neither imports the other for these. Torch is
+imported only to validate ``--redirects``/``--tee``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashckpt import names
+
+__all__ = [
+    "EventLog",
+    "LaunchError",
+    "LauncherConfig",
+    "default_node_id",
+    "default_shutdown_timeout",
+]
+
+logger = logging.getLogger("flashckpt.launcher")
+
+
+class LaunchError(RuntimeError):
+    """The launcher cannot run this machine: the message names the problem and the fix."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LauncherConfig:
+    """Everything one ``flashckpt run`` needs; built from the command line by
+    :func:`parse_args`."""
+
+    entrypoint: str
+    """The training script (or module, with ``module=True``)."""
+    entrypoint_args: list[str] = field(default_factory=list)
+    """Its arguments."""
+    module: bool = False
+    """Run ``entrypoint`` as a module (``python -m``)."""
+    min_nodes: int = 1
+    """Smallest number of machines the job runs with."""
+    max_nodes: int = 1
+    """Largest number of machines the job runs with; more launchers are standbys."""
+    nproc_per_node: int = 1
+    """Worker processes per machine."""
+    rdzv_endpoint: str | None = None
+    """etcd client URL(s); ``None`` with ``standalone``."""
+    rdzv_id: str = "none"
+    """The job id: every machine of a job uses the same; it also names the flashckpt job."""
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    """Extra rendezvous options (torch's ``join_timeout``, ``last_call_timeout``,
+    ``keep_alive_interval``..., ours: ``read_timeout``, ``key_prefix``...)."""
+    standalone: bool = False
+    """Start a private etcd on loopback (single machine)."""
+    max_restarts: int = 3
+    """Worker-group restarts after failures before the launcher gives up."""
+    shutdown_timeout: float = field(default_factory=lambda: default_shutdown_timeout())
+    """Seconds from a SIGTERM/SIGINT until everything is stopped: the workers get SIGTERM and
+    are killed after it (torchrun's ``--shutdown-timeout``, ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``,
+    30 s), then the node agent persists what it holds in what is left of it."""
+    monitor_interval: float = 0.1
+    """Seconds between checks of the workers."""
+    local_addr: str | None = None
+    """This machine's address as other machines reach it (default: its FQDN)."""
+    node_id: str = field(default_factory=lambda: default_node_id())
+    """This machine's id in the job; unique per machine."""
+    storage: str | None = None
+    """Checkpoint root URL handed to the node agent (``None``: the trainers supply it)."""
+    shm_dir: str = "/dev/shm"
+    """Where the node agent keeps snapshots."""
+    run_dir: str | None = None
+    """Directory of the node agent's socket and logs (default ``/tmp/flashckpt-<uid>``)."""
+    keep: int = 3
+    """Committed steps the node agent keeps in storage."""
+    metrics_port: int | None = None
+    """Port of the node agent's Prometheus endpoint (``None``: off)."""
+    lease_ttl: float = 5.0
+    """Seconds after its last lease renewal that a silent machine is declared dead."""
+    probe: bool = True
+    """Probe peers when workers fail, to find dead machines before their lease lapses."""
+    health_check: bool = False
+    """Run the compute + all-reduce probe before each round's workers start."""
+    prewarm: bool = True
+    """Fork workers from a process that has already imported torch (:mod:`elastic.prewarm`)."""
+    log_dir: str | None = None
+    """Where torch writes worker logs (default: a temporary directory); a job-level
+    sub-directory named after the job id is created in it (torchrun's ``--log-dir``)."""
+    redirects: str = "0"
+    """torchrun's ``--redirects``: which std streams of which local ranks go to log files
+    only (``3``: both for every rank; ``0:1,1:2``: stdout of rank 0, stderr of rank 1)."""
+    tee: str = "0"
+    """torchrun's ``--tee``: like ``redirects``, but the console still shows the stream."""
+    local_ranks_filter: frozenset[int] | None = None
+    """torchrun's ``--local-ranks-filter``: only these local ranks' output reaches the
+    console (log files are not filtered)."""
+    no_python: bool = False
+    """torchrun's ``--no-python``: run the entry point directly, not with ``python``."""
+    start_method: str = "spawn"
+    """torchrun's ``--start-method`` (``spawn``, ``fork``, ``forkserver``); as in torchrun it
+    only applies to function entry points, a script always runs as a new process."""
+    event_log: str | None = None
+    """Append lifecycle events (JSON lines with wall-clock times) to this file."""
+    swap_stragglers: bool = False
+    """Leave the job for a waiting standby when this machine is persistently the slowest
+    (:mod:`elastic.jobview`)."""
+    straggler_factor: float = 1.5
+    """Slower than this many times the other machines' median counts as a straggler."""
+
+    def __post_init__(self) -> None:
+        if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
+            raise ValueError(
+                f"--nnodes {self.min_nodes}:{self.max_nodes}: use N or MIN:MAX with 1 <= MIN <= MAX"
+            )
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts {self.max_restarts}: must be >= 0")
+        from torch.distributed.elastic.multiprocessing import Std
+
+        for flag, value in (("--redirects", self.redirects), ("--tee", self.tee)):
+            try:
+                Std.from_str(value)
+            except ValueError:
+                raise ValueError(
+                    f"{flag} {value!r}: use 0-3 for every local rank (1 stdout, 2 stderr, 3 "
+                    "both) or rank:value pairs such as 0:1,1:2"
+                ) from None
+        if self.local_ranks_filter is not None and (
+            not self.local_ranks_filter or min(self.local_ranks_filter) < 0
+        ):
+            raise ValueError(
+                "--local-ranks-filter: use a comma-separated list of local ranks, e.g. 0,1"
+            )
+        if self.start_method not in ("spawn", "fork", "forkserver"):
+            raise ValueError(f"--start-method {self.start_method!r}: use spawn, fork or forkserver")
+        if self.no_python and self.module:
+            raise ValueError("use either --no-python or --module (-m), not both (as torchrun)")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout {self.shutdown_timeout}: must be >= 0 seconds")
+        if self.monitor_interval <= 0:
+            raise ValueError(f"--monitor-interval {self.monitor_interval}: must be > 0 seconds")
+        if self.lease_ttl < 2:
+            raise ValueError(
+                f"--lease-ttl {self.lease_ttl}: must be at least 2 s; a TTL near etcd's 1 s "
+                "granularity declares healthy machines dead"
+            )
+        if self.keep < 1:
+            raise ValueError(f"--keep {self.keep}: keep at least 1 committed step")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port {self.metrics_port}: use a TCP port (1-65535)")
+        if self.straggler_factor <= 1:
+            raise ValueError(
+                f"--straggler-factor {self.straggler_factor}: must be > 1 (e.g. 1.5: 50% slower "
+                "than the other machines' median)"
+            )
+        for flag, value in (("--rdzv-id", self.rdzv_id), ("--node-id", self.node_id)):
+            if not names.ID_RE.match(value):
+                raise ValueError(
+                    f"{flag} {value!r}: use 1-64 letters, digits, '-' or '_' (it names etcd "
+                    "keys, shared-memory segments and sockets)"
+                )
+        if self.standalone:
+            if self.rdzv_endpoint:
+                raise ValueError(
+                    "--standalone starts a private etcd: drop --rdzv-endpoint, or drop "
+                    "--standalone to use the etcd at that endpoint"
+                )
+            if self.max_nodes != 1:
+                raise ValueError(
+                    f"--standalone runs one machine, but --nnodes is "
+                    f"{self.min_nodes}:{self.max_nodes}; for several machines start etcd and "
+                    "pass --rdzv-endpoint host:2379 to every launcher"
+                )
+        elif not self.rdzv_endpoint:
+            raise ValueError(
+                "no --rdzv-endpoint: pass the etcd client URL every machine of the job can "
+                "reach (e.g. --rdzv-endpoint etcd-host:2379), or --standalone for a "
+                "single-machine run"
+            )
+        elif self.rdzv_id == "none":
+            raise ValueError(
+                "multi-machine jobs need a job id shared by all their machines: pass "
+                "--rdzv-id <id> to every launcher"
+            )
+
+
+def default_shutdown_timeout() -> float:
+    """``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (torchrun's variable), 30 s when unset."""
+    text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r}: use a number of seconds (torchrun's "
+            "default is 30)"
+        ) from None
+
+
+def default_node_id() -> str:
+    """The host name, cut to a valid node id."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:64] or "node"
+
+
+class EventLog:
+    """Appends lifecycle events as JSON lines (``{"t": wall clock, "event": ..., ...}``).
+
+    Used by the failover benchmark to break a recovery down; a no-op without a path.
+    """
+
+    def __init__(self, path: str | None, node_id: str) -> None:
+        self._path = path
+        self._node = node_id
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        """Records one event. Never raises."""
+        if not self._path:
+            return
+        line = json.dumps({"t": time.time(), "event": event, "node": self._node, **fields})
+        try:
+            with self._lock, open(self._path, "a") as f:
+                f.write(line + "\n")
+        except OSError as exc:
+            logger.warning("cannot write event log %s: %s", self._path, exc)

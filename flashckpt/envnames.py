@@ -1,0 +1,101 @@
+"""The ``FLASHCKPT_*`` environment variables, and their readers: one place for the contract
+between ``flashckpt run`` (which sets them in the workers' environment) and the trainer, the
+node agent and the worker entry point (which read them).
+
+The names are public: users set them by hand outside ``flashckpt run`` (e.g. under torchrun).
+Bottom layer: imports nothing of the project, no torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "ALL",
+    "INJECT_HEALTH_FAULT",
+    "JOB",
+    "JOB_START",
+    "LAUNCHER_PID",
+    "NODE",
+    "PREWARM_SOCKET",
+    "RUN_DIR",
+    "SHM_DIR",
+    "STORAGE",
+    "WORKER_FAST_EXIT",
+    "WORLD_ID",
+    "get",
+    "job",
+    "node",
+    "run_dir",
+    "shm_dir",
+    "world_id",
+]
+
+JOB = "FLASHCKPT_JOB"
+"""The job id (names the shared-memory segments and the agent); ``flashckpt run``: --rdzv-id."""
+NODE = "FLASHCKPT_NODE"
+"""This machine's node id; ``flashckpt run``: --node-id."""
+RUN_DIR = "FLASHCKPT_RUN_DIR"
+"""Directory of the node agent's socket and logs (of the launcher's current agent)."""
+SHM_DIR = "FLASHCKPT_SHM_DIR"
+"""Directory of the shared-memory slots (of the launcher's current agent)."""
+STORAGE = "FLASHCKPT_STORAGE"
+"""``flashckpt run --storage``, for the training script's own use."""
+WORLD_ID = "FLASHCKPT_WORLD_ID"
+"""Names the world (rendezvous round) a rank belongs to, overriding the default."""
+JOB_START = "FLASHCKPT_JOB_START"
+"""Wall-clock time (``time.time()``) the launcher started; set by ``flashckpt run``."""
+LAUNCHER_PID = "FLASHCKPT_LAUNCHER_PID"
+"""Set by the launcher to its pid; a worker whose parent is not this pid exits at once."""
+PREWARM_SOCKET = "FLASHCKPT_PREWARM_SOCKET"
+"""Set by the launcher in the workers' environment: the pre-warmed zygote's socket."""
+WORKER_FAST_EXIT = "FLASHCKPT_WORKER_FAST_EXIT"
+"""``0`` disables the immediate exit of a worker that failed with an exception."""
+INJECT_HEALTH_FAULT = "FLASHCKPT_INJECT_HEALTH_FAULT"
+"""Fault injection for tests: when ``1``, this machine's compute checksum comes out wrong."""
+
+ALL = (
+    JOB,
+    NODE,
+    RUN_DIR,
+    SHM_DIR,
+    STORAGE,
+    WORLD_ID,
+    JOB_START,
+    LAUNCHER_PID,
+    PREWARM_SOCKET,
+    WORKER_FAST_EXIT,
+    INJECT_HEALTH_FAULT,
+)
+"""Every variable of this module."""
+
+
+def get(name: str) -> str | None:
+    """The variable's value, or ``None`` when it is unset or empty (an empty value means unset)."""
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def job() -> str | None:
+    """``$FLASHCKPT_JOB``, or ``None``."""
+    return get(JOB)
+
+
+def node() -> str | None:
+    """``$FLASHCKPT_NODE``, or ``None``."""
+    return get(NODE)
+
+
+def run_dir() -> str | None:
+    """``$FLASHCKPT_RUN_DIR``, or ``None``."""
+    return get(RUN_DIR)
+
+
+def shm_dir() -> str | None:
+    """``$FLASHCKPT_SHM_DIR``, or ``None``."""
+    return get(SHM_DIR)
+
+
+def world_id() -> str | None:
+    """``$FLASHCKPT_WORLD_ID``, or ``None``."""
+    return get(WORLD_ID)

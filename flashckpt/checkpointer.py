@@ -1064,12 +1064,16 @@ class Checkpointer:
         self._agent_auto = bool(reply.get("auto_started"))
         self.agent_restarts += 1
         self._adopt_hello_slots(reply.get("slots") or [])
-        # The new agent learns where this timeline began (steps after it in storage that this
-        # run did not commit belong to an abandoned one, or an older run's, and are rewritten).
-        last = self.stats.last_committed_step
-        since = max(self._timeline_start, last if last is not None else -1)
-        with contextlib.suppress(AgentError):
-            client.request("restored", step=since, timeout=10)
+        if self._timeline_start >= 0:
+            # The new agent learns where this resumed timeline began (steps after it in storage
+            # that this run did not commit belong to an abandoned one and are rewritten). A run
+            # that started from scratch tells nothing: entry refused a root holding another
+            # run's steps (or deleted them, overwrite=True), so every committed step is its own,
+            # even one this rank has not heard of yet.
+            last = self.stats.last_committed_step
+            since = max(self._timeline_start, last if last is not None else -1)
+            with contextlib.suppress(AgentError):
+                client.request("restored", step=since, timeout=10)
         log.warning(
             "flashckpt: rank %d lost its node agent and is linked to agent pid %s now",
             self._rank,

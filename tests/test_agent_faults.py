@@ -178,7 +178,7 @@ def test_auto_agent_leaves_after_a_failed_entry(fc_env: FcEnv) -> None:
     """Finding 11: an auto-started agent lingered its whole idle timeout (600 s) after its
     trainer failed at entry."""
     ra = RunningAgent(
-        fc_env.agent_config(exit_when_done=True, unused_timeout=5.0, idle_timeout=600)
+        fc_env.agent_config(exit_when_done=True, unused_timeout=10.0, idle_timeout=600)
     )
     try:
         model, opt, sched = make(0)
@@ -190,11 +190,17 @@ def test_auto_agent_leaves_after_a_failed_entry(fc_env: FcEnv) -> None:
             def load_state_dict(self, sd: dict) -> None:
                 raise RuntimeError("cannot load")
 
-        with flashckpt.checkpointing(
-            model, opt, scheduler=sched, every=1, **fc_env.ckpt_kwargs(agent="connect")
-        ) as ck:
+        # The first trainer leaves without "done" (a clean exit would let the agent leave at
+        # once, before the next trainer connects): the agent waits unused_timeout for it.
+        with (
+            pytest.raises(KeyboardInterrupt),
+            flashckpt.checkpointing(
+                model, opt, scheduler=sched, every=1, **fc_env.ckpt_kwargs(agent="connect")
+            ) as ck,
+        ):
             ck.step()  # every=1: snapshots step 1
             assert ck.flush() == 1
+            raise KeyboardInterrupt
         # The next trainer fails at entry (restore): it leaves without "done".
         model, opt, sched = make(0)
         with (

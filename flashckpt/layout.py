@@ -1,13 +1,12 @@
-"""Flatten a nested state (dicts, lists, tensors, JSON scalars) into a byte layout and back.
+"""The byte formats of a state's tensors: dtype codes, the byte layout and safetensors headers.
 
-A state is split into two parts:
+The tensors of a state are laid out back to back in one byte buffer (the safetensors byte buffer:
+no holes, entries sorted by element size so every offset is naturally aligned). A :class:`Layout`
+says where each one lives; :func:`safetensors_header` and :func:`parse_safetensors` write and read
+the header that makes the buffer a safetensors file. Splitting a nested state into tensors and a
+JSON skeleton (and back) is the torch state codec, one layer up: :mod:`flashckpt.codec`.
 
-* the *tensors*, laid out back to back in one byte buffer (the safetensors byte buffer: no holes,
-  entries sorted by element size so every offset is naturally aligned), and
-* the *skeleton*, a JSON tree that records the structure, every non-tensor value and, for each
-  tensor, the name it has in the buffer.
-
-Nothing here pickles: the skeleton is JSON, the tensors are raw bytes with a dtype and a shape.
+Nothing here pickles: the tensors are raw bytes with a dtype and a shape.
 """
 
 from __future__ import annotations
@@ -17,12 +16,20 @@ import hashlib
 import itertools
 import json
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+    # TEMPORARY: the moved codec's names, typed for the modules that import them from here (see
+    # ``__getattr__`` at the end).
+    from flashckpt.codec import FlatState as FlatState
+    from flashckpt.codec import flatten_state as flatten_state
+    from flashckpt.codec import piece_nodes as piece_nodes
+    from flashckpt.codec import skeleton_tensor_names as skeleton_tensor_names
+    from flashckpt.codec import unflatten_state as unflatten_state
 
 # torch is imported inside the functions that take or make tensors, never at module level: the
 # node agent builds safetensors headers from a layout (``Layout.from_json``,
@@ -31,10 +38,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Layout",
     "TensorEntry",
-    "flatten_state",
-    "piece_nodes",
+    "parse_safetensors",
     "safetensors_header",
-    "unflatten_state",
 ]
 
 # safetensors dtype codes and element sizes, see https://github.com/huggingface/safetensors
@@ -84,9 +89,6 @@ def _dtype_tables() -> tuple[dict[torch.dtype, str], dict[str, torch.dtype]]:
         getattr(torch, name): code for code, name in _TORCH_NAMES.items() if hasattr(torch, name)
     }
     return to_st, {v: k for k, v in to_st.items()}
-
-
-_JSON_SCALARS = (bool, int, float, str, type(None))
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -175,165 +177,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-@dataclass(slots=True)
-class FlatState:
-    """A state split into tensors (in input order) and a JSON skeleton."""
-
-    names: list[str]
-    tensors: list[torch.Tensor]
-    skeleton: Any
-
-    def specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        return [(n, t.dtype, tuple(t.shape)) for n, t in zip(self.names, self.tensors, strict=True)]
-
-
-def _key_text(key: object) -> str:
-    return str(key).replace("%", "%25").replace("/", "%2F")
-
-
-def flatten_state(state: Mapping[str, Any]) -> FlatState:
-    """Splits a nested state into tensors and a JSON skeleton.
-
-    Args:
-        state: dicts (str/int keys), lists, tuples, tensors, numpy arrays and JSON scalars.
-
-    Returns:
-        The tensors with their names (paths joined by ``/``) and the skeleton.
-
-    Raises:
-        TypeError: an object of another type, naming its key path.
-    """
-    import numpy as np
-    import torch
-
-    from flashckpt.sharded import describe, is_dtensor
-
-    names: list[str] = []
-    tensors: list[torch.Tensor] = []
-    seen: set[str] = set()
-
-    def add(path: str, t: torch.Tensor) -> str:
-        name = path or "_"
-        k = 1
-        while name in seen:
-            k += 1
-            name = f"{path}#{k}"
-        seen.add(name)
-        names.append(name)
-        tensors.append(t)
-        return name
-
-    def walk(obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor) and is_dtensor(obj):
-            # Only this rank's piece: nothing is gathered on the save path.
-            local, meta = describe(obj, path)
-            if local.is_complex():
-                raise TypeError(f"state key {path!r}: complex dtype {obj.dtype} is not supported")
-            dtype_code(local.dtype)
-            return {"S": add(path, local), "dt": meta}
-        if isinstance(obj, torch.Tensor):
-            if obj.is_sparse or obj.layout != torch.strided:
-                raise TypeError(f"state key {path!r}: sparse tensors cannot be checkpointed")
-            if obj.is_complex():
-                raise TypeError(f"state key {path!r}: complex dtype {obj.dtype} is not supported")
-            dtype_code(obj.dtype)
-            return {"T": add(path, obj.detach())}
-        if isinstance(obj, np.ndarray):
-            if obj.dtype == object:
-                raise TypeError(f"state key {path!r}: numpy object arrays cannot be checkpointed")
-            t = torch.from_numpy(np.ascontiguousarray(obj))
-            dtype_code(t.dtype)
-            return {"N": add(path, t)}
-        if isinstance(obj, np.generic):
-            return obj.item()
-        if isinstance(obj, _JSON_SCALARS):
-            return obj
-        if isinstance(obj, Mapping):
-            items = []
-            for k, v in obj.items():
-                if not isinstance(k, _JSON_SCALARS):
-                    raise TypeError(
-                        f"state key {path!r}: dict key {k!r} of type {type(k).__name__} "
-                        "cannot be checkpointed (use str or int keys)"
-                    )
-                items.append([k, walk(v, f"{path}/{_key_text(k)}" if path else _key_text(k))])
-            return {"D": items}
-        if isinstance(obj, list | tuple):
-            tag = "L" if isinstance(obj, list) else "U"
-            return {tag: [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]}
-        raise TypeError(
-            f"state key {path!r} holds a {type(obj).__module__}.{type(obj).__qualname__}, "
-            "which cannot be checkpointed: use tensors, numpy arrays, dicts, lists and JSON "
-            "scalars (convert it, or keep it out of the state)"
-        )
-
-    skeleton = walk(dict(state), "")
-    return FlatState(names, tensors, skeleton)
-
-
-def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Rebuilds a state from its skeleton and tensors by name (numpy arrays come back as such).
-
-    A DTensor comes back as a :class:`~flashckpt.sharded.ShardedPiece` (the saved local piece and
-    where it sits); the restore path turns it into a DTensor of the target mesh.
-    """
-    from flashckpt.sharded import ShardedPiece
-
-    def build(node: Any) -> Any:
-        if isinstance(node, dict):
-            if "T" in node:
-                return _lookup(node["T"])
-            if "S" in node:
-                return ShardedPiece(_lookup(node["S"]), node["dt"], node["S"])
-            if "N" in node:
-                return _lookup(node["N"]).numpy()
-            if "D" in node:
-                return {k: build(v) for k, v in node["D"]}
-            if "L" in node:
-                return [build(v) for v in node["L"]]
-            if "U" in node:
-                return tuple(build(v) for v in node["U"])
-            raise ValueError(f"malformed checkpoint skeleton node {sorted(node)}")
-        return node
-
-    def _lookup(name: str) -> torch.Tensor:
-        try:
-            return tensors[name]
-        except KeyError:
-            raise ValueError(f"checkpoint skeleton names tensor {name!r} that is missing") from None
-
-    return build(skeleton)
-
-
-def piece_nodes(skeleton: Any) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(tensor name, piece description) of every DTensor piece in a skeleton."""
-    if isinstance(skeleton, dict):
-        if "S" in skeleton:
-            yield skeleton["S"], skeleton["dt"]
-            return
-        for tag, value in skeleton.items():
-            if tag == "D":
-                for _, v in value:
-                    yield from piece_nodes(v)
-            elif tag in ("L", "U"):
-                for v in value:
-                    yield from piece_nodes(v)
-
-
-def skeleton_tensor_names(skeleton: Any) -> Iterator[str]:
-    """Yields the tensor names a skeleton refers to."""
-    if isinstance(skeleton, dict):
-        for tag, value in skeleton.items():
-            if tag in ("T", "N", "S"):
-                yield value
-            elif tag in ("D",):
-                for _, v in value:
-                    yield from skeleton_tensor_names(v)
-            elif tag in ("L", "U"):
-                for v in value:
-                    yield from skeleton_tensor_names(v)
 
 
 def safetensors_header(layout: Layout, metadata: Mapping[str, str], align: int = 8) -> bytes:
@@ -442,3 +285,21 @@ def tensor_views(layout: Layout, data: torch.Tensor) -> dict[str, torch.Tensor]:
         raw = data[e.offset : e.offset + e.nbytes]
         out[e.name] = raw.view(torch_dtype(e.dtype)).view(e.shape)
     return out
+
+
+# TEMPORARY (issue 13): the torch state codec moved to flashckpt.codec; modules of another branch
+# (checkpointer, reading, peers) still import it from here. Resolved on first use, so importing
+# the byte formats stays torch-free and codec -> layout is the only import at load time. To be
+# removed with the KNOWN_UPWARD and KNOWN_CYCLES entries in tests/test_layering.py and
+# tests/test_import_cycles.py once those modules import flashckpt.codec.
+_MOVED_TO_CODEC = frozenset(
+    {"FlatState", "flatten_state", "piece_nodes", "skeleton_tensor_names", "unflatten_state"}
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_CODEC:
+        from flashckpt import codec
+
+        return getattr(codec, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

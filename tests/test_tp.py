@@ -119,7 +119,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from flashckpt.layout import flatten_state
+from flashckpt.codec import flatten_state
 from flashckpt.sharded import describe, mesh_layout, placement_objects, target_box
 
 def mesh(dims, rank):

@@ -42,6 +42,10 @@ _assign(
     "flashckpt.peers",
     "flashckpt.ring",
     "flashckpt.planner",
+    "flashckpt.planconfig",
+    "flashckpt.planmath",
+    "flashckpt.planreport",
+    "flashckpt.plancli",
     "flashckpt.goodput",
 )
 _assign(

@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +31,15 @@ from types import TracebackType
 from elastic.deadline import Deadline
 from elastic.procutil import die_with_parent
 
-__all__ = ["EtcdServer", "EtcdServerError", "TlsFiles", "find_etcd_binary"]
+__all__ = [
+    "EtcdServer",
+    "EtcdServerError",
+    "TlsFiles",
+    "etcd_command",
+    "find_etcd_binary",
+    "log_tail",
+    "wait_serving",
+]
 
 _PORT_ATTEMPTS = 5
 
@@ -86,6 +95,102 @@ class TlsFiles:
     """The server certificate, valid for IP 127.0.0.1."""
     key_file: str
     """The server certificate's private key."""
+
+
+def etcd_command(
+    binary: str,
+    *,
+    name: str,
+    data_dir: str | os.PathLike[str],
+    client_url: str,
+    peer_url: str,
+    tls: TlsFiles | None = None,
+) -> list[str]:
+    """The command line of a single-member etcd serving clients on ``client_url``.
+
+    Args:
+        binary: The etcd executable (:func:`find_etcd_binary`).
+        name: The member name.
+        data_dir: etcd's data directory.
+        client_url: Where clients connect (listened on and advertised).
+        peer_url: The member's peer URL (unused by a single member, but etcd needs one).
+        tls: Serve clients over HTTPS with these files.
+    """
+    args = [
+        binary,
+        f"--name={name}",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls={client_url}",
+        f"--advertise-client-urls={client_url}",
+        f"--listen-peer-urls={peer_url}",
+        f"--initial-advertise-peer-urls={peer_url}",
+        f"--initial-cluster={name}={peer_url}",
+        "--log-outputs=stderr",
+        "--log-level=info",
+        # Fast elections: a restarted single member serves again within a second.
+        "--heartbeat-interval=50",
+        "--election-timeout=500",
+    ]
+    if tls:
+        args += [f"--cert-file={tls.cert_file}", f"--key-file={tls.key_file}"]
+    return args
+
+
+def log_tail(path: str | os.PathLike[str], lines: int = 30) -> str:
+    """The last lines of an etcd log file, for error messages."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_serving(
+    base_url: str,
+    deadline: Deadline,
+    *,
+    context: ssl.SSLContext | None = None,
+    check_alive: Callable[[], None] = lambda: None,
+    log_tail: Callable[[], str] = lambda: "(no log)",
+) -> None:
+    """Waits until the etcd at ``base_url`` serves v3 reads.
+
+    ``/health`` answers before the JSON gateway can serve, so a real v3 read is probed as well.
+
+    Args:
+        base_url: The URL this process reaches the server at, e.g. ``http://127.0.0.1:2379``.
+        deadline: When to give up.
+        context: TLS context for an HTTPS server.
+        check_alive: Called before each probe; raises if the server process has exited.
+        log_tail: The end of the server's log, for the error.
+
+    Raises:
+        EtcdServerError: Not serving by the deadline (the error carries ``log_tail()``).
+    """
+    last = "no answer yet"
+    while True:
+        check_alive()
+        try:
+            timeout = max(0.05, min(1.0, deadline.remaining()))
+            with urllib.request.urlopen(
+                f"{base_url}/health", timeout=timeout, context=context
+            ) as response:
+                healthy = json.load(response).get("health") == "true"
+            if healthy:
+                probe = urllib.request.Request(
+                    f"{base_url}/v3/kv/range", data=b'{"key":"AA=="}', method="POST"
+                )
+                with urllib.request.urlopen(probe, timeout=timeout, context=context) as response:
+                    if "header" in json.load(response):
+                        return
+            last = "not healthy yet"
+        except (OSError, ValueError, urllib.error.URLError) as exc:
+            last = repr(exc)
+        if deadline.expired():
+            raise EtcdServerError(
+                f"etcd at {base_url} was not healthy in time ({last}); log ends with:\n{log_tail()}"
+            )
+        deadline.sleep(0.02)
 
 
 class EtcdServer:
@@ -191,23 +296,14 @@ class EtcdServer:
         # Peer traffic is unused by a single member; port 0 keeps it off fixed ports.
         peer = "http://127.0.0.1:0"
         log_offset = self._log_path.stat().st_size if self._log_path.exists() else 0
-        args = [
+        args = etcd_command(
             self._binary,
-            f"--name={self._name}",
-            f"--data-dir={self._dir / 'data'}",
-            f"--listen-client-urls={client}",
-            f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}",
-            f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster={self._name}={peer}",
-            "--log-outputs=stderr",
-            "--log-level=info",
-            # Fast elections: a restarted single member serves again within a second.
-            "--heartbeat-interval=50",
-            "--election-timeout=500",
-        ]
-        if self._tls:
-            args += [f"--cert-file={self._tls.cert_file}", f"--key-file={self._tls.key_file}"]
+            name=self._name,
+            data_dir=self._dir / "data",
+            client_url=client,
+            peer_url=peer,
+            tls=self._tls,
+        )
         with open(self._log_path, "ab") as log:
             self._process = subprocess.Popen(
                 args,
@@ -275,11 +371,7 @@ class EtcdServer:
 
     def log_tail(self, lines: int = 30) -> str:
         """The last lines of etcd's log, for error messages."""
-        try:
-            text = self._log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self._log_path, lines)
 
     def _kill_locked(self) -> None:
         process = self._process
@@ -303,33 +395,10 @@ class EtcdServer:
         )
 
     def _wait_healthy(self, port: int, log_offset: int, deadline: Deadline) -> None:
-        # /health answers before the gateway can serve, so probe a real v3 read as well.
-        base = f"{self._scheme}://127.0.0.1:{port}"
-        context = ssl.create_default_context(cafile=self._tls.ca_file) if self._tls else None
-        last = "no answer yet"
-        while True:
-            self._check_alive(log_offset)
-            try:
-                timeout = max(0.05, min(1.0, deadline.remaining()))
-                with urllib.request.urlopen(
-                    f"{base}/health", timeout=timeout, context=context
-                ) as response:
-                    healthy = json.load(response).get("health") == "true"
-                if healthy:
-                    probe = urllib.request.Request(
-                        f"{base}/v3/kv/range", data=b'{"key":"AA=="}', method="POST"
-                    )
-                    with urllib.request.urlopen(
-                        probe, timeout=timeout, context=context
-                    ) as response:
-                        if "header" in json.load(response):
-                            return
-                last = "not healthy yet"
-            except (OSError, ValueError, urllib.error.URLError) as exc:
-                last = repr(exc)
-            if deadline.expired():
-                raise EtcdServerError(
-                    f"etcd at {base} was not healthy in time ({last}); log ends with:\n"
-                    f"{self.log_tail()}"
-                )
-            deadline.sleep(0.02)
+        wait_serving(
+            f"{self._scheme}://127.0.0.1:{port}",
+            deadline,
+            context=ssl.create_default_context(cafile=self._tls.ca_file) if self._tls else None,
+            check_alive=lambda: self._check_alive(log_offset),
+            log_tail=self.log_tail,
+        )

@@ -39,10 +39,18 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
-from elastic.etcd_server import find_etcd_binary
+from elastic.deadline import Deadline
+from elastic.etcd_server import (
+    EtcdServerError,
+    etcd_command,
+    find_etcd_binary,
+    log_tail,
+    wait_serving,
+)
 
 __all__ = ["Cluster", "Machine", "connect_in", "unavailable"]
 
@@ -362,42 +370,42 @@ class Cluster:
         """Starts an etcd server in the hub (killed by :meth:`close`); returns its client URL.
 
         Every machine reaches it at ``http://<hub_addr>:2379``; this process reaches it through
-        :meth:`forward` (``http://127.0.0.1:<cluster.forward(2379)>``).
+        :meth:`forward` (``http://127.0.0.1:<cluster.forward(2379)>``). The command line and the
+        readiness probe are :mod:`elastic.etcd_server`'s, so it starts like every other etcd of
+        the project; its log is ``<data_dir>/etcd.log``.
+
+        Raises:
+            EtcdServerError: etcd exited, or does not serve within ``timeout`` seconds (the error
+                carries the end of its log).
         """
         url = f"http://{self.hub_addr}:2379"
-        peer = f"http://{self.hub_addr}:2380"
         os.makedirs(data_dir, exist_ok=True)
-        with open(os.path.join(data_dir, "etcd.log"), "ab") as log:
-            self.hub.popen(
-                [
-                    binary or find_etcd_binary(),
-                    "--name=hub",
-                    f"--data-dir={os.path.join(data_dir, 'data')}",
-                    f"--listen-client-urls={url}",
-                    f"--advertise-client-urls={url}",
-                    f"--listen-peer-urls={peer}",
-                    f"--initial-advertise-peer-urls={peer}",
-                    f"--initial-cluster=hub={peer}",
-                    "--heartbeat-interval=50",
-                    "--election-timeout=500",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-            )
-        port = self.forward(2379)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=2) as c:
-                    c.sendall(b"GET /health HTTP/1.0\r\n\r\n")
-                    if b'"health":"true"' in c.recv(4096):
-                        return url
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise OSError(f"etcd in the hub of {self.tag} not healthy in {timeout} s")
-            time.sleep(0.05)
+        log_path = os.path.join(data_dir, "etcd.log")
+        argv = etcd_command(
+            binary or find_etcd_binary(),
+            name="hub",
+            data_dir=os.path.join(data_dir, "data"),
+            client_url=url,
+            peer_url=f"http://{self.hub_addr}:2380",
+        )
+        with open(log_path, "ab") as log:
+            process = self.hub.popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+
+        def check_alive() -> None:
+            code = process.poll()
+            if code is not None:
+                raise EtcdServerError(
+                    f"etcd in the hub of {self.tag} exited with code {code} while starting; its "
+                    f"log ends with:\n{log_tail(log_path)}"
+                )
+
+        wait_serving(
+            f"http://127.0.0.1:{self.forward(2379)}",
+            Deadline.after(timedelta(seconds=timeout)),
+            check_alive=check_alive,
+            log_tail=lambda: log_tail(log_path),
+        )
+        return url
 
     def close(self) -> None:
         """Kills every machine and the hub, and deletes every namespace; never raises."""

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +172,17 @@ def test_etcd_in_the_hub(cluster: netns.Cluster, tmp_path: object) -> None:
         "print(json.load(urllib.request.urlopen(r, timeout=5))['header']['revision'])"
     )
     assert int(_py(m, put)) >= 2
+
+
+def test_etcd_in_the_hub_that_exits_says_so_with_its_log(
+    cluster: netns.Cluster, tmp_path: Path
+) -> None:
+    # The hub's etcd starts and is probed like every other etcd (elastic.etcd_server): one that
+    # exits while starting is an EtcdServerError naming the exit and its log, not a timeout.
+    from elastic.etcd_server import EtcdServerError
+
+    fake = tmp_path / "etcd"
+    fake.write_text("#!/bin/sh\necho 'fake etcd: bad flag' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(EtcdServerError, match=r"(?s)exited with code 3.*fake etcd: bad flag"):
+        cluster.start_etcd(str(tmp_path / "data"), binary=str(fake), timeout=120)

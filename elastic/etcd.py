@@ -228,6 +228,12 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+def _mod_revision_is(key_b64: str, mod_revision: int) -> dict[str, str]:
+    """A transaction compare that holds while the key was last modified at ``mod_revision``
+    (0: the key is absent)."""
+    return {"key": key_b64, "target": "MOD", "result": "EQUAL", "mod_revision": str(mod_revision)}
+
+
 def _unb64(text: str | None) -> bytes:
     return base64.b64decode(text) if text else b""
 
@@ -491,14 +497,7 @@ class EtcdClient:
         if lease is not None:
             put["lease"] = str(_lease_id(lease))
         body = {
-            "compare": [
-                {
-                    "key": key_b64,
-                    "target": "MOD",
-                    "result": "EQUAL",
-                    "mod_revision": str(mod_revision),
-                }
-            ],
+            "compare": [_mod_revision_is(key_b64, mod_revision)],
             # Reading the key back inside the transaction returns the new entry atomically.
             "success": [{"request_put": put}, {"request_range": {"key": key_b64}}],
             "failure": [{"request_range": {"key": key_b64}}],
@@ -528,14 +527,7 @@ class EtcdClient:
         """
         key_b64 = _b64(_to_bytes(key, "key"))
         body = {
-            "compare": [
-                {
-                    "key": key_b64,
-                    "target": "MOD",
-                    "result": "EQUAL",
-                    "mod_revision": str(mod_revision),
-                }
-            ],
+            "compare": [_mod_revision_is(key_b64, mod_revision)],
             "success": [{"request_delete_range": {"key": key_b64}}],
         }
         response = self._call("/v3/kv/txn", body, timeout=timeout, idempotent=False)

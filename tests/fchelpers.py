@@ -10,7 +10,9 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import psutil
 import pytest
 
 from flashckpt.agent import AgentConfig, NodeAgent
+from flashckpt.protocol import AgentClient, AgentError, socket_path
 
 
 @dataclass
@@ -57,6 +60,21 @@ class FcEnv:
         }
         kw.update(over)
         return AgentConfig(**kw)
+
+    def cli_flags(self) -> list[str]:
+        """The job's flags as ``flashckpt agent`` and ``tests/tinytrain.py`` take them."""
+        return [
+            "--storage",
+            self.storage,
+            "--job",
+            self.job,
+            "--node",
+            self.node,
+            "--run-dir",
+            self.run_dir,
+            "--shm-dir",
+            self.shm_dir,
+        ]
 
     def segments(self) -> list[str]:
         return sorted(n for n in os.listdir(self.shm_dir) if n.startswith(f"fc.{self.job}."))
@@ -147,3 +165,77 @@ def agent(fc_env: FcEnv) -> Iterator[RunningAgent]:
     yield a
     if a.thread.is_alive():
         a.stop()
+
+
+def tinytrain_command(env: FcEnv, log: Path, *extra: str) -> list[str]:
+    """The command line of ``tests/tinytrain.py`` as a trainer of ``env``'s job, logging its
+    steps to ``log``; ``extra`` are more of its flags (see its ``--help``)."""
+    script = Path(__file__).with_name("tinytrain.py")
+    return [sys.executable, str(script), *env.cli_flags(), "--log", str(log), *extra]
+
+
+def run_ranks(script: str, env: FcEnv, tmp: Path, tag: str, *args: str, code: int = 0) -> None:
+    """Runs a multi-rank trainer of ``tests/`` (``shardtrain.py``, ``tptrain.py``: its ranks are
+    forked from one launcher process and die with it) for ``env``'s job to the end; it must exit
+    with ``code``. It logs to ``<tmp>/<tag>.log`` and reports to ``<tmp>/report.txt``; ``args``
+    are more of its flags. Its stderr is shown on failure."""
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name(script)),
+        "--storage",
+        env.storage,
+        "--job",
+        env.job,
+        "--run-dir",
+        env.run_dir,
+        "--log",
+        str(tmp / f"{tag}.log"),
+        "--init-file",
+        str(tmp / f"init-{tag}-{time.monotonic_ns()}"),
+        "--report",
+        str(tmp / "report.txt"),
+        *args,
+    ]
+    err = tmp / f"{tag}-{time.monotonic_ns()}.stderr"
+    with open(err, "wb") as f:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
+    try:
+        p.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGKILL)  # its ranks die with it (PR_SET_PDEATHSIG)
+        p.wait(timeout=30)
+    assert p.returncode == code, err.read_text()[-6000:]
+
+
+def agent_process(env: FcEnv) -> subprocess.Popen[bytes]:
+    """A hand-started agent process of the job (``python -m flashckpt agent``, so no
+    exit_when_done), answering on the job's socket when this returns."""
+    cmd = [sys.executable, "-m", "flashckpt", "agent", *env.cli_flags(), "--idle-timeout", "120"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_agent(env, p.pid, p)
+    return p
+
+
+def wait_agent(
+    env: FcEnv, pid: int | None = None, proc: subprocess.Popen[bytes] | None = None
+) -> int:
+    """Waits until an agent (process ``pid``, if given) answers on the job's socket; its pid.
+
+    A dead agent's socket file stays behind: only an answer counts."""
+    path = socket_path(env.run_dir, env.job, env.node)
+    deadline = time.monotonic() + 60
+    while True:
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"agent exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        try:
+            c = AgentClient(path, timeout=0.0)
+            try:
+                got = int(c.request("ping", timeout=10)["pid"])
+            finally:
+                c.close()
+            if pid is None or got == pid:
+                return got
+        except (AgentError, OSError):
+            pass
+        assert time.monotonic() < deadline, "agent did not start listening"
+        time.sleep(0.02)

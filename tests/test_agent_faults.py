@@ -5,77 +5,22 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from fchelpers import FcEnv, RunningAgent
-from tinytrain import make, train_step
+from fchelpers import FcEnv, RunningAgent, agent_process
+from tinytrain import make, train_steps
 
 import flashckpt
-from flashckpt.protocol import AgentClient, AgentError, socket_path
+from flashckpt.protocol import AgentClient, AgentError
 from flashckpt.shm import Slot
 from flashckpt.storage import Storage
 
 
-def _agent_proc(env: FcEnv) -> subprocess.Popen:
-    """A hand-started agent process (no exit_when_done), listening when this returns."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "flashckpt",
-        "agent",
-        "--job",
-        env.job,
-        "--node",
-        env.node,
-        "--run-dir",
-        env.run_dir,
-        "--storage",
-        env.storage,
-        "--shm-dir",
-        env.shm_dir,
-        "--idle-timeout",
-        "120",
-    ]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_agent(env, p.pid, p)
-    return p
-
-
-def wait_agent(env: FcEnv, pid: int | None = None, proc: subprocess.Popen | None = None) -> int:
-    """Waits until an agent (process ``pid``, if given) answers on the job's socket; its pid.
-
-    A dead agent's socket file stays behind: only an answer counts."""
-    path = socket_path(env.run_dir, env.job, env.node)
-    deadline = time.monotonic() + 60
-    while True:
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"agent exited: {proc.stderr.read().decode() if proc.stderr else ''}")
-        try:
-            c = AgentClient(path, timeout=0.0)
-            try:
-                got = int(c.request("ping", timeout=10)["pid"])
-            finally:
-                c.close()
-            if pid is None or got == pid:
-                return got
-        except (AgentError, OSError):
-            pass
-        assert time.monotonic() < deadline, "agent did not start listening"
-        time.sleep(0.02)
-
-
 def _slot_files(env: FcEnv) -> list[str]:
     return [f"{env.shm_dir}/{n}" for n in env.segments() if ".r00000.s" in n]
-
-
-def _train(ck, model, opt, sched, start: int, stop: int) -> None:
-    for step in range(start, stop):
-        train_step(model, opt, sched, step)
-        ck.step()
 
 
 def test_next_agent_clears_the_pins_of_an_agent_that_died_mid_persist(
@@ -84,13 +29,13 @@ def test_next_agent_clears_the_pins_of_an_agent_that_died_mid_persist(
     """Finding 2: the pin flag a crashed agent left set made every restarted trainer wait
     agent_timeout for a free slot and die (a crash loop)."""
     fc_env = fc_env_private
-    a = _agent_proc(fc_env)
+    a = agent_process(fc_env)
     try:
         model, opt, sched = make(0)
         with flashckpt.checkpointing(
             model, opt, scheduler=sched, every=2, **fc_env.ckpt_kwargs(agent="connect")
         ) as ck:
-            _train(ck, model, opt, sched, 0, 4)
+            train_steps(ck, model, opt, sched, 0, 4)
             assert ck.flush() == 4
         paths = _slot_files(fc_env)
         assert len(paths) == 2
@@ -103,7 +48,7 @@ def test_next_agent_clears_the_pins_of_an_agent_that_died_mid_persist(
     finally:
         a.send_signal(signal.SIGKILL)
         a.wait(timeout=30)
-    b = _agent_proc(fc_env)
+    b = agent_process(fc_env)
     try:
         for p in paths:  # adopted with the flags cleared, before it listens
             s = Slot(p)
@@ -118,7 +63,7 @@ def test_next_agent_clears_the_pins_of_an_agent_that_died_mid_persist(
             **fc_env.ckpt_kwargs(agent="connect", agent_timeout=5),
         ) as ck:
             assert (ck.start_step, ck.restored_from) == (4, "memory")
-            _train(ck, model, opt, sched, 4, 10)  # both slots are written again
+            train_steps(ck, model, opt, sched, 4, 10)  # both slots are written again
             assert ck.stats.skips == 0
             assert ck.flush() == 10
     finally:
@@ -133,7 +78,7 @@ def test_a_stray_alloc_cannot_stop_persistence(fc_env: FcEnv, agent: RunningAgen
     with flashckpt.checkpointing(
         model, opt, scheduler=sched, every=2, **fc_env.ckpt_kwargs(agent="connect")
     ) as ck:
-        _train(ck, model, opt, sched, 0, 2)
+        train_steps(ck, model, opt, sched, 0, 2)
         assert ck.flush() == 2
         stray = AgentClient(agent.agent.socket_path)
         refused = None
@@ -143,7 +88,7 @@ def test_a_stray_alloc_cannot_stop_persistence(fc_env: FcEnv, agent: RunningAgen
             refused = str(e)
         finally:
             stray.close()
-        _train(ck, model, opt, sched, 2, 6)
+        train_steps(ck, model, opt, sched, 2, 6)
         committed = ck.flush(timeout=30)
         assert committed == 6, f"newest committed stayed at {committed} while training reached 6"
         assert refused is not None and "local rank 3 refused" in refused, refused
@@ -235,7 +180,7 @@ def test_auto_agent_leaves_after_its_trainer_died_once_everything_is_persisted(
             pytest.raises(KeyboardInterrupt),
             flashckpt.checkpointing(model, opt, scheduler=sched, every=2, **kw) as ck,
         ):
-            _train(ck, model, opt, sched, 0, 4)
+            train_steps(ck, model, opt, sched, 0, 4)
             assert ck.flush() == 4
             raise KeyboardInterrupt
         assert _wait_dead(ra, 60), "the agent lingers after its trainer died"
@@ -344,13 +289,13 @@ def test_trainer_outlives_its_agent_and_links_to_the_next(fc_env_private: FcEnv,
     owner, e.g. a launcher, restarts it) is not replaced by one of the trainer's, even with
     agent='auto': two would race for the job's lock."""
     fc_env = fc_env_private
-    a = _agent_proc(fc_env)
+    a = agent_process(fc_env)
     try:
         model, opt, sched = make(0)
         with flashckpt.checkpointing(
             model, opt, scheduler=sched, every=2, **fc_env.ckpt_kwargs(agent=mode)
         ) as ck:
-            _train(ck, model, opt, sched, 0, 2)
+            train_steps(ck, model, opt, sched, 0, 2)
             assert ck.flush() == 2
             a.send_signal(signal.SIGKILL)
             a.wait(timeout=30)
@@ -358,13 +303,13 @@ def test_trainer_outlives_its_agent_and_links_to_the_next(fc_env_private: FcEnv,
             while ck._client is not None and ck._client.connected:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            _train(ck, model, opt, sched, 2, 4)  # no agent: snapshots go on into the slots
+            train_steps(ck, model, opt, sched, 2, 4)  # no agent: snapshots go on into the slots
             ck.wait()
             assert ck.stats.last_snapshot_step == 4 and ck.stats.skips == 0
             assert ck._agent_proc is None  # save() tried to relink: not the trainer's to restart
-            a = _agent_proc(fc_env)
+            a = agent_process(fc_env)
             ck._next_reconnect = 0.0
-            _train(ck, model, opt, sched, 4, 6)
+            train_steps(ck, model, opt, sched, 4, 6)
             assert ck._agent_proc is None
             assert ck.agent_restarts == 1
             assert ck.flush() == 6

@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,14 +16,13 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
-from fchelpers import FcEnv
+from fchelpers import FcEnv, tinytrain_command
 
 from flashckpt.protocol import AgentClient, AgentError, socket_path
 from flashckpt.storage import Storage
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).parent
 STEPS, WIDTH, EVERY, SLEEP = 160, 50_000, 3, 0.03  # ~12 MB of state: a persist takes a while
 
 
@@ -40,19 +38,9 @@ def _env(base: FcEnv, tmp_path: Path, name: str) -> FcEnv:
 
 
 def _worker(env: FcEnv, log: Path, sleep: float = SLEEP) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        str(HERE / "_agentkill_worker.py"),
-        "--storage",
-        env.storage,
-        "--job",
-        env.job,
-        "--node",
-        env.node,
-        "--run-dir",
-        env.run_dir,
-        "--shm-dir",
-        env.shm_dir,
+    cmd = tinytrain_command(
+        env,
+        log,
         "--steps",
         str(STEPS),
         "--every",
@@ -61,11 +49,12 @@ def _worker(env: FcEnv, log: Path, sleep: float = SLEEP) -> subprocess.Popen:
         str(WIDTH),
         "--step-sleep",
         str(sleep),
-        "--log",
-        str(log),
         "--report",
+        str(log) + ".report.start",
+        "--final-report",
         str(log) + ".report",
-    ]
+        "--quiet",
+    )
     err = open(str(log) + ".err", "ab")  # noqa: SIM115
     try:
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)

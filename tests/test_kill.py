@@ -6,7 +6,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,45 +13,19 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
-from fchelpers import FcEnv, kill_job_processes
+from fchelpers import FcEnv, agent_process, kill_job_processes, tinytrain_command
 
 from flashckpt.storage import Storage
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).parent
-
 
 def _trainer(
-    env: FcEnv,
-    log: Path,
-    *extra: str,
-    storage: str | None = None,
-    steps: int = 40,
-    width: int = 32,
-    every: int = 3,
+    env: FcEnv, log: Path, *extra: str, steps: int = 40, width: int = 32, every: int = 3
 ) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        str(HERE / "tinytrain.py"),
-        "--storage",
-        storage or env.storage,
-        "--job",
-        env.job,
-        "--node",
-        env.node,
-        "--run-dir",
-        env.run_dir,
-        "--log",
-        str(log),
-        "--steps",
-        str(steps),
-        "--width",
-        str(width),
-        "--every",
-        str(every),
-        *extra,
-    ]
+    cmd = tinytrain_command(
+        env, log, "--steps", str(steps), "--width", str(width), "--every", str(every), *extra
+    )
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -137,37 +110,10 @@ def test_sigkill_in_the_middle_of_a_snapshot_copy(tmp_path: Path, fc_env: FcEnv)
     _assert_same_run(log, ref, ref_final, steps)
 
 
-def _agent_proc(env: FcEnv, storage: str | None = None) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "flashckpt",
-        "agent",
-        "--job",
-        env.job,
-        "--node",
-        env.node,
-        "--run-dir",
-        env.run_dir,
-        "--storage",
-        storage or env.storage,
-        "--idle-timeout",
-        "120",
-    ]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    sock = Path(env.run_dir) / f"{env.job}.{env.node}.sock"
-    deadline = time.monotonic() + 60
-    while not sock.exists():
-        assert p.poll() is None, p.stderr.read().decode() if p.stderr else ""
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    return p
-
-
 def test_sigkill_of_the_agent_during_persistence(tmp_path: Path, fc_env: FcEnv) -> None:
     steps, width = 24, 1_500_000  # ~400 MB per snapshot: persistence takes a while
     log, report = tmp_path / "run.log", tmp_path / "report.txt"
-    agent = _agent_proc(fc_env)
+    agent = agent_process(fc_env)
     trainer = _trainer(fc_env, log, "--report", str(report), steps=steps, width=width, every=4)
     st = Storage(fc_env.storage)
     # Kill the agent while a step directory exists without a manifest (a write in flight).
@@ -192,7 +138,7 @@ def test_sigkill_of_the_agent_during_persistence(tmp_path: Path, fc_env: FcEnv) 
     for s in committed:
         assert st.verify(s) == []
     # The next agent adopts the surviving snapshots; the trainer resumes from memory.
-    agent2 = _agent_proc(fc_env)
+    agent2 = agent_process(fc_env)
     try:
         _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, width=width, every=4))
         assert report.read_text().splitlines()[-1].split()[1] == "memory"
@@ -216,7 +162,7 @@ def test_next_agent_keeps_segments_of_dead_jobs(tmp_path: Path, fc_env: FcEnv) -
         storage=f"file://{tmp_path}/dead",
         storage_path=tmp_path / "dead",
     )
-    a = _agent_proc(dead)
+    a = agent_process(dead)
     t = _trainer(dead, log, steps=6, every=2)
     t.wait(timeout=120)
     a.send_signal(signal.SIGKILL)
@@ -225,7 +171,7 @@ def test_next_agent_keeps_segments_of_dead_jobs(tmp_path: Path, fc_env: FcEnv) -
         # exit_when_done is off for a hand-started agent: its segments stay after SIGKILL.
         left = [n for n in os.listdir("/dev/shm") if n.startswith(f"fc.{dead.job}.")]
         assert left
-        b = _agent_proc(fc_env)
+        b = agent_process(fc_env)
         try:
             kept = [n for n in os.listdir("/dev/shm") if n.startswith(f"fc.{dead.job}.")]
             assert kept == left
@@ -243,7 +189,7 @@ def test_breakpoint_save_then_clean_sigterm(tmp_path: Path, fc_env: FcEnv) -> No
     from flashckpt.shm import Slot
 
     log = tmp_path / "run.log"
-    agent = _agent_proc(fc_env)
+    agent = agent_process(fc_env)
     t = _trainer(fc_env, log, steps=10_000, every=5, width=100_000)
     deadline = time.monotonic() + 120
     while len(_losses(log)) < 23 and time.monotonic() < deadline:

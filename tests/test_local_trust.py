@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fchelpers import FcEnv, RunningAgent
-from test_agent_faults import _agent_proc, _train
-from tinytrain import make
+from fchelpers import FcEnv, RunningAgent, agent_process
+from tinytrain import make, train_steps
 
 import flashckpt
 from flashckpt.agent import AgentConfig, NodeAgent
@@ -104,13 +103,13 @@ def test_trainer_refuses_a_socket_of_another_user(fc_env: FcEnv, tmp_path: Path)
 def _crashed_agent_slots(env: FcEnv) -> list[Path]:
     """Runs a trainer (steps 2 and 4 snapshotted, 4 committed) under an agent that is then
     SIGKILLed: its slot files stay in ``env.shm_dir``."""
-    a = _agent_proc(env)
+    a = agent_process(env)
     try:
         model, opt, sched = make(0)
         with flashckpt.checkpointing(
             model, opt, scheduler=sched, every=2, **env.ckpt_kwargs(agent="connect")
         ) as ck:
-            _train(ck, model, opt, sched, 0, 4)
+            train_steps(ck, model, opt, sched, 0, 4)
             assert ck.flush() == 4
     finally:
         a.send_signal(signal.SIGKILL)

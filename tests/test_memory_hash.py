@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fchelpers import FcEnv, RunningAgent
-from test_agent_faults import _agent_proc, _train
-from tinytrain import make
+from fchelpers import FcEnv, RunningAgent, agent_process
+from tinytrain import make, train_steps
 
 import flashckpt
 from flashckpt.shm import Slot
@@ -68,7 +67,7 @@ def _train_to(env: FcEnv, steps: int) -> dict[str, torch.Tensor]:
     with flashckpt.checkpointing(
         model, opt, scheduler=sched, every=2, **env.ckpt_kwargs(agent="connect")
     ) as ck:
-        _train(ck, model, opt, sched, 0, steps)
+        train_steps(ck, model, opt, sched, 0, steps)
         assert ck.flush() == steps
     return _state(model)
 
@@ -105,10 +104,10 @@ def test_a_scribbled_snapshot_without_storage_copy_falls_back_to_the_older_slot(
     with flashckpt.checkpointing(
         model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect", storage=None)
     ) as ck:
-        _train(ck, model, opt, sched, 0, 2)
+        train_steps(ck, model, opt, sched, 0, 2)
         ck.save(2, mode="sync")
         at2 = _state(model)
-        _train(ck, model, opt, sched, 2, 4)
+        train_steps(ck, model, opt, sched, 2, 4)
         ck.save(4, mode="sync")
     path = _slot_of_step(fc_env, 4)
     _wait_hashed(path)
@@ -132,10 +131,10 @@ def test_a_scribbled_snapshot_is_never_committed(fc_env: FcEnv, agent: RunningAg
     with flashckpt.checkpointing(
         model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect")
     ) as ck:
-        _train(ck, model, opt, sched, 0, 2)
+        train_steps(ck, model, opt, sched, 0, 2)
         ck.save(2, mode="sync")
         assert ck.flush() == 2
-        _train(ck, model, opt, sched, 2, 4)
+        train_steps(ck, model, opt, sched, 2, 4)
         # Hold persistence back (the persister takes this lock for every step) until the
         # snapshot of step 4 is hashed and then scribbled over.
         with agent.agent._io_lock:
@@ -150,7 +149,7 @@ def test_a_scribbled_snapshot_is_never_committed(fc_env: FcEnv, agent: RunningAg
         st = Storage(fc_env.storage)
         assert st.committed_steps() == [2]
         # Training goes on; the next snapshot is persisted.
-        _train(ck, model, opt, sched, 4, 6)
+        train_steps(ck, model, opt, sched, 4, 6)
         assert ck.save(6, mode="sync").taken
         assert ck.flush(timeout=60) == 6
         assert st.verify(6) == []
@@ -175,7 +174,7 @@ def test_a_slot_with_a_bad_header_is_discarded_by_a_running_agent(
             model, opt, scheduler=sched, every=2, **fc_env.ckpt_kwargs(agent="connect")
         ) as ck:
             assert (ck.start_step, ck.restored_from) == (start, source)
-            _train(ck, model, opt, sched, start, stop)
+            train_steps(ck, model, opt, sched, start, stop)
             assert ck.flush() == stop
 
 
@@ -183,7 +182,7 @@ def test_a_slot_with_a_bad_header_is_discarded_by_the_next_agent(fc_env_private:
     """Finding 8: capacities were read without the header CRC: a bad capacity field or magic
     put every restart into a crash loop."""
     env = fc_env_private
-    a = _agent_proc(env)
+    a = agent_process(env)
     try:
         _train_to(env, 4)
     finally:
@@ -193,7 +192,7 @@ def test_a_slot_with_a_bad_header_is_discarded_by_the_next_agent(fc_env_private:
     _break_header(newest)
     with open(older, "r+b") as f:
         f.write(b"GARBAGE!")  # bad magic
-    b = _agent_proc(env)
+    b = agent_process(env)
     try:
         for start, source, stop in ((4, "storage", 6), (6, "memory", 8)):
             model, opt, sched = make(0)
@@ -204,7 +203,7 @@ def test_a_slot_with_a_bad_header_is_discarded_by_the_next_agent(fc_env_private:
                 refused = ck.status()["agent"]["refused_slots"]
                 assert str(newest) in refused and "CRC" in refused[str(newest)], refused
                 assert str(older) in refused and "magic" in refused[str(older)], refused
-                _train(ck, model, opt, sched, start, stop)
+                train_steps(ck, model, opt, sched, start, stop)
                 assert ck.flush() == stop
     finally:
         b.send_signal(signal.SIGTERM)

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
-from fchelpers import FcEnv
+from fchelpers import FcEnv, run_ranks
 
 from flashckpt.sharded import ShardedPiece, assemble
 
@@ -31,37 +29,10 @@ def _run(
 ) -> None:
     """Runs ``world`` ranks of shardtrain.py (forked from one launcher process) to the end; they
     must all exit with ``code``."""
-    init = tmp / f"init-{tag}-{time.monotonic_ns()}"
-    cmd = [
-        sys.executable,
-        str(HERE / "shardtrain.py"),
-        "--world",
-        str(world),
-        "--storage",
-        env.storage,
-        "--job",
-        env.job,
-        "--run-dir",
-        env.run_dir,
-        "--log",
-        str(tmp / f"{tag}.log"),
-        "--init-file",
-        str(init),
-        "--steps",
-        str(steps),
-        "--report",
-        str(tmp / "report.txt"),
-        *extra,
-    ]
-    err = tmp / f"{tag}-{time.monotonic_ns()}.stderr"
-    with open(err, "wb") as f:
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
-    try:
-        p.wait(timeout=240)
-    except subprocess.TimeoutExpired:
-        p.send_signal(signal.SIGKILL)  # its ranks die with it (PR_SET_PDEATHSIG)
-        p.wait(timeout=30)
-    assert p.returncode == code, err.read_text()[-6000:]
+    run_ranks(
+        "shardtrain.py", env, tmp, tag, "--world", str(world), "--steps", str(steps), *extra,
+        code=code,
+    )  # fmt: skip
 
 
 def _losses(path: Path) -> dict[int, float]:

@@ -11,14 +11,12 @@ as the unsharded single-process reference computes it.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from fchelpers import FcEnv
+from fchelpers import FcEnv, run_ranks
 from test_sharded import _assert_same_state, _losses, _reference
 from test_sharded import _run as _run_fsdp
 
@@ -31,34 +29,7 @@ HERE = Path(__file__).parent
 def _run_tp(env: FcEnv, tmp: Path, tag: str, steps: int, *extra: str, code: int = 0) -> None:
     """Runs the 4 ranks of tptrain.py (forked from one launcher) to the end; they must all exit
     with ``code``."""
-    cmd = [
-        sys.executable,
-        str(HERE / "tptrain.py"),
-        "--storage",
-        env.storage,
-        "--job",
-        env.job,
-        "--run-dir",
-        env.run_dir,
-        "--log",
-        str(tmp / f"{tag}.log"),
-        "--init-file",
-        str(tmp / f"init-{tag}-{time.monotonic_ns()}"),
-        "--report",
-        str(tmp / "report.txt"),
-        "--steps",
-        str(steps),
-        *extra,
-    ]
-    err = tmp / f"{tag}-{time.monotonic_ns()}.stderr"
-    with open(err, "wb") as f:
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
-    try:
-        p.wait(timeout=240)
-    except subprocess.TimeoutExpired:
-        p.send_signal(signal.SIGKILL)  # its ranks die with it (PR_SET_PDEATHSIG)
-        p.wait(timeout=30)
-    assert p.returncode == code, err.read_text()[-6000:]
+    run_ranks("tptrain.py", env, tmp, tag, "--steps", str(steps), *extra, code=code)
 
 
 @pytest.mark.slow

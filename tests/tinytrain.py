@@ -1,7 +1,10 @@
 """A tiny deterministic training loop used by the tests (in-process and as a subprocess).
 
 Run as a script it trains with flashckpt and appends ``step loss-hex`` lines to a log, so a test
-can kill it at any instant, restart it, and compare the trajectory with an uninterrupted run.
+can kill it (or its node agent) at any instant, restart it, and compare the trajectory with an
+uninterrupted run. ``--report`` gets ``start_step restored_from`` when the run starts,
+``--final-report`` ``start_step restored_from agent_restarts skips last_committed_step`` when it
+ends; ``--step-sleep`` paces the run so a test can kill the agent several times during it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import argparse
 import os
 import signal
 import sys
+import time
+import warnings
 
 import safetensors.torch
 import torch
@@ -47,23 +52,38 @@ def train_step(model, opt, sched, step: int) -> float:
     return float(loss.item())
 
 
+def train_steps(ck, model, opt, sched, start: int, stop: int) -> None:
+    """Trains steps ``start`` .. ``stop - 1``, with ``ck.step()`` after each."""
+    for step in range(start, stop):
+        train_step(model, opt, sched, step)
+        ck.step()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--storage", required=True)
     p.add_argument("--job", required=True)
     p.add_argument("--node", default="n0")
     p.add_argument("--run-dir", required=True)
+    p.add_argument(
+        "--shm-dir", default=None, help="shared-memory directory (default: the library's)"
+    )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--log", required=True)
     p.add_argument("--mode", default="overlap")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after a step")
     p.add_argument("--report", default=None, help="write 'start_step restored_from' here")
+    p.add_argument("--final-report", default=None, help="write the end-of-run line here")
+    p.add_argument("--quiet", action="store_true", help="ignore warnings (skipped snapshots)")
     p.add_argument("--kill-in-copy", type=int, default=0, help="SIGKILL self mid-copy of save N")
     a = p.parse_args()
     if a.kill_in_copy:
         kill_in_copy(a.kill_in_copy)
     torch.set_num_threads(1)
+    if a.quiet:
+        warnings.simplefilter("ignore")  # skipped snapshots while no agent runs are expected
     model, opt, sched = make(0, a.width)
     extras = {"epoch": 0}
     with flashckpt.checkpointing(
@@ -78,19 +98,29 @@ def main() -> int:
         run_dir=a.run_dir,
         mode=a.mode,
         agent_idle_timeout=120,
+        **({"shm_dir": a.shm_dir} if a.shm_dir else {}),
     ) as ckpt:
+        start, source = ckpt.start_step, ckpt.restored_from
         if a.report:
             with open(a.report, "a") as f:
-                f.write(f"{ckpt.start_step} {ckpt.restored_from}\n")
+                f.write(f"{start} {source}\n")
         with open(a.log, "a") as log:
-            for step in range(ckpt.start_step, a.steps):
+            for step in range(start, a.steps):
                 loss = train_step(model, opt, sched, step)
                 extras["epoch"] = step // 10
                 log.write(f"{step} {loss.hex()}\n")
                 log.flush()
                 ckpt.step()
+                if a.step_sleep:
+                    time.sleep(a.step_sleep)
     final = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
     safetensors.torch.save_file(final, a.log + ".final.safetensors")
+    if a.final_report:
+        with open(a.final_report, "a") as f:
+            f.write(
+                f"{start} {source} {getattr(ckpt, 'agent_restarts', -1)} {ckpt.stats.skips} "
+                f"{ckpt.stats.last_committed_step}\n"
+            )
     return 0
 
 

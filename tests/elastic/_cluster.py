@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.testing import kill_job, kill_processes, loopback_env, process_tree, read_jsonl
+from flashckpt.storage import Storage
 
 WORKER = Path(__file__).with_name("_elastic_worker.py")
 
@@ -29,6 +30,17 @@ def cluster_env() -> dict[str, str]:
     env = loopback_env()
     env.pop("FLASHCKPT_INJECT_HEALTH_FAULT", None)
     return env
+
+
+def assert_same_model(out: Path, reference: dict[str, Any]) -> None:
+    """The run that wrote ``out`` ended with the bitwise same model as the uninterrupted one."""
+    import safetensors.torch
+    import torch
+
+    final = safetensors.torch.load_file(out / "final.safetensors")
+    assert final.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(final[name], tensor), f"{name} differs from the uninterrupted run"
 
 
 class Machine:
@@ -171,6 +183,25 @@ class SimCluster:
     def steps(self) -> list[int]:
         """Steps reported done, in order of report."""
         return [e["step"] for e in self.events() if e["event"] == "step"]
+
+    def restored_since(self, t: float) -> list[dict[str, Any]]:
+        """The workers' ``restored`` events after time ``t`` (a kill or a join)."""
+        return [e for e in self.events() if e["event"] == "restored" and e["t"] > t]
+
+    def rank0_node(self) -> str:
+        """The machine that hosted rank 0 when the workers last restored."""
+        return next(
+            e["node"]
+            for e in reversed(self.events())
+            if e["event"] == "restored" and e["rank"] == 0
+        )
+
+    def committed(self) -> list[int]:
+        """The steps committed in the job's storage so far ([] while it does not exist yet)."""
+        try:
+            return Storage(self.storage).committed_steps()
+        except OSError:
+            return []
 
     def wait_for(self, what: str, check: Callable[[], bool], timeout: float) -> None:
         """Polls ``check`` until it holds; fails with every log on timeout or launcher exit."""

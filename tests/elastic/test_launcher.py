@@ -21,7 +21,7 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
-from _cluster import SimCluster, cluster_env
+from _cluster import SimCluster, assert_same_model, cluster_env
 
 from elastic import health
 from elastic.etcd_server import EtcdServer
@@ -36,45 +36,12 @@ SLOW = [*WORKER_ARGS, "--step-sleep", "0.15"]  # leaves time to start a standby 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def reference_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The final model of an uninterrupted run: one standalone launcher, two workers."""
-    cluster = SimCluster(
-        tmp_path_factory.mktemp("reference"),
-        None,
-        nnodes="1",
-        nproc=2,
-        worker_args=[*WORKER_ARGS, "--step-sleep", "0"],
-    )
-    try:
-        cluster.start("ref")
-        code = cluster.wait_exit("ref", 120)
-        assert code == 0, cluster.logs()
-        return safetensors.torch.load_file(cluster.out / "final.safetensors")
-    finally:
-        cluster.close()
-
-
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator[list[SimCluster]]:
     clusters: list[SimCluster] = []
     yield clusters
     for cluster in clusters:
         cluster.close()
-
-
-def _assert_same_model(cluster: SimCluster, reference: dict[str, torch.Tensor]) -> None:
-    final = safetensors.torch.load_file(cluster.out / "final.safetensors")
-    assert final.keys() == reference.keys()
-    for name, tensor in reference.items():
-        assert torch.equal(final[name], tensor), f"{name} differs from the uninterrupted run"
-
-
-def _committed(cluster: SimCluster) -> list[int]:
-    try:
-        return Storage(cluster.storage).committed_steps()
-    except OSError:
-        return []
 
 
 @pytest.mark.timeout(240)
@@ -95,16 +62,14 @@ def test_standby_takes_the_place_of_a_killed_machine(
         lambda: any(e["event"] == "rendezvous_start" for e in standby.events()),
         60,
     )
-    cluster.wait_for("a committed step", lambda: bool(_committed(cluster)), 60)
+    cluster.wait_for("a committed step", lambda: bool(cluster.committed()), 60)
     assert max(cluster.steps()) < STEPS - 10, "training ran out before the kill; slow it down"
 
     # Kill the machine that hosts rank 0 (it also commits the manifests): launcher, node agent
     # and worker at the same instant.
-    rank0_node = next(
-        e["node"] for e in reversed(cluster.events()) if e["event"] == "restored" and e["rank"] == 0
-    )
+    rank0_node = cluster.rank0_node()
     survivor = "n1" if rank0_node == "n0" else "n0"
-    committed_before = max(_committed(cluster))
+    committed_before = max(cluster.committed())
     last_step_before = max(cluster.steps())
     killed_at = time.time()
     victims = cluster.machines[rank0_node].kill()
@@ -112,9 +77,9 @@ def test_standby_takes_the_place_of_a_killed_machine(
 
     for node in (survivor, "n2"):
         assert cluster.wait_exit(node, 150) == 0, cluster.logs()
-    _assert_same_model(cluster, reference_model)
+    assert_same_model(cluster.out, reference_model)
 
-    resumed = [e for e in cluster.events() if e["event"] == "restored" and e["t"] > killed_at]
+    resumed = cluster.restored_since(killed_at)
     assert {e["node"] for e in resumed} == {survivor, "n2"}, resumed
     start_steps = {e["start_step"] for e in resumed}
     assert len(start_steps) == 1, f"ranks resumed from different steps: {resumed}"
@@ -131,7 +96,7 @@ def test_standby_takes_the_place_of_a_killed_machine(
     # The agents stayed across the round: no new agent generation.
     survivor_events = cluster.machines[survivor].events()
     assert not [e for e in survivor_events if e["event"] == "node_agent_restart"], survivor_events
-    assert max(_committed(cluster)) == STEPS
+    assert max(cluster.committed()) == STEPS
     # Both saw exactly the killed machine go (until the first of them finished and left).
     launchers = {node: cluster.machines[node].events() for node in (survivor, "n2")}
     done_at = min(e["t"] for ev in launchers.values() for e in ev if e["event"] == "succeeded")
@@ -170,8 +135,8 @@ def test_worker_crash_restarts_workers_from_memory(
     os.kill(victim, signal.SIGKILL)
 
     assert cluster.wait_exit("solo", 120) == 0, cluster.logs()
-    _assert_same_model(cluster, reference_model)
-    resumed = [e for e in cluster.events() if e["event"] == "restored" and e["t"] > killed_at]
+    assert_same_model(cluster.out, reference_model)
+    resumed = cluster.restored_since(killed_at)
     assert sorted(e["rank"] for e in resumed) == [0, 1], resumed
     assert all(e["restored_from"] == "memory" for e in resumed), resumed
     assert len({e["start_step"] for e in resumed}) == 1
@@ -217,7 +182,7 @@ def test_job_survives_an_etcd_restart(
     for node in ("n0", "n1"):
         assert cluster.wait_exit(node, 150) == 0, cluster.logs()
     assert len(cluster.steps()) > steps_after_restart
-    _assert_same_model(cluster, reference_model)
+    assert_same_model(cluster.out, reference_model)
 
 
 @pytest.mark.timeout(240)
@@ -238,11 +203,11 @@ def test_late_machine_scales_the_job_up(
     cluster.start("n1")
     for node in ("n0", "n1"):
         assert cluster.wait_exit(node, 150) == 0, cluster.logs()
-    resumed = [e for e in cluster.events() if e["event"] == "restored" and e["t"] > joined_at]
+    resumed = cluster.restored_since(joined_at)
     assert {(e["node"], e["world_size"]) for e in resumed} == {("n0", 2), ("n1", 2)}, resumed
     assert len({e["start_step"] for e in resumed}) == 1
     assert resumed[0]["start_step"] >= EVERY
-    assert max(_committed(cluster)) == STEPS
+    assert max(cluster.committed()) == STEPS
 
 
 @pytest.mark.timeout(240)
@@ -261,26 +226,24 @@ def test_machine_loss_without_standby_shrinks_the_job(
     cluster.start("n0")
     cluster.start("n1")
     cluster.wait_for("training on two machines", lambda: len(cluster.steps()) >= 2 * 8, 120)
-    cluster.wait_for("a committed step", lambda: bool(_committed(cluster)), 60)
+    cluster.wait_for("a committed step", lambda: bool(cluster.committed()), 60)
     assert max(cluster.steps()) < STEPS - 10, "training ran out before the kill; slow it down"
-    committed_before = max(_committed(cluster))
+    committed_before = max(cluster.committed())
     last_step_before = max(cluster.steps())
     # Kill the machine that does not host rank 0: the survivor keeps its rank.
-    rank0_node = next(
-        e["node"] for e in reversed(cluster.events()) if e["event"] == "restored" and e["rank"] == 0
-    )
+    rank0_node = cluster.rank0_node()
     victim = "n1" if rank0_node == "n0" else "n0"
     survivor = rank0_node
     killed_at = time.time()
     assert cluster.machines[victim].kill(), "the machine had no processes"
 
     assert cluster.wait_exit(survivor, 150) == 0, cluster.logs()
-    resumed = [e for e in cluster.events() if e["event"] == "restored" and e["t"] > killed_at]
+    resumed = cluster.restored_since(killed_at)
     assert [(e["node"], e["world_size"]) for e in resumed] == [(survivor, 1)], resumed
     # The survivor reloads the replicated state from its node agent's memory and goes on alone.
     assert committed_before <= resumed[0]["start_step"] <= last_step_before + 1
     assert resumed[0]["restored_from"] == "memory", resumed
-    assert max(_committed(cluster)) == STEPS
+    assert max(cluster.committed()) == STEPS
 
 
 @pytest.mark.timeout(240)
@@ -300,19 +263,19 @@ def test_sharded_job_shrinks_by_resharding(
     cluster.start("n0")
     cluster.start("n1")
     cluster.wait_for("training on two machines", lambda: len(cluster.steps()) >= 2 * 8, 120)
-    cluster.wait_for("a committed step", lambda: bool(_committed(cluster)), 60)
+    cluster.wait_for("a committed step", lambda: bool(cluster.committed()), 60)
     assert max(cluster.steps()) < STEPS - 10, "training ran out before the kill; slow it down"
-    committed_before = max(_committed(cluster))
+    committed_before = max(cluster.committed())
     assert Storage(cluster.storage).read_manifest(committed_before)["num_shards"] == 2
     killed_at = time.time()
     assert cluster.machines["n1"].kill(), "the machine had no processes"
 
     assert cluster.wait_exit("n0", 150) == 0, cluster.logs()
-    resumed = [e for e in cluster.events() if e["event"] == "restored" and e["t"] > killed_at]
+    resumed = cluster.restored_since(killed_at)
     assert [(e["node"], e["world_size"]) for e in resumed] == [("n0", 1)], resumed
     assert resumed[0]["restored_from"] == "storage", resumed
     assert resumed[0]["start_step"] >= committed_before
-    assert max(_committed(cluster)) == STEPS
+    assert max(cluster.committed()) == STEPS
     assert Storage(cluster.storage).read_manifest(STEPS)["num_shards"] == 1
     final = safetensors.torch.load_file(cluster.out / "final.safetensors")
     assert sorted(final) == ["0.bias", "0.weight", "2.bias", "2.weight"]
@@ -344,7 +307,7 @@ def test_health_check_keeps_a_faulty_machine_out_of_the_job(
     cluster.start("n2")
     for node in ("n0", "n2"):
         assert cluster.wait_exit(node, 150) == 0, cluster.logs()
-    _assert_same_model(cluster, reference_model)
+    assert_same_model(cluster.out, reference_model)
     assert {e["node"] for e in cluster.events() if e["event"] == "restored"} == {"n0", "n2"}
     # The faulty machine is not admitted to this job again, even once "repaired".
     cluster.start("n1")

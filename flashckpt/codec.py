@@ -30,7 +30,6 @@ __all__ = [
     "FlatState",
     "flatten_state",
     "piece_nodes",
-    "skeleton_tensor_names",
     "unflatten_state",
 ]
 
@@ -180,17 +179,3 @@ def piece_nodes(skeleton: Any) -> Iterator[tuple[str, dict[str, Any]]]:
             elif tag in ("L", "U"):
                 for v in value:
                     yield from piece_nodes(v)
-
-
-def skeleton_tensor_names(skeleton: Any) -> Iterator[str]:
-    """Yields the tensor names a skeleton refers to."""
-    if isinstance(skeleton, dict):
-        for tag, value in skeleton.items():
-            if tag in ("T", "N", "S"):
-                yield value
-            elif tag in ("D",):
-                for _, v in value:
-                    yield from skeleton_tensor_names(v)
-            elif tag in ("L", "U"):
-                for v in value:
-                    yield from skeleton_tensor_names(v)

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from flashckpt.codec import FlatState as FlatState
     from flashckpt.codec import flatten_state as flatten_state
     from flashckpt.codec import piece_nodes as piece_nodes
-    from flashckpt.codec import skeleton_tensor_names as skeleton_tensor_names
     from flashckpt.codec import unflatten_state as unflatten_state
 
 # torch is imported inside the functions that take or make tensors, never at module level: the
@@ -292,9 +291,7 @@ def tensor_views(layout: Layout, data: torch.Tensor) -> dict[str, torch.Tensor]:
 # the byte formats stays torch-free and codec -> layout is the only import at load time. To be
 # removed with the KNOWN_UPWARD and KNOWN_CYCLES entries in tests/test_layering.py and
 # tests/test_import_cycles.py once those modules import flashckpt.codec.
-_MOVED_TO_CODEC = frozenset(
-    {"FlatState", "flatten_state", "piece_nodes", "skeleton_tensor_names", "unflatten_state"}
-)
+_MOVED_TO_CODEC = frozenset({"FlatState", "flatten_state", "piece_nodes", "unflatten_state"})
 
 
 def __getattr__(name: str) -> Any:

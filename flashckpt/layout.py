@@ -15,6 +15,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -146,7 +147,7 @@ class Layout:
         offset = 0
         for i in order:
             name, dtype, shape = specs[i]
-            nbytes = _itemsize(dtype) * _numel(shape)
+            nbytes = _itemsize(dtype) * math.prod(shape)
             entries.append(TensorEntry(name, dtype_code(dtype), shape, offset, nbytes))
             offset += nbytes
         sig = hashlib.sha1(
@@ -169,13 +170,6 @@ class Layout:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return int(dtype.itemsize)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def safetensors_header(layout: Layout, metadata: Mapping[str, str], align: int = 8) -> bytes:
@@ -235,7 +229,7 @@ def parse_safetensors_header(header: Any) -> tuple[Layout, dict[str, str]]:
         ):
             raise ValueError(f"tensor {name!r}: invalid data_offsets {offsets!r}")
         start, end = offsets
-        if end - start != size * _numel(tuple(shape)):
+        if end - start != size * math.prod(shape):
             raise ValueError(f"tensor {name!r}: byte range does not match dtype and shape")
         entries.append([name, dtype, shape, start, end - start])
     entries.sort(key=lambda e: (e[3], e[4]))

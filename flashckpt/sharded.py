@@ -20,6 +20,7 @@ FSDP ranks on a dim that TP splits unevenly) raises an error naming the key. ``P
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -343,7 +344,7 @@ def overlap_volume(
 ) -> int:
     """Elements two boxes ``(offset, shape)`` share."""
     ov = _overlap(*a, *b)
-    return 0 if ov is None else _numel(ov[1])
+    return 0 if ov is None else math.prod(ov[1])
 
 
 def overlaps(meta: Mapping[str, Any], offset: Iterable[int], shape: Iterable[int]) -> bool:
@@ -391,12 +392,12 @@ def assemble(
             out = torch.empty(shape, dtype=dtype or p.tensor.dtype)
         src = p.tensor[_slices(lo, n, p.box[0])]
         out[_slices(lo, n, offset)] = src
-        covered += _numel(n)
+        covered += math.prod(n)
     if out is None:
         out = torch.empty(shape, dtype=dtype or torch.float32)
-    if covered != _numel(shape):
+    if covered != math.prod(shape):
         raise ValueError(
-            f"tensor {name!r}: the saved pieces cover {covered} of the {_numel(shape)} elements "
+            f"tensor {name!r}: the saved pieces cover {covered} of the {math.prod(shape)} elements "
             f"of the box at {list(offset)} of shape {list(shape)} (a shard file is missing)"
         )
     return out
@@ -404,13 +405,6 @@ def assemble(
 
 def _slices(lo: tuple[int, ...], n: tuple[int, ...], origin: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(a - o, a - o + k) for a, k, o in zip(lo, n, origin, strict=True))
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def walk_pieces(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:

@@ -43,7 +43,7 @@ import json
 import logging
 import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -566,10 +566,7 @@ class EtcdClient:
         request["start_revision"] = str(after_revision + 1)
         payload = json.dumps({"create_request": request}).encode()
         deadline = Deadline.after(timeout)
-        backoff = _INITIAL_BACKOFF_S
-        attempt = 0
-        while True:
-            endpoint = self._endpoint_for(attempt)
+        for endpoint in self._attempts(deadline):
             try:
                 return self._watch_once(endpoint, payload, deadline)
             except _AttemptFailed as exc:
@@ -582,10 +579,7 @@ class EtcdClient:
                         "reachable from this machine."
                     ) from exc
                 logger.debug("watch on %s failed, retrying: %s", endpoint.url, exc)
-            attempt += 1
-            if attempt % len(self._endpoints) == 0:
-                deadline.sleep(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+        raise AssertionError("unreachable: _attempts never ends")
 
     # ----------------------------------------------------------------------------- leases
 
@@ -657,6 +651,19 @@ class EtcdClient:
 
     # ----------------------------------------------------------------------------- transport
 
+    def _attempts(self, deadline: Deadline) -> Iterator[_Endpoint]:
+        """The endpoint of each attempt of one call, endlessly: every endpoint in turn from the
+        preferred one, and after each round a pause that doubles up to ``_MAX_BACKOFF_S``. The
+        caller stops when an attempt succeeds or its deadline has passed."""
+        backoff = _INITIAL_BACKOFF_S
+        attempt = 0
+        while True:
+            yield self._endpoint_for(attempt)
+            attempt += 1
+            if attempt % len(self._endpoints) == 0:
+                deadline.sleep(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+
     def _endpoint_for(self, attempt: int) -> _Endpoint:
         with self._lock:
             preferred = self._preferred
@@ -678,10 +685,7 @@ class EtcdClient:
         budget = timeout if timeout is not None else self._timeout
         deadline = Deadline.after(budget)
         payload = json.dumps(body).encode()
-        backoff = _INITIAL_BACKOFF_S
-        attempt = 0
-        while True:
-            endpoint = self._endpoint_for(attempt)
+        for endpoint in self._attempts(deadline):
             try:
                 response = self._post_once(endpoint, path, payload, deadline)
             except _AttemptFailed as exc:
@@ -702,10 +706,7 @@ class EtcdClient:
             else:
                 self._prefer(endpoint)
                 return response
-            attempt += 1
-            if attempt % len(self._endpoints) == 0:
-                deadline.sleep(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+        raise AssertionError("unreachable: _attempts never ends")
 
     def _connect(self, endpoint: _Endpoint, deadline: Deadline) -> http.client.HTTPConnection:
         connect_timeout = max(0.001, min(self._connect_timeout_s, deadline.remaining()))

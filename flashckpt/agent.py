@@ -52,9 +52,34 @@ from typing import Any
 import psutil
 
 from flashckpt import names
-from flashckpt.errors import CorruptCheckpointError
+from flashckpt.errors import CorruptCheckpointError, ProtocolError
 from flashckpt.layout import safetensors_header
 from flashckpt.manifest import FileEntry, RankEntry, ShardEntry
+from flashckpt.messages import (
+    Alloc,
+    AllocReply,
+    Committed,
+    Done,
+    ErrorReply,
+    Event,
+    Flush,
+    FlushReply,
+    Hash,
+    Hello,
+    HelloReply,
+    OkReply,
+    PersistErrorEvent,
+    Ping,
+    PingReply,
+    Reply,
+    Request,
+    Restored,
+    Snap,
+    Status,
+    StatusReply,
+    parse_request,
+    request_id,
+)
 from flashckpt.monitor import AgentMonitor, MonitorConfig
 from flashckpt.protocol import LineReader, default_node_id, default_run_dir, send_msg, socket_path
 from flashckpt.shm import (
@@ -68,7 +93,7 @@ from flashckpt.shm import (
     slot_path,
     slot_prefix,
 )
-from flashckpt.snapmeta import MAX_LOCAL_RANKS, NodePart, SnapshotMeta
+from flashckpt.snapmeta import NodePart, SnapshotMeta
 from flashckpt.storage import (
     FORMAT,
     MANIFEST,
@@ -89,8 +114,6 @@ __all__ = [
 
 log = logging.getLogger("flashckpt.agent")
 
-MAX_SLOT_BYTES = 1 << 44
-"""Largest slot region a trainer may ask for (16 TiB; the tmpfs bounds it further)."""
 
 _SLOT_RE = names.SLOT_NAME_RE
 
@@ -620,16 +643,21 @@ class NodeAgent:
                 msg = reader.read()
                 if msg is None:
                     break
-                rid = msg.get("id")
+                rid = request_id(msg)
                 try:
-                    reply = self._handle(conn, msg)
+                    env = parse_request(msg)  # the one check of what came from the socket
+                    rid = env.rid
+                    reply = self._handle(conn, env.body)
                 except (ValueError, KeyError, TypeError, OSError, ShmSpaceError) as e:
-                    reply = {"ok": False, "error": str(e), "kind": type(e).__name__}
+                    reply = ErrorReply(error=str(e), kind=type(e).__name__)
                 except Exception as e:  # keep serving: one bad request must not kill the agent
                     log.exception("request %s failed", msg.get("op"))
-                    reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                    reply = ErrorReply(error=f"{type(e).__name__}: {e}")
                 if rid is not None and reply is not None:
-                    conn.send({"id": rid, **reply})
+                    conn.send(reply.to_json(rid))
+                elif isinstance(reply, ErrorReply):
+                    # A one-way message (no id) that failed: nobody to tell but the log.
+                    log.warning("message %s refused: %s", str(msg.get("op"))[:64], reply.error)
         except (OSError, ValueError) as e:
             log.debug("connection ended: %s", e)
         finally:
@@ -646,70 +674,54 @@ class NodeAgent:
             self._last_client_time = time.monotonic()
             self._wake.set()
 
-    def _handle(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any] | None:
-        op = msg.get("op")
-        if op == "hello":
-            return self._hello(conn, msg)
-        if op == "alloc":
-            return self._alloc(conn, msg)
-        if op == "hash":
-            # A trainer about to restore from memory: every complete snapshot gets its data hash
-            # now (the background pass may not have reached it yet). All positions: a trainer
-            # also checks those of local ranks no trainer uses now (memory reshard). Hashes are
-            # computed once (under one lock): the other trainers' requests find them recorded.
-            self._hash_pass()
-            return {"ok": True}
-        if op == "snap":
-            self._wake.set()
-            self._hash_wake.set()
-            if self.cfg.write_through_private:
-                self._private_q.put((_key(msg), int(msg["step"])))
-            return None
-        if op == "restored":
-            # The trainers' timeline starts at this step (-1: a fresh start, nothing restored).
-            # A committed step after it is an abandoned timeline's or an older run's: this
-            # run's snapshot of that number is not persisted yet, and flush() and the commit
-            # loop must not take the old step for this run's.
-            step = int(msg["step"])
-            with self._lock:
-                self._persisted_high = min(self._persisted_high, step)
-                self._resumed_at = min(self._resumed_at, step)
-                self._committed = [s for s in self._committed if s <= step]
-            return {"ok": True}
-        if op == "flush":
-            return self._flush(int(msg["step"]), float(msg.get("timeout_s", 300.0)))
-        if op == "done":
-            with self._lock:
-                rec = self._ranks.get(_key(msg))
-                if rec is not None:
-                    rec.done = True
-            self._wake.set()
-            return {"ok": True}
-        if op == "status":
-            return {"ok": True, **self.status()}
-        if op == "ping":
-            return {"ok": True, "pid": os.getpid()}
-        raise ValueError(f"unknown request {op!r}")
+    def _handle(self, conn: _Conn, req: Request) -> Reply | None:
+        match req:
+            case Hello():
+                return self._hello(conn, req)
+            case Alloc():
+                return self._alloc(conn, req)
+            case Hash():
+                # A trainer about to restore from memory: every complete snapshot gets its data
+                # hash now (the background pass may not have reached it yet). All positions: a
+                # trainer also checks those of local ranks no trainer uses now (memory reshard).
+                # Hashes are computed once (under one lock): the other trainers' requests find
+                # them recorded.
+                self._hash_pass()
+                return OkReply()
+            case Snap():
+                self._wake.set()
+                self._hash_wake.set()
+                if self.cfg.write_through_private:
+                    self._private_q.put((req.key, req.step))
+                return None
+            case Restored():
+                # The trainers' timeline starts at this step (-1: a fresh start, nothing
+                # restored). A committed step after it is an abandoned timeline's or an older
+                # run's: this run's snapshot of that number is not persisted yet, and flush() and
+                # the commit loop must not take the old step for this run's.
+                with self._lock:
+                    self._persisted_high = min(self._persisted_high, req.step)
+                    self._resumed_at = min(self._resumed_at, req.step)
+                    self._committed = [s for s in self._committed if s <= req.step]
+                return OkReply()
+            case Flush():
+                return self._flush(req.step, req.timeout_s)
+            case Done():
+                with self._lock:
+                    rec = self._ranks.get(req.key)
+                    if rec is not None:
+                        rec.done = True
+                self._wake.set()
+                return OkReply()
+            case Status():
+                return StatusReply(status=self.status())
+            case Ping():
+                return PingReply(pid=os.getpid())
+        raise ProtocolError(f"request {req.op!r} has no handler")  # REQUESTS and this differ
 
-    def _hello(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
-        rank = int(msg["rank"])
-        key = _key(msg)
-        world_size = int(msg["world_size"])
-        local_world = int(msg.get("local_world_size", 1))
-        if not 0 <= rank < world_size:
-            raise ValueError(f"hello: rank {rank} is outside the world of {world_size}")
-        if not 1 <= local_world <= MAX_LOCAL_RANKS:
-            raise ValueError(
-                f"hello: local world size {local_world} is outside 1..{MAX_LOCAL_RANKS}"
-            )
-        if not 0 <= key < max(local_world, 1) and msg.get("local_rank") is not None:
-            raise ValueError(
-                f"hello: local rank {key} is outside this machine's {local_world} ranks"
-            )
-        if not 0 <= key < MAX_LOCAL_RANKS:
-            raise ValueError(f"hello: local rank {key} is outside 0..{MAX_LOCAL_RANKS - 1}")
-        world_id = str(msg.get("world_id", ""))
-        storage = msg.get("storage")
+    def _hello(self, conn: _Conn, msg: Hello) -> HelloReply:
+        rank, key, world_size = msg.rank, msg.key, msg.world_size
+        local_world, world_id, storage = msg.local_world_size, msg.world_id, msg.storage
         with self._lock:
             if storage and self.storage is None:
                 self.storage = Storage(storage, file_mode=self.cfg.storage_file_mode)
@@ -734,38 +746,30 @@ class NodeAgent:
             rec.world_id = world_id
             rec.world_size = world_size
             rec.local_world_size = local_world
-            rec.shard = int(msg.get("shard", 0))
-            rec.num_shards = int(msg.get("num_shards", 1))
-            rec.replica = int(msg.get("replica", 0))
+            rec.shard = msg.shard
+            rec.num_shards = msg.num_shards
+            rec.replica = msg.replica
             rec.conn = conn
             rec.done = False
             conn.ranks.add(key)
             # A slot whose header fails its check is not served (the trainer would reject it,
             # every time): the trainer's alloc replaces it.
             paths = [s.path if s is not None and _header_ok(s) else None for s in rec.slots]
-        return {
-            "ok": True,
-            "slots": paths,
-            "pid": os.getpid(),
-            "committed": list(self._committed),
-            "shm_dir": self.cfg.shm_dir,
+        return HelloReply(
+            slots=paths,
+            pid=os.getpid(),
+            committed=list(self._committed),
+            shm_dir=self.cfg.shm_dir,
             # Started by a trainer (it exits when done): any trainer of the job may start the
             # next one if it dies; an agent without it belongs to a launcher or an operator.
-            "auto_started": self.cfg.exit_when_done,
-        }
+            auto_started=self.cfg.exit_when_done,
+        )
 
-    def _alloc(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
-        rank = _key(msg)
-        meta_cap, data_cap = int(msg["meta_cap"]), int(msg["data_cap"])
-        if not (0 <= meta_cap <= MAX_SLOT_BYTES and 0 <= data_cap <= MAX_SLOT_BYTES):
-            raise ValueError(
-                f"alloc: slot sizes {meta_cap} + {data_cap} B are outside 0..{MAX_SLOT_BYTES}"
-            )
+    def _alloc(self, conn: _Conn, msg: Alloc) -> AllocReply:
+        rank, meta_cap, data_cap = msg.key, msg.meta_cap, msg.data_cap
         # Slots the trainer needs as they are (the newest snapshot, maybe of an older layout):
         # never replaced here, whatever their size.
-        keep = {int(i) for i in msg.get("keep") or ()}
-        if not keep <= {0, 1}:
-            raise ValueError(f"alloc: keep={sorted(keep)} names slots other than 0 and 1")
+        keep = set(msg.keep or ())
         with self._lock:
             # Only the trainer that holds the position (said hello for it on this connection,
             # in the current world) gets its slots: a stray or stale alloc would create a
@@ -806,21 +810,21 @@ class NodeAgent:
                 with self._lock:
                     rec.slots[i] = new
                 paths.append(path)
-        return {"ok": True, "slots": paths}
+        return AllocReply(slots=paths)
 
-    def _flush(self, step: int, timeout: float) -> dict[str, Any]:
+    def _flush(self, step: int, timeout: float) -> Reply:
         deadline = time.monotonic() + timeout
         next_look = 0.0
         self._wake.set()
         while time.monotonic() < deadline:
             with self._lock:
                 if self.storage is None:
-                    return {"ok": False, "error": "no storage configured: nothing to flush to"}
+                    return ErrorReply(error="no storage configured: nothing to flush to")
                 if any(s >= step for s in self._committed):
-                    return {"ok": True, "committed": max(self._committed)}
+                    return FlushReply(committed=max(self._committed))
                 errs = [e for e in self._errors if e["step"] is not None and e["step"] >= step]
             if errs:
-                return {"ok": False, "error": errs[-1]["error"]}
+                return ErrorReply(error=errs[-1]["error"])
             if time.monotonic() >= next_look:
                 # Another node's agent commits steps whose rank 0 it hosts: look at storage.
                 next_look = time.monotonic() + 0.25
@@ -830,7 +834,7 @@ class NodeAgent:
                             self._committed = sorted({*self._committed, step})
                         continue
             time.sleep(0.02)
-        return {"ok": False, "error": f"step {step} was not committed within {timeout:.0f} s"}
+        return ErrorReply(error=f"step {step} was not committed within {timeout:.0f} s")
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -865,18 +869,19 @@ class NodeAgent:
                 "monitor": self.monitor.summary() if self.monitor is not None else None,
             }
 
-    def _broadcast(self, event: dict[str, Any]) -> None:
+    def _broadcast(self, event: Event) -> None:
         with self._lock:
             conns = list(self._conns)
+        doc = event.to_json()
         for c in conns:
-            c.send(event)
+            c.send(doc)
 
     def _record_error(self, step: int | None, error: str) -> None:
         log.error("persist step %s failed: %s", step, error)
         with self._lock:
             self._errors.append({"step": step, "error": error, "time": time.time()})
             del self._errors[:-50]
-        self._broadcast({"event": "persist_error", "step": step, "error": error})
+        self._broadcast(PersistErrorEvent(step=step, error=error))
 
     # -- persistence -------------------------------------------------------------------------
     def _persist_loop(self) -> None:
@@ -1253,7 +1258,7 @@ class NodeAgent:
         removed = storage.retain(self.cfg.keep)
         with self._lock:
             self._committed = sorted({*self._committed, step} - set(removed))
-        self._broadcast({"event": "committed", "step": step})
+        self._broadcast(Committed(step=step))
         return True
 
     def _snap_world(self, slot: Slot, info: SlotInfo) -> str | None:
@@ -1269,11 +1274,6 @@ class NodeAgent:
         if meta is not None:
             self._snap_worlds[slot.path] = (tag, world)
         return world
-
-
-def _key(msg: dict[str, Any]) -> int:
-    """The rank record a request is about: the local rank (older clients send only the rank)."""
-    return int(msg["local_rank"]) if msg.get("local_rank") is not None else int(msg["rank"])
 
 
 _GROUP_RE = names.GROUP_NAME_RE

@@ -278,6 +278,8 @@ class NodeAgent:
         self._commit_wake = threading.Event()
         self._commit_missing: dict[int, list[int]] = {}
         self._persisted_high = -1
+        # Committed steps hidden (uncommitted) to be rewritten: retried until committed again.
+        self._rewrites: set[int] = set()
         self._yields = 0
         # How the shard files went to storage: with O_DIRECT straight from the slot, or through
         # the page cache (a file system that refuses O_DIRECT, or remote storage).
@@ -825,8 +827,12 @@ class NodeAgent:
                 errs = [e for e in self._errors if e["step"] is not None and e["step"] >= step]
             if errs:
                 return ErrorReply(error=errs[-1]["error"])
-            if time.monotonic() >= next_look:
+            if time.monotonic() >= next_look and not self._commits_here():
                 # Another node's agent commits steps whose rank 0 it hosts: look at storage.
+                # Never on the committing node itself: a manifest there may be an abandoned
+                # timeline's (or one this agent is about to rewrite, after a restored message
+                # set the timeline back), and taking it for committed made the rewrite's
+                # commit a no-op (storage ended older than what flush had answered).
                 next_look = time.monotonic() + 0.25
                 with contextlib.suppress(OSError):
                     if self.storage.fs.exists(self.storage.step_path(step, MANIFEST)):
@@ -835,6 +841,13 @@ class NodeAgent:
                         continue
             time.sleep(0.02)
         return ErrorReply(error=f"step {step} was not committed within {timeout:.0f} s")
+
+    def _commits_here(self) -> bool:
+        """Whether this node commits the current world's steps (it hosts global rank 0)."""
+        with self._lock:
+            return any(
+                r.global_rank == 0 and r.world_id == self._world_id for r in self._ranks.values()
+            )
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -1021,6 +1034,7 @@ class NodeAgent:
         shards_out: dict[int, ShardEntry] = {}
         world = num_shards = 0
         written = 0
+        rewriting = False  # a committed step was hidden to be rewritten
         with self._io_lock:
             slots: dict[int, tuple[Slot, SlotInfo]] = {}
             with self._lock:
@@ -1043,6 +1057,10 @@ class NodeAgent:
                 if hosts_rank0 and step > self._resumed_at:
                     # Only the committing node (it hosts rank 0) hides a step it will rewrite;
                     # the other nodes' parts are rewritten under the hidden step.
+                    if storage.fs.exists(storage.step_path(step, MANIFEST)):
+                        with self._lock:
+                            self._rewrites.add(step)
+                    rewriting = step in self._rewrites
                     storage.uncommit(step)
                 for r, (s, info) in slots.items():
                     meta = metas[r]
@@ -1076,6 +1094,11 @@ class NodeAgent:
                     files[shard_name] = FileEntry(rec.size, rec.xxh3_64)
                     shards_out[meta.shard] = ShardEntry(shard_name, g)
             except _Torn as e:
+                if rewriting:
+                    # The step was committed and is hidden now, its files half rewritten: it is
+                    # tried again (a trainer is yielded to twice at most), never left lost.
+                    log.info("step %d changed while rewriting it (%s); trying again", step, e)
+                    return
                 log.info("step %d changed in memory while persisting (%s); skipped", step, e)
                 with self._lock:
                     self._persisted_high = max(self._persisted_high, step)
@@ -1216,8 +1239,8 @@ class NodeAgent:
     def _try_commit(self, step: int, world: int, num_shards: int, world_id: str) -> bool:
         storage = self.storage
         assert storage is not None
-        if step in self._committed:
-            return True
+        if step in self._committed and storage.fs.exists(storage.step_path(step, MANIFEST)):
+            return True  # (a step hidden for a rewrite is committed again, whatever we knew)
         # Parts of other worlds (a step number reached again after a membership change, with a
         # dead machine's old part still there) are never mixed into this world's manifest. A
         # part of this world that fails its checks stops the commit (reported): it names files
@@ -1258,6 +1281,7 @@ class NodeAgent:
         removed = storage.retain(self.cfg.keep)
         with self._lock:
             self._committed = sorted({*self._committed, step} - set(removed))
+            self._rewrites.discard(step)
         self._broadcast(Committed(step=step))
         return True
 

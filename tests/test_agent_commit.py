@@ -179,3 +179,33 @@ def test_a_malformed_part_of_this_world_is_refused_naming_the_field(fc_env: FcEn
     errors = agent.status()["errors"]
     assert errors and "node part field 'ranks'" in errors[-1]["error"], errors
     assert "'n1'" in errors[-1]["error"], errors
+
+
+def test_flush_on_the_committing_node_waits_for_the_rewrite_of_a_hidden_step(
+    fc_env: FcEnv,
+) -> None:
+    """A restored message set the timeline back to step 3 (a relinked resumed run) while step 5
+    was committed: this node (it hosts rank 0) rewrites step 5. Flush must not answer from the
+    old manifest, and the rewrite's commit must write the manifest again (it once took the step
+    flush had seen for committed already, and storage ended older than what flush answered)."""
+    from flashckpt.agent import _Rank
+    from flashckpt.messages import ErrorReply, FlushReply, Restored
+
+    agent = _agent(fc_env, commit_timeout=60.0)
+    st = Storage(fc_env.storage)
+    for step in (3, 5):
+        st.write_part(step, "n0", _part("n0", step, "w1", 0, world=1))
+        agent._commits[step] = (1, 1, "w1", time.monotonic() + 60)
+        agent._commit_round()
+    assert st.committed_steps() == [3, 5]
+    agent._world_id = "w1"
+    agent._ranks[0] = _Rank(0, global_rank=0, world_id="w1", world_size=1)
+    agent._handle(None, Restored(step=3))  # type: ignore[arg-type]
+    # The persister hides step 5 to rewrite it; a flush comes in meanwhile (or just before).
+    reply = agent._flush(5, 0.6)
+    assert isinstance(reply, ErrorReply), f"flush answered {reply} from the old manifest"
+    st.uncommit(5)
+    agent._commits[5] = (1, 1, "w1", time.monotonic() + 60)
+    agent._commit_round()
+    assert st.committed_steps() == [3, 5], "the rewritten step 5 was never committed again"
+    assert agent._flush(5, 5.0) == FlushReply(committed=5)

@@ -28,8 +28,8 @@ def test_a_hidden_step_whose_rewrite_yields_is_committed_again(
         st = Storage(fc_env.storage)
         assert st.committed_steps() == [1, 2]
         writes = sum(a.status()["shard_writes"].values())
-        with a._lock:
-            slots = [s for r in a._ranks.values() for s in r.slots if s is not None]
+        with a.st.lock:
+            slots = [s for r in a.st.ranks.values() for s in r.slots if s is not None]
         held = [s for s in slots if (h := s.header()) is not None and h.complete and h.step == 2]
         assert len(held) == 1
         # The trainer wants the slot (as while it waits to write its next snapshot): the agent

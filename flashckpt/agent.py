@@ -289,6 +289,9 @@ class NodeAgent:
                 self._lock_fd = None
 
     def status(self) -> dict[str, Any]:
+        """What the agent holds and did: positions and their slots' steps, committed and
+        committing steps, errors, refused slot files, corrupt snapshots, the monitor's summary
+        (the ``status`` reply, ``flashckpt status`` and the metrics read it)."""
         with self.st.lock:
             ranks = {}
             for r, rec in sorted(self.st.ranks.items()):

@@ -188,6 +188,19 @@ class Request(_Message):
         head: dict[str, Any] = {} if rid is None else {"id": rid}
         return {**head, "op": self.op, **self.fields_json()}
 
+    @classmethod
+    def from_json(cls, obj: Any) -> Request:
+        """The request in ``obj`` (validated by :func:`parse_request`); on a subclass, only
+        that request.
+
+        Raises:
+            ProtocolError: not a valid request (of this type).
+        """
+        body = parse_request(obj).body
+        if cls is not Request and not isinstance(body, cls):
+            raise ProtocolError(f"{body.op!r} is not a {cls.__name__} request")
+        return body
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Position(Request):
@@ -421,6 +434,11 @@ class Reply(_Message):
         head: dict[str, Any] = {} if rid is None else {"id": rid}
         return {**head, "ok": self.ok, **self.fields_json()}
 
+    @classmethod
+    def from_json(cls, op: str, obj: Any) -> Reply:
+        """The reply to ``op`` in ``obj`` (see :func:`parse_reply`)."""
+        return parse_reply(op, obj)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OkReply(Reply):
@@ -536,6 +554,11 @@ class Event(_Message):
 
     def to_json(self) -> dict[str, Any]:
         return {"event": self.event, **self.fields_json()}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Event:
+        """The event in ``obj`` (see :func:`parse_event`)."""
+        return parse_event(obj)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

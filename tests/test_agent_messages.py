@@ -116,6 +116,17 @@ def test_bad_requests_are_refused_naming_the_problem(doc: dict[str, Any], says: 
     assert says in str(ei.value)
 
 
+def test_from_json_on_the_classes() -> None:
+    from flashckpt.messages import Event, Reply, Request
+
+    assert Request.from_json({"op": "ping"}) == Ping()
+    assert Flush.from_json({"op": "flush", "step": 2}) == Flush(step=2)
+    with pytest.raises(ProtocolError, match="not a Flush request"):
+        Flush.from_json({"op": "ping"})
+    assert Reply.from_json("ping", {"ok": True, "pid": 3}) == PingReply(pid=3)
+    assert Event.from_json({"event": "committed", "step": 4}) == Committed(step=4)
+
+
 def test_typed_construction_checks_too() -> None:
     with pytest.raises(ProtocolError, match="outside this machine's 2 ranks"):
         Hello(rank=0, world_size=4, local_rank=2, local_world_size=2)

@@ -5,6 +5,7 @@ problem, never a crash nor a silently ignored field."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 from typing import Any
 
@@ -187,5 +188,28 @@ def test_a_live_agent_answers_bad_messages_with_errors_and_keeps_serving(
         assert ei.value.kind == "ProtocolError"
         status = client.call(parse_request({"op": "status"}).body)
         assert isinstance(status, StatusReply) and status.status["ranks"] == {}
+    finally:
+        client.close()
+
+
+def test_the_agent_replies_parse_as_the_typed_replies(fc_env: FcEnv, agent: RunningAgent) -> None:
+    """The reply classes are what a real agent sends: a hello, an alloc, a flush and a status
+    through AgentClient.call parse (a field renamed on either side would fail here)."""
+    from flashckpt.messages import Alloc, AllocReply, Done, OkReply, Restored, Status
+
+    client = AgentClient(agent.agent.socket_path)
+    try:
+        hello = client.call(Hello(rank=0, world_size=1, local_rank=0, world_id="w"))
+        assert isinstance(hello, HelloReply) and hello.slots == [None, None]
+        assert hello.pid > 0 and hello.shm_dir == fc_env.shm_dir and hello.auto_started is False
+        alloc = client.call(Alloc(rank=0, local_rank=0, meta_cap=4096, data_cap=4096))
+        assert isinstance(alloc, AllocReply) and len(alloc.slots) == 2
+        assert all(os.path.basename(p).startswith(f"fc.{fc_env.job}.") for p in alloc.slots)
+        assert client.call(Restored(step=-1)) == OkReply()
+        status = client.call(Status())
+        assert isinstance(status, StatusReply) and status.status["ranks"]["0"]["rank"] == 0
+        with pytest.raises(AgentError, match="not committed within"):
+            client.call(Flush(step=1, timeout_s=0.2))
+        assert client.call(Done(rank=0, local_rank=0)) == OkReply()
     finally:
         client.close()

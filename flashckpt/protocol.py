@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flashckpt.errors import AgentError, ProtocolError, UnsafeLocalStateError
-from flashckpt.messages import Reply, Request, parse_reply
+from flashckpt.messages import Reply, Request, parse_event, parse_reply
 from flashckpt.names import socket_path
 from flashckpt.shm import check_private_dir
 
@@ -187,6 +187,11 @@ class AgentClient:
                     break
                 rid = msg.get("id")
                 if rid is None:
+                    try:
+                        parse_event(msg)  # an event the protocol has, its fields as it says
+                    except ProtocolError as e:
+                        log.warning("ignoring a malformed event from %s: %s", self.path, e)
+                        continue
                     if self._on_event is not None:
                         try:
                             self._on_event(msg)

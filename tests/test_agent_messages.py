@@ -213,3 +213,39 @@ def test_the_agent_replies_parse_as_the_typed_replies(fc_env: FcEnv, agent: Runn
         assert client.call(Done(rank=0, local_rank=0)) == OkReply()
     finally:
         client.close()
+
+
+def test_the_client_drops_malformed_events(tmp_path: Any) -> None:
+    """Events are checked where they arrive: the trainer's handler sees only well-formed ones."""
+    import threading
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    path = str(run_dir / "fake.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    got: list[dict[str, Any]] = []
+    seen = threading.Event()
+
+    def on_event(msg: dict[str, Any]) -> None:
+        got.append(msg)
+        if msg.get("step") == 9:
+            seen.set()
+
+    client = AgentClient(path, on_event=on_event)
+    conn, _ = srv.accept()
+    try:
+        for ev in (
+            {"event": "committed", "step": "7"},  # ill-typed
+            {"event": "launch", "step": 1},  # unknown
+            {"event": "persist_error", "error": "x"},  # missing step
+            {"event": "committed", "step": 9},
+        ):
+            conn.sendall(json.dumps(ev).encode() + b"\n")
+        assert seen.wait(30), got
+        assert got == [{"event": "committed", "step": 9}]
+    finally:
+        client.close()
+        conn.close()
+        srv.close()

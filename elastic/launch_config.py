@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashckpt import names
+from flashckpt import cliargs, names
 
 __all__ = [
     "EventLog",
@@ -26,6 +26,10 @@ __all__ = [
     "LauncherConfig",
     "default_node_id",
     "default_shutdown_timeout",
+    "parse_nnodes",
+    "parse_nproc",
+    "parse_ranks_filter",
+    "parse_rdzv_conf",
 ]
 
 logger = logging.getLogger("flashckpt.launcher")
@@ -35,84 +39,304 @@ class LaunchError(RuntimeError):
     """The launcher cannot run this machine: the message names the problem and the fix."""
 
 
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``--nnodes``: ``N`` or ``MIN:MAX`` machines."""
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            return int(parts[0]), int(parts[0])
+        if len(parts) == 2:
+            return int(parts[0]), int(parts[1])
+    except ValueError:
+        pass
+    raise ValueError(f"--nnodes {text!r}: use N or MIN:MAX (e.g. 2:2, or 1:4 to scale)")
+
+
+def parse_nproc(text: str) -> int:
+    """``--nproc-per-node``: a number, ``gpu``, ``cpu`` or ``auto``."""
+    if text == "cpu":
+        return os.cpu_count() or 1
+    if text in ("gpu", "auto"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        if text == "gpu":
+            raise ValueError("--nproc-per-node gpu: no CUDA device is visible on this machine")
+        return os.cpu_count() or 1
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"--nproc-per-node {text!r}: use a number, 'gpu', 'cpu' or 'auto'"
+        ) from None
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``--rdzv-conf``: ``key=value[,key=value...]``."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--rdzv-conf item {item!r}: use key=value[,key=value...]")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def parse_ranks_filter(text: str) -> frozenset[int] | None:
+    """``--local-ranks-filter``: comma-separated local ranks (empty: no filter)."""
+    if not text:
+        return None
+    try:
+        return frozenset(int(r) for r in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--local-ranks-filter {text!r}: use a comma-separated list of local ranks, e.g. 0,1"
+        ) from None
+
+
 @dataclass(kw_only=True, slots=True)
 class LauncherConfig:
     """Everything one ``flashckpt run`` needs; built from the command line by
     :func:`parse_args`."""
 
-    entrypoint: str
+    entrypoint: str = field(metadata=cliargs.flag(derived="training_script"))
     """The training script (or module, with ``module=True``)."""
-    entrypoint_args: list[str] = field(default_factory=list)
+    entrypoint_args: list[str] = field(
+        default_factory=list, metadata=cliargs.flag(derived="training_script_args")
+    )
     """Its arguments."""
-    module: bool = False
+    module: bool = field(
+        default=False,
+        metadata=cliargs.flag(
+            "-m", "--module", help="run the entry point as a Python module (python -m)"
+        ),
+    )
     """Run ``entrypoint`` as a module (``python -m``)."""
-    min_nodes: int = 1
+    min_nodes: int = field(default=1, metadata=cliargs.flag(derived="--nnodes"))
     """Smallest number of machines the job runs with."""
-    max_nodes: int = 1
+    max_nodes: int = field(default=1, metadata=cliargs.flag(derived="--nnodes"))
     """Largest number of machines the job runs with; more launchers are standbys."""
-    nproc_per_node: int = 1
+    nproc_per_node: int = field(
+        default=1,
+        metadata=cliargs.flag(
+            "--nproc-per-node",
+            "--nproc_per_node",
+            parse=parse_nproc,
+            help="workers per machine: a number, 'gpu', 'cpu' or 'auto'",
+        ),
+    )
     """Worker processes per machine."""
-    rdzv_endpoint: str | None = None
+    rdzv_endpoint: str | None = field(
+        default=None,
+        metadata=cliargs.flag(
+            "--rdzv-endpoint",
+            "--rdzv_endpoint",
+            help="etcd client URL(s) host:port[,host:port] shared by all machines",
+        ),
+    )
     """etcd client URL(s); ``None`` with ``standalone``."""
-    rdzv_id: str = "none"
+    rdzv_id: str = field(default="none", metadata=cliargs.flag(derived="--rdzv-id"))
     """The job id: every machine of a job uses the same; it also names the flashckpt job."""
-    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    rdzv_conf: dict[str, str] = field(
+        default_factory=dict,
+        metadata=cliargs.flag(
+            "--rdzv-conf",
+            "--rdzv_conf",
+            parse=parse_rdzv_conf,
+            help="rendezvous options key=value,...: join_timeout, last_call_timeout, "
+            "keep_alive_interval, keep_alive_max_attempt, read_timeout, key_prefix, ...",
+        ),
+    )
     """Extra rendezvous options (torch's ``join_timeout``, ``last_call_timeout``,
     ``keep_alive_interval``..., ours: ``read_timeout``, ``key_prefix``...)."""
-    standalone: bool = False
+    standalone: bool = field(default=False, metadata=cliargs.flag(derived="--standalone"))
     """Start a private etcd on loopback (single machine)."""
-    max_restarts: int = 3
+    max_restarts: int = field(
+        default=3,
+        metadata=cliargs.flag(
+            "--max-restarts",
+            "--max_restarts",
+            help="worker-group restarts after failures before giving up",
+        ),
+    )
     """Worker-group restarts after failures before the launcher gives up."""
-    shutdown_timeout: float = field(default_factory=lambda: default_shutdown_timeout())
+    shutdown_timeout: float = field(
+        default_factory=lambda: default_shutdown_timeout(),
+        metadata=cliargs.flag(
+            "--shutdown-timeout",
+            "--shutdown_timeout",
+            help="seconds after SIGTERM/SIGINT before workers are killed and the launcher has "
+            "stopped (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30, as torchrun)",
+        ),
+    )
     """Seconds from a SIGTERM/SIGINT until everything is stopped: the workers get SIGTERM and
     are killed after it (torchrun's ``--shutdown-timeout``, ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``,
     30 s), then the node agent persists what it holds in what is left of it."""
-    monitor_interval: float = 0.1
+    monitor_interval: float = field(
+        default=0.1,
+        metadata=cliargs.flag(
+            "--monitor-interval", "--monitor_interval", help="seconds between checks of the workers"
+        ),
+    )
     """Seconds between checks of the workers."""
-    local_addr: str | None = None
+    local_addr: str | None = field(
+        default=None,
+        metadata=cliargs.flag(
+            "--local-addr",
+            "--local_addr",
+            help="this machine's address as the others reach it (default: its FQDN)",
+        ),
+    )
     """This machine's address as other machines reach it (default: its FQDN)."""
-    node_id: str = field(default_factory=lambda: default_node_id())
+    node_id: str = field(
+        default_factory=lambda: default_node_id(),
+        metadata=cliargs.flag(
+            "--node-id",
+            help="this machine's id in the job (default: host name); simulated machines on one "
+            "host need distinct ids",
+        ),
+    )
     """This machine's id in the job; unique per machine."""
-    storage: str | None = None
+    storage: str | None = field(
+        default=None, metadata=cliargs.flag(help="checkpoint root URL for the node agent (fsspec)")
+    )
     """Checkpoint root URL handed to the node agent (``None``: the trainers supply it)."""
-    shm_dir: str = "/dev/shm"
+    shm_dir: str = field(
+        default="/dev/shm", metadata=cliargs.flag(help="where the node agent keeps snapshots")
+    )
     """Where the node agent keeps snapshots."""
-    run_dir: str | None = None
+    run_dir: str | None = field(
+        default=None,
+        metadata=cliargs.flag(
+            help="directory of the node agent's socket and logs (default: /tmp/flashckpt-<uid>)"
+        ),
+    )
     """Directory of the node agent's socket and logs (default ``/tmp/flashckpt-<uid>``)."""
-    keep: int = 3
+    keep: int = field(default=3, metadata=cliargs.flag(help="committed steps kept in storage"))
     """Committed steps the node agent keeps in storage."""
-    metrics_port: int | None = None
+    metrics_port: int | None = field(
+        default=None,
+        metadata=cliargs.flag(
+            help="serve the node agent's Prometheus metrics on this port (default: off)"
+        ),
+    )
     """Port of the node agent's Prometheus endpoint (``None``: off)."""
-    lease_ttl: float = 5.0
+    lease_ttl: float = field(
+        default=5.0,
+        metadata=cliargs.flag(
+            help="seconds after which a machine that stopped renewing its etcd lease is declared "
+            "dead"
+        ),
+    )
     """Seconds after its last lease renewal that a silent machine is declared dead."""
-    probe: bool = True
+    probe: bool = field(
+        default=True,
+        metadata=cliargs.flag(
+            "--no-probe", help="do not probe peers when workers fail; rely on lease expiry alone"
+        ),
+    )
     """Probe peers when workers fail, to find dead machines before their lease lapses."""
-    health_check: bool = False
+    health_check: bool = field(
+        default=False,
+        metadata=cliargs.flag(
+            help="before each round, run a compute + all-reduce probe; a machine that fails is "
+            "recorded in etcd and not admitted again to this job"
+        ),
+    )
     """Run the compute + all-reduce probe before each round's workers start."""
-    prewarm: bool = True
+    prewarm: bool = field(
+        default=True,
+        metadata=cliargs.flag(
+            "--no-prewarm",
+            help="start every worker as a fresh interpreter instead of forking it from a process "
+            "that has already imported torch (needed for NUMA memory binding)",
+        ),
+    )
     """Fork workers from a process that has already imported torch (:mod:`elastic.prewarm`)."""
-    log_dir: str | None = None
+    log_dir: str | None = field(
+        default=None,
+        metadata=cliargs.flag(
+            "--log-dir",
+            "--log_dir",
+            help="base directory of the worker logs (a sub-directory per job id is created)",
+        ),
+    )
     """Where torch writes worker logs (default: a temporary directory); a job-level
     sub-directory named after the job id is created in it (torchrun's ``--log-dir``)."""
-    redirects: str = "0"
+    redirects: str = field(
+        default="0",
+        metadata=cliargs.flag(
+            "-r",
+            "--redirects",
+            help="redirect std streams of workers to log files in the log directory: 0-3 for all "
+            "(1 stdout, 2 stderr, 3 both) or 0:1,1:2 per local rank (as torchrun)",
+        ),
+    )
     """torchrun's ``--redirects``: which std streams of which local ranks go to log files
     only (``3``: both for every rank; ``0:1,1:2``: stdout of rank 0, stderr of rank 1)."""
-    tee: str = "0"
+    tee: str = field(
+        default="0",
+        metadata=cliargs.flag(
+            "-t",
+            "--tee",
+            help="like --redirects, but also show the streams on the console (as torchrun)",
+        ),
+    )
     """torchrun's ``--tee``: like ``redirects``, but the console still shows the stream."""
-    local_ranks_filter: frozenset[int] | None = None
+    local_ranks_filter: frozenset[int] | None = field(
+        default=None,
+        metadata=cliargs.flag(
+            "--local-ranks-filter",
+            "--local_ranks_filter",
+            parse=parse_ranks_filter,
+            help="only show these local ranks' output on the console, e.g. 0 or 0,1 (as torchrun)",
+        ),
+    )
     """torchrun's ``--local-ranks-filter``: only these local ranks' output reaches the
     console (log files are not filtered)."""
-    no_python: bool = False
+    no_python: bool = field(
+        default=False,
+        metadata=cliargs.flag(
+            "--no-python",
+            "--no_python",
+            help="run the entry point directly (a binary or a shell script), not with python",
+        ),
+    )
     """torchrun's ``--no-python``: run the entry point directly, not with ``python``."""
-    start_method: str = "spawn"
+    start_method: str = field(
+        default="spawn",
+        metadata=cliargs.flag(
+            "--start-method",
+            "--start_method",
+            choices=("spawn", "fork", "forkserver"),
+            help="multiprocessing start method (as torchrun: scripts always run as new processes)",
+        ),
+    )
     """torchrun's ``--start-method`` (``spawn``, ``fork``, ``forkserver``); as in torchrun it
     only applies to function entry points, a script always runs as a new process."""
-    event_log: str | None = None
+    event_log: str | None = field(
+        default=None,
+        metadata=cliargs.flag(
+            help="append lifecycle events (JSON lines with wall-clock times) to this file"
+        ),
+    )
     """Append lifecycle events (JSON lines with wall-clock times) to this file."""
-    swap_stragglers: bool = False
+    swap_stragglers: bool = field(
+        default=False,
+        metadata=cliargs.flag(
+            help="leave the job for a waiting standby when this machine stays the slowest by "
+            "--straggler-factor (checked every 2 s, 5 checks in a row)"
+        ),
+    )
     """Leave the job for a waiting standby when this machine is persistently the slowest
     (:mod:`elastic.jobview`)."""
-    straggler_factor: float = 1.5
+    straggler_factor: float = field(
+        default=1.5,
+        metadata=cliargs.flag(
+            help="a machine slower than this many times the others' median is a straggler"
+        ),
+    )
     """Slower than this many times the other machines' median counts as a straggler."""
 
     def __post_init__(self) -> None:

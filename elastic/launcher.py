@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import uuid
 from collections.abc import Sequence
@@ -43,59 +42,19 @@ from elastic.launch_config import (
     EventLog,
     LauncherConfig,
     LaunchError,
-    default_node_id,
-    default_shutdown_timeout,
+    parse_nnodes,
 )
+from flashckpt import cliargs
 
 __all__ = ["LauncherConfig", "launch", "main", "parse_args"]
 
 logger = logging.getLogger("flashckpt.launcher")
 
 
-def _parse_nnodes(text: str) -> tuple[int, int]:
-    parts = text.split(":")
-    try:
-        if len(parts) == 1:
-            return int(parts[0]), int(parts[0])
-        if len(parts) == 2:
-            return int(parts[0]), int(parts[1])
-    except ValueError:
-        pass
-    raise ValueError(f"--nnodes {text!r}: use N or MIN:MAX (e.g. 2:2, or 1:4 to scale)")
-
-
-def _parse_nproc(text: str) -> int:
-    if text == "cpu":
-        return os.cpu_count() or 1
-    if text in ("gpu", "auto"):
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-        if text == "gpu":
-            raise ValueError("--nproc-per-node gpu: no CUDA device is visible on this machine")
-        return os.cpu_count() or 1
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(
-            f"--nproc-per-node {text!r}: use a number, 'gpu', 'cpu' or 'auto'"
-        ) from None
-
-
-def _parse_rdzv_conf(text: str) -> dict[str, str]:
-    conf: dict[str, str] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--rdzv-conf item {item!r}: use key=value[,key=value...]")
-        conf[key.strip()] = value.strip()
-    return conf
-
-
 def _build_parser() -> argparse.ArgumentParser:
-    from flashckpt.protocol import default_run_dir
-
+    """The ``flashckpt run`` flags: one per LauncherConfig field (names, help and defaults from
+    the dataclass, see :mod:`elastic.launch_config`), and those computed from several flags or
+    accepted only for torchrun compatibility, declared here."""
     p = argparse.ArgumentParser(
         prog="flashckpt run",
         description="Launch an elastic training job (torchrun-compatible flags) with etcd v3 "
@@ -104,29 +63,10 @@ def _build_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--nnodes", default="1", help="N or MIN:MAX machines (default 1)")
     add(
-        "--nproc-per-node",
-        "--nproc_per_node",
-        default="1",
-        help="workers per machine: a number, 'gpu', 'cpu' or 'auto' (default 1)",
-    )
-    add(
-        "--rdzv-endpoint",
-        "--rdzv_endpoint",
-        default=None,
-        help="etcd client URL(s) host:port[,host:port] shared by all machines",
-    )
-    add(
         "--rdzv-id",
         "--rdzv_id",
         default=None,
         help="job id, the same on every machine (names the flashckpt job too)",
-    )
-    add(
-        "--rdzv-conf",
-        "--rdzv_conf",
-        default="",
-        help="rendezvous options key=value,...: join_timeout, last_call_timeout, "
-        "keep_alive_interval, keep_alive_max_attempt, read_timeout, key_prefix, ...",
     )
     add(
         "--rdzv-backend",
@@ -140,116 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="single machine: start a private etcd (default when --nnodes is 1 and no "
         "--rdzv-endpoint is given)",
     )
-    add(
-        "--max-restarts",
-        "--max_restarts",
-        type=int,
-        default=3,
-        help="worker-group restarts after failures before giving up (default 3)",
-    )
-    add(
-        "--shutdown-timeout",
-        "--shutdown_timeout",
-        type=float,
-        default=None,
-        help="seconds after SIGTERM/SIGINT before workers are killed and the launcher has "
-        "stopped (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30, as torchrun)",
-    )
-    add(
-        "--monitor-interval",
-        "--monitor_interval",
-        type=float,
-        default=0.1,
-        help="seconds between checks of the workers (default 0.1)",
-    )
-    add(
-        "--local-addr",
-        "--local_addr",
-        default=None,
-        help="this machine's address as the others reach it (default: its FQDN)",
-    )
-    add(
-        "--node-id",
-        default=None,
-        help="this machine's id in the job (default: host name); simulated machines on one "
-        "host need distinct ids",
-    )
-    add("--storage", default=None, help="checkpoint root URL for the node agent (fsspec)")
-    add("--shm-dir", default="/dev/shm", help="where the node agent keeps snapshots")
-    add(
-        "--run-dir", default=default_run_dir(), help="directory of the node agent's socket and logs"
-    )
-    add("--keep", type=int, default=3, help="committed steps kept in storage (default 3)")
-    add(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve the node agent's Prometheus metrics on this port (default: off)",
-    )
-    add(
-        "--lease-ttl",
-        type=float,
-        default=5.0,
-        help="seconds after which a machine that stopped renewing its etcd lease is declared "
-        "dead (default 5)",
-    )
-    add(
-        "--no-probe",
-        dest="probe",
-        action="store_false",
-        help="do not probe peers when workers fail; rely on lease expiry alone",
-    )
-    add(
-        "--no-prewarm",
-        dest="prewarm",
-        action="store_false",
-        help="start every worker as a fresh interpreter instead of forking it from a process "
-        "that has already imported torch (needed for NUMA memory binding)",
-    )
-    add(
-        "--health-check",
-        action="store_true",
-        help="before each round, run a compute + all-reduce probe; a machine that fails is "
-        "recorded in etcd and not admitted again to this job",
-    )
-    add(
-        "--log-dir",
-        "--log_dir",
-        default=None,
-        help="base directory of the worker logs (a sub-directory per job id is created)",
-    )
-    add(
-        "-r",
-        "--redirects",
-        default="0",
-        help="redirect std streams of workers to log files in the log directory: 0-3 for all "
-        "(1 stdout, 2 stderr, 3 both) or 0:1,1:2 per local rank (as torchrun)",
-    )
-    add(
-        "-t",
-        "--tee",
-        default="0",
-        help="like --redirects, but also show the streams on the console (as torchrun)",
-    )
-    add(
-        "--local-ranks-filter",
-        "--local_ranks_filter",
-        default="",
-        help="only show these local ranks' output on the console, e.g. 0 or 0,1 (as torchrun)",
-    )
-    add(
-        "--start-method",
-        "--start_method",
-        default="spawn",
-        choices=["spawn", "fork", "forkserver"],
-        help="multiprocessing start method (as torchrun: scripts always run as new processes)",
-    )
-    add(
-        "--no-python",
-        "--no_python",
-        action="store_true",
-        help="run the entry point directly (a binary or a shell script), not with python",
-    )
+    cliargs.add_dataclass_args(p, LauncherConfig)
     add(
         "--node-rank",
         "--node_rank",
@@ -272,33 +103,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="accepted for torchrun compatibility; only torchrun's static rendezvous uses it "
         "(worker rank 0 gets a free port every round)",
     )
-    add(
-        "--event-log",
-        default=None,
-        help="append lifecycle events (JSON lines with wall-clock times) to this file",
-    )
-    add(
-        "--swap-stragglers",
-        action="store_true",
-        help="leave the job for a waiting standby when this machine stays the slowest by "
-        "--straggler-factor (checked every 2 s, 5 checks in a row)",
-    )
-    add(
-        "--straggler-factor",
-        type=float,
-        default=1.5,
-        help="a machine slower than this many times the others' median is a straggler (1.5)",
-    )
-    add(
-        "-m",
-        "--module",
-        action="store_true",
-        help="run the entry point as a Python module (python -m)",
-    )
     add("-v", "--verbose", action="store_true", help="debug logging")
     add("training_script", help="the training script (or module, with -m)")
     add("training_script_args", nargs=argparse.REMAINDER)
-    return p  # fmt: skip
+    return p
 
 
 def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
@@ -318,57 +126,18 @@ def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
                 f"--rdzv-backend {args.rdzv_backend!r}: flashckpt run supports 'flashckpt-etcd' "
                 "(etcd v3) only; use torchrun for torch's own backends"
             )
-        min_nodes, max_nodes = _parse_nnodes(args.nnodes)
+        min_nodes, max_nodes = parse_nnodes(args.nnodes)
         standalone = args.standalone or (args.rdzv_endpoint is None and max_nodes == 1)
         rdzv_id = args.rdzv_id or ("s" + uuid.uuid4().hex[:12] if standalone else "none")
         _warn_static_only(args)
-        ranks_filter: frozenset[int] | None = None
-        if args.local_ranks_filter:
-            try:
-                ranks_filter = frozenset(int(r) for r in args.local_ranks_filter.split(","))
-            except ValueError:
-                raise ValueError(
-                    f"--local-ranks-filter {args.local_ranks_filter!r}: use a comma-separated "
-                    "list of local ranks, e.g. 0,1"
-                ) from None
         config = LauncherConfig(
             entrypoint=args.training_script,
             entrypoint_args=list(args.training_script_args),
-            module=args.module,
             min_nodes=min_nodes,
             max_nodes=max_nodes,
-            nproc_per_node=_parse_nproc(args.nproc_per_node),
-            rdzv_endpoint=args.rdzv_endpoint,
             rdzv_id=rdzv_id,
-            rdzv_conf=_parse_rdzv_conf(args.rdzv_conf),
             standalone=standalone,
-            max_restarts=args.max_restarts,
-            shutdown_timeout=(
-                args.shutdown_timeout
-                if args.shutdown_timeout is not None
-                else default_shutdown_timeout()
-            ),
-            monitor_interval=args.monitor_interval,
-            local_addr=args.local_addr,
-            node_id=args.node_id or default_node_id(),
-            storage=args.storage,
-            shm_dir=args.shm_dir,
-            run_dir=args.run_dir,
-            keep=args.keep,
-            metrics_port=args.metrics_port,
-            lease_ttl=args.lease_ttl,
-            probe=args.probe,
-            health_check=args.health_check,
-            prewarm=args.prewarm,
-            log_dir=args.log_dir,
-            redirects=args.redirects,
-            tee=args.tee,
-            local_ranks_filter=ranks_filter,
-            no_python=args.no_python,
-            start_method=args.start_method,
-            event_log=args.event_log,
-            swap_stragglers=args.swap_stragglers,
-            straggler_factor=args.straggler_factor,
+            **cliargs.config_kwargs(LauncherConfig, args),
         )
     except ValueError as exc:
         parser.error(str(exc))

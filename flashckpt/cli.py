@@ -14,33 +14,52 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["main"]
+from flashckpt import envnames, names
+
+__all__ = ["build_parser", "main"]
+
+
+def _monitor_flags() -> dict[str, Any]:
+    """The agent's monitoring flags (names and help; MonitorConfig's fields carry none)."""
+    from flashckpt.cliargs import Flag
+
+    return {
+        "enabled": Flag(("--no-monitor",), help="do not read the trainers' step rings at all"),
+        "poll_s": Flag(("--monitor-poll",)),
+        "metrics_port": Flag(
+            ("--metrics-port",), help="Prometheus port (0: off)", to_field=lambda p: p or None
+        ),
+        "metrics_addr": Flag(
+            ("--metrics-host", "--metrics-addr"),
+            help="Prometheus bind address (127.0.0.1: this machine only; 0.0.0.0: every interface)",
+        ),
+        "events_dir": Flag(("--events-dir",), help="events.jsonl dir (default: --run-dir)"),
+        "events_interval_s": Flag(("--events-interval",)),
+        "window": Flag(("--monitor-window",)),
+        "hang_factor": Flag(("--hang-factor",), help="hang after N x p50 step"),
+        "hang_floor_s": Flag(("--hang-floor",), help="least seconds for a hang"),
+        "hang_kill": Flag(
+            ("--hang-kill",),
+            help="kill hung workers after the stack dump (auto: under an elastic launcher)",
+        ),
+        "hang_dump_wait_s": Flag(("--hang-dump-wait",)),
+        "straggler_factor": Flag(("--straggler-factor",)),
+        "straggler_window": Flag(("--straggler-window",)),
+        "straggler_min_steps": Flag(("--straggler-min-steps",)),
+        "straggler_min_ms": Flag(("--straggler-min-ms",)),
+        "straggler_metric": Flag(("--straggler-metric",)),
+        "report_png": Flag(("--report-png",)),
+    }
 
 
 def _agent_args(p: argparse.ArgumentParser) -> None:
-    from flashckpt.protocol import default_run_dir
+    """The ``agent`` flags: every AgentConfig and MonitorConfig field (defaults and help from
+    the dataclasses), and the process's own (detach, pid and log files, lock wait)."""
+    from flashckpt.agent import AgentConfig
+    from flashckpt.cliargs import add_dataclass_args
+    from flashckpt.monitor import MonitorConfig
 
-    p.add_argument("--job", required=True, help="job id (names segments and the socket)")
-    p.add_argument("--node", default=None, help="node id (default: host name)")
-    p.add_argument("--storage", default=None, help="checkpoint root URL (fsspec)")
-    p.add_argument("--shm-dir", default="/dev/shm")
-    p.add_argument("--run-dir", default=default_run_dir())
-    p.add_argument("--keep", type=int, default=3, help="committed steps to keep")
-    p.add_argument(
-        "--shared-read",
-        action="store_true",
-        help="make checkpoint files readable by everyone (0644, directories 0755); by default "
-        "they are private to the user (0600/0700)",
-    )
-    p.add_argument("--idle-timeout", type=float, default=600.0)
-    p.add_argument(
-        "--orphan-age",
-        type=float,
-        default=86400.0,
-        help="seconds a dead agent's segments stay untouched before another job's agent removes "
-        "them (default a day; `flashckpt clean` removes them on demand)",
-    )
-    p.add_argument("--exit-when-done", action="store_true")
+    add_dataclass_args(p, AgentConfig)
     p.add_argument(
         "--lock-wait",
         type=float,
@@ -52,58 +71,30 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-file", default=None)
     p.add_argument("-v", "--verbose", action="store_true")
     m = p.add_argument_group("monitoring")
-    m.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
-    m.add_argument(
-        "--metrics-host",
-        "--metrics-addr",
-        dest="metrics_addr",
-        default="127.0.0.1",
-        help="Prometheus bind address (127.0.0.1: this machine only; 0.0.0.0: every interface)",
-    )
-    m.add_argument("--events-dir", default=None, help="events.jsonl dir (default: --run-dir)")
-    m.add_argument("--hang-floor", type=float, default=300.0, help="least seconds for a hang")
-    m.add_argument("--hang-factor", type=float, default=10.0, help="hang after N x p50 step")
-    m.add_argument(
-        "--hang-kill",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="kill hung workers after the stack dump (auto: under an elastic launcher)",
-    )
-    m.add_argument("--straggler-factor", type=float, default=1.5)
+    add_dataclass_args(m, MonitorConfig, flags=_monitor_flags())
+
+
+def agent_config(args: argparse.Namespace) -> Any:
+    """The AgentConfig of parsed ``agent`` flags."""
+    from flashckpt.agent import AgentConfig
+    from flashckpt.cliargs import config_kwargs
+    from flashckpt.monitor import MonitorConfig
+
+    monitor = MonitorConfig(**config_kwargs(MonitorConfig, args, flags=_monitor_flags()))
+    return AgentConfig(**config_kwargs(AgentConfig, args), monitor=monitor)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from flashckpt.agent import AgentConfig, run_agent
+    from flashckpt.agent import run_agent
     from flashckpt.errors import UnsafeLocalStateError
-    from flashckpt.monitor import MonitorConfig
-    from flashckpt.protocol import AgentClient, AgentError, default_node_id, socket_path
+    from flashckpt.protocol import AgentClient, AgentError, socket_path
 
-    cfg = AgentConfig(
-        job=args.job,
-        node=args.node or default_node_id(),
-        storage=args.storage,
-        shm_dir=args.shm_dir,
-        run_dir=args.run_dir,
-        keep=args.keep,
-        storage_file_mode=0o644 if args.shared_read else 0o600,
-        idle_timeout=args.idle_timeout,
-        orphan_age_s=args.orphan_age,
-        exit_when_done=args.exit_when_done,
-        monitor=MonitorConfig(
-            metrics_port=args.metrics_port or None,
-            metrics_addr=args.metrics_addr,
-            events_dir=args.events_dir,
-            hang_floor_s=args.hang_floor,
-            hang_factor=args.hang_factor,
-            hang_kill=args.hang_kill,
-            straggler_factor=args.straggler_factor,
-        ),
-    )
+    cfg = agent_config(args)
     if args.detach:
         cmd = [sys.executable, "-m", "flashckpt", *[a for a in sys.argv[1:] if a != "--detach"]]
         from flashckpt.shm import ensure_private_dir
 
-        log_path = args.log_file or os.path.join(cfg.run_dir, f"{cfg.job}.{cfg.node}.log")
+        log_path = args.log_file or names.agent_log_path(cfg.run_dir, cfg.job, cfg.node)
         try:
             ensure_private_dir(cfg.run_dir, "agent run dir")  # the log must not go elsewhere
         except UnsafeLocalStateError as e:
@@ -264,7 +255,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from flashckpt.protocol import default_run_dir
     from flashckpt.statusview import collect_status, format_status
 
-    run_dir = args.run_dir or os.environ.get("FLASHCKPT_RUN_DIR") or default_run_dir()
+    run_dir = args.run_dir or envnames.run_dir() or default_run_dir()
     agents = collect_status(run_dir, args.job)
     if args.json:
         print(json.dumps(agents, indent=1, default=str))
@@ -281,7 +272,7 @@ def _cmd_status_etcd(args: argparse.Namespace) -> int:
     from elastic.jobview import format_job_view, read_job_view
     from elastic.rendezvous import job_prefix
 
-    job = args.job or os.environ.get("FLASHCKPT_JOB")
+    job = args.job or envnames.job()
     if not job:
         print(
             "flashckpt status: --etcd needs --job <id> (the --rdzv-id of `flashckpt run`)",
@@ -370,6 +361,26 @@ def _main(argv: list[str]) -> int:
         from elastic import launcher
 
         return launcher.main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd == "agent":
+        return _cmd_agent(args)
+    if args.cmd == "ls":
+        return _cmd_ls(args)
+    if args.cmd == "verify":
+        return _cmd_verify(args)
+    if args.cmd == "clean":
+        return _cmd_clean(args)
+    if args.cmd == "status":
+        return _cmd_status(args)
+    if args.cmd == "export":
+        return _cmd_export(args)
+    parser.error(f"unknown command {args.cmd}")
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every verb but ``plan``, ``goodput`` and ``run`` (they parse their own)."""
     parser = argparse.ArgumentParser(
         prog="flashckpt",
         description="Flash checkpointing for PyTorch training: the node agent, the elastic "
@@ -405,7 +416,9 @@ def _main(argv: list[str]) -> int:
     sub.add_parser("plan", help="plan training time, GPU memory and checkpoint interval")
     sub.add_parser("run", help="launch an elastic job (torchrun-compatible flags)")
     p = sub.add_parser("status", help="the live job: ranks, steps, step times, alerts")
-    p.add_argument("--run-dir", default=None, help="agents' run dir (default: $FLASHCKPT_RUN_DIR)")
+    p.add_argument(
+        "--run-dir", default=None, help=f"agents' run dir (default: ${envnames.RUN_DIR})"
+    )
     p.add_argument("--job", default=None, help="only this job (required with --etcd)")
     p.add_argument("--json", action="store_true")
     p.add_argument(
@@ -429,18 +442,4 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--to", required=True, help="output file (safetensors) or directory (dcp)")
     p.add_argument("--format", choices=("safetensors", "dcp"), default="safetensors")
     p.add_argument("--strip-prefix", default=None, help="drop this key prefix (e.g. 'module.')")
-    args = parser.parse_args(argv)
-    if args.cmd == "agent":
-        return _cmd_agent(args)
-    if args.cmd == "ls":
-        return _cmd_ls(args)
-    if args.cmd == "verify":
-        return _cmd_verify(args)
-    if args.cmd == "clean":
-        return _cmd_clean(args)
-    if args.cmd == "status":
-        return _cmd_status(args)
-    if args.cmd == "export":
-        return _cmd_export(args)
-    parser.error(f"unknown command {args.cmd}")
-    return 2
+    return parser

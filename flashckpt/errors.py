@@ -13,6 +13,7 @@ __all__ = [
     "CorruptCheckpointError",
     "FlashckptError",
     "PersistError",
+    "ProtocolError",
     "ShmSpaceError",
     "StorageUnavailableError",
     "UnsafeLocalStateError",
@@ -73,3 +74,8 @@ class UnsafeLocalStateError(FlashckptError, PermissionError):
     """Local state (the run dir, a slot file) could be controlled or read by another user of
     the machine: refused instead of trusted. The message names the path, the problem and the fix.
     """
+
+
+class ProtocolError(FlashckptError, ValueError):
+    """A message on the node agent's socket is not one the protocol has: unknown ``op``, a field
+    missing, unknown, ill-typed or out of range. The message names the field."""

@@ -1,6 +1,8 @@
 """Trainer <-> node agent messages: one JSON object per line over a local Unix socket.
 
-Requests carry an ``id``; the agent answers each with ``{"id": ..., "ok": ...}``. The agent also
+The messages are typed in :mod:`flashckpt.messages` (one class per request, reply and event, and
+the one validation of what the agent receives); this module moves them. Requests carry an
+``id``; the agent answers each with ``{"id": ..., "ok": ...}``. The agent also
 pushes events (``{"event": ...}``, no id) such as a committed step or a persistence error. JSON
 only: nothing on this channel is ever unpickled.
 
@@ -28,7 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flashckpt.errors import AgentError, UnsafeLocalStateError
+from flashckpt.errors import AgentError, ProtocolError, UnsafeLocalStateError
+from flashckpt.messages import Reply, Request, parse_event, parse_reply
 from flashckpt.names import socket_path
 from flashckpt.shm import check_private_dir
 
@@ -141,6 +144,25 @@ class AgentClient:
             raise AgentError(reply.get("error", f"node agent refused {op!r}"), reply.get("kind"))
         return reply
 
+    def call(self, req: Request, timeout: float = 30.0) -> Reply:
+        """Sends a typed request and returns the agent's typed (validated) answer.
+
+        Raises:
+            AgentError: the agent refused, went away, did not answer in time, or answered with
+                something that is not a reply to this request.
+        """
+        if req.one_way:
+            raise ValueError(f"{req.op!r} is one-way: send it with notify_msg()")
+        raw = self.request(req.op, timeout=timeout, **req.fields_json())
+        try:
+            return parse_reply(req.op, raw)
+        except ProtocolError as e:
+            raise AgentError(f"node agent at {self.path}: {e}", "ProtocolError") from None
+
+    def notify_msg(self, req: Request) -> None:
+        """Sends a typed one-way message; never raises (see :meth:`notify`)."""
+        self.notify(req.op, **req.fields_json())
+
     def notify(self, op: str, **fields: Any) -> None:
         """Sends a one-way message; never raises (the agent may be gone: the trainer goes on)."""
         try:
@@ -165,6 +187,11 @@ class AgentClient:
                     break
                 rid = msg.get("id")
                 if rid is None:
+                    try:
+                        parse_event(msg)  # an event the protocol has, its fields as it says
+                    except ProtocolError as e:
+                        log.warning("ignoring a malformed event from %s: %s", self.path, e)
+                        continue
                     if self._on_event is not None:
                         try:
                             self._on_event(msg)

@@ -14,8 +14,8 @@ from flashckpt.storage import Storage
 
 
 def _part(node: str, step: int, world_id: str, rank: int, world: int = 2) -> dict[str, Any]:
-    # The records name the node that wrote them (commit checks only size and hash).
-    rec = {"node": node, "size": 0, "xxh3_64": "0" * 16}
+    # The records tell the node that wrote them by their size (node "n<k>": k bytes).
+    rec = {"size": int(node[1:]), "xxh3_64": "0" * 16}
     files: dict[str, Any] = {f"rank-{rank:05d}-of-{world:05d}.json": rec}
     shards: dict[str, Any] = {}
     if rank == 0:
@@ -41,7 +41,7 @@ def _agent(fc_env: FcEnv, **over: Any) -> NodeAgent:
 
 
 def _wait_for(agent: NodeAgent, step: int) -> None:
-    agent._commits[step] = (2, 1, "w1", time.monotonic() + 60)
+    agent.committer.commits[step] = (2, 1, "w1", time.monotonic() + 60)
 
 
 def test_a_step_missing_a_part_does_not_hold_up_newer_steps(fc_env: FcEnv) -> None:
@@ -50,17 +50,17 @@ def test_a_step_missing_a_part_does_not_hold_up_newer_steps(fc_env: FcEnv) -> No
     # Step 5: the other machine died before writing its part.
     st.write_part(5, "n0", _part("n0", 5, "w1", 0))
     _wait_for(agent, 5)
-    agent._commit_round()
+    agent.committer.commit_round()
     assert st.committed_steps() == []
-    assert agent._commits.keys() == {5}
+    assert agent.committer.commits.keys() == {5}
     # Step 10 of the same world: every part is in; it commits, and the older step is dropped.
     st.write_part(10, "n0", _part("n0", 10, "w1", 0))
     st.write_part(10, "n1", _part("n1", 10, "w1", 1))
     _wait_for(agent, 10)
-    agent._commit_round()
+    agent.committer.commit_round()
     assert st.committed_steps() == [10]
-    agent._commit_round()
-    assert agent._commits == {}, "step 5 must be dropped once a newer step is committed"
+    agent.committer.commit_round()
+    assert agent.committer.commits == {}, "step 5 must be dropped once a newer step is committed"
     assert agent.status()["committing"] == []
 
 
@@ -68,9 +68,9 @@ def test_a_step_whose_parts_never_arrive_is_reported_after_the_timeout(fc_env: F
     agent = _agent(fc_env, commit_timeout=0.01)
     st = Storage(fc_env.storage)
     st.write_part(5, "n0", _part("n0", 5, "w1", 0))
-    agent._commits[5] = (2, 1, "w1", time.monotonic() - 1)
-    agent._commit_round()
-    assert agent._commits == {}
+    agent.committer.commits[5] = (2, 1, "w1", time.monotonic() - 1)
+    agent.committer.commit_round()
+    assert agent.committer.commits == {}
     errors = agent.status()["errors"]
     assert errors and errors[-1]["step"] == 5 and "[1]" in errors[-1]["error"], errors
     assert st.committed_steps() == []
@@ -84,15 +84,14 @@ def test_parts_of_another_world_are_never_mixed_in(fc_env: FcEnv) -> None:
     # World w1 reaches step 15 again: rank 0 here, rank 1 on n1 has not written yet.
     st.write_part(15, "n0", _part("n0", 15, "w1", 0))
     _wait_for(agent, 15)
-    agent._commit_round()
+    agent.committer.commit_round()
     assert st.committed_steps() == [], "the stale part of world w0 completed the step"
     st.write_part(15, "n1", _part("n1", 15, "w1", 1))
-    agent._commit_round()
+    agent.committer.commit_round()
     assert st.committed_steps() == [15]
-    # The raw manifest: read_manifest keeps only sizes and hashes, not the test's node tags.
     manifest = json.loads(st.fs.cat_file(st.step_path(15, "manifest.json")))
     assert manifest["nodes"] == ["n0", "n1"]
-    assert manifest["files"]["rank-00001-of-00002.json"]["node"] == "n1"
+    assert manifest["files"]["rank-00001-of-00002.json"]["size"] == 1, "not n1's record"
 
 
 def test_an_auto_started_agent_nobody_uses_leaves(fc_env: FcEnv) -> None:
@@ -142,8 +141,8 @@ def test_a_part_naming_a_file_outside_the_format_is_never_committed(fc_env: FcEn
     evil["files"]["../../elsewhere/evil.json"] = evil["files"].pop("rank-00001-of-00002.json")
     evil["ranks"]["1"]["file"] = "../../elsewhere/evil.json"
     st.write_part(20, "n1", evil)
-    agent._commits[20] = (2, 1, "w1", time.monotonic() + 60)
-    agent._commit_round()
+    agent.committer.commits[20] = (2, 1, "w1", time.monotonic() + 60)
+    agent.committer.commit_round()
     assert st.committed_steps() == []
     errors = agent.status()["errors"]
     assert errors and "format says" in errors[-1]["error"], errors
@@ -159,9 +158,54 @@ def test_a_fifo_among_the_parts_does_not_hang_the_commit(fc_env: FcEnv) -> None:
     st.write_part(25, "n1", _part("n1", 25, "w1", 1))
     os.mkfifo(fc_env.storage_path / "step-000000025" / "_parts" / "n9.json")
     (fc_env.storage_path / "step-000000025" / "_parts" / "n8.json").write_text("{half")
-    agent._commits[25] = (2, 1, "w1", time.monotonic() + 60)
-    t = threading.Thread(target=agent._commit_round, daemon=True)
+    agent.committer.commits[25] = (2, 1, "w1", time.monotonic() + 60)
+    t = threading.Thread(target=agent.committer.commit_round, daemon=True)
     t.start()
     t.join(60)
     assert not t.is_alive(), "the commit hung on a FIFO in _parts"
     assert st.committed_steps() == [25]
+
+
+def test_a_malformed_part_of_this_world_is_refused_naming_the_field(fc_env: FcEnv) -> None:
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    st.write_part(30, "n0", _part("n0", 30, "w1", 0))
+    bad = _part("n1", 30, "w1", 1)
+    bad["ranks"]["1"]["shard"] = "zero"
+    st.write_part(30, "n1", bad)
+    agent.committer.commits[30] = (2, 1, "w1", time.monotonic() + 60)
+    agent.committer.commit_round()
+    assert st.committed_steps() == []
+    errors = agent.status()["errors"]
+    assert errors and "node part field 'ranks'" in errors[-1]["error"], errors
+    assert "'n1'" in errors[-1]["error"], errors
+
+
+def test_flush_on_the_committing_node_waits_for_the_rewrite_of_a_hidden_step(
+    fc_env: FcEnv,
+) -> None:
+    """A restored message set the timeline back to step 3 (a relinked resumed run) while step 5
+    was committed: this node (it hosts rank 0) rewrites step 5. Flush must not answer from the
+    old manifest, and the rewrite's commit must write the manifest again (it once took the step
+    flush had seen for committed already, and storage ended older than what flush answered)."""
+    from flashckpt.agent_state import RankRecord
+    from flashckpt.messages import ErrorReply, FlushReply, Restored
+
+    agent = _agent(fc_env, commit_timeout=60.0)
+    st = Storage(fc_env.storage)
+    for step in (3, 5):
+        st.write_part(step, "n0", _part("n0", step, "w1", 0, world=1))
+        agent.committer.commits[step] = (1, 1, "w1", time.monotonic() + 60)
+        agent.committer.commit_round()
+    assert st.committed_steps() == [3, 5]
+    agent.st.world_id = "w1"
+    agent.st.ranks[0] = RankRecord(0, global_rank=0, world_id="w1", world_size=1)
+    agent.server.handle(None, Restored(step=3))  # type: ignore[arg-type]
+    # The persister hides step 5 to rewrite it; a flush comes in meanwhile (or just before).
+    reply = agent.server.flush(5, 0.6)
+    assert isinstance(reply, ErrorReply), f"flush answered {reply} from the old manifest"
+    st.uncommit(5)
+    agent.committer.commits[5] = (1, 1, "w1", time.monotonic() + 60)
+    agent.committer.commit_round()
+    assert st.committed_steps() == [3, 5], "the rewritten step 5 was never committed again"
+    assert agent.server.flush(5, 5.0) == FlushReply(committed=5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -310,3 +311,71 @@ def test_agent_writes_checkpoints_private_by_default_or_shared(fc_env: FcEnv) ->
     files = [p for p in step_dir.rglob("*") if p.is_file()]
     assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in files), files
     assert stat.S_IMODE(step_dir.stat().st_mode) == 0o755
+
+
+def _agent_options() -> tuple[argparse.ArgumentParser, dict[str, argparse.Action]]:
+    from flashckpt.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    agent_parser = sub.choices["agent"]
+    return agent_parser, {a.dest: a for a in agent_parser._actions}
+
+
+def test_every_agent_config_field_has_a_flag_listed_in_help() -> None:
+    import dataclasses
+
+    from flashckpt.agent import AgentConfig
+    from flashckpt.monitor import MonitorConfig
+
+    agent_parser, by_dest = _agent_options()
+    text = agent_parser.format_help()
+    for cls, prefix in ((AgentConfig, ""), (MonitorConfig, "")):
+        for f in dataclasses.fields(cls):
+            if f.name == "monitor":  # the monitoring group: MonitorConfig's fields below
+                continue
+            action = by_dest.get(prefix + f.name)
+            assert action is not None, f"{cls.__name__}.{f.name} has no flag"
+            assert action.help, f"{cls.__name__}.{f.name}'s flag has no help"
+            assert action.option_strings[0] in text, f"{action.option_strings[0]} not in --help"
+
+
+def test_agent_flag_defaults_are_the_dataclass_defaults() -> None:
+    from flashckpt.agent import AgentConfig
+    from flashckpt.cli import agent_config
+
+    agent_parser, _ = _agent_options()
+    cfg = agent_config(agent_parser.parse_args(["--job", "j1"]))
+    assert cfg == AgentConfig(job="j1")
+    cfg = agent_config(
+        agent_parser.parse_args(
+            [
+                "--job",
+                "j1",
+                "--node",
+                "n7",
+                "--keep",
+                "5",
+                "--shared-read",
+                "--orphan-age",
+                "60",
+                "--commit-timeout",
+                "9",
+                "--no-write-through-private",
+                "--metrics-port",
+                "0",
+                "--hang-kill",
+                "on",
+                "--straggler-metric",
+                "step",
+                "--no-monitor",
+            ]
+        )
+    )
+    assert (cfg.node, cfg.keep, cfg.storage_file_mode, cfg.orphan_age_s) == ("n7", 5, 0o644, 60.0)
+    assert cfg.commit_timeout == 9.0 and cfg.write_through_private is False
+    assert cfg.monitor.metrics_port is None  # 0: off on the command line
+    assert cfg.monitor.hang_kill == "on" and cfg.monitor.straggler_metric == "step"
+    assert cfg.monitor.enabled is False
+    port = agent_config(agent_parser.parse_args(["--job", "j1", "--metrics-port", "9100"]))
+    assert port.monitor.metrics_port == 9100

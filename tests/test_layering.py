@@ -30,8 +30,15 @@ def _assign(layer: int, *modules: str) -> None:
         LAYERS[m] = layer
 
 
-_assign(BOTTOM, "flashckpt.errors", "flashckpt.envnames", "flashckpt.names")
-_assign(FORMATS, "flashckpt.layout", "flashckpt.shm", "flashckpt.manifest")
+_assign(BOTTOM, "flashckpt.errors", "flashckpt.envnames", "flashckpt.names", "flashckpt.cliargs")
+_assign(
+    FORMATS,
+    "flashckpt.layout",
+    "flashckpt.shm",
+    "flashckpt.manifest",
+    "flashckpt.snapmeta",
+    "flashckpt.messages",
+)
 _assign(IO, "flashckpt.storage", "flashckpt.protocol")
 _assign(
     CODEC,
@@ -51,6 +58,12 @@ _assign(
 _assign(
     AGENT,
     "flashckpt.agent",
+    "flashckpt.agent_config",
+    "flashckpt.agent_state",
+    "flashckpt.agent_segments",
+    "flashckpt.agent_persist",
+    "flashckpt.agent_commit",
+    "flashckpt.agent_server",
     "flashckpt.monitor",
     "flashckpt.alerts",
     "flashckpt.metrics",

@@ -185,3 +185,64 @@ def test_job_summary_from_the_agents_events(tmp_path: Path) -> None:
     assert line is not None
     assert line.startswith("summary: last recorded step 9, 10 iterations per rank (0 recomputed)")
     assert "1 restart(s), goodput 83.3% of 12.0 s" in line, line
+
+
+def test_every_launcher_config_field_has_a_flag_listed_in_help() -> None:
+    from elastic.launch_config import LauncherConfig
+    from elastic.launcher import _build_parser
+    from flashckpt.cliargs import flag_fields
+
+    parser = _build_parser()
+    text = parser.format_help()
+    options = {s for a in parser._actions for s in a.option_strings}
+    dests = {a.dest for a in parser._actions}
+    for name, spec in flag_fields(LauncherConfig):
+        if spec.derived is not None:  # computed from a flag declared by hand
+            assert spec.derived in options | dests, f"{name}: no {spec.derived} flag"
+            continue
+        action = next((a for a in parser._actions if a.dest == name), None)
+        assert action is not None, f"LauncherConfig.{name} has no flag"
+        assert action.help and action.option_strings[0] in text, name
+
+
+def test_launcher_flag_defaults_are_the_dataclass_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dataclasses
+
+    from elastic.launch_config import LauncherConfig
+
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "12")
+    config, verbose = parse_args(["s.py", "--lr", "1"])
+    want = LauncherConfig(
+        entrypoint="s.py", entrypoint_args=["--lr", "1"], standalone=True, rdzv_id=config.rdzv_id
+    )
+    assert config == want and not verbose
+    assert config.shutdown_timeout == 12.0  # the dataclass's default, from the environment
+    argv = "--standalone --keep 5 --no-probe --rdzv-conf a=1,b=2 --lease-ttl 9"
+    changed, _ = parse_args(
+        [*argv.split(), "--metrics-port", "9100", "--nproc-per-node", "3", "s.py"]
+    )
+    diff = {
+        f.name: getattr(changed, f.name)
+        for f in dataclasses.fields(LauncherConfig)
+        if getattr(changed, f.name) != getattr(want, f.name)
+    }
+    assert diff == {
+        "keep": 5,
+        "probe": False,
+        "rdzv_conf": {"a": "1", "b": "2"},
+        "lease_ttl": 9.0,
+        "metrics_port": 9100,
+        "nproc_per_node": 3,
+        "entrypoint_args": [],
+        "rdzv_id": changed.rdzv_id,
+    }
+
+
+def test_a_bad_parsed_flag_keeps_its_message(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--standalone", "--nproc-per-node", "many", "s.py"])
+    assert (
+        "--nproc-per-node 'many': use a number, 'gpu', 'cpu' or 'auto'" in capsys.readouterr().err
+    )

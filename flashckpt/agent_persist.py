@@ -1,0 +1,366 @@
+"""The node agent's persistence: which step to persist, and writing it.
+
+The newest step that every local rank of the current world holds complete in memory, and storage
+lacks, is written in the background: one safetensors file per shard (by replica 0 only, with
+``O_DIRECT`` straight from the slot where the file system allows), one JSON file per rank (also
+written through at once, when a snapshot completes), and this node's part record; the node that
+hosts rank 0 then hands the step to the :class:`~flashckpt.agent_commit.Committer`.
+
+A slot that changes under the read (the trainer rewrote it, or wants it: yielded twice at most)
+abandons the step; a committed step hidden to be rewritten is tried again until it is committed
+again. Each complete snapshot's data is hashed here too (xxh3_64, recorded in the slot, in a
+thread of its own), rechecked after a shard is written: a step whose memory changed under the
+hash is never committed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+
+from flashckpt.agent_commit import Committer
+from flashckpt.agent_state import AgentState, read_meta
+from flashckpt.layout import safetensors_header
+from flashckpt.manifest import FileEntry, RankEntry, ShardEntry
+from flashckpt.shm import Slot, SlotInfo
+from flashckpt.snapmeta import NodePart, SnapshotMeta
+from flashckpt.storage import (
+    FORMAT,
+    MANIFEST,
+    FileRecord,
+    Storage,
+    rank_file_name,
+    shard_file_name,
+)
+
+__all__ = ["Persister"]
+
+log = logging.getLogger("flashckpt.agent")
+
+
+class _Torn(Exception):
+    """A slot changed under the agent while it read it."""
+
+
+class _Scribbled(Exception):
+    """A snapshot's data no longer matches the hash recorded when it was complete."""
+
+
+class Persister:
+    """Writes the newest complete step to storage, hashes snapshots, writes rank state through."""
+
+    def __init__(self, state: AgentState, committer: Committer) -> None:
+        self.st = state
+        self.committer = committer
+        # slot path -> ((seq, step, meta crc), world id) of its last complete snapshot
+        self._snap_worlds: dict[str, tuple[tuple[int, int, int], str | None]] = {}
+        self._yields = 0  # persists abandoned in a row to let a trainer have its slot
+        self._retry_after = 0.0  # after a persistence error: no attempt before this time
+
+    def init_storage_state(self) -> None:
+        assert self.st.storage is not None
+        try:
+            self.st.committed = self.st.storage.committed_steps()
+            self.st.storage.remove_partial_steps(self.st.committed)  # left by an earlier agent
+        except OSError as e:
+            self.st.record_error(None, f"cannot list storage {self.st.storage.url}: {e}")
+            return
+        self.st.persisted_high = max(self.st.committed, default=-1)
+
+    def persist_loop(self) -> None:
+        while not self.st.stopping.is_set():
+            self.st.wake.wait(self.st.cfg.poll_interval)
+            self.st.wake.clear()
+            if self.st.stopping.is_set() or self.st.storage is None:
+                continue
+            if time.monotonic() < self._retry_after:
+                continue
+            try:
+                pending = self.pending_step()
+                if pending is not None:
+                    self.persist(*pending)
+            except Exception as e:  # the daemon lives on; the error is reported
+                self.st.record_error(pending[0] if pending else None, f"{type(e).__name__}: {e}")
+                self._retry_after = time.monotonic() + self.st.cfg.retry_interval
+
+    def hash_loop(self) -> None:
+        while not self.st.stopping.is_set():
+            self.st.hash_wake.wait(self.st.cfg.poll_interval)
+            self.st.hash_wake.clear()
+            if self.st.stopping.is_set():
+                break
+            try:
+                self.hash_pass()
+            except Exception:  # the daemon lives on
+                log.exception("hashing snapshots failed")
+
+    def hash_pass(self, rank: int | None = None) -> None:
+        """Records the data hash of every complete snapshot (of one position) lacking one."""
+        with self.st.lock:
+            slots = [
+                s
+                for r in self.st.ranks.values()
+                if rank is None or r.rank == rank
+                for s in r.slots
+                if s is not None
+            ]
+        for s in slots:
+            self.ensure_hash(s)
+
+    def ensure_hash(self, slot: Slot, info: SlotInfo | None = None) -> int | None:
+        """The data hash of the slot's complete snapshot (``info``'s, if given), computed and
+        recorded now if missing; None if the slot holds no such snapshot (any more)."""
+        with self.st.map_lock:
+            try:
+                now = slot.header()
+                if now is None or not now.complete or (info is not None and now != info):
+                    return None
+                have = slot.recorded_hash(now)
+                if have is not None:
+                    return have
+                value = slot.data_hash(now)
+                if slot.seq() != now.seq:
+                    return None  # rewritten while hashed
+                slot.record_hash(now.seq, value)
+                return value
+            except ValueError:  # unmapped (replaced) meanwhile
+                return None
+
+    def private_loop(self) -> None:
+        while not self.st.stopping.is_set():
+            try:
+                rank, step = self.st.private_q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            storage = self.st.storage
+            if storage is None or step <= max(self.st.committed, default=-1):
+                continue  # committed, or never will be: a write would leave a partial step
+            with self.st.lock:
+                rec = self.st.ranks.get(rank)
+                slots = [s for s in (rec.slots if rec else []) if s is not None]
+            for slot in slots:
+                try:
+                    info = slot.header()
+                    ok = info is not None and info.complete and info.step == step
+                    meta = read_meta(slot, info) if ok and info is not None else None
+                except ValueError:  # the slot was just reallocated (closed): the snapshot is gone
+                    break
+                if not ok:
+                    continue
+                if meta is None:
+                    break
+                try:
+                    storage.write_private(step, meta.rank, meta.world_size, meta.private)
+                except Exception as e:  # reported; the big persist path retries later
+                    self.st.record_error(step, f"writing rank {rank} state: {e}")
+                break
+
+    def pending_step(self) -> tuple[int, dict[int, tuple[int, SlotInfo]]] | None:
+        """The newest step every local rank holds complete and storage lacks, with its slots."""
+        if self.st.storage is None:
+            return None  # memory only: nothing is ever pending
+        with self.st.lock:
+            # Positions whose trainer belongs to an older world (a rank this node no longer
+            # runs after a membership change) are left out: they would stall persistence.
+            ranks = [
+                r
+                for r in self.st.ranks.values()
+                if any(s is not None for s in r.slots) and r.world_id == self.st.world_id
+            ]
+            if not ranks:
+                return None
+            expected = max(r.local_world_size for r in ranks)
+            if len(ranks) < expected:
+                return None
+            per_rank: dict[int, dict[int, tuple[int, SlotInfo]]] = {}
+            for rec in ranks:
+                have: dict[int, tuple[int, SlotInfo]] = {}
+                for i, s in enumerate(rec.slots):
+                    info = s.header() if s is not None else None
+                    # A snapshot of another world (taken before the position changed hands)
+                    # is not part of this world's steps.
+                    if (
+                        s is not None
+                        and info is not None
+                        and info.complete
+                        and (s.path, info.seq) not in self.st.corrupt
+                        and self.snap_world(s, info) == rec.world_id
+                    ):
+                        have[info.step] = (i, info)
+                per_rank[rec.rank] = have
+            common = set.intersection(*(set(h) for h in per_rank.values()))
+            common = {s for s in common if s > self.st.persisted_high}
+            if not common:
+                return None
+            step = max(common)
+            return step, {r: have[step] for r, have in per_rank.items()}
+
+    def persist(self, step: int, picks: dict[int, tuple[int, SlotInfo]]) -> None:
+        storage = self.st.storage
+        assert storage is not None
+        t0 = time.monotonic()
+        files: dict[str, FileEntry] = {}
+        ranks_out: dict[int, RankEntry] = {}
+        shards_out: dict[int, ShardEntry] = {}
+        world = num_shards = 0
+        written = 0
+        rewriting = False  # a committed step was hidden to be rewritten
+        with self.st.io_lock:
+            slots: dict[int, tuple[Slot, SlotInfo]] = {}
+            with self.st.lock:
+                for r, (idx, info) in picks.items():
+                    s = self.st.ranks[r].slots[idx]
+                    if s is None:
+                        return
+                    slots[r] = (s, info)
+            metas: dict[int, SnapshotMeta] = {}
+            for s, info in slots.values():
+                s.pin(info.seq)
+            try:
+                for r, (s, info) in slots.items():
+                    meta = read_meta(s, info)
+                    if meta is None or meta.step != step:
+                        raise _Torn(f"rank {r}")
+                    metas[r] = meta
+                hosts_rank0 = any(m.rank == 0 for m in metas.values())
+                world_id = next(iter(metas.values())).world_id if metas else ""
+                if hosts_rank0 and step > self.st.resumed_at:
+                    # Only the committing node (it hosts rank 0) hides a step it will rewrite;
+                    # the other nodes' parts are rewritten under the hidden step.
+                    if storage.fs.exists(storage.step_path(step, MANIFEST)):
+                        with self.st.lock:
+                            self.st.rewrites.add(step)
+                    rewriting = step in self.st.rewrites
+                    storage.uncommit(step)
+                for r, (s, info) in slots.items():
+                    meta = metas[r]
+                    g, world, num_shards = meta.rank, meta.world_size, meta.num_shards
+                    rank_name = rank_file_name(g, world)
+                    rec = storage.write_private(step, g, world, meta.private)
+                    files[rank_name] = FileEntry(rec.size, rec.xxh3_64)
+                    ranks_out[g] = RankEntry(rank_name, meta.shard)
+                    if meta.replica != 0:
+                        continue
+                    shard_name = shard_file_name(meta.shard, num_shards)
+                    want = self.ensure_hash(s, info)
+                    if want is None:
+                        raise _Torn(f"rank {r}")
+                    rec = self.write_shard(storage, step, shard_name, s, info, meta)
+                    # The bytes written must be the ones hashed when the snapshot completed: a
+                    # scribbled slot is never committed (one more read of the data, at memory
+                    # speed, against a write at storage speed).
+                    got = s.data_hash(info)
+                    if s.seq() != info.seq:
+                        raise _Torn(f"shard {shard_name}")
+                    if got != want:
+                        with self.st.lock:
+                            self.st.corrupt[(s.path, info.seq)] = step
+                        raise _Scribbled(
+                            f"rank {g} (local rank {r}) step {step}: the data in {s.path} no "
+                            f"longer matches its hash (shared memory was overwritten); the "
+                            f"step is not committed"
+                        )
+                    written += rec.size
+                    files[shard_name] = FileEntry(rec.size, rec.xxh3_64)
+                    shards_out[meta.shard] = ShardEntry(shard_name, g)
+            except _Torn as e:
+                if rewriting:
+                    # The step was committed and is hidden now, its files half rewritten: it is
+                    # tried again (a trainer is yielded to twice at most), never left lost.
+                    log.info("step %d changed while rewriting it (%s); trying again", step, e)
+                    return
+                log.info("step %d changed in memory while persisting (%s); skipped", step, e)
+                with self.st.lock:
+                    self.st.persisted_high = max(self.st.persisted_high, step)
+                return
+            except _Scribbled as e:
+                with self.st.lock:
+                    self.st.persisted_high = max(self.st.persisted_high, step)
+                self.st.record_error(step, str(e))
+                return
+            finally:
+                for s, _ in slots.values():
+                    s.unpin()
+        part = NodePart(
+            node=self.st.cfg.node,
+            step=step,
+            world_id=world_id,
+            world_size=world,
+            num_shards=num_shards,
+            ranks=ranks_out,
+            shards=shards_out,
+            files=files,
+        )
+        storage.write_part(step, self.st.cfg.node, part.to_json())
+        with self.st.lock:
+            self.st.persisted_high = max(self.st.persisted_high, step)
+        self._yields = 0
+        if hosts_rank0:
+            # Committed by the commit thread once every node's part is in: persistence of newer
+            # steps goes on meanwhile (a step whose parts never arrive, because a machine died,
+            # no longer blocks it).
+            self.committer.enqueue(step, world, num_shards, world_id)
+        dt = time.monotonic() - t0
+        log.info(
+            "persisted step %d: %.1f MiB in %.2f s (%.0f MiB/s)",
+            step,
+            written / 2**20,
+            dt,
+            written / 2**20 / max(dt, 1e-9),
+        )
+
+    def write_shard(
+        self,
+        storage: Storage,
+        step: int,
+        name: str,
+        slot: Slot,
+        info: SlotInfo,
+        meta: SnapshotMeta,
+    ) -> FileRecord:
+        header = safetensors_header(
+            meta.layout,
+            {
+                "format": FORMAT,
+                "step": str(step),
+                "skeleton": json.dumps(meta.skeleton, separators=(",", ":")),
+            },
+            # The slot's data region is page-aligned: with a header of whole pages the tensor
+            # bytes land at page-aligned file offsets too, so a local file is written with
+            # O_DIRECT straight from the slot (no page-cache copy).
+            align=4096,
+        )
+        data = slot.data(info.data_len)
+
+        def check() -> None:
+            if slot.seq() != info.seq:
+                raise _Torn(f"shard {name}")
+            if slot.wanted() and self._yields < 2:
+                # The trainer waits for this slot and already holds a newer snapshot: let it
+                # have the slot and persist the newer one next (at most twice in a row, so
+                # persistence cannot starve).
+                self._yields += 1
+                raise _Torn(f"shard {name}: yielded to the trainer")
+
+        rec = storage.write_buffer(storage.step_path(step, name), header, data, check)
+        if slot.seq() != info.seq:
+            raise _Torn(f"shard {name}")
+        with self.st.lock:
+            self.st.shard_writes["direct" if rec.direct else "buffered"] += 1
+        return rec
+
+    def snap_world(self, slot: Slot, info: SlotInfo) -> str | None:
+        """The world id a complete snapshot was taken in (cached per slot generation)."""
+        # The sequence number alone does not name a snapshot: a slot file that was replaced
+        # (a bigger state) starts counting again.
+        tag = (info.seq, info.step, info.meta_crc)
+        cached = self._snap_worlds.get(slot.path)
+        if cached is not None and cached[0] == tag:
+            return cached[1]
+        meta = read_meta(slot, info)
+        world = meta.world_id if meta is not None else None
+        if meta is not None:
+            self._snap_worlds[slot.path] = (tag, world)
+        return world

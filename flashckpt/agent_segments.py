@@ -1,0 +1,294 @@
+"""The node agent's shared-memory segments: its slot files (adopted at start, allocated for the
+trainer holding a position, removed at the end), its owner file, and the abandoned segments of
+dead agents.
+
+On start the agent adopts its own job's slot files (clearing the pin and wanted flags a dead agent
+or trainer left set), and removes only those segments of other jobs that are *abandoned*: their
+agent is dead and no file of the group changed for ``orphan_age_s``, since a dead agent's
+snapshots are still wanted by its own job's next agent (``flashckpt clean`` removes abandoned
+segments on demand). Slot files not owned by this user or with a mode looser than 0600 are
+neither adopted nor served. Only the trainer that said hello for a position gets its slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from flashckpt import names
+from flashckpt.agent_state import AgentState, Conn, RankRecord, header_ok, read_meta
+from flashckpt.messages import Alloc, AllocReply
+from flashckpt.shm import Slot, allocate_slot_file, file_problem, slot_path, slot_prefix
+
+__all__ = ["SegmentGroup", "Segments", "abandoned_segments"]
+
+log = logging.getLogger("flashckpt.agent")
+
+_SLOT_RE = names.SLOT_NAME_RE
+_GROUP_RE = names.GROUP_NAME_RE
+
+
+class Segments:
+    """The slot files of one agent (job, node) and its owner file."""
+
+    def __init__(self, state: AgentState) -> None:
+        self.st = state
+        cfg = state.cfg
+        self.owner_path = names.owner_path(cfg.shm_dir, cfg.job, cfg.node)
+        """Names this agent's process (pid, start time) for ``abandoned_segments``."""
+
+    def write_owner(self) -> None:
+        me = psutil.Process()
+        owner = {"pid": me.pid, "create_time": me.create_time(), "job": self.st.cfg.job}
+        tmp = f"{self.owner_path}.tmp{me.pid}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        # O_EXCL | O_NOFOLLOW: a link planted under this name is never written through.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(owner, f)
+        os.replace(tmp, self.owner_path)
+
+    def clean_orphans(self) -> None:
+        """Removes the abandoned segments of other jobs: agent dead, untouched for
+        ``orphan_age_s``. A dead agent's younger snapshots may still be wanted by that job."""
+        for group in abandoned_segments(
+            self.st.cfg.shm_dir, self.st.cfg.orphan_age_s, skip=(self.st.cfg.job, self.st.cfg.node)
+        ):
+            removed = group.remove()
+            if removed:
+                log.info(
+                    "removed %d segment files of job %s node %s: %s",
+                    removed,
+                    *group.key,
+                    group.reason,
+                )
+
+    def adopt(self) -> None:
+        """Maps the slot files our job left here (a previous agent died): snapshots survive."""
+        prefix = slot_prefix(self.st.cfg.job, self.st.cfg.node)
+        newest = -1
+        for name in sorted(os.listdir(self.st.cfg.shm_dir)):
+            m = _SLOT_RE.match(name)
+            if not name.startswith(prefix) or not m:
+                if name.startswith(prefix) and ".tmp" in name:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.st.cfg.shm_dir, name))
+                continue
+            rank, idx = int(m.group(3)), int(m.group(4))
+            path = os.path.join(self.st.cfg.shm_dir, name)
+            slot = self.open_trusted(path)
+            if slot is None:
+                continue
+            # A dead agent's pin (it crashed mid-persist) or a dead trainer's wanted flag would
+            # make every trainer wait for a slot nobody releases.
+            slot.clear_flags()
+            rec = self.st.ranks.setdefault(rank, RankRecord(rank))
+            rec.slots[idx] = slot
+            info = slot.header()
+            meta = read_meta(slot, info) if info is not None else None
+            if meta is not None and info is not None:
+                if info.step >= newest:
+                    newest, self.st.world_id = info.step, meta.world_id
+                rec.global_rank = meta.rank
+                rec.world_id = meta.world_id
+                rec.world_size = meta.world_size
+                rec.local_world_size = meta.local_world_size
+                rec.shard = meta.shard
+                rec.num_shards = meta.num_shards
+                rec.replica = meta.replica
+        if self.st.ranks:
+            log.info("adopted the slots of ranks %s", sorted(self.st.ranks))
+        self.st.hash_wake.set()
+
+    def open_trusted(self, path: str) -> Slot | None:
+        """Maps a slot file found in shared memory, or None (refused or discarded, and why).
+
+        Files of another user or with group/other access are left alone: not ours to trust,
+        nor to delete. Our own files whose header fails its check are removed (never served).
+        """
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as e:
+            self.st.refuse(path, f"cannot open it: {e}")
+            return None
+        try:
+            problem = file_problem(path, fd)
+            if problem is not None:
+                self.st.refuse(path, f"not trusted ({problem}); left in place")
+                return None
+            try:
+                mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            except (OSError, ValueError) as e:
+                problem = f"cannot map it: {e}"
+        finally:
+            os.close(fd)
+        if problem is None:
+            try:
+                return Slot(path, buf=mm, own=True)
+            except ValueError as e:
+                problem = str(e)
+        self.st.refuse(path, f"discarded: {problem}")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return None
+
+    def remove_segments(self) -> None:
+        for rec in self.st.ranks.values():
+            for i, s in enumerate(rec.slots):
+                if s is not None:
+                    try:
+                        s.close()
+                    except (BufferError, OSError, ValueError) as e:  # a view still exported
+                        log.warning("closing %s: %s (removed anyway)", s.path, e)
+                    rec.slots[i] = None
+        prefix = slot_prefix(self.st.cfg.job, self.st.cfg.node)
+        for name in os.listdir(self.st.cfg.shm_dir):
+            if name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.st.cfg.shm_dir, name))
+
+    def alloc(self, conn: Conn, msg: Alloc) -> AllocReply:
+        rank, meta_cap, data_cap = msg.key, msg.meta_cap, msg.data_cap
+        # Slots the trainer needs as they are (the newest snapshot, maybe of an older layout):
+        # never replaced here, whatever their size.
+        keep = set(msg.keep or ())
+        with self.st.lock:
+            # Only the trainer that holds the position (said hello for it on this connection,
+            # in the current world) gets its slots: a stray or stale alloc would create a
+            # position no trainer fills, and persistence would wait for it forever.
+            rec = self.st.ranks.get(rank)
+            if rank not in conn.ranks or rec is None or rec.conn is not conn:
+                owner = "no trainer" if rec is None or rec.conn is None else "another trainer"
+                raise ValueError(
+                    f"alloc for local rank {rank} refused: this connection did not say hello for "
+                    f"it ({owner} holds it); a trainer allocates only its own position"
+                )
+            if rec.world_id != self.st.world_id:
+                raise ValueError(
+                    f"alloc for local rank {rank} refused: its trainer belongs to world "
+                    f"{rec.world_id!r}, the current world is {self.st.world_id!r}"
+                )
+        paths = []
+        with self.st.io_lock:  # never remap a slot the persister is reading
+            if self.st.stopping.is_set():
+                raise ValueError("the node agent is shutting down: no new slots")
+            for i in range(2):
+                s = rec.slots[i]
+                if (
+                    s is not None
+                    and header_ok(s)
+                    and (i in keep or (s.meta_cap >= meta_cap and s.data_cap >= data_cap))
+                ):
+                    paths.append(s.path)
+                    continue
+                path = slot_path(self.st.cfg.shm_dir, self.st.cfg.job, self.st.cfg.node, rank, i)
+                if s is not None:
+                    with self.st.lock:  # the status and pending-step readers hold it
+                        rec.slots[i] = None
+                    with self.st.map_lock:  # never under the hasher
+                        s.close()
+                allocate_slot_file(path, meta_cap, data_cap)
+                new = Slot(path)
+                with self.st.lock:
+                    rec.slots[i] = new
+                paths.append(path)
+        return AllocReply(slots=paths)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentGroup:
+    """The shared-memory files of one job's agent on one node (slots, rings, owner file)."""
+
+    key: tuple[str, str]
+    """(job, node)."""
+    paths: tuple[str, ...]
+    """The files (all owned by this user)."""
+    nbytes: int
+    """Their total size."""
+    age_s: float
+    """Seconds since the newest of them was modified."""
+    reason: str
+    """Why the group counts as abandoned."""
+
+    def __post_init__(self) -> None:
+        if not self.paths:
+            raise ValueError("a segment group has at least one file")
+
+    def remove(self) -> int:
+        """Unlinks the files; returns how many were removed."""
+        n = 0
+        for p in self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+                n += 1
+        return n
+
+
+def abandoned_segments(
+    shm_dir: str, older_than: float, skip: tuple[str, str] | None = None
+) -> list[SegmentGroup]:
+    """The segment groups in ``shm_dir`` whose agent is dead and that nothing modified for
+    ``older_than`` seconds. Files of other users are never listed (not ours to remove).
+
+    Args:
+        shm_dir: the tmpfs of the slots.
+        older_than: least age in seconds (0: every dead agent's segments).
+        skip: a (job, node) never listed (the caller's own).
+    """
+    groups: dict[tuple[str, str], list[tuple[str, os.stat_result]]] = {}
+    try:
+        entries = os.listdir(shm_dir)
+    except OSError:
+        return []
+    for name in entries:
+        m = _GROUP_RE.match(name)
+        if not m:
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid != os.geteuid():
+            continue
+        groups.setdefault((m.group(1), m.group(2)), []).append((path, st))
+    out = []
+    now = time.time()
+    for key, files in sorted(groups.items()):
+        if key == skip:
+            continue
+        owner = names.owner_path(shm_dir, key[0], key[1])
+        if _owner_alive(owner):
+            continue
+        age = now - max(st.st_mtime for _, st in files)
+        if age < older_than:
+            continue
+        why = "no owner file" if not os.path.exists(owner) else "its agent is dead"
+        out.append(
+            SegmentGroup(
+                key=key,
+                paths=tuple(sorted(p for p, _ in files)),
+                nbytes=sum(st.st_size for _, st in files),
+                age_s=age,
+                reason=f"{why}, unchanged for {age / 3600:.1f} h",
+            )
+        )
+    return out
+
+
+def _owner_alive(owner_path: str) -> bool:
+    try:
+        with open(owner_path) as f:
+            owner = json.load(f)
+        proc = psutil.Process(int(owner["pid"]))
+        return abs(proc.create_time() - float(owner["create_time"])) < 1.0
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return False

@@ -1,0 +1,263 @@
+"""The node agent's socket server: accepts trainers on a local Unix socket (mode 0600), reads one
+JSON message per line, validates it (:func:`flashckpt.messages.parse_request`, the one check of
+what comes from the socket) and dispatches the typed request; one bad request gets an error
+reply, never takes the agent down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flashckpt.agent_persist import Persister
+from flashckpt.agent_segments import Segments
+from flashckpt.agent_state import AgentState, Conn, RankRecord, header_ok
+from flashckpt.errors import ProtocolError, ShmSpaceError
+from flashckpt.messages import (
+    Alloc,
+    Done,
+    ErrorReply,
+    Flush,
+    FlushReply,
+    Hash,
+    Hello,
+    HelloReply,
+    OkReply,
+    Ping,
+    PingReply,
+    Reply,
+    Request,
+    Restored,
+    Snap,
+    Status,
+    StatusReply,
+    parse_request,
+    request_id,
+)
+from flashckpt.protocol import LineReader, socket_path
+from flashckpt.storage import MANIFEST, Storage
+
+__all__ = ["Server"]
+
+log = logging.getLogger("flashckpt.agent")
+
+
+class Server:
+    """Serves the trainers' requests on the agent's socket."""
+
+    def __init__(
+        self,
+        state: AgentState,
+        segments: Segments,
+        persister: Persister,
+        status: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.st = state
+        self.segments = segments
+        self.persister = persister
+        self.status = status
+        """The agent's status (answers ``status``)."""
+        cfg = state.cfg
+        self.socket_path = socket_path(cfg.run_dir, cfg.job, cfg.node)
+        self.server: socket.socket | None = None
+
+    def listen(self) -> None:
+        """Binds the socket (mode 0600, whatever the umask) and listens."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            srv.bind(self.socket_path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.socket_path, 0o600)
+        srv.listen(64)
+        srv.settimeout(0.2)
+        self.server = srv
+
+    def close(self) -> None:
+        """Stops listening (the connections are closed with the segments, see NodeAgent)."""
+        if self.server is not None:
+            with contextlib.suppress(OSError):
+                self.server.close()
+
+    def accept_loop(self) -> None:
+        assert self.server is not None
+        while not self.st.stopping.is_set():
+            try:
+                sock, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            sock.settimeout(None)
+            conn = Conn(sock)
+            with self.st.lock:
+                self.st.conns.add(conn)
+            threading.Thread(
+                target=self.serve_conn, args=(conn,), name="flashckpt-agent-conn", daemon=True
+            ).start()
+
+    def serve_conn(self, conn: Conn) -> None:
+        reader = LineReader(conn.sock)
+        try:
+            while True:
+                msg = reader.read()
+                if msg is None:
+                    break
+                rid = request_id(msg)
+                try:
+                    env = parse_request(msg)  # the one check of what came from the socket
+                    rid = env.rid
+                    reply = self.handle(conn, env.body)
+                except (ValueError, KeyError, TypeError, OSError, ShmSpaceError) as e:
+                    reply = ErrorReply(error=str(e), kind=type(e).__name__)
+                except Exception as e:  # keep serving: one bad request must not kill the agent
+                    log.exception("request %s failed", msg.get("op"))
+                    reply = ErrorReply(error=f"{type(e).__name__}: {e}")
+                if rid is not None and reply is not None:
+                    conn.send(reply.to_json(rid))
+                elif isinstance(reply, ErrorReply):
+                    # A one-way message (no id) that failed: nobody to tell but the log.
+                    log.warning("message %s refused: %s", str(msg.get("op"))[:64], reply.error)
+        except (OSError, ValueError) as e:
+            log.debug("connection ended: %s", e)
+        finally:
+            with self.st.lock:
+                self.st.conns.discard(conn)
+                for r in conn.ranks:
+                    rec = self.st.ranks.get(r)
+                    if rec is not None and rec.conn is conn:
+                        rec.conn = None
+                        if not rec.done:
+                            log.warning("rank %d went away without finishing", r)
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+            self.st.last_client_time = time.monotonic()
+            self.st.wake.set()
+
+    def handle(self, conn: Conn, req: Request) -> Reply | None:
+        match req:
+            case Hello():
+                return self.hello(conn, req)
+            case Alloc():
+                return self.segments.alloc(conn, req)
+            case Hash():
+                # A trainer about to restore from memory: every complete snapshot gets its data
+                # hash now (the background pass may not have reached it yet). All positions: a
+                # trainer also checks those of local ranks no trainer uses now (memory reshard).
+                # Hashes are computed once (under one lock): the other trainers' requests find
+                # them recorded.
+                self.persister.hash_pass()
+                return OkReply()
+            case Snap():
+                self.st.wake.set()
+                self.st.hash_wake.set()
+                if self.st.cfg.write_through_private:
+                    self.st.private_q.put((req.key, req.step))
+                return None
+            case Restored():
+                # The trainers' timeline starts at this step (-1: a fresh start, nothing
+                # restored). A committed step after it is an abandoned timeline's or an older
+                # run's: this run's snapshot of that number is not persisted yet, and flush() and
+                # the commit loop must not take the old step for this run's.
+                with self.st.lock:
+                    self.st.persisted_high = min(self.st.persisted_high, req.step)
+                    self.st.resumed_at = min(self.st.resumed_at, req.step)
+                    self.st.committed = [s for s in self.st.committed if s <= req.step]
+                return OkReply()
+            case Flush():
+                return self.flush(req.step, req.timeout_s)
+            case Done():
+                with self.st.lock:
+                    rec = self.st.ranks.get(req.key)
+                    if rec is not None:
+                        rec.done = True
+                self.st.wake.set()
+                return OkReply()
+            case Status():
+                return StatusReply(status=self.status())
+            case Ping():
+                return PingReply(pid=os.getpid())
+        raise ProtocolError(f"request {req.op!r} has no handler")  # REQUESTS and this differ
+
+    def hello(self, conn: Conn, msg: Hello) -> HelloReply:
+        rank, key, world_size = msg.rank, msg.key, msg.world_size
+        local_world, world_id, storage = msg.local_world_size, msg.world_id, msg.storage
+        with self.st.lock:
+            if storage and self.st.storage is None:
+                self.st.storage = Storage(storage, file_mode=self.st.cfg.storage_file_mode)
+                self.persister.init_storage_state()
+            elif storage and self.st.storage is not None and storage != self.st.storage.url:
+                raise ValueError(
+                    f"this agent persists job {self.st.cfg.job!r} to {self.st.storage.url}, but "
+                    f"rank {rank} asked for {storage}: use one storage URL per job id"
+                )
+            if world_id != self.st.world_id:
+                if self.st.world_id is not None:
+                    log.info(
+                        "new world %r (was %r): rank %d is local rank %d here",
+                        world_id,
+                        self.st.world_id,
+                        rank,
+                        key,
+                    )
+                self.st.world_id = world_id
+            rec = self.st.ranks.setdefault(key, RankRecord(key))
+            rec.global_rank = rank
+            rec.world_id = world_id
+            rec.world_size = world_size
+            rec.local_world_size = local_world
+            rec.shard = msg.shard
+            rec.num_shards = msg.num_shards
+            rec.replica = msg.replica
+            rec.conn = conn
+            rec.done = False
+            conn.ranks.add(key)
+            # A slot whose header fails its check is not served (the trainer would reject it,
+            # every time): the trainer's alloc replaces it.
+            paths = [s.path if s is not None and header_ok(s) else None for s in rec.slots]
+        return HelloReply(
+            slots=paths,
+            pid=os.getpid(),
+            committed=list(self.st.committed),
+            shm_dir=self.st.cfg.shm_dir,
+            # Started by a trainer (it exits when done): any trainer of the job may start the
+            # next one if it dies; an agent without it belongs to a launcher or an operator.
+            auto_started=self.st.cfg.exit_when_done,
+        )
+
+    def flush(self, step: int, timeout: float) -> Reply:
+        deadline = time.monotonic() + timeout
+        next_look = 0.0
+        self.st.wake.set()
+        while time.monotonic() < deadline:
+            with self.st.lock:
+                if self.st.storage is None:
+                    return ErrorReply(error="no storage configured: nothing to flush to")
+                if any(s >= step for s in self.st.committed):
+                    return FlushReply(committed=max(self.st.committed))
+                errs = [e for e in self.st.errors if e["step"] is not None and e["step"] >= step]
+            if errs:
+                return ErrorReply(error=errs[-1]["error"])
+            if time.monotonic() >= next_look and not self.st.commits_here():
+                # Another node's agent commits steps whose rank 0 it hosts: look at storage.
+                # Never on the committing node itself: a manifest there may be an abandoned
+                # timeline's (or one this agent is about to rewrite, after a restored message
+                # set the timeline back), and taking it for committed made the rewrite's
+                # commit a no-op (storage ended older than what flush had answered).
+                next_look = time.monotonic() + 0.25
+                with contextlib.suppress(OSError):
+                    if self.st.storage.fs.exists(self.st.storage.step_path(step, MANIFEST)):
+                        with self.st.lock:
+                            self.st.committed = sorted({*self.st.committed, step})
+                        continue
+            time.sleep(0.02)
+        return ErrorReply(error=f"step {step} was not committed within {timeout:.0f} s")

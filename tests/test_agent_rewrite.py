@@ -1,0 +1,55 @@
+"""A committed step the agent hides (uncommits) to rewrite it is never left lost: when the rewrite
+is abandoned (the trainer wants the slot, the snapshot changed), it is tried again until the
+step is committed again."""
+
+from __future__ import annotations
+
+import time
+
+from fchelpers import FcEnv, RunningAgent
+from tinytrain import make, train_step
+
+import flashckpt
+from flashckpt.protocol import AgentClient
+from flashckpt.storage import Storage
+
+
+def test_a_hidden_step_whose_rewrite_yields_is_committed_again(
+    fc_env: FcEnv, agent: RunningAgent
+) -> None:
+    a = agent.agent
+    model, opt, sched = make(0)
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **fc_env.ckpt_kwargs()) as ck:
+        for step in range(2):
+            train_step(model, opt, sched, step)
+            ck.step()
+            ck.save(mode="sync")
+        assert ck.flush() == 2
+        st = Storage(fc_env.storage)
+        assert st.committed_steps() == [1, 2]
+        writes = sum(a.status()["shard_writes"].values())
+        with a.st.lock:
+            slots = [s for r in a.st.ranks.values() for s in r.slots if s is not None]
+        held = [s for s in slots if (h := s.header()) is not None and h.complete and h.step == 2]
+        assert len(held) == 1
+        # The trainer wants the slot (as while it waits to write its next snapshot): the agent
+        # yields to it twice before it writes anyway.
+        held[0].want(True)
+        try:
+            c = AgentClient(a.socket_path)
+            try:
+                # A relinked resumed run says its timeline began at 1: step 2 is rewritten.
+                c.request("restored", step=1, timeout=10)
+            finally:
+                c.close()
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                rewritten = sum(a.status()["shard_writes"].values()) > writes
+                if rewritten and st.committed_steps() == [1, 2]:
+                    break
+                time.sleep(0.1)
+            assert sum(a.status()["shard_writes"].values()) > writes, "step 2 was not rewritten"
+            assert st.committed_steps() == [1, 2], "the hidden step 2 was left uncommitted"
+            assert st.check_step(2).status == "ok", st.check_step(2)
+        finally:
+            held[0].want(False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "AgentError",
     "CorruptCheckpointError",
+    "CorruptSnapshotError",
     "FlashckptError",
     "PersistError",
     "ShmSpaceError",
@@ -73,3 +74,20 @@ class UnsafeLocalStateError(FlashckptError, PermissionError):
     """Local state (the run dir, a slot file) could be controlled or read by another user of
     the machine: refused instead of trusted. The message names the path, the problem and the fix.
     """
+
+
+class CorruptSnapshotError(FlashckptError, ValueError):
+    """A snapshot in memory (this machine's slot, a replica held by another machine) no longer
+    matches its data hash: never loaded or replicated. The message names rank, step and source.
+
+    Attributes:
+        rank: the rank whose snapshot it is.
+        step: the snapshot's step.
+        source: where it was read (a slot path, ``host:port`` of a peer agent).
+    """
+
+    def __init__(self, message: str, *, rank: int, step: int, source: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.step = step
+        self.source = source

@@ -32,7 +32,7 @@ def _assign(layer: int, *modules: str) -> None:
 
 _assign(BOTTOM, "flashckpt.errors", "flashckpt.envnames", "flashckpt.names")
 _assign(FORMATS, "flashckpt.layout", "flashckpt.shm", "flashckpt.manifest")
-_assign(IO, "flashckpt.storage", "flashckpt.protocol")
+_assign(IO, "flashckpt.storage", "flashckpt.protocol", "flashckpt.replica")
 _assign(
     CODEC,
     "flashckpt.rng",

@@ -40,7 +40,15 @@ import xxhash
 
 from flashckpt.errors import CorruptSnapshotError, FlashckptError, ShmSpaceError
 from flashckpt.names import check_name, replica_path
-from flashckpt.shm import Slot, SlotInfo, allocate_slot_file, round_up, shm_free_bytes
+from flashckpt.shm import (
+    Slot,
+    SlotInfo,
+    allocate_slot_file,
+    buffer_address,
+    prefault,
+    round_up,
+    shm_free_bytes,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -376,6 +384,10 @@ class ReplicaStore:
         try:
             allocate_slot_file(incoming, h.meta_len, h.data_len)
             slot = Slot(incoming)
+            # One madvise maps every page now instead of a fault per page as the bytes arrive.
+            addr = buffer_address(slot.buf)
+            if addr is not None:
+                prefault(addr, slot.size)
             seq = slot.begin_write()
             meta = _recv_exact(sock, h.meta_len)
             slot.write_meta(meta)
@@ -736,6 +748,9 @@ class ReplicaServer:
             _send_frame(conn, {"ok": True, "header": h.to_json()})
             conn.sendall(slot.buf[slot.meta_off : slot.meta_off + h.meta_len])
             _send_from(conn, slot.data(h.data_len), self.chunk_bytes, self.pace)
+            if slot.seq() != info.seq:  # never: a held replica is replaced by rename, not rewritten
+                _send_frame(conn, {"end": "abort", "why": "the replica changed while sent"})
+                return
             _send_frame(conn, {"end": "ok"})
         finally:
             slot.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "AgentError",
     "CorruptCheckpointError",
+    "CorruptSnapshotError",
     "FlashckptError",
     "PersistError",
     "ProtocolError",
@@ -79,3 +80,20 @@ class UnsafeLocalStateError(FlashckptError, PermissionError):
 class ProtocolError(FlashckptError, ValueError):
     """A message on the node agent's socket is not one the protocol has: unknown ``op``, a field
     missing, unknown, ill-typed or out of range. The message names the field."""
+
+
+class CorruptSnapshotError(FlashckptError, ValueError):
+    """A snapshot in memory (this machine's slot, a replica held by another machine) no longer
+    matches its data hash: never loaded or replicated. The message names rank, step and source.
+
+    Attributes:
+        rank: the rank whose snapshot it is.
+        step: the snapshot's step.
+        source: where it was read (a slot path, ``host:port`` of a peer agent).
+    """
+
+    def __init__(self, message: str, *, rank: int, step: int, source: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.step = step
+        self.source = source

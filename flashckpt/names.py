@@ -30,6 +30,7 @@ __all__ = [
     "owner_path",
     "prewarm_log_path",
     "prewarm_socket_path",
+    "replica_path",
     "ring_path",
     "slot_path",
     "slot_prefix",
@@ -78,6 +79,16 @@ def ring_path(shm_dir: str, job: str, node: str, rank: int) -> str:
 def owner_path(shm_dir: str, job: str, node: str) -> str:
     """Path of the owner file of the agent of ``job`` on ``node`` (its pid and start time)."""
     return os.path.join(shm_dir, f"{slot_prefix(job, node)}owner")
+
+
+def replica_path(shm_dir: str, job: str, holder: str, sender: str, rank: int) -> str:
+    """Path of the replica that machine ``holder`` keeps of machine ``sender``'s ``rank``.
+
+    It starts with ``holder``'s prefix (its agent owns and removes it, and ``flashckpt clean``
+    finds it with the rest of that agent's segments) and never matches :data:`SLOT_NAME_RE`.
+    """
+    check_name("node", sender)
+    return os.path.join(shm_dir, f"{slot_prefix(job, holder)}rep.{sender}.r{rank:05d}")
 
 
 # -- the agent's run directory ------------------------------------------------------------------

@@ -39,7 +39,7 @@ _assign(
     "flashckpt.snapmeta",
     "flashckpt.messages",
 )
-_assign(IO, "flashckpt.storage", "flashckpt.protocol")
+_assign(IO, "flashckpt.storage", "flashckpt.protocol", "flashckpt.replica")
 _assign(
     CODEC,
     "flashckpt.codec",

@@ -1,0 +1,363 @@
+"""Replicas between node agents (flashckpt/replica.py): real slot files in a tmpfs of the test's
+own, real TCP on 127.0.0.1, real hashes. The agent integration builds on these guarantees: a
+replica is kept only whole and verified, a newer one replaces an older one only once complete,
+and nothing a peer sends is trusted."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+from fchelpers import private_shm
+
+from flashckpt import names
+from flashckpt.errors import CorruptSnapshotError, ShmSpaceError
+from flashckpt.replica import (
+    FRAME_MAGIC,
+    ReplicaError,
+    ReplicaHeader,
+    ReplicaServer,
+    ReplicaStore,
+    check_replica_capacity,
+    fetch_replica,
+    push_replica,
+    replica_targets,
+)
+from flashckpt.shm import Slot, allocate_slot_file
+
+JOB = "jrep"
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Iterator[str]:
+    with private_shm(tmp_path / "shm", size="64m") as d:
+        yield d
+
+
+def _snapshot(shm_dir: str, node: str, rank: int, step: int, data: bytes) -> Slot:
+    """A trainer-style complete snapshot in a slot of ``node``, hashed as the agent does."""
+    path = names.slot_path(shm_dir, JOB, node, rank, 0)
+    meta = json.dumps({"step": step, "rank": rank}).encode()
+    allocate_slot_file(path, len(meta), len(data))
+    slot = Slot(path)
+    seq = slot.begin_write()
+    slot.write_meta(meta)
+    slot.data(len(data))[:] = data
+    slot.end_write(seq, step, meta, len(data))
+    info = slot.header()
+    assert info is not None and info.complete
+    slot.record_hash(info.seq, slot.data_hash(info))
+    return slot
+
+
+@pytest.fixture
+def holder(shm: str) -> Iterator[tuple[ReplicaStore, ReplicaServer]]:
+    store = ReplicaStore(shm, JOB, "nB", limit_bytes=32 * 2**20)
+    server = ReplicaServer(store, chunk_bytes=64 * 1024, timeout=10)
+    try:
+        yield store, server
+    finally:
+        server.close()
+        store.close()
+
+
+def _push(server: ReplicaServer, slot: Slot, rank: int = 0, **kw: object) -> ReplicaHeader:
+    return push_replica(
+        server.address, slot, job=JOB, node="nA", rank=rank, world="w1", chunk_bytes=50_000, **kw
+    )
+
+
+def test_push_keeps_a_verified_copy_and_fetch_returns_it_bitwise(
+    shm: str, holder: tuple[ReplicaStore, ReplicaServer]
+) -> None:
+    store, server = holder
+    data = os.urandom(3 * 2**20 + 123)  # not a multiple of the chunk
+    slot = _snapshot(shm, "nA", 0, 7, data)
+    h = _push(server, slot)
+    held = store.get("nA", 0)
+    assert held is not None and held.header == h and h.step == 7
+    assert os.path.basename(held.path) == f"fc.{JOB}.nB.rep.nA.r00000"
+    # The held copy is a slot like a trainer's, with its hash record: restore reads it the same.
+    rep = Slot(held.path)
+    try:
+        info = rep.header()
+        assert info is not None and info.complete and info.step == 7
+        assert bytes(rep.data(info.data_len)) == data
+        assert rep.verify_data(info) is True
+        assert rep.read_meta(info) == {"step": 7, "rank": 0}
+    finally:
+        rep.close()
+    got = fetch_replica(server.address, job=JOB, sender_node="nA", rank=0, chunk_bytes=40_000)
+    assert got is not None and got.header == h
+    assert bytes(got.data) == data and json.loads(got.meta) == {"step": 7, "rank": 0}
+    assert fetch_replica(server.address, job=JOB, sender_node="nA", rank=1) is None
+    assert fetch_replica(server.address, job=JOB, sender_node="nA", rank=0, min_step=8) is None
+    slot.close()
+
+
+def test_a_newer_step_replaces_the_older_one_and_an_older_one_is_refused(
+    shm: str, holder: tuple[ReplicaStore, ReplicaServer]
+) -> None:
+    store, server = holder
+    s1 = _snapshot(shm, "nA", 0, 4, b"a" * 100_000)
+    _push(server, s1)
+    s1.close()
+    s2 = _snapshot(shm, "nA", 0, 6, b"b" * 200_000)
+    _push(server, s2)
+    held = store.held()
+    assert [(x.header.sender_node, x.header.step) for x in held] == [("nA", 6)]
+    assert [n for n in os.listdir(shm) if ".rep." in n] == [f"fc.{JOB}.nB.rep.nA.r00000"]
+    s2.close()
+    s3 = _snapshot(shm, "nA", 0, 5, b"c" * 1000)
+    with pytest.raises(ReplicaError, match=r"holds step 6 .* step 5 is older"):
+        _push(server, s3)
+    s3.close()
+    got = fetch_replica(server.address, job=JOB, sender_node="nA", rank=0)
+    assert got is not None and got.header.step == 6 and bytes(got.data) == b"b" * 200_000
+
+
+def test_a_corrupted_transfer_is_discarded_and_the_older_replica_stays(
+    shm: str, holder: tuple[ReplicaStore, ReplicaServer]
+) -> None:
+    store, server = holder
+    s1 = _snapshot(shm, "nA", 0, 2, b"x" * 300_000)
+    _push(server, s1)
+    s1.close()
+    s2 = _snapshot(shm, "nA", 0, 4, b"y" * 300_000)
+    info = s2.header()
+    assert info is not None
+    s2.data(info.data_len)[1000] ^= 0xFF  # flipped after hashing: the hash no longer matches
+    with pytest.raises(CorruptSnapshotError, match="corrupted in this machine's memory"):
+        _push(server, s2, info=info)
+    s2.close()
+    held = store.get("nA", 0)
+    assert held is not None and held.header.step == 2
+    assert not [n for n in os.listdir(shm) if n.endswith(".in")]
+    assert store.held_bytes() == held.header.nbytes
+    assert any("no longer matches its data hash on 'nA'" in e for e in server.errors)
+
+
+def test_bytes_corrupted_on_the_wire_are_caught_by_the_holder(
+    shm: str, holder: tuple[ReplicaStore, ReplicaServer]
+) -> None:
+    store, server = holder
+    data = os.urandom(200_000)
+    h = ReplicaHeader(JOB, "nA", 0, 5, "w", 10, 2, len(data), xxhash.xxh3_64_intdigest(data), 0.0)
+    bad = bytearray(data)
+    bad[777] ^= 0x10
+    with socket.create_connection(server.address, timeout=10) as s:
+        s.sendall(_frame({"op": "push", "header": h.to_json()}))
+        assert s.recv(100)  # "go"
+        s.sendall(b"{}" + bytes(bad) + _frame({"end": "ok"}))
+        head = s.recv(12)
+        reply = json.loads(s.recv(struct.unpack("<8sI", head)[1]))
+    assert reply["ok"] is False and "corrupted in transfer" in str(reply["error"])
+    assert store.held() == [] and not [n for n in os.listdir(shm) if ".rep." in n]
+
+
+def test_a_snapshot_overwritten_while_sent_is_aborted(
+    shm: str, holder: tuple[ReplicaStore, ReplicaServer]
+) -> None:
+    store, server = holder
+    slot = _snapshot(shm, "nA", 0, 3, os.urandom(2 * 2**20))
+    calls = []
+
+    def overwrite() -> None:  # the trainer starts its next snapshot into this slot mid-transfer
+        calls.append(1)
+        if len(calls) == 3:
+            slot.begin_write()
+
+    with pytest.raises(ReplicaError, match="overwritten while being sent"):
+        _push(server, slot, pace=overwrite)
+    assert store.get("nA", 0) is None
+    assert not [n for n in os.listdir(shm) if ".rep." in n]
+    slot.close()
+
+
+def test_fetch_detects_a_replica_corrupted_in_the_holders_memory(
+    shm: str, holder: tuple[ReplicaStore, ReplicaServer]
+) -> None:
+    store, server = holder
+    slot = _snapshot(shm, "nA", 1, 9, os.urandom(500_000))
+    _push(server, slot, rank=1)
+    slot.close()
+    held = store.get("nA", 1)
+    assert held is not None
+    rep = Slot(held.path)
+    rep.data(10)[5] ^= 0x01  # a bit flips in the holder's memory
+    rep.close()
+    with pytest.raises(
+        CorruptSnapshotError, match=r"rank 1 \(machine 'nA'\) step 9 .* not loaded"
+    ) as e:
+        fetch_replica(server.address, job=JOB, sender_node="nA", rank=1)
+    assert (e.value.rank, e.value.step, e.value.source) == (1, 9, "{}:{}".format(*server.address))
+
+
+def test_the_holder_refuses_what_it_must_not_keep(
+    shm: str, holder: tuple[ReplicaStore, ReplicaServer]
+) -> None:
+    store, server = holder
+    slot = _snapshot(shm, "nA", 0, 1, b"z" * 10_000)
+    with pytest.raises(ReplicaError, match="of job 'other'"):
+        push_replica(server.address, slot, job="other", node="nA", rank=0, world="w")
+    with pytest.raises(ReplicaError, match="its own snapshot"):
+        push_replica(server.address, slot, job=JOB, node="nB", rank=0, world="w")
+    store.limit_bytes = 8192  # smaller than one replica
+    with pytest.raises(ReplicaError, match=r"no room: .* the limit is"):
+        _push(server, slot)
+    assert store.held() == [] and store.held_bytes() == 0
+    # An unhashed snapshot is never sent (the hash is what the holder checks it against).
+    s2 = _snapshot(shm, "nA", 1, 1, b"q" * 100)
+    s2.record_hash(0, 0)
+    with pytest.raises(ReplicaError, match="no data hash yet"):
+        _push(server, s2, rank=1)
+    slot.close()
+    s2.close()
+
+
+def _raw(server: ReplicaServer, payload: bytes) -> dict[str, object]:
+    with socket.create_connection(server.address, timeout=10) as s:
+        s.sendall(payload)
+        head = s.recv(12)
+        magic, n = struct.unpack("<8sI", head)
+        assert magic == FRAME_MAGIC
+        body = b""
+        while len(body) < n:
+            body += s.recv(n - len(body))
+        return json.loads(body)
+
+
+def _frame(obj: object) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack("<8sI", FRAME_MAGIC, len(body)) + body
+
+
+@pytest.mark.parametrize(
+    ("request_obj", "why"),
+    [
+        ({"op": "nope"}, "unknown replica op"),
+        ({"op": "push", "header": []}, "not a JSON object"),
+        ({"op": "push", "header": {"job": JOB}}, "'sender_node' is missing"),
+        (
+            {
+                "op": "push",
+                "header": {
+                    "job": JOB,
+                    "sender_node": "../x",
+                    "world": "w",
+                    "rank": 0,
+                    "step": 1,
+                    "seq": 2,
+                    "meta_len": 1,
+                    "data_len": 1,
+                    "data_hash": 0,
+                    "time_complete": 0.0,
+                },
+            },
+            "not a valid id",
+        ),
+        (
+            {
+                "op": "push",
+                "header": {
+                    "job": JOB,
+                    "sender_node": "nA",
+                    "world": "w",
+                    "rank": 0,
+                    "step": 1,
+                    "seq": 2,
+                    "meta_len": 2**40,
+                    "data_len": 1,
+                    "data_hash": 0,
+                    "time_complete": 0.0,
+                },
+            },
+            "'meta_len'",
+        ),
+        ({"op": "fetch", "job": JOB, "sender_node": "nA", "rank": "0"}, "integers"),
+    ],
+)
+def test_bad_requests_get_a_reason_and_the_server_lives_on(
+    shm: str, holder: tuple[ReplicaStore, ReplicaServer], request_obj: object, why: str
+) -> None:
+    store, server = holder
+    reply = _raw(server, _frame(request_obj))
+    assert reply["ok"] is False and why in str(reply["error"])
+    # Garbage that is not even a frame, and an oversized frame length: the server answers
+    # or drops the connection, never dies.
+    with socket.create_connection(server.address, timeout=10) as s:
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        s.recv(100)
+    with socket.create_connection(server.address, timeout=10) as s:
+        s.sendall(struct.pack("<8sI", FRAME_MAGIC, 2**31))
+        s.recv(100)
+    slot = _snapshot(shm, "nA", 0, 1, b"ok" * 1000)
+    assert _push(server, slot).step == 1  # still serving
+    slot.close()
+    assert store.held_bytes() > 0
+
+
+def test_a_sender_that_vanishes_mid_transfer_leaves_nothing(
+    shm: str, holder: tuple[ReplicaStore, ReplicaServer]
+) -> None:
+    store, server = holder
+    h = ReplicaHeader(JOB, "nA", 0, 5, "w", 10, 4, 1_000_000, 0, 0.0)
+    with socket.create_connection(server.address, timeout=10) as s:
+        s.sendall(_frame({"op": "push", "header": h.to_json()}))
+        assert s.recv(100)  # "go"
+        s.sendall(b"meta" + b"\0" * 1000)  # then the sender's machine dies
+    deadline = threading.Event()
+    for _ in range(100):
+        if not [n for n in os.listdir(shm) if n.endswith(".in")] and store.held_bytes() == 0:
+            break
+        deadline.wait(0.1)
+    assert store.held() == [] and store.held_bytes() == 0
+    assert not [n for n in os.listdir(shm) if ".rep." in n]
+
+
+def test_replica_targets_follow_the_ring_and_never_the_machine_itself() -> None:
+    world = ["n2", "n0", "n1"]
+    assert replica_targets(world, "n0", 1) == ["n1"]
+    assert replica_targets(world, "n2", 1) == ["n0"]
+    assert replica_targets(world, "n1", 2) == ["n2", "n0"]
+    assert replica_targets(world, "n1", 5) == ["n2", "n0"]  # at most the others
+    assert replica_targets(["n0"], "n0", 1) == []
+    assert replica_targets(world, "n1", 0) == []
+    # Every machine is protected by exactly `replicas` others.
+    for r in (1, 2):
+        held = [t for me in world for t in replica_targets(world, me, r)]
+        assert sorted(held) == sorted(world * r)
+    with pytest.raises(ValueError, match="not in the world"):
+        replica_targets(world, "n9", 1)
+
+
+def test_capacity_is_checked_up_front_with_the_numbers(shm: str) -> None:
+    check_replica_capacity(shm, 10 * 2**20, 10 * 2**20)
+    with pytest.raises(ShmSpaceError, match=r"needs 40\.0 MiB .* plus 30\.0 MiB .* replicas="):
+        check_replica_capacity(shm, 40 * 2**20, 30 * 2**20)
+
+
+def test_replica_names_are_the_holders_and_never_parse_as_a_slot() -> None:
+    p = names.replica_path("/d", "j", "nB", "nA", 3)
+    assert p == "/d/fc.j.nB.rep.nA.r00003"
+    assert names.SLOT_NAME_RE.match(os.path.basename(p)) is None
+    g = names.GROUP_NAME_RE.match(os.path.basename(p))
+    assert g is not None and g.groups() == ("j", "nB")
+    with pytest.raises(ValueError, match="not a valid id"):
+        names.replica_path("/d", "j", "nB", "../x", 0)
+
+
+def test_header_hash_matches_what_the_agent_records(shm: str) -> None:
+    data = os.urandom(70_000)
+    slot = _snapshot(shm, "nA", 0, 1, data)
+    info = slot.header()
+    assert info is not None
+    assert slot.recorded_hash(info) == xxhash.xxh3_64_intdigest(data)
+    slot.close()

@@ -29,12 +29,14 @@ if _DIR:
         _libc = None
     _PR_SET_NAME = 15
 
+    _LOG_DIR: str = _DIR
+
     def _record(kind: str, name: str, cpu: float | None = None) -> None:
         line = f"{kind} {os.getpid()} {threading.get_native_id()} "
         line += ("-" if cpu is None else f"{cpu:.6f}") + f" {name}\n"
         try:
             fd = os.open(
-                os.path.join(_DIR, f"{os.getpid()}.threads"),
+                os.path.join(_LOG_DIR, f"{os.getpid()}.threads"),
                 os.O_WRONLY | os.O_APPEND | os.O_CREAT,
                 0o600,
             )

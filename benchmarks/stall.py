@@ -10,14 +10,19 @@ For each state size (a stack of Linear layers + AdamW; params + exp_avg + exp_av
 4. ``torch.save`` + fsync, ``safetensors.torch.save_file`` + fsync;
 5. ``torch.distributed.checkpoint`` ``save`` and ``async_save`` with the staging options torch
    offers (default, cached ``DefaultStager`` sync/async staging, ``AsyncCheckpointerType.PROCESS``);
-6. training time lost per checkpoint inside a real training loop;
+6. the loop of issue 14 (``--only loop``, its own sizes ``--loop-sizes``): training time lost per
+   checkpoint in a real loop, every variant in a process of its own per round, best of
+   ``--rounds``, with where the time goes: the training thread's phases and the CPU of every
+   thread of the trainer and of the node agent, and the disk bytes written, from /proc;
 7. the agent's persist throughput against the disk's sequential write speed;
 8. hot reload from memory against reload from storage.
 
 Run from the repository root::
 
-    python benchmarks/stall.py --quick               # smoke run, < 60 s
-    python benchmarks/stall.py --out results.json    # 0.25, 1 and 4 GiB (10-20 min)
+    python benchmarks/stall.py --quick               # smoke run of every phase (~90 s)
+    python benchmarks/stall.py --out results.json    # 0.25, 1 and 4 GiB + the loop at 0.5 GB
+    python benchmarks/stall.py --only loop --loop-sizes 0.5,2 --out loop.json
+    python benchmarks/stall.py --report loop.json    # markdown tables
 """
 
 from __future__ import annotations

@@ -75,35 +75,46 @@ class Trainer:
     layers: int
     batch: int = 8
     x: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the model and optimizer state live; on CUDA each step waits for its kernels, so
+    every time measured is of work done."""
 
     @staticmethod
-    def build(size_gib: float, seed: int = 0) -> Trainer:
+    def build(size_gib: float, seed: int = 0, device: str = "cpu") -> Trainer:
         torch.manual_seed(seed)
+        dev = torch.device(device)
         params = size_gib * GiB / 12  # fp32 params + two fp32 AdamW moments
         width = 2048 if params >= 2048 * 2048 else 1024
         layers = max(1, round(params / (width * width + width)))
         with torch.no_grad():
             model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+            model = model.to(dev)
         try:  # fused: one pass, no temporaries (what a tuned training job uses)
             opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
         except (RuntimeError, TypeError, ValueError):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        tr = Trainer(model, opt, width, layers)
+        tr = Trainer(model, opt, width, layers, device=dev)
         tr.set_batch(1)
         tr.step()  # creates the optimizer state (exp_avg, exp_avg_sq, step)
         return tr
 
     def set_batch(self, batch: int) -> None:
         self.batch = batch
-        self.x = torch.randn(batch, self.width)
+        self.x = torch.randn(batch, self.width, device=self.device)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def fwd_bwd(self) -> None:
         self.optimizer.zero_grad(set_to_none=False)
         loss = self.model(self.x).square().mean()
         loss.backward()
+        self.sync()
 
     def opt_step(self) -> None:
         self.optimizer.step()
+        self.sync()
 
     def step(self) -> None:
         self.fwd_bwd()
@@ -392,3 +403,143 @@ def terminate_as_exception() -> Iterator[None]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+# -- per-thread CPU, context switches and disk writes, read from /proc -------------------------
+PROBE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_probe")
+"""Put first on ``PYTHONPATH`` (with ``$FCBENCH_THREAD_LOG`` set) of a measured process: its
+``sitecustomize`` logs each Python thread's name and, when the thread ends, its CPU time."""
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat_cpu(path: str) -> float | None:
+    """utime + stime in seconds from a /proc stat file (None if it is gone)."""
+    try:
+        with open(path) as f:
+            raw = f.read()
+    except OSError:
+        return None
+    rest = raw.rsplit(")", 1)[1].split()  # comm may hold spaces and parentheses
+    return (int(rest[11]) + int(rest[12])) / _CLK_TCK
+
+
+def _status_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError), open(path) as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in keys:
+                out[k] = int(v.split()[0])
+    return out
+
+
+def _io_fields(path: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError), open(path) as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            with contextlib.suppress(ValueError):
+                out[k.strip()] = int(v)
+    return out
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def proc_snapshot(pid: int) -> dict[str, Any]:
+    """CPU seconds of a process (its threads that ended included) and of each live thread, the
+    thread's comm and context switches, and the process's I/O counters."""
+    base = f"/proc/{pid}"
+    threads: dict[int, dict[str, Any]] = {}
+    with contextlib.suppress(OSError):
+        for t in os.listdir(f"{base}/task"):
+            tid = int(t)
+            cpu = _stat_cpu(f"{base}/task/{t}/stat")
+            if cpu is None:
+                continue
+            sw = _status_fields(
+                f"{base}/task/{t}/status",
+                ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"),
+            )
+            threads[tid] = {
+                "cpu_s": cpu,
+                "comm": _read(f"{base}/task/{t}/comm"),
+                "vol_cs": sw.get("voluntary_ctxt_switches", 0),
+                "invol_cs": sw.get("nonvoluntary_ctxt_switches", 0),
+            }
+    return {
+        "pid": pid,
+        "t": time.monotonic(),
+        "cpu_s": _stat_cpu(f"{base}/stat"),
+        "io": _io_fields(f"{base}/io"),
+        "threads": threads,
+    }
+
+
+def thread_log(directory: str, pid: int) -> dict[int, dict[str, Any]]:
+    """What the probe's ``sitecustomize`` logged for ``pid``: tid -> name, and CPU at its end."""
+    out: dict[int, dict[str, Any]] = {}
+    with contextlib.suppress(OSError), open(os.path.join(directory, f"{pid}.threads")) as f:
+        for line in f:
+            parts = line.rstrip("\n").split(" ", 4)
+            if len(parts) != 5:
+                continue
+            kind, _pid, tid_s, cpu_s, name = parts
+            rec = out.setdefault(int(tid_s), {"name": name})
+            if kind == "exit" and cpu_s != "-":
+                rec["exit_cpu_s"] = float(cpu_s)
+    return out
+
+
+def thread_cpu_delta(
+    before: dict[str, Any],
+    after: dict[str, Any],
+    log_before: dict[int, dict[str, Any]],
+    log_after: dict[int, dict[str, Any]],
+    main_name: str = "main",
+) -> dict[str, Any]:
+    """CPU seconds (and involuntary context switches) per thread name between two
+    ``proc_snapshot``s of one process, with the probe's ``thread_log`` read at each.
+
+    A thread alive at both counts its difference; one that started in between counts all it
+    used (its /proc figure, or the CPU logged at its end); one that ended in between counts its
+    logged end CPU minus the first figure; one that had ended before the first snapshot counts
+    nothing. Threads without a logged name: the process's main thread (tid == pid) is
+    ``main_name``, others ``native`` (no Python code started them: torch's intra-op OpenMP
+    workers). ``unattributed_s`` is the process total minus the sum (threads that ended without
+    a log entry; clock-tick rounding).
+    """
+    pid = after["pid"]
+    per: dict[str, float] = {}
+    invol: dict[str, int] = {}
+    for tid in set(before["threads"]) | set(after["threads"]) | set(log_after):
+        if "exit_cpu_s" in log_before.get(tid, {}):
+            continue  # ended before the first snapshot
+        b, a = before["threads"].get(tid), after["threads"].get(tid)
+        rec = log_after.get(tid, {})
+        end = a["cpu_s"] if a is not None else rec.get("exit_cpu_s")
+        if end is None:
+            continue  # ended in between without a log entry: left in unattributed_s
+        name = rec.get("name") or (main_name if tid == pid else "native")
+        per[name] = per.get(name, 0.0) + max(0.0, end - (b["cpu_s"] if b is not None else 0.0))
+        if a is not None:
+            invol[name] = invol.get(name, 0) + a["invol_cs"] - (b["invol_cs"] if b else 0)
+    total = None
+    if before.get("cpu_s") is not None and after.get("cpu_s") is not None:
+        total = after["cpu_s"] - before["cpu_s"]
+    io_b, io_a = before.get("io", {}), after.get("io", {})
+    return {
+        "threads_cpu_s": dict(sorted(per.items())),
+        "invol_cs": dict(sorted(invol.items())),
+        "cpu_s": total,
+        "unattributed_s": None if total is None else total - sum(per.values()),
+        "write_bytes": io_a.get("write_bytes", 0) - io_b.get("write_bytes", 0),
+        "wchar": io_a.get("wchar", 0) - io_b.get("wchar", 0),
+        "read_bytes": io_a.get("read_bytes", 0) - io_b.get("read_bytes", 0),
+    }

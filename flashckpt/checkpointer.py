@@ -41,6 +41,7 @@ from flashckpt.reshard import Resharder
 from flashckpt.restore import Restorer
 from flashckpt.ring import StepRecorder, open_recorder
 from flashckpt.rng import capture_rng
+from flashckpt.saved import RestoreEnv
 from flashckpt.snapshot import SnapshotHandle, Snapshotter
 from flashckpt.storage import Storage
 from flashckpt.storageroot import probe_storage, start_fresh
@@ -147,18 +148,18 @@ class Checkpointer:
             config=cfg,
             ctx=self._ctx,
             storage=self._storage,
-            snap=self._snap,
             hooks=self._hooks,
-            check_model=self._applier.check_model,
         )
         self._restorer = Restorer(
-            model,
-            config=cfg,
-            ctx=self._ctx,
-            storage=self._storage,
-            snap=self._snap,
-            resharder=self._resharder,
-            applier=self._applier,
+            RestoreEnv(
+                model=model,
+                config=cfg,
+                ctx=self._ctx,
+                storage=self._storage,
+                snap=self._snap,
+                resharder=self._resharder,
+            ),
+            self._applier,
         )
 
     @property
@@ -181,7 +182,7 @@ class Checkpointer:
         enter_wall = time.time()
         self._setup()
         ctx = self._ctx
-        shm_dir = self._resharder.shm_dir
+        shm_dir = self._snap.shm_dir
         if shm_dir and ctx.run_dir:
             self._mon = open_recorder(
                 shm_dir=shm_dir,
@@ -539,7 +540,7 @@ class Checkpointer:
             storage=cfg.storage,
             pid=os.getpid(),
         )
-        self._resharder.shm_dir = hello.get("shm_dir")
+        self._snap.shm_dir = hello.get("shm_dir")
         self._snap.meta_static = {
             "job": ctx.job,
             "rank": ctx.rank,

@@ -108,6 +108,8 @@ class Snapshotter:
         self.slots: list[SlotMap | None] = [None, None]
         self.orphans: list[SlotMap] = []  # other local ranks' slots, during a restore
         self.slot_lock = threading.Lock()
+        self.shm_dir: str | None = None
+        """The agent's directory of the slots (of every rank of this machine)."""
         self.meta_static: dict[str, Any] = {}
         """The part of every snapshot description that is fixed at entry (job, ranks, shard)."""
         self.layout: Layout | None = None

@@ -64,6 +64,8 @@ _assign(
     "flashckpt.rankctx",
     "flashckpt.link",
     "flashckpt.snapshot",
+    "flashckpt.saved",
+    "flashckpt.sources",
     "flashckpt.restore",
     "flashckpt.reshard",
     "flashckpt.apply",

@@ -202,7 +202,6 @@ class PeerReshardSource:
         self.held = None if env.config.replicated else self._held_snapshots()
         self.plan: PeerPlan | None = None
         self._received: dict[int, dict[str, torch.Tensor]] = {}
-        self._failed: str | None = None
 
     def _held_snapshots(self) -> list[HeldSnapshot]:
         """Complete snapshots of a sharded state this rank can read: those in every slot of this

@@ -52,7 +52,9 @@ from typing import Any
 import psutil
 
 from flashckpt import names
-from flashckpt.layout import Layout, safetensors_header
+from flashckpt.errors import CorruptCheckpointError
+from flashckpt.layout import safetensors_header
+from flashckpt.manifest import FileEntry, RankEntry, ShardEntry
 from flashckpt.monitor import AgentMonitor, MonitorConfig
 from flashckpt.protocol import LineReader, default_node_id, default_run_dir, send_msg, socket_path
 from flashckpt.shm import (
@@ -66,9 +68,11 @@ from flashckpt.shm import (
     slot_path,
     slot_prefix,
 )
+from flashckpt.snapmeta import MAX_LOCAL_RANKS, NodePart, SnapshotMeta
 from flashckpt.storage import (
     FORMAT,
     MANIFEST,
+    PARTS,
     FileRecord,
     Storage,
     rank_file_name,
@@ -85,8 +89,6 @@ __all__ = [
 
 log = logging.getLogger("flashckpt.agent")
 
-MAX_LOCAL_RANKS = 4096
-"""Most trainer positions (local ranks) one machine's agent serves."""
 MAX_SLOT_BYTES = 1 << 44
 """Largest slot region a trainer may ask for (16 TiB; the tmpfs bounds it further)."""
 
@@ -171,6 +173,19 @@ def _header_ok(slot: Slot) -> bool:
             return False
         time.sleep(0.002)
     return False
+
+
+def _read_meta(slot: Slot, info: SlotInfo) -> SnapshotMeta | None:
+    """The validated snapshot meta of a complete header, or None (torn, or not a valid meta:
+    such a snapshot is never persisted nor adopted, and the reason is logged)."""
+    doc = slot.read_meta(info)
+    if doc is None:
+        return None
+    try:
+        return SnapshotMeta.from_json(doc, slot.path)
+    except CorruptCheckpointError as e:
+        log.warning("snapshot of step %d not used: %s", info.step, e)
+        return None
 
 
 @dataclass(slots=True)
@@ -501,17 +516,17 @@ class NodeAgent:
             rec = self._ranks.setdefault(rank, _Rank(rank))
             rec.slots[idx] = slot
             info = slot.header()
-            meta = slot.read_meta(info) if info is not None else None
+            meta = _read_meta(slot, info) if info is not None else None
             if meta is not None and info is not None:
                 if info.step >= newest:
-                    newest, self._world_id = info.step, str(meta.get("world_id", ""))
-                rec.global_rank = int(meta["rank"])
-                rec.world_id = str(meta.get("world_id", ""))
-                rec.world_size = int(meta["world_size"])
-                rec.local_world_size = int(meta.get("local_world_size", 1))
-                rec.shard = int(meta["shard"])
-                rec.num_shards = int(meta["num_shards"])
-                rec.replica = int(meta["replica"])
+                    newest, self._world_id = info.step, meta.world_id
+                rec.global_rank = meta.rank
+                rec.world_id = meta.world_id
+                rec.world_size = meta.world_size
+                rec.local_world_size = meta.local_world_size
+                rec.shard = meta.shard
+                rec.num_shards = meta.num_shards
+                rec.replica = meta.replica
         if self._ranks:
             log.info("adopted the slots of ranks %s", sorted(self._ranks))
         self._hash_wake.set()
@@ -939,7 +954,7 @@ class NodeAgent:
                 try:
                     info = slot.header()
                     ok = info is not None and info.complete and info.step == step
-                    meta = slot.read_meta(info) if ok and info is not None else None
+                    meta = _read_meta(slot, info) if ok and info is not None else None
                 except ValueError:  # the slot was just reallocated (closed): the snapshot is gone
                     break
                 if not ok:
@@ -947,9 +962,7 @@ class NodeAgent:
                 if meta is None:
                     break
                 try:
-                    storage.write_private(
-                        step, int(meta["rank"]), int(meta["world_size"]), meta["private"]
-                    )
+                    storage.write_private(step, meta.rank, meta.world_size, meta.private)
                 except Exception as e:  # reported; the big persist path retries later
                     self._record_error(step, f"writing rank {rank} state: {e}")
                 break
@@ -998,9 +1011,9 @@ class NodeAgent:
         storage = self.storage
         assert storage is not None
         t0 = time.monotonic()
-        files: dict[str, dict[str, Any]] = {}
-        ranks_out: dict[str, dict[str, Any]] = {}
-        shards_out: dict[str, dict[str, Any]] = {}
+        files: dict[str, FileEntry] = {}
+        ranks_out: dict[int, RankEntry] = {}
+        shards_out: dict[int, ShardEntry] = {}
         world = num_shards = 0
         written = 0
         with self._io_lock:
@@ -1011,34 +1024,31 @@ class NodeAgent:
                     if s is None:
                         return
                     slots[r] = (s, info)
-            metas = {}
+            metas: dict[int, SnapshotMeta] = {}
             for s, info in slots.values():
                 s.pin(info.seq)
             try:
                 for r, (s, info) in slots.items():
-                    meta = s.read_meta(info)
-                    if meta is None or int(meta["step"]) != step:
+                    meta = _read_meta(s, info)
+                    if meta is None or meta.step != step:
                         raise _Torn(f"rank {r}")
                     metas[r] = meta
-                hosts_rank0 = any(int(m["rank"]) == 0 for m in metas.values())
-                world_id = str(next(iter(metas.values())).get("world_id", "")) if metas else ""
+                hosts_rank0 = any(m.rank == 0 for m in metas.values())
+                world_id = next(iter(metas.values())).world_id if metas else ""
                 if hosts_rank0 and step > self._resumed_at:
                     # Only the committing node (it hosts rank 0) hides a step it will rewrite;
                     # the other nodes' parts are rewritten under the hidden step.
                     storage.uncommit(step)
                 for r, (s, info) in slots.items():
                     meta = metas[r]
-                    g = int(meta["rank"])
-                    world = int(meta["world_size"])
-                    num_shards = int(meta["num_shards"])
-                    shard = int(meta["shard"])
+                    g, world, num_shards = meta.rank, meta.world_size, meta.num_shards
                     rank_name = rank_file_name(g, world)
-                    rec = storage.write_private(step, g, world, meta["private"])
-                    files[rank_name] = rec.to_json()
-                    ranks_out[str(g)] = {"file": rank_name, "shard": shard}
-                    if int(meta["replica"]) != 0:
+                    rec = storage.write_private(step, g, world, meta.private)
+                    files[rank_name] = FileEntry(rec.size, rec.xxh3_64)
+                    ranks_out[g] = RankEntry(rank_name, meta.shard)
+                    if meta.replica != 0:
                         continue
-                    shard_name = shard_file_name(shard, num_shards)
+                    shard_name = shard_file_name(meta.shard, num_shards)
                     want = self._ensure_hash(s, info)
                     if want is None:
                         raise _Torn(f"rank {r}")
@@ -1058,8 +1068,8 @@ class NodeAgent:
                             f"step is not committed"
                         )
                     written += rec.size
-                    files[shard_name] = rec.to_json()
-                    shards_out[str(shard)] = {"file": shard_name, "writer": g}
+                    files[shard_name] = FileEntry(rec.size, rec.xxh3_64)
+                    shards_out[meta.shard] = ShardEntry(shard_name, g)
             except _Torn as e:
                 log.info("step %d changed in memory while persisting (%s); skipped", step, e)
                 with self._lock:
@@ -1073,20 +1083,17 @@ class NodeAgent:
             finally:
                 for s, _ in slots.values():
                     s.unpin()
-        storage.write_part(
-            step,
-            self.cfg.node,
-            {
-                "node": self.cfg.node,
-                "step": step,
-                "world_id": world_id,
-                "world_size": world,
-                "num_shards": num_shards,
-                "ranks": ranks_out,
-                "shards": shards_out,
-                "files": files,
-            },
+        part = NodePart(
+            node=self.cfg.node,
+            step=step,
+            world_id=world_id,
+            world_size=world,
+            num_shards=num_shards,
+            ranks=ranks_out,
+            shards=shards_out,
+            files=files,
         )
+        storage.write_part(step, self.cfg.node, part.to_json())
         with self._lock:
             self._persisted_high = max(self._persisted_high, step)
         self._yields = 0
@@ -1118,15 +1125,14 @@ class NodeAgent:
         name: str,
         slot: Slot,
         info: SlotInfo,
-        meta: dict[str, Any],
+        meta: SnapshotMeta,
     ) -> FileRecord:
-        layout = Layout.from_json(meta["entries"])
         header = safetensors_header(
-            layout,
+            meta.layout,
             {
                 "format": FORMAT,
                 "step": str(step),
-                "skeleton": json.dumps(meta["skeleton"], separators=(",", ":")),
+                "skeleton": json.dumps(meta.skeleton, separators=(",", ":")),
             },
             # The slot's data region is page-aligned: with a header of whole pages the tensor
             # bytes land at page-aligned file offsets too, so a local file is written with
@@ -1208,17 +1214,25 @@ class NodeAgent:
         if step in self._committed:
             return True
         # Parts of other worlds (a step number reached again after a membership change, with a
-        # dead machine's old part still there) are never mixed into this world's manifest.
-        parts = [p for p in storage.read_parts(step) if str(p.get("world_id", "")) == world_id]
+        # dead machine's old part still there) are never mixed into this world's manifest. A
+        # part of this world that fails its checks stops the commit (reported): it names files
+        # readers would reject, or it is not what an agent writes.
+        src = storage.step_path(step, PARTS)
+        parts = [
+            NodePart.from_json(p, f"{src} (the part of node {str(p.get('node'))[:64]!r})")
+            for p in storage.read_parts(step)
+            if p.get("world_id", "") == world_id
+        ]
         ranks: dict[str, Any] = {}
         shards: dict[str, Any] = {}
         files: dict[str, Any] = {}
         for p in parts:
-            if int(p.get("world_size", world)) != world:
+            if p.world_size != world or p.step != step:
                 continue
-            ranks.update(p["ranks"])
-            shards.update(p["shards"])
-            files.update(p["files"])
+            doc = p.to_json()
+            ranks.update(doc["ranks"])
+            shards.update(doc["shards"])
+            files.update(doc["files"])
         if len(ranks) < world or len(shards) < num_shards:
             with self._lock:
                 self._commit_missing[step] = sorted(set(range(world)) - {int(r) for r in ranks})
@@ -1230,7 +1244,7 @@ class NodeAgent:
             "world_size": world,
             "num_shards": num_shards,
             "created": time.time(),
-            "nodes": sorted(p["node"] for p in parts),
+            "nodes": sorted(p.node for p in parts),
             "files": files,
             "ranks": ranks,
             "shards": shards,
@@ -1250,8 +1264,8 @@ class NodeAgent:
         cached = self._snap_worlds.get(slot.path)
         if cached is not None and cached[0] == tag:
             return cached[1]
-        meta = slot.read_meta(info)
-        world = str(meta.get("world_id", "")) if meta is not None else None
+        meta = _read_meta(slot, info)
+        world = meta.world_id if meta is not None else None
         if meta is not None:
             self._snap_worlds[slot.path] = (tag, world)
         return world

@@ -14,8 +14,8 @@ from flashckpt.storage import Storage
 
 
 def _part(node: str, step: int, world_id: str, rank: int, world: int = 2) -> dict[str, Any]:
-    # The records name the node that wrote them (commit checks only size and hash).
-    rec = {"node": node, "size": 0, "xxh3_64": "0" * 16}
+    # The records tell the node that wrote them by their size (node "n<k>": k bytes).
+    rec = {"size": int(node[1:]), "xxh3_64": "0" * 16}
     files: dict[str, Any] = {f"rank-{rank:05d}-of-{world:05d}.json": rec}
     shards: dict[str, Any] = {}
     if rank == 0:
@@ -89,10 +89,9 @@ def test_parts_of_another_world_are_never_mixed_in(fc_env: FcEnv) -> None:
     st.write_part(15, "n1", _part("n1", 15, "w1", 1))
     agent._commit_round()
     assert st.committed_steps() == [15]
-    # The raw manifest: read_manifest keeps only sizes and hashes, not the test's node tags.
     manifest = json.loads(st.fs.cat_file(st.step_path(15, "manifest.json")))
     assert manifest["nodes"] == ["n0", "n1"]
-    assert manifest["files"]["rank-00001-of-00002.json"]["node"] == "n1"
+    assert manifest["files"]["rank-00001-of-00002.json"]["size"] == 1, "not n1's record"
 
 
 def test_an_auto_started_agent_nobody_uses_leaves(fc_env: FcEnv) -> None:
@@ -165,3 +164,18 @@ def test_a_fifo_among_the_parts_does_not_hang_the_commit(fc_env: FcEnv) -> None:
     t.join(60)
     assert not t.is_alive(), "the commit hung on a FIFO in _parts"
     assert st.committed_steps() == [25]
+
+
+def test_a_malformed_part_of_this_world_is_refused_naming_the_field(fc_env: FcEnv) -> None:
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    st.write_part(30, "n0", _part("n0", 30, "w1", 0))
+    bad = _part("n1", 30, "w1", 1)
+    bad["ranks"]["1"]["shard"] = "zero"
+    st.write_part(30, "n1", bad)
+    agent._commits[30] = (2, 1, "w1", time.monotonic() + 60)
+    agent._commit_round()
+    assert st.committed_steps() == []
+    errors = agent.status()["errors"]
+    assert errors and "node part field 'ranks'" in errors[-1]["error"], errors
+    assert "'n1'" in errors[-1]["error"], errors

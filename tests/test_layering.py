@@ -31,7 +31,7 @@ def _assign(layer: int, *modules: str) -> None:
 
 
 _assign(BOTTOM, "flashckpt.errors", "flashckpt.envnames", "flashckpt.names")
-_assign(FORMATS, "flashckpt.layout", "flashckpt.shm", "flashckpt.manifest")
+_assign(FORMATS, "flashckpt.layout", "flashckpt.shm", "flashckpt.manifest", "flashckpt.snapmeta")
 _assign(IO, "flashckpt.storage", "flashckpt.protocol")
 _assign(
     CODEC,

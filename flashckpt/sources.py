@@ -35,7 +35,9 @@ from flashckpt.rng import capture_rng
 from flashckpt.saved import SavedStep
 from flashckpt.sharded import ShardedPiece
 from flashckpt.shm import slot_prefix
+from flashckpt.snapmeta import SnapshotMeta
 from flashckpt.snapshot import BadMemory, SlotMap, TornSnapshot
+from flashckpt.storage import CorruptCheckpointError
 
 if TYPE_CHECKING:
     from flashckpt.saved import RestoreEnv, RestorePlan
@@ -46,6 +48,16 @@ log = logging.getLogger("flashckpt")
 
 K = 16
 """The newest steps of each source that planning considers."""
+
+
+def _checked_meta(raw: Any, where: str) -> SnapshotMeta | None:
+    """A snapshot description read from shared memory, validated (nothing read from shared
+    memory is trusted); None, logged, where it fails its checks."""
+    try:
+        return SnapshotMeta.from_json(raw, where)
+    except CorruptCheckpointError as e:
+        log.warning("flashckpt: ignoring the snapshot in %s: %s", where, e)
+        return None
 
 
 class MemorySource:
@@ -69,11 +81,12 @@ class MemorySource:
             if info is None or not info.complete:
                 continue
             meta = sm.slot.read_meta(info)
-            if meta is None:
+            m = _checked_meta(meta, sm.slot.path) if meta is not None else None
+            if meta is None or m is None:
                 continue
-            own = int(meta.get("rank", ctx.rank)) == ctx.rank
-            replicated = env.config.replicated and int(meta.get("num_shards", 1)) == 1
-            if meta.get("world_size") != ctx.world:
+            own = m.rank == ctx.rank
+            replicated = env.config.replicated and m.num_shards == 1
+            if m.world_size != ctx.world:
                 # The job shrank or grew (elastic MIN:MAX with no standby left, or a late
                 # machine): a replicated state still serves the rank that took it, with its
                 # own RNG and extras. A sharded one is resharded from storage instead.
@@ -84,9 +97,9 @@ class MemorySource:
                 # ranks were renumbered after a membership change). A replicated state serves
                 # this rank if its buffers equal this rank's own at that step (the hash in the
                 # small per-rank file the agent wrote through, which also has its RNG/extras).
-                if not (env.config.replicated and int(meta.get("num_shards", 1)) == 1):
+                if not replicated:
                     continue
-                if not self._interchangeable(info.step, meta["private"].get("buffers_xxh")):
+                if not self._interchangeable(info.step, m.private.get("buffers_xxh")):
                     continue
             out[info.step] = (sm, meta)
         return out
@@ -230,13 +243,12 @@ class PeerReshardSource:
         for sm in maps:
             info = sm.slot.header()
             meta = sm.slot.read_meta(info) if info is not None and info.complete else None
-            if info is None or meta is None or "entries" not in meta:
+            m = _checked_meta(meta, sm.slot.path) if meta is not None else None
+            if info is None or meta is None or m is None:
                 continue
-            if int(meta.get("num_shards", 1)) <= 1 and not any(
-                True for _ in piece_nodes(meta.get("skeleton"))
-            ):
+            if m.num_shards <= 1 and not any(True for _ in piece_nodes(m.skeleton)):
                 continue  # not a sharded state
-            layout_bytes = Layout.from_json(meta["entries"]).nbytes
+            layout_bytes = m.layout.nbytes
             off = sm.slot.data_off
 
             def check(sm: SlotMap = sm, step: int = info.step) -> bool:
@@ -248,9 +260,9 @@ class PeerReshardSource:
             out.append(
                 HeldSnapshot(
                     step=info.step,
-                    world_id=str(meta.get("world_id", "")),
-                    world_size=int(meta.get("world_size", 1)),
-                    rank=int(meta.get("rank", 0)),
+                    world_id=m.world_id,
+                    world_size=m.world_size,
+                    rank=m.rank,
                     meta=meta,
                     data=sm.data[off : off + layout_bytes],
                     check=check,
@@ -309,6 +321,8 @@ class PeerReshardSource:
                     metas.setdefault(int(o), m)
             code, base, requests = 0, -1, {}
             try:
+                for o, m in metas.items():  # as sent by a peer: checked like a slot's
+                    SnapshotMeta.from_json(m, f"old rank {o}'s snapshot of step {step}")
                 if mine:
                     base = min(mine)
                 else:
@@ -459,6 +473,7 @@ class ReplicaSource:
         self._received = None
         received = None
         failure: Exception | None = None
+        bad: CorruptCheckpointError | None = None
         for r in sorted(plan.sources):
             if plan.sources[r] != self.name:
                 continue
@@ -500,8 +515,19 @@ class ReplicaSource:
                 data = torch.empty(n, dtype=torch.uint8)
                 if n:
                     dist.recv(data, src, group=ctx.coord_pg)
-                received = (json.loads(meta_t.numpy().tobytes()), data)
+                where = f"rank {src}'s snapshot of step {step}"
+                try:  # as sent by a peer: checked like a slot's, and against the bytes sent
+                    doc = json.loads(meta_t.numpy().tobytes())
+                    if SnapshotMeta.from_json(doc, where).layout.nbytes != n:
+                        raise CorruptCheckpointError(where, f"does not describe its {n} bytes")
+                    received = (doc, data)
+                except CorruptCheckpointError as e:
+                    bad = e
+                except ValueError as e:
+                    bad = CorruptCheckpointError(where, f"is not JSON ({e})")
         self._received = received
+        if bad is not None:
+            raise bad
         if failure is not None:
             raise TornSnapshot(f"this rank's snapshot of step {step} cannot be sent: {failure}")
 

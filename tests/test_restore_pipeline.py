@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +18,7 @@ from flashckpt.rankctx import RankContext
 from flashckpt.restore import SOURCES, agree
 from flashckpt.rng import capture_rng
 from flashckpt.saved import RestoreEnv, RestorePlan, SavedStep
+from flashckpt.shm import Slot
 from flashckpt.storage import CorruptCheckpointError
 
 
@@ -149,3 +152,36 @@ def test_a_new_source_is_one_class_in_one_list(
         assert sched2.state_dict()["last_epoch"] == states[4]["scheduler"]["last_epoch"]
     finally:
         ck.__exit__(None, None, None)
+
+
+def test_a_slot_whose_description_fails_its_checks_is_ignored(
+    fc_env: FcEnv, agent: RunningAgent, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing read from shared memory is trusted: a complete snapshot whose description lacks
+    a field (here its private state) is skipped by the memory source, not read (a KeyError at
+    entry before)."""
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(agent="connect", storage=None)
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        train_step(model, opt, sched, 0)
+        ck.step()
+        ck.save(mode="sync")
+        path = next(sm.slot.path for sm in ck._slots if sm is not None and sm.step == 1)
+    slot = Slot(path)
+    try:
+        info = slot.header()
+        assert info is not None and info.complete
+        meta = slot.read_meta(info)
+        assert meta is not None
+        del meta["private"]
+        raw = json.dumps(meta, separators=(",", ":")).encode()
+        seq = slot.begin_write()
+        slot.write_meta(raw)
+        slot.end_write(seq, 1, raw, info.data_len)
+    finally:
+        slot.close()
+    model2, opt2, sched2 = make(1)
+    ck2 = flashckpt.checkpointing(model2, opt2, scheduler=sched2, **kw)
+    with caplog.at_level(logging.WARNING, logger="flashckpt"), ck2:
+        assert (ck2.restored_from, ck2.start_step) == (None, 0)
+    assert any("ignoring the snapshot in" in r.getMessage() for r in caplog.records)

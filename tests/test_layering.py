@@ -73,7 +73,22 @@ _assign(
     "flashckpt.export",
 )
 # The package face re-exports the trainer API (lazily, see flashckpt/__init__.py).
-_assign(TRAINER, "flashckpt", "flashckpt.checkpointer", "flashckpt.interval")
+_assign(
+    TRAINER,
+    "flashckpt",
+    "flashckpt.checkpointer",
+    "flashckpt.interval",
+    "flashckpt.config",
+    "flashckpt.rankctx",
+    "flashckpt.link",
+    "flashckpt.snapshot",
+    "flashckpt.saved",
+    "flashckpt.sources",
+    "flashckpt.restore",
+    "flashckpt.reshard",
+    "flashckpt.apply",
+    "flashckpt.storageroot",
+)
 _assign(ELASTIC, *(f"elastic.{p.stem}" for p in (ROOT / "elastic").glob("*.py")))
 LAYERS["elastic"] = LAYERS.pop("elastic.__init__")
 _assign(CLI, "flashckpt.cli", "flashckpt.__main__")

@@ -126,9 +126,9 @@ def main() -> int:
 
 def kill_in_copy(nth: int) -> None:
     """Fault injection: the nth snapshot copy with tensors SIGKILLs this process halfway."""
-    from flashckpt.checkpointer import Checkpointer
+    from flashckpt.snapshot import Snapshotter
 
-    orig = Checkpointer._copy
+    orig = Snapshotter.copy
     calls = [0]
 
     def copy(self, sm, pairs):  # type: ignore[no-untyped-def]
@@ -139,7 +139,7 @@ def kill_in_copy(nth: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         orig(self, sm, pairs)
 
-    Checkpointer._copy = copy  # type: ignore[method-assign]
+    Snapshotter.copy = copy  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,272 @@
+"""Apply: a restored state put into the model, optimizer, scheduler and the user's objects.
+
+The state's tensors view shared memory (a slot the next snapshot overwrites) or one buffer a
+storage or replica read filled: the model copies into its parameters, everything else that keeps
+tensors gets copies of its own (into the optimizer's current state where it fits, else into one
+pre-faulted buffer), so neither the slot nor that buffer stays pinned.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flashckpt.jsonstate import decode_state, encode_state
+from flashckpt.rng import restore_rng
+from flashckpt.sharded import is_dtensor
+
+if TYPE_CHECKING:
+    from flashckpt.rankctx import RankContext
+    from flashckpt.snapshot import Snapshotter
+
+__all__ = ["Applier", "clone_tensors"]
+
+
+class Applier:
+    """Checks a restored state against the objects it goes into, and loads it into them."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        scheduler: Any,
+        stateful: Mapping[str, Any],
+        per_rank: Mapping[str, Any],
+        extras: dict[str, Any],
+        ctx: RankContext,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.stateful = stateful
+        self.per_rank = per_rank
+        self.extras = extras
+        self.ctx = ctx
+
+    def check_model(self, state: dict[str, Any]) -> None:
+        saved = state.get("model", {})
+        current = self.model.state_dict()
+        missing = sorted(set(current) - set(saved))
+        unexpected = sorted(set(saved) - set(current))
+        shapes = [
+            f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(current[k].shape)}"
+            for k in sorted(set(saved) & set(current))
+            if isinstance(saved[k], torch.Tensor)
+            and tuple(saved[k].shape) != tuple(current[k].shape)
+        ]
+        if missing or unexpected or shapes:
+            lines = ["checkpoint does not fit the model:"]
+            if missing:
+                lines.append(f"  missing keys (in model, not in checkpoint): {missing}")
+            if unexpected:
+                lines.append(f"  unexpected keys (in checkpoint, not in model): {unexpected}")
+            if shapes:
+                lines.append("  shape mismatches: " + "; ".join(shapes))
+            lines.append("  restore into the same architecture, or pass restore=False.")
+            raise ValueError("\n".join(lines))
+        for name, key in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
+            if key is not None and name not in state:
+                raise ValueError(f"checkpoint has no {name} state, but a {name} was given")
+
+    def apply(self, state: dict[str, Any], private: dict[str, Any] | None, from_mem: bool) -> None:
+        # The tensors of `state` view the slot (from_mem: the next snapshot overwrites it) or the
+        # one buffer a storage or replica restore read the whole shard into (model bytes
+        # included). The model copies into its parameters; whatever else keeps tensors gets
+        # copies of its own, so neither the slot nor that buffer stays pinned.
+        with torch.no_grad():
+            self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            opt, saved = self.optimizer, state["optimizer"]
+            # Where to copy each saved tensor. Optimizer.load_state_dict (torch 2.x) keeps a value
+            # whose dtype and device already are what it wants (Tensor.to returns it as is) and
+            # casts the others into new memory: those need no copy from us. The others go into
+            # the optimizer's current state when it has a tensor of the same shape (a restore
+            # in a process that already trained: no new memory, no page faults), else into new
+            # memory.
+            targets: dict[Any, dict[str, torch.Tensor]] = {}
+            saved_state = saved.get("state", {}) if isinstance(saved, dict) else {}
+            saved_groups = saved.get("param_groups", []) if isinstance(saved, dict) else []
+            # In place only when the groups match, so a state that load_state_dict rejects
+            # leaves the optimizer untouched.
+            fits = len(saved_groups) == len(opt.param_groups) and all(
+                len(sg.get("params", [])) == len(g["params"])
+                for sg, g in zip(saved_groups, opt.param_groups, strict=True)
+            )
+            for sg, g in zip(saved_groups, opt.param_groups, strict=False) if fits else ():
+                low_step = bool(sg.get("fused") or sg.get("capturable"))
+                for pid, param in zip(sg.get("params", []), g["params"], strict=True):
+                    src, cur = saved_state.get(pid), opt.state.get(param) or {}
+                    if not isinstance(src, dict):
+                        continue
+                    dst = targets[pid] = {}
+                    for key, t in src.items():
+                        if not isinstance(t, torch.Tensor):
+                            continue
+                        if key == "step" and not low_step:
+                            cast = False  # kept as is, on its device
+                        else:
+                            want = param.dtype if param.is_floating_point() else t.dtype
+                            want = torch.float32 if key == "step" else want
+                            cast = want != t.dtype or param.device != t.device
+                        if cast:
+                            dst[key] = t  # load_state_dict's cast is the one copy
+                        elif isinstance(cur.get(key), torch.Tensor):
+                            dst[key] = cur[key]
+            opt.load_state_dict(clone_tensors(saved, into={"state": targets}))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(clone_tensors(state["scheduler"]))
+        for name, obj in self.stateful.items():
+            sub = state.get("stateful", {}).get(name)
+            if sub is None:
+                raise ValueError(f"checkpoint has no state for stateful[{name!r}]")
+            obj.load_state_dict(clone_tensors(sub))
+        if private is not None:
+            restore_rng(private["rng"])
+            self.extras.clear()
+            self.extras.update(private.get("extras") or {})
+        self.apply_per_rank(private)
+
+    def per_rank_state(self) -> dict[str, Any]:
+        """The ``per_rank`` objects' states, for this rank's own JSON part of a snapshot."""
+        if not self.per_rank:
+            return {}
+        return {
+            "per_rank": {
+                k: encode_state(v.state_dict(), f"per_rank/{k}") for k, v in self.per_rank.items()
+            }
+        }
+
+    def apply_per_rank(self, private: dict[str, Any] | None) -> None:
+        if not self.per_rank:
+            return
+        if private is not None and private.get("other_world"):
+            # Their states belong to the ranks of another world size: none is this rank's.
+            warnings.warn(
+                f"flashckpt: per_rank {sorted(self.per_rank)} not restored: the step was saved "
+                f"by {private['other_world']} ranks, this world has {self.ctx.world}",
+                stacklevel=4,
+            )
+            return
+        saved = (private or {}).get("per_rank")
+        for name, obj in self.per_rank.items():
+            sub = saved.get(name) if isinstance(saved, dict) else None
+            if sub is None:
+                raise ValueError(
+                    f"checkpoint has no state of rank {self.ctx.rank} for per_rank[{name!r}]"
+                )
+            obj.load_state_dict(decode_state(sub, f"per_rank/{name}"))
+
+    def invalidate_after(self, snap: Snapshotter, step: int) -> None:
+        """Drops in-memory snapshots newer than the resume point: they belong to a past timeline.
+        So do those of the local ranks no trainer uses any more (mapped for the restore only)."""
+        orphans, snap.orphans = snap.orphans, []
+        for sm in [*snap.slots, *orphans]:
+            if sm is None:
+                continue
+            info = sm.slot.header()
+            if info is not None and info.step > step:
+                sm.slot.invalidate()
+                sm.step = None
+            elif info is None or not info.complete:
+                sm.step = None
+
+
+def clone_tensors(obj: Any, into: Any = None) -> Any:
+    """Copies a state tree; every tensor in it gets memory of its own.
+
+    New CPU tensors are carved out of one anonymous buffer whose pages are all mapped in one
+    call (MADV_POPULATE_WRITE) instead of one page fault per 4 KiB during the copy. Copying into
+    existing tensors (``into``) is cheaper still: no new memory at all.
+
+    Args:
+        obj: dicts, lists, tuples, tensors; other values are copied shallowly.
+        into: an optional tree parallel to ``obj`` (branches may be missing) of destinations: a
+            tensor of the same shape, dtype and device there receives the copy in place (no new
+            memory); ``obj``'s own tensor there means "keep it" (the caller copies it anyway).
+    """
+    from flashckpt.shm import anonymous_buffer
+
+    dests: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id(src): (src, dst)
+    # A DTensor (a stateful object's sharded state) is copied as its local piece and wrapped
+    # again: id(DTensor) -> (DTensor, its local piece, kept alive so its id stays unique).
+    dtensors: dict[int, tuple[Any, torch.Tensor]] = {}
+
+    def scan(o: Any, dst: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            if is_dtensor(o):
+                if id(o) not in dtensors:
+                    with torch.no_grad():
+                        dtensors[id(o)] = (o, o.to_local())  # type: ignore[attr-defined]
+                o, dst = dtensors[id(o)][1], None
+            # Same class too: a DTensor (its state is wrapped after this copy) is no target.
+            fits = isinstance(dst, torch.Tensor) and (
+                dst is o
+                or (
+                    type(dst) is type(o)
+                    and dst.shape == o.shape
+                    and dst.dtype == o.dtype
+                    and dst.device == o.device
+                )
+            )
+            dests.setdefault(id(o), (o, dst if fits else None))
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                scan(v, dst.get(k) if isinstance(dst, dict) else None)
+        elif isinstance(o, list | tuple):
+            same = isinstance(dst, list | tuple) and len(dst) == len(o)
+            for i, v in enumerate(o):
+                scan(v, dst[i] if same else None)
+
+    scan(obj, into)
+    align = 64
+    cpu = [t for t, d in dests.values() if d is None and t.device.type == "cpu"]
+    total = sum(-(-t.nbytes // align) * align for t in cpu)
+    if total >= 1 << 20:
+        mm, skip = anonymous_buffer(total)
+        # frombuffer keeps `mm` mapped for as long as any view of it lives.
+        block = torch.frombuffer(mm, dtype=torch.uint8)[skip : skip + total]
+    else:
+        block = torch.empty(total, dtype=torch.uint8)
+    off = 0
+    for t in cpu:
+        dests[id(t)] = (t, block[off : off + t.nbytes].view(t.dtype).view(t.shape))
+        off += -(-t.nbytes // align) * align
+    out: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, (t, d) in dests.items():
+            if d is None:
+                out[key] = t.clone()
+            elif d is t:
+                out[key] = t
+            else:
+                out[key] = d.copy_(t)
+
+    def build(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            if id(o) in dtensors:
+                from torch.distributed.tensor import DTensor
+
+                local = out[id(dtensors[id(o)][1])]
+                return DTensor.from_local(
+                    local,
+                    o.device_mesh,  # type: ignore[attr-defined]
+                    o.placements,  # type: ignore[attr-defined]
+                    run_check=False,
+                    shape=o.shape,
+                    stride=o.stride(),
+                )
+            return out[id(o)]
+        if isinstance(o, dict):
+            return {k: build(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [build(v) for v in o]
+        if isinstance(o, tuple):
+            return tuple(build(v) for v in o)
+        return copy.copy(o)
+
+    return build(obj)

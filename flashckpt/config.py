@@ -1,0 +1,197 @@
+"""The trainer's configuration (:class:`CheckpointConfig`), its counters (:class:`Stats`) and the
+checks of what a user passes to :func:`flashckpt.checkpointing`."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from flashckpt.storage import Storage
+
+__all__ = ["CheckpointConfig", "Stats", "check_scheduler_given", "unknown_options"]
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """How a rank checkpoints."""
+
+    storage: str | None = None
+    """Checkpoint root URL (any fsspec URL); None keeps snapshots in memory only."""
+    every: int | Literal["auto"] = "auto"
+    """When ``ckpt.step()`` snapshots. ``"auto"`` (the default): at the interval that minimises
+    lost time, from the measured snapshot stall, step time and failure rate, chosen again after
+    every snapshot (:mod:`flashckpt.interval`; ``status()["every"]`` shows it); the first one
+    after 10 steps. An int N: whenever the number of steps done is a multiple of N. 0: manual,
+    snapshots only on ``save()`` (and the one on exit)."""
+    mtbf_s: float | None = None
+    """With ``every="auto"``: the prior job MTBF in seconds (default: 50,000 GPU-hours per
+    failure divided by the world size); failures seen during the run update it."""
+    job: str | None = None
+    """Job id (names segments and the agent). Default: $FLASHCKPT_JOB, then
+    $TORCHELASTIC_RUN_ID, then a hash of the storage URL."""
+    node: str | None = None
+    """Node id. Default: $FLASHCKPT_NODE, then the host name."""
+    mode: Literal["overlap", "sync"] = "overlap"
+    """overlap: ``save()`` returns after the cheap part; parameters and optimizer state are copied
+    in the background and ``optimizer.step()`` waits for the copy. sync: the copy is done before
+    ``save()`` returns."""
+    when_busy: Literal["wait", "skip"] = "wait"
+    """When no slot is free (the previous copy still runs and the agent persists the other slot):
+    wait for one, or skip this snapshot (counted in ``stats`` and returned by ``save``)."""
+    keep: int = 3
+    """Committed steps kept in storage."""
+    shm_dir: str | None = None
+    """The tmpfs for the slots of an agent started by this rank (a local-disk directory works
+    too, more slowly). Default: $FLASHCKPT_SHM_DIR, then /dev/shm."""
+    run_dir: str | None = None
+    """Directory of the agent's socket and logs. Default: $FLASHCKPT_RUN_DIR, then
+    /tmp/flashckpt-<uid>."""
+    agent: Literal["auto", "connect"] = "auto"
+    """auto: start a node agent if none runs; connect: require a running one."""
+    restore: bool = True
+    """Restore the newest state found on entry. False starts from step 0 (the snapshots in
+    memory are dropped); over a storage root that holds committed steps it needs
+    ``overwrite=True``."""
+    overwrite: bool = False
+    """Whether a run that starts from step 0 (``restore=False``, or nothing any rank can restore)
+    may take over a storage root that holds committed steps: they are deleted on entry, and this
+    run's steps replace them. Without it entry refuses with an error: the older run's steps would
+    otherwise be taken for this run's (and resumed from next time)."""
+    allow_unsaved_scheduler: bool = False
+    """Whether an optimizer driven by an LR scheduler (its param groups carry ``initial_lr``) may
+    go without the scheduler in ``scheduler=`` or ``stateful=``. By default entry refuses: a
+    resume would silently restart the schedule (warm-up included)."""
+    on_persist_failure: Literal["raise", "warn"] = "raise"
+    """What leaving the ``with`` block does when the final snapshot is not committed to storage
+    (storage failed mid-run; training went on from memory): raise :class:`PersistError` (the
+    job exits non-zero), or only log and warn."""
+    replicated: bool | None = None
+    """Whether all ranks hold the same model/optimizer state. None (the default): detected on
+    entry. A model state dict or optimizer holding a DTensor with a ``Shard`` (or strided)
+    placement (FSDP2, tensor parallel, HSDP) is sharded, anything else replicated. True: data
+    parallel, one replica persists the state (a sharded DTensor is then refused on entry).
+    False: every rank holds a piece of its own; with DTensors on a mesh with replicate dims
+    (HSDP) only the ranks of replica 0 (coordinate 0 on those dims) write the pieces.
+    ``ckpt.config.replicated`` holds the resolved value after entry."""
+    flush_timeout: float = 600.0
+    """Seconds to wait on exit for the last snapshot to be committed to storage."""
+    agent_timeout: float = 60.0
+    """Seconds to wait for the agent to start or answer."""
+    agent_idle_timeout: float = 600.0
+    """An auto-started agent persists and exits when no trainer has been back this long."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, str):
+            if self.every != "auto":
+                raise ValueError(
+                    f"every={self.every!r}: use a step interval (int), 0 for manual, or 'auto'"
+                )
+        elif isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
+            raise ValueError(
+                f"every={self.every!r}: use a positive step interval, 0 for manual, or 'auto'"
+            )
+        if self.mtbf_s is not None and not self.mtbf_s > 0:
+            raise ValueError(f"mtbf_s={self.mtbf_s!r}: the job MTBF must be > 0 seconds")
+        if self.mode not in ("overlap", "sync"):
+            raise ValueError(f"mode={self.mode!r}: use 'overlap' or 'sync'")
+        if self.when_busy not in ("wait", "skip"):
+            raise ValueError(f"when_busy={self.when_busy!r}: use 'wait' or 'skip'")
+        if self.keep < 1:
+            raise ValueError(f"keep={self.keep}: keep at least 1 committed step")
+        if self.agent not in ("auto", "connect"):
+            raise ValueError(f"agent={self.agent!r}: use 'auto' or 'connect'")
+        for name in ("restore", "overwrite", "allow_unsaved_scheduler"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: use True or False")
+        if self.on_persist_failure not in ("raise", "warn"):
+            raise ValueError(
+                f"on_persist_failure={self.on_persist_failure!r}: use 'raise' or 'warn'"
+            )
+        if self.storage is not None:
+            Storage(self.storage)  # validates the URL early
+
+
+@dataclass(slots=True)
+class Stats:
+    """Counters of a checkpointer (all times in seconds)."""
+
+    saves: int = 0
+    skips: int = 0
+    skipped_steps: list[int] = field(default_factory=list)
+    last_snapshot_step: int | None = None
+    last_committed_step: int | None = None
+    persist_errors: list[dict[str, Any]] = field(default_factory=list)
+    stall_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
+    first_save_s: float | None = None
+
+
+_ARGUMENTS = (
+    "model",
+    "optimizer",
+    "scheduler",
+    "stateful",
+    "per_rank",
+    "extras",
+    "process_group",
+)
+# Names other libraries use for these (difflib does not find them all).
+_ALIASES = {
+    "lr_scheduler": "scheduler",
+    "sched": "scheduler",
+    "optim": "optimizer",
+    "interval": "every",
+    "save_every": "every",
+    "save_interval": "every",
+    "checkpoint_every": "every",
+    "path": "storage",
+    "dir": "storage",
+    "url": "storage",
+    "root": "storage",
+    "checkpoint_dir": "storage",
+    "output_dir": "storage",
+    "resume": "restore",
+    "load": "restore",
+    "keep_last": "keep",
+    "save_total_limit": "keep",
+    "group": "process_group",
+    "pg": "process_group",
+    "state": "stateful",
+}
+
+
+def unknown_options(unknown: list[str]) -> str:
+    """The message for unknown keywords: a suggestion per keyword, then every keyword taken."""
+    valid = [*_ARGUMENTS, *CheckpointConfig.__dataclass_fields__]
+    hints = []
+    for name in unknown:
+        close = _ALIASES.get(name) or next(
+            iter(difflib.get_close_matches(name, valid, n=1, cutoff=0.6)), None
+        )
+        hints.append(f"{name!r} (did you mean {close!r}?)" if close else repr(name))
+    return (
+        f"checkpointing() got unknown keyword(s) {', '.join(hints)}. It takes: {', '.join(valid)}"
+    )
+
+
+def check_scheduler_given(optimizer: torch.optim.Optimizer, stateful: Mapping[str, Any]) -> None:
+    """Refuses an optimizer an LR scheduler drives (a scheduler writes ``initial_lr`` into its
+    param groups) when no scheduler is checkpointed: a resume would restart the schedule."""
+    if not any("initial_lr" in g for g in optimizer.param_groups):
+        return
+    for obj in stateful.values():
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+            getattr(obj, "optimizer", None) is optimizer and hasattr(obj, "get_last_lr")
+        ):
+            return
+    raise ValueError(
+        "the optimizer's param groups carry 'initial_lr': an LR scheduler drives it, but no "
+        "scheduler is checkpointed, so a resume would silently restart the schedule (warm-up "
+        "included) and train with other learning rates than an uninterrupted run. Pass "
+        "scheduler=<your scheduler> (or put it in stateful=), or allow_unsaved_scheduler=True "
+        "if the schedule is rebuilt on purpose"
+    )

@@ -1,0 +1,317 @@
+"""The trainer's link to its node agent: connect (starting one where this rank may), hello, the
+events the agent sends, finding an agent again after losing one, and every message a trainer
+sends to the agent (each has its method here; nothing else in the trainer talks to the agent).
+
+Training does not depend on the agent: snapshots go on into the slots (files a new agent
+adopts), only their persistence waits for one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from flashckpt import envnames
+from flashckpt.names import agent_log_path
+from flashckpt.protocol import AgentClient, AgentError
+from flashckpt.shm import ShmSpaceError, ensure_private_dir
+
+if TYPE_CHECKING:
+    from flashckpt.config import CheckpointConfig, Stats
+    from flashckpt.rankctx import RankContext
+
+__all__ = ["AgentLink"]
+
+log = logging.getLogger("flashckpt")
+
+
+class AgentLink:
+    """One rank's connection to the node agent of its machine."""
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        ctx: RankContext,
+        stats: Stats,
+        *,
+        adopt_slots: Callable[[list[str | None]], None],
+        timeline_start: Callable[[], int],
+    ) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.stats = stats
+        self._adopt_slots = adopt_slots
+        self._timeline_start = timeline_start
+        self.client: AgentClient | None = None
+        self.agent_proc: subprocess.Popen[bytes] | None = None
+        """The agent this rank started (None: it started none)."""
+        # What reconnecting to a (restarted) node agent needs: the socket and the hello fields.
+        self.path: str | None = None
+        self.hello_fields: dict[str, Any] = {}
+        self.next_reconnect = 0.0
+        self.auto = False  # the agent was started by a trainer (not by its launcher)
+        self.restarts = 0
+        """Times this rank lost its node agent and found (or started) another one."""
+
+    # -- connection --------------------------------------------------------------------------
+    def alive(self) -> bool:
+        return self.client is not None and self.client.connected
+
+    def connect(self, path: str, run_dir: str, *, again: bool = False) -> AgentClient:
+        """Connects to the node agent, starting one if needed (agent='auto').
+
+        An agent that is just shutting down (the previous run finished) refuses new work by
+        closing; then a fresh one is started, until ``agent_timeout`` runs out.
+
+        Args:
+            again: the agent was lost. Wait up to ``agent_timeout`` for it to be back (also with
+                agent='connect': its owner restarts it), and start one only if this rank had
+                started the lost one (an agent a launcher supervises is restarted by it).
+        """
+        ctx = self.ctx
+        deadline = time.monotonic() + self.config.agent_timeout
+        while True:
+            try:
+                return AgentClient(path, on_event=self.on_event, timeout=0.2)
+            except AgentError:
+                if self.config.agent == "connect" and not again:
+                    raise AgentError(
+                        f"no flashckpt node agent at {path}: start one (`flashckpt agent --job "
+                        f"{ctx.job} --node {ctx.node}`) or pass agent='auto'"
+                    ) from None
+            if time.monotonic() > deadline:
+                raise AgentError(
+                    f"the node agent did not start within {self.config.agent_timeout:.0f} s; "
+                    f"see {agent_log_path(run_dir, ctx.job, ctx.node)}"
+                )
+            if again and not self.may_restart():
+                continue
+            if self.agent_proc is None or self.agent_proc.poll() is not None:
+                self.spawn(run_dir)
+
+    def hello(self, path: str, run_dir: str, **fields: Any) -> dict[str, Any]:
+        """Connects and introduces this rank; returns the agent's reply (its slots, shm dir)."""
+        self.path, self.hello_fields = path, dict(fields)
+        for attempt in range(3):
+            self.client = self.connect(path, run_dir)
+            try:
+                reply = self.client.request("hello", timeout=self.config.agent_timeout, **fields)
+            except AgentError as e:
+                if self.client.connected or attempt == 2:
+                    raise
+                log.info("flashckpt: node agent went away during hello (%s); retrying", e)
+                self.client.close()
+                continue
+            self.auto = bool(reply.get("auto_started"))
+            return reply
+        raise AssertionError("unreachable")
+
+    def spawn(self, run_dir: str) -> None:
+        """Starts a node agent for this job and node (in a session of its own)."""
+        cfg, ctx = self.config, self.ctx
+        # The log is appended to and the socket connected to there: a directory another user
+        # can write into is refused, never used.
+        ensure_private_dir(run_dir, "agent run dir")
+        cmd = [
+            sys.executable,
+            "-m",
+            "flashckpt",
+            "agent",
+            "--job",
+            ctx.job,
+            "--node",
+            ctx.node,
+            "--shm-dir",
+            cfg.shm_dir or envnames.shm_dir() or "/dev/shm",
+            "--run-dir",
+            run_dir,
+            "--keep",
+            str(cfg.keep),
+            "--idle-timeout",
+            str(cfg.agent_idle_timeout),
+            "--exit-when-done",
+            "--lock-wait",
+            "30",
+        ]
+        if cfg.storage:
+            cmd += ["--storage", cfg.storage]
+        log_path = agent_log_path(run_dir, ctx.job, ctx.node)
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        logf = os.fdopen(fd, "ab")
+        try:
+            # A new session: the agent must outlive this trainer (that is its whole point).
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True
+            )
+        finally:
+            logf.close()
+        self.agent_proc = proc
+        threading.Thread(target=proc.wait, name="flashckpt-agent-reaper", daemon=True).start()
+
+    def on_event(self, msg: dict[str, Any]) -> None:
+        ev = msg.get("event")
+        if ev == "committed":
+            step = int(msg["step"])
+            if self.stats.last_committed_step is None or step > self.stats.last_committed_step:
+                self.stats.last_committed_step = step
+        elif ev == "persist_error":
+            self.stats.persist_errors.append({"step": msg.get("step"), "error": msg.get("error")})
+            log.warning("flashckpt: persisting step %s failed: %s", msg.get("step"), msg["error"])
+
+    def relink(self, wait: bool = False) -> bool:
+        """Finds a node agent again after losing it (it died or was restarted); True if linked.
+
+        Training does not depend on the agent: snapshots go on into the slots (files the new
+        agent adopts), only their persistence waits. Without ``wait`` one quick attempt is made
+        (at most one per second; with agent='auto', a rank that had started the lost agent
+        starts the next); with ``wait`` (on exit, to persist the last snapshot) up to
+        ``agent_timeout``.
+        """
+        if self.alive():
+            return True
+        path, run_dir = self.path, self.ctx.run_dir
+        if path is None or run_dir is None:
+            return False
+        now = time.monotonic()
+        if not wait and now < self.next_reconnect:
+            return False
+        self.next_reconnect = now + 1.0
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        try:
+            if wait:
+                client = self.connect(path, run_dir, again=True)
+            else:
+                try:
+                    client = AgentClient(path, on_event=self.on_event, timeout=0.0)
+                except AgentError:
+                    # An agent of a launcher (or started by hand) is its owner's to restart:
+                    # one of ours would race it for the job's lock.
+                    if self.may_restart():
+                        self.spawn(run_dir)  # connected to at the next attempt
+                    return False
+            reply = client.request("hello", timeout=self.config.agent_timeout, **self.hello_fields)
+        except AgentError as e:
+            log.warning(
+                "flashckpt: rank %d: no node agent yet (%s); training goes on", self.ctx.rank, e
+            )
+            return False
+        self.client = client
+        self.auto = bool(reply.get("auto_started"))
+        self.restarts += 1
+        self._adopt_slots(reply.get("slots") or [])
+        timeline_start = self._timeline_start()
+        if timeline_start >= 0:
+            # The new agent learns where this resumed timeline began (steps after it in storage
+            # that this run did not commit belong to an abandoned one and are rewritten). A run
+            # that started from scratch tells nothing: entry refused a root holding another
+            # run's steps (or deleted them, overwrite=True), so every committed step is its own,
+            # even one this rank has not heard of yet.
+            last = self.stats.last_committed_step
+            since = max(timeline_start, last if last is not None else -1)
+            with contextlib.suppress(AgentError):
+                client.request("restored", step=since, timeout=10)
+        log.warning(
+            "flashckpt: rank %d lost its node agent and is linked to agent pid %s now",
+            self.ctx.rank,
+            reply.get("pid"),
+        )
+        return True
+
+    def may_restart(self) -> bool:
+        """Whether this rank starts the next agent after losing one: with agent='auto', when
+        the lost one was started by a trainer (this rank's own, or another's) and none of this
+        rank's is still starting. An agent of a launcher or an operator is theirs to restart."""
+        if self.config.agent != "auto":
+            return False
+        if self.agent_proc is not None:
+            return self.agent_proc.poll() is not None
+        return self.auto
+
+    # -- messages ----------------------------------------------------------------------------
+    def restored(self, step: int) -> None:
+        """Tells the agent where this run's timeline starts (-1: from scratch); best effort."""
+        if self.client is not None:
+            with contextlib.suppress(AgentError):
+                self.client.request("restored", step=step, timeout=10)
+
+    def snapped(self, step: int) -> None:
+        """Tells the agent that this rank's snapshot of ``step`` is complete in its slot."""
+        if self.client is not None:
+            self.client.notify(
+                "snap", rank=self.ctx.rank, local_rank=self.ctx.local_rank, step=step
+            )
+
+    def alloc(self, *, meta_cap: int, data_cap: int, keep: list[int]) -> list[str]:
+        """Has the agent (re)allocate this rank's slots; returns their paths.
+
+        Raises:
+            ShmSpaceError: the shared memory cannot hold them.
+            AgentError: no agent, or it failed.
+        """
+        if self.client is None:
+            raise AgentError("no node agent: lost, and none found again yet")
+        try:
+            reply = self.client.request(
+                "alloc",
+                timeout=self.config.agent_timeout,
+                rank=self.ctx.rank,
+                local_rank=self.ctx.local_rank,
+                meta_cap=meta_cap,
+                data_cap=data_cap,
+                keep=keep,
+            )
+        except AgentError as e:
+            if e.kind == "ShmSpaceError":
+                raise ShmSpaceError(str(e)) from None
+            raise
+        slots: list[str] = reply["slots"]
+        return slots
+
+    def hash_now(self) -> None:
+        """Has the agent hash this position's slots now (it hashes in the background)."""
+        if self.alive():
+            assert self.client is not None
+            with contextlib.suppress(AgentError):
+                self.client.request(
+                    "hash", rank=self.ctx.rank, local_rank=self.ctx.local_rank, timeout=60
+                )
+
+    def flush(self, step: int, timeout: float) -> int:
+        """Waits until the agent committed ``step`` to storage; returns the committed step.
+
+        Raises:
+            AgentError: no agent, or it failed or died meanwhile.
+        """
+        if self.client is None:
+            raise AgentError("no node agent")
+        reply = self.client.request("flush", step=step, timeout_s=timeout, timeout=timeout + 5)
+        return int(reply["committed"])
+
+    def status(self) -> dict[str, Any]:
+        """The agent's view (``connected``, and what its status reply holds)."""
+        agent: dict[str, Any] = {"connected": bool(self.client and self.client.connected)}
+        if self.client is not None and self.client.connected:
+            with contextlib.suppress(AgentError):
+                reply = self.client.request("status", timeout=5)
+                agent.update({k: v for k, v in reply.items() if k not in ("id", "ok")})
+        return agent
+
+    def close(self, *, done: bool) -> None:
+        """Closes the link; ``done``: this rank finished (the agent may exit when all did)."""
+        if self.client is not None:
+            if done:
+                with contextlib.suppress(AgentError):
+                    self.client.request(
+                        "done", rank=self.ctx.rank, local_rank=self.ctx.local_rank, timeout=10
+                    )
+            self.client.close()
+            self.client = None

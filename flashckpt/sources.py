@@ -1,0 +1,547 @@
+"""The restore sources: where a rank can read a step from, each implementing
+:class:`~flashckpt.saved.RestoreSource` and returning a :class:`~flashckpt.saved.SavedStep`.
+
+- :class:`MemorySource`: this rank's own snapshots in its shared-memory slots;
+- :class:`PeerReshardSource`: a sharded state rebuilt from the snapshots this world's ranks hold
+  in memory (this machine's slots read in place, other machines' pieces sent over gloo);
+- :class:`ReplicaSource`: a replicated state from a surviving replica's memory;
+- :class:`StorageSource`: the committed steps in storage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flashckpt.layout import Layout, piece_nodes, tensor_views, unflatten_state
+from flashckpt.names import SLOT_SUFFIX_RE
+from flashckpt.peers import (
+    HeldSnapshot,
+    PeerPlan,
+    Placeholders,
+    exchange,
+    gather_json,
+    plan_needs,
+    views_of,
+)
+from flashckpt.reading import read_rank, read_shard
+from flashckpt.reshard import listed_steps
+from flashckpt.rng import capture_rng
+from flashckpt.saved import SavedStep
+from flashckpt.sharded import ShardedPiece
+from flashckpt.shm import slot_prefix
+from flashckpt.snapmeta import SnapshotMeta
+from flashckpt.snapshot import BadMemory, SlotMap, TornSnapshot
+from flashckpt.storage import CorruptCheckpointError
+
+if TYPE_CHECKING:
+    from flashckpt.saved import RestoreEnv, RestorePlan
+
+__all__ = ["K", "MemorySource", "PeerReshardSource", "ReplicaSource", "StorageSource"]
+
+log = logging.getLogger("flashckpt")
+
+K = 16
+"""The newest steps of each source that planning considers."""
+
+
+def _checked_meta(raw: Any, where: str) -> SnapshotMeta | None:
+    """A snapshot description read from shared memory, validated (nothing read from shared
+    memory is trusted); None, logged, where it fails its checks."""
+    try:
+        return SnapshotMeta.from_json(raw, where)
+    except CorruptCheckpointError as e:
+        log.warning("flashckpt: ignoring the snapshot in %s: %s", where, e)
+        return None
+
+
+class MemorySource:
+    """This rank's own snapshots in its shared-memory slots (checked against their data hash
+    before use)."""
+
+    name = "memory"
+    whole_world = False
+
+    def __init__(self, env: RestoreEnv) -> None:
+        self.env = env
+        env.mem = self._scan()
+
+    def _scan(self) -> dict[int, tuple[SlotMap, dict[str, Any]]]:
+        env, ctx = self.env, self.env.ctx
+        out: dict[int, tuple[SlotMap, dict[str, Any]]] = {}
+        for sm in env.snap.slots:
+            if sm is None:
+                continue
+            info = sm.slot.header()
+            if info is None or not info.complete:
+                continue
+            meta = sm.slot.read_meta(info)
+            m = _checked_meta(meta, sm.slot.path) if meta is not None else None
+            if meta is None or m is None:
+                continue
+            own = m.rank == ctx.rank
+            replicated = env.config.replicated and m.num_shards == 1
+            if m.world_size != ctx.world:
+                # The job shrank or grew (elastic MIN:MAX with no standby left, or a late
+                # machine): a replicated state still serves the rank that took it, with its
+                # own RNG and extras. A sharded one is resharded from storage instead.
+                if not (own and replicated):
+                    continue
+            elif not own:
+                # This position's snapshot was taken by another rank of an earlier world (the
+                # ranks were renumbered after a membership change). A replicated state serves
+                # this rank if its buffers equal this rank's own at that step (the hash in the
+                # small per-rank file the agent wrote through, which also has its RNG/extras).
+                if not replicated:
+                    continue
+                if not self._interchangeable(info.step, m.private.get("buffers_xxh")):
+                    continue
+            out[info.step] = (sm, meta)
+        return out
+
+    def _interchangeable(self, step: int, buffers_xxh: int | None) -> bool:
+        """Whether a replica's snapshot of ``step`` with this buffers hash can stand for this
+        rank's own (whose RNG/extras and buffers hash are in storage)."""
+        env = self.env
+        if env.storage is None:
+            return False
+        private = env.storage.read_private(step, env.ctx.rank, env.ctx.world)
+        if private is None:
+            return False
+        return not env.buffers_matter() or (
+            buffers_xxh is not None and private.get("buffers_xxh") == buffers_xxh
+        )
+
+    def offer(self, excluded: set[int], wanted: Callable[[int], bool]) -> list[int]:
+        return sorted(set(self.env.mem) - excluded, reverse=True)
+
+    def prepare(self, plan: RestorePlan) -> None:
+        pass
+
+    def read(self, plan: RestorePlan) -> SavedStep:
+        env, step = self.env, plan.step
+        sm, meta = env.mem[step]
+        info = sm.slot.header()
+        if info is None or info.step != step or not info.complete:
+            raise TornSnapshot(f"slot {sm.slot.path} changed")
+        env.snap.verify(sm, info, step)
+        layout = Layout.from_json(meta["entries"])
+        off = sm.slot.data_off
+        views = tensor_views(layout, sm.data[off : off + layout.nbytes])
+        state = unflatten_state(meta["skeleton"], views)
+        private = meta["private"]
+        if int(meta.get("rank", env.ctx.rank)) != env.ctx.rank and env.storage is not None:
+            private = env.storage.read_private(step, env.ctx.rank, env.ctx.world)
+        return SavedStep(step, self.name, state, private, shared=True)
+
+    def drop(self, step: int) -> None:
+        self.env.mem.pop(step, None)
+
+
+class StorageSource:
+    """The committed steps in storage (every file checked against the manifest)."""
+
+    name = "storage"
+    whole_world = False
+
+    def __init__(self, env: RestoreEnv) -> None:
+        self.env = env
+        env.stored = set(listed_steps(env.storage))
+
+    def offer(self, excluded: set[int], wanted: Callable[[int], bool]) -> list[int]:
+        return sorted(self.env.stored - excluded, reverse=True)
+
+    def prepare(self, plan: RestorePlan) -> None:
+        pass
+
+    def read(self, plan: RestorePlan) -> SavedStep:
+        env, step, rank = self.env, plan.step, self.env.ctx.rank
+        storage = env.storage
+        assert storage is not None
+        manifest = storage.read_manifest(step)
+        # A sharded step saved by another world size: any shard gives the unsharded part (the
+        # same on every rank); the DTensor pieces are then resharded from all shards.
+        shard = env.resharder.storage_shard(manifest)
+        state = read_shard(storage, step, shard, manifest)
+        if int(manifest["world_size"]) == env.ctx.world:
+            private = read_rank(storage, step, rank, manifest)
+        else:
+            private = self._private_from_other_world(step, manifest)
+        if private is None:
+            log.warning("flashckpt: no saved RNG/extras for rank %d at step %d", rank, step)
+        return SavedStep(step, self.name, state, private, manifest=manifest)
+
+    def _private_from_other_world(
+        self, step: int, manifest: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Extras of a step saved by another world size: rank 0's. The RNG states stay as they
+        are (the saved ones belong to other ranks)."""
+        storage = self.env.storage
+        rank0 = read_rank(storage, step, 0, manifest) if storage else None
+        if rank0 is None:
+            return None
+        log.info(
+            "flashckpt: step %d was saved by %s ranks: extras from rank 0, RNG not restored",
+            step,
+            manifest["world_size"],
+        )
+        return {
+            "rng": capture_rng(),
+            "extras": rank0.get("extras") or {},
+            "other_world": int(manifest["world_size"]),
+        }
+
+    def drop(self, step: int) -> None:
+        pass
+
+
+class PeerReshardSource:
+    """A sharded state rebuilt from the snapshots this world's ranks hold in memory (this
+    machine's slots are read in place; pieces of other machines travel over torch.distributed):
+    every rank reads it together, after the world agreed on who sends what."""
+
+    name = "memory-reshard"
+    whole_world = True
+
+    def __init__(self, env: RestoreEnv) -> None:
+        self.env = env
+        # Index in the held snapshots -> (slot, header) this rank verifies before resharding.
+        self.verify_slots: dict[int, tuple[SlotMap, Any]] = {}
+        self.held = None if env.config.replicated else self._held_snapshots()
+        self.plan: PeerPlan | None = None
+        self._received: dict[int, dict[str, torch.Tensor]] = {}
+
+    def _held_snapshots(self) -> list[HeldSnapshot]:
+        """Complete snapshots of a sharded state this rank can read: those in every slot of this
+        machine's node agent (its own, the other trainers' of this machine, and those of local
+        ranks no trainer of this world uses when the machine runs fewer trainers than before).
+        Shared memory is shared: a piece on this machine is never sent over the network.
+        """
+        snap, ctx = self.env.snap, self.env.ctx
+        snap.orphans = []
+        others = []
+        for path, lr in self._machine_slot_paths():
+            try:
+                sm = snap.map(path)
+            except (OSError, ValueError) as e:
+                log.debug("flashckpt: cannot map slot %s: %s", path, e)
+                continue
+            others.append(sm)
+            if lr >= ctx.local_world and lr % ctx.local_world == ctx.local_rank:
+                snap.orphans.append(sm)  # no trainer owns it: this rank cleans it up
+        maps = [sm for sm in snap.slots if sm is not None] + others
+        # Each slot of the machine is verified (data hash) by one rank: its own trainer's, or,
+        # for a position no trainer uses now, the rank that cleans it up.
+        mine = {id(sm) for sm in snap.slots if sm is not None} | {id(sm) for sm in snap.orphans}
+        self.verify_slots = {}
+        out: list[HeldSnapshot] = []
+        for sm in maps:
+            info = sm.slot.header()
+            meta = sm.slot.read_meta(info) if info is not None and info.complete else None
+            m = _checked_meta(meta, sm.slot.path) if meta is not None else None
+            if info is None or meta is None or m is None:
+                continue
+            if m.num_shards <= 1 and not any(True for _ in piece_nodes(m.skeleton)):
+                continue  # not a sharded state
+            layout_bytes = m.layout.nbytes
+            off = sm.slot.data_off
+
+            def check(sm: SlotMap = sm, step: int = info.step) -> bool:
+                now = sm.slot.header()
+                return now is not None and now.complete and now.step == step
+
+            if id(sm) in mine:
+                self.verify_slots[len(out)] = (sm, info)
+            out.append(
+                HeldSnapshot(
+                    step=info.step,
+                    world_id=m.world_id,
+                    world_size=m.world_size,
+                    rank=m.rank,
+                    meta=meta,
+                    data=sm.data[off : off + layout_bytes],
+                    check=check,
+                )
+            )
+        return out
+
+    def _machine_slot_paths(self) -> list[tuple[str, int]]:
+        """(path, local rank) of the slots of the other local ranks of this job on this node."""
+        ctx, shm_dir = self.env.ctx, self.env.snap.shm_dir
+        if not shm_dir:
+            return []
+        prefix = slot_prefix(ctx.job, ctx.node)
+        try:
+            names = os.listdir(shm_dir)
+        except OSError:
+            return []
+        out = []
+        for name in sorted(names):
+            m = SLOT_SUFFIX_RE.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
+            if m is not None and int(m.group(1)) != ctx.local_rank:
+                out.append((os.path.join(shm_dir, name), int(m.group(1))))
+        return out
+
+    def offer(self, excluded: set[int], wanted: Callable[[int], bool]) -> list[int]:
+        """Agrees (collectively) on a sharded step this world can rebuild from the snapshots its
+        ranks hold in memory, newer than the plan so far (``wanted``), and on who sends what."""
+        self.plan = None
+        held, ctx = self.held, self.env.ctx
+        if held is None:  # a replicated state (the same on every rank)
+            return []
+        rows = gather_json(
+            [[h.step, h.world_id, h.world_size, h.rank] for h in held], ctx.world, ctx.coord_pg
+        )
+        groups: dict[tuple[int, str, int], dict[int, int]] = {}
+        for r, entries in enumerate(rows):
+            for s, wid, w, o in entries:
+                groups.setdefault((int(s), str(wid), int(w)), {}).setdefault(int(o), r)
+        tries = 0
+        for key in sorted(groups, key=lambda g: (-g[0], g[1], g[2])):
+            step, wid, w = key
+            if step in excluded:
+                continue
+            if not wanted(step):
+                break
+            tries += 1
+            if tries > 3:
+                break
+            mine = {h.rank: h for h in held if h.key == key}
+            # One description per old rank travels: the designated holder's (the lowest rank
+            # that holds it, the same choice on every rank).
+            send = {str(o): h.meta for o, h in mine.items() if groups[key][o] == ctx.rank}
+            metas: dict[int, dict[str, Any]] = {}
+            for got in gather_json(send, ctx.world, ctx.coord_pg):
+                for o, m in got.items():
+                    metas.setdefault(int(o), m)
+            code, base, requests = 0, -1, {}
+            try:
+                for o, m in metas.items():  # as sent by a peer: checked like a slot's
+                    SnapshotMeta.from_json(m, f"old rank {o}'s snapshot of step {step}")
+                if mine:
+                    base = min(mine)
+                else:
+                    base = ctx.rank if w == ctx.world and ctx.rank in metas else min(metas)
+                state = unflatten_state(metas[base]["skeleton"], Placeholders())
+                boxes = [(t.piece.name, t.box) for t in self.env.resharder.piece_boxes(state)]
+                requests = plan_needs(ctx.rank, ctx.world, metas, set(mine), boxes, base)
+            except Exception as e:  # any: the other ranks wait in the all-reduce below
+                code = 1
+                log.info("flashckpt: step %d cannot be resharded from memory: %s", step, e)
+            if ctx.all_max(code) == 0:
+                self.plan = PeerPlan(step, wid, w, metas, groups[key], base, requests)
+                return [step]
+        return []
+
+    def _mine(self, plan: PeerPlan) -> dict[int, HeldSnapshot]:
+        key = (plan.step, plan.world_id, plan.world_size)
+        return {h.rank: h for h in self.held or [] if h.key == key}
+
+    def prepare(self, plan: RestorePlan) -> None:
+        """Verifies this rank's held snapshots of the step, then exchanges the pieces (every
+        rank, when the plan is this source's)."""
+        peer, ctx = self.plan, self.env.ctx
+        self._received, self._failed = {}, None
+        if plan.sources.get(ctx.rank) != self.name or peer is None:
+            return
+        key = (peer.step, peer.world_id, peer.world_size)
+        # Checked before the exchange, reported after it (every rank takes part in it).
+        bad: str | None = None
+        for i, h in enumerate(self.held or []):
+            entry = self.verify_slots.get(i)
+            if entry is not None and h.key == key:
+                try:
+                    self.env.snap.verify(entry[0], entry[1], peer.step)
+                except BadMemory as e:
+                    bad = bad or str(e)
+        received, error = exchange(peer, ctx.rank, ctx.world, ctx.coord_pg, self._mine(peer))
+        self._received = received
+        if bad is not None:
+            raise TornSnapshot(bad)
+        if error is not None:
+            raise TornSnapshot(error)
+
+    def read(self, plan: RestorePlan) -> SavedStep:
+        """This rank's state of the step, its tensors viewing this machine's slots or what was
+        received; its DTensor pieces are rebuilt from ``pieces`` when fitted."""
+        peer, ctx = self.plan, self.env.ctx
+        assert peer is not None and peer.step == plan.step
+        mine, received = self._mine(peer), self._received
+        views: dict[int, Mapping[str, torch.Tensor]] = {o: views_of(h) for o, h in mine.items()}
+        views.update(received)
+        pieces: dict[str, list[ShardedPiece]] = {}
+        for o, v in views.items():
+            for name, pm in piece_nodes(peer.metas[o]["skeleton"]):
+                if name in v:
+                    pieces.setdefault(name, []).append(ShardedPiece(v[name], pm, name))
+        skeleton = peer.metas[peer.base]["skeleton"]
+        state = unflatten_state(skeleton, Placeholders(views.get(peer.base, {})))
+        if peer.world_size == ctx.world and ctx.rank in peer.metas:
+            private = peer.metas[ctx.rank].get("private")
+        else:
+            # Another world size: the extras are rank 0's; the RNG states stay as they are.
+            old0 = peer.metas.get(0, {}).get("private") or {}
+            private = {
+                "rng": capture_rng(),
+                "extras": old0.get("extras") or {},
+                "other_world": peer.world_size,
+            }
+
+        def check() -> str | None:
+            if all(h.check() for h in mine.values()):
+                return None
+            return f"a snapshot of step {peer.step} changed while read"
+
+        return SavedStep(
+            peer.step,
+            self.name,
+            state,
+            private,
+            pieces=pieces,
+            shared=True,
+            check=check,
+            info={
+                "saved_world_size": peer.world_size,
+                "received_from_old_ranks": sorted(received),
+                "received_bytes": sum(t.nbytes for got in received.values() for t in got.values()),
+            },
+            note=(
+                f"flashckpt: rank {ctx.rank} rebuilt step {peer.step} (saved by "
+                f"{peer.world_size} ranks) from memory; received from old ranks {sorted(received)}"
+            ),
+        )
+
+    def drop(self, step: int) -> None:
+        pass
+
+
+class ReplicaSource:
+    """For a replicated (data-parallel) state: a surviving replica's snapshot in memory, sent
+    over torch.distributed; this rank's RNG states and extras then come from the small per-rank
+    file the agent writes through at each snapshot (with its buffers hash, which the replica's
+    must match)."""
+
+    name = "replica"
+    whole_world = False
+
+    def __init__(self, env: RestoreEnv) -> None:
+        self.env = env
+        self.peer_of: list[dict[int, int]] = []
+        """Per rank: step -> the rank whose memory it takes that step from."""
+        self._received: tuple[dict[str, Any], torch.Tensor] | None = None
+
+    def offer(self, excluded: set[int], wanted: Callable[[int], bool]) -> list[int]:
+        """Steps a replica holds in memory that this rank could take from it (a peer's memory
+        is preferred over storage, the slow path): the peer's snapshot must have this rank's
+        buffers (hash in the file written through, with its RNG/extras)."""
+        env, ctx = self.env, self.env.ctx
+        self.peer_of = [{} for _ in range(ctx.world)]
+        if ctx.world == 1 or not env.config.replicated or env.storage is None:
+            return []
+        my_mem = sorted(set(env.mem) - excluded, reverse=True)[:K]
+        (mems,) = ctx.gather_sets([my_mem], K)
+        # Each rank's buffers hash of each step it holds: step -> hash, per rank.
+        rows = ctx.gather_rows(
+            [x for s in my_mem for x in (s, int(env.mem[s][1]["private"].get("buffers_xxh", -1)))],
+            2 * K,
+        )
+        mem_hashes = [dict(zip(row[::2], row[1::2], strict=True)) for row in rows]
+        union_mem: set[int] = set().union(*mems)
+        have = []
+        for s in sorted(union_mem - set(my_mem), reverse=True)[:K]:
+            private = env.storage.read_private(s, ctx.rank, ctx.world)
+            if private is None:
+                continue
+            want = private.get("buffers_xxh") if env.buffers_matter() else None
+            for q in sorted(range(ctx.world), key=lambda q: (q - ctx.rank) % ctx.world):
+                if s in mem_hashes[q] and want in (None, mem_hashes[q][s]):
+                    have.append(s << 16 | q)
+                    break
+        (got,) = ctx.gather_sets([have], K)
+        self.peer_of = [{v >> 16: v & 0xFFFF for v in g} for g in got]
+        return sorted(self.peer_of[ctx.rank], reverse=True)
+
+    def prepare(self, plan: RestorePlan) -> None:
+        """Sends this rank's snapshot of the step to the ranks that restore from it; receives
+        one if this rank needs it. Every rank walks the same plan, so sends and receives pair."""
+        dist, ctx, step, mem = torch.distributed, self.env.ctx, plan.step, self.env.mem
+        self._received = None
+        received = None
+        failure: Exception | None = None
+        bad: CorruptCheckpointError | None = None
+        for r in sorted(plan.sources):
+            if plan.sources[r] != self.name:
+                continue
+            src = self.peer_of[r][step]
+            if ctx.rank == src:
+                # Whatever goes wrong here, the peer gets a header: it must not wait in recv
+                # until the gloo timeout.
+                try:
+                    sm, meta = mem[step]
+                    info = sm.slot.header()
+                    ok = info is not None and info.complete and info.step == step
+                    if ok:
+                        self.env.snap.verify(sm, info, step)  # never sends scribbled bytes
+                    meta_b = json.dumps(meta).encode() if ok else b""
+                    entries = meta.get("entries") if ok else None
+                    n = Layout.from_json(entries).nbytes if entries else 0
+                except Exception as e:  # reported after the exchange
+                    ok, meta_b, n = False, b"", 0
+                    failure = failure or e
+                head = torch.tensor([len(meta_b) if ok else -1, n or 0], dtype=torch.int64)
+                dist.send(head, r, group=ctx.coord_pg)
+                if ok:
+                    dist.send(
+                        torch.frombuffer(bytearray(meta_b), dtype=torch.uint8),
+                        r,
+                        group=ctx.coord_pg,
+                    )
+                    off = sm.slot.data_off
+                    if n:
+                        dist.send(sm.data[off : off + n], r, group=ctx.coord_pg)
+            elif ctx.rank == r:
+                head = torch.empty(2, dtype=torch.int64)
+                dist.recv(head, src, group=ctx.coord_pg)
+                meta_len, n = (int(x) for x in head.tolist())
+                if meta_len < 0:
+                    raise TornSnapshot(f"rank {src}'s snapshot of step {step} changed")
+                meta_t = torch.empty(meta_len, dtype=torch.uint8)
+                dist.recv(meta_t, src, group=ctx.coord_pg)
+                data = torch.empty(n, dtype=torch.uint8)
+                if n:
+                    dist.recv(data, src, group=ctx.coord_pg)
+                where = f"rank {src}'s snapshot of step {step}"
+                try:  # as sent by a peer: checked like a slot's, and against the bytes sent
+                    doc = json.loads(meta_t.numpy().tobytes())
+                    if SnapshotMeta.from_json(doc, where).layout.nbytes != n:
+                        raise CorruptCheckpointError(where, f"does not describe its {n} bytes")
+                    received = (doc, data)
+                except CorruptCheckpointError as e:
+                    bad = e
+                except ValueError as e:
+                    bad = CorruptCheckpointError(where, f"is not JSON ({e})")
+        self._received = received
+        if bad is not None:
+            raise bad
+        if failure is not None:
+            raise TornSnapshot(f"this rank's snapshot of step {step} cannot be sent: {failure}")
+
+    def read(self, plan: RestorePlan) -> SavedStep:
+        env, step, rank = self.env, plan.step, self.env.ctx.rank
+        assert self._received is not None and env.storage is not None
+        meta, data = self._received
+        layout = Layout.from_json(meta["entries"])
+        state = unflatten_state(meta["skeleton"], tensor_views(layout, data))
+        if int(meta.get("rank", -1)) == rank:  # the peer holds this rank's own snapshot
+            private = meta["private"]
+        else:
+            private = env.storage.read_private(step, rank, env.ctx.world)
+        return SavedStep(step, self.name, state, private)
+
+    def drop(self, step: int) -> None:
+        pass

@@ -1,0 +1,187 @@
+"""The restore pipeline: planning over the sources, and a source added by one class in one list."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from fchelpers import FcEnv, RunningAgent
+from tinytrain import make, train_step
+
+import flashckpt
+import flashckpt.restore
+from flashckpt.rankctx import RankContext
+from flashckpt.restore import SOURCES, agree
+from flashckpt.rng import capture_rng
+from flashckpt.saved import RestoreEnv, RestorePlan, SavedStep
+from flashckpt.shm import Slot
+from flashckpt.storage import CorruptCheckpointError
+
+
+class _Offers:
+    """A fake source offering fixed steps (a whole-world one offers only wanted steps)."""
+
+    def __init__(self, name: str, steps: list[int], whole_world: bool = False) -> None:
+        self.name, self.steps, self.whole_world = name, steps, whole_world
+        self.asked: list[int] = []
+
+    def offer(self, excluded: set[int], wanted: Callable[[int], bool]) -> list[int]:
+        out = []
+        for s in sorted(self.steps, reverse=True):
+            if s in excluded:
+                continue
+            self.asked.append(s)
+            if not wanted(s):
+                break
+            out.append(s)
+            if self.whole_world:
+                break
+        return out
+
+    def prepare(self, plan: RestorePlan) -> None:
+        pass
+
+    def read(self, plan: RestorePlan) -> SavedStep:
+        raise AssertionError("not read in planning")
+
+    def drop(self, step: int) -> None:
+        pass
+
+
+def _env() -> RestoreEnv:
+    env = RestoreEnv.__new__(RestoreEnv)  # planning only uses the rank context
+    env.ctx = RankContext()
+    return env
+
+
+def test_newest_step_wins_and_earlier_sources_are_preferred() -> None:
+    mem, st = _Offers("memory", [5, 3]), _Offers("storage", [7, 5, 3])
+    plan = agree(_env(), [mem, st], set())
+    assert plan is not None and (plan.step, plan.sources) == (7, {0: "storage"})
+    plan = agree(_env(), [mem, st], {7})
+    assert plan is not None and (plan.step, plan.sources, plan.tier) == (5, {0: "memory"}, 0)
+    assert agree(_env(), [mem, st], {7, 5, 3}) is None
+
+
+def test_a_whole_world_source_beats_a_less_preferred_plan_only() -> None:
+    # At the same step: own memory beats a rebuild from all ranks' memory, which beats storage.
+    peer = _Offers("memory-reshard", [5], whole_world=True)
+    plan = agree(_env(), [_Offers("memory", [5]), peer, _Offers("storage", [5])], set())
+    assert plan is not None and plan.sources == {0: "memory"}
+    assert peer.asked == [5]  # asked, and told that 5 is not wanted
+    peer = _Offers("memory-reshard", [5], whole_world=True)
+    plan = agree(_env(), [_Offers("memory", [3]), peer, _Offers("storage", [5])], set())
+    assert plan is not None and (plan.step, plan.sources) == (5, {0: "memory-reshard"})
+    # A newer step from memory: the whole-world source is not wanted at an older one.
+    peer = _Offers("memory-reshard", [4], whole_world=True)
+    plan = agree(_env(), [_Offers("memory", [6]), peer], set())
+    assert plan is not None and plan.step == 6 and peer.asked == [4]
+
+
+def test_the_registered_sources_in_order_of_preference() -> None:
+    assert [s.name for s in SOURCES] == ["memory", "memory-reshard", "replica", "storage"]  # type: ignore[attr-defined]
+
+
+class _DiskSource:
+    """A new source (a local-disk tier, say): states kept by step; some of them corrupt."""
+
+    name = "disk"
+    whole_world = False
+    states: dict[int, dict[str, Any]] = {}
+    corrupt: set[int] = set()
+
+    def __init__(self, env: RestoreEnv) -> None:
+        self.env = env
+
+    def offer(self, excluded: set[int], wanted: Callable[[int], bool]) -> list[int]:
+        return sorted(set(self.states) - excluded, reverse=True)
+
+    def prepare(self, plan: RestorePlan) -> None:
+        pass
+
+    def read(self, plan: RestorePlan) -> SavedStep:
+        if plan.step in self.corrupt:
+            raise CorruptCheckpointError(f"disk/{plan.step}", "fails its checksum (corrupted)")
+        saved = self.states[plan.step]
+        private = {"rng": capture_rng(), "extras": {"pos": plan.step}}
+        return SavedStep(plan.step, self.name, saved, private)
+
+    def drop(self, step: int) -> None:
+        pass
+
+
+def _state_of(model: torch.nn.Module, opt: Any, sched: Any) -> dict[str, Any]:
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+    }
+
+
+def test_a_new_source_is_one_class_in_one_list(
+    fc_env: FcEnv, agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt, sched = make(0)
+    states = {}
+    for step in range(6):
+        train_step(model, opt, sched, step)
+        if step + 1 in (4, 6):
+            states[step + 1] = _state_of(model, opt, sched)
+    want = {k: v.clone() for k, v in states[4]["model"].items()}
+    monkeypatch.setattr(_DiskSource, "states", states)
+    monkeypatch.setattr(_DiskSource, "corrupt", {6})
+    monkeypatch.setattr(flashckpt.restore, "SOURCES", (*SOURCES, _DiskSource))
+    model2, opt2, sched2 = make(1)
+    extras: dict[str, Any] = {}
+    kw = fc_env.ckpt_kwargs(agent="connect", storage=None)
+    # Step 6 fails its read: the pipeline says so and takes the next older step it can obtain.
+    with pytest.warns(UserWarning, match="cannot restore step 6: .*corrupted.*; trying an older"):
+        ck = flashckpt.checkpointing(model2, opt2, scheduler=sched2, extras=extras, **kw)
+        ck.__enter__()
+    try:
+        assert (ck.restored_from, ck.start_step) == ("disk", 4)
+        assert extras == {"pos": 4}
+        assert ck.status()["restore"]["source"] == "disk"
+        got = model2.state_dict()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+        assert sched2.state_dict()["last_epoch"] == states[4]["scheduler"]["last_epoch"]
+    finally:
+        ck.__exit__(None, None, None)
+
+
+def test_a_slot_whose_description_fails_its_checks_is_ignored(
+    fc_env: FcEnv, agent: RunningAgent, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing read from shared memory is trusted: a complete snapshot whose description lacks
+    a field (here its private state) is skipped by the memory source, not read (a KeyError at
+    entry before)."""
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(agent="connect", storage=None)
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        train_step(model, opt, sched, 0)
+        ck.step()
+        ck.save(mode="sync")
+        path = next(sm.slot.path for sm in ck._slots if sm is not None and sm.step == 1)
+    slot = Slot(path)
+    try:
+        info = slot.header()
+        assert info is not None and info.complete
+        meta = slot.read_meta(info)
+        assert meta is not None
+        del meta["private"]
+        raw = json.dumps(meta, separators=(",", ":")).encode()
+        seq = slot.begin_write()
+        slot.write_meta(raw)
+        slot.end_write(seq, 1, raw, info.data_len)
+    finally:
+        slot.close()
+    model2, opt2, sched2 = make(1)
+    ck2 = flashckpt.checkpointing(model2, opt2, scheduler=sched2, **kw)
+    with caplog.at_level(logging.WARNING, logger="flashckpt"), ck2:
+        assert (ck2.restored_from, ck2.start_step) == (None, 0)
+    assert any("ignoring the snapshot in" in r.getMessage() for r in caplog.records)

@@ -24,13 +24,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    # TEMPORARY: the moved codec's names, typed for the modules that import them from here (see
-    # ``__getattr__`` at the end).
-    from flashckpt.codec import FlatState as FlatState
-    from flashckpt.codec import flatten_state as flatten_state
-    from flashckpt.codec import piece_nodes as piece_nodes
-    from flashckpt.codec import unflatten_state as unflatten_state
-
 # torch is imported inside the functions that take or make tensors, never at module level: the
 # node agent builds safetensors headers from a layout (``Layout.from_json``,
 # ``safetensors_header``) and must not pay torch's import (~2 s, ~220 MiB) for that.
@@ -278,19 +271,3 @@ def tensor_views(layout: Layout, data: torch.Tensor) -> dict[str, torch.Tensor]:
         raw = data[e.offset : e.offset + e.nbytes]
         out[e.name] = raw.view(torch_dtype(e.dtype)).view(e.shape)
     return out
-
-
-# TEMPORARY (issue 13): the torch state codec moved to flashckpt.codec; modules of another branch
-# (checkpointer, reading, peers) still import it from here. Resolved on first use, so importing
-# the byte formats stays torch-free and codec -> layout is the only import at load time. To be
-# removed with the KNOWN_UPWARD and KNOWN_CYCLES entries in tests/test_layering.py and
-# tests/test_import_cycles.py once those modules import flashckpt.codec.
-_MOVED_TO_CODEC = frozenset({"FlatState", "flatten_state", "piece_nodes", "unflatten_state"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_CODEC:
-        from flashckpt import codec
-
-        return getattr(codec, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -289,7 +289,7 @@ def check_shard(buf: bytes | bytearray | memoryview, path: str) -> ShardContent:
 
 
 def check_skeleton(skeleton: Any, layout: Layout, path: str) -> None:
-    """Checks that a skeleton is the tree :func:`flashckpt.layout.flatten_state` makes, naming
+    """Checks that a skeleton is the tree :func:`flashckpt.codec.flatten_state` makes, naming
     only tensors of ``layout`` (DTensor pieces with a well-formed description)."""
     shapes = {e.name: e.shape for e in layout.entries}
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from flashckpt.layout import Layout, piece_nodes, tensor_views, torch_dtype
+from flashckpt.codec import piece_nodes
+from flashckpt.layout import Layout, tensor_views, torch_dtype
 from flashckpt.sharded import overlap_volume
 
 __all__ = [

@@ -10,13 +10,8 @@ from typing import Any
 
 import torch
 
-from flashckpt.layout import (
-    parse_safetensors_header,
-    piece_nodes,
-    tensor_views,
-    torch_dtype,
-    unflatten_state,
-)
+from flashckpt.codec import piece_nodes, unflatten_state
+from flashckpt.layout import parse_safetensors_header, tensor_views, torch_dtype
 from flashckpt.manifest import check_skeleton
 from flashckpt.sharded import ShardedPiece, assemble, overlaps, replace_at, walk_pieces
 from flashckpt.storage import CorruptCheckpointError, Storage

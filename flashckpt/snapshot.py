@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from flashckpt.layout import FlatState, Layout, flatten_state, tensor_views
+from flashckpt.codec import FlatState, flatten_state
+from flashckpt.layout import Layout, tensor_views
 from flashckpt.protocol import AgentError
 from flashckpt.rankctx import replicated_error
 from flashckpt.sharded import is_dtensor, is_sharded_dtensor

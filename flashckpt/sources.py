@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flashckpt.layout import Layout, piece_nodes, tensor_views, unflatten_state
+from flashckpt.codec import piece_nodes, unflatten_state
+from flashckpt.layout import Layout, tensor_views
 from flashckpt.names import SLOT_SUFFIX_RE
 from flashckpt.peers import (
     HeldSnapshot,

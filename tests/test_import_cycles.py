@@ -91,11 +91,7 @@ def test_the_graph_sees_imports_inside_functions() -> None:
 
 # Cycles known and still to be removed. Each entry must still exist: remove it when the cycle
 # goes, so the list only shrinks.
-KNOWN_CYCLES = [
-    # TEMPORARY: flashckpt.layout re-exports the torch state codec (moved to flashckpt.codec,
-    # which imports the byte formats) until checkpointer, reading and peers import the codec.
-    ["flashckpt.codec", "flashckpt.layout"],
-]
+KNOWN_CYCLES: list[list[str]] = []
 
 
 def test_no_import_cycles() -> None:

@@ -95,11 +95,7 @@ _assign(CLI, "flashckpt.cli", "flashckpt.__main__")
 
 # Imports up the layers that are known and still to be removed (issue 13's later steps). Each
 # entry must still exist: remove it here when the import goes, so the list only shrinks.
-KNOWN_UPWARD = {
-    # TEMPORARY: layout.py re-exports the torch state codec (moved to flashckpt.codec) for the
-    # modules that still import it from there (checkpointer, reading, peers).
-    ("flashckpt.layout", "flashckpt.codec"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 # flashckpt modules allowed to import elastic: the CLI's dispatch only.
 CORE_TO_ELASTIC = {"flashckpt.cli"}

@@ -123,14 +123,3 @@ def test_dtype_tables_agree_with_torch() -> None:
         dt = getattr(torch, name)
         assert torch_dtype(code) == dt and dtype_code(dt) == code
         assert torch.empty((), dtype=dt).element_size() == _ST_ITEMSIZE[code], code
-
-
-def test_layout_reexports_the_moved_codec_until_its_importers_move() -> None:
-    # Temporary (issue 13): checkpointer, reading and peers still import the codec from here.
-    import flashckpt.codec
-    import flashckpt.layout
-
-    for name in flashckpt.codec.__all__:
-        assert getattr(flashckpt.layout, name) is getattr(flashckpt.codec, name), name
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        flashckpt.layout.nope  # noqa: B018

@@ -314,3 +314,92 @@ def test_replica_config_is_checked() -> None:
     ):
         with pytest.raises(ValueError, match=words):
             AgentConfig(job="j", node="a", **bad)
+
+
+def _state_with_slots(tmp_path: Path, **cfg: Any) -> tuple[Any, list[Slot]]:
+    """An agent's shared state holding one position with two real slot files in ``tmp_path``."""
+    from flashckpt.agent_state import AgentState, RankRecord
+    from flashckpt.shm import allocate_slot_file
+
+    st = AgentState(
+        AgentConfig(job="j", node="a", shm_dir=str(tmp_path), run_dir=str(tmp_path / "r"), **cfg)
+    )
+    slots = []
+    for i in range(2):
+        p = names.slot_path(str(tmp_path), "j", "a", 0, i)
+        allocate_slot_file(p, 4096, 1 << 16)
+        slots.append(Slot(p))
+    st.ranks[0] = RankRecord(0, slots=list(slots))
+    return st, slots
+
+
+def test_pace_waits_while_a_trainer_copies_and_aborts_when_overwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import flashckpt.agent_replica as ar
+    from flashckpt.replica import ReplicaError
+
+    monkeypatch.setattr(ar, "PACE_WAIT_S", 120.0)
+    st, (sent, other) = _state_with_slots(tmp_path)
+    seq = sent.begin_write()
+    sent.end_write(seq, 3, b"{}", 100)
+    info = sent.header()
+    assert info is not None and info.complete
+    pace = ar.Replicator(st)._pacer(sent, info)
+    pace()  # no trainer copies: returns at once
+
+    # A trainer copies into the other slot (seq odd): the transfer waits until it is done.
+    wseq = other.begin_write()
+    t = threading.Thread(target=pace)
+    t.start()
+    t.join(timeout=1.0)
+    assert t.is_alive(), "pace did not wait while a trainer copied"
+    other.end_write(wseq, 6, b"{}", 100)
+    t.join(timeout=60)
+    assert not t.is_alive()
+
+    # The trainer overwrites the slot being sent: the transfer stops at its next chunk.
+    sent.begin_write()
+    with pytest.raises(ReplicaError, match="overwritten"):
+        pace()
+    # The agent stopping stops it too.
+    pace2 = ar.Replicator(st)._pacer(other, other.header())  # type: ignore[arg-type]
+    st.stopping.set()
+    with pytest.raises(ReplicaError, match="stopping"):
+        pace2()
+    for s in (sent, other):
+        s.close()
+
+
+def test_derived_limit_follows_own_slot_bytes(tmp_path: Path) -> None:
+    import flashckpt.agent_replica as ar
+    from flashckpt.errors import ShmSpaceError
+
+    st, slots = _state_with_slots(tmp_path, replicas=2, replica_listen="127.0.0.1:0")
+    r = ar.Replicator(st)
+    r.start_server()
+    try:
+        assert r.store is not None and r.store.limit_bytes == 0  # before any alloc: holds none
+        r.check_capacity(10 * 2**20, 0)
+        assert r.store.limit_bytes == 2 * 10 * 2**20
+        with pytest.raises(ShmSpaceError, match="for the replicas of other machines"):
+            r.check_capacity(2**60, 0)
+    finally:
+        r.close()
+        for s in slots:
+            s.close()
+
+
+def test_status_shows_replicas_sent_and_held() -> None:
+    from flashckpt.statusview import format_status
+
+    rep = {
+        "listen": "127.0.0.1:7070",
+        "sent": [{"target": "b", "rank": 0, "step": 12, "time": time.time() - 3}],
+        "held": [{"sender": "c", "rank": 1, "step": 9}],
+        "failures": 2,
+    }
+    out = format_status([{"job": "j", "node": "a", "replication": rep}])
+    assert "replicas: sent b r0 step 12 (3 s ago); held c r1 step 9; 2 failed" in out

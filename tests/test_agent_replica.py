@@ -174,7 +174,7 @@ def _check_replica_equals_slot(a: FcEnv, b: FcEnv, step: int) -> None:
 
 def test_holder_keeps_the_newest_snapshot_bitwise(two_nodes: Any, tmp_path: Path) -> None:
     a, b, agents = two_nodes
-    _, log_a, _, _ = _start_pair(a, b, agents)
+    _, log_a, pb, _ = _start_pair(a, b, agents)
     rc, err = _train(a, tmp_path, "t1", "--steps", "12")
     assert rc == 0, err[-4000:]
     newest = _newest_step(a)
@@ -199,6 +199,11 @@ def test_holder_keeps_the_newest_snapshot_bitwise(two_nodes: Any, tmp_path: Path
     _wait(lambda: any(h["step"] == newer for h in held()), f"b to hold a's step {newer}")
     _check_replica_equals_slot(a, b, newer)
     assert len(held()) == 1 and len(_replica_files(b)) == 1, _replica_files(b)
+
+    # The holder's agent stopping (SIGTERM) removes every replica file it holds.
+    pb.send_signal(signal.SIGTERM)
+    assert pb.wait(timeout=120) == 0
+    assert _replica_files(b) == []
 
 
 def test_replicas_zero_pushes_nothing(two_nodes: Any, tmp_path: Path) -> None:

@@ -145,16 +145,7 @@ class Replicator:
             self.wake.clear()
             if self.st.stopping.is_set():
                 break
-            if self.store is not None and self.peers:
-                # Replicas of machines that left the world protect nobody now. Without a peer
-                # list this agent does not know the world: it keeps what it was sent.
-                for h in self.store.prune(self.world_nodes()):
-                    log.info(
-                        "dropped the replica of %s rank %d step %d: no longer in the world",
-                        h.header.sender_node,
-                        h.header.rank,
-                        h.header.step,
-                    )
+            self.prune_departed()
             if not self.sending:
                 continue
             try:
@@ -162,6 +153,19 @@ class Replicator:
                     pass
             except Exception:  # the daemon lives on
                 log.exception("replicating snapshots failed")
+
+    def prune_departed(self) -> None:
+        """Drops the held replicas of machines that left the world: they protect nobody now.
+        Without a peer list this agent does not know the world: it keeps what it was sent."""
+        if self.store is None or not self.peers:
+            return
+        for h in self.store.prune(self.world_nodes()):
+            log.info(
+                "dropped the replica of %s rank %d step %d: no longer in the world",
+                h.header.sender_node,
+                h.header.rank,
+                h.header.step,
+            )
 
     def _snap_ident(self, slot: Slot, info: SlotInfo) -> tuple[str, int] | None:
         """(world id, global rank) of a complete snapshot (cached per slot generation)."""

@@ -408,3 +408,49 @@ def test_status_shows_replicas_sent_and_held() -> None:
     }
     out = format_status([{"job": "j", "node": "a", "replication": rep}])
     assert "replicas: sent b r0 step 12 (3 s ago); held c r1 step 9; 2 failed" in out
+
+
+def test_replicas_of_machines_that_left_the_world_are_dropped(tmp_path: Path) -> None:
+    import flashckpt.agent_replica as ar
+    from flashckpt.replica import HeldReplica, ReplicaHeader
+
+    def hold(r: ar.Replicator, sender: str) -> str:
+        assert r.store is not None
+        path = names.replica_path(str(tmp_path), "j", "a", sender, 0)
+        Path(path).write_bytes(b"x")
+        h = ReplicaHeader("j", sender, 0, 3, "w", 2, 2, 10, 1, 0.0)
+        r.store._held[(sender, 0)] = HeldReplica(h, path)
+        return path
+
+    st, slots = _state_with_slots(
+        tmp_path, replica_listen="127.0.0.1:0", replica_peers="b=127.0.0.1:1"
+    )
+    r = ar.Replicator(st)
+    r.start_server()
+    try:
+        kept, gone = hold(r, "b"), hold(r, "c")
+        r.prune_departed()
+        assert r.store is not None and [h.header.sender_node for h in r.store.held()] == ["b"]
+        assert os.path.exists(kept) and not os.path.exists(gone)
+    finally:
+        r.close()
+        for s in slots:
+            s.close()
+    # Without a peer list the world is unknown: nothing is dropped.
+    (tmp_path / "x").mkdir()
+    st2, slots2 = _state_with_slots(tmp_path / "x", replica_listen="127.0.0.1:0")
+    r2 = ar.Replicator(st2)
+    r2.start_server()
+    try:
+        path = names.replica_path(str(tmp_path / "x"), "j", "a", "c", 0)
+        Path(path).write_bytes(b"x")
+        assert r2.store is not None
+        r2.store._held[("c", 0)] = HeldReplica(
+            ReplicaHeader("j", "c", 0, 3, "w", 2, 2, 10, 1, 0.0), path
+        )
+        r2.prune_departed()
+        assert len(r2.store.held()) == 1 and os.path.exists(path)
+    finally:
+        r2.close()
+        for s in slots2:
+            s.close()

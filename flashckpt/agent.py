@@ -36,9 +36,10 @@ The agent is composed of parts, one concept per module, sharing one
 :class:`~flashckpt.agent_state.AgentState`: :mod:`flashckpt.agent_server` (socket, typed
 requests), :mod:`flashckpt.agent_segments` (slot files, adoption, abandoned segments),
 :mod:`flashckpt.agent_persist` (what to persist and writing it, hashing),
-:mod:`flashckpt.agent_commit` (the manifest once every node's part is in). This module is the
-lifecycle (lock, start, serve, shutdown) and the package face: ``NodeAgent``, ``AgentConfig``,
-``run_agent``, ``SegmentGroup``, ``abandoned_segments``.
+:mod:`flashckpt.agent_commit` (the manifest once every node's part is in),
+:mod:`flashckpt.agent_replica` (replicas held for other machines, and sent to them). This
+module is the lifecycle (lock, start, serve, shutdown) and the package face: ``NodeAgent``,
+``AgentConfig``, ``run_agent``, ``SegmentGroup``, ``abandoned_segments``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from flashckpt import names
 from flashckpt.agent_commit import Committer
 from flashckpt.agent_config import AgentConfig
 from flashckpt.agent_persist import Persister
+from flashckpt.agent_replica import Replicator
 from flashckpt.agent_segments import SegmentGroup, Segments, abandoned_segments
 from flashckpt.agent_server import Server
 from flashckpt.agent_state import AgentState
@@ -90,6 +92,7 @@ class NodeAgent:
         self.persister = Persister(self.st, self.committer)
         self.segments = Segments(self.st)
         self.server = Server(self.st, self.segments, self.persister, self.status)
+        self.replicator = Replicator(self.st)
         self.monitor: AgentMonitor | None = None
         self.socket_path = self.server.socket_path
         self.owner_path = self.segments.owner_path
@@ -140,6 +143,9 @@ class NodeAgent:
         self.segments.adopt()
         if self.st.storage is not None:
             self.persister.init_storage_state()
+        self.replicator.start_server()
+        if self.replicator.store is not None and cfg.replicas > 0:
+            self.st.capacity_check = self.replicator.check_capacity
         if cfg.monitor.enabled:
             self.monitor = AgentMonitor(
                 job=cfg.job,
@@ -157,6 +163,7 @@ class NodeAgent:
             (self.persister.private_loop, "private"),
             (self.committer.commit_loop, "commit"),
             (self.persister.hash_loop, "hash"),
+            (self.replicator.send_loop, "replica"),
         ):
             t = threading.Thread(target=target, name=f"flashckpt-agent-{name}", daemon=True)
             t.start()
@@ -253,7 +260,9 @@ class NodeAgent:
     def shutdown(self, final_persist: bool = True) -> None:
         self.st.stopping.set()
         self.st.wake.set()
+        self.st.replica_wake.set()
         self.server.close()
+        self.replicator.close()  # its transfers stop at their next chunk; replica files go
         # Wait for the persist thread to leave its step (it checks _stopping between steps).
         with self.st.io_lock:
             pass
@@ -322,6 +331,7 @@ class NodeAgent:
                 ],
                 "ranks": ranks,
                 "monitor": self.monitor.summary() if self.monitor is not None else None,
+                "replication": self.replicator.status(),
             }
 
 

@@ -9,7 +9,7 @@ from flashckpt.monitor import MonitorConfig
 from flashckpt.names import check_name
 from flashckpt.protocol import default_node_id, default_run_dir
 
-__all__ = ["AgentConfig"]
+__all__ = ["AgentConfig", "parse_host_port"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,6 +76,38 @@ class AgentConfig:
     )
     """Write each snapshot's small per-rank state (RNG, extras) to storage at once, so a rank
     whose machine dies can resume from a replica's memory with its own RNG and extras."""
+    replicas: int = field(
+        default=1,
+        metadata=flag(
+            help="replicas of this machine's newest "
+            "snapshot kept in other machines' memory (0: off; needs --replica-peers)"
+        ),
+    )
+    """How many other machines keep a copy of this machine's newest complete snapshot in their
+    shared memory (the next ones in ring order of the world's machine ids): a fully sharded job
+    that loses a machine restores its shards from a survivor's memory instead of storage. 0
+    turns replication off (nothing is sent; a server given ``replica_listen`` still holds the
+    replicas of others)."""
+    replica_listen: str = field(default="", metadata=flag(metavar="HOST:PORT"))
+    """Where this agent's replica server listens for other machines' replicas (``host:port``
+    on the cluster network; port 0: one the OS picks, shown in the log and ``status``); empty:
+    no server, this machine holds no replicas."""
+    replica_peers: str = field(default="", metadata=flag(metavar="NODE=HOST:PORT,..."))
+    """The other machines of the world and their replica servers, ``node=host:port`` separated
+    by commas (the launcher passes them from its membership); empty: nowhere to send replicas."""
+    replica_limit_bytes: int = field(
+        default=0,
+        metadata=flag(
+            help="the most bytes of other machines' replicas held at once (default 0: replicas "
+            "x this machine's own slot bytes, known once its trainers allocated their slots)"
+        ),
+    )
+    """The most bytes of other machines' replicas this agent holds at once. 0 derives it:
+    ``replicas`` x this machine's own slot bytes (both slots of every local rank), assuming the
+    other machines' snapshots are as large as this one's; a replica is one slot per rank, the
+    second slot's worth is the room a newer replica takes while the older one is still kept.
+    Until this machine's trainers allocated their slots the derived limit is 0 (no replicas
+    are held yet)."""
     monitor: MonitorConfig = field(
         default_factory=MonitorConfig, metadata=flag(derived="the monitoring flags")
     )
@@ -90,3 +122,64 @@ class AgentConfig:
             raise ValueError(f"idle_timeout={self.idle_timeout}: must be > 0 seconds")
         if self.orphan_age_s < 0:
             raise ValueError(f"orphan_age_s={self.orphan_age_s}: must be >= 0 seconds")
+        if self.replicas < 0:
+            raise ValueError(f"replicas={self.replicas}: must be >= 0 (0 turns replication off)")
+        if self.replica_limit_bytes < 0:
+            raise ValueError(
+                f"replica_limit_bytes={self.replica_limit_bytes}: must be >= 0 (0: derived)"
+            )
+        if self.replica_listen:
+            parse_host_port(self.replica_listen, "replica_listen", allow_zero=True)
+        self.replica_peer_addrs()  # raises on a bad list
+
+    def replica_listen_addr(self) -> tuple[str, int] | None:
+        """``replica_listen`` as (host, port); None when no server is to run."""
+        if not self.replica_listen:
+            return None
+        return parse_host_port(self.replica_listen, "replica_listen", allow_zero=True)
+
+    def replica_peer_addrs(self) -> dict[str, tuple[str, int]]:
+        """``replica_peers`` as node id -> (host, port), checked: valid node ids, each once,
+        never this machine's own."""
+        out: dict[str, tuple[str, int]] = {}
+        for item in self.replica_peers.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            node, eq, addr = item.partition("=")
+            if not eq:
+                raise ValueError(
+                    f"replica_peers entry {item!r} is not node=host:port "
+                    "(e.g. node1=10.0.0.2:7070,node2=10.0.0.3:7070)"
+                )
+            try:
+                check_name("node", node.strip())
+            except ValueError as e:
+                raise ValueError(f"replica_peers entry {item!r}: {e}") from None
+            node = node.strip()
+            if node == self.node:
+                raise ValueError(
+                    f"replica_peers names this machine's own node {node!r}: a replica must sit "
+                    "on another machine; list only the other machines"
+                )
+            if node in out:
+                raise ValueError(f"replica_peers names node {node!r} twice")
+            out[node] = parse_host_port(addr.strip(), f"replica_peers entry {item!r}")
+        return out
+
+
+def parse_host_port(text: str, what: str, *, allow_zero: bool = False) -> tuple[str, int]:
+    """``host:port`` (``[v6addr]:port`` for IPv6) as (host, port); ValueError naming ``what``
+    and the expected form otherwise."""
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    lo = 0 if allow_zero else 1
+    ok = bool(sep and host and port_text.isdigit()) and not any(c in host for c in " /[]")
+    port = int(port_text) if ok else -1
+    if not ok or not lo <= port <= 65535:
+        raise ValueError(
+            f"{what}: {text!r} is not host:port with a port in {lo}-65535 "
+            "(e.g. 10.0.0.2:7070, [fd00::2]:7070)"
+        )
+    return host, port

@@ -124,6 +124,7 @@ class Persister:
                 if slot.seq() != now.seq:
                     return None  # rewritten while hashed
                 slot.record_hash(now.seq, value)
+                self.st.replica_wake.set()
                 return value
             except ValueError:  # unmapped (replaced) meanwhile
                 return None

@@ -25,7 +25,16 @@ import psutil
 from flashckpt import names
 from flashckpt.agent_state import AgentState, Conn, RankRecord, header_ok, read_meta
 from flashckpt.messages import Alloc, AllocReply
-from flashckpt.shm import Slot, allocate_slot_file, file_problem, slot_path, slot_prefix
+from flashckpt.shm import (
+    HEADER_SIZE,
+    PAGE,
+    Slot,
+    allocate_slot_file,
+    file_problem,
+    round_up,
+    slot_path,
+    slot_prefix,
+)
 
 __all__ = ["SegmentGroup", "Segments", "abandoned_segments"]
 
@@ -155,6 +164,28 @@ class Segments:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.st.cfg.shm_dir, name))
 
+    def slot_bytes_after(
+        self, rec: RankRecord, meta_cap: int, data_cap: int, keep: set[int]
+    ) -> tuple[int, int]:
+        """(bytes of every slot file of this agent once ``rec``'s alloc is done, bytes of slot
+        files that exist now): for the replicas' capacity check."""
+        own = present = 0
+        with self.st.lock:
+            for other in self.st.ranks.values():
+                for i, s in enumerate(other.slots):
+                    size = 0
+                    with contextlib.suppress(ValueError):
+                        size = s.size if s is not None else 0
+                    present += size
+                    kept = s is not None and (
+                        i in keep or (s.meta_cap >= meta_cap and s.data_cap >= data_cap)
+                    )
+                    if other is not rec or kept:
+                        own += size
+                    else:
+                        own += slot_file_bytes(meta_cap, data_cap)
+        return own, present
+
     def alloc(self, conn: Conn, msg: Alloc) -> AllocReply:
         rank, meta_cap, data_cap = msg.key, msg.meta_cap, msg.data_cap
         # Slots the trainer needs as they are (the newest snapshot, maybe of an older layout):
@@ -180,6 +211,12 @@ class Segments:
         with self.st.io_lock:  # never remap a slot the persister is reading
             if self.st.stopping.is_set():
                 raise ValueError("the node agent is shutting down: no new slots")
+            check = self.st.capacity_check
+            if check is not None:
+                # Before any file is made: a tmpfs too small for the slots plus the replicas of
+                # other machines this one holds says so now, with the numbers.
+                own, present = self.slot_bytes_after(rec, meta_cap, data_cap, keep)
+                check(own, present)
             for i in range(2):
                 s = rec.slots[i]
                 if (
@@ -201,6 +238,11 @@ class Segments:
                     rec.slots[i] = new
                 paths.append(path)
         return AllocReply(slots=paths)
+
+
+def slot_file_bytes(meta_cap: int, data_cap: int) -> int:
+    """Size of a slot file of these capacities (as :func:`flashckpt.shm.allocate_slot_file`)."""
+    return HEADER_SIZE + round_up(max(meta_cap, PAGE)) + round_up(max(data_cap, PAGE))
 
 
 @dataclass(frozen=True, slots=True)

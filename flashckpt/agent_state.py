@@ -14,6 +14,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,10 @@ class AgentState:
         # never waits for a persist, and a slot is never unmapped under the hasher.
         self.map_lock = threading.Lock()
         self.hash_wake = threading.Event()
+        self.replica_wake = threading.Event()  # a hash was recorded: a replica may be due
+        # Called at a trainer's alloc with (own slot bytes after it, of those already in the
+        # tmpfs): the replicas' up-front capacity check (ShmSpaceError); None without replicas.
+        self.capacity_check: Callable[[int, int], None] | None = None
         # Slot files refused (foreign owner, loose mode) or discarded (bad header): path -> why.
         self.refused: dict[str, str] = {}
         # Snapshots whose data no longer matches their hash: (path, seq) -> step. Never persisted.

@@ -174,7 +174,8 @@ class ReplicaHeader:
     step: int
     """The snapshot's step (steps done)."""
     world: str
-    """The world id the snapshot was taken in (restore checks it matches)."""
+    """The world id the snapshot was taken in (restore checks it matches; "" without the
+    elastic launcher)."""
     seq: int
     """The sender slot's sequence number of the snapshot (even: complete)."""
     meta_len: int
@@ -200,8 +201,9 @@ class ReplicaHeader:
             v = getattr(self, key)
             if type(v) is not int or not lo <= v < hi:
                 raise ReplicaError(f"replica header: {key} = {v!r} is not in [{lo}, {hi})")
-        if not isinstance(self.world, str) or not 0 < len(self.world) <= 256:
-            raise ReplicaError("replica header: world must be a string of 1-256 characters")
+        # "" is the world of a job run without the elastic launcher (no rendezvous rounds).
+        if not isinstance(self.world, str) or len(self.world) > 256:
+            raise ReplicaError("replica header: world must be a string of at most 256 characters")
         if not isinstance(self.time_complete, float) or not math.isfinite(self.time_complete):
             raise ReplicaError("replica header: time_complete must be a finite number")
 
@@ -269,15 +271,18 @@ def replica_targets(nodes: Iterable[str], me: str, replicas: int) -> list[str]:
     return [ring[(i + k) % len(ring)] for k in range(1, count + 1)]
 
 
-def check_replica_capacity(shm_dir: str, own_bytes: int, replica_bytes: int) -> None:
+def check_replica_capacity(
+    shm_dir: str, own_bytes: int, replica_bytes: int, *, present_bytes: int = 0
+) -> None:
     """Up front, before any snapshot: can this machine's tmpfs hold its own slots plus the
     replicas it will receive? :class:`ShmSpaceError` with the numbers if not (never a SIGBUS or a
-    refused replica later)."""
-    free = shm_free_bytes(shm_dir)
+    refused replica later). ``present_bytes``: how much of the two is in the tmpfs already
+    (slot files and replicas that exist: their room counts as available)."""
+    free = shm_free_bytes(shm_dir) + present_bytes
     need = own_bytes + replica_bytes
     if need > free:
         raise ShmSpaceError(
-            f"{shm_dir} has {free / 2**20:.1f} MiB free but this machine needs "
+            f"{shm_dir} has {free / 2**20:.1f} MiB available but this machine needs "
             f"{own_bytes / 2**20:.1f} MiB for its own snapshot slots plus "
             f"{replica_bytes / 2**20:.1f} MiB for the replicas of other machines it holds. "
             "Enlarge the tmpfs, or lower replicas= (0 turns replication off)."

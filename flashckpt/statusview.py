@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 from typing import Any
 
 __all__ = ["by_global_rank", "collect_status", "format_status"]
@@ -104,12 +105,40 @@ def format_status(agents: list[dict[str, Any]]) -> str:
                 f"{'':<12} goodput so far {100 * gp['goodput']:.1f}% of {gp['wall_s']:.0f} s"
                 f" (restarts {gp['restarts']})"
             )
+        rep = _replication_line(a.get("replication"))
+        if rep:
+            lines.append(f"{'':<12} {rep}")
     for a in agents:
         if "error" in a:
             lines.append(f"not answering: {a['socket']}: {a['error']}")
     lines.append("alerts:" if alerts else "alerts: none")
     lines.extend(alerts)
     return "\n".join(lines)
+
+
+def _replication_line(rep: Any) -> str:
+    """Replicas sent (target, rank, step, age) and held (sender, rank, step), failures."""
+    if not isinstance(rep, dict):
+        return ""
+    now = time.time()
+    parts = []
+    sent = [
+        f"{s.get('target')} r{s.get('rank')} step {s.get('step')} "
+        f"({max(0.0, now - float(s.get('time') or now)):.0f} s ago)"
+        for s in rep.get("sent") or []
+        if isinstance(s, dict)
+    ]
+    held = [
+        f"{h.get('sender')} r{h.get('rank')} step {h.get('step')}"
+        for h in rep.get("held") or []
+        if isinstance(h, dict)
+    ]
+    parts.append("sent " + (", ".join(sent) if sent else "none"))
+    if rep.get("listen"):
+        parts.append("held " + (", ".join(held) if held else "none"))
+    if rep.get("failures"):
+        parts.append(f"{rep['failures']} failed")
+    return "replicas: " + "; ".join(parts)
 
 
 def _fmt(v: Any, spec: str = "") -> str:

@@ -64,6 +64,7 @@ _assign(
     "flashckpt.agent_persist",
     "flashckpt.agent_commit",
     "flashckpt.agent_server",
+    "flashckpt.agent_replica",
     "flashckpt.monitor",
     "flashckpt.alerts",
     "flashckpt.metrics",

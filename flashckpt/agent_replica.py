@@ -1,0 +1,383 @@
+"""The node agent's replicas: it holds other machines' newest snapshots and sends its own.
+
+With ``replica_listen`` set the agent runs a :class:`~flashckpt.replica.ReplicaServer` whose
+:class:`~flashckpt.replica.ReplicaStore` keeps the replicas in the agent's tmpfs (files with the
+agent's own prefix: removed at its exit, found by the orphan sweep and ``flashckpt clean`` when it
+died). With ``replicas`` > 0 and ``replica_peers`` a low-priority sender thread pushes, once the
+hash thread recorded the data hash of a local rank's newest complete snapshot of the current
+world, that snapshot to :func:`~flashckpt.replica.replica_targets` of the world: one transfer at
+a time, the newest only (a snapshot superseded before its turn is never sent), pacing itself
+while a trainer copies into a slot. A failure is logged, counted and shown in ``status``, the
+target is retried after a backoff; it never stops the agent nor makes a trainer wait (the sender
+maps the slot file itself and never pins it: a trainer overwriting it aborts the transfer).
+Replication runs between the agents over TCP, never through the trainers' process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from flashckpt import names
+from flashckpt.agent_state import AgentState, read_meta
+from flashckpt.errors import FlashckptError
+from flashckpt.replica import (
+    ReplicaError,
+    ReplicaServer,
+    ReplicaStore,
+    check_replica_capacity,
+    push_replica,
+    replica_targets,
+)
+from flashckpt.shm import Slot, SlotInfo
+
+__all__ = ["Replicator"]
+
+log = logging.getLogger("flashckpt.agent")
+
+PACE_WAIT_S = 2.0
+"""The longest one pause of a transfer waits for a trainer's copy to end (then it goes on: a
+trainer that copies all the time must not starve replication)."""
+MAX_BACKOFF_S = 30.0
+
+
+class Replicator:
+    """The replica server (holder side) and the sender thread of one agent."""
+
+    def __init__(self, state: AgentState) -> None:
+        self.st = state
+        cfg = state.cfg
+        self.peers = cfg.replica_peer_addrs()
+        """Node id -> the (host, port) of its replica server."""
+        self.listen = cfg.replica_listen_addr()
+        self.store: ReplicaStore | None = None
+        self.server: ReplicaServer | None = None
+        self.wake = state.replica_wake
+        """Set when a snapshot's hash is recorded (there may be something to send)."""
+        self._lock = threading.Lock()
+        self.sent: dict[tuple[str, int], dict[str, Any]] = {}
+        """(target node, global rank) -> the last replica it took: step, seq, time."""
+        self._done: dict[tuple[str, int], tuple[str, int, int]] = {}  # -> (path, seq, step)
+        self.failures = 0
+        self.errors: list[dict[str, Any]] = []
+        self._retry_at: dict[str, float] = {}  # target -> no attempt before (monotonic)
+        self._backoff: dict[str, float] = {}
+        self._metas: dict[str, tuple[tuple[int, int, int], tuple[str, int] | None]] = {}
+
+    @property
+    def sending(self) -> bool:
+        """Whether this agent sends replicas at all."""
+        return self.st.cfg.replicas > 0 and bool(self.peers)
+
+    # -- holder side -------------------------------------------------------------------------
+    def start_server(self) -> None:
+        """Starts the replica server (if ``replica_listen``); a previous agent's replica files
+        of this job and node are removed first (nothing indexes them any more)."""
+        if self.listen is None:
+            return
+        cfg = self.st.cfg
+        prefix = names.slot_prefix(cfg.job, cfg.node) + "rep."
+        for name in os.listdir(cfg.shm_dir):
+            if name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(cfg.shm_dir, name))
+                log.info("removed a previous agent's replica file %s", name)
+        limit = cfg.replica_limit_bytes  # 0: derived once the own slots are known (at alloc)
+        self.store = ReplicaStore(cfg.shm_dir, cfg.job, cfg.node, limit)
+        self.server = ReplicaServer(
+            self.store, self.listen[0], self.listen[1], pace=self._receive_pace
+        )
+        host, port = self.server.address
+        log.info(
+            "replica server listening on %s:%d (limit %s)",
+            host,
+            port,
+            f"{limit / 2**20:.1f} MiB" if limit else "derived from this machine's slots",
+        )
+
+    def _receive_pace(self) -> None:
+        if self.st.stopping.is_set():  # a transfer under way does not hold up the exit
+            raise ReplicaError("the holder's agent is stopping: transfer abandoned")
+
+    def check_capacity(self, own_bytes: int, present_bytes: int) -> None:
+        """At a trainer's alloc: can the tmpfs hold ``own_bytes`` of this machine's slots (after
+        the alloc) plus the replicas it holds? ``present_bytes``: of those, already in the
+        tmpfs. Raises :class:`~flashckpt.errors.ShmSpaceError` with the numbers; on success a
+        derived limit is set from ``own_bytes``."""
+        store, cfg = self.store, self.st.cfg
+        if store is None or cfg.replicas == 0:
+            return
+        limit = cfg.replica_limit_bytes or cfg.replicas * own_bytes
+        held = store.held_bytes()
+        check_replica_capacity(cfg.shm_dir, own_bytes, limit, present_bytes=present_bytes + held)
+        if not cfg.replica_limit_bytes:
+            with store._lock:  # read by _admit under it
+                store.limit_bytes = limit
+
+    def close(self) -> None:
+        """Stops the server and removes every replica file (the agent's exit)."""
+        if self.server is not None:
+            try:
+                self.server.close()
+            except Exception:
+                log.exception("closing the replica server failed")
+        if self.store is not None:
+            self.store.close()
+            cfg = self.st.cfg  # and any file a transfer cut short left
+            prefix = names.slot_prefix(cfg.job, cfg.node) + "rep."
+            with contextlib.suppress(OSError):
+                for name in os.listdir(cfg.shm_dir):
+                    if name.startswith(prefix):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(cfg.shm_dir, name))
+
+    # -- sender side -------------------------------------------------------------------------
+    def world_nodes(self) -> list[str]:
+        return sorted({self.st.cfg.node, *self.peers})
+
+    def send_loop(self) -> None:
+        while not self.st.stopping.is_set():
+            self.wake.wait(max(self.st.cfg.poll_interval, 0.05))
+            self.wake.clear()
+            if self.st.stopping.is_set():
+                break
+            self.prune_departed()
+            if not self.sending:
+                continue
+            try:
+                while not self.st.stopping.is_set() and self.send_one():
+                    pass
+            except Exception:  # the daemon lives on
+                log.exception("replicating snapshots failed")
+
+    def prune_departed(self) -> None:
+        """Drops the held replicas of machines that left the world: they protect nobody now.
+        Without a peer list this agent does not know the world: it keeps what it was sent."""
+        if self.store is None or not self.peers:
+            return
+        for h in self.store.prune(self.world_nodes()):
+            log.info(
+                "dropped the replica of %s rank %d step %d: no longer in the world",
+                h.header.sender_node,
+                h.header.rank,
+                h.header.step,
+            )
+
+    def _snap_ident(self, slot: Slot, info: SlotInfo) -> tuple[str, int] | None:
+        """(world id, global rank) of a complete snapshot (cached per slot generation)."""
+        tag = (info.seq, info.step, info.meta_crc)
+        cached = self._metas.get(slot.path)
+        if cached is not None and cached[0] == tag:
+            return cached[1]
+        meta = read_meta(slot, info)
+        ident = (meta.world_id, meta.rank) if meta is not None else None
+        self._metas[slot.path] = (tag, ident)
+        return ident
+
+    def candidates(self) -> list[tuple[str, int, SlotInfo, str]]:
+        """The newest complete, hashed snapshot of each local rank of the current world:
+        (slot path, global rank, header, world id). A rank whose newest snapshot is not hashed
+        yet has none (its older one is never sent instead)."""
+        with self.st.lock:
+            world = self.st.world_id
+            recs = [
+                (r.world_id, [s for s in r.slots if s is not None]) for r in self.st.ranks.values()
+            ]
+        out = []
+        for rec_world, slots in recs:
+            if world is None or rec_world != world:
+                continue
+            best: tuple[Slot, SlotInfo] | None = None
+            for s in slots:
+                try:
+                    info = s.header()
+                except ValueError:  # closed (reallocated) meanwhile
+                    continue
+                if info is None or not info.complete:
+                    continue
+                if (s.path, info.seq) in self.st.corrupt:
+                    continue
+                if best is None or info.step > best[1].step:
+                    best = (s, info)
+            if best is None:
+                continue
+            s, info = best
+            try:
+                if s.recorded_hash(info) is None:
+                    continue
+                ident = self._snap_ident(s, info)
+            except ValueError:
+                continue
+            if ident is None or ident[0] != world:
+                continue
+            out.append((s.path, ident[1], info, world))
+        return out
+
+    def send_one(self) -> bool:
+        """Sends one replica that a target lacks; whether one was attempted."""
+        cfg = self.st.cfg
+        targets = replica_targets(self.world_nodes(), cfg.node, cfg.replicas)
+        now = time.monotonic()
+        for path, rank, info, world in self.candidates():
+            for target in targets:
+                key = (target, rank)
+                if self._done.get(key) == (path, info.seq, info.step):
+                    continue
+                if now < self._retry_at.get(target, 0.0):
+                    continue
+                self.push(target, path, rank, info, world)
+                return True
+        return False
+
+    def push(self, target: str, path: str, rank: int, info: SlotInfo, world: str) -> None:
+        cfg = self.st.cfg
+        addr = self.peers[target]
+        key = (target, rank)
+        try:
+            # A mapping of its own: the agent may close (reallocate) its slot meanwhile, and the
+            # sender never holds a lock a trainer or the persister waits for.
+            slot = Slot(path)
+        except (OSError, ValueError) as e:
+            log.debug("replica of %s not sent: %s", path, e)
+            return
+        t0 = time.monotonic()
+        try:
+            now = slot.header()
+            if now != info:
+                return  # superseded since picked: the next round takes the newer one
+            h = push_replica(
+                addr,
+                slot,
+                job=cfg.job,
+                node=cfg.node,
+                rank=rank,
+                world=world,
+                info=info,
+                pace=self._pacer(slot, info),
+            )
+        except (FlashckptError, OSError, ValueError) as e:
+            superseded = slot_changed(slot, info)
+            if superseded:
+                # The trainer overwrote it: the newer snapshot goes next, no failure.
+                log.info("replica of rank %d step %d to %s superseded", rank, info.step, target)
+                return
+            self._failed(target, rank, info.step, f"{type(e).__name__}: {e}")
+            return
+        finally:
+            with contextlib.suppress(BufferError, ValueError):
+                slot.close()
+        dt = time.monotonic() - t0
+        with self._lock:
+            self._done[key] = (path, info.seq, info.step)
+            self.sent[key] = {
+                "target": target,
+                "rank": rank,
+                "step": h.step,
+                "bytes": h.data_len,
+                "seconds": round(dt, 3),
+                "time": time.time(),
+            }
+            self._backoff.pop(target, None)
+            self._retry_at.pop(target, None)
+        log.info(
+            "replica of rank %d step %d (%.1f MiB) sent to %s in %.2f s",
+            rank,
+            h.step,
+            h.data_len / 2**20,
+            target,
+            dt,
+        )
+
+    def _failed(self, target: str, rank: int, step: int, error: str) -> None:
+        with self._lock:
+            self.failures += 1
+            self.errors.append(
+                {"target": target, "rank": rank, "step": step, "error": error, "time": time.time()}
+            )
+            del self.errors[:-20]
+            back = min(MAX_BACKOFF_S, max(self._backoff.get(target, 0.0) * 2, 0.5))
+            self._backoff[target] = back
+            self._retry_at[target] = time.monotonic() + back
+        log.warning(
+            "replica of rank %d step %d to %s failed (retry in %.1f s): %s",
+            rank,
+            step,
+            target,
+            back,
+            error,
+        )
+
+    def _pacer(self, sent: Slot, info: SlotInfo) -> Any:
+        """Between chunks: gives way while a trainer copies into a slot of this machine (its
+        seq is odd) or waits for one (wanted), at most :data:`PACE_WAIT_S` per pause; stops the
+        transfer when the agent stops or the trainer overwrites the slot being sent."""
+
+        def pace() -> None:
+            deadline = time.monotonic() + PACE_WAIT_S
+            while True:
+                if self.st.stopping.is_set():
+                    raise ReplicaError("the agent is stopping: transfer abandoned")
+                if sent.seq() != info.seq:
+                    raise ReplicaError("overwritten by a newer snapshot: transfer abandoned")
+                if not self._trainer_busy() or time.monotonic() >= deadline:
+                    return
+                time.sleep(0.005)
+
+        return pace
+
+    def _trainer_busy(self) -> bool:
+        with self.st.lock:
+            slots = [s for r in self.st.ranks.values() for s in r.slots if s is not None]
+        for s in slots:
+            with contextlib.suppress(ValueError):  # closed meanwhile
+                if s.seq() % 2 == 1 or s.wanted():
+                    return True
+        return False
+
+    def status(self) -> dict[str, Any] | None:
+        """Replicas sent and held (the agent's ``status`` reply)."""
+        if self.listen is None and not self.sending:
+            return None
+        with self._lock:
+            sent = [dict(v) for _, v in sorted(self.sent.items())]
+            errors = list(self.errors[-10:])
+            failures = self.failures
+        held = []
+        if self.store is not None:
+            for h in self.store.held():
+                held.append(
+                    {
+                        "sender": h.header.sender_node,
+                        "rank": h.header.rank,
+                        "step": h.header.step,
+                        "world_id": h.header.world,
+                        "bytes": h.header.data_len,
+                    }
+                )
+        server = self.server
+        return {
+            "replicas": self.st.cfg.replicas,
+            "listen": "{}:{}".format(*server.address) if server is not None else None,
+            "targets": (
+                replica_targets(self.world_nodes(), self.st.cfg.node, self.st.cfg.replicas)
+                if self.sending
+                else []
+            ),
+            "limit_bytes": self.store.limit_bytes if self.store is not None else 0,
+            "sent": sent,
+            "held": held,
+            "failures": failures,
+            "errors": errors,
+            "refused": list(server.errors[-10:]) if server is not None else [],
+        }
+
+
+def slot_changed(slot: Slot, info: SlotInfo) -> bool:
+    try:
+        return slot.seq() != info.seq
+    except ValueError:
+        return True

@@ -1,0 +1,456 @@
+"""The node agents replicate snapshots between machines (issue 11, agent side): two real agents
+(separate processes, each with its own tmpfs and node id, one job), a real trainer on node ``a``;
+node ``b`` holds ``a``'s newest snapshot, bitwise, hash-verified, newer replacing older.
+
+Ports: ``b``'s replica server binds port 0 (the OS picks) and the test reads the actual port from
+its ``status`` reply, then passes it to ``a`` in ``--replica-peers``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+from fchelpers import FcEnv, private_shm, tinytrain_command, wait_agent
+
+from flashckpt import names
+from flashckpt.agent import AgentConfig, abandoned_segments
+from flashckpt.protocol import AgentClient
+from flashckpt.shm import Slot
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _wait(cond: Callable[[], Any], what: str, timeout: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _status(env: FcEnv) -> dict[str, Any]:
+    c = AgentClient(names.socket_path(env.run_dir, env.job, env.node), timeout=10.0)
+    try:
+        return c.request("status", timeout=30)
+    finally:
+        c.close()
+
+
+class Agents:
+    """Agent processes of one test, each of its own node; all killed at the end."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, env: FcEnv, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
+        log = self.tmp / f"agent-{env.node}-{time.monotonic_ns()}.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "flashckpt",
+            "agent",
+            *env.cli_flags(),
+            "--idle-timeout",
+            "300",
+            "--poll-interval",
+            "0.05",
+            "--log-file",
+            str(log),
+            *extra,
+        ]
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.procs.append(p)
+        wait_agent(env, p.pid, p)
+        return p, log
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=30)
+
+
+@pytest.fixture
+def two_nodes(fc_env: FcEnv, tmp_path: Path) -> Iterator[tuple[FcEnv, FcEnv, Agents]]:
+    with (
+        private_shm(tmp_path / "shm-a", "256m") as shm_a,
+        private_shm(tmp_path / "shm-b", "256m") as shm_b,
+    ):
+        a = dataclasses.replace(fc_env, node="a", shm_dir=shm_a)
+        b = dataclasses.replace(fc_env, node="b", shm_dir=shm_b)
+        agents = Agents(tmp_path)
+        try:
+            yield a, b, agents
+        finally:
+            agents.close()
+            for env in (a, b):
+                for n in os.listdir(env.shm_dir):
+                    if n.startswith(f"fc.{env.job}."):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(env.shm_dir, n))
+
+
+def _start_pair(
+    a: FcEnv, b: FcEnv, agents: Agents, *a_extra: str
+) -> tuple[subprocess.Popen[bytes], Path, subprocess.Popen[bytes], Path]:
+    pb, log_b = agents.start(
+        b, "--replica-listen", "127.0.0.1:0", "--replica-limit-bytes", str(64 * 2**20)
+    )
+    listen = _status(b)["replication"]["listen"]
+    host, port = listen.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0, listen
+    pa, log_a = agents.start(a, "--replica-peers", f"b={listen}", *a_extra)
+    return pa, log_a, pb, log_b
+
+
+def _train(env: FcEnv, tmp: Path, tag: str, *extra: str, background: bool = False) -> Any:
+    cmd = tinytrain_command(env, tmp / f"{tag}.log", "--every", "3", "--quiet", *extra)
+    err = open(tmp / f"{tag}.stderr", "wb")  # noqa: SIM115 (closed by the caller's wait)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    if background:
+        return p
+    try:
+        rc = p.wait(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+        err.close()
+    return rc, (tmp / f"{tag}.stderr").read_text()
+
+
+def _newest_step(env: FcEnv) -> int:
+    steps = [s for r in _status(env)["ranks"].values() for s in r["slots"] if s is not None]
+    return max(steps)
+
+
+def _replica_files(env: FcEnv) -> list[str]:
+    prefix = names.slot_prefix(env.job, env.node) + "rep."
+    return sorted(n for n in os.listdir(env.shm_dir) if n.startswith(prefix))
+
+
+def _check_replica_equals_slot(a: FcEnv, b: FcEnv, step: int) -> None:
+    """``b``'s replica of ``a``'s rank 0 is ``a``'s snapshot of ``step``, bitwise, hash-checked."""
+    rep = Slot(names.replica_path(b.shm_dir, b.job, "b", "a", 0))
+    try:
+        rinfo = rep.header()
+        assert rinfo is not None and rinfo.complete and rinfo.step == step
+        rdata = bytes(rep.data(rinfo.data_len))
+        rmeta = bytes(rep.buf[rep.meta_off : rep.meta_off + rinfo.meta_len])
+        rhash = rep.recorded_hash(rinfo)
+    finally:
+        rep.close()
+    found = False
+    for i in range(2):
+        s = Slot(names.slot_path(a.shm_dir, a.job, "a", 0, i))
+        try:
+            info = s.header()
+            if info is None or not info.complete or info.step != step:
+                continue
+            found = True
+            assert bytes(s.data(info.data_len)) == rdata
+            assert bytes(s.buf[s.meta_off : s.meta_off + info.meta_len]) == rmeta
+            assert rhash is not None and rhash == s.recorded_hash(info)
+            assert xxhash.xxh3_64_intdigest(rdata) == rhash
+        finally:
+            s.close()
+    assert found, f"node a holds no snapshot of step {step}"
+
+
+def test_holder_keeps_the_newest_snapshot_bitwise(two_nodes: Any, tmp_path: Path) -> None:
+    a, b, agents = two_nodes
+    _, log_a, pb, _ = _start_pair(a, b, agents)
+    rc, err = _train(a, tmp_path, "t1", "--steps", "12")
+    assert rc == 0, err[-4000:]
+    newest = _newest_step(a)
+
+    def held() -> list[dict[str, Any]]:
+        return [
+            h for h in _status(b)["replication"]["held"] if h["sender"] == "a" and h["rank"] == 0
+        ]
+
+    _wait(lambda: any(h["step"] == newest for h in held()), f"b to hold a's step {newest}")
+    _check_replica_equals_slot(a, b, newest)
+    assert len(_replica_files(b)) == 1, _replica_files(b)
+    sent = _status(a)["replication"]["sent"]
+    assert [(s["target"], s["rank"], s["step"]) for s in sent] == [("b", 0, newest)]
+    assert "replica of rank 0 step" in log_a.read_text()
+
+    # A newer snapshot (the trainer resumes and trains on) replaces the older one: never two.
+    rc, err = _train(a, tmp_path, "t2", "--steps", "21")
+    assert rc == 0, err[-4000:]
+    newer = _newest_step(a)
+    assert newer > newest
+    _wait(lambda: any(h["step"] == newer for h in held()), f"b to hold a's step {newer}")
+    _check_replica_equals_slot(a, b, newer)
+    assert len(held()) == 1 and len(_replica_files(b)) == 1, _replica_files(b)
+
+    # The holder's agent stopping (SIGTERM) removes every replica file it holds.
+    pb.send_signal(signal.SIGTERM)
+    assert pb.wait(timeout=120) == 0
+    assert _replica_files(b) == []
+
+
+def test_replicas_zero_pushes_nothing(two_nodes: Any, tmp_path: Path) -> None:
+    a, b, agents = two_nodes
+    _start_pair(a, b, agents, "--replicas", "0")
+    rc, err = _train(a, tmp_path, "t", "--steps", "9")
+    assert rc == 0, err[-4000:]
+    # The newest snapshot is hashed (a trainer asks for it on a memory restore; the hash
+    # thread records it on its own): by then a sender would have pushed it.
+    step = _newest_step(a)
+    slot_paths = [names.slot_path(a.shm_dir, a.job, "a", 0, i) for i in range(2)]
+
+    def hashed() -> bool:
+        for p in slot_paths:
+            s = Slot(p)
+            try:
+                info = s.header()
+                if info is not None and info.step == step and s.recorded_hash(info) is not None:
+                    return True
+            finally:
+                s.close()
+        return False
+
+    _wait(hashed, "a's newest snapshot to be hashed")
+    time.sleep(2.0)  # the window in which a push would have happened
+    assert _status(b)["replication"]["held"] == []
+    assert _replica_files(b) == []
+    assert _status(a)["replication"] is None or _status(a)["replication"]["sent"] == []
+
+
+def test_holder_killed_does_not_disturb_training(two_nodes: Any, tmp_path: Path) -> None:
+    a, b, agents = two_nodes
+    _, log_a, pb, _ = _start_pair(a, b, agents)
+    trainer = _train(a, tmp_path, "t", "--steps", "60", "--step-sleep", "0.15", background=True)
+    try:
+        _wait(lambda: _status(b)["replication"]["held"], "b to hold a replica")
+        pb.send_signal(signal.SIGKILL)
+        pb.wait(timeout=30)
+        rc = trainer.wait(timeout=300)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(timeout=30)
+    assert rc == 0, (tmp_path / "t.stderr").read_text()[-4000:]
+    st = _status(a)
+    # Persistence went on: the final step is committed.
+    lines = (tmp_path / "t.log").read_text().split()
+    assert max(st["committed"]) >= 57, st["committed"]
+    assert lines
+    rep = st["replication"]
+    _wait(lambda: _status(a)["replication"]["failures"] >= 1, "a to count the failed push")
+    rep = _status(a)["replication"]
+    assert all(e["target"] == "b" for e in rep["errors"]) and rep["errors"]
+    assert "to b failed" in log_a.read_text()
+
+    # The dead holder's replica files are found by the orphan sweep (the holder's prefix) and
+    # removed by `flashckpt clean`.
+    left = _replica_files(b)
+    assert left, "b's replica file should be left by its SIGKILLed agent"
+    groups = abandoned_segments(b.shm_dir, 0.0)
+    mine = [g for g in groups if g.key == (b.job, "b")]
+    assert mine and all(os.path.join(b.shm_dir, n) in mine[0].paths for n in left)
+    clean = ["clean", "--shm-dir", b.shm_dir, "--job", b.job, "--older-than", "0"]
+    out = subprocess.run(
+        [sys.executable, "-m", "flashckpt", *clean],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert _replica_files(b) == []
+
+
+def test_capacity_check_refuses_with_numbers(fc_env: FcEnv, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs a tmpfs of a set size (root)")
+    with private_shm(tmp_path / "small", "3m") as shm:
+        env = dataclasses.replace(fc_env, node="b", shm_dir=shm)
+        agents = Agents(tmp_path)
+        try:
+            # Two slots of the tiny model fit in 3 MiB (about 2.3 MiB); a replica's worth more
+            # does not: the trainer's first snapshot fails at alloc, naming the numbers.
+            agents.start(env, "--replica-listen", "127.0.0.1:0", "--replicas", "1")
+            rc, err = _train(env, tmp_path, "t", "--steps", "6")
+            assert rc != 0
+            assert "ShmSpaceError" in err and "for the replicas of other machines" in err, err[
+                -4000:
+            ]
+            assert "MiB available but this machine needs" in err
+        finally:
+            agents.close()
+            for n in os.listdir(shm):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(shm, n))
+
+
+def test_replica_config_is_checked() -> None:
+    ok = AgentConfig(
+        job="j", node="a", replica_listen="0.0.0.0:0", replica_peers="b=10.0.0.2:7070, c=[::1]:1"
+    )
+    assert ok.replica_peer_addrs() == {"b": ("10.0.0.2", 7070), "c": ("::1", 1)}
+    assert ok.replica_listen_addr() == ("0.0.0.0", 0)
+    for bad, words in (
+        ({"replica_peers": "a=10.0.0.2:1"}, "own node"),
+        ({"replica_peers": "b=10.0.0.2"}, "host:port"),
+        ({"replica_peers": "b=10.0.0.2:0"}, "1-65535"),
+        ({"replica_peers": "b:10.0.0.2:1"}, "node=host:port"),
+        ({"replica_peers": "b/c=h:1"}, "not a valid id"),
+        ({"replica_peers": "b=h:1,b=h:2"}, "twice"),
+        ({"replica_listen": "h:70000"}, "0-65535"),
+        ({"replicas": -1}, "replicas=-1"),
+        ({"replica_limit_bytes": -5}, "replica_limit_bytes"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            AgentConfig(job="j", node="a", **bad)
+
+
+def _state_with_slots(tmp_path: Path, **cfg: Any) -> tuple[Any, list[Slot]]:
+    """An agent's shared state holding one position with two real slot files in ``tmp_path``."""
+    from flashckpt.agent_state import AgentState, RankRecord
+    from flashckpt.shm import allocate_slot_file
+
+    st = AgentState(
+        AgentConfig(job="j", node="a", shm_dir=str(tmp_path), run_dir=str(tmp_path / "r"), **cfg)
+    )
+    slots = []
+    for i in range(2):
+        p = names.slot_path(str(tmp_path), "j", "a", 0, i)
+        allocate_slot_file(p, 4096, 1 << 16)
+        slots.append(Slot(p))
+    st.ranks[0] = RankRecord(0, slots=list(slots))
+    return st, slots
+
+
+def test_pace_waits_while_a_trainer_copies_and_aborts_when_overwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import flashckpt.agent_replica as ar
+    from flashckpt.replica import ReplicaError
+
+    monkeypatch.setattr(ar, "PACE_WAIT_S", 120.0)
+    st, (sent, other) = _state_with_slots(tmp_path)
+    seq = sent.begin_write()
+    sent.end_write(seq, 3, b"{}", 100)
+    info = sent.header()
+    assert info is not None and info.complete
+    pace = ar.Replicator(st)._pacer(sent, info)
+    pace()  # no trainer copies: returns at once
+
+    # A trainer copies into the other slot (seq odd): the transfer waits until it is done.
+    wseq = other.begin_write()
+    t = threading.Thread(target=pace)
+    t.start()
+    t.join(timeout=1.0)
+    assert t.is_alive(), "pace did not wait while a trainer copied"
+    other.end_write(wseq, 6, b"{}", 100)
+    t.join(timeout=60)
+    assert not t.is_alive()
+
+    # The trainer overwrites the slot being sent: the transfer stops at its next chunk.
+    sent.begin_write()
+    with pytest.raises(ReplicaError, match="overwritten"):
+        pace()
+    # The agent stopping stops it too.
+    pace2 = ar.Replicator(st)._pacer(other, other.header())  # type: ignore[arg-type]
+    st.stopping.set()
+    with pytest.raises(ReplicaError, match="stopping"):
+        pace2()
+    for s in (sent, other):
+        s.close()
+
+
+def test_derived_limit_follows_own_slot_bytes(tmp_path: Path) -> None:
+    import flashckpt.agent_replica as ar
+    from flashckpt.errors import ShmSpaceError
+
+    st, slots = _state_with_slots(tmp_path, replicas=2, replica_listen="127.0.0.1:0")
+    r = ar.Replicator(st)
+    r.start_server()
+    try:
+        assert r.store is not None and r.store.limit_bytes == 0  # before any alloc: holds none
+        r.check_capacity(10 * 2**20, 0)
+        assert r.store.limit_bytes == 2 * 10 * 2**20
+        with pytest.raises(ShmSpaceError, match="for the replicas of other machines"):
+            r.check_capacity(2**60, 0)
+    finally:
+        r.close()
+        for s in slots:
+            s.close()
+
+
+def test_status_shows_replicas_sent_and_held() -> None:
+    from flashckpt.statusview import format_status
+
+    rep = {
+        "listen": "127.0.0.1:7070",
+        "sent": [{"target": "b", "rank": 0, "step": 12, "time": time.time() - 3}],
+        "held": [{"sender": "c", "rank": 1, "step": 9}],
+        "failures": 2,
+    }
+    out = format_status([{"job": "j", "node": "a", "replication": rep}])
+    assert "replicas: sent b r0 step 12 (3 s ago); held c r1 step 9; 2 failed" in out
+
+
+def test_replicas_of_machines_that_left_the_world_are_dropped(tmp_path: Path) -> None:
+    import flashckpt.agent_replica as ar
+    from flashckpt.replica import HeldReplica, ReplicaHeader
+
+    def hold(r: ar.Replicator, sender: str) -> str:
+        assert r.store is not None
+        path = names.replica_path(str(tmp_path), "j", "a", sender, 0)
+        Path(path).write_bytes(b"x")
+        h = ReplicaHeader("j", sender, 0, 3, "w", 2, 2, 10, 1, 0.0)
+        r.store._held[(sender, 0)] = HeldReplica(h, path)
+        return path
+
+    st, slots = _state_with_slots(
+        tmp_path, replica_listen="127.0.0.1:0", replica_peers="b=127.0.0.1:1"
+    )
+    r = ar.Replicator(st)
+    r.start_server()
+    try:
+        kept, gone = hold(r, "b"), hold(r, "c")
+        r.prune_departed()
+        assert r.store is not None and [h.header.sender_node for h in r.store.held()] == ["b"]
+        assert os.path.exists(kept) and not os.path.exists(gone)
+    finally:
+        r.close()
+        for s in slots:
+            s.close()
+    # Without a peer list the world is unknown: nothing is dropped.
+    (tmp_path / "x").mkdir()
+    st2, slots2 = _state_with_slots(tmp_path / "x", replica_listen="127.0.0.1:0")
+    r2 = ar.Replicator(st2)
+    r2.start_server()
+    try:
+        path = names.replica_path(str(tmp_path / "x"), "j", "a", "c", 0)
+        Path(path).write_bytes(b"x")
+        assert r2.store is not None
+        r2.store._held[("c", 0)] = HeldReplica(
+            ReplicaHeader("j", "c", 0, 3, "w", 2, 2, 10, 1, 0.0), path
+        )
+        r2.prune_departed()
+        assert len(r2.store.held()) == 1 and os.path.exists(path)
+    finally:
+        r2.close()
+        for s in slots2:
+            s.close()

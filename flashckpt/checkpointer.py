@@ -35,6 +35,7 @@ from flashckpt.config import CheckpointConfig, Stats, check_scheduler_given, unk
 from flashckpt.errors import PersistError
 from flashckpt.interval import AutoInterval
 from flashckpt.link import AgentLink
+from flashckpt.messages import Hello
 from flashckpt.protocol import AgentError
 from flashckpt.rankctx import RankContext
 from flashckpt.reshard import Resharder
@@ -529,18 +530,20 @@ class Checkpointer:
         hello = self._link.hello(
             ctx.socket,
             ctx.run_dir,
-            rank=ctx.rank,
-            local_rank=ctx.local_rank,
-            world_id=ctx.world_id,
-            world_size=ctx.world,
-            local_world_size=ctx.local_world,
-            shard=shard,
-            num_shards=num_shards,
-            replica=replica,
-            storage=cfg.storage,
-            pid=os.getpid(),
+            Hello(
+                rank=ctx.rank,
+                local_rank=ctx.local_rank,
+                world_id=ctx.world_id,
+                world_size=ctx.world,
+                local_world_size=ctx.local_world,
+                shard=shard,
+                num_shards=num_shards,
+                replica=replica,
+                storage=cfg.storage,
+                pid=os.getpid(),
+            ),
         )
-        self._snap.shm_dir = hello.get("shm_dir")
+        self._snap.shm_dir = hello.shm_dir
         self._snap.meta_static = {
             "job": ctx.job,
             "rank": ctx.rank,
@@ -551,7 +554,7 @@ class Checkpointer:
             "num_shards": num_shards,
             "replica": replica,
         }
-        self._snap.map_hello_slots(hello["slots"])
+        self._snap.map_hello_slots(hello.slots)
 
     def _hook_optimizer(self) -> None:
         if self.optimizer is None:

@@ -19,6 +19,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from flashckpt import envnames
+from flashckpt.messages import (
+    Alloc,
+    AllocReply,
+    Done,
+    Flush,
+    FlushReply,
+    Hash,
+    Hello,
+    HelloReply,
+    Restored,
+    Snap,
+    Status,
+    StatusReply,
+)
 from flashckpt.names import agent_log_path
 from flashckpt.protocol import AgentClient, AgentError
 from flashckpt.shm import ShmSpaceError, ensure_private_dir
@@ -54,7 +68,7 @@ class AgentLink:
         """The agent this rank started (None: it started none)."""
         # What reconnecting to a (restarted) node agent needs: the socket and the hello fields.
         self.path: str | None = None
-        self.hello_fields: dict[str, Any] = {}
+        self.hello_msg: Hello | None = None
         self.next_reconnect = 0.0
         self.auto = False  # the agent was started by a trainer (not by its launcher)
         self.restarts = 0
@@ -96,22 +110,28 @@ class AgentLink:
             if self.agent_proc is None or self.agent_proc.poll() is not None:
                 self.spawn(run_dir)
 
-    def hello(self, path: str, run_dir: str, **fields: Any) -> dict[str, Any]:
+    def hello(self, path: str, run_dir: str, msg: Hello) -> HelloReply:
         """Connects and introduces this rank; returns the agent's reply (its slots, shm dir)."""
-        self.path, self.hello_fields = path, dict(fields)
+        self.path, self.hello_msg = path, msg
         for attempt in range(3):
             self.client = self.connect(path, run_dir)
             try:
-                reply = self.client.request("hello", timeout=self.config.agent_timeout, **fields)
+                reply = self._hello(self.client, msg)
             except AgentError as e:
                 if self.client.connected or attempt == 2:
                     raise
                 log.info("flashckpt: node agent went away during hello (%s); retrying", e)
                 self.client.close()
                 continue
-            self.auto = bool(reply.get("auto_started"))
+            self.auto = reply.auto_started
             return reply
         raise AssertionError("unreachable")
+
+    def _hello(self, client: AgentClient, msg: Hello) -> HelloReply:
+        reply = client.call(msg, timeout=self.config.agent_timeout)
+        if not isinstance(reply, HelloReply):  # parse_reply gives the type of the request's op
+            raise AgentError(f"the node agent answered hello with {type(reply).__name__}")
+        return reply
 
     def spawn(self, run_dir: str) -> None:
         """Starts a node agent for this job and node (in a session of its own)."""
@@ -198,16 +218,17 @@ class AgentLink:
                     if self.may_restart():
                         self.spawn(run_dir)  # connected to at the next attempt
                     return False
-            reply = client.request("hello", timeout=self.config.agent_timeout, **self.hello_fields)
+            assert self.hello_msg is not None, "relink before hello"
+            reply = self._hello(client, self.hello_msg)
         except AgentError as e:
             log.warning(
                 "flashckpt: rank %d: no node agent yet (%s); training goes on", self.ctx.rank, e
             )
             return False
         self.client = client
-        self.auto = bool(reply.get("auto_started"))
+        self.auto = reply.auto_started
         self.restarts += 1
-        self._adopt_slots(reply.get("slots") or [])
+        self._adopt_slots(reply.slots)
         timeline_start = self._timeline_start()
         if timeline_start >= 0:
             # The new agent learns where this resumed timeline began (steps after it in storage
@@ -218,11 +239,11 @@ class AgentLink:
             last = self.stats.last_committed_step
             since = max(timeline_start, last if last is not None else -1)
             with contextlib.suppress(AgentError):
-                client.request("restored", step=since, timeout=10)
+                client.call(Restored(step=since), timeout=10)
         log.warning(
             "flashckpt: rank %d lost its node agent and is linked to agent pid %s now",
             self.ctx.rank,
-            reply.get("pid"),
+            reply.pid,
         )
         return True
 
@@ -241,13 +262,13 @@ class AgentLink:
         """Tells the agent where this run's timeline starts (-1: from scratch); best effort."""
         if self.client is not None:
             with contextlib.suppress(AgentError):
-                self.client.request("restored", step=step, timeout=10)
+                self.client.call(Restored(step=step), timeout=10)
 
     def snapped(self, step: int) -> None:
         """Tells the agent that this rank's snapshot of ``step`` is complete in its slot."""
         if self.client is not None:
-            self.client.notify(
-                "snap", rank=self.ctx.rank, local_rank=self.ctx.local_rank, step=step
+            self.client.notify_msg(
+                Snap(rank=self.ctx.rank, local_rank=self.ctx.local_rank, step=step)
             )
 
     def alloc(self, *, meta_cap: int, data_cap: int, keep: list[int]) -> list[str]:
@@ -260,30 +281,29 @@ class AgentLink:
         if self.client is None:
             raise AgentError("no node agent: lost, and none found again yet")
         try:
-            reply = self.client.request(
-                "alloc",
+            reply = self.client.call(
+                Alloc(
+                    rank=self.ctx.rank,
+                    local_rank=self.ctx.local_rank,
+                    meta_cap=meta_cap,
+                    data_cap=data_cap,
+                    keep=keep,
+                ),
                 timeout=self.config.agent_timeout,
-                rank=self.ctx.rank,
-                local_rank=self.ctx.local_rank,
-                meta_cap=meta_cap,
-                data_cap=data_cap,
-                keep=keep,
             )
         except AgentError as e:
             if e.kind == "ShmSpaceError":
                 raise ShmSpaceError(str(e)) from None
             raise
-        slots: list[str] = reply["slots"]
-        return slots
+        assert isinstance(reply, AllocReply)
+        return list(reply.slots)
 
     def hash_now(self) -> None:
         """Has the agent hash this position's slots now (it hashes in the background)."""
         if self.alive():
             assert self.client is not None
             with contextlib.suppress(AgentError):
-                self.client.request(
-                    "hash", rank=self.ctx.rank, local_rank=self.ctx.local_rank, timeout=60
-                )
+                self.client.call(Hash(), timeout=60)
 
     def flush(self, step: int, timeout: float) -> int:
         """Waits until the agent committed ``step`` to storage; returns the committed step.
@@ -293,16 +313,18 @@ class AgentLink:
         """
         if self.client is None:
             raise AgentError("no node agent")
-        reply = self.client.request("flush", step=step, timeout_s=timeout, timeout=timeout + 5)
-        return int(reply["committed"])
+        reply = self.client.call(Flush(step=step, timeout_s=timeout), timeout=timeout + 5)
+        assert isinstance(reply, FlushReply)
+        return reply.committed
 
     def status(self) -> dict[str, Any]:
         """The agent's view (``connected``, and what its status reply holds)."""
         agent: dict[str, Any] = {"connected": bool(self.client and self.client.connected)}
         if self.client is not None and self.client.connected:
             with contextlib.suppress(AgentError):
-                reply = self.client.request("status", timeout=5)
-                agent.update({k: v for k, v in reply.items() if k not in ("id", "ok")})
+                reply = self.client.call(Status(), timeout=5)
+                assert isinstance(reply, StatusReply)
+                agent.update(reply.status)
         return agent
 
     def close(self, *, done: bool) -> None:
@@ -310,8 +332,8 @@ class AgentLink:
         if self.client is not None:
             if done:
                 with contextlib.suppress(AgentError):
-                    self.client.request(
-                        "done", rank=self.ctx.rank, local_rank=self.ctx.local_rank, timeout=10
+                    self.client.call(
+                        Done(rank=self.ctx.rank, local_rank=self.ctx.local_rank), timeout=10
                     )
             self.client.close()
             self.client = None

@@ -21,7 +21,7 @@ import queue
 import time
 
 from flashckpt.agent_commit import Committer
-from flashckpt.agent_state import AgentState, read_meta
+from flashckpt.agent_state import AgentState, RankRecord, read_meta
 from flashckpt.layout import safetensors_header
 from flashckpt.manifest import FileEntry, RankEntry, ShardEntry
 from flashckpt.shm import Slot, SlotInfo
@@ -54,8 +54,9 @@ class Persister:
     def __init__(self, state: AgentState, committer: Committer) -> None:
         self.st = state
         self.committer = committer
-        # slot path -> ((seq, step, meta crc), world id) of its last complete snapshot
-        self._snap_worlds: dict[str, tuple[tuple[int, int, int], str | None]] = {}
+        # slot path -> ((seq, step, meta crc), (world id, marked for storage)) of its last
+        # complete snapshot
+        self._snap_worlds: dict[str, tuple[tuple[int, int, int], tuple[str | None, bool]]] = {}
         self._yields = 0  # persists abandoned in a row to let a trainer have its slot
         self._retry_after = 0.0  # after a persistence error: no attempt before this time
 
@@ -195,8 +196,31 @@ class Persister:
             common = {s for s in common if s > self.st.persisted_high}
             if not common:
                 return None
-            step = max(common)
+            # persist_every: the newest snapshot the trainers marked; the newest of all when a
+            # flush waits, or a trainer of this world died or finished (its memory is all there
+            # is: save at breakpoint, and the exit's final snapshot).
+            forced = self.st.flush_waiting > 0 or any(r.conn is None for r in ranks)
+            marked = common if forced else {s for s in common if self._marked(ranks, per_rank, s)}
+            if not marked:
+                with self.st.lock:
+                    self.st.unmarked_high = max(self.st.unmarked_high, max(common))
+                return None
+            step = max(marked)
             return step, {r: have[step] for r, have in per_rank.items()}
+
+    def _marked(
+        self,
+        ranks: list[RankRecord],
+        per_rank: dict[int, dict[int, tuple[int, SlotInfo]]],
+        step: int,
+    ) -> bool:
+        """Whether every local rank's snapshot of ``step`` is marked for storage."""
+        for rec in ranks:
+            idx, info = per_rank[rec.rank][step]
+            slot = rec.slots[idx]
+            if slot is None or not self.snap_info(slot, info)[1]:
+                return False
+        return True
 
     def persist(self, step: int, picks: dict[int, tuple[int, SlotInfo]]) -> None:
         storage = self.st.storage
@@ -354,6 +378,11 @@ class Persister:
 
     def snap_world(self, slot: Slot, info: SlotInfo) -> str | None:
         """The world id a complete snapshot was taken in (cached per slot generation)."""
+        return self.snap_info(slot, info)[0]
+
+    def snap_info(self, slot: Slot, info: SlotInfo) -> tuple[str | None, bool]:
+        """The world id of a complete snapshot and whether its trainer marked it for storage
+        (cached per slot generation; an unreadable meta: no world, unmarked)."""
         # The sequence number alone does not name a snapshot: a slot file that was replaced
         # (a bigger state) starts counting again.
         tag = (info.seq, info.step, info.meta_crc)
@@ -361,7 +390,8 @@ class Persister:
         if cached is not None and cached[0] == tag:
             return cached[1]
         meta = read_meta(slot, info)
-        world = meta.world_id if meta is not None else None
-        if meta is not None:
-            self._snap_worlds[slot.path] = (tag, world)
-        return world
+        if meta is None:
+            return None, False
+        out = (meta.world_id, meta.persist_wanted)
+        self._snap_worlds[slot.path] = (tag, out)
+        return out

@@ -235,6 +235,15 @@ class Server:
         )
 
     def flush(self, step: int, timeout: float) -> Reply:
+        with self.st.lock:
+            self.st.flush_waiting += 1
+        try:
+            return self._flush(step, timeout)
+        finally:
+            with self.st.lock:
+                self.st.flush_waiting -= 1
+
+    def _flush(self, step: int, timeout: float) -> Reply:
         deadline = time.monotonic() + timeout
         next_look = 0.0
         self.st.wake.set()

@@ -126,6 +126,10 @@ class AgentState:
         self.persisted_high = -1  # newest step persisted (or skipped) by this agent
         # Committed steps hidden (uncommitted) to be rewritten: retried until committed again.
         self.rewrites: set[int] = set()
+        # flush requests waiting now: the newest snapshot is persisted even if unmarked
+        self.flush_waiting = 0
+        # the newest complete step not persisted because its trainers did not mark it
+        self.unmarked_high = -1
         # How the shard files went to storage: with O_DIRECT straight from the slot, or through
         # the page cache (a file system that refuses O_DIRECT, or remote storage).
         self.shard_writes = {"direct": 0, "buffered": 0}

@@ -31,7 +31,13 @@ from typing import Any, Literal
 import torch
 
 from flashckpt.apply import Applier
-from flashckpt.config import CheckpointConfig, Stats, check_scheduler_given, unknown_options
+from flashckpt.config import (
+    CheckpointConfig,
+    Stats,
+    check_scheduler_given,
+    parse_persist_every,
+    unknown_options,
+)
 from flashckpt.errors import PersistError
 from flashckpt.interval import AutoInterval
 from flashckpt.link import AgentLink
@@ -107,6 +113,8 @@ class Checkpointer:
         self._hooks: list[Any] = []
         self._count = 0  # steps completed (the library's step count)
         self._last_saved_step: int | None = None
+        self._persist_calls = 0  # save() calls: the same count on every rank
+        self._persist_mark_t: float | None = None  # when the last snapshot was marked (time form)
         self._entered = False
         self._mon: StepRecorder | None = None
         self._auto: AutoInterval | None = None
@@ -364,6 +372,25 @@ class Checkpointer:
             f"ckpt.start_step. {conventions}"
         )
 
+    def _persist_due(self) -> bool:
+        """Whether this snapshot is marked for storage (``persist_every``). Every rank calls
+        ``save()`` at the same steps, so the count form agrees without talking; the time form
+        takes the ranks' OR (a rank whose clock says "due" decides for all)."""
+        every_n, every_s = parse_persist_every(self.config.persist_every)
+        self._persist_calls += 1
+        if every_n is not None:
+            due = (self._persist_calls - 1) % every_n == 0
+        else:
+            assert every_s is not None
+            now = time.monotonic()
+            mine = self._persist_mark_t is None or now - self._persist_mark_t >= every_s
+            due = bool(self._ctx.all_max(int(mine)))
+            if due:
+                self._persist_mark_t = now
+        if due:
+            self.stats.persist_marked += 1
+        return due
+
     def _auto_step(self, done: int) -> SnapshotHandle | None:
         auto = self._auto
         if auto is None:
@@ -423,6 +450,7 @@ class Checkpointer:
                 "buffers_xxh": snap.buffers_hash(model_sd),
                 **self._applier.per_rank_state(),
             },
+            "persist": self._persist_due(),
         }
         if not self._link.alive():
             self._link.relink()  # the agent died: find (or start) another; never waits

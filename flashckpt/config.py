@@ -27,6 +27,14 @@ class CheckpointConfig:
     every snapshot (:mod:`flashckpt.interval`; ``status()["every"]`` shows it); the first one
     after 10 steps. An int N: whenever the number of steps done is a multiple of N. 0: manual,
     snapshots only on ``save()`` (and the one on exit)."""
+    persist_every: int | str = 1
+    """Which snapshots go to storage too (memory keeps every one). An int N: the first and then
+    every Nth snapshot (1, the default: every one). A duration ``"90s"``, ``"10m"``, ``"2h"``: a
+    snapshot when at least that long passed since the last one marked (the ranks agree: one
+    all-reduce of one integer per snapshot). Whatever it says, the newest snapshot is persisted
+    when ``flush()`` or the exit of the ``with`` block waits for it and when a trainer dies
+    (its node agent persists what that machine's memory holds), so a rarer persist loses
+    nothing on a process crash; only a machine lost with its memory falls back further."""
     mtbf_s: float | None = None
     """With ``every="auto"``: the prior job MTBF in seconds (default: 50,000 GPU-hours per
     failure divided by the world size); failures seen during the run update it."""
@@ -94,6 +102,7 @@ class CheckpointConfig:
             raise ValueError(
                 f"every={self.every!r}: use a positive step interval, 0 for manual, or 'auto'"
             )
+        parse_persist_every(self.persist_every)
         if self.mtbf_s is not None and not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s={self.mtbf_s!r}: the job MTBF must be > 0 seconds")
         if self.mode not in ("overlap", "sync"):
@@ -115,11 +124,42 @@ class CheckpointConfig:
             Storage(self.storage)  # validates the URL early
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_persist_every(value: object) -> tuple[int | None, float | None]:
+    """``persist_every`` as (every N snapshots, None) or (None, every T seconds).
+
+    Raises:
+        ValueError: neither a positive int nor a positive duration with a unit.
+    """
+    fix = "use a positive number of snapshots (int) or a duration such as '90s', '10m', '2h'"
+    if isinstance(value, bool):
+        raise ValueError(f"persist_every={value!r}: {fix}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"persist_every={value!r}: {fix}")
+        return value, None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        unit = _UNITS.get(text[-1:]) if text else None
+        try:
+            seconds = float(text[:-1]) * unit if unit is not None else None
+        except ValueError:
+            seconds = None
+        if seconds is not None and 0 < seconds < float("inf"):
+            return None, seconds
+    raise ValueError(f"persist_every={value!r}: {fix}")
+
+
 @dataclass(slots=True)
 class Stats:
     """Counters of a checkpointer (all times in seconds)."""
 
     saves: int = 0
+    persist_marked: int = 0
+    """Snapshots marked for storage (``persist_every``); the others stay in memory only unless
+    a flush, the exit or a trainer's death has them persisted."""
     skips: int = 0
     skipped_steps: list[int] = field(default_factory=list)
     last_snapshot_step: int | None = None

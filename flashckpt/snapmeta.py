@@ -62,6 +62,7 @@ META_KEYS = (
     "replica",
     "step",
     "private",
+    "persist",
     "layout_sig",
     "entries",
     "skeleton",
@@ -178,6 +179,14 @@ class SnapshotMeta:
     """The state's structure around the tensors (JSON, read by the torch state codec)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys this version does not know (a newer trainer's), kept so nothing is lost."""
+    persist: bool | None = None
+    """Whether the trainers want this snapshot written to storage (``persist_every``: every rank
+    marks the same snapshots). None (the key absent, an older trainer): yes. An unmarked one is
+    still persisted when a flush waits for it, or its trainer died or finished."""
+
+    @property
+    def persist_wanted(self) -> bool:
+        return self.persist is not False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size or not 0 <= self.shard < self.num_shards:
@@ -203,6 +212,7 @@ class SnapshotMeta:
             "replica": self.replica,
             "step": self.step,
             "private": self.private,
+            **({} if self.persist is None else {"persist": self.persist}),
             **self.extra,
             "layout_sig": self.layout.signature,
             "entries": self.layout.to_json(),
@@ -240,6 +250,9 @@ class SnapshotMeta:
         private = doc.get("private")
         if not isinstance(private, dict):
             raise c.bad("private", f"is {type(private).__name__}, not a JSON object")
+        persist = doc.get("persist")
+        if persist is not None and not isinstance(persist, bool):
+            raise c.bad("persist", f"is {type(persist).__name__}, not true or false")
         entries = _entries(c, doc.get("entries"))
         layout = Layout(
             entries,
@@ -268,6 +281,7 @@ class SnapshotMeta:
             layout=layout,
             skeleton=doc["skeleton"],
             extra=extra,
+            persist=persist,
         )
 
 

@@ -78,6 +78,7 @@ def main() -> int:
     p.add_argument("--final-report", default=None, help="write the end-of-run line here")
     p.add_argument("--quiet", action="store_true", help="ignore warnings (skipped snapshots)")
     p.add_argument("--kill-in-copy", type=int, default=0, help="SIGKILL self mid-copy of save N")
+    p.add_argument("--persist-every", default="1", help="snapshots (int) or a duration ('1h')")
     a = p.parse_args()
     if a.kill_in_copy:
         kill_in_copy(a.kill_in_copy)
@@ -97,6 +98,7 @@ def main() -> int:
         node=a.node,
         run_dir=a.run_dir,
         mode=a.mode,
+        persist_every=int(a.persist_every) if a.persist_every.isdigit() else a.persist_every,
         agent_idle_timeout=120,
         **({"shm_dir": a.shm_dir} if a.shm_dir else {}),
     ) as ckpt:

@@ -1,0 +1,181 @@
+"""``persist_every``: memory keeps every snapshot, storage gets the marked ones, and a rarer
+persist loses nothing on a process crash: the newest snapshot is still persisted when a flush or
+the exit waits for it and when the trainer dies (real agent, real trainers, real storage)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from fchelpers import FcEnv, RunningAgent, tinytrain_command
+from tinytrain import make, train_step
+
+import flashckpt
+from flashckpt.config import CheckpointConfig, parse_persist_every
+from flashckpt.errors import CorruptCheckpointError
+from flashckpt.snapmeta import SnapshotMeta
+from flashckpt.storage import Storage
+
+
+def _wait_committed(st: Storage, step: int, timeout: float = 120.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = st.committed_steps()
+        if step in got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(
+        f"step {step} not committed within {timeout:.0f} s: {st.committed_steps()}"
+    )
+
+
+def test_every_nth_snapshot_goes_to_storage_and_the_exit_commits_the_last(
+    fc_env: FcEnv, agent: RunningAgent
+) -> None:
+    st = Storage(fc_env.storage)
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(every=0, persist_every=3)
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        for i in range(8):
+            train_step(model, opt, sched, i)
+            ck.step()
+            h = ck.save(mode="sync")
+            assert h.done
+            if i % 3 == 0:  # saves 1, 4, 7 are marked: each is committed without a flush
+                _wait_committed(st, i + 1)
+            else:
+                # An unmarked one is not persisted: the agent holds it in memory only.
+                time.sleep(0.3)
+                assert i + 1 not in st.committed_steps()
+        assert st.committed_steps() == [1, 4, 7]
+        assert ck.stats.persist_marked == 3
+        assert agent.agent.st.unmarked_high == 8
+    # The exit's flush waits for the newest snapshot (step 8, unmarked): it is persisted (the
+    # agent keeps the newest 3 committed steps).
+    assert st.committed_steps() == [4, 7, 8]
+    assert st.check_step(8).status == "ok"
+
+
+def test_a_duration_marks_the_first_and_flush_persists_the_newest(
+    fc_env: FcEnv, agent: RunningAgent
+) -> None:
+    st = Storage(fc_env.storage)
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(every=0, persist_every="1h")
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        for i in range(4):
+            train_step(model, opt, sched, i)
+            ck.step()
+            ck.save(mode="sync")
+            if i == 0:
+                _wait_committed(st, 1)
+        time.sleep(0.5)
+        assert st.committed_steps() == [1]
+        assert ck.flush() == 4  # a flush persists the newest, marked or not
+        assert st.committed_steps() == [1, 4]
+        for i in range(4, 6):
+            train_step(model, opt, sched, i)
+            ck.step()
+            ck.save(mode="sync")
+    assert st.committed_steps() == [1, 4, 6]
+    assert ck.stats.persist_marked == 1
+
+
+def test_the_newest_snapshot_is_persisted_when_the_trainer_dies(
+    fc_env: FcEnv, agent: RunningAgent, tmp_path: Path
+) -> None:
+    st = Storage(fc_env.storage)
+    log = tmp_path / "train.log"
+    cmd = tinytrain_command(
+        fc_env,
+        log,
+        "--steps",
+        "100000",
+        "--every",
+        "2",
+        "--persist-every",
+        "1000",
+        "--step-sleep",
+        "0.05",
+        "--mode",
+        "sync",
+    )
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        _wait_committed(st, 2)  # the first snapshot is marked
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (
+            not log.exists() or len(log.read_text().splitlines()) < 14
+        ):
+            time.sleep(0.05)
+        assert st.committed_steps() == [2]  # snapshots 4, 6, ... are in memory only
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    a = agent.agent
+    with a.st.lock:
+        slots = [s for r in a.st.ranks.values() for s in r.slots if s is not None]
+    newest = max(h.step for s in slots if (h := s.header()) is not None and h.complete)
+    assert newest >= 12
+    # Its trainer is gone: the agent persists what this machine's memory holds (save at
+    # breakpoint), marked or not.
+    got = _wait_committed(st, newest)
+    assert got == [2, newest]
+    assert st.check_step(newest).status == "ok"
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        (1, (1, None)),
+        (7, (7, None)),
+        ("90s", (None, 90.0)),
+        ("10m", (None, 600.0)),
+        ("2h", (None, 7200.0)),
+        ("0.5S", (None, 0.5)),
+    ],
+)
+def test_persist_every_forms(value: object, want: tuple[int | None, float | None]) -> None:
+    assert parse_persist_every(value) == want
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, "", "10", "s", "-5s", "1d", "infs", 2.5])
+def test_persist_every_refuses_what_it_cannot_mean(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"persist_every=.*use a positive number of snapshots"):
+        CheckpointConfig(persist_every=bad)  # type: ignore[arg-type]
+
+
+def test_the_mark_is_part_of_the_typed_snapshot_meta() -> None:
+    base = {
+        "job": "j",
+        "rank": 0,
+        "world_id": "",
+        "world_size": 1,
+        "local_world_size": 1,
+        "shard": 0,
+        "num_shards": 1,
+        "replica": 0,
+        "step": 3,
+        "private": {},
+    }
+    tail = {"layout_sig": None, "entries": [], "skeleton": {}}
+    from flashckpt.layout import Layout
+
+    tail["layout_sig"] = Layout([], 0, __import__("hashlib").sha1(b"[]").hexdigest()).signature
+    for persist in (True, False):
+        doc = {**base, "persist": persist, **tail}
+        m = SnapshotMeta.from_json(doc)
+        assert m.persist is persist and m.persist_wanted is persist
+        assert json.dumps(m.to_json()) == json.dumps(doc)  # same keys, same order
+    old = SnapshotMeta.from_json({**base, **tail})  # an older trainer: no mark, persisted
+    assert old.persist is None and old.persist_wanted and "persist" not in old.to_json()
+    with pytest.raises(CorruptCheckpointError, match="'persist'"):
+        SnapshotMeta.from_json({**base, "persist": "yes", **tail})

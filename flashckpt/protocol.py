@@ -176,6 +176,10 @@ class AgentClient:
         try:
             send_msg(self._sock, obj, self._send_lock)
         except OSError as e:
+            # The connection is dead (the agent went away): say so at once, before the reader
+            # thread sees the end of the stream, so a caller that retries on a lost agent (a
+            # hello racing an agent that is exiting) knows to connect again.
+            self._closed.set()
             raise AgentError(f"lost the node agent at {self.path}: {e}") from e
 
     def _read_loop(self) -> None:

@@ -249,3 +249,35 @@ def test_the_client_drops_malformed_events(tmp_path: Any) -> None:
         client.close()
         conn.close()
         srv.close()
+
+
+def test_a_failed_send_marks_the_connection_lost_at_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A send that fails (the agent went away, e.g. one exiting while a trainer says hello) marks
+    the client disconnected before its reader sees the end of the stream, so the trainer's hello
+    connects again instead of failing (fresh-ci saw the hello fail with a broken pipe)."""
+    from flashckpt import protocol
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    path = str(run_dir / "fake.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    client = AgentClient(path)
+    conn, _ = srv.accept()  # kept open: the reader thread sees no end of stream
+    try:
+        assert client.connected
+
+        def broken(*_: Any) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        monkeypatch.setattr(protocol, "send_msg", broken)
+        with pytest.raises(AgentError, match="lost the node agent"):
+            client.request("ping", timeout=5)
+        assert not client.connected
+    finally:
+        client.close()
+        conn.close()
+        srv.close()

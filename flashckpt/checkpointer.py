@@ -113,6 +113,8 @@ class Checkpointer:
         self._hooks: list[Any] = []
         self._count = 0  # steps completed (the library's step count)
         self._last_saved_step: int | None = None
+        # persist_every, parsed once (the config checked it): (every N snapshots, every T s)
+        self._persist_every = parse_persist_every(self.config.persist_every)
         self._persist_calls = 0  # save() calls: the same count on every rank
         self._persist_mark_t: float | None = None  # when the last snapshot was marked (time form)
         self._entered = False
@@ -376,7 +378,7 @@ class Checkpointer:
         """Whether this snapshot is marked for storage (``persist_every``). Every rank calls
         ``save()`` at the same steps, so the count form agrees without talking; the time form
         takes the ranks' OR (a rank whose clock says "due" decides for all)."""
-        every_n, every_s = parse_persist_every(self.config.persist_every)
+        every_n, every_s = self._persist_every
         self._persist_calls += 1
         if every_n is not None:
             due = (self._persist_calls - 1) % every_n == 0

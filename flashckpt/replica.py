@@ -152,8 +152,8 @@ def _send_from(
 # -- the header --------------------------------------------------------------------------------
 
 
-def _int(obj: dict[str, Any], key: str, lo: int, hi: int) -> int:
-    v = obj.get(key)
+def _int(obj: Any, key: str, lo: int, hi: int) -> int:
+    v = getattr(obj, key)
     if type(v) is not int or not lo <= v < hi:
         raise ReplicaError(
             f"replica header field {key!r} = {v!r} is not an integer in [{lo}, {hi})"
@@ -198,9 +198,7 @@ class ReplicaHeader:
             ("data_len", 0, 2**62),
             ("data_hash", 0, _U64),
         ):
-            v = getattr(self, key)
-            if type(v) is not int or not lo <= v < hi:
-                raise ReplicaError(f"replica header: {key} = {v!r} is not in [{lo}, {hi})")
+            _int(self, key, lo, hi)
         # "" is the world of a job run without the elastic launcher (no rendezvous rounds).
         if not isinstance(self.world, str) or len(self.world) > 256:
             raise ReplicaError("replica header: world must be a string of at most 256 characters")
@@ -241,13 +239,13 @@ class ReplicaHeader:
             return cls(
                 job=obj["job"],
                 sender_node=obj["sender_node"],
-                rank=_int(obj, "rank", 0, MAX_RANK),
-                step=_int(obj, "step", 0, 2**62),
+                rank=obj.get("rank"),  # type: ignore[arg-type]  # checked in __post_init__
+                step=obj.get("step"),  # type: ignore[arg-type]
                 world=obj["world"],
-                seq=_int(obj, "seq", 0, _U64),
-                meta_len=_int(obj, "meta_len", 0, MAX_META + 1),
-                data_len=_int(obj, "data_len", 0, 2**62),
-                data_hash=_int(obj, "data_hash", 0, _U64),
+                seq=obj.get("seq"),  # type: ignore[arg-type]
+                meta_len=obj.get("meta_len"),  # type: ignore[arg-type]
+                data_len=obj.get("data_len"),  # type: ignore[arg-type]
+                data_hash=obj.get("data_hash"),  # type: ignore[arg-type]
                 time_complete=float(t),
             )
         except ValueError as e:  # check_name

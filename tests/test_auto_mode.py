@@ -6,6 +6,11 @@ is in tests/test_gpu.py."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -304,3 +309,50 @@ def test_a_slot_replaced_mid_run_is_unregistered_and_its_successor_registered(
         assert rt.pinned == after  # the new slot registered, the dropped one not any more
         assert ("unregister", gone.pop()) in rt.calls
     assert rt.pinned == {}
+
+
+# -- benchmarks/gpu_check.sh: what runs without a GPU ---------------------------------------------
+_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.sh"
+
+
+def _gpu_check(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(_SCRIPT), *args],
+        env={**os.environ, "PYTHON": sys.executable, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_gpu_check_script_parses_and_refuses_bad_settings(tmp_path: Path) -> None:
+    assert subprocess.run(["bash", "-n", str(_SCRIPT)], timeout=60).returncode == 0
+    out = tmp_path / "out"
+    r = _gpu_check("--dry-run", str(out), GPU_CHECK_SIZES="0.5 16", GPU_CHECK_BUDGET="300")
+    assert r.returncode == 0, r.stderr
+    assert "budget 300s, sizes (GiB): 0.5 16" in r.stdout
+    assert "tests/test_gpu.py" in r.stdout
+    assert f"--sizes 16 --only memcpy,fc,files,dcp --repeats 2 --out {out}" in r.stdout
+    assert not out.exists()  # a dry run writes nothing
+    assert "Usage" in _gpu_check("--help").stdout
+    for args, env, says in [
+        (("--fast",), {}, "unknown option --fast"),
+        (("a", "b"), {}, "one OUT_DIR at most"),
+        (("-n",), {"GPU_CHECK_BUDGET": "5m"}, "GPU_CHECK_BUDGET=5m: give whole seconds"),
+        (("-n",), {"GPU_CHECK_BUDGET": "30"}, "60 or more"),
+        (("-n",), {"GPU_CHECK_SIZES": "1 0"}, "'0' is no size in GiB"),
+        (("-n",), {"GPU_CHECK_SIZES": "4GiB"}, "'4GiB' is no size in GiB"),
+        (("-n",), {"GPU_CHECK_SIZES": " "}, "GPU_CHECK_SIZES is empty"),
+    ]:
+        r = _gpu_check(*args, **env)
+        assert r.returncode == 64 and says in r.stderr, (args, env, r.stderr)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_gpu_check_script_without_cuda_measures_nothing_and_says_so(tmp_path: Path) -> None:
+    r = _gpu_check(str(tmp_path / "out"))
+    assert r.returncode == 2, r.stderr
+    assert "no CUDA device" in r.stderr and "nothing was measured" in r.stderr
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["ok"] is False and report["reason"] == "no CUDA device"
+    assert [s["step"] for s in report["steps"]] == ["cuda"]

@@ -93,6 +93,9 @@ class SlotMap:
     are DMA at full bandwidth, and a side-stream copy really is asynchronous."""
     register_failed: bool = False
     """``cudaHostRegister`` refused this mapping (warned once; not tried again)."""
+    cuda_ready: dict[torch.device, Any] | None = None
+    """While a snapshot is copied into this slot: an event per CUDA device, recorded on the
+    caller's current stream in ``save()``, that the device->host copies wait for."""
     ino: int = 0
 
 
@@ -502,18 +505,13 @@ class Snapshotter:
             sm.views_sig = layout.signature
         return sm.views
 
-    def copy(
-        self,
-        sm: SlotMap,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
-        ready: dict[torch.device, Any] | None = None,
-    ) -> None:
+    def copy(self, sm: SlotMap, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         cuda_pairs = [(d, s) for d, s in pairs if s.is_cuda]
         for d, s in pairs:
             if not s.is_cuda:
                 d.copy_(s)
         if cuda_pairs:
-            self.copy_cuda(sm, cuda_pairs, ready)
+            self.copy_cuda(sm, cuda_pairs)
 
     @staticmethod
     def cuda_ready(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[torch.device, Any]:
@@ -529,15 +527,11 @@ class Snapshotter:
                 ready[s.device] = ev
         return ready
 
-    def copy_cuda(
-        self,
-        sm: SlotMap,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
-        ready: dict[torch.device, Any] | None = None,
-    ) -> None:
+    def copy_cuda(self, sm: SlotMap, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Device -> registered shared memory (DMA) on a side stream of each source device,
-        after the work queued before the save (``ready``, else the current streams); returns
-        once the bytes are in memory."""
+        after the work queued before the save (``sm.cuda_ready``, else the current streams);
+        returns once the bytes are in memory."""
+        ready = sm.cuda_ready
         if not sm.registered_cuda and not sm.register_failed:
             # The state reached the GPU after entry (entry registers the slots of a CUDA
             # state): registered once, here, for this and every later copy into this slot.
@@ -625,22 +619,25 @@ class Snapshotter:
         slot.slot.write_meta(meta)
         slot.step = None
 
-        # Taken now, in the caller's thread: the background copy orders itself after them.
-        ready = self.cuda_ready(later) if later and any(s.is_cuda for _, s in later) else None
+        # Recorded now, in the caller's thread: the background copy orders itself after them.
+        cuda = [p for p in later if p[1].is_cuda]
+        slot.cuda_ready = self.cuda_ready(cuda) if cuda else None
 
         def finish() -> None:
             try:
-                self.copy(slot, later, ready)
+                self.copy(slot, later)
                 slot.slot.end_write(seq, step, meta, layout.nbytes)
                 slot.step = step
                 self.stats.last_snapshot_step = step
                 self.link.snapped(step)
             finally:
+                slot.cuda_ready = None
                 slot.writing = False
 
         try:
             self.copy(slot, now)
         except BaseException:
+            slot.cuda_ready = None
             slot.writing = False
             raise
         if later:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -26,8 +25,6 @@ if TYPE_CHECKING:
     from flashckpt.snapshot import CudaHostRegistrar, Snapshotter
 
 __all__ = ["Applier", "clone_tensors"]
-
-log = logging.getLogger("flashckpt")
 
 PIN_MIN_BYTES = 64 << 20
 """A restore's host buffer at least this big is page-locked while it is copied to the GPU."""

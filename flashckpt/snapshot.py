@@ -159,7 +159,7 @@ class CudaHostRegistrar:
 
     def _register(self, ptr: int, size: int, what: str, warn: bool) -> bool:
         rt = self._rt()
-        rc = _error_code(rt.cudaHostRegister(ptr, size, 0))
+        rc = _error_code(rt.cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE))
         if rc == 0:
             self.registered[ptr] = size
             return True
@@ -177,6 +177,11 @@ class CudaHostRegistrar:
         else:
             log.info("%s", msg)
         return False
+
+
+_HOST_REGISTER_PORTABLE = 1
+"""cudaHostRegisterPortable: the range counts as pinned for every CUDA context of the process,
+not only the current device's (a state spread over several GPUs copies from each)."""
 
 
 def _error_code(rc: Any) -> int:

@@ -148,6 +148,7 @@ def test_cuda_state_registers_its_slots_at_entry_and_unregisters_at_close(
         assert len(slots) == 2
         # Both slots, each whole mapping (header included), before any save().
         assert rt.pinned == slots and ck.stats.saves == 0
+        assert {c[3] for c in rt.calls} == {1}  # cudaHostRegisterPortable: every device
         assert all(sm.registered_cuda for sm in ck._slots)
         calls = len(rt.calls)
         train_steps(ck, model, opt, sched, 0, 2)

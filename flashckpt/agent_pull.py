@@ -24,6 +24,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from flashckpt.agent_state import AgentState, Conn, RankRecord
@@ -39,6 +40,8 @@ log = logging.getLogger("flashckpt.agent")
 
 MAX_PEERS = 256
 """The most peers one pull asks (the known peers beyond it are not asked; logged)."""
+QUERY_TIMEOUT_S = 10.0
+"""The longest one peer may take to say what it holds."""
 MAX_REASON = 2000
 """The longest ``reason`` a reply carries (one line per peer, cut)."""
 
@@ -166,23 +169,30 @@ class Puller:
         self, peers: list[tuple[str, tuple[str, int]]], req: PullReplica
     ) -> tuple[list[_Found], list[str]]:
         """Every peer's held replicas of the rank that fit, newest first; and why each peer
-        that gave none did not."""
+        that gave none did not. The peers are asked at once: a dead one (the lost machine may
+        still be listed) costs one timeout, not one per peer."""
         job = self.st.cfg.job
+        timeout = min(req.timeout_s, QUERY_TIMEOUT_S)
+
+        def ask(addr: tuple[str, int]) -> list[ReplicaHeader]:
+            return query_replicas(
+                addr, job=job, rank=req.rank, min_step=req.min_step, timeout=timeout
+            )
+
         found: list[_Found] = []
         reasons: list[str] = []
-        timeout = min(req.timeout_s, 30.0)
-        for node, addr in peers:
-            try:
-                held = query_replicas(
-                    addr, job=job, rank=req.rank, min_step=req.min_step, timeout=timeout
-                )
-            except (ReplicaError, OSError, ValueError) as e:
-                reasons.append(f"{node}: {e}")
-                continue
-            fits = [h for h in held if req.world_id is None or h.world == req.world_id]
-            if not fits:
-                reasons.append(f"{node}: holds none" + (" of that world" if held else ""))
-            found.extend(_Found(node, addr, h) for h in fits)
+        with ThreadPoolExecutor(max_workers=min(16, len(peers))) as pool:
+            futures = [(node, addr, pool.submit(ask, addr)) for node, addr in peers]
+            for node, addr, fut in futures:
+                try:
+                    held = fut.result()
+                except (ReplicaError, OSError, ValueError) as e:
+                    reasons.append(f"{node}: {e}")
+                    continue
+                fits = [h for h in held if req.world_id is None or h.world == req.world_id]
+                if not fits:
+                    reasons.append(f"{node}: holds none" + (" of that world" if held else ""))
+                found.extend(_Found(node, addr, h) for h in fits)
         found.sort(key=lambda f: (-f.header.step, -f.header.time_complete, f.holder))
         return found, reasons
 

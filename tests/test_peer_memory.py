@@ -417,6 +417,19 @@ def test_bad_pull_replica_requests_get_a_protocol_error_and_the_agent_serves_on(
                 with pytest.raises(AgentError, match="did not say hello"):
                     c.request("pull_replica", timeout=30, rank=0, world_size=2)
                 assert int(c.request("ping", timeout=30)["pid"]) > 0
+                # A trainer's position, and a peer that does not answer: no replica, and why.
+                c.request("hello", timeout=30, rank=0, world_size=2, local_rank=0, world_id="w")
+                for fetch in (False, True):
+                    got = c.request(
+                        "pull_replica", timeout=60, rank=0, local_rank=0, world_size=2, fetch=fetch
+                    )
+                    assert got["found"] is False and got["step"] == -1, got
+                    assert "rank 0 step >= 0: z: replica query to 127.0.0.1:9" in got["reason"]
+                # Another position than the one this connection said hello for: refused.
+                with pytest.raises(AgentError, match="global rank 0 here, not 1"):
+                    c.request("pull_replica", timeout=30, rank=1, local_rank=0, world_size=2)
+                assert not [n for n in os.listdir(shm) if "tmp" in n]
+                assert int(c.request("ping", timeout=30)["pid"]) > 0
             finally:
                 c.close()
         finally:

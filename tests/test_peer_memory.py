@@ -437,6 +437,22 @@ def test_bad_pull_replica_requests_get_a_protocol_error_and_the_agent_serves_on(
             _clean(env)
 
 
+def test_a_replica_of_another_timelines_step_is_never_mixed_in() -> None:
+    """Rank 0 holds step 10 from world w2 (the timeline resumed at 8 and redid it); a peer still
+    holds rank 1's step 10 of world w1 (the abandoned timeline): same number, other state."""
+    from flashckpt.sources import world_conflict
+
+    same = [{"mem": {"10": "w1", "8": "w1"}, "peer": None}, {"mem": {}, "peer": [10, "w1"]}]
+    assert world_conflict(10, "w1", same) is None
+    mixed = [{"mem": {"10": "w2"}, "peer": None}, {"mem": {}, "peer": [10, "w1"]}]
+    why = world_conflict(10, "w1", mixed)
+    assert why is not None and "ranks [0] hold it from world 'w2'" in why, why
+    two_peers = [{"mem": {}, "peer": [10, "w2"]}, {"mem": {}, "peer": [10, "w1"]}]
+    assert world_conflict(10, "w1", two_peers) is not None
+    assert world_conflict(10, "w1", [{"mem": {}, "peer": [10, "w1"]}, {"peer": None}]) is not None
+    assert world_conflict(8, "w1", mixed) is None  # another step: no snapshot of 8 to compare
+
+
 def test_the_restart_line_names_peer_memory() -> None:
     from elastic.restore_report import format_restore_line
 

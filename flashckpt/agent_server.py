@@ -12,10 +12,11 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flashckpt.agent_persist import Persister
+from flashckpt.agent_pull import Puller
 from flashckpt.agent_segments import Segments
 from flashckpt.agent_state import AgentState, Conn, RankRecord, header_ok
 from flashckpt.errors import ProtocolError, ShmSpaceError
@@ -31,6 +32,7 @@ from flashckpt.messages import (
     OkReply,
     Ping,
     PingReply,
+    PullReplica,
     Reply,
     Request,
     Restored,
@@ -66,6 +68,14 @@ class Server:
         cfg = state.cfg
         self.socket_path = socket_path(cfg.run_dir, cfg.job, cfg.node)
         self.server: socket.socket | None = None
+        self.puller = Puller(state, lambda: self.replica_peers())
+        """Serves ``pull_replica`` (a peer agent's replica into a trainer's slot)."""
+        self.replica_peers: Callable[[], Mapping[str, tuple[str, int]]] = (
+            state.cfg.replica_peer_addrs
+        )
+        """The peer agents' replica servers a pull asks (node id -> host, port); by default the
+        configured ``--replica-peers``. Where the peer list changes at run time, the agent points
+        it at its replicator's current list (``lambda: dict(replicator.peers)``)."""
 
     def listen(self) -> None:
         """Binds the socket (mode 0600, whatever the umask) and listens."""
@@ -186,6 +196,8 @@ class Server:
                 return StatusReply(status=self.status())
             case Ping():
                 return PingReply(pid=os.getpid())
+            case PullReplica():
+                return self.puller.pull(conn, req)
         raise ProtocolError(f"request {req.op!r} has no handler")  # REQUESTS and this differ
 
     def hello(self, conn: Conn, msg: Hello) -> HelloReply:

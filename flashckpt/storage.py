@@ -10,10 +10,13 @@ Format (the storage URL is the job's checkpoint root)::
     <url>/latest                           atomically replaced pointer to the newest step
 
 A step without ``manifest.json`` does not exist. The manifest lists every file with its size and
-xxh3-64 hash; a file that does not match is never loaded. Nothing read back is trusted: the
-manifest, shard headers and rank files are validated (:mod:`flashckpt.manifest`), and files are
-opened only inside their step directory (see :meth:`Storage.open_step_file`). Local files are
-created ``0600`` and directories ``0700`` unless ``file_mode`` shares them.
+xxh3-64 hash (of the whole file; or, for shards the node agent writes, one of the safetensors
+header and one of the tensor data after it: the data hash its snapshot had in memory, see
+:class:`~flashckpt.manifest.FileEntry`); a file that does not match is never loaded. Nothing
+read back is trusted: the manifest, shard headers and rank files are validated
+(:mod:`flashckpt.manifest`), and files are opened only inside their step directory (see
+:meth:`Storage.open_step_file`). Local files are created ``0600`` and directories ``0700``
+unless ``file_mode`` shares them.
 """
 
 from __future__ import annotations

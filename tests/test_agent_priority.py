@@ -385,3 +385,47 @@ def test_a_slot_changed_during_the_write_is_never_committed(
         assert ck.save(6, mode="sync").taken
         assert ck.flush(timeout=60) == 6
         assert st.verify(6) == []
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_shard_write_pauses_between_chunks_while_a_trainer_copies(
+    tmp_path: Path, slots: tuple[Slot, Slot, bytes], monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    """The persister's check runs a :class:`Pacer` before each chunk of a shard: the write stands
+    while a copy runs, goes on once it ended, and records the data's hash (split form)."""
+    a, b, data = slots
+    if not direct:  # the buffered path (a file system refusing O_DIRECT, or remote storage)
+        monkeypatch.setattr(os, "O_DIRECT", 0, raising=False)
+    st = Storage(f"file://{tmp_path}/ckpt")
+    seq_b = b.begin_write()
+    pacer = Pacer(lambda: slots_busy([b]), max_pause_s=3600, budget_s=3600)
+    chunks: list[int] = []
+
+    def check() -> None:
+        pacer()
+        chunks.append(1)
+
+    out: dict[str, Any] = {}
+    head = b"H" * 4096
+    view = a.data(len(data))
+    t = threading.Thread(
+        target=lambda: out.setdefault(
+            "rec",
+            st.write_buffer(st.path("s.safetensors"), head, view, check, split=True, chunk=8192),
+        )
+    )
+    t.start()
+    try:
+        assert pacer.pausing.wait(60), "the write never paused for the copy"
+        assert t.is_alive() and chunks == []
+    finally:
+        b.end_write(seq_b, 1, b"{}", 0)
+    t.join(60)
+    view.release()
+    assert not t.is_alive()
+    rec = out["rec"]
+    assert len(chunks) == len(data) // 8192 and pacer.paused == 1
+    assert rec.xxh3_64 is None and rec.data_offset == len(head)
+    assert rec.data_xxh3_64 == xxhash.xxh3_64_hexdigest(data)
+    assert rec.head_xxh3_64 == xxhash.xxh3_64_hexdigest(head)
+    assert (tmp_path / "ckpt" / "s.safetensors").read_bytes() == head + data

@@ -82,10 +82,14 @@ def hash_snapshot(
     h = xxhash.xxh3_64()
     with slot.data(info.data_len) as data:
         for off in range(0, info.data_len, chunk):
-            if pace is not None:
-                pace()
+            # Torn: given up at once, before and after a pause (a pause for the trainer's copy
+            # into this very slot would only wait for the end of the snapshot it tears).
             if slot.seq() != info.seq:
                 return None
+            if pace is not None:
+                pace()
+                if slot.seq() != info.seq:
+                    return None
             h.update(data[off : off + chunk])
     return None if slot.seq() != info.seq else int(h.intdigest())
 

@@ -60,6 +60,7 @@ from typing import Any
 from flashckpt import names
 from flashckpt.agent_commit import Committer
 from flashckpt.agent_config import AgentConfig
+from flashckpt.agent_mirror import Mirrorer
 from flashckpt.agent_persist import Persister
 from flashckpt.agent_replica import Replicator
 from flashckpt.agent_segments import SegmentGroup, Segments, abandoned_segments
@@ -93,7 +94,8 @@ class NodeAgent:
         self.st = AgentState(config)
         """What the parts share."""
         self.committer = Committer(self.st)
-        self.persister = Persister(self.st, self.committer)
+        self.mirrorer = Mirrorer(self.st)
+        self.persister = Persister(self.st, self.committer, self.mirrorer)
         self.segments = Segments(self.st)
         self.server = Server(self.st, self.segments, self.persister, self.status)
         self.replicator = Replicator(self.st)
@@ -166,6 +168,8 @@ class NodeAgent:
             (self.persister.persist_loop, "persist"),
             (self.persister.private_loop, "private"),
             (self.committer.commit_loop, "commit"),
+            (self.mirrorer.mirror_loop, "mirror"),
+            (self.mirrorer.commit_loop, "mirror-commit"),
             (self.persister.hash_loop, "hash"),
             (self.replicator.send_loop, "replica"),
         ):
@@ -282,6 +286,11 @@ class NodeAgent:
                     self.committer.drain_commits(min(self.st.cfg.commit_timeout, 10.0))
                 except Exception:
                     log.exception("final commit failed")
+                try:
+                    # The exit's final step goes to the remote tier too: a bounded wait.
+                    self.mirrorer.drain(self.st.cfg.commit_timeout)
+                except Exception:
+                    log.exception("final mirror failed")
             if self.monitor is not None:
                 try:
                     self.monitor.close()  # before the segments go: the last records of the rings
@@ -326,6 +335,7 @@ class NodeAgent:
                 "storage": self.st.storage.url if self.st.storage else None,
                 "committed": list(self.st.committed),
                 "committing": sorted(self.committer.commits),
+                "mirror": self.mirrorer.status(),
                 "world_id": self.st.world_id,
                 "errors": list(self.st.errors[-10:]),
                 "shard_writes": dict(self.st.shard_writes),

@@ -18,7 +18,7 @@ from typing import Any
 from flashckpt.agent_state import AgentState
 from flashckpt.messages import Committed
 from flashckpt.snapmeta import NodePart
-from flashckpt.storage import FORMAT, MANIFEST, PARTS
+from flashckpt.storage import FORMAT, MANIFEST, PARTS, Storage
 
 __all__ = ["Committer"]
 
@@ -76,10 +76,10 @@ class Committer:
             try:
                 done = self.try_commit(step, world, num_shards, world_id)
             except Exception as e:
-                self.st.record_error(step, f"commit failed: {type(e).__name__}: {e}")
+                self.report_error(step, f"commit failed: {type(e).__name__}: {e}")
                 done = True
             with self.st.lock:
-                newest = max(self.st.committed, default=-1)
+                newest = max(self.committed_steps(), default=-1)
                 if not done and newest > step:
                     log.info("step %d dropped: newer step %d is committed", step, newest)
                     done = True
@@ -96,12 +96,36 @@ class Committer:
                     self.commits.pop(step, None)
                     self.commit_missing.pop(step, None)
             if err:
-                self.st.record_error(step, err)
+                self.report_error(step, err)
+
+    # -- the root committed to (the remote tier's committer, agent_mirror, overrides these) ----
+    def root(self) -> Storage | None:
+        """The checkpoint root whose steps this committer commits."""
+        return self.st.storage
+
+    def committed_steps(self) -> list[int]:
+        """The steps committed in :meth:`root` (as this agent knows them)."""
+        return self.st.committed
+
+    def ready(self, step: int) -> bool:
+        """Whether a step whose parts are all in may be committed now."""
+        return True
+
+    def report_error(self, step: int, error: str) -> None:
+        """A step that could not be committed (reported to the trainers)."""
+        self.st.record_error(step, error)
+
+    def on_commit(self, step: int, removed: list[int]) -> None:
+        """A step was committed (``removed``: the steps retention deleted)."""
+        with self.st.lock:
+            self.st.committed = sorted({*self.st.committed, step} - set(removed))
+            self.st.rewrites.discard(step)
+        self.st.broadcast(Committed(step=step))
 
     def try_commit(self, step: int, world: int, num_shards: int, world_id: str) -> bool:
-        storage = self.st.storage
+        storage = self.root()
         assert storage is not None
-        if step in self.st.committed and storage.fs.exists(storage.step_path(step, MANIFEST)):
+        if step in self.committed_steps() and storage.fs.exists(storage.step_path(step, MANIFEST)):
             return True  # (a step hidden for a rewrite is committed again, whatever we knew)
         # Parts of other worlds (a step number reached again after a membership change, with a
         # dead machine's old part still there) are never mixed into this world's manifest. A
@@ -127,6 +151,8 @@ class Committer:
             with self.st.lock:
                 self.commit_missing[step] = sorted(set(range(world)) - {int(r) for r in ranks})
             return False
+        if not self.ready(step):
+            return False
         manifest = {
             "format": FORMAT,
             "job": self.st.cfg.job,
@@ -141,8 +167,5 @@ class Committer:
         }
         storage.commit(step, manifest)
         removed = storage.retain(self.st.cfg.keep)
-        with self.st.lock:
-            self.st.committed = sorted({*self.st.committed, step} - set(removed))
-            self.st.rewrites.discard(step)
-        self.st.broadcast(Committed(step=step))
+        self.on_commit(step, removed)
         return True

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import xxhash
 
 from flashckpt.agent_commit import Committer
+from flashckpt.agent_mirror import Mirrorer, MirrorJob
 from flashckpt.agent_state import (
     BACKGROUND_CHUNK,
     AgentState,
@@ -105,12 +106,22 @@ class _Scribbled(Exception):
 class Persister:
     """Writes the newest complete step to storage, hashes snapshots, writes rank state through."""
 
-    def __init__(self, state: AgentState, committer: Committer) -> None:
+    def __init__(
+        self, state: AgentState, committer: Committer, mirrorer: Mirrorer | None = None
+    ) -> None:
         self.st = state
         self.committer = committer
+        self.mirrorer = mirrorer
+        """Copies the mirror-marked steps to the remote tier (None: no remote tier)."""
         # slot path -> ((seq, step, meta crc), (world id, marked for storage)) of its last
         # complete snapshot
-        self._snap_worlds: dict[str, tuple[tuple[int, int, int], tuple[str | None, bool]]] = {}
+        self._snap_worlds: dict[
+            str, tuple[tuple[int, int, int], tuple[str | None, bool, str | None]]
+        ] = {}
+        # A mirror-marked step skipped for a newer one (the persister was behind): the mirror
+        # root it was marked for, carried to the next step persisted, so a slow persister
+        # delays the remote tier's step rather than dropping it until the next mark.
+        self._mirror_owed: str | None = None
         self._yields = 0  # persists abandoned in a row to let a trainer have its slot
         self._retry_after = 0.0  # after a persistence error: no attempt before this time
 
@@ -269,7 +280,25 @@ class Persister:
                     self.st.unmarked_high = max(self.st.unmarked_high, max(common))
                 return None
             step = max(marked)
+            for older in common:
+                url = self._mirror_mark(ranks, per_rank, older) if older < step else None
+                if url is not None:
+                    self._mirror_owed = url
             return step, {r: have[step] for r, have in per_rank.items()}
+
+    def _mirror_mark(
+        self,
+        ranks: list[RankRecord],
+        per_rank: dict[int, dict[int, tuple[int, SlotInfo]]],
+        step: int,
+    ) -> str | None:
+        """The mirror root every local rank's snapshot of ``step`` is marked for, or None."""
+        urls = set()
+        for rec in ranks:
+            idx, info = per_rank[rec.rank][step]
+            slot = rec.slots[idx]
+            urls.add(self.snap_info(slot, info)[2] if slot is not None else None)
+        return urls.pop() if len(urls) == 1 else None
 
     def _marked(
         self,
@@ -395,6 +424,7 @@ class Persister:
             # steps goes on meanwhile (a step whose parts never arrive, because a machine died,
             # no longer blocks it).
             self.committer.enqueue(step, world, num_shards, world_id)
+        self._mirror(step, metas, part, hosts_rank0)
         dt = time.monotonic() - t0
         log.info(
             "persisted step %d: %.1f MiB in %.2f s (%.0f MiB/s)",
@@ -403,6 +433,29 @@ class Persister:
             dt,
             written / 2**20 / max(dt, 1e-9),
         )
+
+    def _mirror(
+        self, step: int, metas: dict[int, SnapshotMeta], part: NodePart, commits: bool
+    ) -> None:
+        """Hands a persisted step to the mirror when its trainers marked it for the remote
+        tier: every local rank's snapshot must be marked, for the same root (a disagreement is
+        no step to mirror half of: it is reported and the step stays in the primary tier)."""
+        urls = {m.mirror for m in metas.values()}
+        if urls == {None} and self._mirror_owed is not None:
+            urls = {self._mirror_owed}  # an older marked step was skipped for this one
+        self._mirror_owed = None
+        if self.mirrorer is None or urls == {None}:
+            return
+        if len(urls) != 1:
+            self.mirrorer.error(
+                step,
+                f"the local ranks mark step {step} for different mirrors ({sorted(map(str, urls))}"
+                "): give every rank the same mirror=; the step is not mirrored",
+            )
+            return
+        url = next(iter(urls))
+        assert url is not None
+        self.mirrorer.enqueue(MirrorJob(step, url, part, commits))
 
     def write_shard(
         self,
@@ -457,9 +510,10 @@ class Persister:
         """The world id a complete snapshot was taken in (cached per slot generation)."""
         return self.snap_info(slot, info)[0]
 
-    def snap_info(self, slot: Slot, info: SlotInfo) -> tuple[str | None, bool]:
-        """The world id of a complete snapshot and whether its trainer marked it for storage
-        (cached per slot generation; an unreadable meta: no world, unmarked)."""
+    def snap_info(self, slot: Slot, info: SlotInfo) -> tuple[str | None, bool, str | None]:
+        """The world id of a complete snapshot, whether its trainer marked it for storage, and
+        the mirror root it marked it for (cached per slot generation; an unreadable meta: no
+        world, unmarked)."""
         # The sequence number alone does not name a snapshot: a slot file that was replaced
         # (a bigger state) starts counting again.
         tag = (info.seq, info.step, info.meta_crc)
@@ -468,7 +522,7 @@ class Persister:
             return cached[1]
         meta = read_meta(slot, info)
         if meta is None:
-            return None, False
-        out = (meta.world_id, meta.persist_wanted)
+            return None, False, None
+        out = (meta.world_id, meta.persist_wanted, meta.mirror)
         self._snap_worlds[slot.path] = (tag, out)
         return out

@@ -36,6 +36,7 @@ from flashckpt.config import (
     CheckpointConfig,
     Stats,
     check_scheduler_given,
+    parse_mirror_every,
     parse_persist_every,
     resolve_copy_mode,
     unknown_options,
@@ -119,6 +120,11 @@ class Checkpointer:
         self._persist_every = parse_persist_every(self.config.persist_every)
         self._persist_calls = 0  # save() calls: the same count on every rank
         self._persist_mark_t: float | None = None  # when the last snapshot was marked (time form)
+        # mirror_every, counted over the snapshots marked for storage (the same on every rank)
+        self._mirror_every = parse_mirror_every(self.config.mirror_every)
+        self._mirror_calls = 0
+        self._mirror_mark_t: float | None = None
+        self._mirror_final = False  # the exit's final snapshot: mirrored whatever mirror_every
         self._entered = False
         self._mon: StepRecorder | None = None
         self._auto: AutoInterval | None = None
@@ -271,6 +277,7 @@ class Checkpointer:
                 if count > self.start_step and (
                     self._last_saved_step is None or self._last_saved_step < count
                 ):
+                    self._mirror_final = True  # the last step goes to the remote tier too
                     self.save(mode="sync", when_busy="wait")
                 lost = self._lost_work(self.flush())
             else:
@@ -396,6 +403,28 @@ class Checkpointer:
             self.stats.persist_marked += 1
         return due
 
+    def _mirror_due(self, persist: bool) -> bool:
+        """Whether this snapshot is marked for the remote tier too (``mirror_every``, counted
+        over the snapshots marked for storage; the exit's final snapshot always is). Called on
+        every rank with the same ``persist``, so the time form's all-reduce is collective."""
+        if self.config.mirror is None:
+            return False
+        if self._mirror_final:
+            return True
+        if not persist:
+            return False
+        every_n, every_s = self._mirror_every
+        self._mirror_calls += 1
+        if every_n is not None:
+            return (self._mirror_calls - 1) % every_n == 0
+        assert every_s is not None
+        now = time.monotonic()
+        mine = self._mirror_mark_t is None or now - self._mirror_mark_t >= every_s
+        due = bool(self._ctx.all_max(int(mine)))
+        if due:
+            self._mirror_mark_t = now
+        return due
+
     def _auto_step(self, done: int) -> SnapshotHandle | None:
         auto = self._auto
         if auto is None:
@@ -466,8 +495,11 @@ class Checkpointer:
                 "buffers_xxh": snap.buffers_hash(model_sd),
                 **self._applier.per_rank_state(),
             },
-            "persist": self._persist_due(),
+            "persist": (persist := self._persist_due()),
         }
+        if self._mirror_due(persist):
+            meta_extra["mirror"] = self.config.mirror
+            self.stats.mirror_marked += 1
         if not self._link.alive():
             self._link.relink()  # the agent died: find (or start) another; never waits
         handle = snap.write(step, flat, async_ptrs, meta_extra, copy_mode, when_busy)
@@ -578,6 +610,8 @@ class Checkpointer:
         ctx.join(self._pg)
         if self._storage is not None:
             probe_storage(self._storage, ctx)
+        if cfg.mirror is not None:
+            probe_storage(Storage(cfg.mirror), ctx, what="mirror")
         ctx.name(job=cfg.job, node=cfg.node, run_dir=cfg.run_dir, storage=cfg.storage)
         assert ctx.socket is not None and ctx.run_dir is not None
         cfg.replicated, shard, num_shards, replica = ctx.shard_layout(

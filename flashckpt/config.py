@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointConfig",
     "Stats",
     "check_scheduler_given",
+    "parse_mirror_every",
     "resolve_copy_mode",
     "unknown_options",
 ]
@@ -45,6 +46,22 @@ class CheckpointConfig:
     when ``flush()`` or the exit of the ``with`` block waits for it and when a trainer dies
     (its node agent persists what that machine's memory holds), so a rarer persist loses
     nothing on a process crash; only a machine lost with its memory falls back further."""
+    mirror: str | None = None
+    """A second, remote checkpoint root (any fsspec URL, e.g. ``s3://bucket/run1``): the
+    optional remote tier. ``storage`` is then meant for node-local disk, written often;
+    ``mirror_every`` of the persisted steps are copied from there to this root in the
+    background (verified against their hashes as they are copied) and committed there once
+    every node's files are in (same format, its own manifest and ``latest``, its own ``keep``).
+    Restore reads the newest committed step of either root. Needs ``storage``; None: no remote
+    tier."""
+    mirror_every: int | str = 10
+    """Which persisted snapshots go to ``mirror`` too, counted over the snapshots marked for
+    storage (``persist_every``). An int N: the first and then every Nth (10, the default: the
+    remote tier gets a tenth of the local disk's traffic, so a slow or metered link stays
+    bounded, while a lost machine, the only loss it is for, falls back at most 10 persisted
+    steps). A duration ``"30m"``: one when at least that long passed since the last one marked
+    (the ranks agree). The exit's final snapshot is mirrored too (the agent waits for it a
+    bounded time, ``commit_timeout``)."""
     mtbf_s: float | None = None
     """With ``every="auto"``: the prior job MTBF in seconds (default: 50,000 GPU-hours per
     failure divided by the world size); failures seen during the run update it."""
@@ -138,6 +155,26 @@ class CheckpointConfig:
             )
         if self.storage is not None:
             Storage(self.storage)  # validates the URL early
+        parse_mirror_every(self.mirror_every)
+        if self.mirror is not None:
+            if not isinstance(self.mirror, str) or not self.mirror:
+                raise ValueError(f"mirror={self.mirror!r}: give a non-empty fsspec URL or None")
+            if self.storage is None:
+                raise ValueError(
+                    f"mirror={self.mirror!r} without storage: the mirror copies steps persisted "
+                    "to storage; pass storage= (node-local disk) too, or use the remote URL as "
+                    "storage="
+                )
+            try:
+                mirror = Storage(self.mirror)  # validates the URL early
+            except ValueError as e:
+                raise ValueError(f"mirror={self.mirror!r}: {e}") from None
+            primary = Storage(self.storage)
+            if type(mirror.fs) is type(primary.fs) and mirror.root == primary.root:
+                raise ValueError(
+                    f"mirror={self.mirror!r} is the storage root itself: give the mirror a "
+                    "root of its own (a second file system or bucket), or drop mirror="
+                )
 
 
 def resolve_copy_mode(mode: str, device_types: set[str]) -> tuple[str, str]:
@@ -188,6 +225,21 @@ def parse_persist_every(value: object) -> tuple[int | None, float | None]:
     raise ValueError(f"persist_every={value!r}: {fix}")
 
 
+def parse_mirror_every(value: object) -> tuple[int | None, float | None]:
+    """``mirror_every`` as (every N persisted snapshots, None) or (None, every T seconds).
+
+    Raises:
+        ValueError: neither a positive int nor a positive duration with a unit.
+    """
+    try:
+        return parse_persist_every(value)
+    except ValueError:
+        raise ValueError(
+            f"mirror_every={value!r}: use a positive number of persisted snapshots (int) or a "
+            "duration such as '90s', '30m', '2h'"
+        ) from None
+
+
 @dataclass(slots=True)
 class Stats:
     """Counters of a checkpointer (all times in seconds)."""
@@ -196,6 +248,8 @@ class Stats:
     persist_marked: int = 0
     """Snapshots marked for storage (``persist_every``); the others stay in memory only unless
     a flush, the exit or a trainer's death has them persisted."""
+    mirror_marked: int = 0
+    """Snapshots marked for the remote tier (``mirror_every``, and the exit's final one)."""
     skips: int = 0
     skipped_steps: list[int] = field(default_factory=list)
     last_snapshot_step: int | None = None

@@ -35,7 +35,14 @@ from flashckpt.manifest import (
 )
 from flashckpt.names import ID_RE
 
-__all__ = ["MAX_LOCAL_RANKS", "META_KEYS", "PART_KEYS", "NodePart", "SnapshotMeta"]
+__all__ = [
+    "MAX_LOCAL_RANKS",
+    "META_KEYS",
+    "OPTIONAL_META_KEYS",
+    "PART_KEYS",
+    "NodePart",
+    "SnapshotMeta",
+]
 
 MAX_LOCAL_RANKS = 4096
 """Most trainer positions (local ranks) one machine's agent serves."""
@@ -49,6 +56,8 @@ MAX_NDIM = 64
 """Most dimensions of one tensor."""
 MAX_STEP = (1 << 62) - 1
 """Largest step number."""
+MAX_URL = 4096
+"""Longest mirror root URL in a snapshot meta."""
 
 # The meta keys the trainer writes, in its order (``Checkpointer._meta_bytes``): the format.
 META_KEYS = (
@@ -67,6 +76,8 @@ META_KEYS = (
     "entries",
     "skeleton",
 )
+# The meta keys the trainer writes only where they apply (after ``persist``): the format too.
+OPTIONAL_META_KEYS = ("mirror",)
 # The keys of a node part, in the agent's order: the format.
 PART_KEYS = ("node", "step", "world_id", "world_size", "num_shards", "ranks", "shards", "files")
 
@@ -184,6 +195,12 @@ class SnapshotMeta:
     marks the same snapshots). None (the key absent, an older trainer): yes. An unmarked one is
     still persisted when a flush waits for it, or its trainer died or finished."""
 
+    mirror: str | None = None
+    """The remote tier's root URL (``mirror=``) where the trainers want this snapshot copied
+    once it is persisted (``mirror_every``: every rank marks the same snapshots); None (the key
+    absent): not mirrored. The URL travels with the mark so every node's agent copies the same
+    step to the same root, whatever it was started with."""
+
     @property
     def persist_wanted(self) -> bool:
         return self.persist is not False
@@ -213,6 +230,7 @@ class SnapshotMeta:
             "step": self.step,
             "private": self.private,
             **({} if self.persist is None else {"persist": self.persist}),
+            **({} if self.mirror is None else {"mirror": self.mirror}),
             **self.extra,
             "layout_sig": self.layout.signature,
             "entries": self.layout.to_json(),
@@ -253,6 +271,9 @@ class SnapshotMeta:
         persist = doc.get("persist")
         if persist is not None and not isinstance(persist, bool):
             raise c.bad("persist", f"is {type(persist).__name__}, not true or false")
+        mirror = None if doc.get("mirror") is None else c.text(doc, "mirror", MAX_URL)
+        if mirror == "":
+            raise c.bad("mirror", "is empty, not a URL")
         entries = _entries(c, doc.get("entries"))
         layout = Layout(
             entries,
@@ -266,7 +287,7 @@ class SnapshotMeta:
             raise c.bad("layout_sig", f"{_short(sig)} is not the signature of its entries")
         if "skeleton" not in doc:
             raise c.bad("skeleton", "is missing")
-        extra = {k: v for k, v in doc.items() if k not in META_KEYS}
+        extra = {k: v for k, v in doc.items() if k not in META_KEYS + OPTIONAL_META_KEYS}
         return SnapshotMeta(
             job=job,
             rank=rank,
@@ -282,6 +303,7 @@ class SnapshotMeta:
             skeleton=doc["skeleton"],
             extra=extra,
             persist=persist,
+            mirror=mirror,
         )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,7 @@ from flashckpt.sharded import ShardedPiece
 from flashckpt.shm import slot_prefix
 from flashckpt.snapmeta import SnapshotMeta
 from flashckpt.snapshot import BadMemory, SlotMap, TornSnapshot
-from flashckpt.storage import CorruptCheckpointError
+from flashckpt.storage import CorruptCheckpointError, Storage
 
 if TYPE_CHECKING:
     from flashckpt.saved import RestoreEnv, RestorePlan
@@ -157,14 +158,28 @@ class MemorySource:
 
 
 class StorageSource:
-    """The committed steps in storage (every file checked against the manifest)."""
+    """The committed steps in storage (every file checked against the manifest), over both
+    tiers where ``mirror=`` names a remote one: the storage root (node-local disk, typically)
+    and the mirror root. A step either holds is offered; it is read from the storage root where
+    that holds it (nearer), else from the mirror, and a step that fails its checks in one tier
+    is read from the other (with a warning) before an older step is tried. ``restored_from``
+    says which: ``storage`` or ``mirror``."""
 
     name = "storage"
     whole_world = False
 
     def __init__(self, env: RestoreEnv) -> None:
         self.env = env
-        env.stored = set(listed_steps(env.storage))
+        self.tiers: list[tuple[str, Storage]] = []
+        """(name, root) of each tier, the storage root first."""
+        if env.storage is not None:
+            self.tiers.append(("storage", env.storage))
+            mirror = getattr(env.config, "mirror", None)
+            if mirror is not None:
+                self.tiers.append(("mirror", Storage(mirror)))
+        self.held = {name: set(listed_steps(st)) for name, st in self.tiers}
+        """The committed steps of each tier."""
+        env.stored = set().union(*self.held.values())
 
     def offer(self, excluded: set[int], wanted: Callable[[int], bool]) -> list[int]:
         return sorted(self.env.stored - excluded, reverse=True)
@@ -173,10 +188,30 @@ class StorageSource:
         pass
 
     def read(self, plan: RestorePlan) -> SavedStep:
-        env, step, rank = self.env, plan.step, self.env.ctx.rank
-        storage = env.storage
-        assert storage is not None
+        step = plan.step
+        tiers = [(n, st) for n, st in self.tiers if step in self.held[n]]
+        if not tiers:
+            raise FileNotFoundError(f"step {step} is committed in no storage tier")
+        for i, (name, storage) in enumerate(tiers):
+            try:
+                return self._read(step, name, storage)
+            except (CorruptCheckpointError, FileNotFoundError) as e:
+                if i + 1 == len(tiers):
+                    raise
+                other = tiers[i + 1]
+                warnings.warn(
+                    f"flashckpt: cannot restore step {step} from {name} {storage.url}: {e}; "
+                    f"reading it from {other[0]} {other[1].url}",
+                    stacklevel=2,
+                )
+        raise AssertionError("unreachable")
+
+    def _read(self, step: int, tier: str, storage: Storage) -> SavedStep:
+        env, rank = self.env, self.env.ctx.rank
         manifest = storage.read_manifest(step)
+        # A step of another world size is resharded from the pieces of the tier it is read
+        # from (the fit stage that follows this read reads them).
+        env.resharder.storage = storage
         # A sharded step saved by another world size: any shard gives the unsharded part (the
         # same on every rank); the DTensor pieces are then resharded from all shards.
         shard = env.resharder.storage_shard(manifest)
@@ -184,18 +219,17 @@ class StorageSource:
         if int(manifest["world_size"]) == env.ctx.world:
             private = read_rank(storage, step, rank, manifest)
         else:
-            private = self._private_from_other_world(step, manifest)
+            private = self._private_from_other_world(storage, step, manifest)
         if private is None:
             log.warning("flashckpt: no saved RNG/extras for rank %d at step %d", rank, step)
-        return SavedStep(step, self.name, state, private, manifest=manifest)
+        return SavedStep(step, tier, state, private, manifest=manifest)
 
     def _private_from_other_world(
-        self, step: int, manifest: dict[str, Any]
+        self, storage: Storage, step: int, manifest: dict[str, Any]
     ) -> dict[str, Any] | None:
         """Extras of a step saved by another world size: rank 0's. The RNG states stay as they
         are (the saved ones belong to other ranks)."""
-        storage = self.env.storage
-        rank0 = read_rank(storage, step, 0, manifest) if storage else None
+        rank0 = read_rank(storage, step, 0, manifest)
         if rank0 is None:
             return None
         log.info(

@@ -632,6 +632,83 @@ class Storage:
         private: dict[str, Any] = parse_rank_doc(raw, self.step_path(step, name), step, rank, world)
         return private
 
+    def copy_step_file(
+        self,
+        step: int,
+        name: str,
+        entry: FileEntry,
+        dest: Storage,
+        check: Callable[[], None] | None = None,
+        chunk: int = CHUNK,
+    ) -> FileRecord:
+        """Copies a file of a step (committed or not) to the same place under ``dest``, in
+        chunks, verifying it against ``entry`` (its size and hash(es)) as it goes: a file that
+        does not match is removed from ``dest`` again and raises, so a copy never passes for
+        the bytes that were persisted. Only the format's file names are copied, opened confined
+        to the step directory (:meth:`open_step_file`).
+
+        Args:
+            check: called before each chunk (may wait, or raise to abandon the copy).
+
+        Raises:
+            CorruptCheckpointError: the source is missing, of the wrong size, or fails its hash.
+        """
+        path = self.step_path(step, name)
+        if not isinstance(name, str) or not _FILE_RE.match(name):
+            raise CorruptCheckpointError(path, "is not a file name the checkpoint format defines")
+        size = entry.size
+        cut = entry.data_offset if entry.data_offset is not None else size + 1
+        h, hd = xxhash.xxh3_64(), xxhash.xxh3_64()
+        got = 0
+
+        def chunks(f: Any) -> Iterator[bytes]:
+            nonlocal got
+            while got < size:
+                if check is not None:
+                    check()
+                b = f.read(min(chunk, size - got))
+                if not b:
+                    return
+                lo, hi = got, got + len(b)
+                if hi <= cut:
+                    h.update(b)
+                elif lo >= cut:
+                    hd.update(b)
+                else:
+                    h.update(b[: cut - lo])
+                    hd.update(b[cut - lo :])
+                got = hi
+                yield b
+
+        out = dest.step_path(step, name)
+        try:
+            with self.open_step_file(step, name) as (f, on_disk):
+                if on_disk != size:
+                    raise CorruptCheckpointError(
+                        path, f"has the wrong size (expected {size} bytes, the file has {on_disk})"
+                    )
+                rec = dest.write_stream(out, chunks(f))
+                extra = f.read(1)
+            if entry.data_offset is None:
+                ok = h.hexdigest() == entry.xxh3_64
+            else:
+                ok = h.hexdigest() == entry.head_xxh3_64 and hd.hexdigest() == entry.data_xxh3_64
+            if got != size or extra:
+                raise CorruptCheckpointError(path, f"has the wrong size (expected {size} bytes)")
+            if not ok:
+                raise CorruptCheckpointError(path, "fails its checksum (corrupted): not copied")
+        except BaseException:
+            with contextlib.suppress(OSError):
+                dest.fs.rm(out)
+            raise
+        return FileRecord(
+            rec.size,
+            entry.xxh3_64,
+            data_offset=entry.data_offset,
+            head_xxh3_64=entry.head_xxh3_64,
+            data_xxh3_64=entry.data_xxh3_64,
+        )
+
     def write_private(self, step: int, rank: int, world_size: int, private: Any) -> FileRecord:
         """Writes a rank's private state (RNG, extras) of a step, self-checking (embedded hash)."""
         body = json.dumps(private, sort_keys=True, separators=(",", ":"))

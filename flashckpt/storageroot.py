@@ -21,9 +21,13 @@ __all__ = ["probe_storage", "start_fresh"]
 log = logging.getLogger("flashckpt")
 
 
-def probe_storage(st: Storage, ctx: RankContext) -> None:
+def probe_storage(st: Storage, ctx: RankContext, what: str = "storage") -> None:
     """Writes, reads back and deletes a small file under the storage root (every rank, then
     all agree), so storage that cannot keep the work fails here, not silently at the end.
+
+    Args:
+        what: the option that named the root (``storage``, or ``mirror`` for the remote tier),
+            in the error.
 
     Raises:
         StorageUnavailableError: this rank's probe failed (with the URL and the OS error), or
@@ -47,27 +51,41 @@ def probe_storage(st: Storage, ctx: RankContext) -> None:
             st.fs.rm(path)
     others = ctx.all_max(1 if error else 0)
     if error is not None:
-        raise StorageUnavailableError(
-            f"storage {st.url} cannot keep checkpoints: writing, reading back and deleting "
-            f"{path} failed: {error}. Fix the URL, its permissions or its free space, or "
+        fix = (
             "pass storage=None to keep snapshots in memory only"
+            if what == "storage"
+            else f"pass {what}=None to go without it"
+        )
+        raise StorageUnavailableError(
+            f"{what} {st.url} cannot keep checkpoints: writing, reading back and deleting "
+            f"{path} failed: {error}. Fix the URL, its permissions or its free space, or {fix}"
         )
     if others:
         raise StorageUnavailableError(
-            f"storage {st.url} cannot keep checkpoints: another rank could not write, read "
+            f"{what} {st.url} cannot keep checkpoints: another rank could not write, read "
             "back and delete a file there (its error names the cause)"
         )
 
 
 def start_fresh(st: Storage | None, ctx: RankContext, config: CheckpointConfig) -> None:
     """A run that starts from step 0 over a storage root holding committed steps: refused,
-    unless ``overwrite=True``, which deletes them (every rank agrees first).
+    unless ``overwrite=True``, which deletes them (every rank agrees first). The remote tier
+    (``mirror``) is checked the same way, after the storage root: its steps would otherwise be
+    restored next time as this run's.
 
     Raises:
-        ValueError: the root holds committed steps and ``overwrite`` is False.
+        ValueError: the root (or the mirror) holds committed steps and ``overwrite`` is False.
     """
     if st is None:
         return
+    _start_fresh(st, ctx, config, "storage")
+    if config.mirror is not None:
+        from flashckpt.storage import Storage
+
+        _start_fresh(Storage(config.mirror), ctx, config, "mirror")
+
+
+def _start_fresh(st: Storage, ctx: RankContext, config: CheckpointConfig, what: str) -> None:
     stored = listed_steps(st)
     if not ctx.all_max(1 if stored else 0):
         return
@@ -79,10 +97,10 @@ def start_fresh(st: Storage | None, ctx: RankContext, config: CheckpointConfig) 
     if not config.overwrite:
         held = f"committed steps {stored}" if stored else "committed steps (seen by a rank)"
         raise ValueError(
-            f"storage {st.url} holds {held} of an earlier run, and this run starts from "
+            f"{what} {st.url} holds {held} of an earlier run, and this run starts from "
             f"step 0 ({why}): its steps would be mixed with those, and the older run's taken "
             "for this one's. Pass overwrite=True to delete them and start over, use a new "
-            "storage root" + (", or drop restore=False to resume" if not config.restore else "")
+            f"{what} root" + (", or drop restore=False to resume" if not config.restore else "")
         )
     if ctx.rank == 0:
         doomed = st.all_step_dirs()

@@ -63,6 +63,7 @@ _assign(
     "flashckpt.agent_segments",
     "flashckpt.agent_persist",
     "flashckpt.agent_commit",
+    "flashckpt.agent_mirror",
     "flashckpt.agent_server",
     "flashckpt.agent_replica",
     "flashckpt.agent_pull",

@@ -1,0 +1,225 @@
+"""The node agent's remote tier: copies the mirror-marked steps it persisted to a second root.
+
+The trainers mark a snapshot for the remote tier (``mirror=``, ``mirror_every``) in its meta,
+with the mirror's URL, so every node's agent mirrors the same steps to the same root. Once this
+node's part of such a step is persisted to the primary root (node-local disk, typically), the
+:class:`Mirrorer` copies the node's files of it to the mirror root in a thread of its own, at
+low CPU and IO priority, in bounded chunks that give way to a trainer's copy, then writes the
+node's part there too. The committing node (it hosts global rank 0) commits the mirror step
+with the primary tier's commit code over the second root (:class:`MirrorCommitter`): the same
+manifest, written only once every node's part is in the mirror and the step is committed in the
+primary root, then the mirror's ``latest``; ``keep`` applies to the mirror on its own.
+
+Why from the primary files and not from the slot: a remote upload may take minutes, and a slot
+held (pinned) that long would keep the trainer from snapshotting into it; the persisted files
+are there for as long as retention keeps them. They are not trusted for that: each file is
+verified against the hash(es) its part recorded (the completion hash of the snapshot, for a
+shard) while it is copied, and a file that fails is removed from the mirror and the step is not
+mirrored. A step that is half copied (the agent died, the mirror failed) has no part of this
+node, so it is never committed there; its files are removed by the mirror's next retention or
+when the next agent opens the mirror.
+
+Only the newest waiting step is copied: a slow link skips steps rather than building a queue.
+Errors of the mirror are logged and kept in ``status()["mirror"]``, never reported as persist
+errors (the primary tier holds the step: a flush of it succeeds).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from flashckpt.agent_commit import Committer
+from flashckpt.agent_state import AgentState, lower_thread_priority
+from flashckpt.snapmeta import NodePart
+from flashckpt.storage import MANIFEST, Storage
+
+__all__ = ["MirrorCommitter", "MirrorJob", "Mirrorer"]
+
+log = logging.getLogger("flashckpt.agent")
+
+MIRROR_CHUNK = 16 << 20
+"""Bytes copied to the mirror between two looks at the trainers."""
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorJob:
+    """One step of this node to copy to the mirror."""
+
+    step: int
+    """The step (persisted to the primary root, this node's part written)."""
+    url: str
+    """The mirror root, as the trainers' marks name it."""
+    part: NodePart
+    """This node's part of the step: the files to copy and their hashes."""
+    commits: bool
+    """Whether this node commits the step (it hosts global rank 0)."""
+
+
+class MirrorCommitter(Committer):
+    """The primary tier's :class:`~flashckpt.agent_commit.Committer` over the mirror root."""
+
+    def __init__(self, state: AgentState, mirrorer: Mirrorer) -> None:
+        super().__init__(state)
+        self.m = mirrorer
+
+    def root(self) -> Storage | None:
+        return self.m.storage
+
+    def committed_steps(self) -> list[int]:
+        return self.m.committed
+
+    def ready(self, step: int) -> bool:
+        # The mirror never holds a step the primary tier did not commit (a step whose commit
+        # failed there, a part refused, is not one to restore from either).
+        primary = self.st.storage
+        return primary is not None and primary.fs.exists(primary.step_path(step, MANIFEST))
+
+    def report_error(self, step: int, error: str) -> None:
+        self.m.error(step, error)
+
+    def on_commit(self, step: int, removed: list[int]) -> None:
+        with self.st.lock:
+            self.m.committed = sorted({*self.m.committed, step} - set(removed))
+        log.info("mirrored step %d committed in %s", step, self.m.url)
+
+
+class Mirrorer:
+    """Copies this node's files of the mirror-marked steps to the mirror root (see the module)."""
+
+    def __init__(self, state: AgentState) -> None:
+        self.st = state
+        self.storage: Storage | None = None
+        """The mirror root (opened at the first marked step)."""
+        self.committed: list[int] = []
+        """The steps committed in the mirror root (as this agent knows them)."""
+        self.errors: list[dict[str, Any]] = []
+        """The newest errors of the mirror (step, error, time)."""
+        self.mirrored_high = -1
+        """The newest step this node's part of which is in the mirror."""
+        self.committer = MirrorCommitter(state, self)
+        self.wake = threading.Event()
+        self._pending: dict[int, MirrorJob] = {}
+        self._busy = threading.Lock()  # held while one step is copied
+
+    @property
+    def url(self) -> str | None:
+        return self.storage.url if self.storage is not None else None
+
+    def error(self, step: int | None, error: str) -> None:
+        log.error("mirror step %s failed: %s", step, error)
+        with self.st.lock:
+            self.errors.append({"step": step, "error": error, "time": time.time()})
+            del self.errors[:-50]
+
+    def enqueue(self, job: MirrorJob) -> None:
+        """A step this node persisted whose snapshots are marked for the mirror."""
+        with self.st.lock:
+            self._pending[job.step] = job
+        self.wake.set()
+
+    def pending(self) -> bool:
+        """Whether a step waits to be copied or committed."""
+        with self.st.lock:
+            return bool(self._pending) or self._busy.locked() or bool(self.committer.commits)
+
+    def status(self) -> dict[str, Any]:
+        with self.st.lock:
+            return {
+                "url": self.url,
+                "committed": list(self.committed),
+                "committing": sorted(self.committer.commits),
+                "pending": sorted(self._pending),
+                "mirrored_high": self.mirrored_high,
+                "errors": list(self.errors[-10:]),
+            }
+
+    # -- threads -----------------------------------------------------------------------------
+    def mirror_loop(self) -> None:
+        lower_thread_priority()
+        while not self.st.stopping.is_set():
+            self.wake.wait(self.st.cfg.poll_interval)
+            self.wake.clear()
+            if self.st.stopping.is_set():
+                break
+            self.run_once()
+
+    def commit_loop(self) -> None:
+        self.committer.commit_loop()
+
+    def drain(self, timeout: float) -> None:
+        """At shutdown: copies the newest waiting step and commits what can be within
+        ``timeout`` seconds (the exit's final step reaches the mirror; a bounded wait)."""
+        deadline = time.monotonic() + timeout
+        if not self._busy.acquire(timeout=max(0.0, timeout)):
+            log.warning("mirror: a copy still runs at shutdown; not waited for")
+            return
+        self._busy.release()
+        while time.monotonic() < deadline and self.run_once():
+            pass
+        self.committer.drain_commits(max(0.0, deadline - time.monotonic()))
+
+    def run_once(self) -> bool:
+        """Copies the newest waiting step (older waiting ones are dropped: superseded).
+        Returns whether there was one."""
+        with self.st.lock:
+            if not self._pending:
+                return False
+            step = max(self._pending)
+            job = self._pending.pop(step)
+            for old in sorted(self._pending):
+                log.info("mirror: step %d skipped, newer step %d is due", old, step)
+            self._pending.clear()
+        with self._busy:
+            try:
+                self.copy(job)
+            except Exception as e:  # the daemon lives on; the error is kept
+                self.error(step, f"{type(e).__name__}: {e}")
+        return True
+
+    # -- copying -----------------------------------------------------------------------------
+    def open_root(self, url: str) -> Storage:
+        """The mirror root the marks name (one per agent: another URL is an error)."""
+        if self.storage is not None:
+            if url != self.storage.url:
+                raise ValueError(
+                    f"the trainers mark steps for mirror {url}, but this agent mirrors job "
+                    f"{self.st.cfg.job!r} to {self.storage.url}: use one mirror URL per job id"
+                )
+            return self.storage
+        root = Storage(url, file_mode=self.st.cfg.storage_file_mode)
+        committed = root.committed_steps()
+        root.remove_partial_steps(committed)  # left by an earlier agent (one killed mid-copy)
+        with self.st.lock:
+            self.storage, self.committed = root, committed
+        return root
+
+    def copy(self, job: MirrorJob) -> None:
+        primary = self.st.storage
+        assert primary is not None
+        mirror = self.open_root(job.url)
+        step, part = job.step, job.part
+        t0 = time.monotonic()
+        if job.commits and mirror.fs.exists(mirror.step_path(step, MANIFEST)):
+            # A step number reached again (an abandoned timeline's step): hidden before its
+            # files are rewritten, committed again once every part is in.
+            mirror.uncommit(step)
+            with self.st.lock:
+                self.committed = [s for s in self.committed if s != step]
+        pace = self.st.pacer()
+        size = 0
+        for name in sorted(part.files):
+            rec = primary.copy_step_file(
+                step, name, part.files[name], mirror, check=pace, chunk=MIRROR_CHUNK
+            )
+            size += rec.size
+        mirror.write_part(step, self.st.cfg.node, part.to_json())
+        with self.st.lock:
+            self.mirrored_high = max(self.mirrored_high, step)
+        if job.commits:
+            self.committer.enqueue(step, part.world_size, part.num_shards, part.world_id)
+        dt = time.monotonic() - t0
+        log.info("mirrored step %d to %s: %.1f MiB in %.2f s", step, mirror.url, size / 2**20, dt)

@@ -288,6 +288,7 @@ class NodeAgent:
                     log.exception("final commit failed")
                 try:
                     # The exit's final step goes to the remote tier too: a bounded wait.
+                    self.persister.exit_mirror()
                     self.mirrorer.drain(self.st.cfg.commit_timeout)
                 except Exception:
                     log.exception("final mirror failed")

@@ -122,6 +122,11 @@ class Persister:
         # root it was marked for, carried to the next step persisted, so a slow persister
         # delays the remote tier's step rather than dropping it until the next mark.
         self._mirror_owed: str | None = None
+        # The exit's mirror: the newest step persisted here (step, part, committed here), the
+        # mirror root of the newest marked step seen, and the newest step handed to the mirror.
+        self._last_part: tuple[int, NodePart, bool] | None = None
+        self._mirror_url: str | None = None
+        self._mirror_handed = -1
         self._yields = 0  # persists abandoned in a row to let a trainer have its slot
         self._retry_after = 0.0  # after a persistence error: no attempt before this time
 
@@ -148,6 +153,7 @@ class Persister:
                 pending = self.pending_step()
                 if pending is not None:
                     self.persist(*pending)
+                self.exit_mirror()
             except Exception as e:  # the daemon lives on; the error is reported
                 self.st.record_error(pending[0] if pending else None, f"{type(e).__name__}: {e}")
                 self._retry_after = time.monotonic() + self.st.cfg.retry_interval
@@ -424,6 +430,7 @@ class Persister:
             # steps goes on meanwhile (a step whose parts never arrive, because a machine died,
             # no longer blocks it).
             self.committer.enqueue(step, world, num_shards, world_id)
+        self._last_part = (step, part, hosts_rank0)
         self._mirror(step, metas, part, hosts_rank0)
         dt = time.monotonic() - t0
         log.info(
@@ -455,7 +462,26 @@ class Persister:
             return
         url = next(iter(urls))
         assert url is not None
+        self._mirror_url, self._mirror_handed = url, max(self._mirror_handed, step)
         self.mirrorer.enqueue(MirrorJob(step, url, part, commits))
+
+    def exit_mirror(self) -> None:
+        """The trainers finished (every position of the current world said done): the newest
+        step persisted here goes to the mirror too, marked or not (to the root of the newest
+        marked step seen), so the end of a run reaches the remote tier. Every node of the world
+        does the same with the same step (the exit's flush persisted it everywhere)."""
+        if self.mirrorer is None or self._mirror_url is None or self._last_part is None:
+            return
+        with self.st.lock:
+            ranks = [r for r in self.st.ranks.values() if r.world_id == self.st.world_id]
+            if not ranks or not all(r.done for r in ranks):
+                return
+        step, part, commits = self._last_part
+        if step <= self._mirror_handed:
+            return
+        self._mirror_handed = step
+        log.info("the trainers finished: mirroring the last persisted step %d", step)
+        self.mirrorer.enqueue(MirrorJob(step, self._mirror_url, part, commits))
 
     def write_shard(
         self,

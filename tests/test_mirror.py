@@ -134,6 +134,29 @@ def test_marked_steps_reach_the_mirror_and_restore_survives_the_lost_disk(
         mirror.fs.rm(mirror.root, recursive=True)
 
 
+def test_the_last_step_reaches_the_mirror_when_the_loop_saved_it_unmarked(
+    fc_env: FcEnv, agent: RunningAgent, tmp_path: Path
+) -> None:
+    """The loop's own save is the run's last snapshot (the exit takes none) and mirror_every
+    did not mark it: the agent mirrors the last persisted step once the trainers finished."""
+    mirror_url = f"file://{tmp_path / 'remote'}"
+    mirror = Storage(mirror_url)
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(every=0, mirror=mirror_url, mirror_every=10)
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        for i in range(4):
+            train_step(model, opt, sched, i)
+            ck.step()
+            ck.save(mode="sync")
+            assert ck.flush() == i + 1
+        _wait_committed(mirror, 1)
+        time.sleep(0.5)
+        assert mirror.committed_steps() == [1]  # 2..4 unmarked: in the storage root only
+    assert ck.stats.mirror_marked == 1
+    assert _wait_committed(mirror, 4) == [1, 4]
+    assert mirror.check_step(4).status == "ok"
+
+
 def test_the_newest_step_of_either_tier_is_restored(
     fc_env: FcEnv, agent: RunningAgent, tmp_path: Path
 ) -> None:

@@ -108,7 +108,8 @@ class Checkpointer:
         """Steps completed when the ``with`` block was entered (the restored step; 0 on a fresh
         start), which is also the 0-based index of the next iteration."""
         self.restored_from: str | None = None
-        """Where the restored state came from: ``memory``, ``storage``, ``replica`` (a peer's
+        """Where the restored state came from: ``memory``, ``storage``, ``mirror`` (the remote
+        tier, ``mirror=``), ``replica`` (a peer's
         memory) or ``memory-reshard`` (a sharded state rebuilt from the pieces this world's ranks
         hold in memory); None when nothing was restored."""
         self._pg = process_group

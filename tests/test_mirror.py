@@ -468,3 +468,60 @@ def test_the_mirror_mark_is_part_of_the_typed_snapshot_meta() -> None:
     for bad in (3, "", "x" * 5000, "a\nb"):
         with pytest.raises(CorruptCheckpointError, match="'mirror'"):
             SnapshotMeta.from_json({**base, "mirror": bad, **tail})
+
+
+def test_the_mirror_commits_only_once_every_part_is_in_and_the_primary_committed(
+    tmp_path: Path,
+) -> None:
+    """Two machines' agents (their state objects, no threads): the committing node's mirror
+    copy alone commits nothing, nor do both copies before the step is committed in the primary
+    root; then the mirror's manifest is the primary's, and its ``latest`` names the step."""
+    from flashckpt.agent_commit import Committer
+    from flashckpt.agent_config import AgentConfig
+    from flashckpt.agent_mirror import Mirrorer, MirrorJob
+    from flashckpt.agent_state import AgentState
+    from flashckpt.manifest import RankEntry, ShardEntry
+    from flashckpt.snapmeta import NodePart
+
+    primary_url, mirror_url = f"file://{tmp_path / 'disk'}", f"file://{tmp_path / 'remote'}"
+    states = [
+        AgentState(
+            AgentConfig(
+                job="jmirror", node=f"n{n}", storage=primary_url, run_dir=str(tmp_path / "run")
+            )
+        )
+        for n in range(2)
+    ]
+    primary, mirror = Storage(primary_url), Storage(mirror_url)
+    step, shard = 5, "shard-00000-of-00001.safetensors"
+    parts = []
+    for n in range(2):
+        rank_rec = primary.write_private(step, n, 2, {"rng": {}, "extras": {"n": n}})
+        files = {f"rank-0000{n}-of-00002.json": rank_rec.entry()}
+        shards = {}
+        if n == 0:
+            files[shard] = primary.write_stream(
+                primary.step_path(step, shard), [b"x" * 100]
+            ).entry()
+            shards = {0: ShardEntry(shard, 0)}
+        ranks = {n: RankEntry(f"rank-0000{n}-of-00002.json", 0)}
+        part = NodePart(f"n{n}", step, "", 2, 1, ranks, shards, files)
+        primary.write_part(step, f"n{n}", part.to_json())
+        parts.append(part)
+    m0, m1 = Mirrorer(states[0]), Mirrorer(states[1])
+    m0.copy(MirrorJob(step, mirror_url, parts[0], commits=True))
+    m0.committer.commit_round()
+    assert mirror.committed_steps() == [] and m0.committer.commit_missing[step] == [1]
+    m1.copy(MirrorJob(step, mirror_url, parts[1], commits=False))
+    m0.committer.commit_round()
+    assert mirror.committed_steps() == []  # every part is in, the primary has not committed
+    assert not (tmp_path / "remote" / "latest").exists()
+    assert Committer(states[0]).try_commit(step, 2, 1, "")
+    m0.committer.commit_round()
+    assert mirror.committed_steps() == [step] and m0.committed == [step]
+    assert {**mirror.read_manifest(step), "created": 0} == {
+        **primary.read_manifest(step),
+        "created": 0,
+    }
+    assert json.loads((tmp_path / "remote" / "latest").read_text())["step"] == step
+    assert m1.committed == []  # only the committing node commits

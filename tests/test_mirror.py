@@ -157,6 +157,18 @@ def test_the_last_step_reaches_the_mirror_when_the_loop_saved_it_unmarked(
     assert mirror.check_step(4).status == "ok"
 
 
+def test_a_duration_mirrors_the_first_persisted_then_waits(
+    fc_env: FcEnv, agent: RunningAgent, tmp_path: Path
+) -> None:
+    mirror_url = f"file://{tmp_path / 'remote'}"
+    mirror = Storage(mirror_url)
+    _, ck = _train(fc_env, mirror_url, 3, mirror_every="1h", persist_every=1)
+    # The first persisted snapshot, then nothing for an hour; the exit's final one (4) too.
+    assert ck.stats.mirror_marked == 2
+    assert _wait_committed(mirror, 4) == [1, 4]
+    assert Storage(fc_env.storage).committed_steps() == [2, 3, 4]
+
+
 def test_the_newest_step_of_either_tier_is_restored(
     fc_env: FcEnv, agent: RunningAgent, tmp_path: Path
 ) -> None:

@@ -93,6 +93,7 @@ class NodeAgent:
         self.segments = Segments(self.st)
         self.server = Server(self.st, self.segments, self.persister, self.status)
         self.replicator = Replicator(self.st)
+        self.server.replicator = self.replicator  # answers the launcher's replica_peers
         self.monitor: AgentMonitor | None = None
         self.socket_path = self.server.socket_path
         self.owner_path = self.segments.owner_path

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flashckpt.agent_persist import Persister
+from flashckpt.agent_replica import Replicator
 from flashckpt.agent_segments import Segments
 from flashckpt.agent_state import AgentState, Conn, RankRecord, header_ok
 from flashckpt.errors import ProtocolError, ShmSpaceError
@@ -31,6 +32,8 @@ from flashckpt.messages import (
     OkReply,
     Ping,
     PingReply,
+    ReplicaPeers,
+    ReplicaPeersReply,
     Reply,
     Request,
     Restored,
@@ -66,6 +69,8 @@ class Server:
         cfg = state.cfg
         self.socket_path = socket_path(cfg.run_dir, cfg.job, cfg.node)
         self.server: socket.socket | None = None
+        self.replicator: Replicator | None = None
+        """The agent's replicas (set by the agent; answers ``replica_peers``)."""
 
     def listen(self) -> None:
         """Binds the socket (mode 0600, whatever the umask) and listens."""
@@ -186,6 +191,8 @@ class Server:
                 return StatusReply(status=self.status())
             case Ping():
                 return PingReply(pid=os.getpid())
+            case ReplicaPeers():
+                return self.replica_peers(req)
         raise ProtocolError(f"request {req.op!r} has no handler")  # REQUESTS and this differ
 
     def hello(self, conn: Conn, msg: Hello) -> HelloReply:
@@ -233,6 +240,19 @@ class Server:
             # next one if it dies; an agent without it belongs to a launcher or an operator.
             auto_started=self.st.cfg.exit_when_done,
         )
+
+    def replica_peers(self, req: ReplicaPeers) -> ReplicaPeersReply:
+        """The launcher's peer list of the new world (see :meth:`Replicator.set_peers`)."""
+        rep = self.replicator
+        if rep is None:
+            raise ProtocolError("replica_peers: this agent has no replication")
+        try:
+            targets = rep.set_peers(req.addresses())
+        except ValueError as e:  # e.g. this machine's own node: refused, nothing changed
+            raise ProtocolError(f"replica_peers: {e}") from None
+        server = rep.server
+        listen = "{}:{}".format(*server.address) if server is not None else None
+        return ReplicaPeersReply(listen=listen, targets=targets)
 
     def flush(self, step: int, timeout: float) -> Reply:
         with self.st.lock:

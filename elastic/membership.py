@@ -99,6 +99,9 @@ class NodeRecord:
     """Its rank among the machines of the current round, when active."""
     lease: int = 0
     """The etcd lease the key is bound to (filled in when read)."""
+    replica: str = ""
+    """``host:port`` of its node agent's replica server (other machines send it replicas of
+    their snapshots there); empty if it holds none."""
 
     def to_json(self) -> bytes:
         """The key's value."""
@@ -348,6 +351,16 @@ class NodeRegistry:
         """The other live nodes of the job, as last seen by the watch."""
         with self._lock:
             return dict(self._peers)
+
+    def records(self, timeout: timedelta | None = None) -> list[NodeRecord]:
+        """Every live node record of the job (this one's too), read from etcd now (not the
+        watch's view, which may lag a record written just before a rendezvous completed).
+
+        Raises:
+            EtcdError: etcd did not answer.
+        """
+        kvs = self._client.get_prefix(self._prefix, timeout=timeout)
+        return [r for r in (NodeRecord.from_kv(kv) for kv in kvs) if r is not None]
 
     def reap_dead_peers(self, candidates: Collection[str] | None = None) -> list[NodeRecord]:
         """Probes peers and revokes the lease of every one that is certainly dead.

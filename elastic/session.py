@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -56,7 +57,13 @@ from elastic.etcd import EtcdError
 from elastic.jobview import JobViewPublisher, StragglerSwap, agent_status
 from elastic.launch_config import EventLog, LauncherConfig, LaunchError
 from elastic.membership import NodeIdInUse, NodeRecord, NodeRegistry, expire_rendezvous_nodes
-from elastic.node_agent import NodeAgentConfig, NodeAgentError, NodeAgentProcess
+from elastic.node_agent import (
+    NodeAgentConfig,
+    NodeAgentError,
+    NodeAgentProcess,
+    round_participants,
+    world_replica_peers,
+)
 from elastic.prewarm import PREWARM_SOCKET_ENV, Prewarmer
 from elastic.rdzv_registry import BACKEND_NAME
 from elastic.rdzv_watch import create_watching_handler
@@ -134,6 +141,8 @@ class LaunchSession:
         self._in_teardown = False
         self._starts = 0
         self._reporter = RestoreReporter(os.devnull, 0)
+        # Replicas of snapshots in other machines' memory: none where the job has one machine.
+        self._replicas = config.replicas if config.max_nodes > 1 else 0
 
     # ---------------------------------------------------------------------------- set-up
 
@@ -264,10 +273,15 @@ class LaunchSession:
                     run_dir=run_dir,
                     keep=cfg.keep,
                     metrics_port=cfg.metrics_port,
+                    replicas=self._replicas,
+                    replica_bind=cfg.local_addr or "0.0.0.0",
+                    replica_advertise=cfg.local_addr or socket.getfqdn(),
                 )
             )
         except ValueError as exc:
             raise LaunchError(str(exc)) from exc
+        registry = self._registry
+        self._node_agent.on_replica_address = lambda addr: registry.update(replica=addr)
         self._node_agent.start()
         self._reporter = RestoreReporter(
             events_path(run_dir, cfg.rdzv_id, cfg.node_id),
@@ -443,6 +457,10 @@ class LaunchSession:
         self.events("rendezvous_start", round=self._rounds)
         if self._rounds > 1 and self.config.probe:
             self._registry.reap_dead_peers()
+        if self._rounds == 1 and self._replicas:
+            # The agent's replica address is in this machine's record before it joins: every
+            # machine of the round finds it there (send_replica_peers) once the round formed.
+            self._node_agent.wait_ready(_AGENT_READY_TIMEOUT)
         self._registry.update(state="waiting", group_rank=None)
 
     def after_rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -472,6 +490,7 @@ class LaunchSession:
             # and persistence of the new world is not held up by the old world's records.
             self.events("membership_changed", lost=lost, ranks=list(view[0]))
         generation = self._node_agent.wait_ready(_AGENT_READY_TIMEOUT)
+        self._send_replica_peers()
         self._use_prewarmer()
         os.environ[envnames.RUN_DIR] = generation.run_dir
         os.environ[envnames.SHM_DIR] = generation.shm_dir
@@ -481,6 +500,27 @@ class LaunchSession:
             "workers_start", ranks=list(view[0]), world_size=view[1], agent_gen=generation.number
         )
         self._reporter.workers_started(time.time())
+
+    def _send_replica_peers(self) -> None:
+        """Gives the node agent the replica servers of this round's other machines: it sends
+        its snapshots to the next one in ring order, and drops what it holds of machines that
+        left once the new world snapshotted (see :mod:`flashckpt.agent_replica`)."""
+        agent, registry = self._node_agent, self._registry
+        if not self._replicas or agent is None or registry is None:
+            return
+        try:
+            records = registry.records(timeout=_PROBE_ETCD_TIMEOUT)
+        except EtcdError as exc:
+            logger.warning(
+                "cannot read the job's nodes from etcd: replica peers unchanged: %s", exc
+            )
+            return
+        world = round_participants(self._handler)
+        if world is None:  # torch's internals differ: every live machine but those leaving
+            world = {r.rdzv_node for r in records if r.rdzv_node and r.state != "leaving"}
+        peers = world_replica_peers(world, records, self.config.node_id)
+        agent.set_replica_peers(peers)
+        self.events("replica_peers", peers=peers)
 
     def _use_prewarmer(self) -> None:
         os.environ.pop(PREWARM_SOCKET_ENV, None)

@@ -13,8 +13,12 @@ once the new world snapshotted.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import time
+import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +26,11 @@ import pytest
 from _nscluster import NsSimCluster
 
 from elastic import netns
+from elastic.etcd import KeyValue
 from elastic.etcd_server import find_etcd_binary
+from elastic.launcher import parse_args
+from elastic.membership import NodeRecord
+from elastic.node_agent import NodeAgentConfig, NodeAgentProcess, world_replica_peers
 from flashckpt import names
 from flashckpt.errors import AgentError
 from flashckpt.protocol import AgentClient
@@ -31,11 +39,111 @@ STEPS = 90
 EVERY = 3
 
 _REASON = netns.unavailable()
-pytestmark = [
-    pytest.mark.etcd,
-    pytest.mark.slow,
-    pytest.mark.skipif(_REASON is not None, reason=_REASON or ""),
-]
+
+
+def _record(node: str, rdzv: str | None, replica: str, state: str = "active") -> NodeRecord:
+    return NodeRecord(
+        node_id=node, host=node, pid=1, token=node, probe="", state=state, rdzv_node=rdzv,
+        replica=replica,
+    )  # fmt: skip
+
+
+def _kv(value: bytes) -> KeyValue:
+    return KeyValue(key=b"k", value=value, mod_revision=1, create_revision=1, version=1, lease=0)
+
+
+def test_world_replica_peers_are_the_rounds_other_machines() -> None:
+    records = [
+        _record("n0", "h0_1_0", "10.0.0.1:7000"),  # this machine
+        _record("n1", "h1_1_0", "10.0.0.2:7001"),
+        _record("n2", "h2_1_0", "10.0.0.3:7002", state="waiting"),  # a standby: not in it
+        _record("n3", "h3_1_0", ""),  # replication off there
+        _record("n4", None, "10.0.0.5:7004"),  # not in the rendezvous yet
+    ]
+    world = {"h0_1_0", "h1_1_0", "h3_1_0"}
+    assert world_replica_peers(world, records, "n0") == {"n1": "10.0.0.2:7001"}
+    assert world_replica_peers(world, records, "n1") == {"n0": "10.0.0.1:7000"}
+    assert world_replica_peers(set(), records, "n0") == {}
+    # A record from before this field existed (an older launcher) parses, with no address.
+    old = _record("n5", "x", "").to_json().replace(b',"replica":""', b"")
+    assert b"replica" not in old
+    raw = NodeRecord.from_kv(_kv(old))
+    assert raw is not None and raw.replica == ""
+    assert NodeRecord.from_kv(_kv(records[1].to_json())) == records[1]
+
+
+def test_replicas_flag() -> None:
+    base = ["--nnodes", "2", "--rdzv-endpoint", "h:2379", "--rdzv-id", "j", "train.py"]
+    assert parse_args(base)[0].replicas == 1
+    assert parse_args(["--replicas", "0", *base])[0].replicas == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--replicas", "-1", *base])
+    with pytest.raises(ValueError, match="replicas"):
+        NodeAgentConfig(job="j", node="n", storage=None, shm_dir="/x", run_dir="/y", replicas=-1)
+
+
+@pytest.mark.timeout(300)
+def test_agent_started_again_keeps_its_replica_port_and_gets_the_peers_again(
+    tmp_path: Path,
+) -> None:
+    """The launcher's agent supervisor: the replica address is read back and published once; the
+    peer list never names this machine; an agent that crashed is started again on the same
+    port and given the newest peer list again."""
+    shm = Path("/dev/shm") / f"fc-wire-{uuid.uuid4().hex[:8]}"
+    published: list[str] = []
+    proc = NodeAgentProcess(
+        NodeAgentConfig(
+            job="jw", node="me", storage=None, shm_dir=str(shm), run_dir=str(tmp_path / "run"),
+            replicas=1, replica_bind="127.0.0.1", stop_timeout_s=30,
+        )
+    )  # fmt: skip
+    proc.on_replica_address = published.append
+    try:
+        proc.start()
+        gen = proc.wait_ready(timedelta(seconds=120))
+        address = proc.replica_address
+        assert address is not None and address.startswith("127.0.0.1:"), address
+        assert published == [address]
+
+        def status() -> dict[str, Any]:
+            client = AgentClient(gen.socket_path, timeout=5.0)
+            try:
+                return client.request("status", timeout=30)["replication"]
+            finally:
+                client.close()
+
+        assert status()["listen"] == address
+        proc.set_replica_peers({"me": "127.0.0.1:1", "other": "127.0.0.1:2"})
+        assert status()["peers"] == {"other": "127.0.0.1:2"}  # never its own machine
+        proc.set_replica_peers({"b": "127.0.0.1:3"})
+        assert status()["peers"] == {"b": "127.0.0.1:3"}
+
+        client = AgentClient(gen.socket_path, timeout=5.0)
+        try:
+            pid = client.request("ping", timeout=30)["pid"]
+        finally:
+            client.close()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # the supervisor starts it again; the new one answers with another pid
+            try:
+                client = AgentClient(gen.socket_path, timeout=1.0)
+                try:
+                    if client.request("ping", timeout=5)["pid"] != pid:
+                        break
+                finally:
+                    client.close()
+            except AgentError:
+                pass
+            assert time.monotonic() < deadline, "the agent was not started again"
+            time.sleep(0.1)
+        proc.wait_ready(timedelta(seconds=120))
+        rep = status()
+        assert rep["listen"] == address and rep["peers"] == {"b": "127.0.0.1:3"}, rep
+        assert published == [address]  # the same address: nothing to publish again
+    finally:
+        proc.stop()
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.fixture
@@ -95,6 +203,9 @@ def _replica_files(cluster: NsSimCluster, node: str) -> list[str]:
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.etcd
+@pytest.mark.slow
+@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 def test_launchers_replicate_to_the_ring_and_follow_a_standby_replacing_a_machine(
     tmp_path: Path, net: tuple[netns.Cluster, str]
 ) -> None:

@@ -192,7 +192,7 @@ class Server:
             case Ping():
                 return PingReply(pid=os.getpid())
             case ReplicaPeers():
-                return self.replica_peers(req)
+                return self.set_replica_peers(req)
         raise ProtocolError(f"request {req.op!r} has no handler")  # REQUESTS and this differ
 
     def hello(self, conn: Conn, msg: Hello) -> HelloReply:
@@ -241,7 +241,7 @@ class Server:
             auto_started=self.st.cfg.exit_when_done,
         )
 
-    def replica_peers(self, req: ReplicaPeers) -> ReplicaPeersReply:
+    def set_replica_peers(self, req: ReplicaPeers) -> ReplicaPeersReply:
         """The launcher's peer list of the new world (see :meth:`Replicator.set_peers`)."""
         rep = self.replicator
         if rep is None:

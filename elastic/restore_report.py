@@ -2,8 +2,9 @@
 
 The node agent's monitor appends JSON lines to ``<run_dir>/<job>.<node>.events.jsonl``; its
 ``start`` event of each trainer incarnation carries the step it resumed at (``resume_step``),
-where the state came from (``restored_from``: ``memory``, ``replica``, ``peer``, ``storage``,
-``memory-reshard``..., ``None`` for a fresh start) and how long the entry took (``restore_s``,
+where the state came from (``restored_from``: ``memory``, ``replica``, ``peer-memory`` (a
+lost machine's ranks from another machine's replica), ``storage``, ``memory-reshard``...,
+``None`` for a fresh start) and how long the entry took (``restore_s``,
 from entering ``checkpointing()`` to the first step). After every (re)start of the workers
 :class:`RestoreReporter` waits, in a daemon thread, for the ``start`` events of this round's
 local ranks and prints one line for the machine::
@@ -50,6 +51,10 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return ("ranks " if len(ranks) > 1 else "rank ") + ",".join(map(str, ranks))
 
 
+SOURCE_NOTES = {"peer-memory": "another machine's replica"}
+"""What a source name means, where the name alone does not say it (shown after it)."""
+
+
 def format_restore_line(round_no: int, starts: Sequence[dict[str, Any]]) -> str:
     """One line for the machine: what each group of its ranks restored, from where, how fast.
 
@@ -66,7 +71,9 @@ def format_restore_line(round_no: int, starts: Sequence[dict[str, Any]]) -> str:
         times = [float(e["restore_s"]) for e in evs if isinstance(e.get("restore_s"), int | float)]
         took = f" in {max(times):.2f} s" if times else ""
         if source:
-            parts.append(f"{ranks} restored step {step} from {source}{took}")
+            note = SOURCE_NOTES.get(str(source))
+            where = f"{source} ({note})" if note else str(source)
+            parts.append(f"{ranks} restored step {step} from {where}{took}")
         else:
             parts.append(f"{ranks} started at step {step} with nothing to restore{took}")
     return f"round {round_no}: " + "; ".join(parts)

@@ -94,6 +94,8 @@ class NodeAgent:
         self.server = Server(self.st, self.segments, self.persister, self.status)
         self.replicator = Replicator(self.st)
         self.server.replicator = self.replicator  # answers the launcher's replica_peers
+        # A pull asks the peers of the current world (the launcher's list, replaced each round).
+        self.server.replica_peers = lambda: self.replicator.peers
         self.monitor: AgentMonitor | None = None
         self.socket_path = self.server.socket_path
         self.owner_path = self.segments.owner_path

@@ -12,10 +12,11 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flashckpt.agent_persist import Persister
+from flashckpt.agent_pull import Puller
 from flashckpt.agent_replica import Replicator
 from flashckpt.agent_segments import Segments
 from flashckpt.agent_state import AgentState, Conn, RankRecord, header_ok
@@ -32,6 +33,7 @@ from flashckpt.messages import (
     OkReply,
     Ping,
     PingReply,
+    PullReplica,
     ReplicaPeers,
     ReplicaPeersReply,
     Reply,
@@ -71,6 +73,13 @@ class Server:
         self.server: socket.socket | None = None
         self.replicator: Replicator | None = None
         """The agent's replicas (set by the agent; answers ``replica_peers``)."""
+        self.puller = Puller(state, lambda: self.replica_peers())
+        """Serves ``pull_replica`` (a peer agent's replica into a trainer's slot)."""
+        self.replica_peers: Callable[[], Mapping[str, tuple[str, int]]] = (
+            state.cfg.replica_peer_addrs
+        )
+        """The peer agents' replica servers a pull asks (node id -> host, port): the agent
+        points it at its replicator's current list; by default the configured one."""
 
     def listen(self) -> None:
         """Binds the socket (mode 0600, whatever the umask) and listens."""
@@ -193,6 +202,8 @@ class Server:
                 return PingReply(pid=os.getpid())
             case ReplicaPeers():
                 return self.set_replica_peers(req)
+            case PullReplica():
+                return self.puller.pull(conn, req)
         raise ProtocolError(f"request {req.op!r} has no handler")  # REQUESTS and this differ
 
     def hello(self, conn: Conn, msg: Hello) -> HelloReply:

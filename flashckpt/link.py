@@ -28,6 +28,8 @@ from flashckpt.messages import (
     Hash,
     Hello,
     HelloReply,
+    PullReplica,
+    PullReplicaReply,
     Restored,
     Snap,
     Status,
@@ -304,6 +306,43 @@ class AgentLink:
             assert self.client is not None
             with contextlib.suppress(AgentError):
                 self.client.call(Hash(), timeout=60)
+
+    def pull_replica(
+        self,
+        *,
+        min_step: int,
+        world_id: str | None = None,
+        fetch: bool = True,
+        timeout: float = 120.0,
+    ) -> PullReplicaReply:
+        """Has the agent find a peer agent's replica of this rank's snapshot (step >=
+        ``min_step``, taken by a world of this rank's size, in ``world_id`` if given) and, with
+        ``fetch``, copy it into one of this rank's slots (hash-verified there); the reply says
+        what was found (step, holder, bytes, the slot) or why nothing was.
+
+        Raises:
+            AgentError: no agent, it refused, or the pull failed (``kind`` names why:
+                ``CorruptSnapshotError`` for a replica that fails its data hash).
+        """
+        if self.client is None or not self.client.connected:
+            raise AgentError("no node agent")
+        ctx = self.ctx
+        reply = self.client.call(
+            PullReplica(
+                rank=ctx.rank,
+                local_rank=ctx.local_rank,
+                world_size=ctx.world,
+                min_step=min_step,
+                world_id=world_id,
+                fetch=fetch,
+                timeout_s=timeout,
+            ),
+            # The agent asks each peer (bounded by the timeout) and then streams the replica.
+            timeout=2 * timeout + 30,
+        )
+        if not isinstance(reply, PullReplicaReply):
+            raise AgentError(f"the node agent answered pull_replica with {type(reply).__name__}")
+        return reply
 
     def flush(self, step: int, timeout: float) -> int:
         """Waits until the agent committed ``step`` to storage; returns the committed step.

@@ -672,3 +672,68 @@ class ReplicaPeersReply(Reply):
 REQUESTS[ReplicaPeers.op] = ReplicaPeers
 REPLIES[ReplicaPeers.op] = ReplicaPeersReply
 __all__ += ["ReplicaPeers", "ReplicaPeersReply"]
+
+
+# -- pull_replica (issue 11: restore a lost machine's ranks from a peer agent's replica) -------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PullReplica(_Position):
+    """Find a peer agent's replica of global rank ``rank``'s snapshot (step >= ``min_step``, of a
+    world of ``world_size`` ranks) and, with ``fetch``, copy the newest into a slot of the
+    position this connection said hello for, hash-verified (the trainer then reads it as
+    memory). Without ``fetch`` only says what the peers hold."""
+
+    op: ClassVar[str] = "pull_replica"
+    world_size: int
+    """Ranks of the world the snapshot must have been taken in (the trainer's world)."""
+    min_step: int = 0
+    """The oldest step wanted."""
+    world_id: str | None = None
+    """The world id the snapshot must have been taken in (None: any)."""
+    fetch: bool = True
+    """Copy it into a slot (else only look)."""
+    timeout_s: float = 120.0
+    """Seconds one peer may take to answer (and to send a replica)."""
+
+    def __post_init__(self) -> None:
+        _Position.__post_init__(self)
+        _bound("pull_replica", "world_size", self.world_size, 1, MAX_WORLD)
+        if self.rank >= self.world_size:
+            raise ProtocolError(
+                f"pull_replica: rank {self.rank} is outside the world of {self.world_size}"
+            )
+        _bound("pull_replica", "min_step", self.min_step, 0, MAX_STEP)
+        _bound("pull_replica", "timeout_s", self.timeout_s, 0.1, 3600)
+        _text("pull_replica", "world_id", self.world_id)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PullReplicaReply(Reply):
+    """What a pull found: the replica (and, fetched, the slot it is in now), or why none."""
+
+    found: bool
+    """A peer holds a replica that fits (and, with ``fetch``, it is in ``path`` now)."""
+    step: int = -1
+    """Its step (-1: none found)."""
+    holder: str = ""
+    """The node id of the peer agent that holds it."""
+    source: str = ""
+    """That agent's replica server (``host:port``)."""
+    sender: str = ""
+    """The machine whose snapshot it is (the one it protects)."""
+    world_id: str = ""
+    """The world id it was taken in."""
+    bytes: int = 0
+    """Bytes of tensor data."""
+    path: str | None = None
+    """The slot file it was copied into (fetched only)."""
+    slot: int = -1
+    """The slot's index (0 or 1; fetched only)."""
+    reason: str = ""
+    """Why none was found (each peer's answer), for the trainer's warning."""
+
+
+REQUESTS[PullReplica.op] = PullReplica
+REPLIES[PullReplica.op] = PullReplicaReply
+__all__ += ["PullReplica", "PullReplicaReply"]

@@ -61,6 +61,7 @@ __all__ = [
     "check_replica_capacity",
     "fetch_replica",
     "push_replica",
+    "query_replicas",
     "replica_targets",
 ]
 
@@ -71,6 +72,8 @@ MAX_FRAME = 64 * 1024
 MAX_META = 64 * 2**20
 """A snapshot description larger than this is refused (a trainer's is KiB to a few MiB)."""
 MAX_RANK = 2**20
+MAX_QUERY = 64
+"""The most held replicas one ``query`` answer lists (the newest first): bounds the frame."""
 DEFAULT_CHUNK_BYTES = 8 * 2**20
 _U64 = 2**64
 
@@ -630,6 +633,36 @@ def fetch_replica(
     return FetchedReplica(h, meta, view, src)
 
 
+def query_replicas(
+    addr: tuple[str, int], *, job: str, rank: int, min_step: int = 0, timeout: float = 10.0
+) -> list[ReplicaHeader]:
+    """The replicas of global rank ``rank`` (of any machine, step >= ``min_step``) that the
+    agent at ``addr`` holds, newest first; every header validated (nothing from the socket is
+    trusted). Raises :class:`ReplicaError` when the peer refuses or cannot be reached."""
+    src = f"{addr[0]}:{addr[1]}"
+    try:
+        with _connect(addr, timeout) as sock:
+            _send_frame(sock, {"op": "query", "job": job, "rank": rank, "min_step": min_step})
+            reply = _recv_frame(sock)
+    except OSError as e:
+        raise ReplicaError(f"replica query to {src} failed: {e}") from None
+    if reply.get("ok") is not True:
+        raise ReplicaError(f"{src} refused the replica query: {_why(reply)}")
+    held = reply.get("held")
+    if not isinstance(held, list) or len(held) > MAX_QUERY:
+        raise ReplicaError(f"{src} answered the replica query with a malformed list")
+    out = []
+    for raw in held:
+        h = ReplicaHeader.from_json(raw)
+        if h.job != job or h.rank != rank or h.step < min_step:
+            raise ReplicaError(
+                f"{src} answered a query of rank {rank} step >= {min_step} of job {job!r} with "
+                f"{h.sender_node!r} rank {h.rank} step {h.step} of job {h.job!r}"
+            )
+        out.append(h)
+    return sorted(out, key=lambda h: (-h.step, h.sender_node))
+
+
 # -- the server --------------------------------------------------------------------------------
 
 
@@ -703,8 +736,10 @@ class ReplicaServer:
                         self._push(conn, req)
                     elif op == "fetch":
                         self._fetch(conn, req)
+                    elif op == "query":
+                        self._query(conn, req)
                     else:
-                        raise ReplicaError(f"unknown replica op {op!r} (push or fetch)")
+                        raise ReplicaError(f"unknown replica op {op!r} (push, fetch or query)")
                 except (ReplicaError, ValueError) as e:
                     self._note(str(e))
                     with contextlib.suppress(OSError, ValueError):
@@ -729,6 +764,20 @@ class ReplicaServer:
             raise
         self.store.receive(h, conn, chunk_bytes=self.chunk_bytes, pace=self.pace)
         _send_frame(conn, {"ok": True, "step": h.step})
+
+    def _query(self, conn: socket.socket, req: dict[str, Any]) -> None:
+        rank, min_step = req.get("rank"), req.get("min_step", 0)
+        if req.get("job") != self.store.job:
+            raise ReplicaError(f"this agent holds replicas of job {self.store.job!r} only")
+        if type(rank) is not int or type(min_step) is not int:
+            raise ReplicaError("query needs rank and min_step (integers)")
+        held = [
+            h.header
+            for h in self.store.held()
+            if h.header.rank == rank and h.header.step >= min_step
+        ]
+        held.sort(key=lambda h: (-h.step, h.sender_node))
+        _send_frame(conn, {"ok": True, "held": [h.to_json() for h in held[:MAX_QUERY]]})
 
     def _fetch(self, conn: socket.socket, req: dict[str, Any]) -> None:
         node, rank, min_step = req.get("sender_node"), req.get("rank"), req.get("min_step", 0)

@@ -11,7 +11,9 @@ without it (or only without that rank's copy, where only its memory failed its d
 stop where the failure is no bad copy but a state that does not fit.
 
 The sources, in order of preference (:data:`SOURCES`): this rank's own memory, a sharded state
-rebuilt from the memory of this world's ranks, a replica's memory, storage. A new source (a
+rebuilt from the memory of this world's ranks, a replica's memory, this rank's snapshot from a
+peer machine's memory (the agents' replicas, pulled by this rank's agent), storage. A step is
+agreed only where every rank has it from one of them. A new source (a
 local-disk tier, a peer machine's memory) is one class implementing :class:`RestoreSource`,
 added to that list.
 """
@@ -26,7 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from flashckpt.saved import RestoreEnv, RestorePlan, RestoreSource, SavedStep
 from flashckpt.snapshot import BadMemory, TornSnapshot
-from flashckpt.sources import K, MemorySource, PeerReshardSource, ReplicaSource, StorageSource
+from flashckpt.sources import (
+    K,
+    MemorySource,
+    PeerMemorySource,
+    PeerReshardSource,
+    ReplicaSource,
+    StorageSource,
+)
 from flashckpt.storage import CorruptCheckpointError
 
 if TYPE_CHECKING:
@@ -40,6 +49,7 @@ SOURCES: tuple[Callable[[RestoreEnv], RestoreSource], ...] = (
     MemorySource,
     PeerReshardSource,
     ReplicaSource,
+    PeerMemorySource,
     StorageSource,
 )
 """Every restore source, most preferred first (built in this order, once per restore)."""

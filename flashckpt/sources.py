@@ -5,6 +5,9 @@
 - :class:`PeerReshardSource`: a sharded state rebuilt from the snapshots this world's ranks hold
   in memory (this machine's slots read in place, other machines' pieces sent over gloo);
 - :class:`ReplicaSource`: a replicated state from a surviving replica's memory;
+- :class:`PeerMemorySource`: this rank's snapshot from another machine's memory, where the node
+  agents replicate snapshots between machines (this rank's own machine was lost): this rank's
+  agent pulls the replica into one of its slots, the rank reads it there as memory;
 - :class:`StorageSource`: the committed steps in storage.
 """
 
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flashckpt.codec import piece_nodes, unflatten_state
+from flashckpt.errors import AgentError
 from flashckpt.layout import Layout, tensor_views
 from flashckpt.names import SLOT_SUFFIX_RE
 from flashckpt.peers import (
@@ -43,7 +47,14 @@ from flashckpt.storage import CorruptCheckpointError
 if TYPE_CHECKING:
     from flashckpt.saved import RestoreEnv, RestorePlan
 
-__all__ = ["K", "MemorySource", "PeerReshardSource", "ReplicaSource", "StorageSource"]
+__all__ = [
+    "K",
+    "MemorySource",
+    "PeerMemorySource",
+    "PeerReshardSource",
+    "ReplicaSource",
+    "StorageSource",
+]
 
 log = logging.getLogger("flashckpt")
 
@@ -546,3 +557,159 @@ class ReplicaSource:
 
     def drop(self, step: int) -> None:
         pass
+
+
+class PeerMemorySource:
+    """This rank's snapshot of a step from a peer machine's memory: the node agents replicate
+    each machine's newest snapshot to another machine (:mod:`flashckpt.agent_replica`); a rank
+    whose own memory lacks a step (its machine was lost, this one replaces it) has its own agent
+    pull the replica into one of its slots (``pull_replica``, hash-verified as it arrives), then
+    reads it there like its own memory, the data hash checked again before use.
+
+    ``offer`` only asks what the peers hold (nothing moves); the replica is fetched in
+    ``prepare``, once the ranks agreed on its step and this rank reads from here. A replica that
+    fails its hash, is gone, or cannot be fetched is a :class:`BadMemory` (a warning naming
+    rank, step and source; the step may still come from storage, else an older one is agreed).
+    """
+
+    name = "peer-memory"
+    whole_world = False
+
+    def __init__(self, env: RestoreEnv) -> None:
+        self.env = env
+        self.found: Any = None
+        """What the last offer found (the agent's ``PullReplicaReply``), or None."""
+        self.dropped: set[int] = set()
+        """Steps whose replica failed (never offered again in this restore)."""
+        self.pulled: tuple[SlotMap, Any, Any] | None = None
+        """(slot, its header, the pull's reply) of the replica fetched for the plan."""
+
+    def _link(self) -> Any:
+        link = getattr(self.env.snap, "link", None)
+        return link if link is not None and link.alive() else None
+
+    def offer(self, excluded: set[int], wanted: Callable[[int], bool]) -> list[int]:
+        """The newest step a peer agent holds a replica of this rank's snapshot of, for a step
+        this rank's own memory lacks (a question to the agent: nothing is fetched yet)."""
+        self.found = None
+        link = self._link()
+        if link is None:
+            return []
+        try:
+            reply = link.pull_replica(min_step=0, fetch=False)
+        except AgentError as e:  # an agent without replicas, or one of an older version
+            log.debug("flashckpt: rank %d: no peer replica: %s", self.env.ctx.rank, e)
+            return []
+        if not reply.found:
+            log.debug("flashckpt: rank %d: no peer replica: %s", self.env.ctx.rank, reply.reason)
+            return []
+        step = int(reply.step)
+        if step in excluded or step in self.dropped or step in self.env.mem:
+            return []
+        self.found = reply
+        return [step]
+
+    def _where(self, step: int) -> str:
+        f = self.found
+        who = f"{f.holder!r} ({f.source})" if f is not None else "a peer agent"
+        return f"rank {self.env.ctx.rank}: the replica of step {step} held by {who}"
+
+    def prepare(self, plan: RestorePlan) -> None:
+        """Has this rank's agent fetch the replica of the agreed step into one of this rank's
+        slots (only where the plan reads this rank from here); no collective.
+
+        Raises:
+            BadMemory: the replica failed its data hash, is gone, or could not be fetched.
+        """
+        env, ctx, step = self.env, self.env.ctx, plan.step
+        self.pulled = None
+        if plan.sources.get(ctx.rank) != self.name:
+            return
+        where = self._where(step)
+        link = self._link()
+        if link is None:
+            raise BadMemory(f"{where} cannot be fetched: no node agent; not restored from it")
+        world_id = self.found.world_id if self.found is not None else None
+        try:
+            reply = link.pull_replica(min_step=step, world_id=world_id, fetch=True)
+        except AgentError as e:
+            raise BadMemory(f"{where} cannot be used: {e}; not restored from it") from None
+        if not reply.found or reply.path is None:
+            raise BadMemory(f"{where} is no longer held ({reply.reason}); not restored from it")
+        if reply.step != step or not 0 <= reply.slot < len(env.snap.slots):
+            raise BadMemory(
+                f"{where}: the agent pulled step {reply.step} into slot {reply.slot} instead; "
+                "not restored from it"
+            )
+        try:
+            sm = env.snap.map(reply.path)
+        except (OSError, ValueError) as e:
+            raise BadMemory(f"{where}: cannot map {reply.path}: {e}") from None
+        info = sm.slot.header()
+        if info is None or not info.complete or info.step != step:
+            raise BadMemory(f"{where}: {reply.path} does not hold step {step} complete")
+        with env.snap.slot_lock:
+            old = env.snap.slots[reply.slot]
+            # The agent replaced that slot's file: the old mapping holds nothing of this rank's
+            # any more (the next snapshot goes into the new one).
+            env.snap.slots[reply.slot] = sm
+        if old is not None:
+            for s in [s for s, (m, _) in env.mem.items() if m is old]:
+                del env.mem[s]
+        self.pulled = (sm, info, reply)
+
+    def read(self, plan: RestorePlan) -> SavedStep:
+        """This rank's state of the step from the pulled replica (its data hash re-checked)."""
+        env, ctx, step = self.env, self.env.ctx, plan.step
+        assert self.pulled is not None, "read before prepare"
+        sm, info, reply = self.pulled
+        where = (
+            f"rank {ctx.rank}: the replica of step {step} from {reply.holder!r} ({reply.source})"
+        )
+        now = sm.slot.header()
+        if now is None or now != info:
+            raise TornSnapshot(f"{where}: {sm.slot.path} changed")
+        try:
+            env.snap.verify(sm, info, step)
+        except BadMemory as e:
+            raise BadMemory(f"{where} fails its data hash ({e})") from None
+        meta = sm.slot.read_meta(info)
+        m = _checked_meta(meta, sm.slot.path) if meta is not None else None
+        if meta is None or m is None:
+            raise BadMemory(f"{where}: its description in {sm.slot.path} is unreadable")
+        if m.rank != ctx.rank or m.world_size != ctx.world or m.step != step:
+            raise BadMemory(
+                f"{where} is rank {m.rank}'s step {m.step} of {m.world_size} ranks, not rank "
+                f"{ctx.rank}'s of {ctx.world}"
+            )
+        off = sm.slot.data_off
+        views = tensor_views(m.layout, sm.data[off : off + m.layout.nbytes])
+        state = unflatten_state(meta["skeleton"], views)
+
+        def check() -> str | None:
+            cur = sm.slot.header()
+            return None if cur == info else f"{sm.slot.path} changed while read"
+
+        return SavedStep(
+            step,
+            self.name,
+            state,
+            meta["private"],
+            shared=True,
+            check=check,
+            info={
+                "replica_holder": reply.holder,
+                "replica_source": reply.source,
+                "replica_of": reply.sender,
+                "replica_bytes": reply.bytes,
+            },
+            note=(
+                f"flashckpt: rank {ctx.rank} restored step {step} from the replica held by "
+                f"{reply.holder!r} ({reply.source}; {reply.bytes / 2**20:.1f} MiB, machine "
+                f"{reply.sender!r}'s snapshot)"
+            ),
+        )
+
+    def drop(self, step: int) -> None:
+        self.dropped.add(step)
+        self.pulled = None

@@ -65,6 +65,7 @@ _assign(
     "flashckpt.agent_commit",
     "flashckpt.agent_server",
     "flashckpt.agent_replica",
+    "flashckpt.agent_pull",
     "flashckpt.monitor",
     "flashckpt.alerts",
     "flashckpt.metrics",

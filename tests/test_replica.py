@@ -28,6 +28,7 @@ from flashckpt.replica import (
     check_replica_capacity,
     fetch_replica,
     push_replica,
+    query_replicas,
     replica_targets,
 )
 from flashckpt.shm import Slot, allocate_slot_file
@@ -361,3 +362,32 @@ def test_header_hash_matches_what_the_agent_records(shm: str) -> None:
     assert info is not None
     assert slot.recorded_hash(info) == xxhash.xxh3_64_intdigest(data)
     slot.close()
+
+
+def test_query_lists_the_held_replicas_of_a_rank_newest_first(
+    shm: str, holder: tuple[ReplicaStore, ReplicaServer]
+) -> None:
+    """A restoring agent asks which replicas of a global rank a peer holds (of any machine)."""
+    _store, server = holder
+    for node, rank, step in (("nA", 1, 6), ("nC", 1, 8), ("nA", 0, 9)):
+        slot = _snapshot(shm, node, rank, step, os.urandom(20_000))
+        push_replica(server.address, slot, job=JOB, node=node, rank=rank, world="w1")
+        slot.close()
+    got = query_replicas(server.address, job=JOB, rank=1)
+    assert [(h.sender_node, h.rank, h.step, h.world) for h in got] == [
+        ("nC", 1, 8, "w1"),
+        ("nA", 1, 6, "w1"),
+    ]
+    assert [h.step for h in query_replicas(server.address, job=JOB, rank=1, min_step=7)] == [8]
+    assert query_replicas(server.address, job=JOB, rank=5) == []
+    with pytest.raises(ReplicaError, match="holds replicas of job"):
+        query_replicas(server.address, job="other", rank=1)
+    # A bad query is refused with a reason; the server serves on.
+    with socket.create_connection(server.address, timeout=10) as sock:
+        body = json.dumps({"op": "query", "job": JOB, "rank": "one"}).encode()
+        sock.sendall(struct.pack("<8sI", b"FCRPL001", len(body)) + body)
+        head = sock.recv(12, socket.MSG_WAITALL)
+        (n,) = struct.unpack("<I", head[8:])
+        reply = json.loads(sock.recv(n, socket.MSG_WAITALL))
+    assert reply["ok"] is False and "rank and min_step (integers)" in reply["error"]
+    assert [h.step for h in query_replicas(server.address, job=JOB, rank=0)] == [9]

@@ -83,7 +83,28 @@ def test_a_whole_world_source_beats_a_less_preferred_plan_only() -> None:
 
 
 def test_the_registered_sources_in_order_of_preference() -> None:
-    assert [s.name for s in SOURCES] == ["memory", "memory-reshard", "replica", "storage"]  # type: ignore[attr-defined]
+    assert [s.name for s in SOURCES] == [  # type: ignore[attr-defined]
+        "memory",
+        "memory-reshard",
+        "replica",
+        "peer-memory",
+        "storage",
+    ]
+
+
+def test_a_peer_replica_is_preferred_to_storage_and_own_memory_to_it() -> None:
+    """A peer's replica of a step serves before storage; this rank's own memory before it."""
+
+    def plan(mem: list[int], peer: list[int], st: list[int]) -> tuple[int, dict[int, str]]:
+        sources = [_Offers("memory", mem), _Offers("peer-memory", peer), _Offers("storage", st)]
+        got = agree(_env(), sources, set())
+        assert got is not None
+        return got.step, got.sources
+
+    assert plan([], [8], [6]) == (8, {0: "peer-memory"})
+    assert plan([8], [8], [8]) == (8, {0: "memory"})
+    assert plan([], [8], [8]) == (8, {0: "peer-memory"})
+    assert plan([6], [], [6]) == (6, {0: "memory"})
 
 
 class _DiskSource:

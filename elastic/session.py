@@ -490,7 +490,7 @@ class LaunchSession:
             # and persistence of the new world is not held up by the old world's records.
             self.events("membership_changed", lost=lost, ranks=list(view[0]))
         generation = self._node_agent.wait_ready(_AGENT_READY_TIMEOUT)
-        pass  # TEMP self._send_replica_peers()
+        self._send_replica_peers()
         self._use_prewarmer()
         os.environ[envnames.RUN_DIR] = generation.run_dir
         os.environ[envnames.SHM_DIR] = generation.shm_dir

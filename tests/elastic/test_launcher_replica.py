@@ -294,3 +294,71 @@ def test_launchers_replicate_to_the_ring_and_follow_a_standby_replacing_a_machin
         assert [sorted(e["peers"]) for e in events][-2:] == [["n1"], ["n2"]], events
     finally:
         cluster.close()
+
+
+# -- end to end: a sharded job loses a machine, memory only ------------------------------------
+
+WORKER_ARGS = ["--steps", "36", "--every", "2", "--fsdp"]
+"""The uninterrupted run (``reference_model``) and the sharded job of the test below."""
+
+
+class _MemoryOnly(NsSimCluster):
+    """Launchers and workers without storage: a lost machine's shards exist only in memory."""
+
+    def command(self, node_id: str, *extra: str, worker_args: Any = ()) -> list[str]:
+        cmd = super().command(node_id, *extra, worker_args=worker_args)
+        i = cmd.index("--storage")  # the launcher's: its agent persists nothing
+        del cmd[i : i + 2]
+        cmd[cmd.index("--storage") + 1] = ""  # the worker's: checkpointing(storage=None)
+        return cmd
+
+
+@pytest.mark.etcd
+@pytest.mark.slow
+@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+@pytest.mark.timeout(420)
+def test_standby_restores_a_killed_machines_shards_from_the_survivors_replica(
+    tmp_path: Path, net: tuple[netns.Cluster, str], reference_model: dict[str, Any]
+) -> None:
+    """FSDP2 on 2 namespaced machines + 1 standby, memory only: the machine of rank 1 is killed
+    (its memory gone); the standby takes rank 1 and restores its shards from the survivor's
+    replica (``peer-memory``), the survivor from its own memory, at the same step; the job ends
+    with the bitwise same model as an uninterrupted run."""
+    from _cluster import assert_same_model
+
+    ns, etcd_url = net
+    cluster = _MemoryOnly(
+        tmp_path / "job", ns, etcd_url, nnodes="2:2",
+        worker_args=[*WORKER_ARGS, "--step-sleep", "0.3"],
+    )  # fmt: skip
+    try:
+        cluster.start("n0")
+        cluster.start("n1")
+        cluster.wait_for("training to start", lambda: len(cluster.steps()) >= 2, 150)
+        standby = cluster.start("n2")
+        cluster.wait_for(
+            "the standby to join the rendezvous",
+            lambda: any(e["event"] == "rendezvous_start" for e in standby.events()),
+            90,
+        )
+        survivor = cluster.rank0_node()
+        victim = "n1" if survivor == "n0" else "n0"
+        cluster.wait_for(
+            "the survivor to hold the victim's newest snapshot",
+            lambda: _holds_newest(cluster, survivor, victim) and max(cluster.steps()) >= 6,
+            120,
+        )
+        assert max(cluster.steps()) < 36 - 12, "training ran out before the kill"
+        killed_at = time.time()
+        assert cluster.machines[victim].kill(), "the machine had no processes"
+
+        for node in (survivor, "n2"):
+            assert cluster.wait_exit(node, 240) == 0, cluster.logs()
+        resumed = cluster.restored_since(killed_at)
+        by_node = {e["node"]: (e["restored_from"], e["start_step"]) for e in resumed}
+        assert set(by_node) == {survivor, "n2"}, resumed
+        assert len({s for _, s in by_node.values()}) == 1 and by_node[survivor][1] > 0, resumed
+        assert by_node[survivor][0] == "memory" and by_node["n2"][0] == "peer-memory", resumed
+        assert_same_model(cluster.out, reference_model)
+    finally:
+        cluster.close()

@@ -281,7 +281,11 @@ class LaunchSession:
         except ValueError as exc:
             raise LaunchError(str(exc)) from exc
         registry = self._registry
-        self._node_agent.on_replica_address = lambda addr: registry.update(replica=addr)
+        # Short: the supervisor waits for it (a failed write is logged; the record carries the
+        # address at its next write).
+        self._node_agent.on_replica_address = lambda addr: registry.update(
+            replica=addr, timeout=_PROBE_ETCD_TIMEOUT
+        )
         self._node_agent.start()
         self._reporter = RestoreReporter(
             events_path(run_dir, cfg.rdzv_id, cfg.node_id),

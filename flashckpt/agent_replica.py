@@ -104,10 +104,28 @@ class Replicator:
                     os.unlink(os.path.join(cfg.shm_dir, name))
                 log.info("removed a previous agent's replica file %s", name)
         limit = cfg.replica_limit_bytes  # 0: derived once the own slots are known (at alloc)
-        self.store = ReplicaStore(cfg.shm_dir, cfg.job, cfg.node, limit)
-        self.server = ReplicaServer(
-            self.store, self.listen[0], self.listen[1], pace=self._receive_pace
-        )
+        store = ReplicaStore(cfg.shm_dir, cfg.job, cfg.node, limit)
+        host, port = self.listen
+        try:
+            self.server = ReplicaServer(store, host, port, pace=self._receive_pace)
+        except OSError as e:
+            if port == 0:
+                # Replicas protect; snapshots and persistence must go on without them.
+                log.error(
+                    "no replica server on %s:%d (%s): this machine holds no replicas",
+                    *self.listen,
+                    e,
+                )
+                return
+            # The port of a previous agent was taken meanwhile: another one (the launcher
+            # reads it back from status and publishes it).
+            log.warning("replica port %d is taken (%s): listening on another one", port, e)
+            try:
+                self.server = ReplicaServer(store, host, 0, pace=self._receive_pace)
+            except OSError as e2:
+                log.error("no replica server on %s (%s): this machine holds no replicas", host, e2)
+                return
+        self.store = store
         host, port = self.server.address
         log.info(
             "replica server listening on %s:%d (limit %s)",

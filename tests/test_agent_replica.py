@@ -674,3 +674,43 @@ def test_set_peers_replaces_and_prunes_departed_once_the_new_world_snapshotted(
         r.close()
         for s in slots:
             s.close()
+
+
+def test_a_taken_replica_port_takes_another_and_an_unusable_address_runs_without(
+    tmp_path: Path,
+) -> None:
+    """The launcher gives an agent started again its previous replica port: taken meanwhile,
+    the agent listens on another one (the launcher reads it back); an address that is not this
+    machine's leaves the agent without replicas, never without its checkpoints."""
+    import socket
+
+    import flashckpt.agent_replica as ar
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        st, slots = _state_with_slots(tmp_path, replica_listen=f"127.0.0.1:{port}")
+        r = ar.Replicator(st)
+        r.start_server()
+        try:
+            assert r.server is not None and r.store is not None
+            host, got = r.server.address
+            assert host == "127.0.0.1" and got not in (0, port)
+        finally:
+            r.close()
+            for s in slots:
+                s.close()
+    finally:
+        taken.close()
+    (tmp_path / "x").mkdir()
+    st, slots = _state_with_slots(tmp_path / "x", replica_listen="192.0.2.1:0")  # TEST-NET-1
+    r = ar.Replicator(st)
+    r.start_server()
+    try:
+        assert r.server is None and r.store is None
+        assert r.status() is not None and r.status()["listen"] is None  # type: ignore[index]
+        r.check_capacity(2**20, 0)  # no store: nothing to check, no error
+    finally:
+        r.close()
+        for s in slots:
+            s.close()

@@ -302,15 +302,15 @@ class NodeAgentProcess:
                 self._current = agent
         if not agent.ready and self._answers(agent):
             self._replica_ready(agent)
-            # Ready and given the newest peer list in one step: a list set meanwhile is either
-            # seen here or sent by set_replica_peers to the (then ready) agent.
+            # Given the newest peer list, then ready, in one step: a list set meanwhile is
+            # either sent here or by set_replica_peers to the (then ready) agent.
             with self._peers_lock:
+                if self._replica_peers is not None:
+                    self._send_replica_peers(agent, self._replica_peers)
                 with self._cond:
                     agent.ready = True
                     self._crashes = 0
                     self._cond.notify_all()
-                if self._replica_peers is not None:
-                    self._send_replica_peers(agent, self._replica_peers)
 
     def _spawn(self, gen: AgentGeneration) -> _Agent:
         cfg = self.config

@@ -1,30 +1,81 @@
 #!/usr/bin/env bash
 # The GPU check of issue 14, in one unattended run of a few minutes:
-#   1. the GPU tests (tests/test_gpu.py; they skip without CUDA, so this script refuses first);
+#   1. the GPU tests (tests/test_gpu.py; they skip without CUDA, so this script refuses first):
+#      the slots registered with CUDA at entry (cudaHostRegister, return codes checked) and
+#      unregistered at exit, mode="auto" resolving to overlap on a CUDA state, device->host copies
+#      on a side stream ordered after the caller's stream, restore host->device from registered
+#      memory;
 #   2. benchmarks/stall.py on CUDA tensors at 1, 4 and 16 GiB of model + AdamW state: the
 #      device->host bound (copy into a cudaHostRegister'ed /dev/shm mapping, the
 #      registered-memory bandwidth), flashckpt save() sync and overlap (first and steady, and the
-#      wait in optimizer.step() after a forward/backward), DCP async_save with pinned-memory
-#      staging (its best GPU configuration) and torch.save + fsync.
+#      wait in optimizer.step() after a forward/backward; overlap is what mode="auto", the
+#      default, uses on a GPU), DCP async_save with pinned-memory staging (its best GPU
+#      configuration) and torch.save + fsync.
 # Every step has its own timeout, and all of them together stay under $GPU_CHECK_BUDGET seconds
 # (default 480): a step that would start with too little time left is skipped and says so.
 #
 # Usage (from anywhere):
 #   bash benchmarks/gpu_check.sh [OUT_DIR]      # default: $OUT, else benchmarks/runs/gpu-<time>
+#   bash benchmarks/gpu_check.sh --dry-run      # check the settings, print the plan, run nothing
 #   PYTHON=/path/to/python bash benchmarks/gpu_check.sh   # a python whose torch has CUDA
-#   GPU_CHECK_SIZES="1 4" bash benchmarks/gpu_check.sh     # fewer sizes
+#   GPU_CHECK_SIZES="1 4" bash benchmarks/gpu_check.sh     # fewer sizes (GiB, positive numbers)
+#   GPU_CHECK_BUDGET=300 bash benchmarks/gpu_check.sh      # seconds for everything (>= 60)
 # Writes into OUT_DIR: gpu_check.json (what ran, exit codes, seconds), env.txt (nvidia-smi, torch,
 # /dev/shm), test_gpu.log, stall-cuda-<size>gib.json and .log, report.md (markdown tables).
-# Exit code: 0 all steps passed; 1 a step failed or timed out; 2 no CUDA device (nothing measured).
+# Exit code: 0 all steps passed (or --dry-run found the settings good); 1 a step failed or timed
+# out; 2 no CUDA device (nothing measured); 64 a bad option or setting (nothing run).
 set -u
+
+usage() {
+    sed -n '/^# Usage/,/^set -u/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+bad() { # message: a bad option or setting; nothing runs
+    echo "gpu_check.sh: $1" >&2
+    echo "gpu_check.sh: see bash benchmarks/gpu_check.sh --help" >&2
+    exit 64
+}
+# Per size: the timeout of its stall.py run and its samples (each 16 GiB torch.save writes 16 GiB
+# to disk, so the biggest gets fewer).
+limit_of() { case $1 in 1) echo 75 ;; 4) echo 120 ;; *) echo 300 ;; esac }
+reps_of() { case $1 in 1 | 4) echo 3 ;; *) echo 2 ;; esac }
+dry=0
+while [ $# -gt 0 ]; do
+    case $1 in
+    -h | --help) usage; exit 0 ;;
+    -n | --dry-run) dry=1; shift ;;
+    --) shift; break ;;
+    -*) bad "unknown option $1" ;;
+    *) break ;;
+    esac
+done
+[ $# -le 1 ] || bad "one OUT_DIR at most, got: $*"
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/.." && pwd)
-out_dir=${1:-${OUT:-$repo/benchmarks/runs/gpu-$(date -u +%Y%m%dT%H%M%SZ)}}
-mkdir -p "$out_dir" || { echo "gpu_check.sh: cannot create $out_dir" >&2; exit 1; }
-out_dir=$(cd "$out_dir" && pwd)
 budget=${GPU_CHECK_BUDGET:-480}
 sizes=${GPU_CHECK_SIZES:-1 4 16}
+case $budget in
+'' | *[!0-9]*) bad "GPU_CHECK_BUDGET=$budget: give whole seconds, 60 or more" ;;
+esac
+[ "$budget" -ge 60 ] || bad "GPU_CHECK_BUDGET=$budget: give whole seconds, 60 or more"
+[ -n "${sizes// /}" ] || bad "GPU_CHECK_SIZES is empty: give sizes in GiB such as \"1 4 16\""
+for size in $sizes; do
+    [[ $size =~ ^[0-9]+([.][0-9]+)?$ ]] && [[ ! $size =~ ^0+([.]0+)?$ ]] ||
+        bad "GPU_CHECK_SIZES: '$size' is no size in GiB (a positive number such as 1 or 0.5)"
+done
+out_dir=${1:-${OUT:-$repo/benchmarks/runs/gpu-$(date -u +%Y%m%dT%H%M%SZ)}}
+if [ $dry -eq 1 ]; then
+    echo "gpu_check.sh: dry run: budget ${budget}s, sizes (GiB): $sizes, results would go to $out_dir"
+    echo "gpu_check.sh: would run: ${PYTHON:-<python found>} -m pytest -q tests/test_gpu.py -rs"
+    for size in $sizes; do
+        echo "gpu_check.sh: would run: ${PYTHON:-<python found>} benchmarks/stall.py --device cuda" \
+            "--sizes $size --only memcpy,fc,files,dcp --repeats $(reps_of "$size")" \
+            "--out $out_dir/stall-cuda-${size}gib.json (timeout $(limit_of "$size")s)"
+    done
+    exit 0
+fi
+mkdir -p "$out_dir" || { echo "gpu_check.sh: cannot create $out_dir" >&2; exit 1; }
+out_dir=$(cd "$out_dir" && pwd)
 start=$(date +%s)
 
 # The python to use: $PYTHON; else the first of these whose torch sees a CUDA device; else the
@@ -125,11 +176,8 @@ run_step test_gpu 120 "$out_dir/test_gpu.log" \
 # Each size in a process of its own (its memory freed before the next); the biggest gets what
 # the budget has left, and fewer samples (each 16 GiB torch.save writes 16 GiB to disk).
 for size in $sizes; do
-    case $size in
-    1) limit=75 reps=3 ;;
-    4) limit=120 reps=3 ;;
-    *) limit=300 reps=2 ;;
-    esac
+    limit=$(limit_of "$size")
+    reps=$(reps_of "$size")
     run_step "stall_${size}gib" $limit "$out_dir/stall-cuda-${size}gib.log" \
         "$py" benchmarks/stall.py --device cuda --sizes "$size" --only memcpy,fc,files,dcp \
         --repeats $reps --out "$out_dir/stall-cuda-${size}gib.json"

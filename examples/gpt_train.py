@@ -160,7 +160,8 @@ def main() -> int:
         if rank == 0:
             print(
                 f"[rank 0] snapshots: {status['saves']}, skipped: {status['skips']}, "
-                f"median stall {1e3 * (status['median_stall_s'] or 0):.2f} ms, "
+                f"median stall {1e3 * (status['median_stall_s'] or 0):.2f} ms "
+                f"({status['copy_mode']['resolved']} copies), "
                 f"last committed step: {ckpt.stats.last_committed_step}",
                 flush=True,
             )

@@ -78,8 +78,9 @@ class Server:
         self.replica_peers: Callable[[], Mapping[str, tuple[str, int]]] = (
             state.cfg.replica_peer_addrs
         )
-        """The peer agents' replica servers a pull asks (node id -> host, port): the agent
-        points it at its replicator's current list; by default the configured one."""
+        """The peer agents' replica servers a pull asks (node id -> host, port); by default the
+        configured ``--replica-peers``. Where the peer list changes at run time, the agent points
+        it at its replicator's current list (``lambda: dict(replicator.peers)``)."""
 
     def listen(self) -> None:
         """Binds the socket (mode 0600, whatever the umask) and listens."""

@@ -8,9 +8,10 @@ pre-faulted buffer), so neither the slot nor that buffer stays pinned.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,9 +22,12 @@ from flashckpt.sharded import is_dtensor
 
 if TYPE_CHECKING:
     from flashckpt.rankctx import RankContext
-    from flashckpt.snapshot import Snapshotter
+    from flashckpt.snapshot import CudaHostRegistrar, Snapshotter
 
 __all__ = ["Applier", "clone_tensors"]
+
+PIN_MIN_BYTES = 64 << 20
+"""A restore's host buffer at least this big is page-locked while it is copied to the GPU."""
 
 
 class Applier:
@@ -39,7 +43,11 @@ class Applier:
         per_rank: Mapping[str, Any],
         extras: dict[str, Any],
         ctx: RankContext,
+        registrar: CudaHostRegistrar | None = None,
     ) -> None:
+        self.registrar = registrar
+        """Page-locks a storage or replica restore's host buffer while it is copied to a GPU
+        (a memory restore reads the slots, registered at entry); None: never."""
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -74,6 +82,40 @@ class Applier:
                 raise ValueError(f"checkpoint has no {name} state, but a {name} was given")
 
     def apply(self, state: dict[str, Any], private: dict[str, Any] | None, from_mem: bool) -> None:
+        with self._registered_sources(state, from_mem):
+            self._apply(state, private)
+
+    def state_on_cuda(self) -> bool:
+        """Whether the model this state goes into is (partly) on a GPU."""
+        return any(t.is_cuda for t in self.model.state_dict().values() if torch.is_tensor(t))
+
+    @contextlib.contextmanager
+    def _registered_sources(self, state: dict[str, Any], from_mem: bool) -> Iterator[None]:
+        """Page-locks the host buffers a storage or replica restore read the state into
+        (each buffer at least PIN_MIN_BYTES, whole) while they are copied host->device, so
+        those copies are DMA from registered memory, as a memory restore's are (its slots
+        were registered at entry); unregistered after. Nothing on a CPU model."""
+        if from_mem or self.registrar is None or not self.state_on_cuda():
+            yield
+            return
+        bases: dict[int, int] = {}
+        for t in _tensors(state):
+            if t.device.type == "cpu":
+                st = t.untyped_storage()
+                if st.nbytes() >= PIN_MIN_BYTES:
+                    bases[st.data_ptr()] = st.nbytes()
+        done = [
+            ptr
+            for ptr, size in bases.items()
+            if self.registrar.register_range(ptr, size, "a restore's read buffer")
+        ]
+        try:
+            yield
+        finally:
+            for ptr in done:
+                self.registrar.unregister_range(ptr, "a restore's read buffer")
+
+    def _apply(self, state: dict[str, Any], private: dict[str, Any] | None) -> None:
         # The tensors of `state` view the slot (from_mem: the next snapshot overwrites it) or the
         # one buffer a storage or replica restore read the whole shard into (model bytes
         # included). The model copies into its parameters; whatever else keeps tensors gets
@@ -174,6 +216,18 @@ class Applier:
                 sm.step = None
             elif info is None or not info.complete:
                 sm.step = None
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a state tree (a DTensor's local piece)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj.to_local() if is_dtensor(obj) else obj  # type: ignore[attr-defined]
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)
 
 
 def clone_tensors(obj: Any, into: Any = None) -> Any:

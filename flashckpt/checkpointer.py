@@ -32,10 +32,12 @@ import torch
 
 from flashckpt.apply import Applier
 from flashckpt.config import (
+    COPY_MODES,
     CheckpointConfig,
     Stats,
     check_scheduler_given,
     parse_persist_every,
+    resolve_copy_mode,
     unknown_options,
 )
 from flashckpt.errors import PersistError
@@ -152,6 +154,7 @@ class Checkpointer:
             per_rank=self.per_rank,
             extras=self.extras,
             ctx=self._ctx,
+            registrar=self._snap.registrar,
         )
         self._resharder = Resharder(
             model,
@@ -411,23 +414,27 @@ class Checkpointer:
         self,
         step: int | None = None,
         *,
-        mode: Literal["overlap", "sync"] | None = None,
+        mode: Literal["auto", "overlap", "sync"] | None = None,
         when_busy: Literal["wait", "skip"] | None = None,
     ) -> SnapshotHandle:
         """Snapshots the state into shared memory now, labelled with the steps done.
 
         Returns at once in overlap mode (the bulk copy runs in the background and the optimizer's
-        next ``step()`` waits for it). Never mutates the caller's state and never pickles.
+        next ``step()`` waits for it). Never mutates the caller's state and never pickles. The
+        configured ``mode="auto"`` is resolved at the first save, from the devices of the
+        state's tensors, and kept (``stats.copy_mode``).
 
         Args:
             step: optional, the label; it must equal the steps done (``steps_done``): a
                 snapshot's label is what a resume starts at, so it is never set apart from the
                 count.
-            mode: overrides the configured ``mode`` for this snapshot.
+            mode: overrides the configured ``mode`` for this snapshot (``"auto"``: the mode
+                the configured one resolved to).
             when_busy: overrides the configured ``when_busy`` for this snapshot.
 
         Raises:
-            ValueError: ``step`` differs from the steps done.
+            ValueError: ``step`` differs from the steps done, or ``mode``/``when_busy`` is
+                not one of the values they take.
         """
         if not self._entered:
             raise RuntimeError("save() outside the `with flashckpt.checkpointing(...)` block")
@@ -438,12 +445,19 @@ class Checkpointer:
                 "Call save() with no step, or mark the steps done first with ckpt.step() once "
                 "per training step"
             )
+        if mode is not None and mode not in COPY_MODES:
+            raise ValueError(f"save(mode={mode!r}): use 'auto', 'overlap' or 'sync'")
+        if when_busy is not None and when_busy not in ("wait", "skip"):
+            raise ValueError(f"save(when_busy={when_busy!r}): use 'wait' or 'skip'")
         step = self._count
-        mode = mode or self.config.mode
         when_busy = when_busy or self.config.when_busy
         t0 = time.perf_counter()
         snap = self._snap
         flat, async_ptrs, model_sd = snap.collect()
+        if self.stats.copy_mode is None:
+            self._resolve_copy_mode(flat.tensors)
+        copy_mode = self.stats.copy_mode if mode is None or mode == "auto" else mode
+        assert copy_mode is not None
         meta_extra = {
             "step": step,
             "private": {
@@ -456,7 +470,7 @@ class Checkpointer:
         }
         if not self._link.alive():
             self._link.relink()  # the agent died: find (or start) another; never waits
-        handle = snap.write(step, flat, async_ptrs, meta_extra, mode, when_busy)
+        handle = snap.write(step, flat, async_ptrs, meta_extra, copy_mode, when_busy)
         if handle.skipped is not None:
             self.stats.skips += 1
             self.stats.skipped_steps.append(step)
@@ -475,6 +489,13 @@ class Checkpointer:
         if self._mon is not None:
             self._mon.ckpt_stall(dt, snapshot=True)
         return handle
+
+    def _resolve_copy_mode(self, tensors: list[torch.Tensor]) -> None:
+        """Fixes the run's copy mode at the first save: ``mode="auto"`` follows the device of
+        the state (the tensors this snapshot copies, a sharded state's local pieces)."""
+        mode, why = resolve_copy_mode(self.config.mode, {t.device.type for t in tensors})
+        self.stats.copy_mode, self.stats.copy_mode_reason = mode, why
+        log.info("flashckpt: rank %d copies snapshots in %s mode (%s)", self._ctx.rank, mode, why)
 
     def wait(self) -> None:
         """Waits for the background copy of the last snapshot (and re-raises its failure)."""
@@ -537,6 +558,11 @@ class Checkpointer:
             "persist_errors": list(s.persist_errors),
             "first_save_s": s.first_save_s,
             "median_stall_s": _median(s.stall_s),
+            "copy_mode": {
+                "configured": self.config.mode,
+                "resolved": s.copy_mode,
+                "reason": s.copy_mode_reason,
+            },
             "every": self._auto.status()
             if self._auto is not None
             else {
@@ -585,6 +611,9 @@ class Checkpointer:
             "replica": replica,
         }
         self._snap.map_hello_slots(hello.slots)
+        # A CUDA state: the slots are page-locked now, before a restore copies from them to
+        # the GPU and before the first save() (which would otherwise pay the registration).
+        self._snap.pin_for_cuda()
 
     def _hook_optimizer(self) -> None:
         if self.optimizer is None:

@@ -12,7 +12,17 @@ import torch
 
 from flashckpt.storage import Storage
 
-__all__ = ["CheckpointConfig", "Stats", "check_scheduler_given", "unknown_options"]
+__all__ = [
+    "COPY_MODES",
+    "CheckpointConfig",
+    "Stats",
+    "check_scheduler_given",
+    "resolve_copy_mode",
+    "unknown_options",
+]
+
+COPY_MODES = ("auto", "overlap", "sync")
+"""The values ``mode`` takes (in the config and in ``save(mode=...)``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,10 +53,16 @@ class CheckpointConfig:
     $TORCHELASTIC_RUN_ID, then a hash of the storage URL."""
     node: str | None = None
     """Node id. Default: $FLASHCKPT_NODE, then the host name."""
-    mode: Literal["overlap", "sync"] = "overlap"
-    """overlap: ``save()`` returns after the cheap part; parameters and optimizer state are copied
-    in the background and ``optimizer.step()`` waits for the copy. sync: the copy is done before
-    ``save()`` returns."""
+    mode: Literal["auto", "overlap", "sync"] = "auto"
+    """How a snapshot's bulk (parameters and optimizer state) is copied into shared memory.
+    ``"auto"`` (the default) picks at the first save, from the devices of the state's tensors,
+    and keeps that choice for the run (``stats.copy_mode``, ``status()["copy_mode"]``): ``"sync"``
+    when every tensor lives in host memory (the cores that train would also run a background
+    copy: it only competes with them), ``"overlap"`` when any lives on a GPU (a mixed CPU/GPU
+    state too: the device-to-host copy runs on a CUDA side stream while the next
+    forward/backward computes). ``"overlap"``: ``save()`` returns after the cheap part; the bulk
+    is copied in the background and ``optimizer.step()`` waits for that copy. ``"sync"``: the
+    copy is done before ``save()`` returns."""
     when_busy: Literal["wait", "skip"] = "wait"
     """When no slot is free (the previous copy still runs and the agent persists the other slot):
     wait for one, or skip this snapshot (counted in ``stats`` and returned by ``save``)."""
@@ -105,8 +121,8 @@ class CheckpointConfig:
         parse_persist_every(self.persist_every)
         if self.mtbf_s is not None and not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s={self.mtbf_s!r}: the job MTBF must be > 0 seconds")
-        if self.mode not in ("overlap", "sync"):
-            raise ValueError(f"mode={self.mode!r}: use 'overlap' or 'sync'")
+        if self.mode not in COPY_MODES:
+            raise ValueError(f"mode={self.mode!r}: use 'auto', 'overlap' or 'sync'")
         if self.when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy={self.when_busy!r}: use 'wait' or 'skip'")
         if self.keep < 1:
@@ -122,6 +138,26 @@ class CheckpointConfig:
             )
         if self.storage is not None:
             Storage(self.storage)  # validates the URL early
+
+
+def resolve_copy_mode(mode: str, device_types: set[str]) -> tuple[str, str]:
+    """The copy mode a snapshot uses, and why: ``mode`` itself unless it is ``"auto"``, which
+    becomes ``"overlap"`` when any of the state's tensors lives off the CPU (``device_types``
+    holds their ``device.type``: a GPU copies by DMA on a side stream, the training cores stay
+    free) and ``"sync"`` when all live in host memory (a background copy would run on the cores
+    that train and only slow them down).
+
+    Raises:
+        ValueError: ``mode`` is none of :data:`COPY_MODES`.
+    """
+    if mode not in COPY_MODES:
+        raise ValueError(f"mode={mode!r}: use 'auto', 'overlap' or 'sync'")
+    if mode != "auto":
+        return mode, f"mode={mode!r} configured"
+    gpu = sorted(device_types - {"cpu"})
+    if gpu:
+        return "overlap", f"mode='auto': the state has tensors on {', '.join(gpu)}"
+    return "sync", "mode='auto': the whole state lives in host memory"
 
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -168,6 +204,12 @@ class Stats:
     stall_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
     first_save_s: float | None = None
+    copy_mode: str | None = None
+    """The copy mode snapshots use, ``"sync"`` or ``"overlap"``: the configured one, or what
+    ``mode="auto"`` resolved to at the first save (None before it). ``save(mode=...)`` may
+    override it for one snapshot."""
+    copy_mode_reason: str | None = None
+    """Why ``copy_mode`` is what it is (the devices ``mode="auto"`` found, or the config)."""
 
 
 _ARGUMENTS = (

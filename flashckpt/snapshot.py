@@ -3,7 +3,9 @@
 The slots are files the node agent allocates (and persists from); this rank maps them, keeps the
 one holding the newest complete snapshot untouched, and copies the next snapshot into the other
 (the copy of parameters and optimizer state overlaps the next forward/backward in overlap mode).
-Pages are pre-faulted in the background at entry so the first copies run at memory speed.
+Pages are pre-faulted in the background at entry so the first copies run at memory speed. A state
+on a GPU has its slots page-locked for CUDA at entry (``cudaHostRegister``) and is copied
+device->host by DMA on a side stream; they are unregistered before they are dropped.
 """
 
 from __future__ import annotations
@@ -36,7 +38,14 @@ if TYPE_CHECKING:
     from flashckpt.link import AgentLink
     from flashckpt.rankctx import RankContext
 
-__all__ = ["BadMemory", "SlotMap", "SnapshotHandle", "Snapshotter", "TornSnapshot"]
+__all__ = [
+    "BadMemory",
+    "CudaHostRegistrar",
+    "SlotMap",
+    "SnapshotHandle",
+    "Snapshotter",
+    "TornSnapshot",
+]
 
 log = logging.getLogger("flashckpt")
 
@@ -80,7 +89,132 @@ class SlotMap:
     views: dict[str, torch.Tensor] | None = None
     views_sig: str | None = None
     registered_cuda: bool = False
+    """The mapping is page-locked for CUDA (``cudaHostRegister``): copies to and from a GPU
+    are DMA at full bandwidth, and a side-stream copy really is asynchronous."""
+    register_failed: bool = False
+    """``cudaHostRegister`` refused this mapping (warned once; not tried again)."""
+    cuda_ready: dict[torch.device, Any] | None = None
+    """While a snapshot is copied into this slot: an event per CUDA device, recorded on the
+    caller's current stream in ``save()``, that the device->host copies wait for."""
     ino: int = 0
+
+
+class CudaHostRegistrar:
+    """Page-locks slot mappings for CUDA (``cudaHostRegister``) and unlocks them, with every
+    return code checked.
+
+    Args:
+        cudart: the CUDA runtime bindings; default ``torch.cuda.cudart()``, looked up at the
+            first registration (never on a machine whose state is on the CPU). A stand-in
+            with ``cudaHostRegister(ptr, size, flags)`` and ``cudaHostUnregister(ptr)``
+            returning an error code (0: success) may be given (tests on CPU do).
+    """
+
+    def __init__(self, cudart: Any = None) -> None:
+        self._cudart = cudart
+        self.registered: dict[int, int] = {}
+        """Base address -> bytes of each mapping registered now."""
+
+    def _rt(self) -> Any:
+        if self._cudart is None:
+            self._cudart = torch.cuda.cudart()
+        return self._cudart
+
+    def register(self, sm: SlotMap) -> bool:
+        """Page-locks a slot's whole mapping; True when it is (now or already). A refusal is
+        warned about once, naming the CUDA error, and the slot is used unregistered (copies
+        then stage through pageable memory: correct, but slower and not overlapped)."""
+        if sm.registered_cuda:
+            return True
+        if sm.register_failed:
+            return False
+        what = f"the snapshot slot {sm.slot.path}"
+        if not self._register(sm.data.data_ptr(), sm.data.numel(), what, warn=True):
+            sm.register_failed = True
+            return False
+        sm.registered_cuda = True
+        return True
+
+    def unregister(self, sm: SlotMap) -> None:
+        """Unlocks a registered slot's mapping (before it is dropped); a failure is logged."""
+        if sm.registered_cuda:
+            sm.registered_cuda = False
+            self.unregister_range(sm.data.data_ptr(), f"the snapshot slot {sm.slot.path}")
+
+    def register_range(self, ptr: int, size: int, what: str) -> bool:
+        """Page-locks any host range for a while (a restore's read buffer); a refusal is only
+        logged: the copies from it stage through pageable memory."""
+        return self._register(ptr, size, what, warn=False)
+
+    def unregister_range(self, ptr: int, what: str) -> None:
+        if self.registered.pop(ptr, None) is None:
+            return
+        rt = self._rt()
+        rc = _error_code(rt.cudaHostUnregister(ptr))
+        if rc != 0:
+            _clear_cuda_error(rt)
+            log.warning(
+                "flashckpt: cudaHostUnregister of %s failed with %s", what, _error_text(rt, rc)
+            )
+
+    def _register(self, ptr: int, size: int, what: str, warn: bool) -> bool:
+        rt = self._rt()
+        rc = _error_code(rt.cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE))
+        if rc == 0:
+            self.registered[ptr] = size
+            return True
+        cleared = _clear_cuda_error(rt)
+        msg = (
+            f"flashckpt: cudaHostRegister of {what} ({size} bytes) failed with "
+            f"{_error_text(rt, rc)}: copies between it and the GPU go through pageable memory "
+            "(slower, and an overlapped copy blocks its thread). Check the free host memory and "
+            "that shared-memory mappings can be page-locked here"
+            + ("" if cleared else " (the error could not be cleared: a later CUDA call may say it)")
+        )
+        if warn:
+            log.warning("%s", msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        else:
+            log.info("%s", msg)
+        return False
+
+
+_HOST_REGISTER_PORTABLE = 1
+"""cudaHostRegisterPortable: the range counts as pinned for every CUDA context of the process,
+not only the current device's (a state spread over several GPUs copies from each)."""
+
+
+def _error_code(rc: Any) -> int:
+    """A cudaError (a pybind enum from torch's bindings, or a plain int) as an int."""
+    return int(getattr(rc, "value", rc))
+
+
+def _error_text(rt: Any, rc: int) -> str:
+    try:
+        text = rt.cudaGetErrorString(rt.cudaError(rc))
+    except Exception:  # a runtime without the lookup (or a stand-in): the code says it
+        return f"CUDA error {rc}"
+    return f"CUDA error {rc} ({text})"
+
+
+def _clear_cuda_error(rt: Any) -> bool:
+    """Resets the CUDA runtime's last error after a failed call whose code was handled here,
+    so the next kernel launch check of torch does not report it as its own. torch's bindings
+    do not offer cudaGetLastError: it is called in the libcudart torch loaded (ctypes). False
+    when that library is not found."""
+    import ctypes
+
+    if hasattr(rt, "cudaGetLastError"):
+        rt.cudaGetLastError()
+        return True
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        lib.cudaGetLastError()
+        return True
+    return False
 
 
 class Snapshotter:
@@ -117,7 +251,11 @@ class Snapshotter:
         self._layout_specs: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
         self.pending: Future[None] | None = None
         self.executor: ThreadPoolExecutor | None = None
-        self._cuda_stream: Any = None
+        self._cuda_streams: dict[torch.device, Any] = {}  # a side stream per device
+        self.registrar = CudaHostRegistrar()
+        self.pin_cuda = False
+        """Whether the slots are page-locked for CUDA: the state had CUDA tensors at entry
+        (:meth:`pin_for_cuda`); every slot mapped since is registered as it is mapped."""
         self._opt_names: tuple[tuple[int, ...], list[str | None]] | None = None
 
     def map(self, path: str) -> SlotMap:
@@ -133,6 +271,30 @@ class Snapshotter:
         if info is not None and info.complete:
             sm.step = info.step
         return sm
+
+    def state_device_types(self) -> set[str]:
+        """The device types (``cpu``, ``cuda``, ...) of the model's and optimizer's tensors now."""
+        types = {t.device.type for t in self.model.state_dict().values() if torch.is_tensor(t)}
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                types.update(v.device.type for v in st.values() if torch.is_tensor(v))
+        return types
+
+    def pin_for_cuda(self) -> None:
+        """At entry, once the agent's hello mapped this rank's slots: when the state has CUDA
+        tensors, page-locks the slots (``cudaHostRegister``), so that a restore from memory
+        copies host->device from registered memory and no ``save()`` pays the registration
+        (it pins every page: seconds for many GiB). Slots mapped later (the pre-allocation
+        just after, or new ones when the state outgrows them) are registered as they are
+        mapped; all are unregistered before they are dropped. A CPU state registers nothing
+        and never touches the CUDA runtime."""
+        self.pin_cuda = "cuda" in self.state_device_types()
+        if not self.pin_cuda:
+            return
+        with self.slot_lock:
+            slots = [s for s in self.slots if s is not None]
+        for sm in slots:
+            self.registrar.register(sm)
 
     def collect(self) -> tuple[FlatState, set[int], dict[str, Any]]:
         state: dict[str, Any] = {"model": self.model.state_dict()}
@@ -292,7 +454,12 @@ class Snapshotter:
                 sm = self.map(p)
                 if fault:
                     prefault(sm.data.data_ptr() + HEADER_SIZE, sm.data.numel() - HEADER_SIZE)
+                if self.pin_cuda:
+                    self.registrar.register(sm)
                 new.append(sm)
+            for old in self.slots:
+                if old is not None and not any(old is sm for sm in new):
+                    self.registrar.unregister(old)  # replaced: no copy runs into it (waited)
             self.slots = new
 
     def acquire_slot(self, flat: FlatState, when_busy: str) -> SlotMap | None:
@@ -351,20 +518,48 @@ class Snapshotter:
         if cuda_pairs:
             self.copy_cuda(sm, cuda_pairs)
 
+    @staticmethod
+    def cuda_ready(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[torch.device, Any]:
+        """An event per CUDA device the pairs read from, recorded now on the caller's current
+        stream there: a copy run later by the copy thread (whose own current stream is the
+        default one) starts after the work the caller queued before ``save()``, whichever
+        stream it trains on."""
+        ready: dict[torch.device, Any] = {}
+        for _, s in pairs:
+            if s.is_cuda and s.device not in ready:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(s.device))
+                ready[s.device] = ev
+        return ready
+
     def copy_cuda(self, sm: SlotMap, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Device -> pinned shared memory on a side stream (GPU only)."""
-        if not sm.registered_cuda:
-            # Pin the shared mapping so copies are real async DMA.
-            torch.cuda.cudart().cudaHostRegister(sm.data.data_ptr(), sm.data.numel(), 0)
-            sm.registered_cuda = True
-        if self._cuda_stream is None:
-            self._cuda_stream = torch.cuda.Stream()
-        stream = self._cuda_stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for d, s in pairs:
-                d.copy_(s, non_blocking=True)
-        stream.synchronize()
+        """Device -> registered shared memory (DMA) on a side stream of each source device,
+        after the work queued before the save (``sm.cuda_ready``, else the current streams);
+        returns once the bytes are in memory."""
+        ready = sm.cuda_ready
+        if not sm.registered_cuda and not sm.register_failed:
+            # The state reached the GPU after entry (entry registers the slots of a CUDA
+            # state): registered once, here, for this and every later copy into this slot.
+            log.info("flashckpt: registering slot %s with CUDA at its first copy", sm.slot.path)
+            self.registrar.register(sm)
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for d, s in pairs:
+            by_device.setdefault(s.device, []).append((d, s))
+        streams = []
+        for dev, group in by_device.items():
+            stream = self._cuda_streams.get(dev)
+            if stream is None:
+                stream = self._cuda_streams[dev] = torch.cuda.Stream(device=dev)
+            if ready is not None and dev in ready:
+                stream.wait_event(ready[dev])
+            else:
+                stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.device(dev), torch.cuda.stream(stream):
+                for d, s in group:
+                    d.copy_(s, non_blocking=True)
+            streams.append(stream)
+        for stream in streams:
+            stream.synchronize()
 
     def verify(self, sm: SlotMap, info: Any, step: int) -> None:
         """Checks a snapshot in shared memory against the data hash the agent recorded when it
@@ -429,6 +624,10 @@ class Snapshotter:
         slot.slot.write_meta(meta)
         slot.step = None
 
+        # Recorded now, in the caller's thread: the background copy orders itself after them.
+        cuda = [p for p in later if p[1].is_cuda]
+        slot.cuda_ready = self.cuda_ready(cuda) if cuda else None
+
         def finish() -> None:
             try:
                 self.copy(slot, later)
@@ -437,11 +636,13 @@ class Snapshotter:
                 self.stats.last_snapshot_step = step
                 self.link.snapped(step)
             finally:
+                slot.cuda_ready = None
                 slot.writing = False
 
         try:
             self.copy(slot, now)
         except BaseException:
+            slot.cuda_ready = None
             slot.writing = False
             raise
         if later:
@@ -482,6 +683,7 @@ class Snapshotter:
             for i, p in enumerate([*paths, None, None][:2]):
                 sm = self.slots[i]
                 if sm is not None and not (p == sm.slot.path and _same_file(p, sm.ino)):
+                    self.registrar.unregister(sm)
                     self.slots[i] = None  # the agent discarded it: the next save allocates
 
     def stop(self) -> None:
@@ -491,9 +693,13 @@ class Snapshotter:
             self.executor = None
 
     def unmap(self) -> None:
-        """Forgets the slots (the files stay: they are the agent's)."""
+        """Forgets the slots (the files stay: they are the agent's), unregistering from CUDA
+        those registered (after :meth:`stop`: no copy runs into them)."""
         with self.slot_lock:
-            self.slots = [None, None]
+            slots, self.slots = self.slots, [None, None]
+        for sm in slots:
+            if sm is not None:
+                self.registrar.unregister(sm)
 
 
 class BadMemory(Exception):

@@ -54,6 +54,7 @@ __all__ = [
     "PeerReshardSource",
     "ReplicaSource",
     "StorageSource",
+    "world_conflict",
 ]
 
 log = logging.getLogger("flashckpt")
@@ -590,24 +591,52 @@ class PeerMemorySource:
 
     def offer(self, excluded: set[int], wanted: Callable[[int], bool]) -> list[int]:
         """The newest step a peer agent holds a replica of this rank's snapshot of, for a step
-        this rank's own memory lacks (a question to the agent: nothing is fetched yet)."""
+        this rank's own memory lacks (a question to the agent: nothing is fetched yet).
+
+        Collective: the ranks then compare the worlds their snapshots of each step were taken
+        in. A replica of a step that another rank holds from another world (an abandoned
+        timeline's step of the same number) is not offered: mixing them would be a state no
+        run ever had."""
+        env, ctx = self.env, self.env.ctx
         self.found = None
+        reply = self._query()
+        cand: list[Any] | None = None
+        if reply is not None:
+            step = int(reply.step)
+            if step not in excluded and step not in self.dropped and step not in env.mem:
+                cand = [step, str(reply.world_id)]
+        mem = {str(s): str(m.get("world_id", "")) for s, (_, m) in env.mem.items()}
+        rows = gather_json({"mem": mem, "peer": cand}, ctx.world, ctx.coord_pg)
+        if cand is None:
+            return []
+        why = world_conflict(cand[0], cand[1], rows)
+        if why is not None:
+            log.warning(
+                "flashckpt: rank %d: the replica of step %d held by %r (%s) is not used: %s",
+                ctx.rank,
+                cand[0],
+                reply.holder if reply is not None else "?",
+                reply.source if reply is not None else "?",
+                why,
+            )
+            return []
+        self.found = reply
+        return [cand[0]]
+
+    def _query(self) -> Any:
+        """What this rank's agent says the peers hold of this rank (None: nothing)."""
         link = self._link()
         if link is None:
-            return []
+            return None
         try:
             reply = link.pull_replica(min_step=0, fetch=False)
         except AgentError as e:  # an agent without replicas, or one of an older version
             log.debug("flashckpt: rank %d: no peer replica: %s", self.env.ctx.rank, e)
-            return []
+            return None
         if not reply.found:
             log.debug("flashckpt: rank %d: no peer replica: %s", self.env.ctx.rank, reply.reason)
-            return []
-        step = int(reply.step)
-        if step in excluded or step in self.dropped or step in self.env.mem:
-            return []
-        self.found = reply
-        return [step]
+            return None
+        return reply
 
     def _where(self, step: int) -> str:
         f = self.found
@@ -713,3 +742,25 @@ class PeerMemorySource:
     def drop(self, step: int) -> None:
         self.dropped.add(step)
         self.pulled = None
+
+
+def world_conflict(step: int, world: str, rows: list[Any]) -> str | None:
+    """Why a replica of ``step`` taken in ``world`` must not be combined with what the ranks
+    hold (``rows[rank]``: ``{"mem": {step: world id}, "peer": [step, world id] | None}`` as
+    gathered), or None: every snapshot of that step, in memory or a replica, is of ``world``.
+    Malformed rows (from a peer rank) count as a conflict."""
+    worlds: dict[str, list[int]] = {}
+    try:
+        for r, row in enumerate(rows):
+            mem, peer = row["mem"], row["peer"]
+            if str(step) in mem:
+                worlds.setdefault(str(mem[str(step)]), []).append(r)
+            if peer is not None and int(peer[0]) == step:
+                worlds.setdefault(str(peer[1]), []).append(r)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        return f"the ranks' descriptions of their snapshots are malformed ({e})"
+    other = {w: rs for w, rs in worlds.items() if w != world}
+    if not other:
+        return None
+    desc = "; ".join(f"ranks {rs} hold it from world {w!r}" for w, rs in sorted(other.items()))
+    return f"it was taken in world {world!r}, but {desc} (another timeline's step {step})"

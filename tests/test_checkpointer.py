@@ -45,7 +45,11 @@ def _run(env: FcEnv, steps: int, every: int = 3, stop_with_error_at: int | None 
     return model, opt, sched, extras, losses, ck
 
 
-def test_resume_from_memory_is_bitwise_identical(fc_env: FcEnv, agent: RunningAgent) -> None:
+# "auto" is the default (sync on this CPU state); "overlap" is what a GPU state gets.
+@pytest.mark.parametrize("mode", ["auto", "overlap"])
+def test_resume_from_memory_is_bitwise_identical(
+    fc_env: FcEnv, agent: RunningAgent, mode: str
+) -> None:
     # Uninterrupted reference, in its own job.
     ref_env = FcEnv(
         job=fc_env.job + "r",
@@ -56,13 +60,14 @@ def test_resume_from_memory_is_bitwise_identical(fc_env: FcEnv, agent: RunningAg
     )
     ref_agent = RunningAgent(ref_env.agent_config())
     try:
-        ref_model, ref_opt, _, _, ref_losses, _ = _run(ref_env, 20)
+        ref_model, ref_opt, _, _, ref_losses, _ = _run(ref_env, 20, mode=mode)
     finally:
         ref_agent.stop()
     # Interrupted at step 11 (last snapshot labelled 9), then resumed in a "new process".
-    _, _, _, _, _, ck1 = _run(fc_env, 20, stop_with_error_at=11)
+    _, _, _, _, _, ck1 = _run(fc_env, 20, stop_with_error_at=11, mode=mode)
     assert ck1.stats.last_snapshot_step == 9
-    model, opt, _, extras, losses2, ck2 = _run(fc_env, 20)
+    assert ck1.stats.copy_mode == ("sync" if mode == "auto" else "overlap")
+    model, opt, _, extras, losses2, ck2 = _run(fc_env, 20, mode=mode)
     assert ck2.start_step == 9 and ck2.restored_from == "memory"
     for step in range(9, 20):
         assert losses2[step] == ref_losses[step], f"loss differs at step {step}"

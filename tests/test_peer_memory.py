@@ -437,6 +437,100 @@ def test_bad_pull_replica_requests_get_a_protocol_error_and_the_agent_serves_on(
             _clean(env)
 
 
+def test_a_replica_of_another_timelines_step_is_never_mixed_in() -> None:
+    """Rank 0 holds step 10 from world w2 (the timeline resumed at 8 and redid it); a peer still
+    holds rank 1's step 10 of world w1 (the abandoned timeline): same number, other state."""
+    from flashckpt.sources import world_conflict
+
+    same = [{"mem": {"10": "w1", "8": "w1"}, "peer": None}, {"mem": {}, "peer": [10, "w1"]}]
+    assert world_conflict(10, "w1", same) is None
+    mixed = [{"mem": {"10": "w2"}, "peer": None}, {"mem": {}, "peer": [10, "w1"]}]
+    why = world_conflict(10, "w1", mixed)
+    assert why is not None and "ranks [0] hold it from world 'w2'" in why, why
+    two_peers = [{"mem": {}, "peer": [10, "w2"]}, {"mem": {}, "peer": [10, "w1"]}]
+    assert world_conflict(10, "w1", two_peers) is not None
+    assert world_conflict(10, "w1", [{"mem": {}, "peer": [10, "w1"]}, {"peer": None}]) is not None
+    assert world_conflict(8, "w1", mixed) is None  # another step: no snapshot of 8 to compare
+
+
+def test_the_trainer_rechecks_the_pulled_replicas_hash_before_loading(tmp_path: Path) -> None:
+    """The agent verified the replica as it arrived; the trainer checks the slot's data hash
+    again before reading a byte of it (the memory could be scribbled on in between)."""
+    import threading
+
+    from flashckpt import names
+    from flashckpt.messages import PullReplicaReply
+    from flashckpt.rankctx import RankContext
+    from flashckpt.saved import RestoreEnv, RestorePlan
+    from flashckpt.shm import Slot, allocate_slot_file
+    from flashckpt.snapshot import BadMemory, Snapshotter
+    from flashckpt.sources import PeerMemorySource
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    path = names.slot_path(str(shm), "j", "c", 0, 0)
+    meta, data = b'{"not": "a snapshot description"}', os.urandom(50_000)
+    allocate_slot_file(path, len(meta), len(data))
+    slot = Slot(path)
+    seq = slot.begin_write()
+    slot.write_meta(meta)
+    slot.data(len(data))[:] = data
+    slot.end_write(seq, 8, meta, len(data))
+    info = slot.header()
+    assert info is not None
+    slot.record_hash(info.seq, slot.data_hash(info))
+    reply = PullReplicaReply(
+        found=True,
+        step=8,
+        holder="a",
+        source="127.0.0.1:1",
+        sender="b",
+        bytes=len(data),
+        path=path,
+        slot=0,
+    )
+
+    class Link:
+        def alive(self) -> bool:
+            return True
+
+        def hash_now(self) -> None:
+            pass
+
+        def pull_replica(self, **kw: Any) -> PullReplicaReply:
+            return reply
+
+    class Snap:
+        map = Snapshotter.map
+        verify = Snapshotter.verify
+
+        def __init__(self) -> None:
+            self.slots: list[Any] = [None, None]
+            self.slot_lock = threading.Lock()
+            self.link = Link()
+            self.ctx = RankContext()
+
+    env = RestoreEnv.__new__(RestoreEnv)
+    env.ctx, env.snap, env.mem = RankContext(), Snap(), {}  # type: ignore[assignment]
+    src = PeerMemorySource(env)
+    assert src.offer(set(), lambda _: True) == [8]
+    plan = RestorePlan(8, {0: "peer-memory"}, tier=3)
+    src.prepare(plan)
+    assert env.snap.slots[0] is not None and env.snap.slots[0].slot.path == path
+    slot.data(len(data))[123] ^= 0x10  # scribbled after the agent verified it
+    with pytest.raises(BadMemory) as e:
+        src.read(plan)
+    msg = str(e.value)
+    assert "rank 0" in msg and "step 8" in msg and "'a' (127.0.0.1:1)" in msg, msg
+    assert "fails its data hash" in msg, msg
+    slot.data(len(data))[123] ^= 0x10  # as it was: the hash holds, the description does not
+    with pytest.raises(BadMemory, match=r"description .* is unreadable"):
+        src.read(plan)
+    src.drop(8)
+    assert src.offer(set(), lambda _: True) == []  # a dropped step is not offered again
+    slot.close()
+
+
 def test_the_restart_line_names_peer_memory() -> None:
     from elastic.restore_report import format_restore_line
 

@@ -155,6 +155,9 @@ def test_bad_values_of_the_new_options_are_clear_errors() -> None:
         CheckpointConfig(overwrite="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="on_persist_failure='ignore'"):
         CheckpointConfig(on_persist_failure="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mode='async': use 'auto', 'overlap' or 'sync'"):
+        CheckpointConfig(mode="async")  # type: ignore[arg-type]
+    assert CheckpointConfig().mode == "auto"  # the copy strategy follows the device
 
 
 def test_unknown_keywords_suggest_the_right_one() -> None:

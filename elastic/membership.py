@@ -580,33 +580,40 @@ class NodeRegistry:
     def _renew_loop(self) -> None:
         interval = self._ttl.total_seconds() / 5
         ttl_s = self._ttl.total_seconds()
+        fencing = self._on_fenced is not None
+        next_at = time.monotonic() + interval  # the next renewal
         while True:
             with self._lock:
-                lease, last_ok = self._lease, self._last_ok
-            wait = interval
-            left = fence_deadline(last_ok, ttl_s) - time.monotonic()
-            if self._on_fenced is not None and left > 0:
-                wait = min(interval, left)  # wake at the fence deadline, not past it
-            if self._stop.wait(wait):
+                lease, last_ok, fenced = self._lease, self._last_ok, self._fenced
+            if lease is None or fenced:
+                return
+            deadline = fence_deadline(last_ok, ttl_s)
+            now = time.monotonic()
+            # Wake for the next renewal, or at the fence deadline if that comes first.
+            wake = min(next_at, deadline) if fencing and now < deadline else next_at
+            if self._stop.wait(max(0.0, wake - now)):
                 return
             with self._lock:
                 lease, last_ok, fenced = self._lease, self._last_ok, self._fenced
             if lease is None or fenced:
                 return
-            due = self._on_fenced is not None and time.monotonic() >= fence_deadline(last_ok, ttl_s)
-            if due and self._cut_off(last_ok):
+            now = time.monotonic()
+            deadline = fence_deadline(last_ok, ttl_s)
+            if fencing and now >= deadline and self._cut_off(last_ok):
                 self._fence(
-                    f"no etcd lease renewal for {time.monotonic() - last_ok:.1f} s (TTL "
-                    f"{ttl_s:g} s) and no other machine of the job answers",
+                    f"no etcd lease renewal for {now - last_ok:.1f} s (TTL {ttl_s:g} s) and no "
+                    "other machine of the job answers",
                     last_ok,
                 )
                 return
-            sent = time.monotonic()
+            if now < next_at:
+                continue  # woke for the fence deadline only
+            next_at = now + interval
+            sent = now
             timeout = interval
-            left = fence_deadline(last_ok, ttl_s) - sent
-            if self._on_fenced is not None and left > 0:
+            if fencing and deadline > sent:
                 # A renewal that answers after the fence deadline comes too late: fence then.
-                timeout = min(interval, max(0.05, left))
+                timeout = min(interval, max(0.05, deadline - sent))
             try:
                 self._client.refresh_lease(lease, timeout=timedelta(seconds=timeout))
                 with self._lock:

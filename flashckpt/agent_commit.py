@@ -39,6 +39,8 @@ __all__ = ["Committer"]
 
 log = logging.getLogger("flashckpt.agent")
 
+_WORLDS_KEPT = 16  # worlds whose baseline the commit check keeps
+
 
 class Committer:
     """Commits the steps this node's persister wrote, once every node's part is in."""
@@ -56,9 +58,10 @@ class Committer:
         self.fenced: str | None = None
         # The world that was current when the fence came (its trainers' hellos are refused).
         self.fenced_world: str | None = None
-        # (world id, steps committed in storage when this world's first step was queued): the
-        # steps another world committed before this one began, which the check ignores.
-        self._baseline: tuple[str, frozenset[int]] | None = None
+        # World id -> the steps committed in storage when that world's first step was queued:
+        # those another world committed before it began, which the check ignores. Kept per
+        # world (the newest few): a late step of an older world is checked against its own.
+        self._baselines: dict[str, frozenset[int]] = {}
 
     def enqueue(self, step: int, world: int, num_shards: int, world_id: str) -> None:
         """A step this node will commit once every node's part of it is in (dropped, with a log
@@ -134,7 +137,7 @@ class Committer:
         """Records storage's committed steps when a world's first step is queued (see the
         module docstring); ``committed`` if just listed."""
         with self.st.lock:
-            if self._baseline is not None and self._baseline[0] == world_id:
+            if world_id in self._baselines:
                 return
         storage = self.st.storage
         if committed is None:
@@ -146,8 +149,9 @@ class Committer:
                 log.warning("cannot list storage's committed steps: %s", e)
                 return
         with self.st.lock:
-            if self._baseline is None or self._baseline[0] != world_id:
-                self._baseline = (world_id, frozenset(committed))
+            self._baselines.setdefault(world_id, frozenset(committed))
+            while len(self._baselines) > _WORLDS_KEPT:
+                del self._baselines[next(iter(self._baselines))]
 
     def refusal(self, storage: Storage, step: int, world_id: str) -> tuple[str, bool] | None:
         """Why ``step`` of world ``world_id`` must not be committed now, or None.
@@ -160,7 +164,7 @@ class Committer:
         self._note_world(world_id, committed)
         with self.st.lock:
             fenced = self.fenced
-            baseline = self._baseline[1] if self._baseline is not None else frozenset()
+            baseline = self._baselines.get(world_id, frozenset())
         if fenced is not None:
             return f"this agent is fenced ({fenced})", True
         for newer in sorted((s for s in committed if s >= step), reverse=True):

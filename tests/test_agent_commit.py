@@ -347,3 +347,14 @@ def test_a_bad_fence_request_is_refused_and_the_agent_serves_on(
         assert c.request("ping")["pid"] > 0
     finally:
         c.close()
+
+
+def test_a_late_step_of_an_older_world_is_checked_against_that_world(fc_env: FcEnv) -> None:
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    _commit_as(agent, 20, "w1")
+    # World w2 begins on this agent too (a membership change) and commits step 24.
+    _commit_as(agent, 24, "w2")
+    # A late step 22 of w1 (its last part arrives now) must not take w2's commit as "before".
+    _commit_as(agent, 22, "w1")
+    assert st.committed_steps() == [20, 24]

@@ -13,10 +13,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from elastic import netns
 from elastic.etcd import EtcdClient, EtcdUnavailable
 from elastic.membership import (
     FenceNotice,
@@ -154,3 +156,144 @@ def test_a_machine_without_peers_is_not_fenced(
     time.sleep(TTL.total_seconds() * 1.5)
     assert notices == [] and not reg.fenced, "nobody could take its place"
     client.cut.clear()
+
+
+# -- end to end: machines in their own namespaces, one machine's link taken down -----------------
+
+_NETNS = netns.unavailable()
+STEPS = 60
+EVERY = 5
+WORKER_ARGS = ["--steps", str(STEPS), "--every", str(EVERY)]  # the reference run's
+
+
+class _LatestRecorder:
+    """Reads storage's ``latest`` pointer every 20 ms, from a thread, until closed."""
+
+    def __init__(self, storage: Path) -> None:
+        self._path = storage / "latest"
+        self.seen: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                step = json.loads(self._path.read_text())["step"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # not there yet, or replaced under the read
+            if not self.seen or self.seen[-1] != step:
+                self.seen.append(step)
+
+    def close(self) -> list[int]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return self.seen
+
+
+@pytest.fixture
+def net(tmp_path: Path) -> Iterator[tuple[netns.Cluster, str]]:
+    from elastic.etcd_server import find_etcd_binary
+
+    cluster = netns.Cluster(shm_size="1g")
+    try:
+        url = cluster.start_etcd(str(tmp_path / "etcd"), binary=find_etcd_binary())
+        yield cluster, url
+    finally:
+        cluster.close()
+
+
+def _events(machine: Any, name: str) -> list[dict[str, Any]]:
+    return [e for e in machine.events() if e["event"] == name]
+
+
+@pytest.mark.etcd
+@pytest.mark.slow
+@pytest.mark.skipif(_NETNS is not None, reason=_NETNS or "")
+@pytest.mark.timeout(420)
+def test_a_partitioned_machine_fences_itself_and_rejoins_as_a_standby(
+    tmp_path: Path, net: tuple[netns.Cluster, str], reference_model: dict[str, Any]
+) -> None:
+    from _cluster import assert_same_model
+    from _nscluster import NsSimCluster
+
+    from flashckpt.storage import Storage
+
+    ns, etcd_url = net
+    cluster = NsSimCluster(
+        tmp_path / "job", ns, etcd_url, nnodes="2:2",
+        worker_args=[*WORKER_ARGS, "--step-sleep", "0.4"],
+    )  # fmt: skip
+    latest = _LatestRecorder(cluster.storage_path)
+    try:
+        cluster.start("n0")
+        cluster.start("n1")
+        cluster.wait_for("training to start", lambda: len(cluster.steps()) >= 2, 150)
+        standby = cluster.start("n2")
+        cluster.wait_for(
+            "the standby to join the rendezvous",
+            lambda: any(e["event"] == "rendezvous_start" for e in standby.events()),
+            90,
+        )
+        cluster.wait_for("a committed step", lambda: bool(cluster.committed()), 90)
+        assert max(cluster.steps()) < STEPS - 30, "training ran out before the partition"
+        # The machine of rank 0: its agent is the one that commits.
+        victim_id = cluster.rank0_node()
+        survivor = "n1" if victim_id == "n0" else "n0"
+        victim = cluster.machines[victim_id]
+        cut_at = time.time()
+        ns.machines[victim_id].partition()
+
+        cluster.wait_for("the fence", lambda: _events(victim, "fence_workers_stopped"), 90)
+        fenced = _events(victim, "fenced")[0]
+        stopped = _events(victim, "fence_workers_stopped")[0]
+        assert fenced["pids"] and stopped["pids"] == fenced["pids"], victim.events()
+        assert _events(victim, "agent_fenced"), "the node agent was not fenced"
+        # The workers stopped because of the fence, not because a collective failed: torch saw
+        # no failure of theirs (no restart counted), and they left no gloo error.
+        assert not _events(victim, "workers_restart"), victim.events()
+        worker_logs = " ".join(
+            p.read_text(errors="replace")
+            for p in (cluster.root / f"torchlogs-{victim_id}").rglob("*")
+            if p.is_file()
+        )
+        gloo_errors = [
+            line
+            for line in worker_logs.lower().splitlines()
+            if "gloo" in line and any(w in line for w in ("error", "timed out", "exception"))
+        ]
+        assert not gloo_errors and "Traceback" not in worker_logs, worker_logs[-3000:]
+        assert "FENCED" in victim.tail(10**6)
+
+        # The rest of the job goes on with the standby.
+        cluster.wait_for(
+            "the new world to restore",
+            lambda: {e["node"] for e in cluster.restored_since(cut_at)} == {survivor, "n2"},
+            180,
+        )
+        healed_at = time.time()
+        ns.machines[victim_id].heal()
+        cluster.wait_for("the machine to register again", lambda: _events(victim, "rejoined"), 120)
+        assert _events(victim, "rejoined")[0]["generation"] == 2
+
+        for node in (survivor, "n2"):
+            assert cluster.wait_exit(node, 240) == 0, cluster.logs()
+        assert cluster.wait_exit(victim_id, 120) == 0, cluster.logs()
+        assert_same_model(cluster.out, reference_model)
+        # The healed machine trained nothing more: it waited as a standby, or left.
+        assert not [e for e in cluster.restored_since(cut_at) if e["node"] == victim_id]
+        assert not [e for e in cluster.events() if e["node"] == victim_id and e["t"] > healed_at]
+
+        seen = latest.close()
+        assert seen == sorted(seen), f"latest moved backwards: {seen}"
+        st = Storage(cluster.storage)
+        committed = st.committed_steps()
+        assert max(committed) == STEPS
+        for step in committed:
+            assert st.check_step(step).status == "ok", st.check_step(step)
+            manifest = json.loads(st.fs.cat_file(st.step_path(step, "manifest.json")))
+            if manifest["created"] > stopped["t"]:
+                assert victim_id not in manifest["nodes"], (step, manifest["nodes"])
+    finally:
+        latest.close()
+        cluster.close()

@@ -211,9 +211,13 @@ def _events(machine: Any, name: str) -> list[dict[str, Any]]:
 @pytest.mark.slow
 @pytest.mark.skipif(_NETNS is not None, reason=_NETNS or "")
 @pytest.mark.timeout(420)
+@pytest.mark.parametrize("heal", ["while_training", "after_the_job"])
 def test_a_partitioned_machine_fences_itself_and_rejoins_as_a_standby(
-    tmp_path: Path, net: tuple[netns.Cluster, str], reference_model: dict[str, Any]
+    tmp_path: Path, net: tuple[netns.Cluster, str], reference_model: dict[str, Any], heal: str
 ) -> None:
+    """The rank-0 machine (its agent commits) loses its link while training: it fences itself,
+    the survivor and the standby finish the job, ``latest`` never moves backwards; healed while
+    the job trains, it waits as a standby; healed after the job ended, it leaves."""
     from _cluster import assert_same_model
     from _nscluster import NsSimCluster
 
@@ -271,14 +275,22 @@ def test_a_partitioned_machine_fences_itself_and_rejoins_as_a_standby(
             lambda: {e["node"] for e in cluster.restored_since(cut_at)} == {survivor, "n2"},
             180,
         )
+        if heal == "after_the_job":
+            for node in (survivor, "n2"):
+                assert cluster.wait_exit(node, 240) == 0, cluster.logs()
+            assert victim.proc.poll() is None, "the cut-off machine did not wait for its link"
         healed_at = time.time()
         ns.machines[victim_id].heal()
         cluster.wait_for("the machine to register again", lambda: _events(victim, "rejoined"), 120)
         assert _events(victim, "rejoined")[0]["generation"] == 2
-
         for node in (survivor, "n2"):
             assert cluster.wait_exit(node, 240) == 0, cluster.logs()
         assert cluster.wait_exit(victim_id, 120) == 0, cluster.logs()
+        if heal == "after_the_job":
+            left = _events(victim, "left")
+            assert left and "finished while this machine was cut off" in left[0]["reason"]
+        else:  # it waited in the rendezvous as a standby until the job ended
+            assert _events(victim, "standby_released"), victim.events()
         assert_same_model(cluster.out, reference_model)
         # The healed machine trained nothing more: it waited as a standby, or left.
         assert not [e for e in cluster.restored_since(cut_at) if e["node"] == victim_id]

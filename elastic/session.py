@@ -559,15 +559,7 @@ class LaunchSession:
 
     def _stop_workers_by(self, pids: list[int], kill_at: float) -> None:
         """SIGTERM to the workers now, SIGKILL at ``kill_at`` (monotonic) to those left."""
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGTERM)
-        while any(_alive(p) for p in pids) and time.monotonic() < kill_at:
-            time.sleep(0.02)
-        killed = [p for p in pids if _alive(p)]
-        for pid in killed:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        killed = stop_processes(pids, kill_at)
         logger.warning(
             "fence: the workers are stopped (%s)",
             f"SIGKILL for pids {killed}" if killed else "they exited on SIGTERM",
@@ -985,6 +977,21 @@ def _tolerate_etcd_outages(
                 keep_alive()
 
         setattr(handler, "_keep_alive", capped_keep_alive)  # noqa: B010
+
+
+def stop_processes(pids: list[int], kill_at: float) -> list[int]:
+    """Sends SIGTERM to ``pids`` now and SIGKILL at ``kill_at`` (monotonic) to those still
+    running (zombies count as gone); returns the pids that needed SIGKILL."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    while any(_alive(p) for p in pids) and time.monotonic() < kill_at:
+        time.sleep(0.02)
+    killed = [p for p in pids if _alive(p)]
+    for pid in killed:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return killed
 
 
 def _alive(pid: int) -> bool:

@@ -158,6 +158,39 @@ def test_a_machine_without_peers_is_not_fenced(
     client.cut.clear()
 
 
+def test_the_fence_stops_workers_with_sigterm_then_sigkill_by_the_deadline() -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from elastic.session import stop_processes
+
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert stubborn.stdout is not None and stubborn.stdout.readline().strip() == b"ready"
+        killed = stop_processes([polite.pid, stubborn.pid], time.monotonic() + 1.0)
+        # Not reaped yet (zombies): counted as gone all the same.
+        assert killed == [stubborn.pid]
+        assert polite.wait(timeout=30) == -signal.SIGTERM
+        assert stubborn.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        for p in (polite, stubborn):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if stubborn.stdout is not None:
+            stubborn.stdout.close()
+
+
 # -- end to end: machines in their own namespaces, one machine's link taken down -----------------
 
 _NETNS = netns.unavailable()

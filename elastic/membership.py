@@ -79,8 +79,10 @@ _PROBE_TIMEOUT_S = 0.5
 _PROBE_ATTEMPTS = 3
 _PROBE_RETRY_S = 0.1
 _WATCH_SLICE = timedelta(seconds=5)
-# Probing the peers at the fence deadline: one short try each (a cut-off host fails at once with
-# "network unreachable", a silent drop times out).
+# Probing the peers while renewals fail: one try each (a cut-off host fails at once with "network
+# unreachable", a silent drop times out). In the background after each failed renewal, with a
+# loaded host's patience; at the fence deadline, when none answered lately, once more, short.
+_OUTAGE_PROBE_TIMEOUT_S = 1.0
 _FENCE_PROBE_TIMEOUT_S = 0.25
 
 
@@ -305,6 +307,11 @@ class NodeRegistry:
         self._fenced = False
         self._stale_lease: Lease | None = None  # the lease of a fenced registration
         self._warned_cut_off = False
+        # Monotonic time peers last answered their probe while renewals failed, and which.
+        self._peer_answered_at = float("-inf")
+        self._peers_answering: list[str] = []
+        self._probe_wake = threading.Event()
+        self._prober: threading.Thread | None = None
         self._generation = 1
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -642,6 +649,36 @@ class NodeRegistry:
                     logger.error("registering this node again failed: %s", exc)
             except Exception as exc:  # one failed renewal must not stop the thread
                 logger.warning("renewing this node's etcd lease failed (will retry): %s", exc)
+                if fencing:
+                    self._probe_in_background()
+
+    def _probe_in_background(self) -> None:
+        """Probes the peers from a thread of its own (the renew loop keeps its pace)."""
+        if self._prober is None:
+            self._prober = threading.Thread(
+                target=self._probe_loop, name="flashckpt-node-outage-probe", daemon=True
+            )
+            self._prober.start()
+        self._probe_wake.set()
+
+    def _probe_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._probe_wake.wait(0.5):
+                continue
+            self._probe_wake.clear()
+            alive = self._alive_peers(_OUTAGE_PROBE_TIMEOUT_S)
+            if alive:
+                with self._lock:
+                    self._peer_answered_at, self._peers_answering = time.monotonic(), alive
+
+    def _alive_peers(self, timeout: float) -> list[str] | None:
+        """The peers that answer their probe port; None when no peer is known."""
+        peers = [r for r in self.peers().values() if r.probe]
+        if not peers:
+            return None
+        with ThreadPoolExecutor(min(16, len(peers)), thread_name_prefix="flashckpt-fence") as ex:
+            answers = list(ex.map(lambda r: probe(r, timeout), peers))
+        return [r.node_id for r, a in zip(peers, answers, strict=True) if a is ProbeResult.ALIVE]
 
     def _cut_off(self, last_ok: float) -> bool:
         """Whether this machine is cut off from the others too, not only from etcd.
@@ -649,14 +686,19 @@ class NodeRegistry:
         A peer that answers its probe port means etcd is what is unreachable (an outage every
         machine sees lapses no lease, so no new world forms without this one): training goes
         on, as it always did through an etcd outage. A machine that knows no peer (one
-        machine, no standby) has nobody to take its place and is not fenced either.
+        machine, no standby) has nobody to take its place and is not fenced either. The peers
+        are probed in the background after each failed renewal (a loaded peer gets 1 s to
+        answer); at the deadline, if none answered in the last two renewal intervals, once
+        more, briefly. (A partition that follows an etcd outage is thus fenced up to two
+        intervals late.)
         """
-        peers = [r for r in self.peers().values() if r.probe]
-        if not peers:
+        with self._lock:
+            # Answers of the last two renewal intervals count (the background probes).
+            lately = self._peer_answered_at >= time.monotonic() - 2 * self._ttl.total_seconds() / 5
+            answered = list(self._peers_answering)
+        alive = answered if lately else self._alive_peers(_FENCE_PROBE_TIMEOUT_S)
+        if alive is None:
             return False
-        with ThreadPoolExecutor(min(16, len(peers)), thread_name_prefix="flashckpt-fence") as ex:
-            answers = list(ex.map(lambda r: probe(r, _FENCE_PROBE_TIMEOUT_S), peers))
-        alive = [r.node_id for r, a in zip(peers, answers, strict=True) if a is ProbeResult.ALIVE]
         if not alive:
             return True
         if not self._warned_cut_off:

@@ -50,7 +50,12 @@ from datetime import timedelta
 from types import FrameType, TracebackType
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -528,6 +533,8 @@ class LaunchSession:
         agent.start()
         agent.join(timeout=max(0.0, min(0.2, left / 4)))  # its first step is instant
         self._stop_workers_by(pids, notice.expiry - _FENCE_KILL_MARGIN_S)
+        with self._lock:
+            self._worker_pids = []
         agent.join(timeout=max(0.0, notice.expiry - time.monotonic()))
         # torch's keep-alive would write this node's heartbeat back over the epoch the others
         # set (the next rendezvous starts it again). Last: stopping it waits for a heartbeat in
@@ -920,7 +927,10 @@ class _FlashAgent(LocalElasticAgent):
             # a membership change. Once registered again, a new round (this machine a standby).
             self._session.wait_for_heal()
             self._restart_workers(worker_group)
-        return super()._monitor_workers(worker_group)
+        result = super()._monitor_workers(worker_group)
+        if result.state != WorkerState.HEALTHY:
+            self._session.workers_started({})  # gone, or about to be stopped by torch
+        return result
 
     def _exit_barrier(self) -> None:
         # The barrier keeps an agent alive while the others finish because torch's agents may
@@ -981,7 +991,9 @@ def _tolerate_etcd_outages(
 
 def stop_processes(pids: list[int], kill_at: float) -> list[int]:
     """Sends SIGTERM to ``pids`` now and SIGKILL at ``kill_at`` (monotonic) to those still
-    running (zombies count as gone); returns the pids that needed SIGKILL."""
+    running (zombies count as gone); returns the pids that needed SIGKILL. Only children of
+    this process are signalled: a pid of a worker that exited may have been reused since."""
+    pids = [p for p in pids if _parent(p) == os.getpid()]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
@@ -994,15 +1006,27 @@ def stop_processes(pids: list[int], kill_at: float) -> list[int]:
     return killed
 
 
-def _alive(pid: int) -> bool:
-    """Whether a process exists and is not a zombie (exited, not reaped by torch yet)."""
+def _stat(pid: int) -> list[bytes]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, ...); [] when
+    the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
-        return False
-    # "pid (comm) S ...": the state follows the last ')' (comm may hold spaces and parens).
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X", b"")
+        return []
+    # "pid (comm) S ppid ...": the fields follow the last ')' (comm may hold spaces and parens).
+    return stat[stat.rfind(b")") + 1 :].split()
+
+
+def _parent(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (exited, not reaped by torch yet)."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] not in (b"Z", b"X")
 
 
 def _describe_failures(result: RunResult) -> str:

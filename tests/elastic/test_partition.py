@@ -8,6 +8,7 @@ machines in their own namespaces (``_nscluster.py``) and takes one machine's lin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -189,6 +190,46 @@ def test_the_fence_stops_workers_with_sigterm_then_sigkill_by_the_deadline() -> 
                 p.wait()
         if stubborn.stdout is not None:
             stubborn.stdout.close()
+
+
+def test_the_fence_never_signals_a_process_that_is_not_its_child() -> None:
+    """A worker's pid may be reused once it exited: only the launcher's children are stopped."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from elastic.session import stop_processes
+
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "code = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            'print("ready", flush=True); time.sleep(600)\'\n'
+            "c = subprocess.Popen([sys.executable, '-c', code])\n"
+            "print(c.pid, flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    grandchild = 0
+    try:
+        assert parent.stdout is not None
+        lines = {parent.stdout.readline().strip() for _ in range(2)}
+        assert b"ready" in lines, lines
+        grandchild = int(next(x for x in lines if x.isdigit()))
+        assert stop_processes([grandchild], time.monotonic() + 0.5) == []
+        with open(f"/proc/{grandchild}/stat", "rb") as f:  # still running: never signalled
+            assert f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    finally:
+        if grandchild:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(grandchild, signal.SIGKILL)
+        parent.kill()
+        parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
 
 
 # -- end to end: machines in their own namespaces, one machine's link taken down -----------------

@@ -25,6 +25,7 @@ from flashckpt.messages import (
     Alloc,
     Done,
     ErrorReply,
+    Fence,
     Flush,
     FlushReply,
     Hash,
@@ -160,6 +161,10 @@ class Server:
 
     def handle(self, conn: Conn, req: Request) -> Reply | None:
         match req:
+            case Fence():
+                return self.fence(req)
+            case Snap() if self.persister.committer.fenced is not None:
+                return None  # a dying trainer of the fenced world: nothing of it is written
             case Hello():
                 return self.hello(conn, req)
             case Alloc():
@@ -207,7 +212,45 @@ class Server:
                 return self.puller.pull(conn, req)
         raise ProtocolError(f"request {req.op!r} has no handler")  # REQUESTS and this differ
 
+    def fence(self, req: Fence) -> Reply:
+        """Commits and persists nothing more until a trainer of a new world says hello.
+
+        The current world is forgotten (``world_id`` None: no position matches it, so nothing
+        is persisted, not even the newest snapshot of the trainers about to die, "save at
+        breakpoint"), the steps waiting for their commit are dropped, and the answer waits for a
+        persist in flight to end, so that once the launcher has it nothing of the old world is
+        being written.
+        """
+        committer = self.persister.committer
+        with self.st.lock:
+            committer.fence(req.reason or "asked by the launcher")
+            self.st.world_id = None
+        idle = self.st.io_lock.acquire(timeout=req.timeout_s)
+        if idle:
+            self.st.io_lock.release()
+        else:
+            log.warning("fenced while a persist of the old world is still in flight")
+        # What the persist in flight queued is dropped too (enqueue refuses while fenced).
+        committer.fence(req.reason or "asked by the launcher")
+        return OkReply()
+
+    def _check_fence(self, msg: Hello) -> None:
+        """Refuses a trainer of the fenced world; a trainer of a new world lifts the fence."""
+        committer = self.persister.committer
+        with self.st.lock:
+            if committer.fenced is None:
+                return
+            stale = msg.world_id == committer.fenced_world
+        if stale:
+            raise ValueError(
+                f"this node agent is fenced ({committer.fenced}): world {msg.world_id!r} lost "
+                "its place in the job; its trainers must stop (the launcher restarts them in a "
+                "new world)"
+            )
+        committer.unfence(msg.world_id)
+
     def hello(self, conn: Conn, msg: Hello) -> HelloReply:
+        self._check_fence(msg)
         rank, key, world_size = msg.rank, msg.key, msg.world_size
         local_world, world_id, storage = msg.local_world_size, msg.world_id, msg.storage
         with self.st.lock:

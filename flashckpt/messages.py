@@ -33,6 +33,7 @@ __all__ = [
     "Done",
     "ErrorReply",
     "Event",
+    "Fence",
     "Flush",
     "FlushReply",
     "Hash",
@@ -737,3 +738,28 @@ class PullReplicaReply(Reply):
 REQUESTS[PullReplica.op] = PullReplica
 REPLIES[PullReplica.op] = PullReplicaReply
 __all__ += ["PullReplica", "PullReplicaReply"]
+
+
+# -- fencing (a machine cut off from the job) ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fence(Request):
+    """This machine lost its place in the job (its etcd lease is lapsing: a network partition):
+    commit nothing more, persist nothing more of the current world and refuse its trainers, until
+    a trainer of a new world says hello. Sent by the launcher; answered once no persist is in
+    flight (or ``timeout_s`` passed)."""
+
+    op: ClassVar[str] = "fence"
+    reason: str = ""
+    """Why (the agent logs it)."""
+    timeout_s: float = 5.0
+    """Seconds to wait for a persist in flight to end before answering."""
+
+    def __post_init__(self) -> None:
+        _text("fence", "reason", self.reason)
+        _bound("fence", "timeout_s", self.timeout_s, 0, 600)
+
+
+REQUESTS[Fence.op] = Fence
+REPLIES[Fence.op] = OkReply

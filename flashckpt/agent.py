@@ -94,11 +94,14 @@ class NodeAgent:
         self.st = AgentState(config)
         """What the parts share."""
         self.committer = Committer(self.st)
-        self.mirrorer = Mirrorer(self.st)
+        self.mirrorer = Mirrorer(self.st, self.committer)
         self.persister = Persister(self.st, self.committer, self.mirrorer)
         self.segments = Segments(self.st)
         self.server = Server(self.st, self.segments, self.persister, self.status)
         self.replicator = Replicator(self.st)
+        self.server.replicator = self.replicator  # answers the launcher's replica_peers
+        # A pull asks the peers of the current world (the launcher's list, replaced each round).
+        self.server.replica_peers = lambda: self.replicator.peers
         self.monitor: AgentMonitor | None = None
         self.socket_path = self.server.socket_path
         self.owner_path = self.segments.owner_path

@@ -73,6 +73,9 @@ class MirrorCommitter(Committer):
         return self.m.committed
 
     def ready(self, step: int) -> bool:
+        # A fenced agent (its machine cut off from the job) commits nothing, in either tier.
+        if self.m.primary is not None and self.m.primary.fenced is not None:
+            return False
         # The mirror never holds a step the primary tier did not commit (a step whose commit
         # failed there, a part refused, is not one to restore from either).
         primary = self.st.storage
@@ -90,8 +93,10 @@ class MirrorCommitter(Committer):
 class Mirrorer:
     """Copies this node's files of the mirror-marked steps to the mirror root (see the module)."""
 
-    def __init__(self, state: AgentState) -> None:
+    def __init__(self, state: AgentState, primary: Committer | None = None) -> None:
         self.st = state
+        self.primary = primary
+        """The primary tier's committer (its fence holds the mirror's commits too)."""
         self.storage: Storage | None = None
         """The mirror root (opened at the first marked step)."""
         self.committed: list[int] = []

@@ -520,7 +520,8 @@ def test_the_mirror_commits_only_once_every_part_is_in_and_the_primary_committed
         part = NodePart(f"n{n}", step, "", 2, 1, ranks, shards, files)
         primary.write_part(step, f"n{n}", part.to_json())
         parts.append(part)
-    m0, m1 = Mirrorer(states[0]), Mirrorer(states[1])
+    primary0 = Committer(states[0])
+    m0, m1 = Mirrorer(states[0], primary0), Mirrorer(states[1])
     m0.copy(MirrorJob(step, mirror_url, parts[0], commits=True))
     m0.committer.commit_round()
     assert mirror.committed_steps() == [] and m0.committer.commit_missing[step] == [1]
@@ -528,7 +529,12 @@ def test_the_mirror_commits_only_once_every_part_is_in_and_the_primary_committed
     m0.committer.commit_round()
     assert mirror.committed_steps() == []  # every part is in, the primary has not committed
     assert not (tmp_path / "remote" / "latest").exists()
-    assert Committer(states[0]).try_commit(step, 2, 1, "")
+    assert primary0.try_commit(step, 2, 1, "")
+    # A fenced agent (its machine cut off from the job) commits nothing in the mirror either.
+    primary0.fence("lease lapsed")
+    m0.committer.commit_round()
+    assert mirror.committed_steps() == []
+    primary0.unfence("w2")
     m0.committer.commit_round()
     assert mirror.committed_steps() == [step] and m0.committed == [step]
     assert {**mirror.read_manifest(step), "created": 0} == {

@@ -222,6 +222,16 @@ class LauncherConfig:
         ),
     )
     """Port of the node agent's Prometheus endpoint (``None``: off)."""
+    replicas: int = field(
+        default=1,
+        metadata=cliargs.flag(
+            help="other machines of the world that keep a copy of this machine's newest "
+            "snapshot in their memory (the next ones in ring order; default 1, 0 turns it off): "
+            "a job that loses a machine restores its shards from a survivor's memory"
+        ),
+    )
+    """How many other machines of the world keep a copy of this machine's newest snapshot in
+    their memory (the node agent's ``--replicas``; 0: none, and this machine holds none)."""
     lease_ttl: float = field(
         default=5.0,
         metadata=cliargs.flag(
@@ -381,6 +391,8 @@ class LauncherConfig:
             raise ValueError(f"--keep {self.keep}: keep at least 1 committed step")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError(f"--metrics-port {self.metrics_port}: use a TCP port (1-65535)")
+        if self.replicas < 0:
+            raise ValueError(f"--replicas {self.replicas}: must be >= 0 (0 turns replicas off)")
         if self.straggler_factor <= 1:
             raise ValueError(
                 f"--straggler-factor {self.straggler_factor}: must be > 1 (e.g. 1.5: 50% slower "

@@ -27,7 +27,13 @@ It is torchrun's elastic agent (``LocalElasticAgent``, same flags where they exi
 - ``--standalone``: a private etcd for single-machine runs (the default when ``--nnodes`` is 1
   and no ``--rdzv-endpoint`` is given);
 - ``--health-check``: a short compute + all-reduce probe before each round's workers start;
-  a machine that fails it is recorded in etcd and never admitted to this job again.
+  a machine that fails it is recorded in etcd and never admitted to this job again;
+- fencing of a machine cut off from the job (a network partition, :mod:`elastic.membership`):
+  when its lease renewals fail for ``--lease-ttl`` minus a fifth and no other machine answers
+  either, its node agent commits nothing more and its workers stop before the lease can lapse;
+  the others go on with a standby; once etcd answers again it registers afresh and waits as a
+  standby (or leaves: exit 0 if the job finished meanwhile, 1 after the rendezvous' join
+  timeout). Not with ``--standalone`` (nobody else could take its place).
 """
 
 from __future__ import annotations

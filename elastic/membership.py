@@ -19,6 +19,17 @@ declared dead by a probe, only by their lease.
 What the job does with a death is up to the ``on_lost`` callback (the launcher expires the node
 in torch's rendezvous state, see :func:`expire_rendezvous_nodes`, so the next round forms
 without waiting for torch's own heartbeat timeout).
+
+*Fencing* is the other side of the lease: a machine that is cut off (a network partition) is
+alive, its workers may still write, while the others, once its lease lapses, form a new world
+without it. So the renew loop records when the last successful renewal was *sent* (etcd counts
+the TTL from when it received it, later); at :func:`fence_deadline` (``ttl - ttl/5`` after it)
+without a renewal, and with no peer answering its probe port either (cut off from the others
+too, not only from etcd: an etcd outage that every machine sees lapses no lease and lets no
+new world form), the machine is fenced: ``on_fenced`` stops its workers and its node agent's
+commits before :func:`lease_expiry`, the earliest moment the others can act. The renewals stop;
+the stale lease and token are never used again: once etcd answers, :meth:`NodeRegistry.rejoin`
+registers the machine afresh (new lease, new token, next generation), as a standby.
 """
 
 from __future__ import annotations
@@ -50,11 +61,14 @@ from elastic.etcd import (
 )
 
 __all__ = [
+    "FenceNotice",
     "NodeIdInUse",
     "NodeRecord",
     "NodeRegistry",
     "ProbeResult",
     "expire_rendezvous_nodes",
+    "fence_deadline",
+    "lease_expiry",
     "nodes_prefix",
     "probe",
 ]
@@ -65,6 +79,40 @@ _PROBE_TIMEOUT_S = 0.5
 _PROBE_ATTEMPTS = 3
 _PROBE_RETRY_S = 0.1
 _WATCH_SLICE = timedelta(seconds=5)
+# Probing the peers while renewals fail: one try each (a cut-off host fails at once with "network
+# unreachable", a silent drop times out). In the background after each failed renewal, with a
+# loaded host's patience; at the fence deadline, when none answered lately, once more, short.
+_OUTAGE_PROBE_TIMEOUT_S = 1.0
+_FENCE_PROBE_TIMEOUT_S = 0.25
+
+
+def fence_deadline(last_ok: float, ttl_s: float) -> float:
+    """When a machine whose last successful lease renewal was sent at ``last_ok`` (monotonic
+    seconds) is fenced if no renewal succeeded since: ``ttl - ttl/5`` after it. The lease
+    lapses on etcd ``ttl`` after etcd *received* that renewal, so no other machine can act on
+    its loss before :func:`lease_expiry`: ``ttl/5`` is left to stop the workers."""
+    return last_ok + ttl_s - ttl_s / 5
+
+
+def lease_expiry(last_ok: float, ttl_s: float) -> float:
+    """The earliest moment etcd may drop a lease last renewed by a request sent at ``last_ok``
+    (monotonic seconds): the others may form a new world from then on."""
+    return last_ok + ttl_s
+
+
+@dataclass(frozen=True, slots=True)
+class FenceNotice:
+    """What :class:`NodeRegistry` tells ``on_fenced``."""
+
+    reason: str
+    """Why, for the log."""
+    last_ok: float
+    """Monotonic time the last successful renewal was sent."""
+    expiry: float
+    """Monotonic time from which etcd may have dropped the lease (:func:`lease_expiry`): the
+    workers must be gone by then."""
+    generation: int
+    """The registration that is fenced (1 for the first)."""
 
 
 def nodes_prefix(job_prefix: str) -> str:
@@ -99,6 +147,9 @@ class NodeRecord:
     """Its rank among the machines of the current round, when active."""
     lease: int = 0
     """The etcd lease the key is bound to (filled in when read)."""
+    replica: str = ""
+    """``host:port`` of its node agent's replica server (other machines send it replicas of
+    their snapshots there); empty if it holds none."""
 
     def to_json(self) -> bytes:
         """The key's value."""
@@ -184,7 +235,7 @@ class _ProbeServer:
     """Answers every connection with the launcher's token, from a daemon thread."""
 
     def __init__(self, token: str, bind_host: str) -> None:
-        self._token = token.encode() + b"\n"
+        self.token = token
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._sock = socket.create_server((bind_host, 0), family=family, backlog=128)
         self._sock.settimeout(0.5)
@@ -203,7 +254,7 @@ class _ProbeServer:
                 return
             with contextlib.suppress(OSError), conn:
                 conn.settimeout(1.0)
-                conn.sendall(self._token)
+                conn.sendall(self.token.encode() + b"\n")
 
     def close(self) -> None:
         self._stop.set()
@@ -225,6 +276,10 @@ class NodeRegistry:
         bind_host: Address the probe port listens on (default: every interface).
         on_lost: Called from the watch thread with the record of every peer whose key
             disappeared (its lease lapsed or was revoked). Exceptions are logged.
+        on_fenced: Called once from the renew thread when this machine is fenced (see the
+            module docstring): it must stop everything that writes for the job before
+            :attr:`FenceNotice.expiry`. ``None``: never fenced (a lapsed lease is registered
+            again under the same token, as for a private etcd nobody else uses).
     """
 
     def __init__(
@@ -237,6 +292,7 @@ class NodeRegistry:
         advertise_host: str | None = None,
         bind_host: str = "",
         on_lost: Callable[[NodeRecord], None] | None = None,
+        on_fenced: Callable[[FenceNotice], None] | None = None,
     ) -> None:
         if ttl < timedelta(seconds=2):
             raise ValueError(
@@ -248,6 +304,18 @@ class NodeRegistry:
         self._key = self._prefix + node_id
         self._ttl = ttl
         self._on_lost = on_lost
+        self._on_fenced = on_fenced
+        # Monotonic send time of the last successful renewal (or registration).
+        self._last_ok = time.monotonic()
+        self._fenced = False
+        self._stale_lease: Lease | None = None  # the lease of a fenced registration
+        self._warned_cut_off = False
+        # Monotonic time peers last answered their probe while renewals failed, and which.
+        self._peer_answered_at = float("-inf")
+        self._peers_answering: list[str] = []
+        self._probe_wake = threading.Event()
+        self._prober: threading.Thread | None = None
+        self._generation = 1
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._peers: dict[str, NodeRecord] = {}
@@ -281,6 +349,18 @@ class NodeRegistry:
         """The lease TTL."""
         return self._ttl
 
+    @property
+    def fenced(self) -> bool:
+        """Whether this registration was fenced (and not registered again yet)."""
+        with self._lock:
+            return self._fenced
+
+    @property
+    def generation(self) -> int:
+        """The registration: 1, then one more at each :meth:`rejoin`."""
+        with self._lock:
+            return self._generation
+
     def start(self, timeout: timedelta) -> None:
         """Opens the probe port, registers the node key and starts renewing and watching.
 
@@ -301,9 +381,50 @@ class NodeRegistry:
             self._record = replace(self._record, probe=f"{host}:{self._probe_server.port}")
         self._register(Deadline.after(timeout))
         for target, name in ((self._renew_loop, "renew"), (self._watch_loop, "watch")):
-            thread = threading.Thread(target=target, name=f"flashckpt-node-{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._start_thread(target, name)
+
+    def _start_thread(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=f"flashckpt-node-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def rejoin(self, timeout: timedelta) -> int:
+        """Registers this machine afresh after it was fenced: a new token, a new lease, the
+        next generation, state ``waiting``; the stale lease is revoked if etcd still has it
+        (its key goes, so every peer sees the old membership end). Renewals start again.
+
+        Returns:
+            The new generation.
+
+        Raises:
+            NodeIdInUse: Another live launcher took this node id meanwhile.
+            EtcdError: etcd did not take the registration in time.
+        """
+        deadline = Deadline.after(timeout)
+        with self._lock:
+            if not self._fenced:
+                return self._generation
+            stale, self._stale_lease = self._stale_lease, None
+            self._record = replace(
+                self._record, token=uuid.uuid4().hex, state="waiting", group_rank=None
+            )
+            token = self._record.token
+        if stale is not None:
+            with contextlib.suppress(EtcdError):
+                self._client.revoke_lease(stale, timeout=_remaining(deadline))
+        if self._probe_server is not None:
+            self._probe_server.token = token
+        self._register(deadline)
+        with self._lock:
+            self._fenced = False
+            self._generation += 1
+            generation = self._generation
+        self._start_thread(self._renew_loop, "renew")
+        logger.warning(
+            "registered again after the fence: generation %d (new lease and token), as a standby",
+            generation,
+        )
+        return generation
 
     def update(self, *, timeout: timedelta | None = None, **fields: Any) -> None:
         """Changes fields of the published record (``state``, ``group_rank``, ``rdzv_node``).
@@ -348,6 +469,16 @@ class NodeRegistry:
         """The other live nodes of the job, as last seen by the watch."""
         with self._lock:
             return dict(self._peers)
+
+    def records(self, timeout: timedelta | None = None) -> list[NodeRecord]:
+        """Every live node record of the job (this one's too), read from etcd now (not the
+        watch's view, which may lag a record written just before a rendezvous completed).
+
+        Raises:
+            EtcdError: etcd did not answer.
+        """
+        kvs = self._client.get_prefix(self._prefix, timeout=timeout)
+        return [r for r in (NodeRecord.from_kv(kv) for kv in kvs) if r is not None]
 
     def reap_dead_peers(self, candidates: Collection[str] | None = None) -> list[NodeRecord]:
         """Probes peers and revokes the lease of every one that is certainly dead.
@@ -407,6 +538,8 @@ class NodeRegistry:
         self._stop.set()
         with self._lock:
             lease, self._lease = self._lease, None
+            lease = lease or self._stale_lease
+            self._stale_lease = None
         if lease is not None and revoke:
             try:
                 self._client.revoke_lease(lease, timeout=timeout)
@@ -421,6 +554,7 @@ class NodeRegistry:
 
     def _register(self, deadline: Deadline) -> None:
         while True:
+            sent = time.monotonic()
             lease = self._client.grant_lease(self._ttl, timeout=_remaining(deadline))
             with self._lock:
                 value = self._record.to_json()
@@ -434,6 +568,7 @@ class NodeRegistry:
             if done:
                 with self._lock:
                     self._lease = lease
+                    self._last_ok = sent
                 return
             with contextlib.suppress(EtcdError):
                 self._client.revoke_lease(lease, timeout=_remaining(deadline))
@@ -464,20 +599,62 @@ class NodeRegistry:
 
     def _renew_loop(self) -> None:
         interval = self._ttl.total_seconds() / 5
-        while not self._stop.wait(interval):
+        ttl_s = self._ttl.total_seconds()
+        fencing = self._on_fenced is not None
+        next_at = time.monotonic() + interval  # the next renewal
+        while True:
             with self._lock:
-                lease = self._lease
-            if lease is None:
+                lease, last_ok, fenced = self._lease, self._last_ok, self._fenced
+            if lease is None or fenced:
                 return
+            deadline = fence_deadline(last_ok, ttl_s)
+            now = time.monotonic()
+            # Wake for the next renewal, or at the fence deadline if that comes first.
+            wake = min(next_at, deadline) if fencing and now < deadline else next_at
+            if self._stop.wait(max(0.0, wake - now)):
+                return
+            with self._lock:
+                lease, last_ok, fenced = self._lease, self._last_ok, self._fenced
+            if lease is None or fenced:
+                return
+            now = time.monotonic()
+            deadline = fence_deadline(last_ok, ttl_s)
+            if fencing and now >= deadline and self._cut_off(last_ok):
+                self._fence(
+                    f"no etcd lease renewal for {now - last_ok:.1f} s (TTL {ttl_s:g} s) and no "
+                    "other machine of the job answers",
+                    last_ok,
+                )
+                return
+            if now < next_at:
+                continue  # woke for the fence deadline only
+            next_at = now + interval
+            sent = now
+            timeout = interval
+            if fencing and deadline > sent:
+                # A renewal that answers after the fence deadline comes too late: fence then.
+                timeout = min(interval, max(0.05, deadline - sent))
             try:
-                self._client.refresh_lease(lease, timeout=timedelta(seconds=interval))
+                self._client.refresh_lease(lease, timeout=timedelta(seconds=timeout))
+                with self._lock:
+                    self._last_ok = max(self._last_ok, sent)
+                    self._warned_cut_off = False
             except EtcdLeaseNotFound:
                 if self._stop.is_set():
+                    return
+                if self._on_fenced is not None:
+                    # The job dropped this machine: its workers must stop, and it may come back
+                    # only as a new member, never under the old token.
+                    self._fence(
+                        f"this node's etcd lease lapsed (etcd was unreachable for more than "
+                        f"{ttl_s:g} s)",
+                        last_ok,
+                    )
                     return
                 logger.warning(
                     "this node's etcd lease lapsed (etcd was unreachable for more than %g s?); "
                     "registering again",
-                    self._ttl.total_seconds(),
+                    ttl_s,
                 )
                 try:
                     self._register(Deadline.after(self._ttl * 4))
@@ -485,6 +662,88 @@ class NodeRegistry:
                     logger.error("registering this node again failed: %s", exc)
             except Exception as exc:  # one failed renewal must not stop the thread
                 logger.warning("renewing this node's etcd lease failed (will retry): %s", exc)
+                if fencing:
+                    self._probe_in_background()
+
+    def _probe_in_background(self) -> None:
+        """Probes the peers from a thread of its own (the renew loop keeps its pace)."""
+        if self._prober is None:
+            self._prober = threading.Thread(
+                target=self._probe_loop, name="flashckpt-node-outage-probe", daemon=True
+            )
+            self._prober.start()
+        self._probe_wake.set()
+
+    def _probe_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._probe_wake.wait(0.5):
+                continue
+            self._probe_wake.clear()
+            alive = self._alive_peers(_OUTAGE_PROBE_TIMEOUT_S)
+            if alive:
+                with self._lock:
+                    self._peer_answered_at, self._peers_answering = time.monotonic(), alive
+
+    def _alive_peers(self, timeout: float) -> list[str] | None:
+        """The peers that answer their probe port; None when no peer is known."""
+        peers = [r for r in self.peers().values() if r.probe]
+        if not peers:
+            return None
+        with ThreadPoolExecutor(min(16, len(peers)), thread_name_prefix="flashckpt-fence") as ex:
+            answers = list(ex.map(lambda r: probe(r, timeout), peers))
+        return [r.node_id for r, a in zip(peers, answers, strict=True) if a is ProbeResult.ALIVE]
+
+    def _cut_off(self, last_ok: float) -> bool:
+        """Whether this machine is cut off from the others too, not only from etcd.
+
+        A peer that answers its probe port means etcd is what is unreachable (an outage every
+        machine sees lapses no lease, so no new world forms without this one): training goes
+        on, as it always did through an etcd outage. A machine that knows no peer (one
+        machine, no standby) has nobody to take its place and is not fenced either. The peers
+        are probed in the background after each failed renewal (a loaded peer gets 1 s to
+        answer); at the deadline, if none answered in the last two renewal intervals, once
+        more, briefly. (A partition that follows an etcd outage is thus fenced up to two
+        intervals late.)
+        """
+        with self._lock:
+            # Answers of the last two renewal intervals count (the background probes).
+            lately = self._peer_answered_at >= time.monotonic() - 2 * self._ttl.total_seconds() / 5
+            answered = list(self._peers_answering)
+        alive = answered if lately else self._alive_peers(_FENCE_PROBE_TIMEOUT_S)
+        if alive is None:
+            return False
+        if not alive:
+            return True
+        if not self._warned_cut_off:
+            self._warned_cut_off = True
+            logger.warning(
+                "no etcd lease renewal for %.1f s, but node(s) %s answer: etcd is unreachable, "
+                "this machine is not cut off from the job; not fencing",
+                time.monotonic() - last_ok,
+                ", ".join(sorted(alive)),
+            )
+        return False
+
+    def _fence(self, reason: str, last_ok: float) -> None:
+        ttl_s = self._ttl.total_seconds()
+        with self._lock:
+            if self._fenced:
+                return
+            self._fenced = True
+            # Never used again: no record, summary or renewal is written under it.
+            self._stale_lease, self._lease = self._lease, None
+            generation = self._generation
+        logger.warning(
+            "FENCED (generation %d): %s; this machine stops its workers and commits nothing "
+            "more; it registers again as a standby once etcd answers",
+            generation,
+            reason,
+        )
+        assert self._on_fenced is not None
+        try:
+            self._on_fenced(FenceNotice(reason, last_ok, lease_expiry(last_ok, ttl_s), generation))
+        except Exception:
+            logger.exception("fencing this machine failed")
 
     def _watch_loop(self) -> None:
         first = True

@@ -15,7 +15,13 @@ rank and persists them in the background. The launcher keeps one agent that the 
 - if it exits on its own (a crash), it is started again in the same generation and adopts the
   segments, so the snapshots survive;
 - workers start only once :meth:`NodeAgentProcess.wait_ready` saw the current agent answer, so
-  ``flashckpt.checkpointing()`` never falls back to starting its own, unsupervised agent.
+  ``flashckpt.checkpointing()`` never falls back to starting its own, unsupervised agent;
+- with ``replicas`` > 0 it runs a replica server on the machine's cluster address (port 0 the
+  first time: the OS picks one, read back from the agent's ``status``; an agent started again
+  binds the same port, so the address published in the machine's etcd record stays right) and
+  holds the newest snapshots of other machines; :meth:`NodeAgentProcess.set_replica_peers`
+  gives it the current world's other machines (at every rendezvous round, and again to an
+  agent started again), so it sends its own to the next machine in ring order.
 """
 
 from __future__ import annotations
@@ -28,14 +34,23 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from elastic.deadline import Deadline
 from elastic.procutil import die_with_parent
 from flashckpt import names
 
-__all__ = ["AgentGeneration", "NodeAgentConfig", "NodeAgentError", "NodeAgentProcess"]
+__all__ = [
+    "AgentGeneration",
+    "NodeAgentConfig",
+    "NodeAgentError",
+    "NodeAgentProcess",
+    "round_participants",
+    "world_replica_peers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +86,19 @@ class NodeAgentConfig:
     """How long the agent may take to finish its write in flight on stop before it is killed."""
     max_crashes: int = 5
     """Consecutive exits of the agent before it is ready, before giving up."""
+    replicas: int = 0
+    """Other machines that keep a copy of this machine's newest snapshot in memory (the
+    agent's ``--replicas``); 0 runs no replica server: nothing is held or sent."""
+    replica_bind: str = "0.0.0.0"
+    """The address the agent's replica server listens on (the machine's cluster address)."""
+    replica_advertise: str = ""
+    """The host other machines reach the replica server at (default: ``replica_bind``)."""
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise ValueError(f"replicas={self.replicas}: must be >= 0 (0 turns replication off)")
+        if self.replicas and not self.replica_bind:
+            raise ValueError("replica_bind is empty: name the machine's cluster address")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +153,13 @@ class NodeAgentProcess:
         self._thread = threading.Thread(
             target=self._supervise, name="flashckpt-node-agent", daemon=True
         )
+        self._replica_port = 0  # 0 until the first agent bound one; then every agent reuses it
+        self._replica_address: str | None = None
+        self._replica_peers: dict[str, str] | None = None
+        self._peers_lock = threading.Lock()  # one peer list sent at a time, the newest last
+        self.on_replica_address: Callable[[str], None] | None = None
+        """Called (from the supervisor thread, before the agent counts as ready) with the
+        ``host:port`` of the replica server whenever it is new: the launcher publishes it."""
 
     @property
     def current(self) -> AgentGeneration | None:
@@ -176,6 +211,30 @@ class NodeAgentProcess:
         persists and exits on its own, and must not be replaced while the launcher shuts down.
         """
         self._no_restart = True
+
+    @property
+    def replica_address(self) -> str | None:
+        """``host:port`` of the ready agent's replica server as other machines reach it
+        (``None``: replication off, or no agent ready yet)."""
+        with self._cond:
+            return self._replica_address
+
+    def set_replica_peers(self, peers: Mapping[str, str]) -> None:
+        """Gives the agent the other machines of the current world (node id -> ``host:port``
+        of their replica servers); kept and given again to an agent started again.
+
+        A failure is logged, never raised: replication is a background protection, and the
+        agent started again after a crash gets the list anyway.
+        """
+        if self.config.replicas == 0:
+            return
+        peers = {n: a for n, a in peers.items() if n != self.config.node}  # never its own
+        with self._peers_lock:
+            self._replica_peers = dict(peers)
+            with self._cond:
+                agent = self._current if self._current is not None and self._current.ready else None
+            if agent is not None:
+                self._send_replica_peers(agent, peers)
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Stops the agent (SIGTERM: it persists what it holds, then removes its segments).
@@ -242,10 +301,16 @@ class NodeAgentProcess:
             with self._cond:
                 self._current = agent
         if not agent.ready and self._answers(agent):
-            with self._cond:
-                agent.ready = True
-                self._crashes = 0
-                self._cond.notify_all()
+            self._replica_ready(agent)
+            # Given the newest peer list, then ready, in one step: a list set meanwhile is
+            # either sent here or by set_replica_peers to the (then ready) agent.
+            with self._peers_lock:
+                if self._replica_peers is not None:
+                    self._send_replica_peers(agent, self._replica_peers)
+                with self._cond:
+                    agent.ready = True
+                    self._crashes = 0
+                    self._cond.notify_all()
 
     def _spawn(self, gen: AgentGeneration) -> _Agent:
         cfg = self.config
@@ -281,6 +346,10 @@ class NodeAgentProcess:
             cmd += ["--storage", cfg.storage]
         if cfg.metrics_port:
             cmd += ["--metrics-port", str(cfg.metrics_port)]
+        cmd += ["--replicas", str(cfg.replicas)]
+        if cfg.replicas:
+            host = f"[{cfg.replica_bind}]" if ":" in cfg.replica_bind else cfg.replica_bind
+            cmd += ["--replica-listen", f"{host}:{self._replica_port}"]
         with open(gen.log_path, "ab") as log:
             proc = subprocess.Popen(
                 cmd,
@@ -311,8 +380,47 @@ class NodeAgentProcess:
         # Another pid: a crashed predecessor's socket, or an agent a trainer started.
         return int(reply.get("pid", -1)) == agent.proc.pid
 
+    def _replica_ready(self, agent: _Agent) -> None:
+        """A new agent answers: learns its replica port and publishes a new address."""
+        if self.config.replicas == 0:
+            return
+        rep = _agent_request(agent, "status").get("replication")
+        listen = rep.get("listen") if isinstance(rep, dict) else None
+        port_text = listen.rpartition(":")[2] if isinstance(listen, str) else ""
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            logger.warning("the node agent reports no replica server (%r): no replicas", listen)
+            return
+        self._replica_port = int(port_text)
+        host = self.config.replica_advertise or self.config.replica_bind
+        address = f"[{host}]:{port_text}" if ":" in host else f"{host}:{port_text}"
+        with self._cond:
+            new, self._replica_address = address != self._replica_address, address
+        if new:
+            logger.info("node agent replica server at %s", address)
+            if self.on_replica_address is not None:
+                try:
+                    self.on_replica_address(address)
+                except Exception:
+                    logger.exception("publishing the replica address %s failed", address)
+
+    def _send_replica_peers(self, agent: _Agent, peers: Mapping[str, str]) -> None:
+        try:
+            reply = _agent_request(agent, "replica_peers", peers=dict(peers), strict=True)
+        except Exception as exc:
+            logger.warning("could not give the node agent its replica peers %s: %s", peers, exc)
+            return
+        logger.info(
+            "replica peers %s; this machine's snapshots go to %s",
+            ", ".join(f"{n}={a}" for n, a in sorted(peers.items())) or "none",
+            ", ".join(reply.get("targets") or []) or "nobody",
+        )
+
     def _on_crash(self, agent: _Agent) -> None:
         code = agent.proc.returncode
+        if not agent.ready:
+            # Perhaps the replica port was taken meanwhile: the next agent asks for a new one
+            # (published again once it answers).
+            self._replica_port = 0
         with self._cond:
             self._crashes += 1
             if self._crashes > self.config.max_crashes:
@@ -352,3 +460,52 @@ class NodeAgentProcess:
         with contextlib.suppress(OSError):
             os.rmdir(gen.run_dir)
         shutil.rmtree(gen.shm_dir, ignore_errors=True)
+
+
+def _agent_request(
+    agent: _Agent, op: str, *, strict: bool = False, **fields: Any
+) -> dict[str, Any]:
+    """One request to ``agent``; ``{}`` when it does not answer (``strict``: raises)."""
+    from flashckpt.protocol import AgentClient, AgentError
+
+    try:
+        client = AgentClient(agent.gen.socket_path, timeout=2.0)
+    except AgentError:
+        if strict:
+            raise
+        return {}
+    try:
+        return client.request(op, timeout=30, **fields)
+    except AgentError:
+        if strict:
+            raise
+        return {}
+    finally:
+        client.close()
+
+
+def world_replica_peers(world: Iterable[str], records: Iterable[Any], me: str) -> dict[str, str]:
+    """The replica servers of the world's other machines: node id -> ``host:port``.
+
+    Args:
+        world: torch's rendezvous node descriptors of the round's participants.
+        records: The job's node records (:class:`elastic.membership.NodeRecord`).
+        me: This machine's node id (never in the result: a replica never sits on the machine
+            it protects).
+    """
+    wanted = set(world)
+    return {
+        r.node_id: r.replica
+        for r in records
+        if r.rdzv_node in wanted and r.node_id != me and getattr(r, "replica", "")
+    }
+
+
+def round_participants(handler: Any) -> set[str] | None:
+    """torch's node descriptors (``repr``, as :attr:`NodeRecord.rdzv_node`) of the machines of
+    the round the rendezvous ``handler`` last completed; ``None`` if its internals differ."""
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    participants = getattr(state, "participants", None)
+    if not isinstance(participants, dict) or not participants:
+        return None
+    return {repr(n) for n in participants}

@@ -21,6 +21,20 @@ What happens when a machine dies mid-training (machines A, B active; C standby):
 4. A replaces its node agent by a fresh one (a membership change leaves the old agent with
    rank records and half-committed steps of the previous world), then starts its workers; they
    restore the newest step every rank can obtain (committed storage, since C has no memory).
+
+What happens when a machine is cut off (a network partition: B's link goes down, B lives on):
+
+1. B's renewals of its etcd lease fail. At ``ttl - ttl/5`` after the last one that succeeded,
+   with no peer answering its probe port either, B is *fenced* (:meth:`LaunchSession._on_fenced`,
+   from the registry's renew thread): its node agent is told ``fence`` (it commits and persists
+   nothing more of this world, not even the dying workers' last snapshot), then its workers get
+   SIGTERM and, at the lease's earliest expiry, SIGKILL; torch's heartbeats stop.
+2. B's lease lapses; A and the standby C form the next round without it (as for a dead machine),
+   and the job goes on from what A and storage hold. Storage's ``latest`` never moves backwards:
+   B's agent is fenced, and every commit is checked against the manifests (agent_commit).
+3. When B reaches etcd again it registers afresh (new lease, token and generation, never the
+   stale membership) and joins the rendezvous as a standby; if the job ended meanwhile it
+   leaves with 0, and after the rendezvous' join timeout without etcd it leaves with 1.
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -36,7 +51,12 @@ from datetime import timedelta
 from types import FrameType, TracebackType
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -55,8 +75,20 @@ from elastic import health
 from elastic.etcd import EtcdError
 from elastic.jobview import JobViewPublisher, StragglerSwap, agent_status
 from elastic.launch_config import EventLog, LauncherConfig, LaunchError
-from elastic.membership import NodeIdInUse, NodeRecord, NodeRegistry, expire_rendezvous_nodes
-from elastic.node_agent import NodeAgentConfig, NodeAgentError, NodeAgentProcess
+from elastic.membership import (
+    FenceNotice,
+    NodeIdInUse,
+    NodeRecord,
+    NodeRegistry,
+    expire_rendezvous_nodes,
+)
+from elastic.node_agent import (
+    NodeAgentConfig,
+    NodeAgentError,
+    NodeAgentProcess,
+    round_participants,
+    world_replica_peers,
+)
 from elastic.prewarm import PREWARM_SOCKET_ENV, Prewarmer
 from elastic.rdzv_registry import BACKEND_NAME
 from elastic.rdzv_watch import create_watching_handler
@@ -71,7 +103,10 @@ from elastic.restore_report import RestoreReporter, events_path, job_summary
 from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
 from elastic.worker_entry import EXEC_FLAG, LAUNCHER_PID_ENV
 from flashckpt import envnames, names
+from flashckpt.errors import AgentError
 from flashckpt.interval import JOB_START_ENV
+from flashckpt.messages import Fence
+from flashckpt.protocol import AgentClient
 
 __all__ = ["LaunchError", "LaunchSession"]
 
@@ -97,6 +132,14 @@ _HANDLED_SIGNALS = tuple(
 
 class _Unhealthy(Exception):
     """This machine failed the health check."""
+
+
+class _LeaveJob(Exception):
+    """This fenced machine leaves the job (it stayed cut off too long, or lost its node id)."""
+
+
+# Before the lease's earliest expiry the fence SIGKILLs the workers that are still there.
+_FENCE_KILL_MARGIN_S = 0.1
 
 
 class LaunchSession:
@@ -134,6 +177,15 @@ class LaunchSession:
         self._in_teardown = False
         self._starts = 0
         self._reporter = RestoreReporter(os.devnull, 0)
+        # Replicas of snapshots in other machines' memory: none where the job has one machine.
+        self._replicas = config.replicas if config.max_nodes > 1 else 0
+        # Fencing (a network partition, see the module docstring): the notice while fenced, the
+        # workers' pids the fence stops, set once the machine registered again (or must leave).
+        self._fence: FenceNotice | None = None
+        self._was_fenced = False
+        self._healed = threading.Event()
+        self._leave_reason: str | None = None
+        self._worker_pids: list[int] = []
 
     # ---------------------------------------------------------------------------- set-up
 
@@ -245,6 +297,8 @@ class LaunchSession:
             ttl=timedelta(seconds=cfg.lease_ttl),
             advertise_host=cfg.local_addr,
             on_lost=self._on_peer_lost,
+            # A private etcd on this machine: nobody else can take its place.
+            on_fenced=None if cfg.standalone else self._on_fenced,
         )
         try:
             self._registry.start(read_timeout)
@@ -264,10 +318,19 @@ class LaunchSession:
                     run_dir=run_dir,
                     keep=cfg.keep,
                     metrics_port=cfg.metrics_port,
+                    replicas=self._replicas,
+                    replica_bind=cfg.local_addr or "0.0.0.0",
+                    replica_advertise=cfg.local_addr or socket.getfqdn(),
                 )
             )
         except ValueError as exc:
             raise LaunchError(str(exc)) from exc
+        registry = self._registry
+        # Short: the supervisor waits for it (a failed write is logged; the record carries the
+        # address at its next write).
+        self._node_agent.on_replica_address = lambda addr: registry.update(
+            replica=addr, timeout=_PROBE_ETCD_TIMEOUT
+        )
         self._node_agent.start()
         self._reporter = RestoreReporter(
             events_path(run_dir, cfg.rdzv_id, cfg.node_id),
@@ -385,7 +448,18 @@ class LaunchSession:
         except _Unhealthy as exc:
             logger.error("%s", exc)
             return 1
+        except _LeaveJob as exc:
+            logger.warning("leaving the job: %s", exc)
+            self.events("left", reason=str(exc))
+            return 1
         except RendezvousClosedError:
+            if self._was_fenced:
+                logger.warning(
+                    "the job finished while this machine was cut off; leaving (nothing of its "
+                    "old world was committed after the fence)"
+                )
+                self.events("left", reason="the job finished while this machine was cut off")
+                return 0
             logger.error(
                 "the rendezvous of job %r is closed: the job finished or a machine gave up; "
                 "start a new job with another --rdzv-id",
@@ -410,7 +484,9 @@ class LaunchSession:
             logger.info("the job finished without needing this standby machine")
             self.events("standby_released")
             return 0
-        self._shutdown_rdzv = True
+        # A machine that was cut off never ends the job for the others: its workers' failures
+        # may be the partition's.
+        self._shutdown_rdzv = not (result.is_failed() and self._was_fenced)
         if result.is_failed():
             logger.error("workers failed: %s", _describe_failures(result))
             self.events("failed")
@@ -436,13 +512,157 @@ class LaunchSession:
             if marked:
                 self.events("peer_expired", peer=record.node_id)
 
+    # ---------------------------------------------------------------------------- fencing
+
+    def workers_started(self, pids: dict[int, int]) -> None:
+        """Records the workers' pids (the fence stops them from another thread)."""
+        with self._lock:
+            self._worker_pids = sorted(pids.values())
+
+    @property
+    def fenced(self) -> bool:
+        """Whether this machine is fenced and has not rejoined the job yet."""
+        with self._lock:
+            return self._fence is not None
+
+    def _on_fenced(self, notice: FenceNotice) -> None:
+        """The registry's renew thread: this machine is cut off; stop everything that writes
+        for the job before its lease can lapse (``notice.expiry``): the node agent's commits
+        first (so the dying workers' snapshots are not persisted), then the workers."""
+        with self._lock:
+            if self._fence is not None:
+                return
+            self._fence, self._was_fenced = notice, True
+            self._healed.clear()
+            pids = list(self._worker_pids)
+        left = notice.expiry - time.monotonic()
+        logger.warning(
+            "FENCED: %s. This machine is cut off from the job: the node agent commits nothing "
+            "more, the workers (pids %s) stop now (SIGTERM; SIGKILL in %.1f s, before the "
+            "lease can lapse)",
+            notice.reason,
+            pids or "none",
+            max(0.0, left - _FENCE_KILL_MARGIN_S),
+        )
+        self.events("fenced", reason=notice.reason, generation=notice.generation, pids=pids)
+        agent = threading.Thread(
+            target=self._fence_agent, args=(notice,), name="flashckpt-fence-agent", daemon=True
+        )
+        agent.start()
+        agent.join(timeout=max(0.0, min(0.2, left / 4)))  # its first step is instant
+        self._stop_workers_by(pids, notice.expiry - _FENCE_KILL_MARGIN_S)
+        with self._lock:
+            self._worker_pids = []
+        agent.join(timeout=max(0.0, notice.expiry - time.monotonic()))
+        # torch's keep-alive would write this node's heartbeat back over the epoch the others
+        # set (the next rendezvous starts it again). Last: stopping it waits for a heartbeat in
+        # flight, up to its 2 s etcd deadline.
+        stop_heartbeats = getattr(self._handler, "_stop_heartbeats", None)
+        if callable(stop_heartbeats):
+            with contextlib.suppress(Exception):
+                stop_heartbeats()
+        threading.Thread(target=self._await_heal, name="flashckpt-heal", daemon=True).start()
+
+    def _fence_agent(self, notice: FenceNotice) -> None:
+        node_agent = self._node_agent
+        gen = node_agent.current if node_agent is not None else None
+        if gen is None:
+            return
+        left = max(0.1, notice.expiry - time.monotonic())
+        try:
+            client = AgentClient(gen.socket_path, timeout=min(1.0, left))
+            try:
+                client.call(Fence(reason=notice.reason[:200], timeout_s=left), timeout=left + 1)
+            finally:
+                client.close()
+        except (AgentError, OSError) as exc:
+            # The commit check in the agent (a step older than another world's) still holds.
+            logger.error("could not fence the node agent: %s", exc)
+            return
+        logger.warning("node agent fenced: it commits nothing more of this world")
+        self.events("agent_fenced")
+
+    def _stop_workers_by(self, pids: list[int], kill_at: float) -> None:
+        """SIGTERM to the workers now, SIGKILL at ``kill_at`` (monotonic) to those left."""
+        killed = stop_processes(pids, kill_at)
+        logger.warning(
+            "fence: the workers are stopped (%s)",
+            f"SIGKILL for pids {killed}" if killed else "they exited on SIGTERM",
+        )
+        self.events("fence_workers_stopped", pids=pids, killed=killed)
+
+    def _rejoin_limit_s(self) -> float:
+        """How long a fenced machine waits for etcd before it leaves the job: the rendezvous'
+        join timeout (torch's default 600 s)."""
+        settings = getattr(self._handler, "_settings", None)
+        join = getattr(getattr(settings, "timeout", None), "join", None)
+        return join.total_seconds() if isinstance(join, timedelta) else 600.0
+
+    def _await_heal(self) -> None:
+        """From the fence on: registers the machine again as soon as etcd answers."""
+        registry = self._registry
+        assert registry is not None
+        limit = self._rejoin_limit_s()
+        leave_at = time.monotonic() + limit
+        reason: str | None = None
+        while not self._in_teardown:
+            if self.etcd_reachable():
+                try:
+                    generation = registry.rejoin(timedelta(seconds=10))
+                except NodeIdInUse as exc:
+                    reason = str(exc)
+                    break
+                except EtcdError as exc:
+                    logger.warning("registering again after the fence failed (retrying): %s", exc)
+                else:
+                    logger.warning(
+                        "the link is back: registered again as generation %d; joining the "
+                        "rendezvous as a standby (never with the old membership)",
+                        generation,
+                    )
+                    self.events("rejoined", generation=generation)
+                    break
+            if time.monotonic() > leave_at:
+                reason = f"etcd stayed unreachable for {limit:.0f} s after the fence"
+                break
+            time.sleep(0.5)
+        with self._lock:
+            self._leave_reason = reason
+        self._healed.set()
+
+    def wait_for_heal(self) -> None:
+        """The main thread, once the fence stopped the workers: waits until the machine is
+        registered again (then torch forms a round, where it joins as a standby).
+
+        Raises:
+            _LeaveJob: It must leave the job instead.
+        """
+        logger.warning(
+            "waiting for the link to come back to rejoin the job as a standby (leaving after "
+            "%.0f s)",
+            self._rejoin_limit_s(),
+        )
+        while not self._healed.wait(1.0):
+            pass
+        with self._lock:
+            self._fence = None
+            reason = self._leave_reason
+        if reason is not None:
+            raise _LeaveJob(reason)
+
     def before_rendezvous(self) -> None:
         """Called before every rendezvous round (the first one and each restart)."""
         assert self._registry is not None and self._node_agent is not None
+        if self.fenced:
+            self.wait_for_heal()
         self._rounds += 1
         self.events("rendezvous_start", round=self._rounds)
         if self._rounds > 1 and self.config.probe:
             self._registry.reap_dead_peers()
+        if self._rounds == 1 and self._replicas:
+            # The agent's replica address is in this machine's record before it joins: every
+            # machine of the round finds it there (send_replica_peers) once the round formed.
+            self._node_agent.wait_ready(_AGENT_READY_TIMEOUT)
         self._registry.update(state="waiting", group_rank=None)
 
     def after_rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -471,7 +691,13 @@ class LaunchSession:
             # (rendezvous round), so the survivors reload from its memory under their new ranks
             # and persistence of the new world is not held up by the old world's records.
             self.events("membership_changed", lost=lost, ranks=list(view[0]))
+        with self._lock:
+            if self._fence is not None and self._healed.is_set() and self._leave_reason is None:
+                # Fenced while waiting in the rendezvous (no workers to stop), registered again
+                # since, and in a round now: these workers belong to the new world.
+                self._fence = None
         generation = self._node_agent.wait_ready(_AGENT_READY_TIMEOUT)
+        self._send_replica_peers()
         self._use_prewarmer()
         os.environ[envnames.RUN_DIR] = generation.run_dir
         os.environ[envnames.SHM_DIR] = generation.shm_dir
@@ -481,6 +707,27 @@ class LaunchSession:
             "workers_start", ranks=list(view[0]), world_size=view[1], agent_gen=generation.number
         )
         self._reporter.workers_started(time.time())
+
+    def _send_replica_peers(self) -> None:
+        """Gives the node agent the replica servers of this round's other machines: it sends
+        its snapshots to the next one in ring order, and drops what it holds of machines that
+        left once the new world snapshotted (see :mod:`flashckpt.agent_replica`)."""
+        agent, registry = self._node_agent, self._registry
+        if not self._replicas or agent is None or registry is None:
+            return
+        try:
+            records = registry.records(timeout=_PROBE_ETCD_TIMEOUT)
+        except EtcdError as exc:
+            logger.warning(
+                "cannot read the job's nodes from etcd: replica peers unchanged: %s", exc
+            )
+            return
+        world = round_participants(self._handler)
+        if world is None:  # torch's internals differ: every live machine but those leaving
+            world = {r.rdzv_node for r in records if r.rdzv_node and r.state != "leaving"}
+        peers = world_replica_peers(world, records, self.config.node_id)
+        agent.set_replica_peers(peers)
+        self.events("replica_peers", peers=peers)
 
     def _use_prewarmer(self) -> None:
         os.environ.pop(PREWARM_SOCKET_ENV, None)
@@ -711,10 +958,23 @@ class _FlashAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._session.before_start_workers(worker_group)
         try:
-            return super()._start_workers(worker_group)
+            pids = super()._start_workers(worker_group)
         finally:
             # torch's process context installed its own handlers; ours also set the flags.
             self._session.install_signal_handlers()
+        self._session.workers_started(pids)
+        return pids
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._session.fenced:
+            # The fence stopped the workers: no failure of theirs (torch's restart count stays),
+            # a membership change. Once registered again, a new round (this machine a standby).
+            self._session.wait_for_heal()
+            self._restart_workers(worker_group)
+        result = super()._monitor_workers(worker_group)
+        if result.state != WorkerState.HEALTHY:
+            self._session.workers_started({})  # gone, or about to be stopped by torch
+        return result
 
     def _exit_barrier(self) -> None:
         # The barrier keeps an agent alive while the others finish because torch's agents may
@@ -771,6 +1031,46 @@ def _tolerate_etcd_outages(
                 keep_alive()
 
         setattr(handler, "_keep_alive", capped_keep_alive)  # noqa: B010
+
+
+def stop_processes(pids: list[int], kill_at: float) -> list[int]:
+    """Sends SIGTERM to ``pids`` now and SIGKILL at ``kill_at`` (monotonic) to those still
+    running (zombies count as gone); returns the pids that needed SIGKILL. Only children of
+    this process are signalled: a pid of a worker that exited may have been reused since."""
+    pids = [p for p in pids if _parent(p) == os.getpid()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    while any(_alive(p) for p in pids) and time.monotonic() < kill_at:
+        time.sleep(0.02)
+    killed = [p for p in pids if _alive(p)]
+    for pid in killed:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return killed
+
+
+def _stat(pid: int) -> list[bytes]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, ...); [] when
+    the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return []
+    # "pid (comm) S ppid ...": the fields follow the last ')' (comm may hold spaces and parens).
+    return stat[stat.rfind(b")") + 1 :].split()
+
+
+def _parent(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (exited, not reaped by torch yet)."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] not in (b"Z", b"X")
 
 
 def _describe_failures(result: RunResult) -> str:

@@ -26,8 +26,12 @@ Trainers connect over a local Unix socket (mode 0600). The agent
   mode looser than 0600 are neither adopted nor served (they are reported in ``status()``);
 * hashes each complete snapshot's data (xxh3_64, recorded in the slot, in a background thread:
   hashing in the trainer's copy would have added ~80% to the copy time, 8.4 GB/s hash vs
-  10.2 GB/s copy measured here), rechecks it after writing a shard and never commits a step
-  whose memory changed under the hash; trainers check it on a restore from memory;
+  10.2 GB/s copy measured here); a shard is written from the slot hashing its data once more,
+  each chunk after it was written, and a step whose data hash differs from the recorded one
+  (memory scribbled) or whose slot's seqlock moved (a trainer rewrote it) is never committed;
+  the manifest keeps that data hash (trainers check the slot's on a restore from memory);
+* keeps its background work out of training's way: the hash and persist threads run at a low
+  CPU and IO priority, in 16 MiB chunks, pausing (briefly, boundedly) while a trainer copies;
 
 The agent moves bytes: it does no tensor work and never imports torch (it would cost about 2 s
 and 220 MiB per machine at start); ``tests/test_agent_notorch.py`` keeps it so.
@@ -93,6 +97,9 @@ class NodeAgent:
         self.segments = Segments(self.st)
         self.server = Server(self.st, self.segments, self.persister, self.status)
         self.replicator = Replicator(self.st)
+        self.server.replicator = self.replicator  # answers the launcher's replica_peers
+        # A pull asks the peers of the current world (the launcher's list, replaced each round).
+        self.server.replica_peers = lambda: self.replicator.peers
         self.monitor: AgentMonitor | None = None
         self.socket_path = self.server.socket_path
         self.owner_path = self.segments.owner_path

@@ -6,23 +6,40 @@ A commit thread waits for the parts, so a step whose parts never arrive (a machi
 hold up newer steps: it is dropped once a newer step is committed or ``commit_timeout`` passes.
 Parts of another world (a step number reached again after a membership change) are never mixed
 into this world's manifest; a malformed part of this world stops the commit and is reported.
+
+Two guards keep ``latest`` from moving backwards or to another timeline when a machine that was
+cut off (a network partition) still holds steps of its old world:
+
+- *fence* (:meth:`Committer.fence`, the ``fence`` request its launcher sends when its etcd lease
+  is about to lapse): from then on nothing is committed, steps waiting are dropped, until a
+  trainer of a new world says hello;
+- every commit is checked against the manifests in storage (defence in depth, fenced or not): a
+  step is refused when storage holds a committed step at least as new that another world
+  committed after this world's first commit was queued (world ids are names, not ordered: a
+  manifest committed meanwhile by another world is what says this world was superseded). Steps
+  that were committed before (an abandoned timeline, an older run: the persister rewrites those)
+  do not count. Manifests record their world id (``world_id``) for this check; older manifests
+  without it count as another world's.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from typing import Any
 
 from flashckpt.agent_state import AgentState
-from flashckpt.messages import Committed
+from flashckpt.messages import MAX_TEXT, Committed
 from flashckpt.snapmeta import NodePart
-from flashckpt.storage import FORMAT, MANIFEST, PARTS
+from flashckpt.storage import FORMAT, MANIFEST, MAX_MANIFEST_BYTES, PARTS, Storage
 
 __all__ = ["Committer"]
 
 log = logging.getLogger("flashckpt.agent")
+
+_WORLDS_KEPT = 16  # worlds whose baseline the commit check keeps
 
 
 class Committer:
@@ -36,9 +53,24 @@ class Committer:
         self.commit_wake = threading.Event()
         # Ranks whose parts a waiting step lacks (for the timeout's report): step -> ranks.
         self.commit_missing: dict[int, list[int]] = {}
+        # Why this agent is fenced (its machine lost its place in the job), None when it is not:
+        # nothing is committed until a trainer of a new world says hello.
+        self.fenced: str | None = None
+        # The world that was current when the fence came (its trainers' hellos are refused).
+        self.fenced_world: str | None = None
+        # World id -> the steps committed in storage when that world's first step was queued:
+        # those another world committed before it began, which the check ignores. Kept per
+        # world (the newest few): a late step of an older world is checked against its own.
+        self._baselines: dict[str, frozenset[int]] = {}
 
     def enqueue(self, step: int, world: int, num_shards: int, world_id: str) -> None:
-        """A step this node will commit once every node's part of it is in."""
+        """A step this node will commit once every node's part of it is in (dropped, with a log
+        line, while the agent is fenced)."""
+        with self.st.lock:
+            if self.fenced is not None:
+                log.warning("step %d not queued for its commit: this agent is fenced", step)
+                return
+        self._note_world(world_id)
         with self.st.lock:
             self.commits[step] = (
                 world,
@@ -68,9 +100,103 @@ class Committer:
                 log.warning("step %d not committed at shutdown: parts missing", step)
             self.commits.clear()
 
+    def fence(self, reason: str) -> list[int]:
+        """Commits nothing from now on (until :meth:`unfence`); returns the steps dropped.
+
+        Called when this machine lost (or is about to lose) its place in the job: a new world
+        may form without it, and a commit of its old world's steps could move ``latest``
+        backwards or onto a timeline the job abandoned.
+        """
+        with self.st.lock:
+            first = self.fenced is None
+            if first:
+                self.fenced_world = self.st.world_id
+            self.fenced = reason
+            dropped = sorted(self.commits)
+            self.commits.clear()
+            self.commit_missing.clear()
+        if first:
+            log.warning(
+                "fenced (%s): committing nothing more of world %r; steps dropped: %s",
+                reason,
+                self.fenced_world,
+                dropped or "none",
+            )
+        return dropped
+
+    def unfence(self, world_id: str) -> None:
+        """A trainer of a new world said hello: commits resume, for that world."""
+        with self.st.lock:
+            if self.fenced is None:
+                return
+            self.fenced = None
+            old, self.fenced_world = self.fenced_world, None
+        log.warning("fence lifted: a trainer of new world %r said hello (was %r)", world_id, old)
+
+    def _note_world(self, world_id: str, committed: list[int] | None = None) -> None:
+        """Records storage's committed steps when a world's first step is queued (see the
+        module docstring); ``committed`` if just listed."""
+        with self.st.lock:
+            if world_id in self._baselines:
+                return
+        storage = self.st.storage
+        if committed is None:
+            if storage is None:
+                return
+            try:
+                committed = storage.committed_steps()
+            except OSError as e:
+                log.warning("cannot list storage's committed steps: %s", e)
+                return
+        with self.st.lock:
+            self._baselines.setdefault(world_id, frozenset(committed))
+            while len(self._baselines) > _WORLDS_KEPT:
+                del self._baselines[next(iter(self._baselines))]
+
+    def refusal(self, storage: Storage, step: int, world_id: str) -> tuple[str, bool] | None:
+        """Why ``step`` of world ``world_id`` must not be committed now, or None.
+
+        Returns:
+            The reason, and whether it is an error to report (a step of this world that a newer
+            step of the same world superseded is only logged).
+        """
+        committed = storage.committed_steps()
+        self._note_world(world_id, committed)
+        with self.st.lock:
+            fenced = self.fenced
+            baseline = self._baselines.get(world_id, frozenset())
+        if fenced is not None:
+            return f"this agent is fenced ({fenced})", True
+        for newer in sorted((s for s in committed if s >= step), reverse=True):
+            if newer in baseline:
+                continue  # committed before this world began: rewritten by the persister
+            other = manifest_world(storage, newer)
+            if other == world_id:
+                if newer > step:
+                    return f"step {newer} of this world is committed", False
+                continue  # this step of this world again: committed once more, as before
+            if newer > step:
+                return (
+                    f"storage already holds step {newer}, committed by another world "
+                    f"({other!r}) after this world ({world_id!r}) began: committing step {step} "
+                    "would move the job back to an abandoned timeline (was this machine cut "
+                    "off from the job?)",
+                    True,
+                )
+            return (
+                f"step {step} is already committed by another world ({other!r}): this world "
+                f"({world_id!r}) is an abandoned timeline (was this machine cut off from the "
+                "job?)",
+                True,
+            )
+        return None
+
     def commit_round(self, final: bool = False) -> None:
         """One look at every step waiting for its commit; commits those whose parts are in."""
         with self.st.lock:
+            if self.fenced is not None:
+                self.commits.clear()
+                self.commit_missing.clear()
             waiting = sorted(self.commits.items())
         for step, (world, num_shards, world_id, deadline) in waiting:
             try:
@@ -127,6 +253,14 @@ class Committer:
             with self.st.lock:
                 self.commit_missing[step] = sorted(set(range(world)) - {int(r) for r in ranks})
             return False
+        refused = self.refusal(storage, step, world_id)
+        if refused is not None:
+            reason, report = refused
+            if report:
+                self.st.record_error(step, f"step {step} not committed: {reason}")
+            else:
+                log.info("step %d not committed: %s", step, reason)
+            return True
         manifest = {
             "format": FORMAT,
             "job": self.st.cfg.job,
@@ -138,6 +272,8 @@ class Committer:
             "files": files,
             "ranks": ranks,
             "shards": shards,
+            # Readers ignore it; the commit check reads it (a manifest of another world).
+            "world_id": world_id,
         }
         storage.commit(step, manifest)
         removed = storage.retain(self.st.cfg.keep)
@@ -146,3 +282,17 @@ class Committer:
             self.st.rewrites.discard(step)
         self.st.broadcast(Committed(step=step))
         return True
+
+
+def manifest_world(storage: Storage, step: int) -> str | None:
+    """The world id a committed manifest records; None when it records none or cannot be read
+    (an older manifest, a torn or foreign file: counted as another world's)."""
+    try:
+        with storage.open_step_file(step, MANIFEST) as (f, size):
+            if size > MAX_MANIFEST_BYTES:
+                return None
+            doc = json.loads(f.read(MAX_MANIFEST_BYTES))
+    except (OSError, ValueError, RecursionError):  # CorruptCheckpointError is a ValueError
+        return None
+    world = doc.get("world_id") if isinstance(doc, dict) else None
+    return world if isinstance(world, str) and len(world) <= MAX_TEXT else None

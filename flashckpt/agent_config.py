@@ -79,8 +79,8 @@ class AgentConfig:
     replicas: int = field(
         default=1,
         metadata=flag(
-            help="replicas of this machine's newest "
-            "snapshot kept in other machines' memory (0: off; needs --replica-peers)"
+            help="replicas of this machine's newest snapshot kept in other machines' memory "
+            "(0: off; the peers come from --replica-peers or from the launcher)"
         ),
     )
     """How many other machines keep a copy of this machine's newest complete snapshot in their

@@ -9,8 +9,20 @@ hosts rank 0 then hands the step to the :class:`~flashckpt.agent_commit.Committe
 A slot that changes under the read (the trainer rewrote it, or wants it: yielded twice at most)
 abandons the step; a committed step hidden to be rewritten is tried again until it is committed
 again. Each complete snapshot's data is hashed here too (xxh3_64, recorded in the slot, in a
-thread of its own), rechecked after a shard is written: a step whose memory changed under the
-hash is never committed.
+thread of its own).
+
+Hashed once more, not twice: a shard is written from the slot while its data is hashed, each
+chunk after it was written, and the manifest records that hash of the data apart from the hash
+of the file's header (the split form of :class:`~flashckpt.manifest.FileEntry`). It must equal
+the hash recorded when the snapshot completed, and the slot's sequence number must be the same
+after the last chunk was hashed as when the step was picked: a trainer that began rewriting the
+slot (the seqlock moved) tears nothing into a commit, and memory scribbled since the completion
+(the hash differs) is never committed. Restores from storage check the same two hashes.
+
+Background work gives way: the hash and persist threads run at a low CPU and IO priority
+(:func:`~flashckpt.agent_state.lower_thread_priority`), hash and write in chunks of
+:data:`~flashckpt.agent_state.BACKGROUND_CHUNK`, and pause between chunks while a trainer
+copies into a slot (:class:`~flashckpt.agent_state.Pacer`, bounded pauses).
 """
 
 from __future__ import annotations
@@ -19,9 +31,18 @@ import json
 import logging
 import queue
 import time
+from collections.abc import Callable
+
+import xxhash
 
 from flashckpt.agent_commit import Committer
-from flashckpt.agent_state import AgentState, RankRecord, read_meta
+from flashckpt.agent_state import (
+    BACKGROUND_CHUNK,
+    AgentState,
+    RankRecord,
+    lower_thread_priority,
+    read_meta,
+)
 from flashckpt.layout import safetensors_header
 from flashckpt.manifest import FileEntry, RankEntry, ShardEntry
 from flashckpt.shm import Slot, SlotInfo
@@ -35,9 +56,42 @@ from flashckpt.storage import (
     shard_file_name,
 )
 
-__all__ = ["Persister"]
+__all__ = ["Persister", "hash_snapshot"]
 
 log = logging.getLogger("flashckpt.agent")
+
+HASH_CHUNK = BACKGROUND_CHUNK
+"""Bytes hashed between two looks at the trainers (and at the slot's sequence number)."""
+WRITE_CHUNK = BACKGROUND_CHUNK
+"""Bytes of a shard written (then hashed) between two looks."""
+
+
+def hash_snapshot(
+    slot: Slot,
+    info: SlotInfo,
+    pace: Callable[[], None] | None = None,
+    chunk: int = HASH_CHUNK,
+) -> int | None:
+    """xxh3_64 of a complete snapshot's data (as :meth:`~flashckpt.shm.Slot.data_hash`), in
+    chunks of ``chunk`` bytes with ``pace()`` called before each; None as soon as the slot's
+    sequence number moved (a trainer rewrites it: the hash would be of torn bytes)."""
+    if info.data_len > slot.data_cap:
+        raise ValueError(f"{slot.path}: data length {info.data_len} exceeds the slot")
+    if chunk <= 0:
+        raise ValueError(f"chunk {chunk} must be positive")
+    h = xxhash.xxh3_64()
+    with slot.data(info.data_len) as data:
+        for off in range(0, info.data_len, chunk):
+            # Torn: given up at once, before and after a pause (a pause for the trainer's copy
+            # into this very slot would only wait for the end of the snapshot it tears).
+            if slot.seq() != info.seq:
+                return None
+            if pace is not None:
+                pace()
+                if slot.seq() != info.seq:
+                    return None
+            h.update(data[off : off + chunk])
+    return None if slot.seq() != info.seq else int(h.intdigest())
 
 
 class _Torn(Exception):
@@ -71,6 +125,7 @@ class Persister:
         self.st.persisted_high = max(self.st.committed, default=-1)
 
     def persist_loop(self) -> None:
+        lower_thread_priority()
         while not self.st.stopping.is_set():
             self.st.wake.wait(self.st.cfg.poll_interval)
             self.st.wake.clear()
@@ -87,6 +142,7 @@ class Persister:
                 self._retry_after = time.monotonic() + self.st.cfg.retry_interval
 
     def hash_loop(self) -> None:
+        lower_thread_priority()
         while not self.st.stopping.is_set():
             self.st.hash_wake.wait(self.st.cfg.poll_interval)
             self.st.hash_wake.clear()
@@ -107,12 +163,19 @@ class Persister:
                 for s in r.slots
                 if s is not None
             ]
+        watch = self.st.active_slots()
         for s in slots:
-            self.ensure_hash(s)
+            self.ensure_hash(s, watch=watch)
 
-    def ensure_hash(self, slot: Slot, info: SlotInfo | None = None) -> int | None:
+    def ensure_hash(
+        self, slot: Slot, info: SlotInfo | None = None, watch: list[Slot] | None = None
+    ) -> int | None:
         """The data hash of the slot's complete snapshot (``info``'s, if given), computed and
-        recorded now if missing; None if the slot holds no such snapshot (any more)."""
+        recorded now if missing; None if the slot holds no such snapshot (any more).
+
+        Hashed in chunks, giving way between them to a trainer copying into one of ``watch``
+        (the connected positions' slots if None; taken here, before ``map_lock``)."""
+        pace = self.st.pacer(watch if watch is not None else self.st.active_slots())
         with self.st.map_lock:
             try:
                 now = slot.header()
@@ -121,8 +184,8 @@ class Persister:
                 have = slot.recorded_hash(now)
                 if have is not None:
                     return have
-                value = slot.data_hash(now)
-                if slot.seq() != now.seq:
+                value = hash_snapshot(slot, now, pace)
+                if value is None or slot.seq() != now.seq:
                     return None  # rewritten while hashed
                 slot.record_hash(now.seq, value)
                 self.st.replica_wake.set()
@@ -264,21 +327,26 @@ class Persister:
                     g, world, num_shards = meta.rank, meta.world_size, meta.num_shards
                     rank_name = rank_file_name(g, world)
                     rec = storage.write_private(step, g, world, meta.private)
-                    files[rank_name] = FileEntry(rec.size, rec.xxh3_64)
+                    files[rank_name] = rec.entry()
                     ranks_out[g] = RankEntry(rank_name, meta.shard)
                     if meta.replica != 0:
                         continue
                     shard_name = shard_file_name(meta.shard, num_shards)
+                    # The hash recorded when the snapshot completed (what memory restores and
+                    # replicas check), computed now if the hash thread has not yet.
                     want = self.ensure_hash(s, info)
                     if want is None:
                         raise _Torn(f"rank {r}")
                     rec = self.write_shard(storage, step, shard_name, s, info, meta)
-                    # The bytes written must be the ones hashed when the snapshot completed: a
-                    # scribbled slot is never committed (one more read of the data, at memory
-                    # speed, against a write at storage speed).
-                    got = s.data_hash(info)
+                    # The bytes written must be the ones hashed when the snapshot completed.
+                    # Each chunk was hashed after it was written (the only read of the data
+                    # here): the sequence number unchanged after the last one says no trainer
+                    # began rewriting the slot meanwhile (checked first: a torn read is no
+                    # corruption), the hash equal to the completion hash says nothing else
+                    # scribbled over it since. A step failing either is never committed.
                     if s.seq() != info.seq:
                         raise _Torn(f"shard {shard_name}")
+                    got = int(rec.data_xxh3_64 or "", 16)
                     if got != want:
                         with self.st.lock:
                             self.st.corrupt[(s.path, info.seq)] = step
@@ -288,7 +356,7 @@ class Persister:
                             f"step is not committed"
                         )
                     written += rec.size
-                    files[shard_name] = FileEntry(rec.size, rec.xxh3_64)
+                    files[shard_name] = rec.entry()
                     shards_out[meta.shard] = ShardEntry(shard_name, g)
             except _Torn as e:
                 if rewriting:
@@ -358,8 +426,12 @@ class Persister:
             align=4096,
         )
         data = slot.data(info.data_len)
+        pace = self.st.pacer()
 
         def check() -> None:
+            if slot.seq() != info.seq:
+                raise _Torn(f"shard {name}")
+            pace()  # a trainer copying into another slot goes first
             if slot.seq() != info.seq:
                 raise _Torn(f"shard {name}")
             if slot.wanted() and self._yields < 2:
@@ -369,7 +441,12 @@ class Persister:
                 self._yields += 1
                 raise _Torn(f"shard {name}: yielded to the trainer")
 
-        rec = storage.write_buffer(storage.step_path(step, name), header, data, check)
+        try:
+            rec = storage.write_buffer(
+                storage.step_path(step, name), header, data, check, split=True, chunk=WRITE_CHUNK
+            )
+        finally:
+            data.release()
         if slot.seq() != info.seq:
             raise _Torn(f"shard {name}")
         with self.st.lock:

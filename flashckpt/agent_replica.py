@@ -11,6 +11,13 @@ while a trainer copies into a slot. A failure is logged, counted and shown in ``
 target is retried after a backoff; it never stops the agent nor makes a trainer wait (the sender
 maps the slot file itself and never pins it: a trainer overwriting it aborts the transfer).
 Replication runs between the agents over TCP, never through the trainers' process group.
+
+The peers come from ``replica_peers`` at start (fixed) or, under the launcher, from its
+``replica_peers`` request at every rendezvous round (:meth:`Replicator.set_peers`): the peer
+list is replaced whole, the targets re-derived, every rank's newest snapshot sent again to its
+(new) targets, and the replicas of machines that left the world are dropped once the new world
+has taken a snapshot on this machine (until then a replacement may still restore the lost
+machine's ranks from them).
 """
 
 from __future__ import annotations
@@ -20,11 +27,13 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from flashckpt import names
 from flashckpt.agent_state import AgentState, read_meta
 from flashckpt.errors import FlashckptError
+from flashckpt.names import check_name
 from flashckpt.replica import (
     ReplicaError,
     ReplicaServer,
@@ -43,6 +52,8 @@ PACE_WAIT_S = 2.0
 """The longest one pause of a transfer waits for a trainer's copy to end (then it goes on: a
 trainer that copies all the time must not starve replication)."""
 MAX_BACKOFF_S = 30.0
+MAX_PEERS = 4096
+"""The most machines a peer list may name (it comes from a socket)."""
 
 
 class Replicator:
@@ -51,8 +62,14 @@ class Replicator:
     def __init__(self, state: AgentState) -> None:
         self.st = state
         cfg = state.cfg
-        self.peers = cfg.replica_peer_addrs()
-        """Node id -> the (host, port) of its replica server."""
+        self.peers: dict[str, tuple[str, int]] = cfg.replica_peer_addrs()
+        """Node id -> the (host, port) of its replica server: the other machines of the world.
+        Replaced whole by :meth:`set_peers`, never changed in place, so a reader on another
+        thread (the sender, a pull) takes it once (``peers = replicator.peers``) and uses that
+        dict: it is always one consistent peer list."""
+        self._dynamic = False  # set_peers was called: the launcher tells the world
+        self._known: set[str] = set(self.peers)  # every machine ever in the world
+        self._peers_world: str | None = None  # the trainers' world when the peers last changed
         self.listen = cfg.replica_listen_addr()
         self.store: ReplicaStore | None = None
         self.server: ReplicaServer | None = None
@@ -87,10 +104,28 @@ class Replicator:
                     os.unlink(os.path.join(cfg.shm_dir, name))
                 log.info("removed a previous agent's replica file %s", name)
         limit = cfg.replica_limit_bytes  # 0: derived once the own slots are known (at alloc)
-        self.store = ReplicaStore(cfg.shm_dir, cfg.job, cfg.node, limit)
-        self.server = ReplicaServer(
-            self.store, self.listen[0], self.listen[1], pace=self._receive_pace
-        )
+        store = ReplicaStore(cfg.shm_dir, cfg.job, cfg.node, limit)
+        host, port = self.listen
+        try:
+            self.server = ReplicaServer(store, host, port, pace=self._receive_pace)
+        except OSError as e:
+            if port == 0:
+                # Replicas protect; snapshots and persistence must go on without them.
+                log.error(
+                    "no replica server on %s:%d (%s): this machine holds no replicas",
+                    *self.listen,
+                    e,
+                )
+                return
+            # The port of a previous agent was taken meanwhile: another one (the launcher
+            # reads it back from status and publishes it).
+            log.warning("replica port %d is taken (%s): listening on another one", port, e)
+            try:
+                self.server = ReplicaServer(store, host, 0, pace=self._receive_pace)
+            except OSError as e2:
+                log.error("no replica server on %s (%s): this machine holds no replicas", host, e2)
+                return
+        self.store = store
         host, port = self.server.address
         log.info(
             "replica server listening on %s:%d (limit %s)",
@@ -154,12 +189,82 @@ class Replicator:
             except Exception:  # the daemon lives on
                 log.exception("replicating snapshots failed")
 
+    def set_peers(self, peers: Mapping[str, tuple[str, int]]) -> list[str]:
+        """Replaces the peer list (the launcher's, at each rendezvous round); returns the new
+        targets. Thread-safe: the sender picks the new list at its next transfer.
+
+        Every rank's newest snapshot is sent again (a machine that joined, or came back under
+        the same id with an empty memory, lacks it). Replicas of machines no longer in the
+        world are dropped by :meth:`prune_departed` once the new world has a complete snapshot
+        here: a replacement of a lost machine restores its ranks from them first.
+
+        Raises:
+            ValueError: an invalid node id or port, more than ``MAX_PEERS`` machines, or this
+                machine's own node among them (a replica never sits on the machine it protects).
+        """
+        if len(peers) > MAX_PEERS:
+            raise ValueError(f"replica peers: {len(peers)} machines, more than {MAX_PEERS}")
+        new: dict[str, tuple[str, int]] = {}
+        for node, (host, port) in peers.items():
+            check_name("node", node)
+            if node == self.st.cfg.node:
+                raise ValueError(
+                    f"replica peers name this machine's own node {node!r}: a replica must sit "
+                    "on another machine; list only the other machines of the world"
+                )
+            if not host or not isinstance(port, int) or not 1 <= port <= 65535:
+                raise ValueError(f"replica peer {node!r}: {host!r}:{port!r} is not host:port")
+            new[node] = (str(host), port)
+        with self.st.lock:
+            world = self.st.world_id
+        with self._lock:
+            old, self.peers = self.peers, new
+            self._dynamic = True
+            self._known |= set(new)
+            self._peers_world = world
+            # Sent again to every target: the transfer state of the old list is forgotten.
+            self._done.clear()
+            self.sent = {k: v for k, v in self.sent.items() if k[0] in new}
+            self._retry_at = {t: v for t, v in self._retry_at.items() if t in new}
+            self._backoff = {t: v for t, v in self._backoff.items() if t in new}
+        targets = replica_targets(self.world_nodes(), self.st.cfg.node, self.st.cfg.replicas)
+        if old != new:
+            log.info(
+                "replica peers now %s (were %s); sending to %s",
+                ", ".join(f"{n}={h}:{p}" for n, (h, p) in sorted(new.items())) or "none",
+                ", ".join(sorted(old)) or "none",
+                ", ".join(targets) or "nobody",
+            )
+        self.wake.set()
+        self.prune_departed()
+        return targets if self.sending else []
+
     def prune_departed(self) -> None:
         """Drops the held replicas of machines that left the world: they protect nobody now.
-        Without a peer list this agent does not know the world: it keeps what it was sent."""
-        if self.store is None or not self.peers:
+
+        With a fixed peer list (``replica_peers``), every sender not in it. With the launcher's
+        (:meth:`set_peers`), only machines that were in an earlier list and are not in this one
+        (a newcomer may send before this agent hears of it), and only once the trainers of this
+        machine have a complete snapshot of a world newer than the one of that change: until
+        then a replacement may restore the lost machine's ranks from its replica. Without a peer
+        list this agent does not know the world: it keeps what it was sent."""
+        store = self.store
+        with self._lock:
+            peers, dynamic, known, since = self.peers, self._dynamic, self._known, self._peers_world
+            departed = known - set(peers)
+        if store is None or not (peers or dynamic):
             return
-        for h in self.store.prune(self.world_nodes()):
+        keep = set(self.world_nodes())
+        if dynamic:
+            held = {h.header.sender_node for h in store.held()}
+            if not held & departed:
+                return
+            with self.st.lock:
+                world = self.st.world_id
+            if world is None or world == since or not self.candidates():
+                return  # the new world has no snapshot here yet
+            keep |= held - departed
+        for h in store.prune(keep):
             log.info(
                 "dropped the replica of %s rank %d step %d: no longer in the world",
                 h.header.sender_node,
@@ -220,22 +325,31 @@ class Replicator:
     def send_one(self) -> bool:
         """Sends one replica that a target lacks; whether one was attempted."""
         cfg = self.st.cfg
-        targets = replica_targets(self.world_nodes(), cfg.node, cfg.replicas)
+        peers = self.peers  # one consistent list for this pass (set_peers replaces it whole)
+        targets = replica_targets(sorted({cfg.node, *peers}), cfg.node, cfg.replicas)
         now = time.monotonic()
         for path, rank, info, world in self.candidates():
             for target in targets:
                 key = (target, rank)
-                if self._done.get(key) == (path, info.seq, info.step):
+                with self._lock:
+                    done = self._done.get(key) == (path, info.seq, info.step)
+                    retry_at = self._retry_at.get(target, 0.0)
+                if done or now < retry_at:
                     continue
-                if now < self._retry_at.get(target, 0.0):
-                    continue
-                self.push(target, path, rank, info, world)
+                self.push(target, peers[target], path, rank, info, world)
                 return True
         return False
 
-    def push(self, target: str, path: str, rank: int, info: SlotInfo, world: str) -> None:
+    def push(
+        self,
+        target: str,
+        addr: tuple[str, int],
+        path: str,
+        rank: int,
+        info: SlotInfo,
+        world: str,
+    ) -> None:
         cfg = self.st.cfg
-        addr = self.peers[target]
         key = (target, rank)
         try:
             # A mapping of its own: the agent may close (reallocate) its slot meanwhile, and the
@@ -359,9 +473,11 @@ class Replicator:
                     }
                 )
         server = self.server
+        peers = self.peers
         return {
             "replicas": self.st.cfg.replicas,
             "listen": "{}:{}".format(*server.address) if server is not None else None,
+            "peers": {n: f"{h}:{p}" for n, (h, p) in sorted(peers.items())},
             "targets": (
                 replica_targets(self.world_nodes(), self.st.cfg.node, self.st.cfg.replicas)
                 if self.sending

@@ -17,6 +17,7 @@ from typing import Any
 
 from flashckpt.agent_persist import Persister
 from flashckpt.agent_pull import Puller
+from flashckpt.agent_replica import Replicator
 from flashckpt.agent_segments import Segments
 from flashckpt.agent_state import AgentState, Conn, RankRecord, header_ok
 from flashckpt.errors import ProtocolError, ShmSpaceError
@@ -24,6 +25,7 @@ from flashckpt.messages import (
     Alloc,
     Done,
     ErrorReply,
+    Fence,
     Flush,
     FlushReply,
     Hash,
@@ -33,6 +35,8 @@ from flashckpt.messages import (
     Ping,
     PingReply,
     PullReplica,
+    ReplicaPeers,
+    ReplicaPeersReply,
     Reply,
     Request,
     Restored,
@@ -68,6 +72,8 @@ class Server:
         cfg = state.cfg
         self.socket_path = socket_path(cfg.run_dir, cfg.job, cfg.node)
         self.server: socket.socket | None = None
+        self.replicator: Replicator | None = None
+        """The agent's replicas (set by the agent; answers ``replica_peers``)."""
         self.puller = Puller(state, lambda: self.replica_peers())
         """Serves ``pull_replica`` (a peer agent's replica into a trainer's slot)."""
         self.replica_peers: Callable[[], Mapping[str, tuple[str, int]]] = (
@@ -155,6 +161,10 @@ class Server:
 
     def handle(self, conn: Conn, req: Request) -> Reply | None:
         match req:
+            case Fence():
+                return self.fence(req)
+            case Snap() if self.persister.committer.fenced is not None:
+                return None  # a dying trainer of the fenced world: nothing of it is written
             case Hello():
                 return self.hello(conn, req)
             case Alloc():
@@ -196,11 +206,51 @@ class Server:
                 return StatusReply(status=self.status())
             case Ping():
                 return PingReply(pid=os.getpid())
+            case ReplicaPeers():
+                return self.set_replica_peers(req)
             case PullReplica():
                 return self.puller.pull(conn, req)
         raise ProtocolError(f"request {req.op!r} has no handler")  # REQUESTS and this differ
 
+    def fence(self, req: Fence) -> Reply:
+        """Commits and persists nothing more until a trainer of a new world says hello.
+
+        The current world is forgotten (``world_id`` None: no position matches it, so nothing
+        is persisted, not even the newest snapshot of the trainers about to die, "save at
+        breakpoint"), the steps waiting for their commit are dropped, and the answer waits for a
+        persist in flight to end, so that once the launcher has it nothing of the old world is
+        being written.
+        """
+        committer = self.persister.committer
+        with self.st.lock:
+            committer.fence(req.reason or "asked by the launcher")
+            self.st.world_id = None
+        idle = self.st.io_lock.acquire(timeout=req.timeout_s)
+        if idle:
+            self.st.io_lock.release()
+        else:
+            log.warning("fenced while a persist of the old world is still in flight")
+        # What the persist in flight queued is dropped too (enqueue refuses while fenced).
+        committer.fence(req.reason or "asked by the launcher")
+        return OkReply()
+
+    def _check_fence(self, msg: Hello) -> None:
+        """Refuses a trainer of the fenced world; a trainer of a new world lifts the fence."""
+        committer = self.persister.committer
+        with self.st.lock:
+            if committer.fenced is None:
+                return
+            stale = msg.world_id == committer.fenced_world
+        if stale:
+            raise ValueError(
+                f"this node agent is fenced ({committer.fenced}): world {msg.world_id!r} lost "
+                "its place in the job; its trainers must stop (the launcher restarts them in a "
+                "new world)"
+            )
+        committer.unfence(msg.world_id)
+
     def hello(self, conn: Conn, msg: Hello) -> HelloReply:
+        self._check_fence(msg)
         rank, key, world_size = msg.rank, msg.key, msg.world_size
         local_world, world_id, storage = msg.local_world_size, msg.world_id, msg.storage
         with self.st.lock:
@@ -245,6 +295,19 @@ class Server:
             # next one if it dies; an agent without it belongs to a launcher or an operator.
             auto_started=self.st.cfg.exit_when_done,
         )
+
+    def set_replica_peers(self, req: ReplicaPeers) -> ReplicaPeersReply:
+        """The launcher's peer list of the new world (see :meth:`Replicator.set_peers`)."""
+        rep = self.replicator
+        if rep is None:
+            raise ProtocolError("replica_peers: this agent has no replication")
+        try:
+            targets = rep.set_peers(req.addresses())
+        except ValueError as e:  # e.g. this machine's own node: refused, nothing changed
+            raise ProtocolError(f"replica_peers: {e}") from None
+        server = rep.server
+        listen = "{}:{}".format(*server.address) if server is not None else None
+        return ReplicaPeersReply(listen=listen, targets=targets)
 
     def flush(self, step: int, timeout: float) -> Reply:
         with self.st.lock:

@@ -9,9 +9,13 @@ bookkeeping) before ``map_lock`` (a slot is hashed or unmapped).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
+import platform
 import queue
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,9 +30,138 @@ from flashckpt.shm import Slot, SlotInfo
 from flashckpt.snapmeta import SnapshotMeta
 from flashckpt.storage import Storage
 
-__all__ = ["AgentState", "Conn", "RankRecord", "header_ok", "read_meta"]
+__all__ = [
+    "BACKGROUND_CHUNK",
+    "BACKGROUND_NICE",
+    "AgentState",
+    "Conn",
+    "Pacer",
+    "RankRecord",
+    "header_ok",
+    "lower_thread_priority",
+    "read_meta",
+    "slots_busy",
+]
 
 log = logging.getLogger("flashckpt.agent")
+
+BACKGROUND_NICE = 15
+"""The nice value of the agent's background threads (hashing, persisting): below the agent's
+other threads (10, set for the whole agent by :func:`~flashckpt.agent.run_agent`), far below
+training (0). A lower priority only, never a cap: on an idle core they run at full speed."""
+BACKGROUND_CHUNK = 16 << 20
+"""Bytes the background threads hash or write between two looks at the trainers (~2 ms of
+hashing): how long a trainer's copy shares the memory bus with them at most, uninvited."""
+PACE_MAX_PAUSE_S = 0.25
+"""The longest one pause waits for a trainer's copy to end (a 0.5 GB copy takes 50-100 ms):
+then one more chunk goes, so a trainer that copies all the time slows background work but never
+stops it."""
+PACE_BUDGET_S = 2.0
+"""Pauses of one pass (one snapshot hashed, one shard written) add up to this at most."""
+
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "riscv64": 30}
+"""ioprio_set(2) system call numbers (glibc has no wrapper)."""
+_IOPRIO_WHO_PROCESS = 1  # with a thread id: that thread only
+_IOPRIO_CLASS_BE = 2
+_refused_logged: set[str] = set()
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE) -> dict[str, str]:
+    """Lowers the calling thread's CPU priority to ``nice`` (never raises it) and its IO priority
+    to the lowest best-effort level (7: served after every other best-effort request, never
+    starved the way the idle class is by a dataloader reading all the time).
+
+    On Linux both are per thread: ``setpriority(PRIO_PROCESS, tid)`` and ``ioprio_set(
+    IOPRIO_WHO_PROCESS, tid)`` apply to the thread ``tid`` alone, and threads it starts inherit
+    them (the shard writer's worker). Lowering one's own priority needs no privilege; where the
+    system refuses it anyway (a seccomp filter, another OS) it is logged once and work goes on.
+
+    Returns:
+        ``{"nice": ..., "ioprio": ...}``: ``"ok"`` or why not, for the log and the tests.
+    """
+    out = {}
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        out["nice"] = "ok"
+    except (OSError, AttributeError) as e:
+        out["nice"] = f"refused: {e}"
+    nr = _IOPRIO_SET.get(platform.machine()) if sys.platform == "linux" else None
+    if nr is None:
+        out["ioprio"] = f"not supported on {sys.platform}/{platform.machine()}"
+    else:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            rc = libc.syscall(nr, _IOPRIO_WHO_PROCESS, tid, (_IOPRIO_CLASS_BE << 13) | 7)
+            out["ioprio"] = "ok" if rc == 0 else f"refused: {os.strerror(ctypes.get_errno())}"
+        except (OSError, AttributeError) as e:
+            out["ioprio"] = f"refused: {e}"
+    for what, how in out.items():
+        if how != "ok" and what not in _refused_logged:
+            _refused_logged.add(what)
+            log.warning("background threads keep their %s priority: %s", what, how)
+    return out
+
+
+def slots_busy(slots: list[Slot], *, wanted: bool = False) -> bool:
+    """Whether a trainer copies into one of ``slots`` now (its seqlock is odd), or, with
+    ``wanted``, waits for one. Closed slots are skipped."""
+    for s in slots:
+        with contextlib.suppress(ValueError):  # closed meanwhile
+            if s.seq() % 2 == 1 or (wanted and s.wanted()):
+                return True
+    return False
+
+
+class Pacer:
+    """Called between the bounded chunks of one pass of background work (hashing a snapshot,
+    writing a shard): waits while ``busy()`` says a trainer copies, at most ``max_pause_s`` a
+    pause and ``budget_s`` a pass, so a trainer that copies all the time slows the pass but never
+    stops it. Stops waiting at once when ``stop`` is set (the agent exits).
+
+    Args:
+        busy: whether to give way now (e.g. ``lambda: slots_busy(slots)``).
+        stop: when set, no more waiting.
+        poll_s: how often ``busy`` is asked during a pause.
+    """
+
+    def __init__(
+        self,
+        busy: Callable[[], bool],
+        *,
+        stop: threading.Event | None = None,
+        max_pause_s: float = PACE_MAX_PAUSE_S,
+        budget_s: float = PACE_BUDGET_S,
+        poll_s: float = 0.002,
+    ) -> None:
+        if max_pause_s < 0 or budget_s < 0 or poll_s <= 0:
+            raise ValueError("pacer times must be >= 0 (poll_s > 0)")
+        self.busy = busy
+        self.stop = stop or threading.Event()
+        self.max_pause_s = max_pause_s
+        self.budget_s = budget_s
+        self.poll_s = poll_s
+        self.paused = 0
+        """Pauses so far (the calls that found a trainer copying)."""
+        self.waited_s = 0.0
+        """Seconds waited so far."""
+        self.pausing = threading.Event()
+        """Set while a pause waits (tests see the pass stand still)."""
+
+    def __call__(self) -> None:
+        if self.waited_s >= self.budget_s or not self.busy():
+            return
+        self.paused += 1
+        t0 = time.monotonic()
+        end = t0 + min(self.max_pause_s, self.budget_s - self.waited_s)
+        self.pausing.set()
+        try:
+            while not self.stop.is_set() and time.monotonic() < end and self.busy():
+                self.stop.wait(self.poll_s)
+        finally:
+            self.pausing.clear()
+            self.waited_s += time.monotonic() - t0
 
 
 def header_ok(slot: Slot) -> bool:
@@ -159,6 +292,31 @@ class AgentState:
             self.errors.append({"step": step, "error": error, "time": time.time()})
             del self.errors[:-50]
         self.broadcast(PersistErrorEvent(step=step, error=error))
+
+    def active_slots(self) -> list[Slot]:
+        """The slots of the positions whose trainer is connected (a dead trainer's slot that it
+        left mid-copy stays odd forever: nothing to give way to)."""
+        with self.lock:
+            return [
+                s
+                for r in self.ranks.values()
+                if r.conn is not None
+                for s in r.slots
+                if s is not None
+            ]
+
+    def trainer_busy(self, *, wanted: bool = True) -> bool:
+        """Whether a connected trainer copies into a slot now, or (``wanted``) waits for one:
+        when background work gives way (the replica sender's pacing asks the same)."""
+        return slots_busy(self.active_slots(), wanted=wanted)
+
+    def pacer(self, slots: list[Slot] | None = None) -> Pacer:
+        """A :class:`Pacer` for one pass that gives way to a trainer copying into a slot: into
+        one of ``slots`` (a list taken before ``map_lock``, which must not wait for ``lock``), or
+        of the connected positions of the moment."""
+        if slots is None:
+            return Pacer(lambda: self.trainer_busy(wanted=False), stop=self.stopping)
+        return Pacer(lambda: slots_busy(slots), stop=self.stopping)
 
     def commits_here(self) -> bool:
         """Whether this node commits the current world's steps (it hosts global rank 0)."""

@@ -50,12 +50,83 @@ def rank_file_name(rank: int, world_size: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class FileEntry:
-    """What the manifest says of one file of the step."""
+    """What the manifest says of one file of the step: its size and either one hash of the whole
+    file (rank files, and shard files of earlier versions) or two: of the bytes before
+    ``data_offset`` (a shard's safetensors header) and of the tensor data after it.
+
+    The split form lets the node agent write a shard straight from shared memory while hashing
+    its data once: that hash is compared with the one recorded when the snapshot completed
+    (the bytes written are the ones hashed then), and it is the one the manifest keeps.
+    """
 
     size: int
     """Bytes; the file system must agree before a byte is read."""
-    xxh3_64: str
-    """xxh3-64 of the whole file, 16 lowercase hex digits."""
+    xxh3_64: str | None = None
+    """xxh3-64 of the whole file, 16 lowercase hex digits (None in the split form)."""
+    data_offset: int | None = None
+    """Split form: bytes of the file before the data (``0 <= data_offset <= size``)."""
+    head_xxh3_64: str | None = None
+    """Split form: xxh3-64 of the bytes before ``data_offset``."""
+    data_xxh3_64: str | None = None
+    """Split form: xxh3-64 of the bytes from ``data_offset`` to the end (a shard's tensor data:
+    the data hash its snapshot had in shared memory)."""
+
+    def __post_init__(self) -> None:
+        if _int(self.size) is None or not 0 <= self.size <= MAX_FILE_SIZE:
+            raise ValueError(f"an invalid size {self.size!r}")
+        if self.data_offset is None:
+            if not _is_hex16(self.xxh3_64):
+                raise ValueError(f"an invalid xxh3_64 {_short(self.xxh3_64)}")
+            if self.head_xxh3_64 is not None or self.data_xxh3_64 is not None:
+                raise ValueError("head_xxh3_64/data_xxh3_64 without a data_offset")
+            return
+        if self.xxh3_64 is not None:
+            raise ValueError("both a whole-file xxh3_64 and a data_offset")
+        if _int(self.data_offset) is None or not 0 <= self.data_offset <= self.size:
+            raise ValueError(f"an invalid data_offset {_short(self.data_offset)}")
+        if not _is_hex16(self.head_xxh3_64):
+            raise ValueError(f"an invalid head_xxh3_64 {_short(self.head_xxh3_64)}")
+        if not _is_hex16(self.data_xxh3_64):
+            raise ValueError(f"an invalid data_xxh3_64 {_short(self.data_xxh3_64)}")
+
+    @property
+    def split(self) -> bool:
+        """Whether the head and the data are hashed apart."""
+        return self.data_offset is not None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.data_offset is None:
+            return {"size": self.size, "xxh3_64": self.xxh3_64}
+        return {
+            "size": self.size,
+            "data_offset": self.data_offset,
+            "head_xxh3_64": self.head_xxh3_64,
+            "data_xxh3_64": self.data_xxh3_64,
+        }
+
+    @staticmethod
+    def from_json(rec: Any) -> FileEntry:
+        """A file record of a manifest or node part, either form.
+
+        Raises:
+            ValueError: malformed; the message says what (``"an invalid size 3.5"``), for the
+                caller to name the file.
+        """
+        if not isinstance(rec, dict):
+            raise ValueError("an invalid record")
+        size: Any = rec.get("size")
+        return FileEntry(
+            size,
+            rec.get("xxh3_64"),
+            data_offset=rec.get("data_offset"),
+            head_xxh3_64=rec.get("head_xxh3_64"),
+            data_xxh3_64=rec.get("data_xxh3_64"),
+        )
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,15 +251,10 @@ class Manifest:
                     f"lists a file {name!r} that is not a shard or rank file of this step "
                     f"(world size {world}, {num_shards} shard(s))"
                 )
-            if not isinstance(rec, dict):
-                raise bad(f"has an invalid record for file {name!r}")
-            size = _int(rec.get("size"))
-            digest = rec.get("xxh3_64")
-            if size is None or not 0 <= size <= MAX_FILE_SIZE:
-                raise bad(f"has an invalid size {rec.get('size')!r} for file {name!r}")
-            if not isinstance(digest, str) or not _is_hex16(digest):
-                raise bad(f"has an invalid xxh3_64 {digest!r} for file {name!r}")
-            files[name] = FileEntry(size, digest)
+            try:
+                files[name] = FileEntry.from_json(rec)
+            except ValueError as e:
+                raise bad(f"has {e} for file {name!r}") from None
         unlisted = sorted(known - set(files))
         if unlisted:
             # The step's shards and ranks need these: a step restore rejects must fail verify too.

@@ -33,6 +33,7 @@ __all__ = [
     "Done",
     "ErrorReply",
     "Event",
+    "Fence",
     "Flush",
     "FlushReply",
     "Hash",
@@ -602,6 +603,78 @@ def parse_event(obj: Any) -> Event:
     return cls._build(f"event {name!r}", body, frozenset())
 
 
+# -- replica_peers (issue 11: the launcher tells the agent where the world's machines are) -----
+
+MAX_REPLICA_PEERS = 4096
+"""The most machines one ``replica_peers`` request may name."""
+
+
+def _host_port(what: str, text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6addr]:port``) as (host, port), or a ProtocolError naming ``what``."""
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    ok = (
+        bool(sep and host)
+        and len(text) <= 300
+        and port_text.isascii()
+        and port_text.isdigit()
+        and len(port_text) <= 5
+        and all(c.isascii() and (c.isalnum() or c in ".-_:%") for c in host)
+    )
+    if not ok or not 1 <= int(port_text) <= 65535:
+        raise ProtocolError(
+            f"{what}: {_short(text)} is not host:port with a port in 1-65535 "
+            "(e.g. 10.0.0.2:7070, [fd00::2]:7070)"
+        )
+    return host, int(port_text)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaPeers(Request):
+    """The other machines of the current world and their agents' replica servers (the launcher
+    sends it at every rendezvous round): replaces the agent's peer list; the replica targets
+    are re-derived from it (ring order) and replicas of machines that left are dropped once the
+    new world has a snapshot here (a replacement may restore from them until then)."""
+
+    op: ClassVar[str] = "replica_peers"
+    peers: dict[str, str]
+    """Node id -> ``host:port`` of its replica server; never this machine's own node."""
+
+    def __post_init__(self) -> None:
+        if len(self.peers) > MAX_REPLICA_PEERS:
+            raise ProtocolError(
+                f"replica_peers: {len(self.peers)} machines, more than {MAX_REPLICA_PEERS}"
+            )
+        from flashckpt.names import check_name
+
+        for node, addr in self.peers.items():
+            try:
+                check_name("node", node)
+            except ValueError as e:
+                raise ProtocolError(f"replica_peers: {e}") from None
+            _host_port(f"replica_peers: the address of node {node!r}", addr)
+
+    def addresses(self) -> dict[str, tuple[str, int]]:
+        """The peers as node id -> (host, port)."""
+        return {n: _host_port(f"replica_peers {n!r}", a) for n, a in self.peers.items()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaPeersReply(Reply):
+    """The peer list is taken."""
+
+    listen: str | None = None
+    """``host:port`` this agent's replica server listens on (None: it runs none)."""
+    targets: list[str] = field(default_factory=list)
+    """The machines this agent now sends its replicas to."""
+
+
+REQUESTS[ReplicaPeers.op] = ReplicaPeers
+REPLIES[ReplicaPeers.op] = ReplicaPeersReply
+__all__ += ["ReplicaPeers", "ReplicaPeersReply"]
+
+
 # -- pull_replica (issue 11: restore a lost machine's ranks from a peer agent's replica) -------
 
 
@@ -665,3 +738,28 @@ class PullReplicaReply(Reply):
 REQUESTS[PullReplica.op] = PullReplica
 REPLIES[PullReplica.op] = PullReplicaReply
 __all__ += ["PullReplica", "PullReplicaReply"]
+
+
+# -- fencing (a machine cut off from the job) ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fence(Request):
+    """This machine lost its place in the job (its etcd lease is lapsing: a network partition):
+    commit nothing more, persist nothing more of the current world and refuse its trainers, until
+    a trainer of a new world says hello. Sent by the launcher; answered once no persist is in
+    flight (or ``timeout_s`` passed)."""
+
+    op: ClassVar[str] = "fence"
+    reason: str = ""
+    """Why (the agent logs it)."""
+    timeout_s: float = 5.0
+    """Seconds to wait for a persist in flight to end before answering."""
+
+    def __post_init__(self) -> None:
+        _text("fence", "reason", self.reason)
+        _bound("fence", "timeout_s", self.timeout_s, 0, 600)
+
+
+REQUESTS[Fence.op] = Fence
+REPLIES[Fence.op] = OkReply

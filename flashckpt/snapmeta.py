@@ -318,7 +318,7 @@ class NodePart:
             "shards": {
                 str(s): {"file": e.file, "writer": e.writer} for s, e in self.shards.items()
             },
-            "files": {n: {"size": f.size, "xxh3_64": f.xxh3_64} for n, f in self.files.items()},
+            "files": {n: f.to_json() for n, f in self.files.items()},
         }
 
     @staticmethod
@@ -384,17 +384,10 @@ class NodePart:
                     f"lists {_short(name)}, not a rank or shard file of this part; the format "
                     f"says one of {sorted(known)[:4]}",
                 )
-            size = _int(rec.get("size")) if isinstance(rec, dict) else None
-            digest = rec.get("xxh3_64") if isinstance(rec, dict) else None
-            if size is None or not 0 <= size <= MAX_FILE_SIZE:
-                raise c.bad("files", f"file {name!r} has an invalid size")
-            if (
-                not isinstance(digest, str)
-                or len(digest) != 16
-                or any(ch not in "0123456789abcdef" for ch in digest)
-            ):
-                raise c.bad("files", f"file {name!r} has an invalid xxh3_64 {_short(digest)}")
-            files[name] = FileEntry(size, digest)
+            try:
+                files[name] = FileEntry.from_json(rec)
+            except ValueError as e:
+                raise c.bad("files", f"file {name!r} has {e}") from None
         missing = sorted(known - set(files))
         if missing:
             raise c.bad("files", f"does not list (size, hash) of {missing[:4]}")

@@ -10,10 +10,13 @@ Format (the storage URL is the job's checkpoint root)::
     <url>/latest                           atomically replaced pointer to the newest step
 
 A step without ``manifest.json`` does not exist. The manifest lists every file with its size and
-xxh3-64 hash; a file that does not match is never loaded. Nothing read back is trusted: the
-manifest, shard headers and rank files are validated (:mod:`flashckpt.manifest`), and files are
-opened only inside their step directory (see :meth:`Storage.open_step_file`). Local files are
-created ``0600`` and directories ``0700`` unless ``file_mode`` shares them.
+xxh3-64 hash (of the whole file; or, for shards the node agent writes, one of the safetensors
+header and one of the tensor data after it: the data hash its snapshot had in memory, see
+:class:`~flashckpt.manifest.FileEntry`); a file that does not match is never loaded. Nothing
+read back is trusted: the manifest, shard headers and rank files are validated
+(:mod:`flashckpt.manifest`), and files are opened only inside their step directory (see
+:meth:`Storage.open_step_file`). Local files are created ``0600`` and directories ``0700``
+unless ``file_mode`` shares them.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import xxhash
 from flashckpt.errors import CorruptCheckpointError
 from flashckpt.manifest import (
     FORMAT,
-    MAX_FILE_SIZE,
+    FileEntry,
     Manifest,
     ShardContent,
     check_shard,
@@ -74,16 +77,54 @@ DEFAULT_FILE_MODE = 0o600
 
 @dataclass(frozen=True, slots=True)
 class FileRecord:
-    """Size and hash of a written file."""
+    """Size and hash(es) of a written file: of the whole file, or (split, see
+    :class:`~flashckpt.manifest.FileEntry`) of the head and of the data apart."""
 
     size: int
-    xxh3_64: str
+    xxh3_64: str | None
+    """xxh3-64 of the whole file (None when split)."""
     direct: bool = False
     """Whether the bytes went to the file with ``O_DIRECT`` (the page cache bypassed); not part
     of the manifest, it says how the file was written."""
+    data_offset: int | None = None
+    """Split: the length of the head."""
+    head_xxh3_64: str | None = None
+    data_xxh3_64: str | None = None
+    """Split: xxh3-64 of the data bytes, each chunk hashed after it was written."""
+
+    def entry(self) -> FileEntry:
+        """The manifest's record of the file."""
+        return FileEntry(
+            self.size, self.xxh3_64, self.data_offset, self.head_xxh3_64, self.data_xxh3_64
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "xxh3_64": self.xxh3_64}
+        return self.entry().to_json()
+
+
+class _FileHash:
+    """The hash(es) of a file written as ``head`` then data chunks: one over the whole file, or
+    (``split``) one of the head and one of the data."""
+
+    def __init__(self, head: bytes, split: bool) -> None:
+        self.head_len = len(head) if split else None
+        self.head_hex = xxhash.xxh3_64_hexdigest(head) if split else None
+        self.h = xxhash.xxh3_64() if split else xxhash.xxh3_64(head)
+
+    def update(self, chunk: bytes | memoryview) -> None:
+        self.h.update(chunk)
+
+    def record(self, size: int, direct: bool = False) -> FileRecord:
+        if self.head_len is None:
+            return FileRecord(size, self.h.hexdigest(), direct=direct)
+        return FileRecord(
+            size,
+            None,
+            direct=direct,
+            data_offset=self.head_len,
+            head_xxh3_64=self.head_hex,
+            data_xxh3_64=self.h.hexdigest(),
+        )
 
 
 def step_dir_name(step: int) -> str:
@@ -184,22 +225,31 @@ class Storage:
 
     def write_stream(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
         """Writes chunks to ``path`` (durably for local files); returns size and hash."""
-        h = xxhash.xxh3_64()
+        return self._write_chunks(path, b"", chunks, _FileHash(b"", split=False))
+
+    def _write_chunks(
+        self, path: str, head: bytes, chunks: Iterable[bytes | memoryview], fh: _FileHash
+    ) -> FileRecord:
+        # Each chunk is hashed after it is written: a byte that changed in memory before it
+        # reached the file shows in the hash.
         size = 0
         self._makedirs(self.fs._parent(path))
         if self.local:
             with open(self._create(path), "wb", buffering=0) as f:
+                size += f.write(head) or 0
                 for c in chunks:
-                    h.update(c)
                     size += f.write(c) or 0
+                    fh.update(c)
                 os.fsync(f.fileno())
         else:
             with self.fs.open(path, "wb") as f:
+                f.write(head)
+                size += len(head)
                 for c in chunks:
-                    h.update(c)
                     f.write(c)
+                    fh.update(c)
                     size += len(c)
-        return FileRecord(size, h.hexdigest())
+        return fh.record(size)
 
     def write_buffer(
         self,
@@ -207,6 +257,9 @@ class Storage:
         head: bytes,
         data: memoryview,
         check: Callable[[], None] | None = None,
+        *,
+        split: bool = False,
+        chunk: int = CHUNK,
     ) -> FileRecord:
         """Writes ``head`` then ``data`` to ``path`` (durably for local files); returns size and
         hash, as :meth:`write_stream` does.
@@ -214,16 +267,26 @@ class Storage:
         A local file whose ``head`` is a multiple of 4 KiB and whose ``data`` starts on a page
         boundary is written with ``O_DIRECT`` straight from ``data``: no copy into the page
         cache (an order of magnitude less CPU, and a disk-speed write), while this thread hashes
-        each chunk as another writes it. Other file systems get the plain streamed write; the
-        returned record's ``direct`` says which path the bytes took.
+        the chunk another thread wrote before. Other file systems get the plain streamed write;
+        the returned record's ``direct`` says which path the bytes took. Either way each chunk
+        of ``data`` is hashed once, after it was written (what changed in memory before it
+        reached the file shows in the hash).
 
         Args:
-            check: called before each chunk of ``data``; may raise to abandon the write.
+            check: called before each chunk of ``data``; may raise to abandon the write (it may
+                also wait: the node agent gives way there to a trainer's copy).
+            split: hash the head and the data apart (the record's ``data_xxh3_64`` is then the
+                hash of ``data`` alone) instead of the whole file.
+            chunk: bytes of ``data`` per write (rounded down to whole 4 KiB blocks).
         """
+        if chunk < DIRECT_ALIGN:
+            raise ValueError(f"chunk {chunk} is below {DIRECT_ALIGN} bytes")
+        chunk -= chunk % DIRECT_ALIGN
+        fh = _FileHash(head, split)
         direct = getattr(os, "O_DIRECT", 0)  # Linux
         addr = buffer_address(data) if self.local and direct else None
         if addr is None or addr % DIRECT_ALIGN or len(head) % DIRECT_ALIGN:
-            return self.write_stream(path, _chunks(head, data, check))
+            return self._write_chunks(path, head, _chunks(data, check, chunk), fh)
         self._makedirs(self.fs._parent(path))
         try:
             fd = self._create(path, direct)
@@ -231,9 +294,9 @@ class Storage:
             if e.errno != errno.EINVAL:
                 raise
             # tmpfs before Linux 6.6 and some FUSE file systems refuse O_DIRECT.
-            return self.write_stream(path, _chunks(head, data, check))
+            return self._write_chunks(path, head, _chunks(data, check, chunk), fh)
         try:
-            return _write_direct(fd, head, data, check)
+            return _write_direct(fd, head, data, check, fh, chunk)
         finally:
             os.close(fd)
 
@@ -490,7 +553,7 @@ class Storage:
             "num_shards": m.num_shards,
             "created": m.created,
             "nodes": list(m.nodes),
-            "files": {n: {"size": f.size, "xxh3_64": f.xxh3_64} for n, f in m.files.items()},
+            "files": {n: f.to_json() for n, f in m.files.items()},
             "ranks": {str(r): {"file": e.file, "shard": e.shard} for r, e in m.ranks.items()},
             "shards": {str(i): {"file": e.file, "writer": e.writer} for i, e in m.shards.items()},
         }
@@ -507,11 +570,15 @@ class Storage:
         rec = files.get(name) if isinstance(files, dict) else None
         if rec is None:
             raise CorruptCheckpointError(path, "is not listed in the manifest")
-        size = rec.get("size") if isinstance(rec, dict) else None
-        want = rec.get("xxh3_64") if isinstance(rec, dict) else None
-        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_FILE_SIZE:
-            raise CorruptCheckpointError(path, f"has an invalid size {size!r} in the manifest")
+        try:
+            entry = FileEntry.from_json(rec)
+        except ValueError as e:
+            raise CorruptCheckpointError(path, f"has {e} in the manifest") from None
+        size = entry.size
+        # The split form hashes the bytes before data_offset and those after it apart.
+        cut = entry.data_offset if entry.data_offset is not None else size + 1
         h = xxhash.xxh3_64()
+        hd = xxhash.xxh3_64()
         try:
             with self.open_step_file(step, name) as (f, on_disk):
                 if on_disk != size:
@@ -527,7 +594,13 @@ class Storage:
                     n = f.readinto(view[got : got + CHUNK])
                     if not n:
                         break
-                    h.update(view[got : got + n])
+                    if got + n <= cut:
+                        h.update(view[got : got + n])
+                    elif got >= cut:
+                        hd.update(view[got : got + n])
+                    else:
+                        h.update(view[got:cut])
+                        hd.update(view[cut : got + n])
                     got += n
                 extra = f.read(1)
         except OSError as e:
@@ -536,7 +609,11 @@ class Storage:
             raise CorruptCheckpointError(
                 path, f"has the wrong size (expected {size} bytes; truncated or overwritten)"
             )
-        if h.hexdigest() != want:
+        if entry.data_offset is None:
+            ok = h.hexdigest() == entry.xxh3_64
+        else:
+            ok = h.hexdigest() == entry.head_xxh3_64 and hd.hexdigest() == entry.data_xxh3_64
+        if not ok:
             raise CorruptCheckpointError(path, "fails its checksum (corrupted)")
         return buf
 
@@ -633,26 +710,29 @@ class Storage:
 
 
 def _chunks(
-    head: bytes, data: memoryview, check: Callable[[], None] | None
+    data: memoryview, check: Callable[[], None] | None, chunk: int = CHUNK
 ) -> Iterator[bytes | memoryview]:
-    yield head
-    for off in range(0, len(data), CHUNK):
+    for off in range(0, len(data), chunk):
         if check is not None:
             check()
-        yield data[off : off + CHUNK]
+        yield data[off : off + chunk]
 
 
 def _write_direct(
-    fd: int, head: bytes, data: memoryview, check: Callable[[], None] | None
+    fd: int,
+    head: bytes,
+    data: memoryview,
+    check: Callable[[], None] | None,
+    fh: _FileHash,
+    chunk: int = CHUNK,
 ) -> FileRecord:
     """Writes ``head + data`` to ``fd`` (opened with ``O_DIRECT``) and fsyncs it.
 
     ``head`` goes through a page-aligned copy; ``data`` is written in place up to its last whole
     4 KiB block, and the tail (not a whole block, which ``O_DIRECT`` cannot write) after
-    clearing ``O_DIRECT``. The hash of each chunk is computed while a worker thread writes it
-    (both release the GIL), so hashing costs CPU but no wall time.
+    clearing ``O_DIRECT``. Each chunk is hashed once it is written, while a worker thread writes
+    the next one (both release the GIL), so hashing costs CPU but no wall time.
     """
-    h = xxhash.xxh3_64(head)
     n = len(data)
     body = n - n % DIRECT_ALIGN
     with mmap.mmap(-1, max(len(head), 1)) as hbuf:
@@ -663,22 +743,27 @@ def _write_direct(
         finally:
             hv.release()
     with ThreadPoolExecutor(1, thread_name_prefix="fc-direct-write") as pool:
-        for off in range(0, body, CHUNK):
+        written: memoryview | None = None  # written, not hashed yet
+        for off in range(0, body, chunk):
             if check is not None:
                 check()
-            chunk = data[off : min(off + CHUNK, body)]
-            done = pool.submit(_write_all, fd, chunk)
-            h.update(chunk)
+            part = data[off : min(off + chunk, body)]
+            done = pool.submit(_write_all, fd, part)
+            if written is not None:
+                fh.update(written)
             done.result()
+            written = part
+        if written is not None:
+            fh.update(written)
     # _write_all clears O_DIRECT where the file system refused it for a buffer: then (part of)
     # the file went through the page cache after all.
     direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
     if body < n:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         _write_all(fd, data[body:])
-        h.update(data[body:])
+        fh.update(data[body:])
     os.fsync(fd)
-    return FileRecord(len(head) + n, h.hexdigest(), direct=direct)
+    return fh.record(len(head) + n, direct=direct)
 
 
 def _write_all(fd: int, buf: memoryview) -> None:

@@ -7,6 +7,7 @@ import json
 import time
 from typing import Any
 
+import pytest
 from fchelpers import FcEnv, RunningAgent
 
 from flashckpt.agent import AgentConfig, NodeAgent
@@ -209,3 +210,151 @@ def test_flush_on_the_committing_node_waits_for_the_rewrite_of_a_hidden_step(
     agent.committer.commit_round()
     assert st.committed_steps() == [3, 5], "the rewritten step 5 was never committed again"
     assert agent.server.flush(5, 5.0) == FlushReply(committed=5)
+
+
+# -- latest never moves backwards: a machine cut off from the job (issue 11, partition) -----------
+
+
+def _commit_as(agent: NodeAgent, step: int, world_id: str, nodes: tuple[str, ...] = ("n0", "n1")):
+    """Writes every part of ``step`` for ``world_id`` and lets the agent commit it."""
+    st = Storage(agent.st.cfg.storage or "")
+    for rank, node in enumerate(nodes):
+        st.write_part(step, node, _part(node, step, world_id, rank, world=len(nodes)))
+    agent.committer.enqueue(step, len(nodes), 1, world_id)
+    agent.committer.commit_round()
+
+
+def _other_world_commits(fc_env: FcEnv, step: int, world_id: str) -> None:
+    """Another machine's agent (the new world's rank-0 host) commits ``step``."""
+    other = NodeAgent(
+        AgentConfig(job=fc_env.job, node="n2", storage=fc_env.storage, run_dir=fc_env.run_dir)
+    )
+    _commit_as(other, step, world_id, nodes=("n2", "n1"))
+
+
+def test_a_commit_refuses_a_step_older_than_another_worlds_newer_commit(fc_env: FcEnv) -> None:
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    _commit_as(agent, 20, "w1")
+    assert st.committed_steps() == [20]
+    # This machine was cut off; a new world (w2, the survivor and a standby) committed step 24.
+    _other_world_commits(fc_env, 24, "w2")
+    assert st.committed_steps() == [20, 24]
+    # The cut-off machine's old world completes step 22 (the survivor had written its part).
+    _commit_as(agent, 22, "w1")
+    assert st.committed_steps() == [20, 24], "a step of the abandoned world was committed"
+    assert json.loads(st.fs.cat_file(st.path("latest")))["step"] == 24
+    errors = agent.status()["errors"]
+    assert errors and errors[-1]["step"] == 22, errors
+    assert "another world ('w2')" in errors[-1]["error"], errors
+    assert "step 24" in errors[-1]["error"], errors
+
+
+def test_a_commit_refuses_a_step_another_world_committed_already(fc_env: FcEnv) -> None:
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    _commit_as(agent, 20, "w1")
+    # The new world restored step 20 and committed its own step 22 first.
+    _other_world_commits(fc_env, 22, "w2")
+    before = st.fs.cat_file(st.step_path(22, "manifest.json"))
+    _commit_as(agent, 22, "w1")
+    assert st.fs.cat_file(st.step_path(22, "manifest.json")) == before, "manifest overwritten"
+    assert json.loads(before)["world_id"] == "w2"
+    errors = agent.status()["errors"]
+    assert errors and "already committed by another world ('w2')" in errors[-1]["error"], errors
+
+
+def test_steps_committed_before_this_world_began_do_not_block_it(fc_env: FcEnv) -> None:
+    # An older run (or an abandoned timeline the persister rewrites) left step 100 committed.
+    _other_world_commits(fc_env, 100, "w0")
+    agent = _agent(fc_env)
+    _commit_as(agent, 10, "w1")
+    assert Storage(fc_env.storage).committed_steps() == [10, 100]
+    assert agent.status()["errors"] == []
+
+
+def test_an_older_step_of_the_same_world_is_dropped_quietly(fc_env: FcEnv) -> None:
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    _commit_as(agent, 10, "w1")
+    # Step 5's parts arrive late (a slow persist): step 10 of the same world is committed.
+    _commit_as(agent, 5, "w1")
+    assert st.committed_steps() == [10], "a step older than the newest one was committed"
+    assert agent.committer.commits == {}
+    assert agent.status()["errors"] == [], "a superseded step of this world is no error"
+
+
+def test_a_fenced_agent_commits_nothing_until_a_new_world_says_hello(
+    fc_env: FcEnv, agent: RunningAgent
+) -> None:
+    from flashckpt.errors import AgentError
+    from flashckpt.messages import Fence, OkReply
+    from flashckpt.protocol import AgentClient
+
+    a = agent.agent
+    st = Storage(fc_env.storage)
+    hello = {"rank": 0, "world_size": 2, "local_rank": 0, "storage": fc_env.storage}
+    c = AgentClient(a.socket_path)
+    try:
+        c.request("hello", world_id="w1", **hello)
+        assert a.st.world_id == "w1"
+        st.write_part(7, "n0", _part("n0", 7, "w1", 0))
+        _wait_for(a, 7)
+        assert c.call(Fence(reason="lease lapsing", timeout_s=5)) == OkReply()
+        assert a.committer.fenced == "lease lapsing" and a.committer.fenced_world == "w1"
+        assert a.st.world_id is None, "the fenced world's snapshots would still be persisted"
+        # Step 7's last part arrives: nothing is committed, nothing can be queued.
+        st.write_part(7, "n1", _part("n1", 7, "w1", 1))
+        a.committer.commit_round()
+        a.committer.enqueue(7, 2, 1, "w1")
+        a.committer.commit_round()
+        assert st.committed_steps() == [] and a.committer.commits == {}
+        # A trainer of the fenced world (restarted, or late) is refused.
+        with pytest.raises(AgentError, match="fenced"):
+            c.request("hello", world_id="w1", **hello)
+        assert a.committer.fenced is not None
+        # A trainer of a new world lifts the fence: its steps commit again.
+        c.request("hello", world_id="w3", **hello)
+        assert a.committer.fenced is None and a.st.world_id == "w3"
+        _commit_as(a, 9, "w3")
+        assert st.committed_steps() == [9]
+    finally:
+        c.close()
+
+
+def test_a_bad_fence_request_is_refused_and_the_agent_serves_on(
+    fc_env: FcEnv, agent: RunningAgent
+) -> None:
+    from flashckpt.errors import AgentError, ProtocolError
+    from flashckpt.messages import Fence, parse_request
+    from flashckpt.protocol import AgentClient
+
+    for bad, why in (
+        ({"op": "fence", "timeout_s": "soon"}, "field 'timeout_s'"),
+        ({"op": "fence", "timeout_s": -1}, "outside 0..600"),
+        ({"op": "fence", "reason": "x" * 5000}, "longer than 4096"),
+        ({"op": "fence", "world": "w1"}, "unknown field"),
+    ):
+        with pytest.raises(ProtocolError, match=why):
+            parse_request(bad)
+    assert isinstance(parse_request({"id": 1, "op": "fence"}).body, Fence)
+    c = AgentClient(agent.agent.socket_path)
+    try:
+        with pytest.raises(AgentError, match=r"outside 0\.\.600") as ei:
+            c.request("fence", timeout_s=1e9)
+        assert ei.value.kind == "ProtocolError"
+        assert agent.agent.committer.fenced is None, "a refused request fenced the agent"
+        assert c.request("ping")["pid"] > 0
+    finally:
+        c.close()
+
+
+def test_a_late_step_of_an_older_world_is_checked_against_that_world(fc_env: FcEnv) -> None:
+    agent = _agent(fc_env)
+    st = Storage(fc_env.storage)
+    _commit_as(agent, 20, "w1")
+    # World w2 begins on this agent too (a membership change) and commits step 24.
+    _commit_as(agent, 24, "w2")
+    # A late step 22 of w1 (its last part arrives now) must not take w2's commit as "before".
+    _commit_as(agent, 22, "w1")
+    assert st.committed_steps() == [20, 24]

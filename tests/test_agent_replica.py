@@ -454,3 +454,263 @@ def test_replicas_of_machines_that_left_the_world_are_dropped(tmp_path: Path) ->
         r2.close()
         for s in slots2:
             s.close()
+
+
+# -- the launcher's peer list (replica_peers request, Replicator.set_peers) --------------------
+
+
+def _request(env: FcEnv, op: str, **fields: Any) -> dict[str, Any]:
+    c = AgentClient(names.socket_path(env.run_dir, env.job, env.node), timeout=10.0)
+    try:
+        return c.request(op, timeout=30, **fields)
+    finally:
+        c.close()
+
+
+def test_replica_peers_request_is_validated() -> None:
+    from flashckpt.errors import ProtocolError
+    from flashckpt.messages import (
+        MAX_REPLICA_PEERS,
+        ReplicaPeers,
+        ReplicaPeersReply,
+        parse_reply,
+        parse_request,
+    )
+
+    good = {"id": 1, "op": "replica_peers", "peers": {"b": "10.0.0.2:7070", "c": "[fd00::3]:1"}}
+    body = parse_request(good).body
+    assert isinstance(body, ReplicaPeers)
+    assert body.addresses() == {"b": ("10.0.0.2", 7070), "c": ("fd00::3", 1)}
+    assert parse_request(body.to_json(1)).body == body
+    reply = parse_reply("replica_peers", {"id": 1, "ok": True, "listen": "h:1", "targets": ["b"]})
+    assert reply == ReplicaPeersReply(listen="h:1", targets=["b"])
+    too_many = {f"n{i}": "h:1" for i in range(MAX_REPLICA_PEERS + 1)}
+    for peers, words in (
+        ({"b": "10.0.0.2"}, "not host:port"),
+        ({"b": "10.0.0.2:0"}, "1-65535"),
+        ({"b": "10.0.0.2:65536"}, "1-65535"),
+        ({"b": "10.0.0.2:-1"}, "not host:port"),
+        ({"b": ":7070"}, "not host:port"),
+        ({"b": "a b:7070"}, "not host:port"),
+        ({"b": "a/b:7070"}, "not host:port"),
+        ({"b": "h:\uff17\uff10"}, "not host:port"),  # fullwidth digits
+        ({"b": 7070}, "not dict"),
+        ({"b/../x": "h:1"}, "not a valid id"),
+        ({"": "h:1"}, "not a valid id"),
+        (too_many, "more than"),
+        (["b", "h:1"], "not dict"),
+    ):
+        with pytest.raises(ProtocolError, match=words):
+            parse_request({"id": 2, "op": "replica_peers", "peers": peers})
+    with pytest.raises(ProtocolError, match="missing field 'peers'"):
+        parse_request({"id": 3, "op": "replica_peers"})
+    with pytest.raises(ProtocolError, match="unknown field"):
+        parse_request({"id": 4, "op": "replica_peers", "peers": {}, "evil": 1})
+
+
+def test_agent_takes_the_launchers_peer_list_and_serves_on_after_bad_ones(
+    fc_env: FcEnv, tmp_path: Path
+) -> None:
+    """A real agent: bad peer lists get a ProtocolError reply (nothing changes, the agent serves
+    on); a good one is taken, shown in ``status`` and answered with the listen address and the
+    targets; a new one replaces it."""
+    from flashckpt.errors import AgentError
+
+    with private_shm(tmp_path / "shm-a", "64m") as shm:
+        a = dataclasses.replace(fc_env, node="a", shm_dir=shm)
+        agents = Agents(tmp_path)
+        try:
+            p, _ = agents.start(a, "--replica-listen", "127.0.0.1:0")
+            listen = _status(a)["replication"]["listen"]
+            assert listen.startswith("127.0.0.1:") and int(listen.rsplit(":", 1)[1]) > 0
+            for peers in (
+                {"b": "127.0.0.1:0"},
+                {"b": "x"},
+                {"a": "127.0.0.1:7070"},  # its own node
+                {"b;rm": "127.0.0.1:1"},
+                "b=127.0.0.1:1",
+            ):
+                with pytest.raises(AgentError) as e:
+                    _request(a, "replica_peers", peers=peers)
+                assert e.value.kind == "ProtocolError", (peers, e.value)
+                assert _status(a)["replication"]["peers"] == {}
+            assert _request(a, "ping")["pid"] == p.pid
+            got = _request(a, "replica_peers", peers={"c": "127.0.0.1:9", "b": "127.0.0.1:8"})
+            assert got["listen"] == listen and got["targets"] == ["b"], got
+            rep = _status(a)["replication"]
+            assert rep["peers"] == {"b": "127.0.0.1:8", "c": "127.0.0.1:9"}
+            assert rep["targets"] == ["b"]
+            got = _request(a, "replica_peers", peers={"c": "127.0.0.1:9"})
+            assert got["targets"] == ["c"] and _status(a)["replication"]["peers"] == {
+                "c": "127.0.0.1:9"
+            }
+            got = _request(a, "replica_peers", peers={})
+            assert got["targets"] == [] and _status(a)["replication"]["targets"] == []
+            assert p.poll() is None
+        finally:
+            agents.close()
+            for n in os.listdir(shm):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(shm, n))
+
+
+def test_peer_list_sent_at_runtime_replicates_and_a_new_list_redirects(
+    fc_env: FcEnv, tmp_path: Path
+) -> None:
+    """Agent ``a`` starts without peers; the launcher's list (b) makes it send its newest
+    snapshot to b; a new list (c instead of b) sends the same snapshot to c without a new
+    snapshot, and a's sent record forgets b."""
+    with (
+        private_shm(tmp_path / "shm-a", "128m") as shm_a,
+        private_shm(tmp_path / "shm-b", "128m") as shm_b,
+        private_shm(tmp_path / "shm-c", "128m") as shm_c,
+    ):
+        a = dataclasses.replace(fc_env, node="a", shm_dir=shm_a)
+        b = dataclasses.replace(fc_env, node="b", shm_dir=shm_b)
+        c = dataclasses.replace(fc_env, node="c", shm_dir=shm_c)
+        agents = Agents(tmp_path)
+        try:
+            listen = {}
+            for env in (b, c):
+                agents.start(
+                    env, "--replica-listen", "127.0.0.1:0", "--replica-limit-bytes", str(2**25)
+                )
+                listen[env.node] = _status(env)["replication"]["listen"]
+            agents.start(a, "--replica-listen", "127.0.0.1:0")
+            rc, err = _train(a, tmp_path, "t", "--steps", "9")
+            assert rc == 0, err[-4000:]
+            newest = _newest_step(a)
+            time.sleep(1.0)
+            assert _status(a)["replication"]["sent"] == []  # no peers yet: nothing sent
+
+            def held(env: FcEnv) -> list[int]:
+                rep = _status(env)["replication"]
+                return [h["step"] for h in rep["held"] if h["sender"] == "a" and h["rank"] == 0]
+
+            got = _request(a, "replica_peers", peers={"b": listen["b"]})
+            assert got["targets"] == ["b"]
+            _wait(lambda: newest in held(b), f"b to hold a's step {newest}")
+            _check_replica_equals_slot(a, b, newest)
+
+            got = _request(a, "replica_peers", peers={"c": listen["c"]})
+            assert got["targets"] == ["c"]
+            _wait(lambda: newest in held(c), f"c to hold a's step {newest}")
+            sent = _status(a)["replication"]["sent"]
+            assert [(s["target"], s["step"]) for s in sent] == [("c", newest)], sent
+        finally:
+            agents.close()
+            for env in (a, b, c):
+                for n in os.listdir(env.shm_dir):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(env.shm_dir, n))
+
+
+def test_set_peers_replaces_and_prunes_departed_once_the_new_world_snapshotted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import flashckpt.agent_replica as ar
+    from flashckpt.replica import HeldReplica, ReplicaHeader
+
+    st, slots = _state_with_slots(tmp_path, replica_listen="127.0.0.1:0")
+    r = ar.Replicator(st)
+    r.start_server()
+
+    def hold(sender: str) -> str:
+        assert r.store is not None
+        path = names.replica_path(str(tmp_path), "j", "a", sender, 0)
+        Path(path).write_bytes(b"x")
+        h = ReplicaHeader("j", sender, 0, 3, "w1", 2, 2, 10, 1, 0.0)
+        r.store._held[(sender, 0)] = HeldReplica(h, path)
+        return path
+
+    def holds() -> list[str]:
+        assert r.store is not None
+        return [h.header.sender_node for h in r.store.held()]
+
+    # Whether this machine's trainers have a complete, hashed snapshot of the current world
+    # (the real one reads the slots; here the test says when the new world snapshotted).
+    new_world_snapshot: list[Any] = []
+    monkeypatch.setattr(r, "candidates", lambda: list(new_world_snapshot))
+    try:
+        for bad, words in (
+            ({"a": ("127.0.0.1", 1)}, "own node"),
+            ({"b": ("127.0.0.1", 0)}, "not host:port"),
+            ({"b": ("", 1)}, "not host:port"),
+            ({"b/x": ("h", 1)}, "not a valid id"),
+            ({f"n{i}": ("h", 1) for i in range(ar.MAX_PEERS + 1)}, "more than"),
+        ):
+            with pytest.raises(ValueError, match=words):
+                r.set_peers(bad)
+            assert r.peers == {}
+        st.world_id = "w1"
+        assert r.set_peers({"b": ("127.0.0.1", 1), "c": ("127.0.0.1", 2)}) == ["b"]
+        first = r.peers
+        r._done[("b", 0)] = ("p", 1, 3)  # b took step 3
+        gone, kept = hold("c"), hold("b")
+        newcomer = hold("d")  # a machine this agent has not heard of yet (its list is late)
+        # c leaves (the launcher's next round): the list is replaced whole, the old dict as it was.
+        assert r.set_peers({"b": ("127.0.0.1", 1)}) == ["b"]
+        assert first == {"b": ("127.0.0.1", 1), "c": ("127.0.0.1", 2)} and r.peers is not first
+        assert r._done == {}  # the newest snapshot goes to the targets again
+        # The new world has no snapshot here yet: a replacement may restore c's ranks from it.
+        r.prune_departed()
+        assert holds() == ["b", "c", "d"]
+        st.world_id = "w2"  # the new world's trainers said hello ...
+        r.prune_departed()
+        assert holds() == ["b", "c", "d"]
+        new_world_snapshot.append(("slot", 0, None, "w2"))  # ... and took a snapshot
+        r.prune_departed()
+        assert holds() == ["b", "d"]
+        assert os.path.exists(kept) and os.path.exists(newcomer) and not os.path.exists(gone)
+        # b leaves too, d is named: b's replica goes, d's stays.
+        st.world_id = "w3"
+        assert r.set_peers({"d": ("127.0.0.1", 4)}) == ["d"]
+        assert holds() == ["b", "d"]  # until the next world snapshotted here
+        st.world_id = "w4"
+        r.prune_departed()
+        assert holds() == ["d"]
+        assert r.status() is not None and r.status()["peers"] == {"d": "127.0.0.1:4"}  # type: ignore[index]
+    finally:
+        r.close()
+        for s in slots:
+            s.close()
+
+
+def test_a_taken_replica_port_takes_another_and_an_unusable_address_runs_without(
+    tmp_path: Path,
+) -> None:
+    """The launcher gives an agent started again its previous replica port: taken meanwhile,
+    the agent listens on another one (the launcher reads it back); an address that is not this
+    machine's leaves the agent without replicas, never without its checkpoints."""
+    import socket
+
+    import flashckpt.agent_replica as ar
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        st, slots = _state_with_slots(tmp_path, replica_listen=f"127.0.0.1:{port}")
+        r = ar.Replicator(st)
+        r.start_server()
+        try:
+            assert r.server is not None and r.store is not None
+            host, got = r.server.address
+            assert host == "127.0.0.1" and got not in (0, port)
+        finally:
+            r.close()
+            for s in slots:
+                s.close()
+    finally:
+        taken.close()
+    (tmp_path / "x").mkdir()
+    st, slots = _state_with_slots(tmp_path / "x", replica_listen="192.0.2.1:0")  # TEST-NET-1
+    r = ar.Replicator(st)
+    r.start_server()
+    try:
+        assert r.server is None and r.store is None
+        assert r.status() is not None and r.status()["listen"] is None  # type: ignore[index]
+        r.check_capacity(2**20, 0)  # no store: nothing to check, no error
+    finally:
+        r.close()
+        for s in slots:
+            s.close()

@@ -80,7 +80,7 @@ def main() -> int:
         ddp,
         opt,
         scheduler=sched,
-        storage=a.storage,
+        storage=a.storage or None,  # "": memory only
         every=a.every,
         mode=a.mode,
         replicated=not a.fsdp,

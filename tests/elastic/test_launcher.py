@@ -31,7 +31,7 @@ STEPS = 50
 EVERY = 5
 WORKER_ARGS = ["--steps", str(STEPS), "--every", str(EVERY)]
 PACED = [*WORKER_ARGS, "--step-sleep", "0.1"]
-SLOW = [*WORKER_ARGS, "--step-sleep", "0.15"]  # leaves time to start a standby before the kill
+SLOW = [*WORKER_ARGS, "--step-sleep", "0.3"]  # leaves time to start a standby before the kill
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 

@@ -48,7 +48,7 @@ def test_standby_replaces_a_killed_machine_across_namespaces(
     ns, etcd_url = net
     cluster = NsSimCluster(
         tmp_path / "job", ns, etcd_url, nnodes="2:2",
-        worker_args=[*WORKER_ARGS, "--step-sleep", "0.2"],
+        worker_args=[*WORKER_ARGS, "--step-sleep", "0.4"],
     )  # fmt: skip
     try:
         cluster.start("n0")

@@ -287,7 +287,7 @@ class Bench:
         log = os.path.join(self.root, f"agent-{job}-{node}.log")
         cmd = [sys.executable, "-m", "flashckpt", "agent", "--job", job, "--node", node]
         cmd += ["--run-dir", self.run_dir, "--shm-dir", self.shm[node], "--storage", storage]
-        cmd += ["--idle-timeout", "300", "--poll-interval", "0.05", "--log-file", log, *extra]
+        cmd += ["--idle-timeout", "1800", "--poll-interval", "0.05", "--log-file", log, *extra]
         env = dict(os.environ, FCBENCH_THREAD_LOG=self.probe_dir)
         env["PYTHONPATH"] = os.pathsep.join([C.PROBE_DIR, env.get("PYTHONPATH", "")])
         p = subprocess.Popen(
@@ -610,11 +610,17 @@ def run_size(
     return out
 
 
+def _rank(res: dict[str, Any], rank: int) -> dict[str, Any]:
+    """A rank's row, in a result just measured (int keys) or read back from JSON (str keys)."""
+    ranks = res["ranks"]
+    return ranks[rank] if rank in ranks else ranks[str(rank)]
+
+
 def summarize(size_res: dict[str, Any]) -> dict[str, Any]:
     reps = size_res["repeats"]
     s: dict[str, Any] = {}
     for v in ("peer", "cold", "warm"):
-        rows = [r["ranks"][1] for rep in reps for r in rep["restores"] if r["variant"] == v]
+        rows = [_rank(r, 1) for rep in reps for r in rep["restores"] if r["variant"] == v]
         phases: dict[str, list[float]] = {}
         for r in rows:
             for k, x in r["phases_s"].items():
@@ -634,6 +640,9 @@ def summarize(size_res: dict[str, Any]) -> dict[str, Any]:
         rows = [rep[f"loop_{k}"] for rep in reps]
         s[f"lost_per_ckpt_{k}_s"] = C.median([r["lost_per_ckpt_s"] for r in rows])
         s[f"noise_per_ckpt_{k}_s"] = C.median([r["noise_per_ckpt_s"] for r in rows])
+    s["base_step_median_s"] = C.median(
+        [rep[f"loop_{k}"]["base_step_s"] for rep in reps for k in ("off", "on")]
+    )
     s["noise_per_ckpt_max_s"] = max(
         rep[f"loop_{k}"]["noise_per_ckpt_s"] for rep in reps for k in ("off", "on")
     )
@@ -653,23 +662,46 @@ def summarize(size_res: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown(res: dict[str, Any]) -> list[str]:
-    f = C.fmt_s
+    """Two tables: the restore of rank 1 on the standby, and the loop with replicas off / on."""
+
+    def f(x: float | None) -> str:
+        return C.fmt_s(x).strip()
+
     lines = [
-        "| GiB/machine | peer-memory | cold storage | warm storage | cold/peer | warm/peer | "
-        "hash check | replication GiB/s | lost/ckpt off | lost/ckpt on | noise/ckpt |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| GiB/machine | source | entry -> applied | restore pipeline | plan | pull | "
+        "read (of it: hash check) | fit + apply | vs peer-memory |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size in res["sizes"]:
+        s = size["summary"]
+        for v, label in (("peer", "peer-memory"), ("cold", "cold storage"), ("warm", "warm")):
+            r = s[v]
+            ph = r["phases_median_s"]
+            src = "peer-memory" if v == "peer" else "storage"
+            fa = (ph.get("fit") or 0.0) + (ph.get("apply") or 0.0)
+            vs = "1x" if v == "peer" else C.fmt_x(s[f"{v}_over_peer"]).strip()
+            lines.append(
+                f"| {size['gib_per_machine']} | {label} | **{f(r['entry_median_s'])}** | "
+                f"{f(r['restore_median_s'])} | {f(ph.get('plan'))} | "
+                f"{f(ph.get('prepare.peer-memory')) if v == 'peer' else '-'} | "
+                f"{f(ph.get('read.' + src))} ({f(ph.get('hash')) if v == 'peer' else '-'}) | "
+                f"{f(fa)} | {vs} |"
+            )
+    lines += [
+        "",
+        "| GiB/machine | step | lost/ckpt, replicas off | lost/ckpt, replicas on | "
+        "noise floor/ckpt (max) | replica push GiB/s (s per push) | sender thread CPU/agent |",
+        "|---|---|---|---|---|---|---|",
     ]
     for size in res["sizes"]:
         s = size["summary"]
         bw = s["push_gib_s_median"]
         lines.append(
-            f"| {size['gib_per_machine']} | {f(s['peer']['entry_median_s']).strip()} | "
-            f"{f(s['cold']['entry_median_s']).strip()} | "
-            f"{f(s['warm']['entry_median_s']).strip()} | "
-            f"{C.fmt_x(s['cold_over_peer']).strip()} | {C.fmt_x(s['warm_over_peer']).strip()} | "
-            f"{f(s['hash_check_median_s']).strip()} | {'-' if bw is None else f'{bw:.2f}'} | "
-            f"{f(s['lost_per_ckpt_off_s']).strip()} | {f(s['lost_per_ckpt_on_s']).strip()} | "
-            f"{f(s['noise_per_ckpt_max_s']).strip()} |"
+            f"| {size['gib_per_machine']} | {f(s.get('base_step_median_s'))} | "
+            f"{f(s['lost_per_ckpt_off_s'])} | {f(s['lost_per_ckpt_on_s'])} | "
+            f"{f(s['noise_per_ckpt_max_s'])} | "
+            f"{'-' if bw is None else f'{bw:.2f}'} ({f(s['push_seconds_median'])}) | "
+            f"{f(s['sender_thread_cpu_s_per_agent_median'])} |"
         )
     return lines
 
@@ -682,13 +714,20 @@ def main(argv: list[str] | None = None) -> int:
         "--loop-steps", type=int, default=8, help=f"steps per loop block (a snapshot every {EVERY})"
     )
     ap.add_argument("--out", help="write the results as JSON here")
-    ap.add_argument("--report", help="print the markdown table of a JSON result and exit")
+    ap.add_argument(
+        "--report", help="print the markdown tables of JSON results (comma-separated) and exit"
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(json.loads(args.worker))
     if args.report:
-        print("\n".join(markdown(json.loads(Path(args.report).read_text()))))
+        sizes = []
+        for name in args.report.split(","):
+            sizes += json.loads(Path(name).read_text())["sizes"]
+        for size in sizes:
+            size["summary"] = summarize(size)  # of this version of the script
+        print("\n".join(markdown({"sizes": sizes})))
         return 0
     if args.loop_steps < EVERY or args.loop_steps % EVERY:
         ap.error(f"--loop-steps must be a multiple of {EVERY}")

@@ -669,7 +669,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
 
     lines = [
         "| GiB/machine | source | entry -> applied | restore pipeline | plan | pull | "
-        "read (of it: hash check) | fit + apply | vs peer-memory |",
+        "read (of it: hash check) | fit + apply | time / peer-memory's |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for size in res["sizes"]:

@@ -27,6 +27,11 @@ Systems:
   lapsing (what a power loss or network partition looks like);
 - ``flashckpt-cold``: the same with ``--no-prewarm``: every worker is a fresh interpreter that
   imports torch, like torchrun's;
+- ``flashckpt-peer``: ``flashckpt run`` defaults (replicas 1) without storage, and a sharded job
+  instead (FSDP2, ``--peer-gib`` GiB of state per machine, default 0.25): the killed machine's
+  shards exist only in the replica its agent sent to the survivor's agent, and the standby
+  restores them from there (``restored_from`` ``peer-memory``). The machine killed is rank 1's
+  (rank 0's, for the other systems): see ``run_once``;
 - ``torchrun-default``: plain ``torchrun`` with torch's c10d rendezvous and default keep-alive
   (5 s x 3), resuming from ``torch.save`` files written every interval by rank 0;
 - ``torchrun-tuned``: the same with keep-alive 1 s x 3.
@@ -80,6 +85,7 @@ SYSTEMS = (
     "flashckpt",
     "flashckpt-lease-only",
     "flashckpt-cold",
+    "flashckpt-peer",
     "torchrun-tuned",
     "torchrun-default",
 )
@@ -164,6 +170,9 @@ class Job:
             "--step-sleep",
             str(a.step_sleep),
         ]
+        peer = self.system == "flashckpt-peer"
+        if peer:  # sharded, memory only: the lost shards can only come from a peer's replica
+            worker += ["--fsdp-gib", str(a.peer_gib)]
         if self.flashckpt:
             cmd = [
                 sys.executable, "-m", "flashckpt", "run",
@@ -181,6 +190,10 @@ class Job:
                 cmd.append("--no-prewarm")
             if a.verbose:
                 cmd.append("--verbose")
+            if peer:
+                at = cmd.index("--storage")
+                del cmd[at : at + 2]
+                return [*cmd, *worker, "--mode", "flashckpt", "--storage", ""]
             return [*cmd, *worker, "--mode", "flashckpt", "--storage", f"file://{self.work}/"
                     f"ckpt-{self.uid}"]  # fmt: skip
         conf = "is_host=0"
@@ -296,8 +309,12 @@ def run_once(
         # Kill at a random point of a snapshot interval.
         time.sleep(rng.uniform(0, args.every * args.step_sleep))
         events = job.events()
+        # flashckpt-peer loses the machine of rank 1: when rank 0's machine goes, the new round
+        # numbers the survivor rank 0, and neither its own memory (rank 1's shards) nor a peer
+        # (it holds rank 0's replica itself) serves it yet: that job starts again from step 0.
+        lost_rank = 1 if system == "flashckpt-peer" else 0
         victim = next(
-            e["node"] for e in reversed(events) if e["event"] == "start" and e["rank"] == 0
+            e["node"] for e in reversed(events) if e["event"] == "start" and e["rank"] == lost_rank
         )
         job.killed.add(victim)
         t_kill = job.kill(victim)
@@ -422,6 +439,12 @@ def main() -> int:
         "--namespaces",
         action="store_true",
         help="every machine in its own network namespace, hostname and /dev/shm (root)",
+    )
+    p.add_argument(
+        "--peer-gib",
+        type=float,
+        default=0.25,
+        help="GiB of state per machine of flashckpt-peer's sharded job (default 0.25)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="debug logs from flashckpt run")

@@ -1,4 +1,5 @@
-"""One worker of the failover benchmark: a tiny DDP (gloo) training loop that logs timestamps.
+"""One worker of the failover benchmark: a tiny DDP (gloo) training loop that logs timestamps
+(with ``--fsdp-gib``: a sharded FSDP2 job of that much state per machine instead).
 
 Run by ``flashckpt run`` (``--mode flashckpt``: flash checkpoints, resume from memory or
 storage) or by plain ``torchrun`` (``--mode torchsave``: rank 0 writes ``torch.save`` files with
@@ -61,6 +62,13 @@ def main() -> int:
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--width", type=int, default=256)
+    p.add_argument(
+        "--fsdp-gib",
+        type=float,
+        default=0.0,
+        help="> 0: a sharded job instead (FSDP2, Linear(1024, 1024) layers, AdamW) with this many "
+        "GiB of state per machine; the DDP job otherwise",
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     _event(a.out, "start", t_process=T_PROCESS)
@@ -68,17 +76,39 @@ def main() -> int:
     rank = dist.get_rank()
     _event(a.out, "pg_ready")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(a.width, a.width), torch.nn.Tanh(), torch.nn.Linear(a.width, 1)
-    )
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    sharded = a.fsdp_gib > 0
+    ddp: torch.nn.Module
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        width = 1024
+        world = dist.get_world_size()
+        # fp32 params + two AdamW moments: 12 bytes a parameter, split over the machines.
+        layers = max(world, round(a.fsdp_gib * world * 2**30 / 12 / (width * width + width)))
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        ddp = model
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    else:
+        width = a.width
+        model = torch.nn.Sequential(
+            torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)
+        )
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
     _event(a.out, "ddp_ready")
 
     def train(step: int) -> None:
         g = torch.Generator().manual_seed(10_000 * rank + step)
-        x = torch.randn(16, a.width, generator=g)
-        loss = torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True).sin())
+        x = torch.randn(16 if not sharded else 8, width, generator=g)
+        out = ddp(x)
+        loss = (
+            out.square().mean()
+            if sharded
+            else torch.nn.functional.mse_loss(out, x.sum(1, keepdim=True).sin())
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -109,8 +139,9 @@ def main() -> int:
     with flashckpt.checkpointing(
         ddp,
         opt,
-        storage=a.storage,
+        storage=a.storage or None,  # "": memory only
         every=a.every,
+        replicated=not sharded,
         flush_timeout=600.0 if rank == 0 else 1.0,
         # Only rank 0's flush waits for the commit: the others' short flush may end before it
         # and must not turn a committed job into a failed one.

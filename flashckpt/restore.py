@@ -21,11 +21,13 @@ added to that list.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from flashckpt.interval import RESTARTS_ENV
 from flashckpt.saved import RestoreEnv, RestorePlan, RestoreSource, SavedStep
 from flashckpt.snapshot import BadMemory, TornSnapshot
 from flashckpt.sources import (
@@ -129,6 +131,18 @@ class Restorer:
                         "rank; nothing restored",
                         stacklevel=3,
                     )
+                # Collective (every rank finds no plan): a replacement machine (restart count 0)
+                # says it too, where a survivor of the same failure restarted.
+                restarts = ctx.all_max(_restart_count())
+                if restarts > 0:
+                    warnings.warn(
+                        f"flashckpt: rank {ctx.rank} starts from step 0 on restart {restarts} of "
+                        "the job: no step of the run before is in every rank's reach (own "
+                        "memory, a peer's replica, storage), so its work is lost; give the job "
+                        "storage= (or keep replicas on, more than one machine) to resume after a "
+                        "failure",
+                        stacklevel=3,
+                    )
                 self.applier.invalidate_after(env.snap, -1)
                 self.seconds = time.perf_counter() - t0
                 return
@@ -188,6 +202,13 @@ class Restorer:
         if saved.note:
             log.info("%s", saved.note)
         return state
+
+
+def _restart_count() -> int:
+    """How often the launcher restarted this rank's worker group (``$TORCHELASTIC_RESTART_COUNT``;
+    0 when not under a launcher or for a machine that joined since)."""
+    raw = os.environ.get(RESTARTS_ENV, "0")
+    return int(raw) if raw.isdigit() else 0
 
 
 def _prepare(sources: list[RestoreSource], plan: RestorePlan) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -206,3 +207,29 @@ def test_a_slot_whose_description_fails_its_checks_is_ignored(
     with caplog.at_level(logging.WARNING, logger="flashckpt"), ck2:
         assert (ck2.restored_from, ck2.start_step) == (None, 0)
     assert any("ignoring the snapshot in" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("restarts", ["0", "2"])
+def test_a_restart_that_finds_nothing_to_restore_warns_that_the_work_is_lost(
+    fc_env: FcEnv, agent: RunningAgent, monkeypatch: pytest.MonkeyPatch, restarts: str
+) -> None:
+    """A restarted job that restores nothing (memory only, the machine holding a step gone)
+    starts from step 0: a warning says the work before the failure is lost, not an info line;
+    a first start says nothing of the kind."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restarts)
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(agent="connect", storage=None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ck = flashckpt.checkpointing(model, opt, scheduler=sched, **kw)
+        ck.__enter__()
+    try:
+        assert (ck.restored_from, ck.start_step) == (None, 0)
+        lost = [str(w.message) for w in seen if "starts from step 0 on restart" in str(w.message)]
+        if restarts == "0":
+            assert lost == []
+        else:
+            assert len(lost) == 1 and "restart 2 of the job" in lost[0], lost
+            assert "storage=" in lost[0]
+    finally:
+        ck.__exit__(None, None, None)

@@ -50,14 +50,17 @@ class CheckpointConfig:
     fraction of a local disk) instead of growing with the snapshot rate, where they compete with
     the cores that train. The price is paid only when a machine is lost with its memory and no
     other machine's memory holds its state: the job then falls back to the last persisted step,
-    at most about five minutes plus one snapshot interval and one persist's duration behind.
-    Whatever it says, the newest snapshot is persisted when ``flush()`` or the exit of the
-    ``with`` block waits for it and when a trainer dies (its node agent persists what that
-    machine's memory holds: save at breakpoint), so a rarer persist loses nothing on a process
-    crash; and where another machine's memory holds the state (data parallel: every machine
-    does; sharded: the agent's ``replicas``) a lost machine restores from there. Lower it (or
-    use 1) where storage is the only copy that survives, e.g. a single machine whose loss is
-    likely."""
+    usually at most about five minutes plus one snapshot interval and one persist's duration
+    behind (more after a dropped mark, see the end). Whatever it says, the newest snapshot is
+    persisted when ``flush()`` or the exit of the ``with`` block waits for it and when a trainer
+    dies (its node agent persists what that machine's memory holds: save at breakpoint), so a
+    rarer persist loses nothing on a process crash; and where another machine's memory holds the
+    state (data parallel: every machine does; sharded: the agent's ``replicas``) a lost machine
+    restores from there. Lower it (or use 1) where storage is the only copy that survives, e.g.
+    a single machine whose loss is likely. The agent persists the newest marked snapshot it
+    finds: one that a newer snapshot replaces in memory before the agent begins on it (snapshots
+    every step or two, an agent slowed by load) is not persisted, and storage waits for the next
+    mark."""
     mtbf_s: float | None = None
     """With ``every="auto"``: the prior job MTBF in seconds (default: 50,000 GPU-hours per
     failure divided by the world size); failures seen during the run update it."""

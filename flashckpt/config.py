@@ -38,14 +38,30 @@ class CheckpointConfig:
     every snapshot (:mod:`flashckpt.interval`; ``status()["every"]`` shows it); the first one
     after 10 steps. An int N: whenever the number of steps done is a multiple of N. 0: manual,
     snapshots only on ``save()`` (and the one on exit)."""
-    persist_every: int | str = 1
-    """Which snapshots go to storage too (memory keeps every one). An int N: the first and then
-    every Nth snapshot (1, the default: every one). A duration ``"90s"``, ``"10m"``, ``"2h"``: a
-    snapshot when at least that long passed since the last one marked (the ranks agree: one
-    all-reduce of one integer per snapshot). Whatever it says, the newest snapshot is persisted
-    when ``flush()`` or the exit of the ``with`` block waits for it and when a trainer dies
-    (its node agent persists what that machine's memory holds), so a rarer persist loses
-    nothing on a process crash; only a machine lost with its memory falls back further."""
+    persist_every: int | str = "5m"
+    """Which snapshots go to storage too (memory keeps every one). A duration ``"90s"``,
+    ``"10m"``, ``"2h"``: the first snapshot, then one when at least that long passed since the
+    last one marked (the ranks agree: one all-reduce of one integer per snapshot; a rank whose
+    clock says "due" decides for all). An int N: the first and then every Nth snapshot (1: every
+    one, the behaviour before this default).
+
+    The default, ``"5m"``, bounds the node agent's background work whatever ``every`` is: at
+    most one persisted snapshot per 5 minutes, so its hashing CPU and disk writes average at
+    most about state size / 300 s (a 10 GB shard: ~33 MB/s of hashing and writing, a small
+    fraction of a local disk) instead of growing with the snapshot rate, where they compete with
+    the cores that train. The price is paid only when a machine is lost with its memory and no
+    other machine's memory holds its state: the job then falls back to the last persisted step,
+    usually at most about five minutes plus one snapshot interval and one persist's duration
+    behind (more after a dropped mark, see the end). Whatever it says, the newest snapshot is
+    persisted when ``flush()`` or the exit of the ``with`` block waits for it and when a trainer
+    dies (its node agent persists what that machine's memory holds: save at breakpoint), so a
+    rarer persist loses nothing on a process crash; and where another machine's memory holds the
+    state (data parallel: every machine does; sharded: the agent's ``replicas``) a lost machine
+    restores from there. Lower it (or use 1) where storage is the only copy that survives, e.g.
+    a single machine whose loss is likely. The agent persists the newest marked snapshot it
+    finds: one that a newer snapshot replaces in memory before the agent begins on it (snapshots
+    every step or two, an agent slowed by load) is not persisted, and storage waits for the next
+    mark."""
     mirror: str | None = None
     """A second, remote checkpoint root (any fsspec URL, e.g. ``s3://bucket/run1``): the
     optional remote tier. ``storage`` is then meant for node-local disk, written often;

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
+import time
 
 import safetensors.torch
 import torch
@@ -16,6 +18,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tinytrain import kill_in_copy, make
 
 import flashckpt
+from flashckpt.storage import Storage
+
+
+def wait_committed(url: str, step: int, timeout: float = 120.0) -> None:
+    st = Storage(url)
+    deadline = time.monotonic() + timeout
+    while step not in st.committed_steps():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"marked step {step} not committed in {timeout:.0f} s")
+        time.sleep(0.05)
 
 
 def main() -> int:
@@ -30,6 +42,26 @@ def main() -> int:
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--report", default=None)
     p.add_argument("--kill-in-copy", type=int, default=0)
+    p.add_argument(
+        "--persist-every",
+        default="1",
+        help="snapshots (int), a duration ('1h'), or 'default' (the library's); 1 by default: "
+        "the tests read the steps they snapshot back from storage",
+    )
+    p.add_argument(
+        "--clock-due-at",
+        type=int,
+        default=0,
+        help="at the snapshot after this many steps, this rank's clock says a persist is due "
+        "(its last mark moved an hour back); the other ranks' clocks are left alone",
+    )
+    p.add_argument(
+        "--wait-marked",
+        action="store_true",
+        help="rank 0 waits (up to 120 s) until each snapshot it marked for storage is committed, "
+        "before the next step: the agent persists the newest marked snapshot it finds, and a "
+        "fast loop would replace one in memory before the agent begins on it",
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     os.environ["LOCAL_WORLD_SIZE"] = str(a.local_world or a.world)
@@ -38,18 +70,24 @@ def main() -> int:
         init_method=f"file://{a.init_file}",
         rank=a.rank,
         world_size=a.world,
-        timeout=datetime.timedelta(seconds=30),
+        # --wait-marked holds the other ranks in a collective while rank 0 waits for storage
+        timeout=datetime.timedelta(seconds=180 if a.wait_marked else 30),
     )
     if a.kill_in_copy:
         kill_in_copy(a.kill_in_copy)
     model, opt, sched = make(0)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    persist: dict[str, int | str] = {}
+    if a.persist_every != "default":
+        pe = a.persist_every
+        persist["persist_every"] = int(pe) if pe.isdigit() else pe
     with flashckpt.checkpointing(
         ddp,
         opt,
         scheduler=sched,
         storage=a.storage,
         every=a.every,
+        **persist,
         job=a.job,
         node=a.node,
         run_dir=a.run_dir,
@@ -70,7 +108,18 @@ def main() -> int:
                 sched.step()
                 log.write(f"{step} {float(loss.item()).hex()}\n")
                 log.flush()
+                if a.clock_due_at and step + 1 == a.clock_due_at:
+                    # The time form's own clock of this rank (flashckpt.checkpointer): an hour
+                    # since its last mark, however little time passed on the others.
+                    assert ckpt._persist_mark_t is not None, "no snapshot marked yet"
+                    ckpt._persist_mark_t -= 3600.0
+                marked = ckpt.stats.persist_marked
                 ckpt.step()
+                if a.wait_marked and a.rank == 0 and ckpt.stats.persist_marked > marked:
+                    wait_committed(a.storage, ckpt.steps_done)
+        with open(a.log + ".stats.json", "w") as f:
+            s = ckpt.stats
+            json.dump({"saves": s.saves, "persist_marked": s.persist_marked}, f)
     final = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
     safetensors.torch.save_file(final, a.log + ".final.safetensors")
     dist.destroy_process_group()

@@ -224,6 +224,7 @@ def train(a: argparse.Namespace) -> int:
         stateful={"ema": ema} if ema is not None else None,
         storage=a.storage,
         every=a.every,
+        persist_every=1,  # the tests read the steps they snapshot back from storage
         job=a.job,
         node=node,
         run_dir=a.run_dir,

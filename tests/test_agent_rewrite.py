@@ -19,7 +19,8 @@ def test_a_hidden_step_whose_rewrite_yields_is_committed_again(
 ) -> None:
     a = agent.agent
     model, opt, sched = make(0)
-    with flashckpt.checkpointing(model, opt, scheduler=sched, **fc_env.ckpt_kwargs()) as ck:
+    kw = fc_env.ckpt_kwargs(persist_every=1)  # the rewrite of a step the trainer marked
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
         for step in range(2):
             train_step(model, opt, sched, step)
             ck.step()

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,86 @@ from flashckpt.config import CheckpointConfig, parse_persist_every
 from flashckpt.errors import CorruptCheckpointError
 from flashckpt.snapmeta import SnapshotMeta
 from flashckpt.storage import Storage
+
+HERE = Path(__file__).parent
+
+
+def _two_machines(
+    env: FcEnv, tmp: Path, steps: int, every: int, flags: dict[int, list[str]]
+) -> list[dict[str, int]]:
+    """Runs ``tests/ddptrain.py`` as 2 DDP ranks (gloo), each on a (simulated) machine of its
+    own: nodes n0 and n1, each with its own auto-started node agent, to the end; ``flags[r]``
+    are rank r's extra flags. Returns each rank's ``stats`` (saves, persist_marked)."""
+    init = tmp / f"init-{time.monotonic_ns()}"
+    procs = []
+    for rank in range(2):
+        cmd = [
+            sys.executable,
+            str(HERE / "ddptrain.py"),
+            *("--rank", str(rank), "--storage", env.storage, "--job", env.job),
+            *("--run-dir", env.run_dir, "--log", str(tmp / f"r{rank}.log")),
+            *("--init-file", str(init), "--steps", str(steps), "--every", str(every)),
+            *("--node", f"n{rank}", "--local-world", "1"),
+            *flags.get(rank, []),
+        ]
+        err = open(tmp / f"r{rank}.stderr", "wb")  # noqa: SIM115 (closed below)
+        procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err), err))
+    try:
+        for p, _ in procs:
+            p.wait(timeout=300)
+    finally:
+        for p, err in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+            err.close()
+    codes = [p.returncode for p, _ in procs]
+    assert codes == [0, 0], [(tmp / f"r{r}.stderr").read_text()[-3000:] for r in range(2)]
+    return [json.loads((tmp / f"r{r}.log.stats.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_the_ranks_or_of_their_clocks_marks_the_same_steps_on_every_machine(
+    fc_env: FcEnv, tmp_path: Path
+) -> None:
+    """The time form on 2 machines: at the snapshot of step 6 only rank 1's clock says a persist
+    is due (an hour since its last mark; rank 0's says a few seconds). The ranks take the OR,
+    so both mark step 6 and both machines' agents persist their part of it: step 6 is committed.
+    Had each rank followed its own clock, rank 0's agent would never write step 6 and it would
+    never be committed (the replica's part is rank 0's)."""
+    st = Storage(fc_env.storage)
+    stats = _two_machines(
+        fc_env,
+        tmp_path,
+        12,
+        3,
+        {
+            0: ["--persist-every", "1h", "--wait-marked"],
+            1: ["--persist-every", "1h", "--clock-due-at", "6"],
+        },
+    )
+    # Snapshots 3, 6, 9, 12: marked are the first (3) and the one rank 1's clock asked for (6).
+    assert stats == [{"saves": 4, "persist_marked": 2}] * 2
+    # 3 and 6 persisted as marked, 9 stayed in memory, 12 committed by the exit's flush.
+    assert st.committed_steps() == [3, 6, 12]
+    for step in (3, 6, 12):
+        assert st.check_step(step).status == "ok", step
+
+
+@pytest.mark.slow
+def test_the_default_persists_the_first_snapshot_and_the_exit_commits_the_last(
+    fc_env: FcEnv, tmp_path: Path
+) -> None:
+    """With the default ``persist_every`` (a duration far longer than this run) on 2 machines:
+    storage gets the first snapshot and, from the exit's flush, the last one; the snapshots
+    between stay in memory only."""
+    assert CheckpointConfig().persist_every == "5m"
+    st = Storage(fc_env.storage)
+    flags = ["--persist-every", "default"]
+    stats = _two_machines(fc_env, tmp_path, 12, 3, {0: [*flags, "--wait-marked"], 1: flags})
+    assert stats == [{"saves": 4, "persist_marked": 1}] * 2
+    assert st.committed_steps() == [3, 12]
+    assert st.check_step(12).status == "ok"
 
 
 def _wait_committed(st: Storage, step: int, timeout: float = 120.0) -> list[int]:

@@ -119,6 +119,7 @@ def train(a: argparse.Namespace, rank: int) -> int:
         scheduler=sched,
         storage=a.storage,
         every=a.every,
+        persist_every=1,  # the tests read the steps they snapshot back from storage
         job=a.job,
         node=a.node,
         run_dir=a.run_dir,

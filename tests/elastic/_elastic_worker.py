@@ -84,6 +84,7 @@ def main() -> int:
         every=a.every,
         mode=a.mode,
         replicated=not a.fsdp,
+        persist_every=1,  # the tests read the steps they snapshot back from storage
         flush_timeout=600.0 if rank == 0 else 1.0,
         # Only rank 0's flush waits for the commit: the others' short flush may end before it
         # and must not turn a committed job into a failed one.

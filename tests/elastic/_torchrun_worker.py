@@ -77,6 +77,7 @@ def main() -> int:
         opt,
         storage=a.storage,
         every=a.every,
+        persist_every=1,  # the tests read the steps they snapshot back from storage
         replicated=True,
         flush_timeout=120.0 if rank == 0 else 1.0,
     ) as ckpt:

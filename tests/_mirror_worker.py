@@ -47,6 +47,7 @@ def main() -> int:
         storage=a.storage,
         mirror=a.mirror,
         mirror_every=2,
+        persist_every=1,  # every snapshot persisted: the mirror counts over them
         job=a.job,
         node=f"n{a.rank}",
         run_dir=a.run_dir,

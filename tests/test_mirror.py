@@ -71,7 +71,7 @@ def _train(env: FcEnv, mirror: str, saves: int, **over: Any) -> tuple[dict[str, 
     """Trains ``saves`` steps with a snapshot after each, then one more step (the exit's final
     snapshot); returns the final state and the checkpointer."""
     model, opt, sched = make(0)
-    kw = env.ckpt_kwargs(every=0, mirror=mirror, **over)
+    kw = env.ckpt_kwargs(every=0, mirror=mirror, **{"persist_every": 1, **over})
     with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
         for i in range(saves):
             train_step(model, opt, sched, i)
@@ -86,7 +86,7 @@ def _train(env: FcEnv, mirror: str, saves: int, **over: Any) -> tuple[dict[str, 
 
 def _restore(env: FcEnv, mirror: str) -> tuple[dict[str, torch.Tensor], Any]:
     model, opt, sched = make(1)  # other initial weights: only a restore makes them equal
-    kw = env.ckpt_kwargs(every=0, mirror=mirror)
+    kw = env.ckpt_kwargs(every=0, persist_every=1, mirror=mirror)
     with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
         got = _state(model, opt)
     return got, ck
@@ -142,7 +142,7 @@ def test_the_last_step_reaches_the_mirror_when_the_loop_saved_it_unmarked(
     mirror_url = f"file://{tmp_path / 'remote'}"
     mirror = Storage(mirror_url)
     model, opt, sched = make(0)
-    kw = fc_env.ckpt_kwargs(every=0, mirror=mirror_url, mirror_every=10)
+    kw = fc_env.ckpt_kwargs(every=0, persist_every=1, mirror=mirror_url, mirror_every=10)
     with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
         for i in range(4):
             train_step(model, opt, sched, i)
@@ -255,7 +255,7 @@ def test_a_failed_copy_leaves_no_step_in_the_mirror(
     agent = _fresh_agent(fc_env, agent)
     try:
         model, opt, sched = make(0)
-        kw = fc_env.ckpt_kwargs(every=0, mirror=mirror_url, mirror_every=1)
+        kw = fc_env.ckpt_kwargs(every=0, persist_every=1, mirror=mirror_url, mirror_every=1)
         with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
             for i in range(3):
                 train_step(model, opt, sched, i)
@@ -304,7 +304,7 @@ def test_killed_mid_copy_no_half_step_is_visible(fc_env: FcEnv, tmp_path: Path) 
     proc = agent_process(fc_env)
     try:
         model, opt, sched = make(0)
-        kw = fc_env.ckpt_kwargs(every=0, mirror=mirror_url, agent="connect")
+        kw = fc_env.ckpt_kwargs(every=0, persist_every=1, mirror=mirror_url, agent="connect")
         with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
             train_step(model, opt, sched, 0)
             ck.step()
@@ -331,7 +331,9 @@ def test_killed_mid_copy_no_half_step_is_visible(fc_env: FcEnv, tmp_path: Path) 
     proc = agent_process(fc_env)
     try:
         model, opt, sched = make(0)
-        kw = fc_env.ckpt_kwargs(every=0, mirror=mirror_url, mirror_every=1, agent="connect")
+        kw = fc_env.ckpt_kwargs(
+            every=0, persist_every=1, mirror=mirror_url, mirror_every=1, agent="connect"
+        )
         with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
             assert ck.start_step == 1
             train_step(model, opt, sched, 1)
@@ -427,7 +429,7 @@ def test_a_mirror_that_cannot_keep_checkpoints_fails_at_entry(
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     model, opt, sched = make(0)
-    kw = fc_env.ckpt_kwargs(mirror=f"file://{blocker}/remote")
+    kw = fc_env.ckpt_kwargs(persist_every=1, mirror=f"file://{blocker}/remote")
     with (
         pytest.raises(StorageUnavailableError, match=r"^mirror .* pass mirror=None"),
         flashckpt.checkpointing(model, opt, scheduler=sched, **kw),
@@ -443,7 +445,7 @@ def test_a_fresh_start_over_a_mirror_with_steps_is_refused(
     _wait_committed(Storage(mirror_url), 2)
     shutil.rmtree(fc_env.storage_path)  # the storage root is empty: the mirror still holds 2
     model, opt, sched = make(0)
-    kw = fc_env.ckpt_kwargs(mirror=mirror_url, restore=False)
+    kw = fc_env.ckpt_kwargs(persist_every=1, mirror=mirror_url, restore=False)
     with (
         pytest.raises(ValueError, match=r"^mirror .* holds committed steps \[1, 2\]"),
         flashckpt.checkpointing(model, opt, scheduler=sched, **kw),

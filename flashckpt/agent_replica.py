@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flashckpt import names
-from flashckpt.agent_state import AgentState, read_meta
+from flashckpt.agent_state import AgentState, lower_thread_priority, read_meta
 from flashckpt.errors import FlashckptError
 from flashckpt.names import check_name
 from flashckpt.replica import (
@@ -175,6 +175,7 @@ class Replicator:
         return sorted({self.st.cfg.node, *self.peers})
 
     def send_loop(self) -> None:
+        lower_thread_priority()  # background work, like hashing and persisting: never the trainer's
         while not self.st.stopping.is_set():
             self.wake.wait(max(self.st.cfg.poll_interval, 0.05))
             self.wake.clear()

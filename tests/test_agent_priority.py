@@ -78,7 +78,7 @@ def _ioprio_of_threads(name: str) -> list[int]:
 def test_the_hash_and_persist_threads_run_at_a_low_priority(
     fc_env: FcEnv, agent: RunningAgent
 ) -> None:
-    names = ("flashckpt-agent-hash", "flashckpt-agent-persist")
+    names = ("flashckpt-agent-hash", "flashckpt-agent-persist", "flashckpt-agent-replica")
     deadline = time.monotonic() + 60
     while True:
         nice = {n: _nice_of_threads(n) for n in names}
@@ -235,7 +235,7 @@ def test_file_entry_forms() -> None:
 def _train_save(env: FcEnv, steps: int, width: int = 32) -> Any:
     model, opt, sched = make(0, width)
     with flashckpt.checkpointing(
-        model, opt, scheduler=sched, **env.ckpt_kwargs(agent="connect")
+        model, opt, scheduler=sched, **env.ckpt_kwargs(agent="connect", persist_every=1)
     ) as ck:
         train_steps(ck, model, opt, sched, 0, steps)
         ck.save(steps, mode="sync")
@@ -376,7 +376,7 @@ def test_a_slot_changed_during_the_write_is_never_committed(
 
     model, opt, sched = make(0)
     with flashckpt.checkpointing(
-        model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect")
+        model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect", persist_every=1)
     ) as ck:
         train_steps(ck, model, opt, sched, 0, 2)
         ck.save(2, mode="sync")

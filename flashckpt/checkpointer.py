@@ -117,14 +117,10 @@ class Checkpointer:
         self._hooks: list[Any] = []
         self._count = 0  # steps completed (the library's step count)
         self._last_saved_step: int | None = None
-        # persist_every, parsed once (the config checked it): (every N snapshots, every T s)
-        self._persist_every = parse_persist_every(self.config.persist_every)
-        self._persist_calls = 0  # save() calls: the same count on every rank
-        self._persist_mark_t: float | None = None  # when the last snapshot was marked (time form)
-        # mirror_every, counted over the snapshots marked for storage (the same on every rank)
-        self._mirror_every = parse_mirror_every(self.config.mirror_every)
-        self._mirror_calls = 0
-        self._mirror_mark_t: float | None = None
+        # persist_every over save() calls, mirror_every over the snapshots marked for storage
+        # (both parsed once; the config checked them); the same calls on every rank.
+        self._persist_cadence = _Cadence(*parse_persist_every(self.config.persist_every))
+        self._mirror_cadence = _Cadence(*parse_mirror_every(self.config.mirror_every))
         self._mirror_final = False  # the exit's final snapshot: mirrored whatever mirror_every
         self._entered = False
         self._mon: StepRecorder | None = None
@@ -389,17 +385,7 @@ class Checkpointer:
         """Whether this snapshot is marked for storage (``persist_every``). Every rank calls
         ``save()`` at the same steps, so the count form agrees without talking; the time form
         takes the ranks' OR (a rank whose clock says "due" decides for all)."""
-        every_n, every_s = self._persist_every
-        self._persist_calls += 1
-        if every_n is not None:
-            due = (self._persist_calls - 1) % every_n == 0
-        else:
-            assert every_s is not None
-            now = time.monotonic()
-            mine = self._persist_mark_t is None or now - self._persist_mark_t >= every_s
-            due = bool(self._ctx.all_max(int(mine)))
-            if due:
-                self._persist_mark_t = now
+        due = self._persist_cadence.due(self._ctx)
         if due:
             self.stats.persist_marked += 1
         return due
@@ -414,17 +400,7 @@ class Checkpointer:
             return True
         if not persist:
             return False
-        every_n, every_s = self._mirror_every
-        self._mirror_calls += 1
-        if every_n is not None:
-            return (self._mirror_calls - 1) % every_n == 0
-        assert every_s is not None
-        now = time.monotonic()
-        mine = self._mirror_mark_t is None or now - self._mirror_mark_t >= every_s
-        due = bool(self._ctx.all_max(int(mine)))
-        if due:
-            self._mirror_mark_t = now
-        return due
+        return self._mirror_cadence.due(self._ctx)
 
     def _auto_step(self, done: int) -> SnapshotHandle | None:
         auto = self._auto
@@ -764,3 +740,27 @@ def checkpointing(
         process_group=process_group,
         config=config,
     )
+
+
+class _Cadence:
+    """Which calls are marked: the first and then every ``every_n``-th, or (``every_s``) one
+    when at least that long passed since the last marked, by the ranks' OR (a rank whose clock
+    says "due" decides for all: one all-reduce per call, so every rank must call it)."""
+
+    def __init__(self, every_n: int | None, every_s: float | None) -> None:
+        self.every_n, self.every_s = every_n, every_s
+        self.calls = 0
+        self.mark_t: float | None = None
+        """When the last call was marked (time form)."""
+
+    def due(self, ctx: RankContext) -> bool:
+        self.calls += 1
+        if self.every_n is not None:
+            return (self.calls - 1) % self.every_n == 0
+        assert self.every_s is not None
+        now = time.monotonic()
+        mine = self.mark_t is None or now - self.mark_t >= self.every_s
+        due = bool(ctx.all_max(int(mine)))
+        if due:
+            self.mark_t = now
+        return due

@@ -111,8 +111,8 @@ def main() -> int:
                 if a.clock_due_at and step + 1 == a.clock_due_at:
                     # The time form's own clock of this rank (flashckpt.checkpointer): an hour
                     # since its last mark, however little time passed on the others.
-                    assert ckpt._persist_mark_t is not None, "no snapshot marked yet"
-                    ckpt._persist_mark_t -= 3600.0
+                    assert ckpt._persist_cadence.mark_t is not None, "no snapshot marked yet"
+                    ckpt._persist_cadence.mark_t -= 3600.0
                 marked = ckpt.stats.persist_marked
                 ckpt.step()
                 if a.wait_marked and a.rank == 0 and ckpt.stats.persist_marked > marked:

@@ -24,7 +24,9 @@ The store handed to torch (for ``MASTER_ADDR``/``MASTER_PORT`` and the agents' b
 :class:`elastic.store.EtcdStore` under ``<key_prefix>/<run_id>/store/``.
 
 Creating the handler turns off torch's shared rendezvous TCPStore for the process
-(:func:`use_fresh_worker_store`): with it, a restarted worker group can hang (see there).
+(:func:`use_fresh_worker_store`): with it, a restarted worker group can hang (see there). It also
+replaces torch's numbering of the machines of each round (sorted node descriptors) with one that
+keeps a surviving machine's group rank (:mod:`elastic.stable_ranks`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from elastic.etcd import (
     parse_endpoints,
 )
 from elastic.rdzv_name import BACKEND_NAME
+from elastic.stable_ranks import install_stable_ranks
 from elastic.store import EtcdStore
 
 __all__ = [
@@ -192,7 +195,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if state_ttl is not None and state_ttl < timedelta(seconds=1):
             raise ValueError(f"state_ttl must be at least 1 second or None, got {state_ttl!r}")
         self._client = client
-        self._key = job_prefix(run_id, key_prefix) + "rdzv/state"
+        self._job_prefix = job_prefix(run_id, key_prefix)
+        self._key = self._job_prefix + "rdzv/state"
         self._state_ttl = state_ttl
         self._lease_lock = threading.Lock()
         self._lease: Lease | None = None
@@ -213,6 +217,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def client(self) -> EtcdClient:
         """The etcd client."""
         return self._client
+
+    @property
+    def job_prefix(self) -> str:
+        """The etcd prefix of everything of the job (:func:`job_prefix`)."""
+        return self._job_prefix
 
     @contextlib.contextmanager
     def call_timeout(self, timeout: timedelta) -> Iterator[None]:
@@ -433,12 +442,16 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     This is what ``--rdzv-backend=flashckpt-etcd`` runs. torch's own options (``join_timeout``,
     ``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
     ``keep_alive_max_attempt``) are passed through; see :func:`create_backend` for ours. Each
-    worker group gets its own TCPStore (:func:`use_fresh_worker_store`).
+    worker group gets its own TCPStore (:func:`use_fresh_worker_store`), and a machine that
+    stays keeps its group rank in the next round (:mod:`elastic.stable_ranks`).
 
     Raises:
         ValueError: If a parameter is invalid.
         RendezvousConnectionError: If etcd cannot be reached when the handler needs it.
+        RendezvousError: If this torch's handler lacks the internals stable ranks need.
     """
     backend, store = create_backend(params)
     use_fresh_worker_store()
-    return _torch_create_handler(store, backend, params)
+    handler = _torch_create_handler(store, backend, params)
+    install_stable_ranks(handler, backend)
+    return handler

@@ -100,6 +100,7 @@ from elastic.rendezvous import (
     use_fresh_worker_store,
 )
 from elastic.restore_report import RestoreReporter, events_path, job_summary
+from elastic.stable_ranks import install_stable_ranks
 from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
 from elastic.worker_entry import EXEC_FLAG, LAUNCHER_PID_ENV
 from flashckpt import envnames, names
@@ -352,6 +353,10 @@ class LaunchSession:
 
         threading.Thread(target=self._report_warm, name="flashckpt-warm", daemon=True).start()
         self._handler = create_watching_handler(store, backend, params)
+        try:
+            install_stable_ranks(self._handler, backend)
+        except RendezvousError as exc:
+            raise LaunchError(str(exc)) from exc
         _tolerate_etcd_outages(self._handler, backend)
         node_desc = getattr(self._handler, "_this_node", None)
         self._registry.update(rdzv_node=repr(node_desc) if node_desc else None, state="waiting")

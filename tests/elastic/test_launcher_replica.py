@@ -317,13 +317,20 @@ class _MemoryOnly(NsSimCluster):
 @pytest.mark.slow
 @pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 @pytest.mark.timeout(420)
+@pytest.mark.parametrize("victim_rank", [1, 0], ids=["kill-rank1", "kill-rank0"])
 def test_standby_restores_a_killed_machines_shards_from_the_survivors_replica(
-    tmp_path: Path, net: tuple[netns.Cluster, str], reference_model: dict[str, Any]
+    tmp_path: Path,
+    net: tuple[netns.Cluster, str],
+    reference_model: dict[str, Any],
+    victim_rank: int,
 ) -> None:
-    """FSDP2 on 2 namespaced machines + 1 standby, memory only: the machine of rank 1 is killed
-    (its memory gone); the standby takes rank 1 and restores its shards from the survivor's
-    replica (``peer-memory``), the survivor from its own memory, at the same step; the job ends
-    with the bitwise same model as an uninterrupted run."""
+    """FSDP2 on 2 namespaced machines + 1 standby, memory only: the machine of rank
+    ``victim_rank`` is killed (its memory gone); the survivor keeps its rank (the rendezvous
+    keeps survivors' ranks stable: with torch's numbering, losing rank 0 renumbered the
+    survivor to rank 0, whose shards no source held, and the job started over from step 0),
+    and restores from its own memory; the standby takes the victim's rank and restores its
+    shards from the survivor's replica (``peer-memory``), at the same step; the job ends with
+    the bitwise same model as an uninterrupted run."""
     from _cluster import assert_same_model
 
     ns, etcd_url = net
@@ -341,8 +348,9 @@ def test_standby_restores_a_killed_machines_shards_from_the_survivors_replica(
             lambda: any(e["event"] == "rendezvous_start" for e in standby.events()),
             90,
         )
-        survivor = cluster.rank0_node()
-        victim = "n1" if survivor == "n0" else "n0"
+        rank0 = cluster.rank0_node()
+        other = "n1" if rank0 == "n0" else "n0"
+        victim, survivor = (rank0, other) if victim_rank == 0 else (other, rank0)
         cluster.wait_for(
             "the survivor to hold the victim's newest snapshot",
             lambda: _holds_newest(cluster, survivor, victim) and max(cluster.steps()) >= 6,
@@ -359,6 +367,8 @@ def test_standby_restores_a_killed_machines_shards_from_the_survivors_replica(
         assert set(by_node) == {survivor, "n2"}, resumed
         assert len({s for _, s in by_node.values()}) == 1 and by_node[survivor][1] > 0, resumed
         assert by_node[survivor][0] == "memory" and by_node["n2"][0] == "peer-memory", resumed
+        ranks = {e["node"]: e["rank"] for e in resumed}
+        assert ranks == {survivor: 1 - victim_rank, "n2": victim_rank}, resumed
         assert_same_model(cluster.out, reference_model)
     finally:
         cluster.close()

@@ -1,0 +1,140 @@
+"""A job that shrinks after losing a machine reshards from the replica of that machine's snapshot
+held in the survivor's node agent (issue 11: "resharding to a new world size may use replica
+pieces too").
+
+Real node agents (separate processes, node ids ``a`` and ``b``, each with its own tmpfs, replica
+servers on 127.0.0.1 port 0), an FSDP2 (gloo) job of 2 machines x 1 rank, memory-only snapshots
+every 2 steps. Machine ``b``'s agent replicates its rank's snapshots to ``a``; then ``b`` is lost
+(its agent SIGKILLed, its memory removed) and no standby comes: the job goes on as 1 rank on
+``a``. That rank holds its own snapshot of step 8 (old rank 0) and, in its agent's replica store,
+old rank 1's: together the whole state, which it reshards to the new world
+(``restored_from="peer-memory-reshard"``), bitwise equal to the state gathered before the kill.
+A replica whose bytes flipped in the holder's memory is refused with a warning naming rank, step
+and source; the restore falls back to storage (resharded from there), or, without storage, starts
+over with the restarted-job warning.
+
+The ranks are test_peer_memory.py's worker (one process per rank, one "machine" each).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_peer_memory import STEPS_BEFORE, Machines, _lose_b, _report, _same_state, three
+
+pytestmark = pytest.mark.timeout(900)
+
+__all__ = ["three"]  # the fixture, imported for the tests here
+
+
+def _flip(a: Any, offset: int, mask: int) -> None:
+    """A bit flips in the replica of b's rank 1 that a's agent holds."""
+    from flashckpt import names
+    from flashckpt.shm import Slot
+
+    rep = Slot(names.replica_path(a.shm_dir, a.job, "a", "b", 1))
+    try:
+        rep.data(offset + 1)[offset] ^= mask
+    finally:
+        rep.close()
+
+
+def test_a_survivor_reshards_from_its_own_slot_and_the_lost_machines_replica(
+    three: tuple[Any, Any, Any, Machines], tmp_path: Path
+) -> None:
+    a, b, c, m = three
+    _lose_b(a, b, c, m, storage=False)  # memory only: storage cannot serve it
+    errs = m.run_job([a], "after", steps=12, exit_after=-1, storage=False, code=0)
+    rep = _report(tmp_path, "after")
+    assert (rep[0]["start"], rep[0]["from"]) == (STEPS_BEFORE, "peer-memory-reshard"), (
+        rep,
+        errs[0][-4000:],
+    )
+    info = rep[0]["restore"]
+    assert info["saved_world_size"] == 2, info
+    assert info["replica_of_old_ranks"] == [1], info
+    assert info["replica_senders"] == ["b"], info
+    assert info["received_from_old_ranks"] == [], info  # both pieces are on this machine
+    _same_state(tmp_path)
+
+
+def test_a_corrupted_replica_is_not_resharded_and_storage_serves_the_step(
+    three: tuple[Any, Any, Any, Machines], tmp_path: Path
+) -> None:
+    a, b, c, m = three
+    _lose_b(a, b, c, m, storage=True)
+    _flip(a, 17, 0x40)
+    errs = m.run_job([a], "after", steps=12, exit_after=-1, storage=True, code=0)
+    rep = _report(tmp_path, "after")
+    assert (rep[0]["start"], rep[0]["from"]) == (STEPS_BEFORE, "storage"), (rep, errs[0][-4000:])
+    warned = [ln for ln in errs[0].splitlines() if "replica of old rank 1" in ln]
+    assert warned, errs[0][-4000:]
+    msg = warned[0]
+    assert "rank 0" in msg and "step 8" in msg and "machine 'b'" in msg, msg
+    assert ".rep.b.r00001" in msg and "fails its data hash" in msg, msg
+    assert "trying another source" in msg, msg
+    _same_state(tmp_path)  # the same step, resharded from storage instead
+
+
+def test_a_corrupted_replica_without_storage_starts_over_with_the_warning(
+    three: tuple[Any, Any, Any, Machines], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b, c, m = three
+    _lose_b(a, b, c, m, storage=False)
+    _flip(a, 3, 0x01)
+    # As the launcher would say of a restarted worker group: nothing restored is lost work.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    errs = m.run_job([a], "after", steps=2, exit_after=-1, storage=False, code=0)
+    rep = _report(tmp_path, "after")
+    assert (rep[0]["start"], rep[0]["from"]) == (0, None), (rep, errs[0][-4000:])
+    err = errs[0]
+    assert "replica of old rank 1" in err and "fails its data hash" in err, err[-4000:]
+    assert "starts from step 0 on restart 1 of the job" in err, err[-4000:]
+    assert not os.path.exists(tmp_path / "after.restored.safetensors")
+
+
+def test_a_replica_whose_name_and_description_disagree_is_not_used(
+    three: tuple[Any, Any, Any, Machines], tmp_path: Path
+) -> None:
+    """Nothing in shared memory is trusted: a replica file named for old rank 0 that describes
+    rank 1's state is skipped with a warning (and rank 0's own slot alone covers nothing)."""
+    from flashckpt import names
+
+    a, b, c, m = three
+    _lose_b(a, b, c, m, storage=False)
+    held = names.replica_path(a.shm_dir, a.job, "a", "b", 1)
+    os.rename(held, names.replica_path(a.shm_dir, a.job, "a", "b", 0))
+    errs = m.run_job([a], "after", steps=2, exit_after=-1, storage=False, code=0)
+    rep = _report(tmp_path, "after")
+    assert (rep[0]["start"], rep[0]["from"]) == (0, None), (rep, errs[0][-4000:])
+    assert "named the replica of rank 0 but describes rank 1's state" in errs[0], errs[0][-4000:]
+
+
+def test_the_replica_file_names_are_the_ones_the_source_lists() -> None:
+    from flashckpt import names
+    from flashckpt.sources import REPLICA_SUFFIX_RE
+
+    path = names.replica_path("/dev/shm", "job-1", "a", "n0_7", 12)
+    name = os.path.basename(path)
+    prefix = names.slot_prefix("job-1", "a")
+    assert name.startswith(prefix)
+    got = REPLICA_SUFFIX_RE.fullmatch(name[len(prefix) :])
+    assert got is not None and (got.group(1), int(got.group(2))) == ("n0_7", 12)
+    # A replica still being received, and a trainer's own slot, are not replicas.
+    assert REPLICA_SUFFIX_RE.fullmatch(name[len(prefix) :] + ".in") is None
+    slot = os.path.basename(names.slot_path("/dev/shm", "job-1", "a", 12, 0))
+    assert REPLICA_SUFFIX_RE.fullmatch(slot[len(prefix) :]) is None
+
+
+def test_the_restart_line_names_peer_memory_reshard() -> None:
+    from elastic.restore_report import format_restore_line
+
+    line = format_restore_line(
+        2,
+        [{"rank": 0, "resume_step": 8, "restored_from": "peer-memory-reshard", "restore_s": 0.4}],
+    )
+    assert "rank 0 restored step 8 from peer-memory-reshard" in line, line
+    assert "another machine's replica" in line, line

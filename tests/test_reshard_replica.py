@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_peer_memory import STEPS_BEFORE, Machines, _lose_b, _report, _same_state, three
+from test_peer_memory import STEPS_BEFORE, Machines, _clean, _lose_b, _report, _same_state, three
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -138,3 +138,71 @@ def test_the_restart_line_names_peer_memory_reshard() -> None:
     )
     assert "rank 0 restored step 8 from peer-memory-reshard" in line, line
     assert "another machine's replica" in line, line
+
+
+def _free_ports(n: int) -> list[int]:
+    """Ports the OS has free now (the agents' replica servers must know each other's at start)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_three_machines_shrink_to_two_with_pieces_in_both_survivors_replica_stores(
+    three: tuple[Any, Any, Any, Machines], tmp_path: Path
+) -> None:
+    """3 machines x 1 rank, replicas in ring order (a -> b -> c -> a); c is lost and the job
+    goes on as 2 ranks on a and b. Old rank 2's snapshot survives only as the replica in a's
+    agent; rank 1 (on b) needs part of it and receives it from rank 0 over gloo, and reads old
+    rank 0's from the replica in its own agent."""
+    from test_peer_memory import _status, _wait
+
+    a, b, c, m = three
+    envs = {"a": a, "b": b, "c": c}
+    ports = dict(zip(envs, _free_ports(3), strict=True))
+    procs = {}
+    for node, env in envs.items():
+        peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items() if n != node)
+        procs[node] = m.agent(
+            env,
+            "--replica-listen",
+            f"127.0.0.1:{ports[node]}",
+            "--replica-peers",
+            peers,
+            storage=False,
+        )
+    m.run_job([a, b, c], "before", steps=20, exit_after=STEPS_BEFORE, storage=False, code=3)
+
+    def holds(env: Any, sender: str, rank: int) -> bool:
+        rep = _status(env)["replication"]
+        return any(
+            (h["sender"], h["rank"], h["step"]) == (sender, rank, STEPS_BEFORE) for h in rep["held"]
+        )
+
+    _wait(lambda: holds(a, "c", 2), "a to hold c's replica of step 8")
+    _wait(lambda: holds(b, "a", 0), "b to hold a's replica of step 8")
+    procs["c"].kill()
+    procs["c"].wait(timeout=30)
+    _clean(c)  # the lost machine's memory is gone with it
+    errs = m.run_job([a, b], "after", steps=12, exit_after=-1, storage=False, code=0)
+    rep = _report(tmp_path, "after")
+    for r in (0, 1):
+        assert (rep[r]["start"], rep[r]["from"]) == (STEPS_BEFORE, "peer-memory-reshard"), (
+            rep,
+            errs[r][-4000:],
+        )
+        assert rep[r]["restore"]["saved_world_size"] == 3, rep
+    # Old rank 2 from a's replica (its designated holder, for every rank); rank 1 also read old
+    # rank 0 from the replica in b's agent rather than receive it.
+    assert rep[0]["restore"]["replica_of_old_ranks"] == [2], rep
+    assert rep[1]["restore"]["replica_of_old_ranks"] == [0, 2], rep
+    assert rep[1]["restore"]["replica_holders"] == ["a", "b"], rep
+    assert 2 in rep[1]["restore"]["received_from_old_ranks"], rep
+    assert 0 not in rep[1]["restore"]["received_from_old_ranks"], rep
+    _same_state(tmp_path)

@@ -254,7 +254,7 @@ REPLICA_SUFFIX_RE = re.compile(r"rep\.([A-Za-z0-9_-]{1,64})\.r(\d{5})")
 replica file (:func:`~flashckpt.names.replica_path`): groups sender node, rank. A file still
 being received (``.in``) does not match."""
 
-REPLICA_RESHARD = "peer-memory-reshard"
+REPLICA_RESHARD = "peer-reshard"
 """``restored_from`` of a step resharded from memory where some old rank's snapshot came from
 the replica that a node agent holds of another (lost) machine's."""
 
@@ -282,7 +282,7 @@ class PeerReshardSource:
     Where the world size changed, the replicas this machine's node agent holds of other
     machines' snapshots (:mod:`flashckpt.agent_replica`) count as held too: a job that lost a
     machine and goes on smaller rebuilds the lost ranks' pieces from them (``restored_from`` is
-    then ``peer-memory-reshard``). A replica is checked like a slot (its description against
+    then ``peer-reshard``). A replica is checked like a slot (its description against
     its file and the job, its data hash before use); one that fails its hash is a
     :class:`BadMemory` (the step may still come from storage) and no rank uses it again in this
     restore. At the same world size a replica is :class:`PeerMemorySource`'s (pulled into the

@@ -8,7 +8,7 @@ every 2 steps. Machine ``b``'s agent replicates its rank's snapshots to ``a``; t
 (its agent SIGKILLed, its memory removed) and no standby comes: the job goes on as 1 rank on
 ``a``. That rank holds its own snapshot of step 8 (old rank 0) and, in its agent's replica store,
 old rank 1's: together the whole state, which it reshards to the new world
-(``restored_from="peer-memory-reshard"``), bitwise equal to the state gathered before the kill.
+(``restored_from="peer-reshard"``), bitwise equal to the state gathered before the kill.
 A replica whose bytes flipped in the holder's memory is refused with a warning naming rank, step
 and source; the restore falls back to storage (resharded from there), or, without storage, starts
 over with the restarted-job warning.
@@ -49,7 +49,7 @@ def test_a_survivor_reshards_from_its_own_slot_and_the_lost_machines_replica(
     _lose_b(a, b, c, m, storage=False)  # memory only: storage cannot serve it
     errs = m.run_job([a], "after", steps=12, exit_after=-1, storage=False, code=0)
     rep = _report(tmp_path, "after")
-    assert (rep[0]["start"], rep[0]["from"]) == (STEPS_BEFORE, "peer-memory-reshard"), (
+    assert (rep[0]["start"], rep[0]["from"]) == (STEPS_BEFORE, "peer-reshard"), (
         rep,
         errs[0][-4000:],
     )
@@ -134,9 +134,9 @@ def test_the_restart_line_names_peer_memory_reshard() -> None:
 
     line = format_restore_line(
         2,
-        [{"rank": 0, "resume_step": 8, "restored_from": "peer-memory-reshard", "restore_s": 0.4}],
+        [{"rank": 0, "resume_step": 8, "restored_from": "peer-reshard", "restore_s": 0.4}],
     )
-    assert "rank 0 restored step 8 from peer-memory-reshard" in line, line
+    assert "rank 0 restored step 8 from peer-reshard" in line, line
     assert "another machine's replica" in line, line
 
 
@@ -193,7 +193,7 @@ def test_three_machines_shrink_to_two_with_pieces_in_both_survivors_replica_stor
     errs = m.run_job([a, b], "after", steps=12, exit_after=-1, storage=False, code=0)
     rep = _report(tmp_path, "after")
     for r in (0, 1):
-        assert (rep[r]["start"], rep[r]["from"]) == (STEPS_BEFORE, "peer-memory-reshard"), (
+        assert (rep[r]["start"], rep[r]["from"]) == (STEPS_BEFORE, "peer-reshard"), (
             rep,
             errs[r][-4000:],
         )
@@ -206,3 +206,20 @@ def test_three_machines_shrink_to_two_with_pieces_in_both_survivors_replica_stor
     assert 2 in rep[1]["restore"]["received_from_old_ranks"], rep
     assert 0 not in rep[1]["restore"]["received_from_old_ranks"], rep
     _same_state(tmp_path)
+
+
+def test_every_restored_from_name_fits_the_step_rings_field() -> None:
+    """The monitor (and so the launcher's restart line) reads ``restored_from`` from the step
+    ring's fixed field: a longer name would be cut there ("peer-memory-resh")."""
+    import struct
+
+    from flashckpt.restore import SOURCES
+    from flashckpt.ring import INFO
+    from flashckpt.sources import REPLICA_RESHARD
+
+    width = INFO.size - struct.calcsize("<dddddqi")  # the trailing 16s
+    assert width == 16, INFO.format
+    names = [getattr(s, "name", "") for s in SOURCES] + [REPLICA_RESHARD, "mirror"]
+    assert all(names), names
+    for name in names:
+        assert len(name.encode()) <= width, (name, width)

@@ -18,7 +18,9 @@ The ranks are test_peer_memory.py's worker (one process per rank, one "machine" 
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -223,3 +225,102 @@ def test_every_restored_from_name_fits_the_step_rings_field() -> None:
     assert all(names), names
     for name in names:
         assert len(name.encode()) <= width, (name, width)
+
+
+@pytest.fixture
+def two_machines(fc_env: Any, tmp_path: Path) -> Iterator[tuple[Any, Any, Machines]]:
+    """Machines ``<node>-0`` and ``<node>-1`` (shardtrain.py's names with ``--per-node``), each
+    with its own tmpfs."""
+    import dataclasses
+
+    from fchelpers import private_shm
+
+    with (
+        private_shm(tmp_path / "shm-0", "256m") as shm0,
+        private_shm(tmp_path / "shm-1", "256m") as shm1,
+    ):
+        m0 = dataclasses.replace(fc_env, node=f"{fc_env.node}-0", shm_dir=shm0)
+        m1 = dataclasses.replace(fc_env, node=f"{fc_env.node}-1", shm_dir=shm1)
+        m = Machines(tmp_path)
+        try:
+            yield m0, m1, m
+        finally:
+            m.close()
+            for env in (m0, m1):
+                _clean(env)
+
+
+def _lose_machine_1(m0: Any, m1: Any, m: Machines, tmp_path: Path, *, storage: bool) -> None:
+    """4 ranks of shardtrain.py, 2 on each machine (machine 1 replicating to machine 0), die
+    after the snapshot of step 4; machine 1 is then lost (agent SIGKILLed, memory gone)."""
+    from test_peer_memory import _listen, _status, _wait
+    from test_sharded import _run
+
+    m.agent(m0, "--replica-listen", "127.0.0.1:0", storage=storage)
+    p1 = m.agent(m1, "--replica-peers", f"{m0.node}={_listen(m0)}", storage=storage)
+    _run(m0, tmp_path, "w4", 4, 8, "--every", "2", "--per-node", "2", "--exit-at", "3", code=3)
+
+    def held() -> bool:
+        got = {(h["sender"], h["rank"], h["step"]) for h in _status(m0)["replication"]["held"]}
+        return {(m1.node, 2, 4), (m1.node, 3, 4)} <= got
+
+    _wait(held, "machine 0 to hold machine 1's replicas of step 4")
+    if storage:
+        from flashckpt.storage import Storage
+
+        st = Storage(m0.storage)
+        _wait(lambda: 4 in st.committed_steps(), "step 4 committed")
+    p1.kill()
+    p1.wait(timeout=30)
+    _clean(m1)
+
+
+def test_two_ranks_per_machine_reshard_from_the_machines_slots_and_replicas(
+    two_machines: tuple[Any, Any, Machines], tmp_path: Path
+) -> None:
+    """4 ranks on 2 machines shrink to the 2 ranks of machine 0: each reads old ranks 0 and 1
+    from the machine's slots and old ranks 2 and 3 from the replicas in its agent (each replica
+    hash-checked by one of the two)."""
+    from test_sharded import _assert_same_state, _run
+
+    m0, m1, m = two_machines
+    _lose_machine_1(m0, m1, m, tmp_path, storage=False)
+    _run(m0, tmp_path, "w2", 2, 8, "--every", "2", "--per-node", "2")
+    report = sorted((tmp_path / "report.txt").read_text().splitlines())
+    assert report == sorted(
+        [f"{r} 0 None" for r in range(4)] + ["0 4 peer-reshard", "1 4 peer-reshard"]
+    )
+    for line in (tmp_path / "w2.log.restore.jsonl").read_text().splitlines():
+        info = json.loads(line)
+        assert info["replica_of_old_ranks"] == [2, 3], info
+        assert info["received_from_old_ranks"] == [], info
+    _assert_same_state(
+        tmp_path / "w4.log.crash.safetensors", tmp_path / "w2.log.restored.safetensors"
+    )
+
+
+def test_a_replica_failing_its_hash_on_one_local_rank_is_used_by_none(
+    two_machines: tuple[Any, Any, Machines], tmp_path: Path
+) -> None:
+    """Old rank 3's replica is hash-checked by local rank 1 only (3 % 2); when it fails, local
+    rank 0, which maps the same file, must not use it either: the step comes from storage."""
+    from test_sharded import _assert_same_state, _run
+
+    from flashckpt import names
+    from flashckpt.shm import Slot
+
+    m0, m1, m = two_machines
+    _lose_machine_1(m0, m1, m, tmp_path, storage=True)
+    rep = Slot(names.replica_path(m0.shm_dir, m0.job, m0.node, m1.node, 3))
+    try:
+        rep.data(64)[40] ^= 0x08
+    finally:
+        rep.close()
+    _run(m0, tmp_path, "w2", 2, 8, "--every", "2", "--per-node", "2")
+    report = sorted((tmp_path / "report.txt").read_text().splitlines())
+    assert report == sorted([f"{r} 0 None" for r in range(4)] + ["0 4 storage", "1 4 storage"])
+    errs = "".join(p.read_text() for p in tmp_path.glob("w2-*.stderr"))
+    assert "replica of old rank 3" in errs and "fails its data hash" in errs, errs[-4000:]
+    _assert_same_state(
+        tmp_path / "w4.log.crash.safetensors", tmp_path / "w2.log.restored.safetensors"
+    )

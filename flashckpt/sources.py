@@ -3,7 +3,9 @@
 
 - :class:`MemorySource`: this rank's own snapshots in its shared-memory slots;
 - :class:`PeerReshardSource`: a sharded state rebuilt from the snapshots this world's ranks hold
-  in memory (this machine's slots read in place, other machines' pieces sent over gloo);
+  in memory (this machine's slots read in place, other machines' pieces sent over gloo), and,
+  where the world size changed, from the replicas their node agents hold of lost machines'
+  snapshots (``restored_from`` ``peer-reshard``);
 - :class:`ReplicaSource`: a replicated state from a surviving replica's memory;
 - :class:`PeerMemorySource`: this rank's snapshot from another machine's memory, where the node
   agents replicate snapshots between machines (this rank's own machine was lost): this rank's

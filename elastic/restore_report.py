@@ -3,7 +3,9 @@
 The node agent's monitor appends JSON lines to ``<run_dir>/<job>.<node>.events.jsonl``; its
 ``start`` event of each trainer incarnation carries the step it resumed at (``resume_step``),
 where the state came from (``restored_from``: ``memory``, ``replica``, ``peer-memory`` (a
-lost machine's ranks from another machine's replica), ``storage``, ``memory-reshard``...,
+lost machine's ranks from another machine's replica), ``storage``, ``memory-reshard``,
+``peer-reshard`` (resharded to a new world size with pieces from another machine's
+replica)...,
 ``None`` for a fresh start) and how long the entry took (``restore_s``,
 from entering ``checkpointing()`` to the first step). After every (re)start of the workers
 :class:`RestoreReporter` waits, in a daemon thread, for the ``start`` events of this round's
@@ -51,7 +53,10 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return ("ranks " if len(ranks) > 1 else "rank ") + ",".join(map(str, ranks))
 
 
-SOURCE_NOTES = {"peer-memory": "another machine's replica"}
+SOURCE_NOTES = {
+    "peer-memory": "another machine's replica",
+    "peer-reshard": "resharded, with another machine's replica",
+}
 """What a source name means, where the name alone does not say it (shown after it)."""
 
 

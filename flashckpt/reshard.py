@@ -2,8 +2,9 @@
 
 A saved DTensor piece whose box is the one this rank needs is used as is; the others (another
 world size or mesh) are rebuilt from overlapping pieces: those this world's ranks still hold in
-shared memory (exchanged over torch.distributed, :mod:`flashckpt.peers`) or those of the shards in
-storage (:func:`flashckpt.reading.read_resharded`).
+shared memory, their own slots' or the replicas their node agents hold of lost machines'
+(exchanged over torch.distributed, :mod:`flashckpt.peers`), or those of the shards in storage
+(:func:`flashckpt.reading.read_resharded`).
 """
 
 from __future__ import annotations

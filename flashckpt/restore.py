@@ -11,7 +11,8 @@ without it (or only without that rank's copy, where only its memory failed its d
 stop where the failure is no bad copy but a state that does not fit.
 
 The sources, in order of preference (:data:`SOURCES`): this rank's own memory, a sharded state
-rebuilt from the memory of this world's ranks, a replica's memory, this rank's snapshot from a
+rebuilt from the memory of this world's ranks (with, at a new world size, the replicas their
+node agents hold of lost machines' snapshots), a replica's memory, this rank's snapshot from a
 peer machine's memory (the agents' replicas, pulled by this rank's agent), storage. A step is
 agreed only where every rank has it from one of them. A new source (a
 local-disk tier, a peer machine's memory) is one class implementing :class:`RestoreSource`,

@@ -3,7 +3,9 @@
 
 - :class:`MemorySource`: this rank's own snapshots in its shared-memory slots;
 - :class:`PeerReshardSource`: a sharded state rebuilt from the snapshots this world's ranks hold
-  in memory (this machine's slots read in place, other machines' pieces sent over gloo);
+  in memory (this machine's slots read in place, other machines' pieces sent over gloo), and,
+  where the world size changed, from the replicas their node agents hold of lost machines'
+  snapshots (``restored_from`` ``peer-reshard``);
 - :class:`ReplicaSource`: a replicated state from a surviving replica's memory;
 - :class:`PeerMemorySource`: this rank's snapshot from another machine's memory, where the node
   agents replicate snapshots between machines (this rank's own machine was lost): this rank's
@@ -16,8 +18,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -247,10 +251,44 @@ class StorageSource:
         pass
 
 
+REPLICA_SUFFIX_RE = re.compile(r"rep\.([A-Za-z0-9_-]{1,64})\.r(\d{5})")
+"""What follows :func:`~flashckpt.names.slot_prefix` (of the holding machine) in the name of a
+replica file (:func:`~flashckpt.names.replica_path`): groups sender node, rank. A file still
+being received (``.in``) does not match."""
+
+REPLICA_RESHARD = "peer-reshard"
+"""``restored_from`` of a step resharded from memory where some old rank's snapshot came from
+the replica that a node agent holds of another (lost) machine's."""
+
+
+@dataclass(frozen=True, slots=True)
+class _HeldReplica:
+    """Where a held snapshot is a replica of another machine's (not this machine's slot)."""
+
+    sender: str
+    """The machine whose snapshot it is."""
+    path: str
+    """The replica file in this machine's agent's tmpfs."""
+    sm: SlotMap
+    info: Any
+    """Its header when read (the data hash is checked against it)."""
+    verify: bool
+    """Whether this rank checks its data hash (one local rank per replica does)."""
+
+
 class PeerReshardSource:
     """A sharded state rebuilt from the snapshots this world's ranks hold in memory (this
     machine's slots are read in place; pieces of other machines travel over torch.distributed):
-    every rank reads it together, after the world agreed on who sends what."""
+    every rank reads it together, after the world agreed on who sends what.
+
+    Where the world size changed, the replicas this machine's node agent holds of other
+    machines' snapshots (:mod:`flashckpt.agent_replica`) count as held too: a job that lost a
+    machine and goes on smaller rebuilds the lost ranks' pieces from them (``restored_from`` is
+    then ``peer-reshard``). A replica is checked like a slot (its description against
+    its file and the job, its data hash before use); one that fails its hash is a
+    :class:`BadMemory` (the step may still come from storage) and no rank uses it again in this
+    restore. At the same world size a replica is :class:`PeerMemorySource`'s (pulled into the
+    replacement's own slot)."""
 
     name = "memory-reshard"
     whole_world = True
@@ -259,15 +297,24 @@ class PeerReshardSource:
         self.env = env
         # Index in the held snapshots -> (slot, header) this rank verifies before resharding.
         self.verify_slots: dict[int, tuple[SlotMap, Any]] = {}
+        self.replicas: dict[int, _HeldReplica] = {}
+        """Index in the held snapshots -> the replica it is (absent: this machine's slot)."""
+        self.refused: set[tuple[str, str, int, int, str]] = set()
+        """Replicas failed by some rank's data hash check: (holder node, sender node, old rank,
+        step, world id), never used again in this restore (by any rank)."""
+        self._failed_replicas: set[tuple[str, str, int, int, str]] = set()
         self.held = None if env.config.replicated else self._held_snapshots()
         self.plan: PeerPlan | None = None
+        self.plan_replicas: dict[int, tuple[str, str]] = {}
+        """Old rank -> (holder node, sender node) of the plan's old ranks that a replica serves."""
         self._received: dict[int, dict[str, torch.Tensor]] = {}
 
     def _held_snapshots(self) -> list[HeldSnapshot]:
         """Complete snapshots of a sharded state this rank can read: those in every slot of this
         machine's node agent (its own, the other trainers' of this machine, and those of local
-        ranks no trainer of this world uses when the machine runs fewer trainers than before).
-        Shared memory is shared: a piece on this machine is never sent over the network.
+        ranks no trainer of this world uses when the machine runs fewer trainers than before),
+        then the replicas that agent holds of other machines' snapshots taken at another world
+        size. Shared memory is shared: a piece on this machine is never sent over the network.
         """
         snap, ctx = self.env.snap, self.env.ctx
         snap.orphans = []
@@ -281,13 +328,21 @@ class PeerReshardSource:
             others.append(sm)
             if lr >= ctx.local_world and lr % ctx.local_world == ctx.local_rank:
                 snap.orphans.append(sm)  # no trainer owns it: this rank cleans it up
-        maps = [sm for sm in snap.slots if sm is not None] + others
+        maps: list[tuple[SlotMap, tuple[str, int] | None]] = [
+            (sm, None) for sm in snap.slots if sm is not None
+        ]
+        maps += [(sm, None) for sm in others]
+        for path, sender, rank in self._replica_paths():
+            try:
+                maps.append((snap.map(path), (sender, rank)))
+            except (OSError, ValueError) as e:
+                log.debug("flashckpt: cannot map replica %s: %s", path, e)
         # Each slot of the machine is verified (data hash) by one rank: its own trainer's, or,
         # for a position no trainer uses now, the rank that cleans it up.
         mine = {id(sm) for sm in snap.slots if sm is not None} | {id(sm) for sm in snap.orphans}
-        self.verify_slots = {}
+        self.verify_slots, self.replicas = {}, {}
         out: list[HeldSnapshot] = []
-        for sm in maps:
+        for sm, rep in maps:
             info = sm.slot.header()
             meta = sm.slot.read_meta(info) if info is not None and info.complete else None
             m = _checked_meta(meta, sm.slot.path) if meta is not None else None
@@ -296,13 +351,25 @@ class PeerReshardSource:
             if m.num_shards <= 1 and not any(True for _ in piece_nodes(m.skeleton)):
                 continue  # not a sharded state
             layout_bytes = m.layout.nbytes
+            why = self._unusable(m, info, rep)
+            if why is not None:
+                log.warning("flashckpt: rank %d: not resharding from %s: %s", ctx.rank,
+                            sm.slot.path, why)  # fmt: skip
+                continue
+            if rep is not None and m.world_size == ctx.world:
+                continue  # the same world size: PeerMemorySource pulls it for its own rank
             off = sm.slot.data_off
 
             def check(sm: SlotMap = sm, step: int = info.step) -> bool:
                 now = sm.slot.header()
                 return now is not None and now.complete and now.step == step
 
-            if id(sm) in mine:
+            if rep is not None:
+                # One local rank checks each replica's data hash (the same choice on each).
+                self.replicas[len(out)] = _HeldReplica(
+                    rep[0], sm.slot.path, sm, info, m.rank % ctx.local_world == ctx.local_rank
+                )
+            elif id(sm) in mine:
                 self.verify_slots[len(out)] = (sm, info)
             out.append(
                 HeldSnapshot(
@@ -316,6 +383,20 @@ class PeerReshardSource:
                 )
             )
         return out
+
+    def _unusable(self, m: SnapshotMeta, info: Any, rep: tuple[str, int] | None) -> str | None:
+        """Why a held snapshot's description does not fit its slot or this job (nothing read
+        from shared memory is trusted), or None."""
+        ctx = self.env.ctx
+        if m.job != ctx.job:
+            return f"it is a snapshot of job {m.job!r}, not {ctx.job!r}"
+        if m.step != info.step:
+            return f"its description is of step {m.step}, its header of step {info.step}"
+        if m.layout.nbytes > info.data_len:
+            return f"its layout needs {m.layout.nbytes} B of data, the slot holds {info.data_len}"
+        if rep is not None and m.rank != rep[1]:
+            return f"it is named the replica of rank {rep[1]} but describes rank {m.rank}'s state"
+        return None
 
     def _machine_slot_paths(self) -> list[tuple[str, int]]:
         """(path, local rank) of the slots of the other local ranks of this job on this node."""
@@ -334,20 +415,86 @@ class PeerReshardSource:
                 out.append((os.path.join(shm_dir, name), int(m.group(1))))
         return out
 
+    def _replica_paths(self) -> list[tuple[str, str, int]]:
+        """(path, sender node, global rank) of the replicas this machine's agent holds of other
+        machines' snapshots of this job (files in its directory, by name: confined to it)."""
+        ctx, shm_dir = self.env.ctx, self.env.snap.shm_dir
+        if not shm_dir or not ctx.node:
+            return []
+        prefix = slot_prefix(ctx.job, ctx.node)
+        try:
+            names = os.listdir(shm_dir)
+        except OSError:
+            return []
+        out = []
+        for name in sorted(names):
+            m = (
+                REPLICA_SUFFIX_RE.fullmatch(name[len(prefix) :])
+                if name.startswith(prefix)
+                else None
+            )
+            if m is not None and m.group(1) != ctx.node:
+                out.append((os.path.join(shm_dir, name), m.group(1), int(m.group(2))))
+        return out
+
+    def _ident(self, i: int, h: HeldSnapshot) -> tuple[str, str, int, int, str] | None:
+        rep = self.replicas.get(i)
+        if rep is None:
+            return None
+        return self.env.ctx.node, rep.sender, h.rank, h.step, h.world_id
+
+    def _usable(self) -> list[tuple[int, HeldSnapshot]]:
+        """(index, snapshot) of the held snapshots not refused, this machine's slots first."""
+        held = self.held or []
+        usable = [
+            (i, h)
+            for i, h in enumerate(held)
+            if (ident := self._ident(i, h)) is None or ident not in self.refused
+        ]
+        return sorted(usable, key=lambda ih: (ih[0] in self.replicas, ih[0]))
+
     def offer(self, excluded: set[int], wanted: Callable[[int], bool]) -> list[int]:
         """Agrees (collectively) on a sharded step this world can rebuild from the snapshots its
         ranks hold in memory, newer than the plan so far (``wanted``), and on who sends what."""
-        self.plan = None
+        self.plan, self.plan_replicas = None, {}
         held, ctx = self.held, self.env.ctx
         if held is None:  # a replicated state (the same on every rank)
             return []
         rows = gather_json(
-            [[h.step, h.world_id, h.world_size, h.rank] for h in held], ctx.world, ctx.coord_pg
+            {
+                "node": ctx.node,
+                "held": [
+                    [h.step, h.world_id, h.world_size, h.rank, self._sender(i)]
+                    for i, h in enumerate(held)
+                ],
+                "refused": [list(x) for x in sorted(self._failed_replicas)],
+            },
+            ctx.world,
+            ctx.coord_pg,
         )
+        # A replica that failed its data hash on one rank is used by no rank (another local
+        # rank of that machine maps the same file).
+        for row in rows:
+            self.refused |= {
+                (str(a), str(b), int(c), int(d), str(e)) for a, b, c, d, e in row["refused"]
+            }
+        # Old rank -> (new rank, holder node, sender node or "") that sends its snapshot: the
+        # lowest rank that holds it in a slot of its machine, else the lowest holding a replica.
         groups: dict[tuple[int, str, int], dict[int, int]] = {}
-        for r, entries in enumerate(rows):
-            for s, wid, w, o in entries:
-                groups.setdefault((int(s), str(wid), int(w)), {}).setdefault(int(o), r)
+        via: dict[tuple[int, str, int], dict[int, tuple[str, str]]] = {}
+        for replicas in (False, True):
+            for r, row in enumerate(rows):
+                node = str(row["node"])
+                for s, wid, w, o, sender in row["held"]:
+                    if bool(sender) != replicas:
+                        continue
+                    key, o = (int(s), str(wid), int(w)), int(o)
+                    if sender and (node, str(sender), o, key[0], key[1]) in self.refused:
+                        continue
+                    if o not in groups.setdefault(key, {}):
+                        groups[key][o] = r
+                        if sender:
+                            via.setdefault(key, {})[o] = (node, str(sender))
         tries = 0
         for key in sorted(groups, key=lambda g: (-g[0], g[1], g[2])):
             step, wid, w = key
@@ -358,7 +505,7 @@ class PeerReshardSource:
             tries += 1
             if tries > 3:
                 break
-            mine = {h.rank: h for h in held if h.key == key}
+            mine = self._mine_of(key)
             # One description per old rank travels: the designated holder's (the lowest rank
             # that holds it, the same choice on every rank).
             send = {str(o): h.meta for o, h in mine.items() if groups[key][o] == ctx.rank}
@@ -369,7 +516,13 @@ class PeerReshardSource:
             code, base, requests = 0, -1, {}
             try:
                 for o, m in metas.items():  # as sent by a peer: checked like a slot's
-                    SnapshotMeta.from_json(m, f"old rank {o}'s snapshot of step {step}")
+                    sm = SnapshotMeta.from_json(m, f"old rank {o}'s snapshot of step {step}")
+                    if (sm.rank, sm.step, sm.world_id, sm.world_size) != (o, step, wid, w):
+                        raise CorruptCheckpointError(
+                            f"old rank {o}'s snapshot of step {step}",
+                            f"describes rank {sm.rank}'s step {sm.step} of world {sm.world_id!r} "
+                            f"({sm.world_size} ranks), not of world {wid!r} ({w} ranks)",
+                        )
                 if mine:
                     base = min(mine)
                 else:
@@ -382,18 +535,46 @@ class PeerReshardSource:
                 log.info("flashckpt: step %d cannot be resharded from memory: %s", step, e)
             if ctx.all_max(code) == 0:
                 self.plan = PeerPlan(step, wid, w, metas, groups[key], base, requests)
+                self.plan_replicas = dict(via.get(key, {}))
                 return [step]
         return []
 
+    def _sender(self, i: int) -> str:
+        rep = self.replicas.get(i)
+        return rep.sender if rep is not None else ""
+
+    def _mine_of(self, key: tuple[int, str, int]) -> dict[int, HeldSnapshot]:
+        """Old rank -> the snapshot of ``key`` this rank reads it from: a slot of this machine
+        where it holds one, else a replica (none that failed a data hash check)."""
+        out: dict[int, HeldSnapshot] = {}
+        for _, h in self._usable():
+            if h.key == key:
+                out.setdefault(h.rank, h)
+        return out
+
     def _mine(self, plan: PeerPlan) -> dict[int, HeldSnapshot]:
-        key = (plan.step, plan.world_id, plan.world_size)
-        return {h.rank: h for h in self.held or [] if h.key == key}
+        return self._mine_of((plan.step, plan.world_id, plan.world_size))
+
+    def _mine_replicas(self, plan: PeerPlan) -> dict[int, tuple[int, _HeldReplica]]:
+        """Old rank -> (index, replica) of the plan's snapshots this rank reads from a replica."""
+        mine = self._mine(plan)
+        out = {}
+        for i, h in enumerate(self.held or []):
+            rep = self.replicas.get(i)
+            if rep is not None and mine.get(h.rank) is h:
+                out[h.rank] = (i, rep)
+        return out
 
     def prepare(self, plan: RestorePlan) -> None:
         """Verifies this rank's held snapshots of the step, then exchanges the pieces (every
-        rank, when the plan is this source's)."""
+        rank, when the plan is this source's).
+
+        Raises:
+            BadMemory: a replica this rank checks fails its data hash (after the exchange).
+            TornSnapshot: a slot of this machine fails its data hash, or a snapshot changed.
+        """
         peer, ctx = self.plan, self.env.ctx
-        self._received, self._failed = {}, None
+        self._received = {}
         if plan.sources.get(ctx.rank) != self.name or peer is None:
             return
         key = (peer.step, peer.world_id, peer.world_size)
@@ -406,12 +587,41 @@ class PeerReshardSource:
                     self.env.snap.verify(entry[0], entry[1], peer.step)
                 except BadMemory as e:
                     bad = bad or str(e)
+        bad_replica: str | None = None
+        for o, (i, rep) in self._mine_replicas(peer).items():
+            if not rep.verify:
+                continue
+            why = self._replica_problem(rep, peer.step)
+            if why is not None:
+                ident = self._ident(i, self.held[i]) if self.held else None
+                if ident is not None:
+                    self._failed_replicas.add(ident)
+                bad_replica = bad_replica or (
+                    f"rank {ctx.rank}: the replica of old rank {o}'s snapshot of step "
+                    f"{peer.step} (of {peer.world_size} ranks, machine {rep.sender!r}'s) held "
+                    f"by this machine's agent ({rep.path}) {why}; not resharded from it"
+                )
         received, error = exchange(peer, ctx.rank, ctx.world, ctx.coord_pg, self._mine(peer))
         self._received = received
         if bad is not None:
             raise TornSnapshot(bad)
+        if bad_replica is not None:
+            raise BadMemory(bad_replica)
         if error is not None:
             raise TornSnapshot(error)
+
+    def _replica_problem(self, rep: _HeldReplica, step: int) -> str | None:
+        """Why a held replica must not be used (its data no longer hashes to the value its
+        agent recorded as it arrived), or None."""
+        now = rep.sm.slot.header()
+        if now is None or now != rep.info or not now.complete or now.step != step:
+            return "changed since it was listed"
+        ok = rep.sm.slot.verify_data(rep.info)
+        if ok is None:
+            return "has no data hash to check it against"
+        if not ok:
+            return "fails its data hash: the shared memory was overwritten since it arrived"
+        return None
 
     def read(self, plan: RestorePlan) -> SavedStep:
         """This rank's state of the step, its tensors viewing this machine's slots or what was
@@ -444,26 +654,43 @@ class PeerReshardSource:
                 return None
             return f"a snapshot of step {peer.step} changed while read"
 
+        # Old ranks whose snapshot came from a replica: the plan's (sent by their holder) and
+        # any this rank read from a replica of its own machine's agent.
+        replicas = dict(self.plan_replicas)
+        for o, (_, rep) in self._mine_replicas(peer).items():
+            replicas.setdefault(o, (ctx.node, rep.sender))
+        info: dict[str, Any] = {
+            "saved_world_size": peer.world_size,
+            "received_from_old_ranks": sorted(received),
+            "received_bytes": sum(t.nbytes for got in received.values() for t in got.values()),
+        }
+        note = (
+            f"flashckpt: rank {ctx.rank} rebuilt step {peer.step} (saved by "
+            f"{peer.world_size} ranks) from memory; received from old ranks {sorted(received)}"
+        )
+        if replicas:
+            info["replica_of_old_ranks"] = sorted(replicas)
+            info["replica_senders"] = sorted({s for _, s in replicas.values()})
+            info["replica_holders"] = sorted({h for h, _ in replicas.values()})
+            note += (
+                f"; old ranks {sorted(replicas)} from the replicas of machines "
+                f"{info['replica_senders']} held by the agents of {info['replica_holders']}"
+            )
         return SavedStep(
             peer.step,
-            self.name,
+            REPLICA_RESHARD if replicas else self.name,
             state,
             private,
             pieces=pieces,
             shared=True,
             check=check,
-            info={
-                "saved_world_size": peer.world_size,
-                "received_from_old_ranks": sorted(received),
-                "received_bytes": sum(t.nbytes for got in received.values() for t in got.values()),
-            },
-            note=(
-                f"flashckpt: rank {ctx.rank} rebuilt step {peer.step} (saved by "
-                f"{peer.world_size} ranks) from memory; received from old ranks {sorted(received)}"
-            ),
+            info=info,
+            note=note,
         )
 
     def drop(self, step: int) -> None:
+        # A replica that failed its data hash check here is refused from the next offer on
+        # (by every rank: the offer gathers it).
         pass
 
 

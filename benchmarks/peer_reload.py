@@ -565,10 +565,15 @@ def off_job(b: Bench, rep: int, log: Callable[[str], None]) -> dict[str, Any]:
 
 
 def run_size(
-    size: float, repeats: int, loop_steps: int, log: Callable[[str], None]
+    size: float,
+    repeats: int,
+    loop_steps: int,
+    log: Callable[[str], None],
+    variants: list[str] | None = None,
+    off_loop: bool = True,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"gib_per_machine": size, "layers": _layers(size, 2), "repeats": []}
-    variants = ["peer", "cold", "warm"]
+    variants = variants or ["peer", "cold", "warm"]
     b = Bench(size, loop_steps)
     out["private_tmpfs"] = bool(b.mounts)
     try:
@@ -576,7 +581,7 @@ def run_size(
             one: dict[str, Any] = {"repeat": rep, "load_start": os.getloadavg()}
             # The job without replicas runs before the one with them on even repeats, after its
             # restores on odd ones (never while the other job's memory is in use).
-            if rep % 2 == 0:
+            if rep % 2 == 0 and off_loop:
                 one["loop_off"] = off_job(b, rep, log)
             res, ctx = loop_job(b, rep, True)
             res |= _lost_per_ckpt(res)
@@ -597,10 +602,13 @@ def run_size(
                     f"restore_s {r1['restore_s']:.3f}, phases "
                     + ", ".join(f"{k} {s:.3f}" for k, s in sorted(r1["phases_s"].items()))
                 )
+                pull = (r1.get("restore") or {}).get("pull_phases_s")
+                if pull:
+                    log("  pull: " + ", ".join(f"{k} {s:.3f}" for k, s in pull.items()))
             b.kill(ctx["agent_a"])
             b.clean_shm("a", ctx["job"])
             shutil.rmtree(ctx["storage"], ignore_errors=True)
-            if rep % 2 == 1:
+            if rep % 2 == 1 and off_loop:
                 one["loop_off"] = off_job(b, rep, log)
             one["load_end"] = os.getloadavg()
             out["repeats"].append(one)
@@ -625,27 +633,31 @@ def summarize(size_res: dict[str, Any]) -> dict[str, Any]:
         for r in rows:
             for k, x in r["phases_s"].items():
                 phases.setdefault(k, []).append(x)
+        pull: dict[str, list[float]] = {}
+        for r in rows:
+            for k, x in ((r.get("restore") or {}).get("pull_phases_s") or {}).items():
+                pull.setdefault(k, []).append(x)
         entries = [r["entry_s"] for r in rows]
         s[v] = {
             "entry_s": entries,
             "entry_median_s": C.median(entries),
-            "restore_median_s": C.median([r["restore_s"] for r in rows]),
+            "restore_median_s": C.median([r["restore_s"] for r in rows]) if rows else None,
             "phases_median_s": {k: C.median(xs) for k, xs in sorted(phases.items())},
         }
+        if pull:
+            # Where the peer-memory pull's time goes (the trainer's and its agent's phases).
+            s[v]["pull_phases_median_s"] = {k: C.median(xs) for k, xs in pull.items()}
     for v in ("cold", "warm"):
         s[f"{v}_over_peer"] = C.ratio(s[v]["entry_median_s"], s["peer"]["entry_median_s"])
     s["target_cold_over_peer"] = 5.0
     s["hash_check_median_s"] = s["peer"]["phases_median_s"].get("hash")
     for k in ("off", "on"):
-        rows = [rep[f"loop_{k}"] for rep in reps]
+        rows = [rep[f"loop_{k}"] for rep in reps if f"loop_{k}" in rep]
         s[f"lost_per_ckpt_{k}_s"] = C.median([r["lost_per_ckpt_s"] for r in rows])
         s[f"noise_per_ckpt_{k}_s"] = C.median([r["noise_per_ckpt_s"] for r in rows])
-    s["base_step_median_s"] = C.median(
-        [rep[f"loop_{k}"]["base_step_s"] for rep in reps for k in ("off", "on")]
-    )
-    s["noise_per_ckpt_max_s"] = max(
-        rep[f"loop_{k}"]["noise_per_ckpt_s"] for rep in reps for k in ("off", "on")
-    )
+    loops = [rep[f"loop_{k}"] for rep in reps for k in ("off", "on") if f"loop_{k}" in rep]
+    s["base_step_median_s"] = C.median([r["base_step_s"] for r in loops])
+    s["noise_per_ckpt_max_s"] = max(r["noise_per_ckpt_s"] for r in loops)
     s["replication_adds_per_ckpt_s"] = (s["lost_per_ckpt_on_s"] or 0) - (
         s["lost_per_ckpt_off_s"] or 0
     )
@@ -654,10 +666,13 @@ def summarize(size_res: dict[str, Any]) -> dict[str, Any]:
     s["push_gib_s_median"] = C.median([p["gib_s"] for p in pushes if p["gib_s"]])
     s["push_seconds_median"] = C.median([p["seconds"] for p in pushes])
     sender: list[float] = []
+    receiver: list[float] = []
     for rep in reps:
         for side in rep["loop_on"]["agents_cpu"].values():
             sender.append(side["threads_cpu_s"].get("flashckpt-agent-replica", 0.0))
+            receiver.append(side["threads_cpu_s"].get("fc-replica", 0.0))
     s["sender_thread_cpu_s_per_agent_median"] = C.median(sender)
+    s["receiver_thread_cpu_s_per_agent_median"] = C.median(receiver)
     return s
 
 
@@ -713,6 +728,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--loop-steps", type=int, default=8, help=f"steps per loop block (a snapshot every {EVERY})"
     )
+    ap.add_argument(
+        "--variants", default="peer,cold,warm", help="restores to time (default peer,cold,warm)"
+    )
+    ap.add_argument(
+        "--no-off-loop",
+        action="store_true",
+        help="skip the loop with replicas off (no replication cost measured)",
+    )
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument(
         "--report", help="print the markdown tables of JSON results (comma-separated) and exit"
@@ -732,6 +755,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.loop_steps < EVERY or args.loop_steps % EVERY:
         ap.error(f"--loop-steps must be a multiple of {EVERY}")
     sizes = [float(x) for x in args.sizes.split(",") if x]
+    variants = [v for v in args.variants.split(",") if v]
+    if "peer" not in variants or not set(variants) <= {"peer", "cold", "warm"}:
+        ap.error("--variants: peer and any of cold, warm")
 
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -748,7 +774,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     with C.terminate_as_exception():
         for size in sizes:
-            res["sizes"].append(run_size(size, args.repeats, args.loop_steps, log))
+            res["sizes"].append(
+                run_size(size, args.repeats, args.loop_steps, log, variants, not args.no_off_loop)
+            )
             if args.out:  # what is done so far survives a later failure
                 Path(args.out).write_text(json.dumps(res, indent=1, default=str))
     res["loadavg_end"] = os.getloadavg()

@@ -407,7 +407,8 @@ def test_bad_pull_replica_requests_get_a_protocol_error_and_the_agent_serves_on(
                     {"rank": 0, "world_size": 2, "fetch": "yes"},
                     {"rank": 0, "world_size": 2, "timeout_s": 1e9},
                     {"rank": 0, "world_size": 2, "world_id": "w" * 5000},
-                    {"rank": 0, "world_size": 2, "holder": "a"},  # no such field
+                    {"rank": 0, "world_size": 2, "peer": "a"},  # no such field
+                    {"rank": 0, "world_size": 2, "holder": 5},
                 ]
                 for fields in bad:
                     with pytest.raises(AgentError) as e:
@@ -425,6 +426,18 @@ def test_bad_pull_replica_requests_get_a_protocol_error_and_the_agent_serves_on(
                     )
                     assert got["found"] is False and got["step"] == -1, got
                     assert "rank 0 step >= 0: z: replica query to 127.0.0.1:9" in got["reason"]
+                # Straight from the holder a look named: it does not answer, a clear error.
+                with pytest.raises(AgentError, match=r"from 'z' \(127.0.0.1:9\) not pulled"):
+                    c.request(
+                        "pull_replica",
+                        timeout=60,
+                        rank=0,
+                        local_rank=0,
+                        world_size=2,
+                        min_step=8,
+                        holder="z",
+                        sender="b",
+                    )
                 # Another position than the one this connection said hello for: refused.
                 with pytest.raises(AgentError, match="global rank 0 here, not 1"):
                     c.request("pull_replica", timeout=30, rank=1, local_rank=0, world_size=2)

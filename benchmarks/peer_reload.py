@@ -691,6 +691,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
         s = size["summary"]
         for v, label in (("peer", "peer-memory"), ("cold", "cold storage"), ("warm", "warm")):
             r = s[v]
+            if not r["entry_s"]:
+                continue  # not run (--variants)
             ph = r["phases_median_s"]
             src = "peer-memory" if v == "peer" else "storage"
             fa = (ph.get("fit") or 0.0) + (ph.get("apply") or 0.0)
@@ -704,9 +706,37 @@ def markdown(res: dict[str, Any]) -> list[str]:
             )
     lines += [
         "",
+        "| GiB/machine | load (1 min) | agent: ask | connect | alloc | recv + hash | install | "
+        "agent total | trainer waits | map | verify |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size in res["sizes"]:
+        ph = size["summary"]["peer"].get("pull_phases_median_s") or {}
+        loads = [x for rep in size["repeats"] for x in (rep["load_start"][0], rep["load_end"][0])]
+        lines.append(
+            f"| {size['gib_per_machine']} | {min(loads):.1f}-{max(loads):.1f} | "
+            + " | ".join(
+                f(ph.get(k))
+                for k in (
+                    "agent.ask",
+                    "agent.connect",
+                    "agent.alloc",
+                    "agent.recv",
+                    "agent.install",
+                    "agent.total",
+                    "pull",
+                    "map",
+                    "verify",
+                )
+            )
+            + " |"
+        )
+    lines += [
+        "",
         "| GiB/machine | step | lost/ckpt, replicas off | lost/ckpt, replicas on | "
-        "noise floor/ckpt (max) | replica push GiB/s (s per push) | sender thread CPU/agent |",
-        "|---|---|---|---|---|---|---|",
+        "noise floor/ckpt (max) | replica push GiB/s (s per push) | sender thread CPU/agent | "
+        "receiver threads CPU/agent |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for size in res["sizes"]:
         s = size["summary"]
@@ -716,7 +746,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
             f"{f(s['lost_per_ckpt_off_s'])} | {f(s['lost_per_ckpt_on_s'])} | "
             f"{f(s['noise_per_ckpt_max_s'])} | "
             f"{'-' if bw is None else f'{bw:.2f}'} ({f(s['push_seconds_median'])}) | "
-            f"{f(s['sender_thread_cpu_s_per_agent_median'])} |"
+            f"{f(s['sender_thread_cpu_s_per_agent_median'])} | "
+            f"{f(s.get('receiver_thread_cpu_s_per_agent_median'))} |"
         )
     return lines
 

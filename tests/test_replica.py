@@ -468,3 +468,27 @@ def test_the_replica_server_listens_and_serves_on_ipv6(shm: str) -> None:
     finally:
         server.close()
         store.close()
+
+
+def test_receiving_a_push_runs_the_background_hook_and_serving_a_restore_does_not(
+    shm: str,
+) -> None:
+    """The agent passes ``lower_thread_priority``: a replica arriving from another machine is
+    background work (its connection thread is lowered before it takes a byte); a restore's
+    fetch and query are waited on, and run at the agent's priority."""
+    calls: list[str] = []
+    store = ReplicaStore(shm, JOB, "nB", limit_bytes=32 * 2**20)
+    server = ReplicaServer(
+        store, timeout=10, background=lambda: calls.append(threading.current_thread().name)
+    )
+    try:
+        slot = _snapshot(shm, "nA", 0, 3, os.urandom(10_000))
+        _push(server, slot)
+        slot.close()
+        assert calls == ["fc-replica"]
+        assert query_replicas(server.address, job=JOB, rank=0)
+        assert fetch_replica(server.address, job=JOB, sender_node="nA", rank=0) is not None
+        assert calls == ["fc-replica"]
+    finally:
+        server.close()
+        store.close()

@@ -9,9 +9,10 @@ recently taken that fits and, with ``fetch``, streams it (:func:`~flashckpt.repl
 into a new slot file of the position (allocated as a trainer's slot is, after the same capacity
 check), hashing as it arrives. A fetch that names the holder an earlier look found goes to it
 directly (one query, not two). Only a replica whose bytes hash to the holder's recorded value
-and whose description passes the same checks as a slot's (:class:`~flashckpt.snapmeta.SnapshotMeta`: rank, world size, world id, step) replaces
-a slot of the position, complete with its data hash recorded; the trainer re-checks that hash
-before it loads a byte. Every peer answer is bounded (a timeout per peer, a number of peers, the
+and whose description passes the same checks as a slot's
+(:class:`~flashckpt.snapmeta.SnapshotMeta`: rank, world size, world id, step) replaces a slot of
+the position, complete with its data hash recorded; the trainer re-checks that hash before it
+loads a byte. Every peer answer is bounded (a timeout per peer, a number of peers, the
 replica's size against the tmpfs), nothing is trusted; a failure is a reply naming rank, step and
 source, never a half-written slot (the incoming file is removed).
 

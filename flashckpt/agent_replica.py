@@ -108,9 +108,7 @@ class Replicator:
         store = ReplicaStore(cfg.shm_dir, cfg.job, cfg.node, limit)
         host, port = self.listen
         try:
-            self.server = ReplicaServer(
-                store, host, port, pace=self._receive_pace, background=lower_thread_priority
-            )
+            self.server = ReplicaServer(store, host, port, pace=self._receive_pace)
         except OSError as e:
             if port == 0:
                 # Replicas protect; snapshots and persistence must go on without them.
@@ -124,9 +122,7 @@ class Replicator:
             # reads it back from status and publishes it).
             log.warning("replica port %d is taken (%s): listening on another one", port, e)
             try:
-                self.server = ReplicaServer(
-                    store, host, 0, pace=self._receive_pace, background=lower_thread_priority
-                )
+                self.server = ReplicaServer(store, host, 0, pace=self._receive_pace)
             except OSError as e2:
                 log.error("no replica server on %s (%s): this machine holds no replicas", host, e2)
                 return

@@ -27,6 +27,12 @@ in a local directory (the disk, not a tmpfs) with every snapshot persisted. Per 
    ``prepare`` (for peer-memory: the agent's pull over TCP into c's slot), ``read`` (of which
    ``hash`` is the data-hash check of the slot), ``fit``, ``apply``. A checksum of rank 1's
    restored shards is compared with the one it had at that step: a wrong restore fails the run.
+   The pull's own phases (the agent's: ask, connect, alloc, recv, install, total; the
+   trainer's: offer.ask, offer.gather, pull, map, verify) come from the restore's info
+   (``pull_phases_s``) and are tabled with the load average.
+
+``--variants peer,cold`` and ``--no-off-loop`` make a short run (no warm restore; no loop with
+replicas off, so no replication cost).
 
 Every figure is measured in the same run; ratios are of medians. On a machine that other work
 loads the load average (before, after) is in the JSON.

@@ -27,6 +27,12 @@ in a local directory (the disk, not a tmpfs) with every snapshot persisted. Per 
    ``prepare`` (for peer-memory: the agent's pull over TCP into c's slot), ``read`` (of which
    ``hash`` is the data-hash check of the slot), ``fit``, ``apply``. A checksum of rank 1's
    restored shards is compared with the one it had at that step: a wrong restore fails the run.
+   The pull's own phases (the agent's: ask, connect, alloc, recv, install, total; the
+   trainer's: offer.ask, offer.gather, pull, map, verify) come from the restore's info
+   (``pull_phases_s``) and are tabled with the load average.
+
+``--variants peer,cold`` and ``--no-off-loop`` make a short run (no warm restore; no loop with
+replicas off, so no replication cost).
 
 Every figure is measured in the same run; ratios are of medians. On a machine that other work
 loads the load average (before, after) is in the JSON.
@@ -565,10 +571,15 @@ def off_job(b: Bench, rep: int, log: Callable[[str], None]) -> dict[str, Any]:
 
 
 def run_size(
-    size: float, repeats: int, loop_steps: int, log: Callable[[str], None]
+    size: float,
+    repeats: int,
+    loop_steps: int,
+    log: Callable[[str], None],
+    variants: list[str] | None = None,
+    off_loop: bool = True,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"gib_per_machine": size, "layers": _layers(size, 2), "repeats": []}
-    variants = ["peer", "cold", "warm"]
+    variants = variants or ["peer", "cold", "warm"]
     b = Bench(size, loop_steps)
     out["private_tmpfs"] = bool(b.mounts)
     try:
@@ -576,7 +587,7 @@ def run_size(
             one: dict[str, Any] = {"repeat": rep, "load_start": os.getloadavg()}
             # The job without replicas runs before the one with them on even repeats, after its
             # restores on odd ones (never while the other job's memory is in use).
-            if rep % 2 == 0:
+            if rep % 2 == 0 and off_loop:
                 one["loop_off"] = off_job(b, rep, log)
             res, ctx = loop_job(b, rep, True)
             res |= _lost_per_ckpt(res)
@@ -597,10 +608,13 @@ def run_size(
                     f"restore_s {r1['restore_s']:.3f}, phases "
                     + ", ".join(f"{k} {s:.3f}" for k, s in sorted(r1["phases_s"].items()))
                 )
+                pull = (r1.get("restore") or {}).get("pull_phases_s")
+                if pull:
+                    log("  pull: " + ", ".join(f"{k} {s:.3f}" for k, s in pull.items()))
             b.kill(ctx["agent_a"])
             b.clean_shm("a", ctx["job"])
             shutil.rmtree(ctx["storage"], ignore_errors=True)
-            if rep % 2 == 1:
+            if rep % 2 == 1 and off_loop:
                 one["loop_off"] = off_job(b, rep, log)
             one["load_end"] = os.getloadavg()
             out["repeats"].append(one)
@@ -625,27 +639,31 @@ def summarize(size_res: dict[str, Any]) -> dict[str, Any]:
         for r in rows:
             for k, x in r["phases_s"].items():
                 phases.setdefault(k, []).append(x)
+        pull: dict[str, list[float]] = {}
+        for r in rows:
+            for k, x in ((r.get("restore") or {}).get("pull_phases_s") or {}).items():
+                pull.setdefault(k, []).append(x)
         entries = [r["entry_s"] for r in rows]
         s[v] = {
             "entry_s": entries,
             "entry_median_s": C.median(entries),
-            "restore_median_s": C.median([r["restore_s"] for r in rows]),
+            "restore_median_s": C.median([r["restore_s"] for r in rows]) if rows else None,
             "phases_median_s": {k: C.median(xs) for k, xs in sorted(phases.items())},
         }
+        if pull:
+            # Where the peer-memory pull's time goes (the trainer's and its agent's phases).
+            s[v]["pull_phases_median_s"] = {k: C.median(xs) for k, xs in pull.items()}
     for v in ("cold", "warm"):
         s[f"{v}_over_peer"] = C.ratio(s[v]["entry_median_s"], s["peer"]["entry_median_s"])
     s["target_cold_over_peer"] = 5.0
     s["hash_check_median_s"] = s["peer"]["phases_median_s"].get("hash")
     for k in ("off", "on"):
-        rows = [rep[f"loop_{k}"] for rep in reps]
+        rows = [rep[f"loop_{k}"] for rep in reps if f"loop_{k}" in rep]
         s[f"lost_per_ckpt_{k}_s"] = C.median([r["lost_per_ckpt_s"] for r in rows])
         s[f"noise_per_ckpt_{k}_s"] = C.median([r["noise_per_ckpt_s"] for r in rows])
-    s["base_step_median_s"] = C.median(
-        [rep[f"loop_{k}"]["base_step_s"] for rep in reps for k in ("off", "on")]
-    )
-    s["noise_per_ckpt_max_s"] = max(
-        rep[f"loop_{k}"]["noise_per_ckpt_s"] for rep in reps for k in ("off", "on")
-    )
+    loops = [rep[f"loop_{k}"] for rep in reps for k in ("off", "on") if f"loop_{k}" in rep]
+    s["base_step_median_s"] = C.median([r["base_step_s"] for r in loops])
+    s["noise_per_ckpt_max_s"] = max(r["noise_per_ckpt_s"] for r in loops)
     s["replication_adds_per_ckpt_s"] = (s["lost_per_ckpt_on_s"] or 0) - (
         s["lost_per_ckpt_off_s"] or 0
     )
@@ -654,10 +672,13 @@ def summarize(size_res: dict[str, Any]) -> dict[str, Any]:
     s["push_gib_s_median"] = C.median([p["gib_s"] for p in pushes if p["gib_s"]])
     s["push_seconds_median"] = C.median([p["seconds"] for p in pushes])
     sender: list[float] = []
+    receiver: list[float] = []
     for rep in reps:
         for side in rep["loop_on"]["agents_cpu"].values():
             sender.append(side["threads_cpu_s"].get("flashckpt-agent-replica", 0.0))
+            receiver.append(side["threads_cpu_s"].get("fc-replica", 0.0))
     s["sender_thread_cpu_s_per_agent_median"] = C.median(sender)
+    s["receiver_thread_cpu_s_per_agent_median"] = C.median(receiver)
     return s
 
 
@@ -676,6 +697,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
         s = size["summary"]
         for v, label in (("peer", "peer-memory"), ("cold", "cold storage"), ("warm", "warm")):
             r = s[v]
+            if not r["entry_s"]:
+                continue  # not run (--variants)
             ph = r["phases_median_s"]
             src = "peer-memory" if v == "peer" else "storage"
             fa = (ph.get("fit") or 0.0) + (ph.get("apply") or 0.0)
@@ -689,9 +712,37 @@ def markdown(res: dict[str, Any]) -> list[str]:
             )
     lines += [
         "",
+        "| GiB/machine | load (1 min) | agent: ask | connect | alloc | recv + hash | install | "
+        "agent total | trainer waits | map | verify |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size in res["sizes"]:
+        ph = size["summary"]["peer"].get("pull_phases_median_s") or {}
+        loads = [x for rep in size["repeats"] for x in (rep["load_start"][0], rep["load_end"][0])]
+        lines.append(
+            f"| {size['gib_per_machine']} | {min(loads):.1f}-{max(loads):.1f} | "
+            + " | ".join(
+                f(ph.get(k))
+                for k in (
+                    "agent.ask",
+                    "agent.connect",
+                    "agent.alloc",
+                    "agent.recv",
+                    "agent.install",
+                    "agent.total",
+                    "pull",
+                    "map",
+                    "verify",
+                )
+            )
+            + " |"
+        )
+    lines += [
+        "",
         "| GiB/machine | step | lost/ckpt, replicas off | lost/ckpt, replicas on | "
-        "noise floor/ckpt (max) | replica push GiB/s (s per push) | sender thread CPU/agent |",
-        "|---|---|---|---|---|---|---|",
+        "noise floor/ckpt (max) | replica push GiB/s (s per push) | sender thread CPU/agent | "
+        "receiver threads CPU/agent |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for size in res["sizes"]:
         s = size["summary"]
@@ -701,7 +752,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
             f"{f(s['lost_per_ckpt_off_s'])} | {f(s['lost_per_ckpt_on_s'])} | "
             f"{f(s['noise_per_ckpt_max_s'])} | "
             f"{'-' if bw is None else f'{bw:.2f}'} ({f(s['push_seconds_median'])}) | "
-            f"{f(s['sender_thread_cpu_s_per_agent_median'])} |"
+            f"{f(s['sender_thread_cpu_s_per_agent_median'])} | "
+            f"{f(s.get('receiver_thread_cpu_s_per_agent_median'))} |"
         )
     return lines
 
@@ -712,6 +764,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="repeats per size, interleaved")
     ap.add_argument(
         "--loop-steps", type=int, default=8, help=f"steps per loop block (a snapshot every {EVERY})"
+    )
+    ap.add_argument(
+        "--variants", default="peer,cold,warm", help="restores to time (default peer,cold,warm)"
+    )
+    ap.add_argument(
+        "--no-off-loop",
+        action="store_true",
+        help="skip the loop with replicas off (no replication cost measured)",
     )
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument(
@@ -732,6 +792,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.loop_steps < EVERY or args.loop_steps % EVERY:
         ap.error(f"--loop-steps must be a multiple of {EVERY}")
     sizes = [float(x) for x in args.sizes.split(",") if x]
+    variants = [v for v in args.variants.split(",") if v]
+    if "peer" not in variants or not set(variants) <= {"peer", "cold", "warm"}:
+        ap.error("--variants: peer and any of cold, warm")
 
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -748,7 +811,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     with C.terminate_as_exception():
         for size in sizes:
-            res["sizes"].append(run_size(size, args.repeats, args.loop_steps, log))
+            res["sizes"].append(
+                run_size(size, args.repeats, args.loop_steps, log, variants, not args.no_off_loop)
+            )
             if args.out:  # what is done so far survives a later failure
                 Path(args.out).write_text(json.dumps(res, indent=1, default=str))
     res["loadavg_end"] = os.getloadavg()

@@ -174,6 +174,13 @@ def parse_host_port(text: str, what: str, *, allow_zero: bool = False) -> tuple[
     host, sep, port_text = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+    elif ":" in host:
+        # "fd00::2:7070" reads as address fd00::2 port 7070 or as address fd00::2:7070 with no
+        # port: never guessed.
+        raise ValueError(
+            f"{what}: {text!r} is an IPv6 address without brackets; write it as [address]:port "
+            "(e.g. [fd00::2]:7070, [::1]:0)"
+        )
     lo = 0 if allow_zero else 1
     ok = bool(sep and host and port_text.isdigit()) and not any(c in host for c in " /[]")
     port = int(port_text) if ok else -1

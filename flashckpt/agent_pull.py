@@ -4,13 +4,15 @@ own slots, where the trainer then reads it as memory.
 
 For a global rank, a least step and the world it must have been taken in, the agent asks every
 known peer (the replica servers of :attr:`flashckpt.agent_replica.Replicator.peers`) which
-replicas of that rank it holds (:func:`~flashckpt.replica.query_replicas`), picks the newest that
-fits and, with ``fetch``, streams it (:func:`~flashckpt.replica.fetch_replica`) into a new slot
-file of the position (allocated as a trainer's slot is), hashing as it arrives. Only a replica
-whose bytes hash to the holder's recorded value and whose description passes the same checks as
-a slot's (:class:`~flashckpt.snapmeta.SnapshotMeta`: rank, world size, world id, step) replaces
-a slot of the position, complete with its data hash recorded; the trainer re-checks that hash
-before it loads a byte. Every peer answer is bounded (a timeout per peer, a number of peers, the
+replicas of that rank it holds (:func:`~flashckpt.replica.query_replicas`), picks the most
+recently taken that fits and, with ``fetch``, streams it (:func:`~flashckpt.replica.fetch_replica`)
+into a new slot file of the position (allocated as a trainer's slot is, after the same capacity
+check), hashing as it arrives. A fetch that names the holder an earlier look found goes to it
+directly (one query, not two). Only a replica whose bytes hash to the holder's recorded value
+and whose description passes the same checks as a slot's
+(:class:`~flashckpt.snapmeta.SnapshotMeta`: rank, world size, world id, step) replaces a slot of
+the position, complete with its data hash recorded; the trainer re-checks that hash before it
+loads a byte. Every peer answer is bounded (a timeout per peer, a number of peers, the
 replica's size against the tmpfs), nothing is trusted; a failure is a reply naming rank, step and
 source, never a half-written slot (the incoming file is removed).
 
@@ -23,14 +25,22 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from flashckpt.agent_segments import slot_file_bytes
 from flashckpt.agent_state import AgentState, Conn, RankRecord
-from flashckpt.errors import CorruptCheckpointError, CorruptSnapshotError
+from flashckpt.errors import CorruptCheckpointError, CorruptSnapshotError, ShmSpaceError
 from flashckpt.messages import ErrorReply, PullReplica, PullReplicaReply, Reply
-from flashckpt.replica import ReplicaError, ReplicaHeader, fetch_replica, query_replicas
+from flashckpt.replica import (
+    ReplicaError,
+    ReplicaHeader,
+    fetch_replica,
+    host_port,
+    query_replicas,
+)
 from flashckpt.shm import Slot, allocate_slot_file, slot_path
 from flashckpt.snapmeta import SnapshotMeta
 
@@ -56,12 +66,18 @@ class _Found:
     """The peer's node id."""
     addr: tuple[str, int]
     """Its replica server."""
-    header: ReplicaHeader
-    """What it holds."""
+    header: ReplicaHeader | None
+    """What it holds, as its ``query`` answer said (None: not asked, see ``sender``)."""
+    sender: str = ""
+    """The machine whose snapshot it is, where ``header`` is None."""
 
     @property
     def source(self) -> str:
-        return f"{self.addr[0]}:{self.addr[1]}"
+        return host_port(*self.addr)
+
+    @property
+    def sender_node(self) -> str:
+        return self.header.sender_node if self.header is not None else self.sender
 
 
 class Puller:
@@ -80,8 +96,11 @@ class Puller:
     def pull(self, conn: Conn, req: PullReplica) -> Reply:
         """Handles one request (see the module)."""
         cfg = self.st.cfg
+        t0 = time.perf_counter()
+        phases: dict[str, float] = {}
         rec = self._position(conn, req)
-        peers = sorted((n, a) for n, a in self.peers().items() if n != cfg.node)
+        known = {n: a for n, a in self.peers().items() if n != cfg.node}
+        peers = sorted(known.items())
         if len(peers) > MAX_PEERS:
             log.warning("pull_replica: asking %d of the %d known peers", MAX_PEERS, len(peers))
             peers = peers[:MAX_PEERS]
@@ -90,7 +109,16 @@ class Puller:
                 found=False,
                 reason=f"agent {cfg.node!r} knows no peer agents (--replica-peers is empty)",
             )
+        if req.fetch and req.holder in known and req.sender is not None:
+            # The trainer's look (fetch=False) just found it there: fetched at once, without
+            # asking every peer again; every byte and field of it is checked all the same.
+            direct = _Found(req.holder, known[req.holder], None, req.sender)
+            reply = self._fetched(rec, conn, req, direct, phases, t0)
+            if reply is not None:
+                return reply
+            phases.clear()  # no longer held there: every peer is asked
         found, reasons = self._ask(peers, req)
+        phases["ask"] = time.perf_counter() - t0
         if not found:
             why = "; ".join(reasons) or "no peer holds a replica of it"
             return PullReplicaReply(
@@ -99,8 +127,11 @@ class Puller:
             )
         best = found[0]
         h = best.header
+        assert h is not None
         if not req.fetch:
+            phases["total"] = time.perf_counter() - t0
             return PullReplicaReply(
+                phases_s=_rounded(phases),
                 found=True,
                 step=h.step,
                 holder=best.holder,
@@ -109,20 +140,45 @@ class Puller:
                 world_id=h.world,
                 bytes=h.data_len,
             )
+        reply = self._fetched(rec, conn, req, best, phases, t0)
+        if reply is None:
+            return PullReplicaReply(
+                found=False,
+                reason=f"{best.source} no longer holds step {h.step} of rank {req.rank}",
+            )
+        return reply
+
+    def _fetched(
+        self,
+        rec: RankRecord,
+        conn: Conn,
+        req: PullReplica,
+        best: _Found,
+        phases: dict[str, float],
+        t0: float,
+    ) -> Reply | None:
+        """Fetches ``best`` into a slot of the position: the reply, or None when the holder
+        no longer has it."""
+        want = f"step {best.header.step}" if best.header is not None else f"step {req.min_step}"
         try:
-            path, idx = self._fetch(rec, conn, req, best)
+            got = self._fetch(rec, conn, req, best, phases)
         except (CorruptSnapshotError, CorruptCheckpointError) as e:
             log.warning("pull_replica: %s", e)
             return ErrorReply(error=str(e), kind=type(e).__name__)
-        except (ReplicaError, OSError, ValueError) as e:
+        except (ReplicaError, OSError, ValueError, ShmSpaceError) as e:
             msg = (
-                f"replica of rank {req.rank} step {h.step} from {best.holder!r} "
+                f"replica of rank {req.rank} {want} from {best.holder!r} "
                 f"({best.source}) not pulled: {e}"
             )
             log.warning("pull_replica: %s", msg)
             return ErrorReply(error=msg, kind=type(e).__name__)
+        if got is None:
+            return None
+        path, idx, h = got
+        phases["total"] = time.perf_counter() - t0
         log.info(
-            "pulled the replica of rank %d step %d (%.1f MiB, machine %s) from %s (%s) into %s",
+            "pulled the replica of rank %d step %d (%.1f MiB, machine %s) from %s (%s) into %s "
+            "(%s)",
             req.rank,
             h.step,
             h.data_len / 2**20,
@@ -130,8 +186,10 @@ class Puller:
             best.holder,
             best.source,
             path,
+            ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()),
         )
         return PullReplicaReply(
+            phases_s=_rounded(phases),
             found=True,
             step=h.step,
             holder=best.holder,
@@ -193,7 +251,10 @@ class Puller:
                 if not fits:
                     reasons.append(f"{node}: holds none" + (" of that world" if held else ""))
                 found.extend(_Found(node, addr, h) for h in fits)
-        found.sort(key=lambda f: (-f.header.step, -f.header.time_complete, f.holder))
+        # The most recently taken first: within a world that is the newest step; across worlds
+        # (a replica of an abandoned timeline's higher step still held for a machine that now
+        # holds other ranks) the newer world's (the senders' clocks, roughly in step).
+        found.sort(key=lambda f: (*_newest_first(f.header), f.holder))
         return found, reasons
 
     def _slot_index(self, rec: RankRecord) -> int:
@@ -215,44 +276,74 @@ class Puller:
         return 0 if steps[0] <= steps[1] else 1
 
     def _fetch(
-        self, rec: RankRecord, conn: Conn, req: PullReplica, best: _Found
-    ) -> tuple[str, int]:
+        self,
+        rec: RankRecord,
+        conn: Conn,
+        req: PullReplica,
+        best: _Found,
+        phases: dict[str, float],
+    ) -> tuple[str, int, ReplicaHeader] | None:
         """Streams the replica into a new slot file, checks it, and installs it as one of the
-        position's slots; returns (its path, its index)."""
-        cfg, h = self.st.cfg, best.header
+        position's slots; returns (its path, its index, its header), or None when the holder no
+        longer holds it.
+
+        Before a byte of data is taken: the holder's header must be what was asked for (the
+        step its query listed, or with a direct fetch the requested step and world), and the
+        tmpfs must have room for the new slot plus what the agent already holds, checked as a
+        trainer's ``alloc`` is (:attr:`AgentState.capacity_check`, then the file's own
+        allocation): a full tmpfs is a :class:`ShmSpaceError` with the numbers, never a SIGBUS.
+        """
+        cfg, listed = self.st.cfg, best.header
         idx = self._slot_index(rec)
         path = slot_path(cfg.shm_dir, cfg.job, cfg.node, req.key, idx)
         incoming = f"{path}.tmp-pull"  # a dead agent's leftover is removed at the next adopt
         box: list[tuple[Slot, int]] = []  # the incoming slot and its write's seq
 
         def alloc(got: ReplicaHeader) -> memoryview:
-            if (got.step, got.sender_node, got.data_len) != (h.step, h.sender_node, h.data_len):
+            if listed is not None:
+                if (got.step, got.sender_node, got.data_len, got.meta_len) != (
+                    listed.step,
+                    listed.sender_node,
+                    listed.data_len,
+                    listed.meta_len,
+                ):
+                    raise ReplicaError(
+                        f"{best.source} now holds step {got.step} of {got.sender_node!r} "
+                        f"({got.data_len} B), not the step {listed.step} it listed"
+                    )
+            elif got.step != req.min_step:
                 raise ReplicaError(
-                    f"{best.source} now holds step {got.step} of {got.sender_node!r} "
-                    f"({got.data_len} B), not the step {h.step} it listed"
+                    f"{best.source} holds step {got.step} of {got.sender_node!r}, "
+                    f"not the step {req.min_step} asked for"
                 )
-            allocate_slot_file(incoming, got.meta_len, got.data_len)  # room checked here
+            if req.world_id is not None and got.world != req.world_id:
+                raise ReplicaError(
+                    f"{best.source} holds step {got.step} of world {got.world!r}, "
+                    f"not of world {req.world_id!r}"
+                )
+            self._check_room(rec, idx, got)
+            allocate_slot_file(incoming, got.meta_len, got.data_len)  # the tmpfs's room, too
             slot = Slot(incoming)
             box.append((slot, slot.begin_write()))
             return slot.data(got.data_len)
 
+        step = listed.step if listed is not None else req.min_step
         try:
             got = fetch_replica(
                 best.addr,
                 job=cfg.job,
-                sender_node=h.sender_node,
+                sender_node=best.sender_node,
                 rank=req.rank,
-                min_step=h.step,
-                max_bytes=h.data_len,
+                min_step=step,
+                max_bytes=listed.data_len if listed is not None else 2**62,
                 alloc=alloc,
                 timeout=req.timeout_s,
+                phases=phases,
             )
             if got is None or not box:
-                raise ReplicaError(
-                    f"{best.source} no longer holds step {h.step} of rank {req.rank}"
-                )
+                return None
             slot, seq = box[0]
-            where = f"the replica of rank {req.rank} step {h.step} from {best.holder!r}"
+            where = f"the replica of rank {req.rank} step {got.header.step} from {best.holder!r}"
             meta = _checked_meta(got.meta, where, req, got.header, cfg.job)
             slot.write_meta(got.meta)
             slot.end_write(seq, got.header.step, got.meta, got.header.data_len)
@@ -260,7 +351,9 @@ class Puller:
             slot.record_hash(seq + 1, got.header.data_hash)
             slot.close()
             box.clear()
+            t = time.perf_counter()
             self._install(rec, conn, idx, path, incoming)
+            phases["install"] = time.perf_counter() - t
         except BaseException:
             for s, _ in box:
                 with contextlib.suppress(BufferError, ValueError):
@@ -269,7 +362,26 @@ class Puller:
                 os.unlink(incoming)
             raise
         log.debug("replica meta: rank %d world %s", meta.rank, meta.world_id)
-        return path, idx
+        return path, idx, got.header
+
+    def _check_room(self, rec: RankRecord, idx: int, h: ReplicaHeader) -> None:
+        """The capacity check a trainer's ``alloc`` runs, for the position's slot ``idx``
+        replaced by one of the replica's size: this machine's slots after the pull (every
+        position's) plus the replicas it holds must fit the tmpfs."""
+        check = self.st.capacity_check
+        if check is None:
+            return
+        new = slot_file_bytes(h.meta_len, h.data_len)
+        own = present = 0
+        with self.st.lock:
+            for other in self.st.ranks.values():
+                for i, s in enumerate(other.slots):
+                    size = 0
+                    with contextlib.suppress(ValueError):  # closed meanwhile
+                        size = s.size if s is not None else 0
+                    present += size
+                    own += new if (other is rec and i == idx) else size
+        check(own, present)
 
     def _install(self, rec: RankRecord, conn: Conn, idx: int, path: str, incoming: str) -> None:
         """Puts the complete replica in place of the position's slot ``idx`` (as an alloc
@@ -296,6 +408,14 @@ class Puller:
             with self.st.lock:
                 rec.slots[idx] = new
         self.st.wake.set()
+
+
+def _newest_first(h: ReplicaHeader | None) -> tuple[float, int]:
+    return (-h.time_complete, -h.step) if h is not None else (0.0, 0)
+
+
+def _rounded(phases: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 6) for k, v in phases.items()}
 
 
 def _checked_meta(

@@ -39,6 +39,7 @@ from flashckpt.replica import (
     ReplicaServer,
     ReplicaStore,
     check_replica_capacity,
+    host_port,
     push_replica,
     replica_targets,
 )
@@ -112,8 +113,8 @@ class Replicator:
             if port == 0:
                 # Replicas protect; snapshots and persistence must go on without them.
                 log.error(
-                    "no replica server on %s:%d (%s): this machine holds no replicas",
-                    *self.listen,
+                    "no replica server on %s (%s): this machine holds no replicas",
+                    host_port(*self.listen),
                     e,
                 )
                 return
@@ -128,9 +129,8 @@ class Replicator:
         self.store = store
         host, port = self.server.address
         log.info(
-            "replica server listening on %s:%d (limit %s)",
-            host,
-            port,
+            "replica server listening on %s (limit %s)",
+            host_port(host, port),
             f"{limit / 2**20:.1f} MiB" if limit else "derived from this machine's slots",
         )
 
@@ -232,7 +232,7 @@ class Replicator:
         if old != new:
             log.info(
                 "replica peers now %s (were %s); sending to %s",
-                ", ".join(f"{n}={h}:{p}" for n, (h, p) in sorted(new.items())) or "none",
+                ", ".join(f"{n}={host_port(h, p)}" for n, (h, p) in sorted(new.items())) or "none",
                 ", ".join(sorted(old)) or "none",
                 ", ".join(targets) or "nobody",
             )
@@ -477,8 +477,8 @@ class Replicator:
         peers = self.peers
         return {
             "replicas": self.st.cfg.replicas,
-            "listen": "{}:{}".format(*server.address) if server is not None else None,
-            "peers": {n: f"{h}:{p}" for n, (h, p) in sorted(peers.items())},
+            "listen": host_port(*server.address) if server is not None else None,
+            "peers": {n: host_port(h, p) for n, (h, p) in sorted(peers.items())},
             "targets": (
                 replica_targets(self.world_nodes(), self.st.cfg.node, self.st.cfg.replicas)
                 if self.sending

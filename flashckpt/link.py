@@ -314,11 +314,14 @@ class AgentLink:
         world_id: str | None = None,
         fetch: bool = True,
         timeout: float = 120.0,
+        holder: str | None = None,
+        sender: str | None = None,
     ) -> PullReplicaReply:
         """Has the agent find a peer agent's replica of this rank's snapshot (step >=
         ``min_step``, taken by a world of this rank's size, in ``world_id`` if given) and, with
         ``fetch``, copy it into one of this rank's slots (hash-verified there); the reply says
-        what was found (step, holder, bytes, the slot) or why nothing was.
+        what was found (step, holder, bytes, the slot) or why nothing was. ``holder`` and
+        ``sender`` (from an earlier look's reply): fetch from that peer at once.
 
         Raises:
             AgentError: no agent, it refused, or the pull failed (``kind`` names why:
@@ -336,6 +339,8 @@ class AgentLink:
                 world_id=world_id,
                 fetch=fetch,
                 timeout_s=timeout,
+                holder=holder,
+                sender=sender,
             ),
             # The agent asks each peer (bounded by the timeout) and then streams the replica.
             timeout=2 * timeout + 30,

@@ -696,9 +696,17 @@ class PullReplica(_Position):
     """Copy it into a slot (else only look)."""
     timeout_s: float = 120.0
     """Seconds one peer may take to answer (and to send a replica)."""
+    holder: str | None = None
+    """With ``fetch``: the peer agent (node id) an earlier look found the replica at; the agent
+    fetches from it at once instead of asking every peer again (it still checks everything it
+    is sent; a holder it does not know, or one that no longer has it, makes it ask them all)."""
+    sender: str | None = None
+    """With ``holder``: the machine whose snapshot the replica is (as that look said)."""
 
     def __post_init__(self) -> None:
         _Position.__post_init__(self)
+        _text("pull_replica", "holder", self.holder)
+        _text("pull_replica", "sender", self.sender)
         _bound("pull_replica", "world_size", self.world_size, 1, MAX_WORLD)
         if self.rank >= self.world_size:
             raise ProtocolError(
@@ -733,6 +741,10 @@ class PullReplicaReply(Reply):
     """The slot's index (0 or 1; fetched only)."""
     reason: str = ""
     """Why none was found (each peer's answer), for the trainer's warning."""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Seconds the agent spent in each phase of the pull (``ask``: the peers' answers;
+    fetched: ``connect``, ``alloc``, ``recv`` (data received and hashed), ``install``,
+    ``total``), for the benchmarks and logs."""
 
 
 REQUESTS[PullReplica.op] = PullReplica

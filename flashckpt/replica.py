@@ -32,6 +32,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,7 @@ __all__ = [
     "ReplicaStore",
     "check_replica_capacity",
     "fetch_replica",
+    "host_port",
     "push_replica",
     "query_replicas",
     "replica_targets",
@@ -80,6 +82,12 @@ _U64 = 2**64
 
 class ReplicaError(FlashckptError):
     """A peer refused a replica, or a transfer failed; the message says why and what to do."""
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (``[::1]:7070``): the form the agent's
+    ``--replica-listen`` and ``--replica-peers`` parse back."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # -- framing -----------------------------------------------------------------------------------
@@ -293,6 +301,33 @@ def check_replica_capacity(
 # -- the holder --------------------------------------------------------------------------------
 
 
+def _supersedes(old: ReplicaHeader, new: ReplicaHeader) -> str | None:
+    """Why ``new`` (same sender machine and rank as the held ``old``) must not replace it, or
+    None.
+
+    Within one world the steps only grow: an older step is refused (a late, slow transfer).
+    A snapshot of another world (the world id changed: a rendezvous round, a restart) replaces
+    the held one whatever its step: after a rollback (restored from an older step, storage
+    fallback) the new world's steps are lower than the abandoned timeline's, and refusing them
+    would leave only the abandoned timeline's replica for a later loss. Which of two worlds is
+    the newer is told by when the snapshot completed on the sender (both times are of the same
+    machine's clock): a late push of the world that ended is refused."""
+    if new.world == old.world:
+        if new.step < old.step:
+            return (
+                f"holds step {old.step} of {old.sender_node!r} rank {old.rank} (world "
+                f"{old.world!r}); step {new.step} of the same world is older"
+            )
+        return None
+    if new.time_complete < old.time_complete:
+        return (
+            f"holds step {old.step} of {old.sender_node!r} rank {old.rank} of world "
+            f"{old.world!r}, taken after this snapshot of world {new.world!r} (step {new.step}): "
+            "a snapshot of the world that ended is not kept over the newer one"
+        )
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class HeldReplica:
     """A replica this machine holds."""
@@ -350,11 +385,9 @@ class ReplicaStore:
             if key in self._incoming:
                 return f"a replica of {h.sender_node!r} rank {h.rank} is already being received"
             old = self._held.get(key)
-            if old is not None and old.header.step > h.step:
-                return (
-                    f"holds step {old.header.step} of {h.sender_node!r} rank {h.rank}; "
-                    f"step {h.step} is older"
-                )
+            why = _supersedes(old.header, h) if old is not None else None
+            if why is not None:
+                return why
             held = sum(x.header.nbytes for k, x in self._held.items() if k != key)
             held += sum(self._incoming.values())
             if held + h.nbytes > self.limit_bytes:
@@ -511,7 +544,7 @@ def push_replica(
             _send_frame(sock, {"op": "push", "header": h.to_json()})
             reply = _recv_frame(sock)
             if reply.get("go") is not True:
-                raise ReplicaError(f"{addr[0]}:{addr[1]} refused the replica: {_why(reply)}")
+                raise ReplicaError(f"{host_port(*addr)} refused the replica: {_why(reply)}")
             sock.sendall(meta)
             # Hashed as sent (xxh3 runs at memory speed): a snapshot that no longer matches its
             # recorded hash is corrupt in this machine's memory, and is not replicated.
@@ -536,9 +569,9 @@ def push_replica(
             _send_frame(sock, {"end": "ok"})
             reply = _recv_frame(sock)
             if reply.get("ok") is not True:
-                raise ReplicaError(f"{addr[0]}:{addr[1]} did not keep the replica: {_why(reply)}")
+                raise ReplicaError(f"{host_port(*addr)} did not keep the replica: {_why(reply)}")
     except OSError as e:
-        raise ReplicaError(f"replica transfer to {addr[0]}:{addr[1]} failed: {e}") from None
+        raise ReplicaError(f"replica transfer to {host_port(*addr)} failed: {e}") from None
     return h
 
 
@@ -575,13 +608,17 @@ def fetch_replica(
     alloc: Callable[[ReplicaHeader], memoryview] | None = None,
     timeout: float = 60.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    phases: dict[str, float] | None = None,
 ) -> FetchedReplica | None:
     """Reads the replica of ``sender_node``'s ``rank`` held by the agent at ``addr``; None if it
     holds none (of step >= ``min_step``). ``alloc(header)`` gives the buffer for the data
     (e.g. a slot's data region); by default a new bytearray. The data is hashed as it arrives;
     a mismatch raises :class:`CorruptSnapshotError` naming rank, step and source, so the caller
-    falls back to its next source."""
-    src = f"{addr[0]}:{addr[1]}"
+    falls back to its next source. ``phases`` (if given) gets the seconds of each phase:
+    ``connect`` (to the holder's answer), ``alloc``, ``recv`` (the bytes received and hashed)."""
+    src = host_port(*addr)
+    ph = phases if phases is not None else {}
+    t = time.perf_counter()
     try:
         with _connect(addr, timeout) as sock:
             _send_frame(
@@ -610,13 +647,18 @@ def fetch_replica(
                     f"{src}: replica of {h.data_len} B exceeds the expected {max_bytes} B"
                 )
             meta = _recv_exact(sock, h.meta_len)
+            ph["connect"] = time.perf_counter() - t
+            t = time.perf_counter()
             view = alloc(h) if alloc is not None else memoryview(bytearray(h.data_len))
+            ph["alloc"] = time.perf_counter() - t
+            t = time.perf_counter()
             if len(view) < h.data_len:
                 raise ValueError(f"alloc gave {len(view)} B for a replica of {h.data_len} B")
             view = view[: h.data_len]
             hasher = xxhash.xxh3_64()
             _recv_into(sock, view, hasher, chunk_bytes, None)
             end = _recv_frame(sock)
+            ph["recv"] = time.perf_counter() - t
             if end.get("end") != "ok":
                 raise ReplicaError(f"{src} aborted sending the replica: {_why(end)}")
     except OSError as e:
@@ -639,7 +681,7 @@ def query_replicas(
     """The replicas of global rank ``rank`` (of any machine, step >= ``min_step``) that the
     agent at ``addr`` holds, newest first; every header validated (nothing from the socket is
     trusted). Raises :class:`ReplicaError` when the peer refuses or cannot be reached."""
-    src = f"{addr[0]}:{addr[1]}"
+    src = host_port(*addr)
     try:
         with _connect(addr, timeout) as sock:
             _send_frame(sock, {"op": "query", "job": job, "rank": rank, "min_step": min_step})
@@ -666,6 +708,19 @@ def query_replicas(
 # -- the server --------------------------------------------------------------------------------
 
 
+def _family(host: str, port: int) -> socket.AddressFamily:
+    """The address family of the address to listen on: IPv6 for an IPv6 address (``::1``,
+    ``::``) or a name that resolves only to one, else IPv4."""
+    if ":" in host:
+        return socket.AF_INET6
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot resolve the replica server's address {host!r}: {e}") from None
+    families = {i[0] for i in infos}
+    return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6
+
+
 class ReplicaServer:
     """Accepts replicas from peer agents and serves held ones back, on a TCP port.
 
@@ -676,6 +731,10 @@ class ReplicaServer:
         max_connections: transfers served at once; more wait in the listen queue.
         timeout: a peer silent this long is dropped (its partial replica removed).
         pace: called between received chunks (bounded, yielding background work).
+        background: called on the thread that receives a push before it takes a byte: the
+            agent lowers that thread's priority (receiving another machine's replica is
+            background work, like hashing and persisting; serving a restore's ``fetch`` and
+            ``query`` is not, and runs at the agent's priority).
     """
 
     def __init__(
@@ -688,14 +747,16 @@ class ReplicaServer:
         timeout: float = 60.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         pace: Callable[[], None] | None = None,
+        background: Callable[[], object] | None = None,
     ) -> None:
         self.store = store
+        self.background = background
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
         self.pace = pace
         self.errors: list[str] = []
         """The last refusals and failed transfers (newest last, bounded), for status/logs."""
-        self._sock = socket.create_server((host, port), backlog=16)
+        self._sock = socket.create_server((host, port), family=_family(host, port), backlog=16)
         self._slots = threading.BoundedSemaphore(max_connections)
         self._stop = threading.Event()
         self._threads: set[threading.Thread] = set()
@@ -752,6 +813,8 @@ class ReplicaServer:
                 self._threads.discard(threading.current_thread())
 
     def _push(self, conn: socket.socket, req: dict[str, Any]) -> None:
+        if self.background is not None:
+            self.background()  # this thread serves this one connection: it ends with it
         h = ReplicaHeader.from_json(req.get("header"))
         why = self.store._admit(h)
         if why is not None:

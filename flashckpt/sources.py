@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -845,6 +846,11 @@ class PeerMemorySource:
         """Steps whose replica failed (never offered again in this restore)."""
         self.pulled: tuple[SlotMap, Any, Any] | None = None
         """(slot, its header, the pull's reply) of the replica fetched for the plan."""
+        self.phases_s: dict[str, float] = {}
+        """Seconds of each phase of this rank's peer-memory restore: ``offer.ask`` (the agent
+        asking its peers), ``offer.gather`` (the ranks comparing worlds), ``pull`` (the agent's
+        fetch, as this rank waited for it), ``map``, ``verify``; the agent's own phases of the
+        fetch as ``agent.<phase>``. In the restore's ``info`` (``pull_phases_s``)."""
 
     def _link(self) -> Any:
         link = getattr(self.env.snap, "link", None)
@@ -860,7 +866,10 @@ class PeerMemorySource:
         run ever had."""
         env, ctx = self.env, self.env.ctx
         self.found = None
+        t = time.perf_counter()
         reply = self._query()
+        self.phases_s["offer.ask"] = time.perf_counter() - t
+        t = time.perf_counter()
         cand: list[Any] | None = None
         if reply is not None:
             step = int(reply.step)
@@ -868,9 +877,10 @@ class PeerMemorySource:
                 cand = [step, str(reply.world_id)]
         mem = {str(s): str(m.get("world_id", "")) for s, (_, m) in env.mem.items()}
         rows = gather_json({"mem": mem, "peer": cand}, ctx.world, ctx.coord_pg)
+        self.phases_s["offer.gather"] = time.perf_counter() - t
         if cand is None:
             return []
-        why = world_conflict(cand[0], cand[1], rows)
+        why = world_conflict(cand[0], cand[1], rows) or self._storage_conflict(cand[0], cand[1])
         if why is not None:
             log.warning(
                 "flashckpt: rank %d: the replica of step %d held by %r (%s) is not used: %s",
@@ -883,6 +893,22 @@ class PeerMemorySource:
             return []
         self.found = reply
         return [cand[0]]
+
+    def _storage_conflict(self, step: int, world: str) -> str | None:
+        """Why a replica of ``step`` taken in ``world`` must not be used while storage holds a
+        committed ``step`` of another world (another timeline's step of that number: the other
+        ranks may read theirs from there), or None. A manifest that records no world counts
+        as another world's (the replica is then not used; storage serves the step)."""
+        env = self.env
+        if env.storage is None or step not in env.stored:
+            return None
+        stored = _manifest_world(env.storage, step)
+        if stored == world:
+            return None
+        return (
+            f"it was taken in world {world!r}, but storage's committed step {step} is of world "
+            f"{stored!r} (another timeline's step {step})"
+        )
 
     def _query(self) -> Any:
         """What this rank's agent says the peers hold of this rank (None: nothing)."""
@@ -919,11 +945,24 @@ class PeerMemorySource:
         link = self._link()
         if link is None:
             raise BadMemory(f"{where} cannot be fetched: no node agent; not restored from it")
-        world_id = self.found.world_id if self.found is not None else None
+        f = self.found
+        world_id = f.world_id if f is not None else None
+        t = time.perf_counter()
         try:
-            reply = link.pull_replica(min_step=step, world_id=world_id, fetch=True)
+            # From the holder the offer found (the agent asks every peer again only if that one
+            # no longer has it).
+            reply = link.pull_replica(
+                min_step=step,
+                world_id=world_id,
+                fetch=True,
+                holder=f.holder if f is not None and f.step == step else None,
+                sender=f.sender if f is not None and f.step == step else None,
+            )
         except AgentError as e:
             raise BadMemory(f"{where} cannot be used: {e}; not restored from it") from None
+        self.phases_s["pull"] = time.perf_counter() - t
+        self.phases_s.update({f"agent.{k}": v for k, v in reply.phases_s.items()})
+        t = time.perf_counter()
         if not reply.found or reply.path is None:
             raise BadMemory(f"{where} is no longer held ({reply.reason}); not restored from it")
         if reply.step != step or not 0 <= reply.slot < len(env.snap.slots):
@@ -947,6 +986,7 @@ class PeerMemorySource:
             for s in [s for s, (m, _) in env.mem.items() if m is old]:
                 del env.mem[s]
         self.pulled = (sm, info, reply)
+        self.phases_s["map"] = time.perf_counter() - t
 
     def read(self, plan: RestorePlan) -> SavedStep:
         """This rank's state of the step from the pulled replica (its data hash re-checked)."""
@@ -959,10 +999,12 @@ class PeerMemorySource:
         now = sm.slot.header()
         if now is None or now != info:
             raise TornSnapshot(f"{where}: {sm.slot.path} changed")
+        t = time.perf_counter()
         try:
             env.snap.verify(sm, info, step)
         except BadMemory as e:
             raise BadMemory(f"{where} fails its data hash ({e})") from None
+        self.phases_s["verify"] = time.perf_counter() - t
         meta = sm.slot.read_meta(info)
         m = _checked_meta(meta, sm.slot.path) if meta is not None else None
         if meta is None or m is None:
@@ -992,6 +1034,7 @@ class PeerMemorySource:
                 "replica_source": reply.source,
                 "replica_of": reply.sender,
                 "replica_bytes": reply.bytes,
+                "pull_phases_s": {k: round(v, 6) for k, v in self.phases_s.items()},
             },
             note=(
                 f"flashckpt: rank {ctx.rank} restored step {step} from the replica held by "
@@ -1003,6 +1046,23 @@ class PeerMemorySource:
     def drop(self, step: int) -> None:
         self.dropped.add(step)
         self.pulled = None
+
+
+def _manifest_world(storage: Storage, step: int) -> str | None:
+    """The world id storage's committed manifest of ``step`` records; None when it records
+    none or cannot be read (as the agent's commit loop reads it; not imported from there: the
+    trainer never imports the agent's modules)."""
+    from flashckpt.storage import MANIFEST, MAX_MANIFEST_BYTES
+
+    try:
+        with storage.open_step_file(step, MANIFEST) as (f, size):
+            if size > MAX_MANIFEST_BYTES:
+                return None
+            doc = json.loads(f.read(MAX_MANIFEST_BYTES))
+    except (OSError, ValueError, RecursionError):  # CorruptCheckpointError is a ValueError
+        return None
+    world = doc.get("world_id") if isinstance(doc, dict) else None
+    return world if isinstance(world, str) and len(world) <= 4096 else None
 
 
 def world_conflict(step: int, world: str, rows: list[Any]) -> str | None:

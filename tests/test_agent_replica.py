@@ -714,3 +714,142 @@ def test_a_taken_replica_port_takes_another_and_an_unusable_address_runs_without
         r.close()
         for s in slots:
             s.close()
+
+
+def _held_replica(
+    shm: str,
+    holder_shm: str,
+    *,
+    holder: str = "h",
+    sender: str = "b",
+    step: int = 8,
+    world: str = "w1",
+) -> tuple[Any, Any]:
+    """A replica server (node ``holder``) holding machine ``sender``'s rank 1 ``step`` of
+    ``world`` (1 MiB of data)."""
+    import json
+
+    from flashckpt.replica import ReplicaServer, ReplicaStore, push_replica
+    from flashckpt.shm import allocate_slot_file
+
+    path = names.slot_path(shm, "j", sender, 0, 0)
+    meta, data = json.dumps({"step": step}).encode(), os.urandom(2**20)
+    allocate_slot_file(path, len(meta), len(data))
+    slot = Slot(path)
+    seq = slot.begin_write()
+    slot.write_meta(meta)
+    slot.data(len(data))[:] = data
+    slot.end_write(seq, step, meta, len(data))
+    info = slot.header()
+    assert info is not None
+    slot.record_hash(info.seq, slot.data_hash(info))
+    store = ReplicaStore(holder_shm, "j", holder, limit_bytes=2**30)
+    server = ReplicaServer(store, timeout=30)
+    push_replica(server.address, slot, job="j", node=sender, rank=1, world=world)
+    slot.close()
+    os.unlink(path)
+    return store, server
+
+
+def test_a_look_prefers_the_newer_worlds_replica_over_an_abandoned_timelines_higher_step(
+    tmp_path: Path,
+) -> None:
+    """Holder ``h1`` still has rank 1's step 40 of world w1 (machine ``x`` held rank 1 then);
+    after a rollback to step 10, world w2 put rank 1 on machine ``y``, whose step 12 is on
+    ``h2``. The look offers the replica taken last (w2's step 12), not the higher number."""
+    import socket
+
+    from flashckpt.agent_pull import Puller
+    from flashckpt.agent_state import Conn
+    from flashckpt.messages import PullReplica, PullReplicaReply
+
+    for d in ("s", "h1", "h2"):
+        (tmp_path / d).mkdir()
+    st1, sv1 = _held_replica(
+        str(tmp_path / "s"), str(tmp_path / "h1"), holder="h1", sender="x", step=40, world="w1"
+    )
+    time.sleep(0.01)  # completed later on its machine's clock
+    st2, sv2 = _held_replica(
+        str(tmp_path / "s"), str(tmp_path / "h2"), holder="h2", sender="y", step=12, world="w2"
+    )
+    st, slots = _state_with_slots(tmp_path)
+    a, b = socket.socketpair()
+    conn = Conn(a)
+    conn.ranks.add(0)
+    rec = st.ranks[0]
+    rec.conn, rec.global_rank, rec.world_id, st.world_id = conn, 1, "w3", "w3"
+    try:
+        puller = Puller(st, lambda: {"h1": sv1.address, "h2": sv2.address})
+        reply = puller.pull(conn, PullReplica(rank=1, local_rank=0, world_size=2, fetch=False))
+        assert isinstance(reply, PullReplicaReply) and reply.found, reply
+        assert (reply.holder, reply.sender, reply.step, reply.world_id) == ("h2", "y", 12, "w2")
+    finally:
+        for sv, store in ((sv1, st1), (sv2, st2)):
+            sv.close()
+            store.close()
+        for s in slots:
+            s.close()
+        a.close()
+        b.close()
+
+
+def test_a_pull_runs_allocs_capacity_check_and_refuses_with_the_numbers(tmp_path: Path) -> None:
+    """A pulled replica becomes one of the position's slots: like a trainer's alloc, the pull
+    first checks that this machine's slots after it plus the replicas it holds fit the tmpfs
+    (the same check, the same numbers), and refuses with a clear error, leaving the position's
+    slots as they were and no file behind."""
+    import socket
+
+    import flashckpt.agent_replica as ar
+    from flashckpt.agent_pull import Puller
+    from flashckpt.agent_segments import slot_file_bytes
+    from flashckpt.agent_state import Conn
+    from flashckpt.errors import ShmSpaceError
+    from flashckpt.messages import ErrorReply, PullReplica
+
+    (tmp_path / "h").mkdir()
+    (tmp_path / "s").mkdir()
+    store, server = _held_replica(str(tmp_path / "s"), str(tmp_path / "h"))
+    st, slots = _state_with_slots(
+        tmp_path, replicas=1, replica_listen="127.0.0.1:0", replica_limit_bytes=2**60
+    )
+    a, b = socket.socketpair()
+    conn = Conn(a)
+    conn.ranks.add(0)
+    rec = st.ranks[0]
+    rec.conn, rec.global_rank, rec.world_id, st.world_id = conn, 1, "w1", "w1"
+    r = ar.Replicator(st)
+    r.start_server()
+    try:
+        req = PullReplica(rank=1, local_rank=0, world_size=2, fetch=True)
+        puller = Puller(st, lambda: {"h": server.address})
+        # The agent's own check (a replica limit far beyond the tmpfs): refused, with numbers.
+        st.capacity_check = r.check_capacity
+        reply = puller.pull(conn, req)
+        assert isinstance(reply, ErrorReply) and reply.kind == "ShmSpaceError", reply
+        assert "for the replicas of other machines" in reply.error, reply.error
+        assert "rank 1 step 8" in reply.error and "'h'" in reply.error, reply.error
+        assert rec.slots == slots  # untouched
+        assert not [n for n in os.listdir(tmp_path) if "tmp-pull" in n]
+        # The numbers are alloc's: every slot of the machine once the pull replaced the slot
+        # it goes into (0: the older of two empty slots), and the slot files present now.
+        seen: list[tuple[int, int]] = []
+
+        def check(own: int, present: int) -> None:
+            seen.append((own, present))
+            raise ShmSpaceError("no room (test)")
+
+        st.capacity_check = check
+        reply = puller.pull(conn, req)
+        assert isinstance(reply, ErrorReply) and "no room (test)" in reply.error
+        size = slots[0].size
+        held = store.held()[0].header
+        assert seen == [(size + slot_file_bytes(held.meta_len, held.data_len), 2 * size)]
+    finally:
+        r.close()
+        server.close()
+        store.close()
+        for s in slots:
+            s.close()
+        a.close()
+        b.close()

@@ -407,7 +407,8 @@ def test_bad_pull_replica_requests_get_a_protocol_error_and_the_agent_serves_on(
                     {"rank": 0, "world_size": 2, "fetch": "yes"},
                     {"rank": 0, "world_size": 2, "timeout_s": 1e9},
                     {"rank": 0, "world_size": 2, "world_id": "w" * 5000},
-                    {"rank": 0, "world_size": 2, "holder": "a"},  # no such field
+                    {"rank": 0, "world_size": 2, "peer": "a"},  # no such field
+                    {"rank": 0, "world_size": 2, "holder": 5},
                 ]
                 for fields in bad:
                     with pytest.raises(AgentError) as e:
@@ -425,6 +426,18 @@ def test_bad_pull_replica_requests_get_a_protocol_error_and_the_agent_serves_on(
                     )
                     assert got["found"] is False and got["step"] == -1, got
                     assert "rank 0 step >= 0: z: replica query to 127.0.0.1:9" in got["reason"]
+                # Straight from the holder a look named: it does not answer, a clear error.
+                with pytest.raises(AgentError, match=r"from 'z' \(127.0.0.1:9\) not pulled"):
+                    c.request(
+                        "pull_replica",
+                        timeout=60,
+                        rank=0,
+                        local_rank=0,
+                        world_size=2,
+                        min_step=8,
+                        holder="z",
+                        sender="b",
+                    )
                 # Another position than the one this connection said hello for: refused.
                 with pytest.raises(AgentError, match="global rank 0 here, not 1"):
                     c.request("pull_replica", timeout=30, rank=1, local_rank=0, world_size=2)
@@ -451,6 +464,53 @@ def test_a_replica_of_another_timelines_step_is_never_mixed_in() -> None:
     assert world_conflict(10, "w1", two_peers) is not None
     assert world_conflict(10, "w1", [{"mem": {}, "peer": [10, "w1"]}, {"peer": None}]) is not None
     assert world_conflict(8, "w1", mixed) is None  # another step: no snapshot of 8 to compare
+
+
+def test_a_replica_is_not_offered_over_storages_step_of_another_world(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ranks compare the worlds of what they hold in memory; storage's committed step of
+    the same number may be another timeline's (the other ranks would read theirs from there):
+    its manifest's world must be the replica's, else the replica is not offered."""
+    import logging
+
+    from flashckpt.messages import PullReplicaReply
+    from flashckpt.rankctx import RankContext
+    from flashckpt.saved import RestoreEnv
+    from flashckpt.sources import PeerMemorySource
+    from flashckpt.storage import MANIFEST, Storage
+
+    root = tmp_path / "storage"
+    st = Storage(str(root))
+    reply = PullReplicaReply(
+        found=True, step=10, holder="a", source="127.0.0.1:1", sender="b", world_id="w1"
+    )
+
+    class Link:
+        def alive(self) -> bool:
+            return True
+
+        def pull_replica(self, **kw: Any) -> PullReplicaReply:
+            return reply
+
+    class Snap:
+        link = Link()
+
+    def offered(manifest_world: str | None) -> list[int]:
+        step_dir = Path(st.step_path(10))
+        step_dir.mkdir(parents=True, exist_ok=True)
+        doc = {"step": 10} | ({} if manifest_world is None else {"world_id": manifest_world})
+        (step_dir / MANIFEST).write_text(json.dumps(doc))
+        env = RestoreEnv.__new__(RestoreEnv)
+        env.ctx, env.snap, env.mem = RankContext(), Snap(), {}  # type: ignore[assignment]
+        env.storage, env.stored = st, {10}
+        return PeerMemorySource(env).offer(set(), lambda _: True)
+
+    assert offered("w1") == [10]
+    with caplog.at_level(logging.WARNING, logger="flashckpt"):
+        assert offered("w2") == []
+    assert "storage's committed step 10 is of world 'w2'" in caplog.text, caplog.text
+    assert offered(None) == []  # a manifest without a world: storage serves the step
 
 
 def test_the_trainer_rechecks_the_pulled_replicas_hash_before_loading(tmp_path: Path) -> None:
@@ -512,6 +572,7 @@ def test_the_trainer_rechecks_the_pulled_replicas_hash_before_loading(tmp_path: 
 
     env = RestoreEnv.__new__(RestoreEnv)
     env.ctx, env.snap, env.mem = RankContext(), Snap(), {}  # type: ignore[assignment]
+    env.storage, env.stored = None, set()
     src = PeerMemorySource(env)
     assert src.offer(set(), lambda _: True) == [8]
     plan = RestorePlan(8, {0: "peer-memory"}, tier=3)

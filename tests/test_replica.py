@@ -69,9 +69,11 @@ def holder(shm: str) -> Iterator[tuple[ReplicaStore, ReplicaServer]]:
         store.close()
 
 
-def _push(server: ReplicaServer, slot: Slot, rank: int = 0, **kw: object) -> ReplicaHeader:
+def _push(
+    server: ReplicaServer, slot: Slot, rank: int = 0, world: str = "w1", **kw: object
+) -> ReplicaHeader:
     return push_replica(
-        server.address, slot, job=JOB, node="nA", rank=rank, world="w1", chunk_bytes=50_000, **kw
+        server.address, slot, job=JOB, node="nA", rank=rank, world=world, chunk_bytes=50_000, **kw
     )
 
 
@@ -117,11 +119,43 @@ def test_a_newer_step_replaces_the_older_one_and_an_older_one_is_refused(
     assert [n for n in os.listdir(shm) if ".rep." in n] == [f"fc.{JOB}.nB.rep.nA.r00000"]
     s2.close()
     s3 = _snapshot(shm, "nA", 0, 5, b"c" * 1000)
-    with pytest.raises(ReplicaError, match=r"holds step 6 .* step 5 is older"):
+    with pytest.raises(ReplicaError, match=r"holds step 6 .* step 5 of the same world is older"):
         _push(server, s3)
     s3.close()
     got = fetch_replica(server.address, job=JOB, sender_node="nA", rank=0)
     assert got is not None and got.header.step == 6 and bytes(got.data) == b"b" * 200_000
+
+
+def test_after_a_rollback_the_new_worlds_older_step_replaces_the_abandoned_timelines(
+    shm: str, holder: tuple[ReplicaStore, ReplicaServer]
+) -> None:
+    """A job restored from an older step (storage fallback) is a new world whose steps are lower
+    than the abandoned timeline's: its replicas must replace the old world's (else a later loss
+    finds only the abandoned timeline's replica); within the new world older steps stay
+    refused, and a late push of the world that ended does not replace the new one."""
+    store, server = holder
+    late = _snapshot(shm, "nA", 7, 42, b"z" * 1000)  # the ended world's, completed first
+    s40 = _snapshot(shm, "nA", 0, 40, b"a" * 100_000)
+    _push(server, s40, world="w1")
+    s40.close()
+    s10 = _snapshot(shm, "nA", 0, 10, b"b" * 200_000)
+    _push(server, s10, world="w2")
+    s10.close()
+    held = store.held()
+    assert [(x.header.step, x.header.world) for x in held] == [(10, "w2")]
+    got = fetch_replica(server.address, job=JOB, sender_node="nA", rank=0)
+    assert got is not None and got.header.step == 10 and bytes(got.data) == b"b" * 200_000
+    s12 = _snapshot(shm, "nA", 0, 12, b"c" * 1000)
+    _push(server, s12, world="w2")
+    s12.close()
+    s8 = _snapshot(shm, "nA", 0, 8, b"d" * 1000)
+    with pytest.raises(ReplicaError, match=r"holds step 12 .* step 8 of the same world is older"):
+        _push(server, s8, world="w2")
+    s8.close()
+    with pytest.raises(ReplicaError, match=r"world 'w2'.*world that ended"):
+        _push(server, late, world="w1")  # sent as rank 0's, late
+    late.close()
+    assert [(x.header.step, x.header.world) for x in store.held()] == [(12, "w2")]
 
 
 def test_a_corrupted_transfer_is_discarded_and_the_older_replica_stays(
@@ -391,3 +425,70 @@ def test_query_lists_the_held_replicas_of_a_rank_newest_first(
         reply = json.loads(sock.recv(n, socket.MSG_WAITALL))
     assert reply["ok"] is False and "rank and min_step (integers)" in reply["error"]
     assert [h.step for h in query_replicas(server.address, job=JOB, rank=0)] == [9]
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_the_replica_server_listens_and_serves_on_ipv6(shm: str) -> None:
+    """``[::1]:port`` in ``--replica-listen`` and in the peer list: the server listens on an
+    IPv6 socket, a push and a fetch go over it, and addresses are written back bracketed (the
+    form they parse from)."""
+    from flashckpt.agent_config import AgentConfig
+    from flashckpt.replica import host_port
+
+    cfg = AgentConfig(job=JOB, node="nB", replica_listen="[::1]:0", replica_peers="nA=[::1]:7070")
+    assert cfg.replica_listen_addr() == ("::1", 0)
+    assert cfg.replica_peer_addrs() == {"nA": ("::1", 7070)}
+    assert host_port("::1", 7070) == "[::1]:7070" and host_port("10.0.0.2", 1) == "10.0.0.2:1"
+    with pytest.raises(ValueError, match=r"IPv6 address without brackets.*\[address\]:port"):
+        AgentConfig(job=JOB, node="nB", replica_peers="nA=fd00::2:7070")
+    if not _ipv6_loopback():
+        pytest.skip("this machine has no IPv6 loopback (::1 cannot be bound)")
+    store = ReplicaStore(shm, JOB, "nB", limit_bytes=32 * 2**20)
+    server = ReplicaServer(store, "::1", 0, timeout=10)
+    try:
+        host, port = server.address
+        assert host == "::1" and port > 0
+        assert server._sock.family == socket.AF_INET6
+        data = os.urandom(300_000)
+        slot = _snapshot(shm, "nA", 0, 7, data)
+        _push(server, slot)
+        slot.close()
+        [held] = query_replicas(("::1", port), job=JOB, rank=0)
+        assert held.step == 7
+        got = fetch_replica(("::1", port), job=JOB, sender_node="nA", rank=0)
+        assert got is not None and bytes(got.data) == data and got.source == f"[::1]:{port}"
+    finally:
+        server.close()
+        store.close()
+
+
+def test_receiving_a_push_runs_the_background_hook_and_serving_a_restore_does_not(
+    shm: str,
+) -> None:
+    """The agent passes ``lower_thread_priority``: a replica arriving from another machine is
+    background work (its connection thread is lowered before it takes a byte); a restore's
+    fetch and query are waited on, and run at the agent's priority."""
+    calls: list[str] = []
+    store = ReplicaStore(shm, JOB, "nB", limit_bytes=32 * 2**20)
+    server = ReplicaServer(
+        store, timeout=10, background=lambda: calls.append(threading.current_thread().name)
+    )
+    try:
+        slot = _snapshot(shm, "nA", 0, 3, os.urandom(10_000))
+        _push(server, slot)
+        slot.close()
+        assert calls == ["fc-replica"]
+        assert query_replicas(server.address, job=JOB, rank=0)
+        assert fetch_replica(server.address, job=JOB, sender_node="nA", rank=0) is not None
+        assert calls == ["fc-replica"]
+    finally:
+        server.close()
+        store.close()

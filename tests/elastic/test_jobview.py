@@ -331,8 +331,8 @@ def test_a_persistent_straggler_retires_once_a_standby_waits(
     assert etcd_client.get_kv(spare_pub.key) is not None
 
 
-# Trains until the test ends, snapshots overlapped (`--mode overlap`; on CPU the default "auto" copies
-# synchronously, and this test wants the copy thread running).
+# Trains until the test ends, snapshots overlapped (`--mode overlap`; on CPU the default "auto"
+# copies synchronously, and this test wants the copy thread running).
 _TRAIN_ON = ["--steps", "100000", "--every", "20", "--step-sleep", "0.02", "--mode", "overlap"]
 
 

@@ -46,6 +46,7 @@ from flashckpt.agent_state import (
 )
 from flashckpt.layout import safetensors_header
 from flashckpt.manifest import FileEntry, RankEntry, ShardEntry
+from flashckpt.messages import Persisted
 from flashckpt.shm import Slot, SlotInfo
 from flashckpt.snapmeta import NodePart, SnapshotMeta
 from flashckpt.storage import (
@@ -425,6 +426,9 @@ class Persister:
         with self.st.lock:
             self.st.persisted_high = max(self.st.persisted_high, step)
         self._yields = 0
+        # The trainers carry a mark for storage forward until they hear this (or the commit):
+        # a marked snapshot replaced before its persist began is made up for by the next one.
+        self.st.broadcast(Persisted(step=step))
         if hosts_rank0:
             # Committed by the commit thread once every node's part is in: persistence of newer
             # steps goes on meanwhile (a step whose parts never arrive, because a machine died,

@@ -264,12 +264,19 @@ class Stats:
     persist_marked: int = 0
     """Snapshots marked for storage (``persist_every``); the others stay in memory only unless
     a flush, the exit or a trainer's death has them persisted."""
+    persist_carried: int = 0
+    """Of ``persist_marked``, the snapshots marked because the previous mark was lost: replaced
+    in memory (or skipped) on some rank before its node agent began persisting it. The mark
+    carries forward to the next snapshot, on every rank, until a node agent persisted one."""
     mirror_marked: int = 0
     """Snapshots marked for the remote tier (``mirror_every``, and the exit's final one)."""
     skips: int = 0
     skipped_steps: list[int] = field(default_factory=list)
     last_snapshot_step: int | None = None
     last_committed_step: int | None = None
+    last_persisted_step: int | None = None
+    """The newest step this rank's node agent wrote its part of to storage (its commit follows
+    once every machine's part is in)."""
     persist_errors: list[dict[str, Any]] = field(default_factory=list)
     stall_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from fchelpers import FcEnv, RunningAgent, tinytrain_command
 from tinytrain import make, train_step
 
@@ -427,3 +428,53 @@ def test_a_mark_lost_on_one_machine_carries_forward_on_every_machine(
         for x in agents:
             if x.thread.is_alive():
                 x.stop()
+
+
+def test_a_persisted_snapshot_is_hashed_once_by_its_write(
+    fc_env: FcEnv, agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot persisted before the hash thread reached it is read once: the shard's write
+    hashes each chunk and that hash becomes the snapshot's completion hash (recorded in the
+    slot: a restore from memory checks it), no second pass over the data. Here the hash thread
+    is held off, so every hash of the data would have to come from somewhere else."""
+    import flashckpt.agent_persist as ap
+
+    a = agent.agent
+    passes: list[int] = []
+    hash_snapshot = ap.hash_snapshot
+
+    def counted(*args: object, **kw: object) -> int | None:
+        passes.append(1)
+        return hash_snapshot(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ap, "hash_snapshot", counted)
+    hash_pass = a.persister.hash_pass
+
+    def no_background(rank: int | None = None, background: bool = False) -> None:
+        if not background:
+            hash_pass(rank)  # a trainer's request (hash_now) is served
+
+    monkeypatch.setattr(a.persister, "hash_pass", no_background)
+    st = Storage(fc_env.storage)
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(every=0, persist_every=1, agent="connect")
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        train_step(model, opt, sched, 0)
+        ck.step()
+        ck.save(mode="sync")
+        assert ck.flush() == 1
+        assert passes == []  # the write's hash was the only read of the data
+        with a.st.lock:
+            slots = [s for r in a.st.ranks.values() for s in r.slots if s is not None]
+        (slot,) = [s for s in slots if (h := s.header()) is not None and h.step == 1]
+        info = slot.header()
+        assert info is not None
+        entry = st.manifest(1).files["shard-00000-of-00001.safetensors"]
+        assert f"{slot.recorded_hash(info):016x}" == entry.data_xxh3_64
+        assert slot.verify_data(info) is True
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    model2, opt2, sched2 = make(1)
+    with flashckpt.checkpointing(model2, opt2, scheduler=sched2, **kw) as ck2:
+        assert (ck2.restored_from, ck2.start_step) == ("memory", 1)
+        for k, v in model2.state_dict().items():
+            assert torch.equal(v, want[k]), k

@@ -128,7 +128,10 @@ class Checkpointer:
         self._owed: int | None = None
         self._owed_mirror = False
         self._outstanding = False
-        self._mirror_final = False  # the exit's final snapshot: mirrored whatever mirror_every
+        # The exit's final snapshot: marked for both tiers whatever the cadences, without a
+        # collective (the exit's flush persists it anyway, and a rank whose last snapshot was
+        # skipped takes this one where the others do not: an all-reduce here could hang).
+        self._mirror_final = False
         self._carried = False  # this save's mark carries a lost one forward (_persist_due)
         self._inherit_mirror = False  # ... and with it the lost mark's mirror mark
         self._entered = False
@@ -535,7 +538,7 @@ class Checkpointer:
                 "buffers_xxh": snap.buffers_hash(model_sd),
                 **self._applier.per_rank_state(),
             },
-            "persist": (persist := self._persist_due()),
+            "persist": (persist := self._mirror_final or self._persist_due()),
         }
         mirror = self._mirror_due(persist)
         if persist:

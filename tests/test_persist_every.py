@@ -24,6 +24,7 @@ import flashckpt
 from flashckpt.agent import NodeAgent
 from flashckpt.config import CheckpointConfig, parse_persist_every
 from flashckpt.errors import CorruptCheckpointError
+from flashckpt.rankctx import RankContext
 from flashckpt.snapmeta import SnapshotMeta
 from flashckpt.storage import Storage
 
@@ -478,3 +479,56 @@ def test_a_persisted_snapshot_is_hashed_once_by_its_write(
         assert (ck2.restored_from, ck2.start_step) == ("memory", 1)
         for k, v in model2.state_dict().items():
             assert torch.equal(v, want[k]), k
+
+
+def test_a_carried_mark_keeps_the_lost_marks_mirror_mark(
+    fc_env: FcEnv, agent: RunningAgent, tmp_path: Path
+) -> None:
+    """Step 1 is marked for storage and (the first of ``mirror_every=2``) for the remote tier,
+    and lost before the persister began on it: step 3 carries both marks, so the remote tier
+    gets step 3 too; the carried mark is not counted by ``mirror_every`` (it stands in for
+    one that was)."""
+    a = agent.agent
+    st = Storage(fc_env.storage)
+    mirror = Storage(f"file://{tmp_path}/remote")
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(
+        every=0, persist_every=100, mirror=mirror.url, mirror_every=2, agent="connect"
+    )
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        with _persister_held(a) as gate:
+            for i in range(3):
+                train_step(model, opt, sched, i)
+                ck.step()
+                ck.save(mode="sync")
+            assert (ck.stats.persist_carried, ck.stats.mirror_marked) == (1, 2)
+            assert ck._mirror_cadence.calls == 1  # step 1's mark only
+            gate.set()
+            _until("the persister looks at step 3", _looked_at(a, 3))
+        assert _wait_committed(st, 3) == [3]
+        assert _wait_committed(mirror, 3) == [3]
+    assert mirror.check_step(3).status == "ok"
+
+
+def test_the_exits_final_snapshot_needs_no_collective(
+    fc_env: FcEnv, agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exit's final snapshot is marked without asking the other ranks (the exit's flush
+    persists it anyway): a rank whose last snapshot was skipped (``when_busy="skip"``) takes
+    this one where the others do not, and an all-reduce in it would wait for them forever."""
+    st = Storage(fc_env.storage)
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(every=0, persist_every="1h", agent="connect")
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        train_step(model, opt, sched, 0)
+        ck.step()
+        ck.save(mode="sync")
+        train_step(model, opt, sched, 1)
+        ck.step()  # step 2: not saved; the exit takes it
+
+        def no_collective(self: RankContext, code: int) -> int:
+            raise AssertionError("a collective in the exit's final snapshot")
+
+        monkeypatch.setattr(RankContext, "all_max", no_collective)
+    assert st.committed_steps()[-1] == 2  # (step 1 too, if the persister took it in time)
+    assert st.check_step(2).status == "ok"

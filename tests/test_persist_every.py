@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -532,3 +533,54 @@ def test_the_exits_final_snapshot_needs_no_collective(
         monkeypatch.setattr(RankContext, "all_max", no_collective)
     assert st.committed_steps()[-1] == 2  # (step 1 too, if the persister took it in time)
     assert st.check_step(2).status == "ok"
+
+
+def test_a_mark_the_persister_yields_to_the_trainer_carries_to_the_next_snapshot(
+    fc_env: FcEnv, agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The persister began on marked step 1 (it holds the slot) when snapshot 3 wants that slot:
+    the persister yields it to the trainer (abandons step 1). Snapshot 3 was not marked (step 1
+    was still being read when it asked); snapshot 4 finds step 1 gone without the agent having
+    persisted it and carries the mark: storage gets step 4, not the next mark."""
+    a = agent.agent
+    st = Storage(fc_env.storage)
+    write_shard = a.persister.write_shard
+    began, gate = threading.Event(), threading.Event()
+
+    def held(*args: Any, **kw: Any) -> Any:
+        if not gate.is_set():
+            began.set()
+            gate.wait(timeout=300)
+        return write_shard(*args, **kw)
+
+    monkeypatch.setattr(a.persister, "write_shard", held)
+
+    def release_when_wanted() -> None:  # the trainer asks for the slot: the write goes on
+        began.wait(timeout=300)
+        deadline = time.monotonic() + 300
+        while not gate.is_set() and time.monotonic() < deadline:
+            with a.st.lock:
+                slots = [s for r in a.st.ranks.values() for s in r.slots if s is not None]
+            if any(s.wanted() for s in slots):
+                gate.set()
+            time.sleep(0.005)
+
+    helper = threading.Thread(target=release_when_wanted, daemon=True)
+    helper.start()
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(every=0, persist_every=100, agent="connect")
+    try:
+        with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+            for i in range(4):
+                train_step(model, opt, sched, i)
+                ck.step()
+                ck.save(mode="sync")
+                if i == 0:
+                    assert began.wait(timeout=120), "the persister did not begin on step 1"
+            assert (ck.stats.persist_marked, ck.stats.persist_carried) == (2, 1)
+            _until("the persister looks at step 4", _looked_at(a, 4))
+            assert a.st.persisted_high == 4, f"step 4 not persisted ({a.st.unmarked_high=})"
+            assert _wait_committed(st, 4) == [4]  # step 1 was abandoned, never committed
+    finally:
+        gate.set()
+        helper.join(timeout=30)

@@ -230,7 +230,8 @@ class Committer:
         return self.st.storage
 
     def committed_steps(self) -> list[int]:
-        """The steps committed in :meth:`root` (as this agent knows them)."""
+        """The steps committed in :meth:`root` (as this agent knows them): the list itself,
+        which :meth:`try_commit` updates in place after retention."""
         return self.st.committed
 
     def ready(self, step: int) -> bool:
@@ -301,9 +302,27 @@ class Committer:
             # Readers ignore it; the commit check reads it (a manifest of another world).
             "world_id": world_id,
         }
+        t0 = time.monotonic()
         storage.commit(step, manifest)
+        t1 = time.monotonic()
+        # Announced before retention deletes the old steps (a GB-sized step takes a while to
+        # unlink): a flush waiting for this commit returns now.
+        self.on_commit(step, [])
         removed = storage.retain(self.st.cfg.keep)
-        self.on_commit(step, removed)
+        if removed:
+            with self.st.lock:
+                known = self.committed_steps()  # the list itself (either tier's): kept in place
+                known[:] = [s for s in known if s not in removed]
+        log.info(
+            "committed step %d to %s: manifest and latest in %.3f s (%d parts), then retention "
+            "removed %s in %.3f s",
+            step,
+            storage.url,
+            t1 - t0,
+            len(parts),
+            removed or "nothing",
+            time.monotonic() - t1,
+        )
         return True
 
 

@@ -46,6 +46,7 @@ from flashckpt.agent_state import (
 )
 from flashckpt.layout import safetensors_header
 from flashckpt.manifest import FileEntry, RankEntry, ShardEntry
+from flashckpt.messages import Persisted
 from flashckpt.shm import Slot, SlotInfo
 from flashckpt.snapmeta import NodePart, SnapshotMeta
 from flashckpt.storage import (
@@ -72,10 +73,12 @@ def hash_snapshot(
     info: SlotInfo,
     pace: Callable[[], None] | None = None,
     chunk: int = HASH_CHUNK,
+    give_up: Callable[[], bool] | None = None,
 ) -> int | None:
     """xxh3_64 of a complete snapshot's data (as :meth:`~flashckpt.shm.Slot.data_hash`), in
     chunks of ``chunk`` bytes with ``pace()`` called before each; None as soon as the slot's
-    sequence number moved (a trainer rewrites it: the hash would be of torn bytes)."""
+    sequence number moved (a trainer rewrites it: the hash would be of torn bytes), or as soon
+    as ``give_up()`` says so (checked before each chunk)."""
     if info.data_len > slot.data_cap:
         raise ValueError(f"{slot.path}: data length {info.data_len} exceeds the slot")
     if chunk <= 0:
@@ -85,7 +88,7 @@ def hash_snapshot(
         for off in range(0, info.data_len, chunk):
             # Torn: given up at once, before and after a pause (a pause for the trainer's copy
             # into this very slot would only wait for the end of the snapshot it tears).
-            if slot.seq() != info.seq:
+            if slot.seq() != info.seq or (give_up is not None and give_up()):
                 return None
             if pace is not None:
                 pace()
@@ -128,6 +131,10 @@ class Persister:
         self._mirror_url: str | None = None
         self._mirror_handed = -1
         self._yields = 0  # persists abandoned in a row to let a trainer have its slot
+        self._paused_s = 0.0  # the last shard write's pauses for the trainers' copies
+        # The snapshot whose shard the persister writes without a recorded hash, (slot path,
+        # seq): the hash thread leaves it alone (the write hashes it, once).
+        self._writing: tuple[str, int] | None = None
         self._retry_after = 0.0  # after a persistence error: no attempt before this time
 
     def init_storage_state(self) -> None:
@@ -166,12 +173,17 @@ class Persister:
             if self.st.stopping.is_set():
                 break
             try:
-                self.hash_pass()
+                self.hash_pass(background=True)
             except Exception:  # the daemon lives on
                 log.exception("hashing snapshots failed")
 
-    def hash_pass(self, rank: int | None = None) -> None:
-        """Records the data hash of every complete snapshot (of one position) lacking one."""
+    def hash_pass(self, rank: int | None = None, background: bool = False) -> None:
+        """Records the data hash of every complete snapshot (of one position) lacking one.
+
+        ``background`` (the hash thread's pass): a snapshot whose shard the persister writes
+        now is left to it (the write hashes every chunk, and that hash is recorded), so the
+        data is read once, not twice; on demand (a trainer about to restore) every one is
+        hashed here."""
         with self.st.lock:
             slots = [
                 s
@@ -182,13 +194,18 @@ class Persister:
             ]
         watch = self.st.active_slots()
         for s in slots:
-            self.ensure_hash(s, watch=watch)
+            self.ensure_hash(s, watch=watch, background=background)
 
     def ensure_hash(
-        self, slot: Slot, info: SlotInfo | None = None, watch: list[Slot] | None = None
+        self,
+        slot: Slot,
+        info: SlotInfo | None = None,
+        watch: list[Slot] | None = None,
+        background: bool = False,
     ) -> int | None:
         """The data hash of the slot's complete snapshot (``info``'s, if given), computed and
-        recorded now if missing; None if the slot holds no such snapshot (any more).
+        recorded now if missing; None if the slot holds no such snapshot (any more), or
+        (``background``) the persister is writing it and hashes it meanwhile.
 
         Hashed in chunks, giving way between them to a trainer copying into one of ``watch``
         (the connected positions' slots if None; taken here, before ``map_lock``)."""
@@ -201,7 +218,15 @@ class Persister:
                 have = slot.recorded_hash(now)
                 if have is not None:
                     return have
-                value = hash_snapshot(slot, now, pace)
+                tag = (slot.path, now.seq)
+                if background and self._writing == tag:
+                    return None
+                value = hash_snapshot(
+                    slot,
+                    now,
+                    pace,
+                    give_up=(lambda: self._writing == tag) if background else None,
+                )
                 if value is None or slot.seq() != now.seq:
                     return None  # rewritten while hashed
                 slot.record_hash(now.seq, value)
@@ -209,6 +234,23 @@ class Persister:
                 return value
             except ValueError:  # unmapped (replaced) meanwhile
                 return None
+
+    def _record_written_hash(self, slot: Slot, info: SlotInfo, got: int) -> int | None:
+        """The completion hash of a snapshot whose shard was just written without one: the one
+        the hash thread recorded meanwhile if it did, else ``got`` (the write's hash of the
+        data) recorded now; None if the slot moved on (rewritten)."""
+        with self.st.map_lock:  # not while the hash thread records one
+            try:
+                have = slot.recorded_hash(info)
+                if have is not None:
+                    return have
+                if slot.seq() != info.seq:
+                    return None
+                slot.record_hash(info.seq, got)
+            except ValueError:  # unmapped (replaced) meanwhile
+                return None
+        self.st.replica_wake.set()
+        return got
 
     def private_loop(self) -> None:
         while not self.st.stopping.is_set():
@@ -330,7 +372,13 @@ class Persister:
         world = num_shards = 0
         written = 0
         rewriting = False  # a committed step was hidden to be rewritten
+        # Where a persist's time goes (the log line; benchmarks/persist_throughput.py reads it):
+        # the completion hash waited for or computed, the shards (written from the slot, each
+        # chunk hashed after it was written), pauses for trainers' copies within them, and the
+        # rank files.
+        phase = dict.fromkeys(("lock", "hash", "shard", "paused", "rank"), 0.0)
         with self.st.io_lock:
+            phase["lock"] = time.monotonic() - t0
             slots: dict[int, tuple[Slot, SlotInfo]] = {}
             with self.st.lock:
                 for r, (idx, info) in picks.items():
@@ -361,7 +409,9 @@ class Persister:
                     meta = metas[r]
                     g, world, num_shards = meta.rank, meta.world_size, meta.num_shards
                     rank_name = rank_file_name(g, world)
+                    t1 = time.monotonic()
                     rec = storage.write_private(step, g, world, meta.private)
+                    phase["rank"] += time.monotonic() - t1
                     files[rank_name] = rec.entry()
                     ranks_out[g] = RankEntry(rank_name, meta.shard)
                     if meta.replica != 0:
@@ -369,19 +419,36 @@ class Persister:
                     shard_name = shard_file_name(meta.shard, num_shards)
                     # The hash recorded when the snapshot completed (what memory restores and
                     # replicas check), computed now if the hash thread has not yet.
-                    want = self.ensure_hash(s, info)
-                    if want is None:
-                        raise _Torn(f"rank {r}")
-                    rec = self.write_shard(storage, step, shard_name, s, info, meta)
+                    # The hash recorded when the snapshot completed (what memory restores and
+                    # replicas check). When the hash thread has not recorded it yet, the write
+                    # hashes the data (each chunk after it was written) and that hash is
+                    # recorded: the data is read once, and the hash thread leaves this snapshot
+                    # alone meanwhile (it gives up at its next chunk if it had begun).
+                    t1 = time.monotonic()
+                    want = s.recorded_hash(info)
+                    self._writing = None if want is not None else (s.path, info.seq)
+                    try:
+                        rec = self.write_shard(storage, step, shard_name, s, info, meta)
+                    finally:
+                        self._writing = None
+                    phase["shard"] += time.monotonic() - t1
+                    phase["paused"] += self._paused_s
                     # The bytes written must be the ones hashed when the snapshot completed.
                     # Each chunk was hashed after it was written (the only read of the data
                     # here): the sequence number unchanged after the last one says no trainer
                     # began rewriting the slot meanwhile (checked first: a torn read is no
-                    # corruption), the hash equal to the completion hash says nothing else
-                    # scribbled over it since. A step failing either is never committed.
+                    # corruption), the hash equal to the completion hash (when one was
+                    # recorded before or during the write) says nothing else scribbled over it
+                    # since. A step failing either is never committed.
                     if s.seq() != info.seq:
                         raise _Torn(f"shard {shard_name}")
                     got = int(rec.data_xxh3_64 or "", 16)
+                    t1 = time.monotonic()
+                    if want is None:
+                        want = self._record_written_hash(s, info, got)
+                    phase["hash"] += time.monotonic() - t1
+                    if want is None:
+                        raise _Torn(f"shard {shard_name}")
                     if got != want:
                         with self.st.lock:
                             self.st.corrupt[(s.path, info.seq)] = step
@@ -421,10 +488,15 @@ class Persister:
             shards=shards_out,
             files=files,
         )
+        t1 = time.monotonic()
         storage.write_part(step, self.st.cfg.node, part.to_json())
+        part_s = time.monotonic() - t1
         with self.st.lock:
             self.st.persisted_high = max(self.st.persisted_high, step)
         self._yields = 0
+        # The trainers carry a mark for storage forward until they hear this (or the commit):
+        # a marked snapshot replaced before its persist began is made up for by the next one.
+        self.st.broadcast(Persisted(step=step))
         if hosts_rank0:
             # Committed by the commit thread once every node's part is in: persistence of newer
             # steps goes on meanwhile (a step whose parts never arrive, because a machine died,
@@ -433,12 +505,22 @@ class Persister:
         self._last_part = (step, part, hosts_rank0)
         self._mirror(step, metas, part, hosts_rank0)
         dt = time.monotonic() - t0
+        shard_s = phase["shard"]
         log.info(
-            "persisted step %d: %.1f MiB in %.2f s (%.0f MiB/s)",
+            "persisted step %d: %.1f MiB in %.2f s (%.0f MiB/s; lock %.3f s, completion hash "
+            "%.3f s, shards %.3f s at %.0f MiB/s of which paused %.3f s, rank files %.3f s, "
+            "part %.3f s)",
             step,
             written / 2**20,
             dt,
             written / 2**20 / max(dt, 1e-9),
+            phase["lock"],
+            phase["hash"],
+            shard_s,
+            written / 2**20 / max(shard_s, 1e-9),
+            phase["paused"],
+            phase["rank"],
+            part_s,
         )
 
     def _mirror(
@@ -506,6 +588,7 @@ class Persister:
         )
         data = slot.data(info.data_len)
         pace = self.st.pacer()
+        self._paused_s = 0.0
 
         def check() -> None:
             if slot.seq() != info.seq:
@@ -526,6 +609,7 @@ class Persister:
             )
         finally:
             data.release()
+            self._paused_s = pace.waited_s
         if slot.seq() != info.seq:
             raise _Torn(f"shard {name}")
         with self.st.lock:

@@ -24,7 +24,7 @@ import operator
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -121,7 +121,19 @@ class Checkpointer:
         # (both parsed once; the config checked them); the same calls on every rank.
         self._persist_cadence = _Cadence(*parse_persist_every(self.config.persist_every))
         self._mirror_cadence = _Cadence(*parse_mirror_every(self.config.mirror_every))
-        self._mirror_final = False  # the exit's final snapshot: mirrored whatever mirror_every
+        # The carried mark (see _persist_due): the newest step marked for storage that this
+        # rank has not heard its node agent persist (None: none owed), whether that mark was
+        # for the mirror too, and whether the ranks last agreed that some rank still waits to
+        # hear (the same on every rank: it says when the count form asks the others).
+        self._owed: int | None = None
+        self._owed_mirror = False
+        self._outstanding = False
+        # The exit's final snapshot: marked for both tiers whatever the cadences, without a
+        # collective (the exit's flush persists it anyway, and a rank whose last snapshot was
+        # skipped takes this one where the others do not: an all-reduce here could hang).
+        self._mirror_final = False
+        self._carried = False  # this save's mark carries a lost one forward (_persist_due)
+        self._inherit_mirror = False  # ... and with it the lost mark's mirror mark
         self._entered = False
         self._mon: StepRecorder | None = None
         self._auto: AutoInterval | None = None
@@ -382,25 +394,79 @@ class Checkpointer:
         )
 
     def _persist_due(self) -> bool:
-        """Whether this snapshot is marked for storage (``persist_every``). Every rank calls
-        ``save()`` at the same steps, so the count form agrees without talking; the time form
-        takes the ranks' OR (a rank whose clock says "due" decides for all)."""
-        due = self._persist_cadence.due(self._ctx)
+        """Whether this snapshot is marked for storage (``persist_every``), on every rank alike.
+
+        Every rank calls ``save()`` at the same steps, so the count form agrees without
+        talking; the time form takes the ranks' OR (a rank whose clock says "due" decides for
+        all). A mark also carries forward: when the last marked snapshot is lost on some rank
+        before its node agent began persisting it (a newer snapshot replaces it in the slot,
+        or it was skipped), this snapshot is marked in its place, on every rank (the ranks' OR
+        again: a commit needs every rank's shard of one step), so storage does not wait for
+        the next mark. The ranks' word on the carried mark rides the time form's all-reduce;
+        the count form asks only while some rank has not yet heard its agent persist the last
+        mark (no collective at all while nothing is owed).
+        """
+        cadence = self._persist_cadence
+        if self._storage is None or cadence.every_n == 1:
+            verdict = cadence.decide(self._ctx, None)  # nothing to carry forward
+        else:
+            verdict = cadence.decide(self._ctx, self._mark_code if self._outstanding else None)
+        due = verdict >= _LOST
+        self._carried = verdict == _LOST
+        # The last mark's mirror mark goes with this one while the ranks last agreed it is
+        # still owed (a carried mark replaces it; a new one may come before it is persisted).
+        self._inherit_mirror = self._outstanding and self._owed_mirror
         if due:
             self.stats.persist_marked += 1
+            if self._carried:
+                self.stats.persist_carried += 1
+            self._owed = self._count
+            self._outstanding = self._storage is not None and cadence.every_n != 1
+        else:
+            self._outstanding = verdict == _PENDING
         return due
+
+    def _mark_code(self) -> int:
+        """This rank's word on the last mark (``_owed``): ``_NONE`` when its node agent
+        persisted it or a newer step (or storage committed one), ``_PENDING`` while it is
+        still in memory for the agent (the newest snapshot, or the agent reads it now),
+        ``_LOST`` when the snapshot about to be taken replaces it before the agent began on
+        it (or it is gone already: replaced, skipped, its slot reallocated)."""
+        owed = self._owed
+        if owed is None:
+            return _NONE
+        s = self.stats
+        heard = max(
+            s.last_persisted_step if s.last_persisted_step is not None else -1,
+            s.last_committed_step if s.last_committed_step is not None else -1,
+        )
+        if heard >= owed:
+            self._owed = None
+            return _NONE
+        if owed == self._last_saved_step:
+            return _PENDING  # the newest snapshot: this one goes to the other slot
+        alive = self._link.alive()  # a dead agent's pin means nothing (the trainer ignores it)
+        for sm in self._snap.slots:
+            if sm is not None and sm.step == owed:
+                return _PENDING if alive and sm.slot.pinned() else _LOST
+        return _LOST
 
     def _mirror_due(self, persist: bool) -> bool:
         """Whether this snapshot is marked for the remote tier too (``mirror_every``, counted
         over the snapshots marked for storage; the exit's final snapshot always is). Called on
-        every rank with the same ``persist``, so the time form's all-reduce is collective."""
+        every rank with the same ``persist``, so the time form's all-reduce is collective. A
+        mark carried forward (see :meth:`_persist_due`) keeps the lost mark's mirror mark and
+        is not counted by ``mirror_every`` (it replaces a snapshot that was); a new mark made
+        while the last one is still owed keeps its mirror mark too."""
         if self.config.mirror is None:
             return False
         if self._mirror_final:
             return True
         if not persist:
             return False
-        return self._mirror_cadence.due(self._ctx)
+        if self._carried:
+            return self._inherit_mirror
+        return self._mirror_cadence.due(self._ctx) or self._inherit_mirror
 
     def _auto_step(self, done: int) -> SnapshotHandle | None:
         auto = self._auto
@@ -472,9 +538,12 @@ class Checkpointer:
                 "buffers_xxh": snap.buffers_hash(model_sd),
                 **self._applier.per_rank_state(),
             },
-            "persist": (persist := self._persist_due()),
+            "persist": (persist := self._mirror_final or self._persist_due()),
         }
-        if self._mirror_due(persist):
+        mirror = self._mirror_due(persist)
+        if persist:
+            self._owed_mirror = mirror  # the same on every rank, like both marks
+        if mirror:
             meta_extra["mirror"] = self.config.mirror
             self.stats.mirror_marked += 1
         if not self._link.alive():
@@ -742,6 +811,12 @@ def checkpointing(
     )
 
 
+_NONE, _PENDING, _LOST, _DUE = 0, 1, 2, 3
+"""The ranks' verdicts on a call, ordered so that their all-reduce MAX is the agreement:
+nothing owed; a rank still waits to hear its agent persist the last mark; the last mark was
+lost on some rank (mark this call in its place); the cadence marks this call."""
+
+
 class _Cadence:
     """Which calls are marked: the first and then every ``every_n``-th, or (``every_s``) one
     when at least that long passed since the last marked, by the ranks' OR (a rank whose clock
@@ -754,13 +829,24 @@ class _Cadence:
         """When the last call was marked (time form)."""
 
     def due(self, ctx: RankContext) -> bool:
+        return self.decide(ctx, None) == _DUE
+
+    def decide(self, ctx: RankContext, code: Callable[[], int] | None) -> int:
+        """The ranks' verdict on this call: ``_DUE`` when the cadence marks it, else the
+        largest ``code()`` of the ranks (``_LOST``, ``_PENDING`` or ``_NONE``; ``_NONE`` when
+        ``code`` is None). ``code`` is None or not on every rank alike: in the count form it
+        decides whether the ranks talk (no collective without it), the time form always does
+        (one all-reduce carries both words). A ``_LOST`` verdict restarts the clock too: the
+        call it marks is the one storage gets."""
         self.calls += 1
         if self.every_n is not None:
-            return (self.calls - 1) % self.every_n == 0
+            if (self.calls - 1) % self.every_n == 0:
+                return _DUE
+            return _NONE if code is None else ctx.all_max(code())
         assert self.every_s is not None
         now = time.monotonic()
         mine = self.mark_t is None or now - self.mark_t >= self.every_s
-        due = bool(ctx.all_max(int(mine)))
-        if due:
+        verdict = ctx.all_max(_DUE if mine else _NONE if code is None else code())
+        if verdict >= _LOST:
             self.mark_t = now
-        return due
+        return verdict

@@ -52,16 +52,17 @@ class CheckpointConfig:
     the cores that train. The price is paid only when a machine is lost with its memory and no
     other machine's memory holds its state: the job then falls back to the last persisted step,
     usually at most about five minutes plus one snapshot interval and one persist's duration
-    behind (more after a dropped mark, see the end). Whatever it says, the newest snapshot is
+    behind. Whatever it says, the newest snapshot is
     persisted when ``flush()`` or the exit of the ``with`` block waits for it and when a trainer
     dies (its node agent persists what that machine's memory holds: save at breakpoint), so a
     rarer persist loses nothing on a process crash; and where another machine's memory holds the
     state (data parallel: every machine does; sharded: the agent's ``replicas``) a lost machine
     restores from there. Lower it (or use 1) where storage is the only copy that survives, e.g.
     a single machine whose loss is likely. The agent persists the newest marked snapshot it
-    finds: one that a newer snapshot replaces in memory before the agent begins on it (snapshots
-    every step or two, an agent slowed by load) is not persisted, and storage waits for the next
-    mark."""
+    finds; a marked one that a newer snapshot replaces in memory before the agent persisted it
+    (snapshots every step or two, an agent slowed by load, a persist yielded to the trainer)
+    passes its mark to the next snapshot, on every rank alike (``stats.persist_carried``), so
+    storage does not wait for the next mark."""
     mirror: str | None = None
     """A second, remote checkpoint root (any fsspec URL, e.g. ``s3://bucket/run1``): the
     optional remote tier. ``storage`` is then meant for node-local disk, written often;
@@ -264,12 +265,19 @@ class Stats:
     persist_marked: int = 0
     """Snapshots marked for storage (``persist_every``); the others stay in memory only unless
     a flush, the exit or a trainer's death has them persisted."""
+    persist_carried: int = 0
+    """Of ``persist_marked``, the snapshots marked because the previous mark was lost: replaced
+    in memory (or skipped) on some rank before its node agent began persisting it. The mark
+    carries forward to the next snapshot, on every rank, until a node agent persisted one."""
     mirror_marked: int = 0
     """Snapshots marked for the remote tier (``mirror_every``, and the exit's final one)."""
     skips: int = 0
     skipped_steps: list[int] = field(default_factory=list)
     last_snapshot_step: int | None = None
     last_committed_step: int | None = None
+    last_persisted_step: int | None = None
+    """The newest step this rank's node agent wrote its part of to storage (its commit follows
+    once every machine's part is in)."""
     persist_errors: list[dict[str, Any]] = field(default_factory=list)
     stall_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)

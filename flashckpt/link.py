@@ -183,6 +183,10 @@ class AgentLink:
             step = int(msg["step"])
             if self.stats.last_committed_step is None or step > self.stats.last_committed_step:
                 self.stats.last_committed_step = step
+        elif ev == "persisted":
+            step = int(msg["step"])
+            if self.stats.last_persisted_step is None or step > self.stats.last_persisted_step:
+                self.stats.last_persisted_step = step
         elif ev == "persist_error":
             self.stats.persist_errors.append({"step": msg.get("step"), "error": msg.get("error")})
             log.warning("flashckpt: persisting step %s failed: %s", msg.get("step"), msg["error"])

@@ -775,3 +775,21 @@ class Fence(Request):
 
 REQUESTS[Fence.op] = Fence
 REPLIES[Fence.op] = OkReply
+
+
+# -- persisted (issue 14: a marked snapshot is not lost from storage's cadence) ---------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Persisted(Event):
+    """This node's part of a step is written to storage (the commit follows once every node's
+    part is in). A trainer that marked a snapshot for storage learns from it that its node's
+    persister took a step at least as new, so the mark need not be carried forward."""
+
+    event: ClassVar[str] = "persisted"
+    step: int
+    """The step."""
+
+
+EVENTS[Persisted.event] = Persisted
+__all__ += ["Persisted"]

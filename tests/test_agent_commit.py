@@ -358,3 +358,28 @@ def test_a_late_step_of_an_older_world_is_checked_against_that_world(fc_env: FcE
     # A late step 22 of w1 (its last part arrives now) must not take w2's commit as "before".
     _commit_as(agent, 22, "w1")
     assert st.committed_steps() == [20, 24]
+
+
+def test_the_commit_is_announced_before_retention_deletes_old_steps(fc_env: FcEnv) -> None:
+    """Retention (deleting a GB-sized step takes a while) runs after the commit is known: a
+    flush waiting for the step returns at once, and the steps retention removed leave the
+    agent's list afterwards."""
+    agent = _agent(fc_env, keep=1)
+    st = Storage(fc_env.storage)
+    seen: list[list[int]] = []
+    retain = st.retain
+    agent_storage = agent.st.storage
+    assert agent_storage is not None
+
+    def spy(keep: int) -> list[int]:
+        seen.append(list(agent.st.committed))  # what a flush sees while retention runs
+        return retain(keep)
+
+    agent_storage.retain = spy  # type: ignore[method-assign]
+    for step in (5, 10):
+        st.write_part(step, "n0", _part("n0", step, "w1", 0))
+        st.write_part(step, "n1", _part("n1", step, "w1", 1))
+        _wait_for(agent, step)
+        agent.committer.commit_round()
+    assert seen == [[5], [5, 10]]  # step 10 was known committed before step 5 was deleted
+    assert agent.st.committed == [10] and st.committed_steps() == [10]

@@ -4,21 +4,28 @@ the exit waits for it and when the trainer dies (real agent, real trainers, real
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from fchelpers import FcEnv, RunningAgent, tinytrain_command
 from tinytrain import make, train_step
 
 import flashckpt
+from flashckpt.agent import NodeAgent
 from flashckpt.config import CheckpointConfig, parse_persist_every
 from flashckpt.errors import CorruptCheckpointError
+from flashckpt.rankctx import RankContext
 from flashckpt.snapmeta import SnapshotMeta
 from flashckpt.storage import Storage
 
@@ -260,3 +267,320 @@ def test_the_mark_is_part_of_the_typed_snapshot_meta() -> None:
     assert old.persist is None and old.persist_wanted and "persist" not in old.to_json()
     with pytest.raises(CorruptCheckpointError, match="'persist'"):
         SnapshotMeta.from_json({**base, "persist": "yes", **tail})
+
+
+# -- a marked snapshot lost before the agent began on it: the mark carries forward ------------
+
+
+@contextlib.contextmanager
+def _persister_held(a: NodeAgent) -> Iterator[threading.Event]:
+    """Holds the agent's persister back (it looks for no step to persist) until the event is
+    set: a persister that is behind, as on a loaded machine or a slow storage."""
+    gate = threading.Event()
+    look = a.persister.pending_step
+
+    def held() -> tuple[int, dict[int, tuple[int, object]]] | None:
+        if threading.current_thread().name == "flashckpt-agent-persist":
+            gate.wait(timeout=600)
+        return look()  # type: ignore[return-value]
+
+    a.persister.pending_step = held  # type: ignore[assignment,method-assign]
+    try:
+        yield gate
+    finally:
+        gate.set()
+        del a.persister.pending_step  # the method again
+
+
+def _until(what: str, cond: Callable[[], bool], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.02)
+
+
+def _looked_at(a: NodeAgent, step: int) -> Callable[[], bool]:
+    """Whether the agent's persister has looked at ``step``: persisted it, or found it unmarked
+    (and persisted nothing)."""
+    return lambda: a.st.persisted_high >= step or a.st.unmarked_high >= step
+
+
+@pytest.mark.parametrize("persist_every", [100, "1h"])
+def test_a_mark_lost_before_the_persist_began_carries_to_the_next_snapshot(
+    fc_env: FcEnv, agent: RunningAgent, persist_every: int | str
+) -> None:
+    """The first snapshot (step 1) is marked, but the agent's persister is behind: snapshots 2
+    and 3 replace it in the two slots before the persister began on it. Step 3 is marked in its
+    place (the mark carries forward), so storage gets step 3 as soon as the persister looks,
+    not at the next mark (the 101st snapshot, or an hour later). Once the agent persisted it,
+    nothing more is carried: snapshots 4-6 stay in memory only, until the exit's flush."""
+    a = agent.agent
+    st = Storage(fc_env.storage)
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(every=0, persist_every=persist_every, agent="connect")
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        with _persister_held(a) as gate:
+            for i in range(3):
+                train_step(model, opt, sched, i)
+                ck.step()
+                ck.save(mode="sync")
+            assert a.st.persisted_high == -1  # the persister never began on step 1
+            assert (ck.stats.persist_marked, ck.stats.persist_carried) == (2, 1)
+            gate.set()
+            _until("the persister looks at step 3", _looked_at(a, 3))
+        assert a.st.persisted_high == 3, f"step 3 not persisted ({a.st.unmarked_high=})"
+        assert _wait_committed(st, 3) == [3]
+        _until("the trainer hears step 3 persisted", lambda: ck.stats.last_persisted_step == 3)
+        for i in range(3, 6):
+            train_step(model, opt, sched, i)
+            ck.step()
+            ck.save(mode="sync")
+        _until("the persister looks at step 6", _looked_at(a, 6))
+        assert (ck.stats.persist_marked, ck.stats.persist_carried) == (2, 1)
+        assert a.st.persisted_high == 3 and st.committed_steps() == [3]
+    assert st.committed_steps() == [3, 6]  # the exit's flush commits the last one
+    assert st.check_step(6).status == "ok"
+
+
+def test_a_mark_kept_while_the_persister_reads_it_carries_nothing(
+    fc_env: FcEnv, agent: RunningAgent
+) -> None:
+    """The persister is behind but the marked step is still in memory when it looks (one more
+    snapshot only, into the other slot): nothing is carried, the marked step is persisted."""
+    a = agent.agent
+    st = Storage(fc_env.storage)
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(every=0, persist_every=100, agent="connect")
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        with _persister_held(a) as gate:
+            for i in range(2):
+                train_step(model, opt, sched, i)
+                ck.step()
+                ck.save(mode="sync")
+            gate.set()
+            _until("the persister looks at step 1", _looked_at(a, 1))
+        assert _wait_committed(st, 1) == [1]
+        _until("the trainer hears step 1 persisted", lambda: ck.stats.last_persisted_step == 1)
+        for i in range(2, 5):
+            train_step(model, opt, sched, i)
+            ck.step()
+            ck.save(mode="sync")
+        _until("the persister looks at step 5", _looked_at(a, 5))
+        assert (ck.stats.persist_marked, ck.stats.persist_carried) == (1, 0)
+        assert st.committed_steps() == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("persist_every", [100, "1h"])
+def test_a_mark_lost_on_one_machine_carries_forward_on_every_machine(
+    fc_env: FcEnv, tmp_path: Path, persist_every: int | str
+) -> None:
+    """2 ranks (gloo), each a machine with its own node agent; machine n1's persister is behind.
+    Step 1 is marked: n0's agent persists its part at once (rank 0 waits for it), n1's never
+    begins before snapshots 2 and 3 replace step 1 there. Only rank 1 finds the mark lost; the
+    ranks' OR marks step 3 on both, so both agents persist their part of step 3 and it is
+    committed as soon as n1's persister looks. Had only rank 1 carried the mark, n0's agent
+    would not write step 3 and no step would be committed before the next mark."""
+    st = Storage(fc_env.storage)
+    agents = [RunningAgent(fc_env.agent_config(node=f"n{r}")) for r in range(2)]
+    out = tmp_path / "carry"
+    procs: list[tuple[subprocess.Popen[bytes], object]] = []
+    try:
+        with _persister_held(agents[1].agent) as gate:
+            init = tmp_path / f"init-{time.monotonic_ns()}"
+            for rank in range(2):
+                cmd = [
+                    sys.executable,
+                    str(HERE / "_persist_carry_worker.py"),
+                    *("--rank", str(rank), "--storage", fc_env.storage, "--job", fc_env.job),
+                    *("--run-dir", fc_env.run_dir, "--init-file", str(init)),
+                    *("--out", str(out), "--persist-every", str(persist_every)),
+                ]
+                err = open(tmp_path / f"r{rank}.stderr", "wb")  # noqa: SIM115 (closed below)
+                procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err), err))
+
+            def saved() -> bool:
+                for rank, (p, _) in enumerate(procs):
+                    assert p.poll() is None, (tmp_path / f"r{rank}.stderr").read_text()[-3000:]
+                return all(Path(f"{out}.{r}.json").exists() for r in range(2))
+
+            _until("both ranks take 3 snapshots", saved, timeout=240)
+            n0, n1 = (x.agent for x in agents)
+            assert n1.st.persisted_high == -1  # n1's persister never began on step 1
+            assert n0.st.persisted_high >= 1  # n0's did (its part of step 1 is written)
+            ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
+            # Both ranks marked step 1 and, carried forward, step 3: the same steps.
+            assert [(r["marked"], r["carried"]) for r in ranks] == [(2, 1), (2, 1)]
+            gate.set()
+            _until("n1's persister looks at step 3", _looked_at(n1, 3))
+        assert n1.st.persisted_high == 3, f"n1 persisted nothing ({n1.st.unmarked_high=})"
+        assert _wait_committed(st, 3) == [3]  # step 1 never was: n1's part never came
+        assert st.check_step(3).status == "ok"
+        Path(f"{out}.go").touch()
+        for rank, (p, _) in enumerate(procs):
+            assert p.wait(timeout=120) == 0, (tmp_path / f"r{rank}.stderr").read_text()[-3000:]
+        assert st.committed_steps() == [3]  # the exit found step 3, the last, committed
+    finally:
+        Path(f"{out}.go").touch()
+        for p, err in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+            err.close()  # type: ignore[attr-defined]
+        for x in agents:
+            if x.thread.is_alive():
+                x.stop()
+
+
+def test_a_persisted_snapshot_is_hashed_once_by_its_write(
+    fc_env: FcEnv, agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot persisted before the hash thread reached it is read once: the shard's write
+    hashes each chunk and that hash becomes the snapshot's completion hash (recorded in the
+    slot: a restore from memory checks it), no second pass over the data. Here the hash thread
+    is held off, so every hash of the data would have to come from somewhere else."""
+    import flashckpt.agent_persist as ap
+
+    a = agent.agent
+    passes: list[int] = []
+    hash_snapshot = ap.hash_snapshot
+
+    def counted(*args: object, **kw: object) -> int | None:
+        passes.append(1)
+        return hash_snapshot(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ap, "hash_snapshot", counted)
+    hash_pass = a.persister.hash_pass
+
+    def no_background(rank: int | None = None, background: bool = False) -> None:
+        if not background:
+            hash_pass(rank)  # a trainer's request (hash_now) is served
+
+    monkeypatch.setattr(a.persister, "hash_pass", no_background)
+    st = Storage(fc_env.storage)
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(every=0, persist_every=1, agent="connect")
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        train_step(model, opt, sched, 0)
+        ck.step()
+        ck.save(mode="sync")
+        assert ck.flush() == 1
+        assert passes == []  # the write's hash was the only read of the data
+        with a.st.lock:
+            slots = [s for r in a.st.ranks.values() for s in r.slots if s is not None]
+        (slot,) = [s for s in slots if (h := s.header()) is not None and h.step == 1]
+        info = slot.header()
+        assert info is not None
+        entry = st.manifest(1).files["shard-00000-of-00001.safetensors"]
+        assert f"{slot.recorded_hash(info):016x}" == entry.data_xxh3_64
+        assert slot.verify_data(info) is True
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    model2, opt2, sched2 = make(1)
+    with flashckpt.checkpointing(model2, opt2, scheduler=sched2, **kw) as ck2:
+        assert (ck2.restored_from, ck2.start_step) == ("memory", 1)
+        for k, v in model2.state_dict().items():
+            assert torch.equal(v, want[k]), k
+
+
+def test_a_carried_mark_keeps_the_lost_marks_mirror_mark(
+    fc_env: FcEnv, agent: RunningAgent, tmp_path: Path
+) -> None:
+    """Step 1 is marked for storage and (the first of ``mirror_every=2``) for the remote tier,
+    and lost before the persister began on it: step 3 carries both marks, so the remote tier
+    gets step 3 too; the carried mark is not counted by ``mirror_every`` (it stands in for
+    one that was)."""
+    a = agent.agent
+    st = Storage(fc_env.storage)
+    mirror = Storage(f"file://{tmp_path}/remote")
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(
+        every=0, persist_every=100, mirror=mirror.url, mirror_every=2, agent="connect"
+    )
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        with _persister_held(a) as gate:
+            for i in range(3):
+                train_step(model, opt, sched, i)
+                ck.step()
+                ck.save(mode="sync")
+            assert (ck.stats.persist_carried, ck.stats.mirror_marked) == (1, 2)
+            assert ck._mirror_cadence.calls == 1  # step 1's mark only
+            gate.set()
+            _until("the persister looks at step 3", _looked_at(a, 3))
+        assert _wait_committed(st, 3) == [3]
+        assert _wait_committed(mirror, 3) == [3]
+    assert mirror.check_step(3).status == "ok"
+
+
+def test_the_exits_final_snapshot_needs_no_collective(
+    fc_env: FcEnv, agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exit's final snapshot is marked without asking the other ranks (the exit's flush
+    persists it anyway): a rank whose last snapshot was skipped (``when_busy="skip"``) takes
+    this one where the others do not, and an all-reduce in it would wait for them forever."""
+    st = Storage(fc_env.storage)
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(every=0, persist_every="1h", agent="connect")
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        train_step(model, opt, sched, 0)
+        ck.step()
+        ck.save(mode="sync")
+        train_step(model, opt, sched, 1)
+        ck.step()  # step 2: not saved; the exit takes it
+
+        def no_collective(self: RankContext, code: int) -> int:
+            raise AssertionError("a collective in the exit's final snapshot")
+
+        monkeypatch.setattr(RankContext, "all_max", no_collective)
+    assert st.committed_steps()[-1] == 2  # (step 1 too, if the persister took it in time)
+    assert st.check_step(2).status == "ok"
+
+
+def test_a_mark_the_persister_yields_to_the_trainer_carries_to_the_next_snapshot(
+    fc_env: FcEnv, agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The persister began on marked step 1 (it holds the slot) when snapshot 3 wants that slot:
+    the persister yields it to the trainer (abandons step 1). Snapshot 3 was not marked (step 1
+    was still being read when it asked); snapshot 4 finds step 1 gone without the agent having
+    persisted it and carries the mark: storage gets step 4, not the next mark."""
+    a = agent.agent
+    st = Storage(fc_env.storage)
+    write_shard = a.persister.write_shard
+    began, gate = threading.Event(), threading.Event()
+
+    def held(*args: Any, **kw: Any) -> Any:
+        if not gate.is_set():
+            began.set()
+            gate.wait(timeout=300)
+        return write_shard(*args, **kw)
+
+    monkeypatch.setattr(a.persister, "write_shard", held)
+
+    def release_when_wanted() -> None:  # the trainer asks for the slot: the write goes on
+        began.wait(timeout=300)
+        deadline = time.monotonic() + 300
+        while not gate.is_set() and time.monotonic() < deadline:
+            with a.st.lock:
+                slots = [s for r in a.st.ranks.values() for s in r.slots if s is not None]
+            if any(s.wanted() for s in slots):
+                gate.set()
+            time.sleep(0.005)
+
+    helper = threading.Thread(target=release_when_wanted, daemon=True)
+    helper.start()
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(every=0, persist_every=100, agent="connect")
+    try:
+        with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+            for i in range(4):
+                train_step(model, opt, sched, i)
+                ck.step()
+                ck.save(mode="sync")
+                if i == 0:
+                    assert began.wait(timeout=120), "the persister did not begin on step 1"
+            assert (ck.stats.persist_marked, ck.stats.persist_carried) == (2, 1)
+            _until("the persister looks at step 4", _looked_at(a, 4))
+            assert a.st.persisted_high == 4, f"step 4 not persisted ({a.st.unmarked_high=})"
+            assert _wait_committed(st, 4) == [4]  # step 1 was abandoned, never committed
+    finally:
+        gate.set()
+        helper.join(timeout=30)

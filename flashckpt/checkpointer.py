@@ -109,9 +109,11 @@ class Checkpointer:
         start), which is also the 0-based index of the next iteration."""
         self.restored_from: str | None = None
         """Where the restored state came from: ``memory``, ``storage``, ``mirror`` (the remote
-        tier, ``mirror=``), ``replica`` (a peer's memory) or ``memory-reshard`` (a sharded state
-        rebuilt from the pieces this world's ranks hold in memory); None when nothing was
-        restored."""
+        tier, ``mirror=``), ``replica`` (a data-parallel peer's memory), ``peer-memory`` (a
+        replica of this rank's snapshot that another machine's agent held, pulled into this
+        rank's slot), ``memory-reshard`` (a sharded state rebuilt from the pieces this world's
+        ranks hold in memory) or ``peer-reshard`` (the same, with pieces from the replicas the
+        agents hold of lost machines' snapshots); None when nothing was restored."""
         self._pg = process_group
         self._storage = Storage(config.storage) if config.storage else None
         self._hooks: list[Any] = []

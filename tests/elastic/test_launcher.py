@@ -251,13 +251,15 @@ def test_sharded_job_shrinks_by_resharding(
     etcd_server: str, tmp_path: Path, make_cluster: list[SimCluster]
 ) -> None:
     # FSDP2 on 2 machines, MIN:MAX = 1:2, no standby: the survivor goes on alone, its state
-    # resharded from the 2-rank pieces in storage to the whole model on 1 rank.
+    # resharded from the 2-rank pieces in storage to the whole model on 1 rank. Replicas off:
+    # with them the survivor reshards from its agent's replica of the lost machine's snapshot
+    # instead ("peer-reshard", tests/elastic/test_launcher_reshard.py); this test is storage's.
     cluster = SimCluster(
         tmp_path,
         etcd_server,
         nnodes="1:2",
         worker_args=[*SLOW, "--fsdp"],
-        launcher_args=["--rdzv-conf", "last_call_timeout=1"],
+        launcher_args=["--rdzv-conf", "last_call_timeout=1", "--replicas", "0"],
     )
     make_cluster.append(cluster)
     cluster.start("n0")

@@ -24,16 +24,15 @@ cut off (a network partition) still holds steps of its old world:
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from typing import Any
 
 from flashckpt.agent_state import AgentState
-from flashckpt.messages import MAX_TEXT, Committed
+from flashckpt.messages import Committed
 from flashckpt.snapmeta import NodePart
-from flashckpt.storage import FORMAT, MANIFEST, MAX_MANIFEST_BYTES, PARTS, Storage
+from flashckpt.storage import FORMAT, MANIFEST, PARTS, Storage
 
 __all__ = ["Committer"]
 
@@ -170,7 +169,7 @@ class Committer:
         for newer in sorted((s for s in committed if s >= step), reverse=True):
             if newer in baseline:
                 continue  # committed before this world began: rewritten by the persister
-            other = manifest_world(storage, newer)
+            other = storage.manifest_world(newer)
             if other == world_id:
                 if newer > step:
                     return f"step {newer} of this world is committed", False
@@ -324,17 +323,3 @@ class Committer:
             time.monotonic() - t1,
         )
         return True
-
-
-def manifest_world(storage: Storage, step: int) -> str | None:
-    """The world id a committed manifest records; None when it records none or cannot be read
-    (an older manifest, a torn or foreign file: counted as another world's)."""
-    try:
-        with storage.open_step_file(step, MANIFEST) as (f, size):
-            if size > MAX_MANIFEST_BYTES:
-                return None
-            doc = json.loads(f.read(MAX_MANIFEST_BYTES))
-    except (OSError, ValueError, RecursionError):  # CorruptCheckpointError is a ValueError
-        return None
-    world = doc.get("world_id") if isinstance(doc, dict) else None
-    return world if isinstance(world, str) and len(world) <= MAX_TEXT else None

@@ -399,8 +399,9 @@ class PeerReshardSource:
             return f"it is named the replica of rank {rep[1]} but describes rank {m.rank}'s state"
         return None
 
-    def _machine_slot_paths(self) -> list[tuple[str, int]]:
-        """(path, local rank) of the slots of the other local ranks of this job on this node."""
+    def _node_files(self, suffix: re.Pattern[str]) -> list[tuple[str, re.Match[str]]]:
+        """(path, match) of the files in this node's shm directory named with this job's and
+        node's prefix and a suffix ``suffix`` matches whole, by name (confined to it)."""
         ctx, shm_dir = self.env.ctx, self.env.snap.shm_dir
         if not shm_dir:
             return []
@@ -411,32 +412,31 @@ class PeerReshardSource:
             return []
         out = []
         for name in sorted(names):
-            m = SLOT_SUFFIX_RE.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
-            if m is not None and int(m.group(1)) != ctx.local_rank:
-                out.append((os.path.join(shm_dir, name), int(m.group(1))))
+            m = suffix.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
+            if m is not None:
+                out.append((os.path.join(shm_dir, name), m))
         return out
+
+    def _machine_slot_paths(self) -> list[tuple[str, int]]:
+        """(path, local rank) of the slots of the other local ranks of this job on this node."""
+        me = self.env.ctx.local_rank
+        return [
+            (p, int(m.group(1)))
+            for p, m in self._node_files(SLOT_SUFFIX_RE)
+            if int(m.group(1)) != me
+        ]
 
     def _replica_paths(self) -> list[tuple[str, str, int]]:
         """(path, sender node, global rank) of the replicas this machine's agent holds of other
         machines' snapshots of this job (files in its directory, by name: confined to it)."""
-        ctx, shm_dir = self.env.ctx, self.env.snap.shm_dir
-        if not shm_dir or not ctx.node:
+        node = self.env.ctx.node
+        if not node:
             return []
-        prefix = slot_prefix(ctx.job, ctx.node)
-        try:
-            names = os.listdir(shm_dir)
-        except OSError:
-            return []
-        out = []
-        for name in sorted(names):
-            m = (
-                REPLICA_SUFFIX_RE.fullmatch(name[len(prefix) :])
-                if name.startswith(prefix)
-                else None
-            )
-            if m is not None and m.group(1) != ctx.node:
-                out.append((os.path.join(shm_dir, name), m.group(1), int(m.group(2))))
-        return out
+        return [
+            (p, m.group(1), int(m.group(2)))
+            for p, m in self._node_files(REPLICA_SUFFIX_RE)
+            if m.group(1) != node
+        ]
 
     def _ident(self, i: int, h: HeldSnapshot) -> tuple[str, str, int, int, str] | None:
         rep = self.replicas.get(i)
@@ -902,7 +902,7 @@ class PeerMemorySource:
         env = self.env
         if env.storage is None or step not in env.stored:
             return None
-        stored = _manifest_world(env.storage, step)
+        stored = env.storage.manifest_world(step)
         if stored == world:
             return None
         return (
@@ -1046,23 +1046,6 @@ class PeerMemorySource:
     def drop(self, step: int) -> None:
         self.dropped.add(step)
         self.pulled = None
-
-
-def _manifest_world(storage: Storage, step: int) -> str | None:
-    """The world id storage's committed manifest of ``step`` records; None when it records
-    none or cannot be read (as the agent's commit loop reads it; not imported from there: the
-    trainer never imports the agent's modules)."""
-    from flashckpt.storage import MANIFEST, MAX_MANIFEST_BYTES
-
-    try:
-        with storage.open_step_file(step, MANIFEST) as (f, size):
-            if size > MAX_MANIFEST_BYTES:
-                return None
-            doc = json.loads(f.read(MAX_MANIFEST_BYTES))
-    except (OSError, ValueError, RecursionError):  # CorruptCheckpointError is a ValueError
-        return None
-    world = doc.get("world_id") if isinstance(doc, dict) else None
-    return world if isinstance(world, str) and len(world) <= 4096 else None
 
 
 def world_conflict(step: int, world: str, rows: list[Any]) -> str | None:

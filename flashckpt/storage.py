@@ -61,6 +61,8 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
+MAX_WORLD_ID = 4096
+"""Longest world id :meth:`Storage.manifest_world` accepts (the protocol's text bound)."""
 PARTS = "_parts"
 CHUNK = 64 << 20
 # O_DIRECT needs buffer address, file offset and length aligned to the logical block size
@@ -540,6 +542,19 @@ class Storage:
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise CorruptCheckpointError(path, f"is not valid JSON ({e})") from None
         return Manifest.from_json(doc, path, step)
+
+    def manifest_world(self, step: int) -> str | None:
+        """The world id the committed manifest of ``step`` records; None when it records none or
+        cannot be read (an older manifest, a torn or foreign file: counted as another world's)."""
+        try:
+            with self.open_step_file(step, MANIFEST) as (f, size):
+                if size > MAX_MANIFEST_BYTES:
+                    return None
+                doc = json.loads(f.read(MAX_MANIFEST_BYTES))
+        except (OSError, ValueError, RecursionError):  # CorruptCheckpointError is a ValueError
+            return None
+        world = doc.get("world_id") if isinstance(doc, dict) else None
+        return world if isinstance(world, str) and len(world) <= MAX_WORLD_ID else None
 
     def read_manifest(self, step: int) -> dict[str, Any]:
         """The manifest of a committed step as JSON, validated as :meth:`manifest` does (its

@@ -346,6 +346,20 @@ def _during_last_chunk(
     return done
 
 
+def _hashed_before_persist(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Step ``step``'s completion hash is recorded before the persister writes it, as when the
+    hash thread keeps up. Under load the persister can get there first, and then the write's
+    hash becomes the completion hash."""
+    real = agent_persist.Persister.persist
+
+    def persist(self: agent_persist.Persister, at: int, picks: Any) -> None:
+        if at == step:
+            self.hash_pass()
+        real(self, at, picks)
+
+    monkeypatch.setattr(agent_persist.Persister, "persist", persist)
+
+
 def _wait_passed(agent: RunningAgent, step: int) -> None:
     deadline = time.monotonic() + 60
     while agent.agent.st.persisted_high < step:
@@ -372,6 +386,10 @@ def test_a_slot_changed_during_the_write_is_never_committed(
             data[:64] = bytes(b ^ 0xFF for b in data[:64])
             s.end_write(seq, info.step, meta, info.data_len)
         else:
+            # The premise: a completion hash was recorded before the write (without one, the
+            # write's own hash becomes it, and a scribble after the last check is then
+            # indistinguishable from the snapshot itself).
+            assert s.recorded_hash(info) is not None
             data[:64] = bytes(b ^ 0xFF for b in data[:64])
 
     model, opt, sched = make(0)
@@ -382,6 +400,7 @@ def test_a_slot_changed_during_the_write_is_never_committed(
         ck.save(2, mode="sync")
         assert ck.flush() == 2
         done = _during_last_chunk(monkeypatch, 4, act)
+        _hashed_before_persist(monkeypatch, 4)
         train_steps(ck, model, opt, sched, 2, 4)
         ck.save(4, mode="sync")
         _wait_passed(agent, 4)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -364,6 +365,15 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
         if e["event"] == "step" and e["rank"] not in first_by_rank:
             first_by_rank[e["rank"]] = e["t"]
     t_first = max(first_by_rank.values())
+    # The first step after the resume against a steady one: the interval between one rank's
+    # consecutive steps before the kill (it includes --step-sleep and any snapshot steps).
+    steady: list[float] = []
+    by_rank: dict[int, list[float]] = {}
+    for e in before:
+        if e["event"] == "step" and e["t"] <= t_kill:
+            by_rank.setdefault(e["rank"], []).append(e["t"])
+    for times in by_rank.values():
+        steady.extend(b - a for a, b in itertools.pairwise(times))
     resume_step = restored[0]["start_step"]
     result: dict[str, Any] = {
         "system": system,
@@ -372,6 +382,13 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
         "init_s": t_pg - t_spawn,
         "restore_s": t_restored - t_pg,
         "first_step_s": t_first - t_restored,
+        "first_step_by_rank_s": {
+            str(r): t - max(e["t"] for e in restored if e["rank"] == r)
+            for r, t in sorted(first_by_rank.items())
+            if any(e["rank"] == r for e in restored)
+        },
+        "steady_step_s": statistics.median(steady) if steady else None,
+        "step_sleep_s": args.step_sleep,
         "last_step_done_before_kill": last_done,
         "resume_step": resume_step,
         "steps_recomputed": last_done + 1 - resume_step,
@@ -390,10 +407,10 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ["total_s", "detect_s", "rendezvous_s", "detect_rdzv_s", "init_s", "restore_s",
-            "first_step_s", "steps_recomputed"]  # fmt: skip
+            "first_step_s", "steady_step_s", "steps_recomputed"]  # fmt: skip
     out: dict[str, Any] = {"runs": len(runs)}
     for key in keys:
-        values = [r[key] for r in runs if key in r]
+        values = [r[key] for r in runs if r.get(key) is not None]
         if values:
             out[key] = {"median": statistics.median(values), "min": min(values),
                         "max": max(values)}  # fmt: skip

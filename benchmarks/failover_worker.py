@@ -149,9 +149,12 @@ def main() -> int:
     ) as ckpt:
         _event(a.out, "restored", start_step=ckpt.start_step, restored_from=ckpt.restored_from)
         for step in range(ckpt.start_step, a.steps):
+            # Where a step's time goes (the first one after a resume against steady ones).
+            t0 = time.perf_counter()
             train(step)
+            t1 = time.perf_counter()
             ckpt.step()
-            _event(a.out, "step", step=step)
+            _event(a.out, "step", step=step, train_s=t1 - t0, ckpt_step_s=time.perf_counter() - t1)
             time.sleep(a.step_sleep)
     return 0
 

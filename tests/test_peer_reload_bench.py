@@ -65,3 +65,50 @@ def test_time_lost_per_checkpoint_is_the_slower_ranks_against_its_best_baseline(
     assert got["lost_per_ckpt_s"] == pytest.approx((9.0 - 4.1) / 4)
     assert got["noise_per_ckpt_s"] == pytest.approx(0.4 / 4)
     assert got["base_step_s"] == pytest.approx(4.1 / 8)
+
+
+def test_the_failover_measure_reports_steady_and_first_step_times() -> None:
+    """failover.py's _measure puts the first step after the resume next to a steady step (from
+    one rank's consecutive steps before the kill) and gives each new rank's own first step, so a
+    slow first step can be told from a slow job. Synthetic events; nothing is timed."""
+    import argparse
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import failover
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def ev(t: float, event: str, pid: int, rank: int, **kw: Any) -> dict[str, Any]:
+        return {"t": t, "event": event, "pid": pid, "rank": rank, **kw}
+
+    t_kill = 100.0
+    events = [ev(0.0, "start", 1, 0, t_process=0.0), ev(0.0, "start", 2, 1, t_process=0.0)]
+    for i in range(5):  # old workers step every 0.2 s until the kill
+        events += [
+            ev(99.0 + 0.2 * i, "step", 1, 0, step=i),
+            ev(99.0 + 0.2 * i, "step", 2, 1, step=i),
+        ]
+    events += [
+        ev(101.0, "start", 3, 0, t_process=101.0),
+        ev(101.0, "start", 4, 1, t_process=101.0),
+        ev(101.5, "pg_ready", 3, 0),
+        ev(101.5, "pg_ready", 4, 1),
+        ev(102.0, "restored", 3, 0, start_step=4, restored_from="memory"),
+        ev(102.5, "restored", 4, 1, start_step=4, restored_from="peer-memory"),
+        ev(103.0, "step", 3, 0, step=4),
+        ev(104.0, "step", 4, 1, step=4),
+    ]
+
+    class FakeJob:
+        flashckpt = False
+
+        def events(self) -> list[dict[str, Any]]:
+            return events
+
+    args = argparse.Namespace(every=5, step_sleep=0.05)
+    r = failover._measure("flashckpt-peer", FakeJob(), t_kill, args)
+    assert r["steady_step_s"] == pytest.approx(0.2)
+    assert r["first_step_s"] == pytest.approx(1.5)
+    assert r["first_step_by_rank_s"] == {"0": pytest.approx(1.0), "1": pytest.approx(1.5)}
+    assert r["step_sleep_s"] == 0.05

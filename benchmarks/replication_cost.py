@@ -349,17 +349,25 @@ def _free_port() -> int:
     return peer_reload._free_port()
 
 
-def _verdict(ratio: float | None, off: float | None, noise: float | None) -> dict[str, Any]:
+def _verdict(
+    ratio: float | None,
+    off: float | None,
+    noise: float | None,
+    round_ratios: list[float | None] | None = None,
+) -> dict[str, Any]:
     """Met, missed, or undecided (None) where the figures cannot tell: a ratio of a negative
-    or missing time lost, or an allowance (10% of the time lost without replicas) smaller than
-    the noise floor."""
+    or missing time lost (in the medians or any round), rounds on both sides of the target, or
+    an allowance (10% of the time lost without replicas) smaller than the noise floor."""
+    rr = round_ratios or []
     out: dict[str, Any] = {
         "what": "replication adds < 10% to the time lost per checkpoint",
         "value": ratio,
         "met": None,
     }
-    if ratio is None or ratio < 0 or off is None:
+    if ratio is None or ratio < 0 or off is None or any(x is None or x < 0 for x in rr):
         out["note"] = "undecided: a time lost per checkpoint is missing or negative (noise)"
+    elif rr and min(rr) < 1.10 <= max(rr):  # type: ignore[type-var]
+        out["note"] = "undecided: the rounds fall on both sides of the target"
     elif noise is not None and 0.1 * off < noise:
         out["note"] = (
             f"undecided: the 10% allowance ({0.1 * off:.3f} s) is inside the noise floor "
@@ -421,7 +429,12 @@ def summarize(runs: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         "median_lost_vs_plain_variant_replicas1_s": med("lost_vs_plain_variant_replicas1_s"),
         "ratio_on_off_of_medians": ratio,
         "push_gib_s": (nbytes / C.GiB / secs) if secs > 0 else None,
-        "target": _verdict(ratio, med("lost_per_ckpt_replicas0_s"), med("noise_per_ckpt_s")),
+        "target": _verdict(
+            ratio,
+            med("lost_per_ckpt_replicas0_s"),
+            med("noise_per_ckpt_s"),
+            [x["ratio_on_off"] for x in per_round],
+        ),
     }
 
 

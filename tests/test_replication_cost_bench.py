@@ -82,3 +82,6 @@ def test_the_target_is_undecided_inside_the_noise_or_on_negative_figures() -> No
     assert rc._verdict(1.05, 0.5, 0.2)["met"] is None  # allowance 0.05 s < noise 0.2 s
     assert rc._verdict(-1.4, 0.4, 0.01)["met"] is None
     assert rc._verdict(None, None, None)["met"] is None
+    assert rc._verdict(0.6, 0.49, 0.05, [-1.4, 2.19])["met"] is None  # a negative round
+    assert rc._verdict(1.2, 0.5, 0.01, [0.9, 1.5])["met"] is None  # rounds on both sides
+    assert rc._verdict(1.5, 0.5, 0.01, [1.4, 1.6])["met"] is False

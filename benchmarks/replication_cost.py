@@ -289,7 +289,7 @@ def run_variant(m: Machines, args: argparse.Namespace, variant: str, rnd: int) -
                 rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise TimeoutError(
-                    f"{variant} round {rnd}: trainer {n} ran past {args.timeout:.0f} s"
+                    f"{variant} round {rnd}: trainer {n} ran past {args.timeout:g} s (--timeout)"
                 ) from None
             if rc != 0 or not os.path.exists(part):
                 raise RuntimeError(f"trainer {n} exited {rc}: {_tail(part + '.err')}")
@@ -354,11 +354,25 @@ def _verdict(
     off: float | None,
     noise: float | None,
     round_ratios: list[float | None] | None = None,
+    difference: float | None = None,
 ) -> dict[str, Any]:
-    """Met, missed, or undecided (None) where the figures cannot tell: a ratio of a negative
+    """Missed when the median difference exceeds the allowance plus the noise floor; else met,
+    or undecided (None) where the figures cannot tell: a ratio of a negative
     or missing time lost (in the medians or any round), rounds on both sides of the target, or
     an allowance (10% of the time lost without replicas) smaller than the noise floor."""
     rr = round_ratios or []
+    # Missed outright when the difference the replicas make is clear of the allowance plus the
+    # noise floor, whatever the sign of the time lost without them (which may be inside noise).
+    if difference is not None and noise is not None and off is not None:
+        allowance = 0.1 * max(off, 0.0)
+        if difference > allowance + noise:
+            return {
+                "what": "replication adds < 10% to the time lost per checkpoint",
+                "value": ratio,
+                "met": False,
+                "note": f"missed: replicas add {difference:.3f} s per checkpoint, more than the "
+                f"allowance ({allowance:.3f} s) plus the noise floor ({noise:.3f} s)",
+            }
     out: dict[str, Any] = {
         "what": "replication adds < 10% to the time lost per checkpoint",
         "value": ratio,
@@ -419,8 +433,18 @@ def summarize(runs: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     pushes = [a for r in runs if r["variant"] == "replicas1" for a in r.get("agents", {}).values()]
     nbytes = sum(a["push_bytes"] for a in pushes)
     secs = sum(a["push_seconds"] for a in pushes)
+    # The agents' replication threads' CPU per push: the sender (flashckpt-agent-replica) and
+    # the receiving server's connection threads (fc-replica); with --pin on the trainer's core.
+    send, recv = [], []
+    for a in pushes:
+        th, n = a["cpu"]["threads_cpu_s"], a["pushes"]
+        if n:
+            send.append(th.get("flashckpt-agent-replica", 0.0) / n)
+            recv.append(th.get("fc-replica", 0.0) / n)
     return {
         "per_round": per_round,
+        "median_sender_cpu_s_per_push": C.median(send),
+        "median_receiver_cpu_s_per_push": C.median(recv),
         "median_lost_per_ckpt_replicas0_s": med("lost_per_ckpt_replicas0_s"),
         "median_lost_per_ckpt_replicas1_s": med("lost_per_ckpt_replicas1_s"),
         "median_difference_s": med("difference_s"),
@@ -434,6 +458,7 @@ def summarize(runs: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
             med("lost_per_ckpt_replicas0_s"),
             med("noise_per_ckpt_s"),
             [x["ratio_on_off"] for x in per_round],
+            med("difference_s"),
         ),
     }
 

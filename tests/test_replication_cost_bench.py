@@ -69,6 +69,8 @@ def test_a_tiny_run_pushes_only_with_replicas(tmp_path: Path) -> None:
     for k in ("lost_per_ckpt_replicas0_s", "lost_per_ckpt_replicas1_s", "difference_s"):
         assert rnd[k] is not None
     assert res["summary"]["target"]["what"].startswith("replication adds")
+    assert res["summary"]["median_sender_cpu_s_per_push"] is not None
+    assert res["summary"]["median_receiver_cpu_s_per_push"] is not None
 
 
 def test_the_target_is_undecided_inside_the_noise_or_on_negative_figures() -> None:
@@ -85,3 +87,6 @@ def test_the_target_is_undecided_inside_the_noise_or_on_negative_figures() -> No
     assert rc._verdict(0.6, 0.49, 0.05, [-1.4, 2.19])["met"] is None  # a negative round
     assert rc._verdict(1.2, 0.5, 0.01, [0.9, 1.5])["met"] is None  # rounds on both sides
     assert rc._verdict(1.5, 0.5, 0.01, [1.4, 1.6])["met"] is False
+    # Replicas clearly add more than the allowance + noise, the figure without them negative.
+    assert rc._verdict(34.9, 0.03, 0.27, [None, 5.9, 36.7], difference=0.94)["met"] is False
+    assert rc._verdict(1.05, 0.5, 0.01, [1.05], difference=0.025)["met"] is True

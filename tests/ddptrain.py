@@ -7,7 +7,6 @@ import datetime
 import json
 import os
 import sys
-import time
 
 import safetensors.torch
 import torch
@@ -18,16 +17,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tinytrain import kill_in_copy, make
 
 import flashckpt
-from flashckpt.storage import Storage
-
-
-def wait_committed(url: str, step: int, timeout: float = 120.0) -> None:
-    st = Storage(url)
-    deadline = time.monotonic() + timeout
-    while step not in st.committed_steps():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"marked step {step} not committed in {timeout:.0f} s")
-        time.sleep(0.05)
 
 
 def main() -> int:
@@ -55,13 +44,6 @@ def main() -> int:
         help="at the snapshot after this many steps, this rank's clock says a persist is due "
         "(its last mark moved an hour back); the other ranks' clocks are left alone",
     )
-    p.add_argument(
-        "--wait-marked",
-        action="store_true",
-        help="rank 0 waits (up to 120 s) until each snapshot it marked for storage is committed, "
-        "before the next step: the agent persists the newest marked snapshot it finds, and a "
-        "fast loop would replace one in memory before the agent begins on it",
-    )
     a = p.parse_args()
     torch.set_num_threads(1)
     os.environ["LOCAL_WORLD_SIZE"] = str(a.local_world or a.world)
@@ -70,8 +52,7 @@ def main() -> int:
         init_method=f"file://{a.init_file}",
         rank=a.rank,
         world_size=a.world,
-        # --wait-marked holds the other ranks in a collective while rank 0 waits for storage
-        timeout=datetime.timedelta(seconds=180 if a.wait_marked else 30),
+        timeout=datetime.timedelta(seconds=30),
     )
     if a.kill_in_copy:
         kill_in_copy(a.kill_in_copy)
@@ -113,10 +94,7 @@ def main() -> int:
                     # since its last mark, however little time passed on the others.
                     assert ckpt._persist_cadence.mark_t is not None, "no snapshot marked yet"
                     ckpt._persist_cadence.mark_t -= 3600.0
-                marked = ckpt.stats.persist_marked
                 ckpt.step()
-                if a.wait_marked and a.rank == 0 and ckpt.stats.persist_marked > marked:
-                    wait_committed(a.storage, ckpt.steps_done)
         with open(a.log + ".stats.json", "w") as f:
             s = ckpt.stats
             json.dump({"saves": s.saves, "persist_marked": s.persist_marked}, f)

@@ -82,7 +82,7 @@ def test_the_ranks_or_of_their_clocks_marks_the_same_steps_on_every_machine(
         12,
         3,
         {
-            0: ["--persist-every", "1h", "--wait-marked"],
+            0: ["--persist-every", "1h"],
             1: ["--persist-every", "1h", "--clock-due-at", "6"],
         },
     )
@@ -104,7 +104,7 @@ def test_the_default_persists_the_first_snapshot_and_the_exit_commits_the_last(
     assert CheckpointConfig().persist_every == "5m"
     st = Storage(fc_env.storage)
     flags = ["--persist-every", "default"]
-    stats = _two_machines(fc_env, tmp_path, 12, 3, {0: [*flags, "--wait-marked"], 1: flags})
+    stats = _two_machines(fc_env, tmp_path, 12, 3, {0: flags, 1: flags})
     assert stats == [{"saves": 4, "persist_marked": 1}] * 2
     assert st.committed_steps() == [3, 12]
     assert st.check_step(12).status == "ok"

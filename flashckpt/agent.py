@@ -66,6 +66,7 @@ from flashckpt.agent_replica import Replicator
 from flashckpt.agent_segments import SegmentGroup, Segments, abandoned_segments
 from flashckpt.agent_server import Server
 from flashckpt.agent_state import AgentState
+from flashckpt.errors import AgentError
 from flashckpt.monitor import AgentMonitor
 from flashckpt.shm import ensure_private_dir
 from flashckpt.storage import Storage
@@ -129,6 +130,11 @@ class NodeAgent:
         # The socket, lock and log live here: another user able to write into it could swap
         # the socket (and receive the trainers' hello) or point the log elsewhere.
         ensure_private_dir(cfg.run_dir, "agent run dir")
+        if not os.path.isdir(cfg.shm_dir):
+            raise AgentError(
+                f"the shared-memory directory {cfg.shm_dir!r} (--shm-dir) does not exist or is "
+                f"not a directory; create it (a tmpfs mount, e.g. /dev/shm) or pass an existing one"
+            )
         lock_path = names.lock_path(cfg.run_dir, cfg.job, cfg.node)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         # A previous agent may be finishing its shutdown (final persist): give it a moment.

@@ -133,7 +133,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
             f.write(f"{os.getpid()}\n")
     try:
         return run_agent(cfg, lock_wait=args.lock_wait)
-    except UnsafeLocalStateError as e:  # a clear message, not a traceback
+    except (UnsafeLocalStateError, AgentError) as e:  # a clear message, not a traceback
         logging.getLogger("flashckpt.agent").error("%s", e)
         print(f"flashckpt agent: {e}", file=sys.stderr)
         return 1

@@ -379,3 +379,26 @@ def test_agent_flag_defaults_are_the_dataclass_defaults() -> None:
     assert cfg.monitor.enabled is False
     port = agent_config(agent_parser.parse_args(["--job", "j1", "--metrics-port", "9100"]))
     assert port.monitor.metrics_port == 9100
+
+
+def test_agent_with_a_missing_shm_dir_is_a_clear_error(fc_env: FcEnv, tmp_path: Path) -> None:
+    """A --shm-dir that does not exist: a message naming it and the fix, exit 1, nothing left
+    running and no traceback (it used to be a bare FileNotFoundError from the owner file)."""
+    missing = tmp_path / "no-such-tmpfs"
+    r = _cli(
+        "agent",
+        "--job",
+        fc_env.job,
+        "--node",
+        fc_env.node,
+        "--run-dir",
+        fc_env.run_dir,
+        "--shm-dir",
+        str(missing),
+        "--idle-timeout",
+        "5",
+    )
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert str(missing) in r.stderr and "--shm-dir" in r.stderr and "create it" in r.stderr
+    assert not missing.exists()

@@ -216,7 +216,10 @@ class NodeAgent:
         started = time.monotonic()
         ever_connected = False
         while True:
-            time.sleep(0.05)
+            # Only the stop flag and timeouts of seconds are checked here; a signal interrupts
+            # the sleep, and the handler's flag is seen at most this long after (4 wake-ups a
+            # second, not 20: an idle agent's threads took ~90 a second from training cores).
+            time.sleep(0.25)
             if self._stop_flag:
                 reason = "signal"
                 break

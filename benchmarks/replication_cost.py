@@ -45,6 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
+from peer_reload import _pushes, _status, _tail  # their parsers/clients, tested there
 
 VARIANTS = ("plain", "replicas0", "replicas1")
 NODES = ("a", "b")
@@ -212,30 +213,6 @@ class Machines:
         for d in self.mounts:
             subprocess.run(["umount", "-l", d], capture_output=True)
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _tail(path: str, n: int = 3000) -> str:
-    try:
-        return Path(path).read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
-def _status(run_dir: str, job: str, node: str) -> dict[str, Any]:
-    from flashckpt import names
-    from flashckpt.protocol import AgentClient
-
-    c = AgentClient(names.socket_path(run_dir, job, node), timeout=30.0)
-    try:
-        return c.request("status", timeout=30)
-    finally:
-        c.close()
-
-
-def _pushes(logf: str) -> list[dict[str, Any]]:
-    import peer_reload  # its parser is tested against the agent's own log line
-
-    return peer_reload._pushes(logf)
 
 
 def _thread_cpu(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

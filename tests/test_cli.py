@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -323,8 +324,6 @@ def _agent_options() -> tuple[argparse.ArgumentParser, dict[str, argparse.Action
 
 
 def test_every_agent_config_field_has_a_flag_listed_in_help() -> None:
-    import dataclasses
-
     from flashckpt.agent import AgentConfig
     from flashckpt.monitor import MonitorConfig
 
@@ -385,19 +384,8 @@ def test_agent_with_a_missing_shm_dir_is_a_clear_error(fc_env: FcEnv, tmp_path: 
     """A --shm-dir that does not exist: a message naming it and the fix, exit 1, nothing left
     running and no traceback (it used to be a bare FileNotFoundError from the owner file)."""
     missing = tmp_path / "no-such-tmpfs"
-    r = _cli(
-        "agent",
-        "--job",
-        fc_env.job,
-        "--node",
-        fc_env.node,
-        "--run-dir",
-        fc_env.run_dir,
-        "--shm-dir",
-        str(missing),
-        "--idle-timeout",
-        "5",
-    )
+    env = dataclasses.replace(fc_env, shm_dir=str(missing))
+    r = _cli("agent", *env.cli_flags(), "--idle-timeout", "5")
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr
     assert str(missing) in r.stderr and "--shm-dir" in r.stderr and "create it" in r.stderr

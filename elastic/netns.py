@@ -144,6 +144,7 @@ class Machine:
         self._shm_size = shm_size
         self._private_dirs = list(private_dirs)
         self._holder: subprocess.Popen[bytes] | None = None
+        self._started: list[subprocess.Popen[bytes]] = []
 
     @property
     def holder_pid(self) -> int:
@@ -221,7 +222,11 @@ class Machine:
     def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         """Starts ``argv`` on this machine (keyword arguments go to :class:`subprocess.Popen`)."""
         kwargs.setdefault("start_new_session", True)
-        return subprocess.Popen(self.command(argv, kwargs.pop("cwd", None)), **kwargs)
+        proc = subprocess.Popen(self.command(argv, kwargs.pop("cwd", None)), **kwargs)
+        # nsenter joins the namespaces a moment after it starts (then execs, keeping its pid):
+        # until then `ip netns pids` does not list it, so kill() also kills what was started here.
+        self._started = [p for p in self._started if p.poll() is None] + [proc]
+        return proc
 
     def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
         """Runs ``argv`` on this machine to completion (see :func:`subprocess.run`)."""
@@ -237,7 +242,7 @@ class Machine:
         # Processes may still be forking while we kill: repeat until none is left.
         deadline = time.monotonic() + timeout
         while True:
-            pids = self.pids()
+            pids = self.pids() + [p.pid for p in self._started if p.poll() is None]
             if not pids:
                 break
             for pid in pids:
@@ -246,6 +251,7 @@ class Machine:
             if time.monotonic() > deadline:
                 raise OSError(f"machine {self.name}: processes {pids} survive SIGKILL")
             time.sleep(0.02)
+        self._started = []
         self._reap_holder()
 
     def _reap_holder(self) -> None:

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,6 +100,10 @@ def test_kill_takes_the_memory_and_boot_starts_empty(cluster: netns.Cluster) -> 
     m = cluster.add("mk")
     _py(m, "open('/dev/shm/seg', 'w').write('state'); print('ok')")
     sleeper = m.popen(["sleep", "300"])
+    # nsenter joins the namespaces a moment after it starts (CI once looked too early)
+    deadline = time.monotonic() + 10
+    while sleeper.pid not in m.pids() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert sleeper.pid in m.pids()
     m.kill()
     assert sleeper.wait(timeout=10) == -9
@@ -106,6 +111,18 @@ def test_kill_takes_the_memory_and_boot_starts_empty(cluster: netns.Cluster) -> 
     assert not m.up
     m.boot()
     assert _py(m, "import os; print(os.listdir('/dev/shm'))") == "[]"
+
+
+def test_kill_takes_a_process_started_a_moment_before(cluster: netns.Cluster) -> None:
+    """kill() right after popen(): nsenter may not be in the namespace yet; nothing survives."""
+    m = cluster.add("mr")
+    for _ in range(10):
+        started = m.popen(["sleep", "300"])
+        m.kill()
+        # killed in the namespace or before it got there; never left running
+        assert started.wait(timeout=10) == -9
+        assert m.pids() == []
+        m.boot()
 
 
 def test_partition_cuts_the_link_and_heal_restores_it(cluster: netns.Cluster) -> None:

@@ -36,6 +36,7 @@ from flashckpt.errors import FlashckptError
 from flashckpt.names import check_name
 from flashckpt.replica import (
     ReplicaError,
+    ReplicaNotReady,
     ReplicaServer,
     ReplicaStore,
     check_replica_capacity,
@@ -53,6 +54,9 @@ PACE_WAIT_S = 2.0
 """The longest one pause of a transfer waits for a trainer's copy to end (then it goes on: a
 trainer that copies all the time must not starve replication)."""
 MAX_BACKOFF_S = 30.0
+NOT_READY_RETRY_S = 0.5
+"""A holder not ready for replicas yet (its trainers' slots not set up) is asked again this
+often: not a failure, no growing back-off."""
 MAX_PEERS = 4096
 """The most machines a peer list may name (it comes from a socket)."""
 
@@ -84,6 +88,7 @@ class Replicator:
         self.errors: list[dict[str, Any]] = []
         self._retry_at: dict[str, float] = {}  # target -> no attempt before (monotonic)
         self._backoff: dict[str, float] = {}
+        self._not_ready: set[str] = set()  # targets that said "not ready" (logged once each)
         self._metas: dict[str, tuple[tuple[int, int, int], tuple[str, int] | None]] = {}
 
     @property
@@ -105,7 +110,7 @@ class Replicator:
                     os.unlink(os.path.join(cfg.shm_dir, name))
                 log.info("removed a previous agent's replica file %s", name)
         limit = cfg.replica_limit_bytes  # 0: derived once the own slots are known (at alloc)
-        store = ReplicaStore(cfg.shm_dir, cfg.job, cfg.node, limit)
+        store = ReplicaStore(cfg.shm_dir, cfg.job, cfg.node, limit, pending=limit == 0)
         host, port = self.listen
         try:
             self.server = ReplicaServer(store, host, port, pace=self._receive_pace)
@@ -150,8 +155,7 @@ class Replicator:
         held = store.held_bytes()
         check_replica_capacity(cfg.shm_dir, own_bytes, limit, present_bytes=present_bytes + held)
         if not cfg.replica_limit_bytes:
-            with store._lock:  # read by _admit under it
-                store.limit_bytes = limit
+            store.set_limit(limit)
 
     def close(self) -> None:
         """Stops the server and removes every replica file (the agent's exit)."""
@@ -374,6 +378,22 @@ class Replicator:
                 info=info,
                 pace=self._pacer(slot, info),
             )
+        except ReplicaNotReady as e:
+            # The holder's trainers have not set up their slots yet (a job's start): soon again,
+            # without the failure back-off, so the first snapshot gets its replica.
+            with self._lock:
+                first = target not in self._not_ready
+                self._not_ready.add(target)
+                self._retry_at[target] = time.monotonic() + NOT_READY_RETRY_S
+            (log.info if first else log.debug)(
+                "replica of rank %d step %d to %s: not ready yet, again in %.1f s (%s)",
+                rank,
+                info.step,
+                target,
+                NOT_READY_RETRY_S,
+                e,
+            )
+            return
         except (FlashckptError, OSError, ValueError) as e:
             superseded = slot_changed(slot, info)
             if superseded:
@@ -398,6 +418,7 @@ class Replicator:
             }
             self._backoff.pop(target, None)
             self._retry_at.pop(target, None)
+            self._not_ready.discard(target)
         log.info(
             "replica of rank %d step %d (%.1f MiB) sent to %s in %.2f s",
             rank,

@@ -57,6 +57,7 @@ __all__ = [
     "HeldReplica",
     "ReplicaError",
     "ReplicaHeader",
+    "ReplicaNotReady",
     "ReplicaServer",
     "ReplicaStore",
     "check_replica_capacity",
@@ -82,6 +83,11 @@ _U64 = 2**64
 
 class ReplicaError(FlashckptError):
     """A peer refused a replica, or a transfer failed; the message says why and what to do."""
+
+
+class ReplicaNotReady(ReplicaError):
+    """The holder cannot size its replica room yet (its own trainers have not set up their
+    slots): not a failure; the sender tries again shortly."""
 
 
 def host_port(host: str, port: int) -> str:
@@ -346,18 +352,34 @@ class ReplicaStore:
         job: the job id; replicas of other jobs are refused.
         node: this machine's id; replicas that claim to protect it are refused.
         limit_bytes: the most bytes of replicas held at once (checked before a transfer starts).
+        pending: the limit derives from this machine's own slots, not known yet: until
+            :meth:`set_limit`, pushes are refused with :class:`ReplicaNotReady` (the sender
+            retries soon) rather than as "no room" (a failure, retried with a growing back-off,
+            which left a job's first snapshot without its replica).
     """
 
-    def __init__(self, shm_dir: str, job: str, node: str, limit_bytes: int) -> None:
+    def __init__(
+        self, shm_dir: str, job: str, node: str, limit_bytes: int, *, pending: bool = False
+    ) -> None:
         self.shm_dir = shm_dir
         self.job = check_name("job", job)
         self.node = check_name("node", node)
         if limit_bytes < 0:
             raise ValueError(f"limit_bytes must be >= 0, not {limit_bytes}")
         self.limit_bytes = limit_bytes
+        self.pending = pending
         self._lock = threading.Lock()
         self._held: dict[tuple[str, int], HeldReplica] = {}
         self._incoming: dict[tuple[str, int], int] = {}  # bytes reserved by transfers under way
+
+    def set_limit(self, limit_bytes: int) -> None:
+        """Sets the limit (a derived one, once the own slots are known); pushes are admitted
+        from now on."""
+        if limit_bytes < 0:
+            raise ValueError(f"limit_bytes must be >= 0, not {limit_bytes}")
+        with self._lock:
+            self.limit_bytes = limit_bytes
+            self.pending = False
 
     def held(self) -> list[HeldReplica]:
         with self._lock:
@@ -372,7 +394,8 @@ class ReplicaStore:
             return sum(h.header.nbytes for h in self._held.values()) + sum(self._incoming.values())
 
     def _admit(self, h: ReplicaHeader) -> str | None:
-        """Why ``h`` is refused, or None (then its bytes are reserved)."""
+        """Why ``h`` is refused, or None (then its bytes are reserved). Raises
+        :class:`ReplicaNotReady` while the limit is pending."""
         if h.job != self.job:
             return f"replica of job {h.job!r} sent to an agent of job {self.job!r}"
         if h.sender_node == self.node:
@@ -382,6 +405,11 @@ class ReplicaStore:
             )
         key = (h.sender_node, h.rank)
         with self._lock:
+            if self.pending:
+                raise ReplicaNotReady(
+                    f"machine {self.node!r} cannot hold replicas yet: its replica room derives "
+                    "from its own trainers' slots, which are not set up yet"
+                )
             if key in self._incoming:
                 return f"a replica of {h.sender_node!r} rank {h.rank} is already being received"
             old = self._held.get(key)
@@ -544,7 +572,8 @@ def push_replica(
             _send_frame(sock, {"op": "push", "header": h.to_json()})
             reply = _recv_frame(sock)
             if reply.get("go") is not True:
-                raise ReplicaError(f"{host_port(*addr)} refused the replica: {_why(reply)}")
+                cls = ReplicaNotReady if reply.get("not_ready") is True else ReplicaError
+                raise cls(f"{host_port(*addr)} refused the replica: {_why(reply)}")
             sock.sendall(meta)
             # Hashed as sent (xxh3 runs at memory speed): a snapshot that no longer matches its
             # recorded hash is corrupt in this machine's memory, and is not replicated.
@@ -803,8 +832,11 @@ class ReplicaServer:
                         raise ReplicaError(f"unknown replica op {op!r} (push, fetch or query)")
                 except (ReplicaError, ValueError) as e:
                     self._note(str(e))
+                    reply = {"ok": False, "go": False, "error": str(e)[:4000]}
+                    if isinstance(e, ReplicaNotReady):
+                        reply["not_ready"] = True
                     with contextlib.suppress(OSError, ValueError):
-                        _send_frame(conn, {"ok": False, "go": False, "error": str(e)[:4000]})
+                        _send_frame(conn, reply)
                 except OSError as e:
                     self._note(f"replica connection failed: {e}")
         finally:

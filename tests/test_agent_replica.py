@@ -386,15 +386,68 @@ def test_derived_limit_follows_own_slot_bytes(tmp_path: Path) -> None:
     r = ar.Replicator(st)
     r.start_server()
     try:
-        assert r.store is not None and r.store.limit_bytes == 0  # before any alloc: holds none
+        # before any alloc: holds none, and says "not ready" rather than "no room"
+        assert r.store is not None and r.store.limit_bytes == 0 and r.store.pending
         r.check_capacity(10 * 2**20, 0)
-        assert r.store.limit_bytes == 2 * 10 * 2**20
+        assert r.store.limit_bytes == 2 * 10 * 2**20 and not r.store.pending
         with pytest.raises(ShmSpaceError, match="for the replicas of other machines"):
             r.check_capacity(2**60, 0)
     finally:
         r.close()
         for s in slots:
             s.close()
+
+
+def test_a_holder_not_ready_yet_is_asked_again_soon_not_failed(tmp_path: Path) -> None:
+    """A job's first snapshot reached a holder before its trainers set up their slots: it was
+    refused as "no room (limit 0.0 MiB)", counted as a failure and retried with a growing
+    back-off. It is "not ready": retried after NOT_READY_RETRY_S, and then held."""
+    import flashckpt.agent_replica as ar
+    from flashckpt.agent_state import AgentState
+
+    (tmp_path / "a").mkdir()
+    st, (slot, _) = _state_with_slots(tmp_path / "a")
+    seq = slot.begin_write()
+    slot.write_meta(b"{}")
+    slot.data(1000)[:] = b"x" * 1000
+    slot.end_write(seq, 4, b"{}", 1000)
+    info = slot.header()
+    assert info is not None and info.complete
+    slot.record_hash(info.seq, slot.data_hash(info))
+    sender = ar.Replicator(st)
+    (tmp_path / "b").mkdir()
+    hst = AgentState(
+        AgentConfig(
+            job="j",
+            node="b",
+            shm_dir=str(tmp_path / "b"),
+            run_dir=str(tmp_path / "rb"),
+            replicas=1,
+            replica_listen="127.0.0.1:0",
+        )
+    )
+    holder = ar.Replicator(hst)
+    holder.start_server()
+    try:
+        assert holder.server is not None and holder.store is not None
+        addr = holder.server.address
+        t0 = time.monotonic()
+        sender.push("b", addr, slot.path, 0, info, "w1")
+        assert sender.failures == 0 and sender.errors == []
+        retry_in = sender._retry_at["b"] - t0
+        assert 0 < retry_in <= ar.NOT_READY_RETRY_S + (time.monotonic() - t0)
+        assert "b" not in sender._backoff
+        assert holder.store.held() == []
+        holder.check_capacity(1 << 20, 0)  # the holder's trainer allocated its slots
+        sender.push("b", addr, slot.path, 0, info, "w1")
+        held = holder.store.get("a", 0)
+        assert held is not None and held.header.step == 4
+        assert sender.failures == 0 and "b" not in sender._retry_at
+    finally:
+        holder.close()
+        for s in st.ranks[0].slots:
+            if s is not None:
+                s.close()
 
 
 def test_status_shows_replicas_sent_and_held() -> None:

@@ -23,6 +23,7 @@ from flashckpt.replica import (
     FRAME_MAGIC,
     ReplicaError,
     ReplicaHeader,
+    ReplicaNotReady,
     ReplicaServer,
     ReplicaStore,
     check_replica_capacity,
@@ -244,9 +245,13 @@ def test_the_holder_refuses_what_it_must_not_keep(
         push_replica(server.address, slot, job="other", node="nA", rank=0, world="w")
     with pytest.raises(ReplicaError, match="its own snapshot"):
         push_replica(server.address, slot, job=JOB, node="nB", rank=0, world="w")
-    store.limit_bytes = 8192  # smaller than one replica
-    with pytest.raises(ReplicaError, match=r"no room: .* the limit is"):
+    store.pending = True  # the limit derives from own slots not set up yet: not ready, no failure
+    with pytest.raises(ReplicaNotReady, match="cannot hold replicas yet"):
         _push(server, slot)
+    store.set_limit(8192)  # smaller than one replica
+    with pytest.raises(ReplicaError, match=r"no room: .* the limit is") as no_room:
+        _push(server, slot)
+    assert not isinstance(no_room.value, ReplicaNotReady)
     assert store.held() == [] and store.held_bytes() == 0
     # An unhashed snapshot is never sent (the hash is what the holder checks it against).
     s2 = _snapshot(shm, "nA", 1, 1, b"q" * 100)

@@ -431,6 +431,29 @@ def madvise(ptr: int, length: int, advice: int) -> bool:
     return bool(rc == 0)
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange_files(a: str, b: str) -> bool:
+    """Swaps the files at paths ``a`` and ``b`` in one step (``renameat2(RENAME_EXCHANGE)``):
+    a reader of either name sees the old file or the new one, never none. Both must exist.
+    Returns False where the C library or the file system lacks it (the caller falls back)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
+
+
 def prefault(ptr: int, length: int) -> bool:
     """Maps every page of ``[ptr, ptr+length)`` writable now (MADV_POPULATE_WRITE).
 

@@ -186,7 +186,9 @@ def test_holder_keeps_the_newest_snapshot_bitwise(two_nodes: Any, tmp_path: Path
 
     _wait(lambda: any(h["step"] == newest for h in held()), f"b to hold a's step {newest}")
     _check_replica_equals_slot(a, b, newest)
-    assert len(_replica_files(b)) == 1, _replica_files(b)
+    rep = os.path.basename(names.replica_path(b.shm_dir, b.job, "b", "a", 0))
+    # the held replica, and the file it replaced kept as the next push's target
+    assert rep in _replica_files(b) and set(_replica_files(b)) <= {rep, rep + ".spare"}
     sent = _status(a)["replication"]["sent"]
     assert [(s["target"], s["rank"], s["step"]) for s in sent] == [("b", 0, newest)]
     assert "replica of rank 0 step" in log_a.read_text()
@@ -198,7 +200,8 @@ def test_holder_keeps_the_newest_snapshot_bitwise(two_nodes: Any, tmp_path: Path
     assert newer > newest
     _wait(lambda: any(h["step"] == newer for h in held()), f"b to hold a's step {newer}")
     _check_replica_equals_slot(a, b, newer)
-    assert len(held()) == 1 and len(_replica_files(b)) == 1, _replica_files(b)
+    assert len(held()) == 1 and _replica_files(b) == [rep, rep + ".spare"], _replica_files(b)
+    assert _status(b)["replication"]["spare_bytes"] > 0
 
     # The holder's agent stopping (SIGTERM) removes every replica file it holds.
     pb.send_signal(signal.SIGTERM)

@@ -32,6 +32,9 @@ Systems:
   shards exist only in the replica its agent sent to the survivor's agent, and the standby
   restores them from there (``restored_from`` ``peer-memory``). The machine killed is rank 1's
   (rank 0's, for the other systems): see ``run_once``;
+- ``flashckpt-sharded-storage``: the same sharded job with ``--replicas 0`` and storage (every
+  snapshot persisted, ``persist_every=1``): the standby restores the lost shards from storage
+  (``restored_from`` ``storage``), the page cache of the storage directory as the run left it;
 - ``torchrun-default``: plain ``torchrun`` with torch's c10d rendezvous and default keep-alive
   (5 s x 3), resuming from ``torch.save`` files written every interval by rank 0;
 - ``torchrun-tuned``: the same with keep-alive 1 s x 3.
@@ -54,6 +57,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import platform
 import random
@@ -87,6 +91,7 @@ SYSTEMS = (
     "flashckpt-lease-only",
     "flashckpt-cold",
     "flashckpt-peer",
+    "flashckpt-sharded-storage",
     "torchrun-tuned",
     "torchrun-default",
 )
@@ -116,12 +121,21 @@ class Job:
         self.killed: set[str] = set()
         self.etcd: EtcdServer | None = None
         self.store_host: subprocess.Popen[bytes] | None = None
-        self.net: netns.Cluster | None = netns.Cluster(shm_size="2g") if args.namespaces else None
+        # Each machine's /dev/shm holds its two slots per rank and the replica it keeps with the
+        # file that one replaced (reused by the next push): 4x its state, and some room.
+        shm_gib = max(2, math.ceil(4.4 * args.peer_gib + 0.5))
+        self.net: netns.Cluster | None = (
+            netns.Cluster(shm_size=f"{shm_gib}g") if args.namespaces else None
+        )
         try:
             self.endpoint = self._start_coordinator()
         except BaseException:
             self.close()
             raise
+
+    @property
+    def sharded(self) -> bool:
+        return self.system in ("flashckpt-peer", "flashckpt-sharded-storage")
 
     @property
     def flashckpt(self) -> bool:
@@ -172,8 +186,11 @@ class Job:
             str(a.step_sleep),
         ]
         peer = self.system == "flashckpt-peer"
+        sharded_storage = self.system == "flashckpt-sharded-storage"
         if peer:  # sharded, memory only: the lost shards can only come from a peer's replica
             worker += ["--fsdp-gib", str(a.peer_gib)]
+        if sharded_storage:  # sharded, no replicas: the lost shards come from storage
+            worker += ["--fsdp-gib", str(a.peer_gib), "--persist-every", "1"]
         if self.flashckpt:
             cmd = [
                 sys.executable, "-m", "flashckpt", "run",
@@ -189,6 +206,8 @@ class Job:
                 cmd.append("--no-probe")
             if self.system == "flashckpt-cold":
                 cmd.append("--no-prewarm")
+            if sharded_storage:
+                cmd += ["--replicas", "0"]
             if a.verbose:
                 cmd.append("--verbose")
             if peer:
@@ -289,12 +308,14 @@ class Job:
 def run_once(
     system: str, work: Path, args: argparse.Namespace, rng: random.Random
 ) -> dict[str, Any]:
-    """One kill of rank 0's machine; returns the measured times (seconds) and work lost."""
+    """One kill (see ``lost_rank``); returns the measured times (seconds) and work lost."""
     job = Job(system, work, args)
+    # A sharded job's step grows with its state (~2-4 s at 0.25 GiB per machine here, 17 s at 1).
+    wait_s = 120.0 * max(1.0, 4 * args.peer_gib) if job.sharded else 120.0
     try:
         job.start("n0")
         job.start("n1")
-        job.wait("training", lambda: _steps_done(job.events()) >= 5, 120)
+        job.wait("training", lambda: _steps_done(job.events()) >= 5, wait_s)
         job.start("n2")
         # The standby must be waiting in the rendezvous, ready to start workers.
         if job.flashckpt:
@@ -310,16 +331,15 @@ def run_once(
         # Kill at a random point of a snapshot interval.
         time.sleep(rng.uniform(0, args.every * args.step_sleep))
         events = job.events()
-        # flashckpt-peer loses the machine of rank 1: when rank 0's machine goes, the new round
-        # numbers the survivor rank 0, and neither its own memory (rank 1's shards) nor a peer
-        # (it holds rank 0's replica itself) serves it yet: that job starts again from step 0.
-        lost_rank = 1 if system == "flashckpt-peer" else 0
+        # The sharded systems lose the machine of rank 1 (the one whose shards are only in a
+        # peer's replica or in storage; tests/elastic/test_launcher_replica.py kills either).
+        lost_rank = 1 if job.sharded else 0
         victim = next(
             e["node"] for e in reversed(events) if e["event"] == "start" and e["rank"] == lost_rank
         )
         job.killed.add(victim)
         t_kill = job.kill(victim)
-        job.wait("the first step after the resume", lambda: _resumed(job.events(), t_kill), 120)
+        job.wait("the first step after the resume", lambda: _resumed(job.events(), t_kill), wait_s)
         time.sleep(0.2)
         return _measure(system, job, t_kill, args)
     finally:
@@ -461,7 +481,7 @@ def main() -> int:
         "--peer-gib",
         type=float,
         default=0.25,
-        help="GiB of state per machine of flashckpt-peer's sharded job (default 0.25)",
+        help="GiB of state per machine of the sharded systems' job (default 0.25)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="debug logs from flashckpt run")

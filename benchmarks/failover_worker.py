@@ -69,6 +69,12 @@ def main() -> int:
         help="> 0: a sharded job instead (FSDP2, Linear(1024, 1024) layers, AdamW) with this many "
         "GiB of state per machine; the DDP job otherwise",
     )
+    p.add_argument(
+        "--persist-every",
+        type=int,
+        default=0,
+        help="> 0: persist every Nth snapshot (persist_every=N); 0: the library's default",
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     _event(a.out, "start", t_process=T_PROCESS)
@@ -141,6 +147,7 @@ def main() -> int:
         opt,
         storage=a.storage or None,  # "": memory only
         every=a.every,
+        **({"persist_every": a.persist_every} if a.persist_every > 0 else {}),
         replicated=not sharded,
         flush_timeout=600.0 if rank == 0 else 1.0,
         # Only rank 0's flush waits for the commit: the others' short flush may end before it

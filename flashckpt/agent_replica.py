@@ -153,6 +153,9 @@ class Replicator:
         store, cfg = self.store, self.st.cfg
         if store is None or cfg.replicas == 0:
             return
+        # own_bytes counts two slots per rank; a held replica is one snapshot per rank, and the
+        # other half is the file it replaced, kept as the next push's target (or the transfer
+        # in flight): what the tmpfs really holds at the peak.
         limit = cfg.replica_limit_bytes or cfg.replicas * own_bytes
         held = store.held_bytes()
         try:

@@ -52,6 +52,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -82,6 +83,10 @@ __all__ = [
 
 log = logging.getLogger("flashckpt.agent")
 
+MAIN_TICK_S = 1.0
+"""Seconds between the main loop's looks at its timeouts (idle, unused, trainers gone, done):
+all of seconds or more. A stop wakes it at once."""
+
 
 class AgentRunning(RuntimeError):
     """Another agent already serves this job on this node."""
@@ -107,6 +112,11 @@ class NodeAgent:
         self.socket_path = self.server.socket_path
         self.owner_path = self.segments.owner_path
         self._stop_flag = False  # set by signal handlers; read by the main loop
+        # The main loop's wake-up: a pipe (a signal handler may write to it; it must not take
+        # the lock an Event would), open while run() serves. The lock keeps a write off a
+        # closed (maybe reused) descriptor; the handler only tries it.
+        self._poke_fds: tuple[int, int] | None = None
+        self._poke_lock = threading.Lock()
         self._lock_fd: int | None = None
 
     @property
@@ -158,6 +168,8 @@ class NodeAgent:
         self.segments.adopt()
         if self.st.storage is not None:
             self.persister.init_storage_state()
+        # The adopted snapshots are due a look (hash, persist, replicate): no trainer says so.
+        self.st.wake_all()
         self.replicator.start_server()
         if self.replicator.store is not None and cfg.replicas > 0:
             self.st.capacity_check = self.replicator.check_capacity
@@ -200,26 +212,50 @@ class NodeAgent:
         faulthandler.enable(all_threads=True)
 
         def handler(signum: int, frame: Any) -> None:
-            self._stop_flag = True  # only a flag: the main loop does the work
+            self._stop_flag = True  # only a flag and a poke: the main loop does the work
             with contextlib.suppress(OSError):  # one write(2): safe in a signal handler
                 os.write(2, f"flashckpt agent: got signal {signum}, stopping\n".encode())
+            self._poke(blocking=False)
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
 
     def request_stop(self) -> None:
         self._stop_flag = True
+        self._poke()
+
+    def _poke(self, blocking: bool = True) -> None:
+        """Wakes the main loop now (a stop). ``blocking=False`` (a signal handler, which may
+        interrupt the main thread while it holds the lock): skipped when the lock is taken,
+        which only happens while run() ends anyway."""
+        if not self._poke_lock.acquire(blocking=blocking):
+            return
+        try:
+            if self._poke_fds is not None:
+                with contextlib.suppress(OSError):  # full: a wake-up is pending already
+                    os.write(self._poke_fds[1], b"\0")
+        finally:
+            self._poke_lock.release()
 
     def run(self) -> int:
         """Serves until SIGTERM/SIGINT, done (``exit_when_done``) or idle timeout; cleans up."""
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        with self._poke_lock:
+            self._poke_fds = (r, w)
+        try:
+            return self._serve(r)
+        finally:
+            with self._poke_lock:
+                self._poke_fds = None
+            os.close(r)
+            os.close(w)
+
+    def _serve(self, poke: int) -> int:
         reason = "stopped"
         started = time.monotonic()
         ever_connected = False
         while True:
-            # Only the stop flag and timeouts of seconds are checked here; a signal interrupts
-            # the sleep, and the handler's flag is seen at most this long after (4 wake-ups a
-            # second, not 20: an idle agent's threads took ~90 a second from training cores).
-            time.sleep(0.25)
             if self._stop_flag:
                 reason = "signal"
                 break
@@ -260,6 +296,15 @@ class NodeAgent:
             ):
                 reason = "done"
                 break
+            # Only the stop and timeouts of seconds are looked at here: once a second is soon
+            # enough for those (an idle agent's threads took ~60-90 wake-ups a second from the
+            # training cores when every one polled; this loop took 20, then 4). A stop does
+            # not wait for it: request_stop() and the signal handler write to the pipe, which
+            # ends the wait at once (a signal alone would not: select() resumes after one).
+            ready, _, _ = select.select([poke], [], [], MAIN_TICK_S)
+            if ready:
+                with contextlib.suppress(BlockingIOError, InterruptedError):
+                    os.read(poke, 512)
         log.info("agent stopping (%s)", reason)
         self.shutdown(final_persist=True)
         return 0
@@ -278,9 +323,14 @@ class NodeAgent:
         return self.persister.pending_step() is not None or bool(self.committer.commits)
 
     def shutdown(self, final_persist: bool = True) -> None:
+        # Every background thread waits on an event of its own (or the accept): each is woken,
+        # so the threads end now, not at their safety-net timeout (poll_interval).
         self.st.stopping.set()
-        self.st.wake.set()
-        self.st.replica_wake.set()
+        self.st.wake_all()
+        self.committer.commit_wake.set()
+        self.mirrorer.wake.set()
+        self.mirrorer.committer.commit_wake.set()
+        self.st.private_q.put((-1, -1))
         self.server.close()
         self.replicator.close()  # its transfers stop at their next chunk; replica files go
         # Wait for the persist thread to leave its step (it checks _stopping between steps).

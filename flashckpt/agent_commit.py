@@ -39,6 +39,9 @@ __all__ = ["Committer"]
 log = logging.getLogger("flashckpt.agent")
 
 _WORLDS_KEPT = 16  # worlds whose baseline the commit check keeps
+COMMIT_POLL_S = 0.1
+"""Seconds between two looks in storage for the parts of a step waiting for its commit (only
+while one waits: the parts of the other nodes come with no notice)."""
 
 
 class Committer:
@@ -80,8 +83,14 @@ class Committer:
         self.commit_wake.set()
 
     def commit_loop(self) -> None:
+        """Looks at the waiting steps every :data:`COMMIT_POLL_S` while there are some (the
+        other nodes' parts arrive in storage, which tells nobody), and sleeps otherwise until a
+        step is queued (``commit_wake``), the agent stops, or ``poll_interval`` passes (a safety
+        net)."""
         while not self.st.stopping.is_set():
-            self.commit_wake.wait(0.1)
+            with self.st.lock:
+                waiting = bool(self.commits)
+            self.commit_wake.wait(COMMIT_POLL_S if waiting else self.st.cfg.poll_interval)
             self.commit_wake.clear()
             if self.st.stopping.is_set():
                 break
@@ -93,7 +102,7 @@ class Committer:
         while self.commits and time.monotonic() < deadline:
             self.commit_round(final=True)
             if self.commits:
-                time.sleep(0.1)
+                time.sleep(COMMIT_POLL_S)  # the other nodes' parts come with no notice
         with self.st.lock:
             for step in sorted(self.commits):
                 log.warning("step %d not committed at shutdown: parts missing", step)
@@ -246,6 +255,7 @@ class Committer:
         with self.st.lock:
             self.st.committed = sorted({*self.st.committed, step} - set(removed))
             self.st.rewrites.discard(step)
+            self.st.progress.notify_all()  # a flush waiting for it returns now
         self.st.broadcast(Committed(step=step))
 
     def try_commit(self, step: int, world: int, num_shards: int, world_id: str) -> bool:

@@ -60,8 +60,12 @@ class AgentConfig:
     are no snapshots to keep (an agent a trainer started while another one was answering); also
     exit this many seconds after the last trainer left (finished, failed at entry or killed)
     once storage holds everything memory does."""
-    poll_interval: float = 0.2
-    """Seconds between scans of the slots when no trainer notifies."""
+    poll_interval: float = 5.0
+    """Seconds an idle background thread waits before it looks again uninvited: a safety net
+    only. Its work wakes it at once (a trainer's snapshot, hello, flush, done or disconnect, a
+    recorded hash, a queued commit or mirror step, the stop), so an idle agent wakes a few times
+    a second in all, not 60 (each wake takes a training core for a moment); a lower value only
+    makes a missed wake-up cost less."""
     commit_timeout: float = 120.0
     """How long the committing node waits for the other nodes' parts of a step."""
     retry_interval: float = 2.0
@@ -118,6 +122,8 @@ class AgentConfig:
         check_name("node", self.node)
         if self.keep < 1:
             raise ValueError(f"keep={self.keep}: keep at least 1 committed step")
+        if self.poll_interval <= 0:
+            raise ValueError(f"poll_interval={self.poll_interval}: must be > 0 seconds")
         if self.idle_timeout <= 0:
             raise ValueError(f"idle_timeout={self.idle_timeout}: must be > 0 seconds")
         if self.orphan_age_s < 0:

@@ -144,6 +144,8 @@ class Mirrorer:
 
     # -- threads -----------------------------------------------------------------------------
     def mirror_loop(self) -> None:
+        """Copies a step once one is queued (``wake``: :meth:`enqueue`, the stop), else looks
+        every ``poll_interval`` (a safety net: the queue is filled only by ``enqueue``)."""
         lower_thread_priority()
         while not self.st.stopping.is_set():
             self.wake.wait(self.st.cfg.poll_interval)

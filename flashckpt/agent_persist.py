@@ -39,6 +39,7 @@ from flashckpt.agent_commit import Committer
 from flashckpt.agent_mirror import Mirrorer, MirrorJob
 from flashckpt.agent_state import (
     BACKGROUND_CHUNK,
+    RETRY_SOON_S,
     AgentState,
     RankRecord,
     lower_thread_priority,
@@ -148,24 +149,42 @@ class Persister:
         self.st.persisted_high = max(self.st.committed, default=-1)
 
     def persist_loop(self) -> None:
+        """Persists the pending step whenever ``wake`` says something changed: a snapshot
+        completed, a trainer said hello, done or flush, or went away, the timeline was set back.
+        Uninvited it looks again only after work it left unfinished (a persist that gave way to
+        a trainer or found a slot torn: soon; after an error: ``retry_interval``), or after
+        ``poll_interval`` (a safety net): an idle agent's persister sleeps."""
         lower_thread_priority()
+        timeout = self.st.cfg.poll_interval
         while not self.st.stopping.is_set():
-            self.st.wake.wait(self.st.cfg.poll_interval)
+            self.st.wake.wait(timeout)
             self.st.wake.clear()
+            timeout = self.st.cfg.poll_interval
             if self.st.stopping.is_set() or self.st.storage is None:
                 continue
-            if time.monotonic() < self._retry_after:
+            wait = self._retry_after - time.monotonic()
+            if wait > 0:
+                timeout = min(timeout, wait)
                 continue
+            pending = None
             try:
                 pending = self.pending_step()
                 if pending is not None:
                     self.persist(*pending)
+                    with self.st.lock:
+                        unfinished = self.st.persisted_high < pending[0]
+                    if unfinished:  # gave way, or torn while rewriting: tried again soon
+                        timeout = min(timeout, RETRY_SOON_S)
                 self.exit_mirror()
             except Exception as e:  # the daemon lives on; the error is reported
                 self.st.record_error(pending[0] if pending else None, f"{type(e).__name__}: {e}")
                 self._retry_after = time.monotonic() + self.st.cfg.retry_interval
+                timeout = min(timeout, self.st.cfg.retry_interval)
 
     def hash_loop(self) -> None:
+        """Hashes the complete snapshots lacking a hash whenever ``hash_wake`` says one may
+        have completed (a snapshot, a hello, the start's adopted ones), else every
+        ``poll_interval`` (a safety net)."""
         lower_thread_priority()
         while not self.st.stopping.is_set():
             self.st.hash_wake.wait(self.st.cfg.poll_interval)
@@ -253,11 +272,15 @@ class Persister:
         return got
 
     def private_loop(self) -> None:
+        """Writes a completed snapshot's rank state through, as the queue hands them over (the
+        stop queues a negative position to end the wait; ``poll_interval``: a safety net)."""
         while not self.st.stopping.is_set():
             try:
-                rank, step = self.st.private_q.get(timeout=0.2)
+                rank, step = self.st.private_q.get(timeout=self.st.cfg.poll_interval)
             except queue.Empty:
                 continue
+            if rank < 0 or self.st.stopping.is_set():
+                break
             storage = self.st.storage
             if storage is None or step <= max(self.st.committed, default=-1):
                 continue  # committed, or never will be: a write would leave a partial step

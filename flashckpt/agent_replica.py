@@ -194,9 +194,14 @@ class Replicator:
         return sorted({self.st.cfg.node, *self.peers})
 
     def send_loop(self) -> None:
+        """Sends what a target lacks whenever ``wake`` says there may be something (a hash was
+        recorded, the peers or the world changed, the stop); a target that failed is tried
+        again when its back-off ends (the wait ends then); otherwise it looks again every
+        ``poll_interval`` only (a safety net, and the pruning of replicas that a departed
+        machine pushed after its departure was noted)."""
         lower_thread_priority()  # background work, like hashing and persisting: never the trainer's
         while not self.st.stopping.is_set():
-            self.wake.wait(max(self.st.cfg.poll_interval, 0.05))
+            self.wake.wait(self._next_wait())
             self.wake.clear()
             if self.st.stopping.is_set():
                 break
@@ -208,6 +213,15 @@ class Replicator:
                     pass
             except Exception:  # the daemon lives on
                 log.exception("replicating snapshots failed")
+
+    def _next_wait(self) -> float:
+        """Seconds the sender may sleep uninvited: until the first back-off still running ends
+        (a retry due), ``poll_interval`` at most. A retry time already past is not waited for:
+        its target was tried at the last wake, or nothing is left to send to it."""
+        now = time.monotonic()
+        with self._lock:
+            due = [t - now for t in self._retry_at.values() if t > now]
+        return max(0.05, min([self.st.cfg.poll_interval, *due]))
 
     def set_peers(self, peers: Mapping[str, tuple[str, int]]) -> list[str]:
         """Replaces the peer list (the launcher's, at each rendezvous round); returns the new

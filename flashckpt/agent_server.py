@@ -53,6 +53,10 @@ __all__ = ["Server"]
 
 log = logging.getLogger("flashckpt.agent")
 
+FLUSH_WAIT_S = 1.0
+"""The longest a flush sleeps between two looks when nothing notifies it (a safety net: the
+commit and a persist error wake it at once)."""
+
 
 class Server:
     """Serves the trainers' requests on the agent's socket."""
@@ -95,12 +99,18 @@ class Server:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
         srv.listen(64)
-        srv.settimeout(0.2)
+        # A blocking accept: the accept thread sleeps until a trainer connects, and close()
+        # wakes it (no timeout to look at the stop flag five times a second).
+        srv.settimeout(None)
         self.server = srv
 
     def close(self) -> None:
-        """Stops listening (the connections are closed with the segments, see NodeAgent)."""
+        """Stops listening (the connections are closed with the segments, see NodeAgent): a
+        shutdown of the listening socket ends an accept that waits (Linux answers it EINVAL;
+        closing the socket alone would leave it waiting), then the socket is closed."""
         if self.server is not None:
+            with contextlib.suppress(OSError):
+                self.server.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 self.server.close()
 
@@ -109,9 +119,10 @@ class Server:
         while not self.st.stopping.is_set():
             try:
                 sock, _ = self.server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+            except OSError:  # shut down (the agent stops)
+                break
+            if self.st.stopping.is_set():
+                sock.close()
                 break
             sock.settimeout(None)
             conn = Conn(sock)
@@ -166,9 +177,15 @@ class Server:
             case Snap() if self.persister.committer.fenced is not None:
                 return None  # a dying trainer of the fenced world: nothing of it is written
             case Hello():
-                return self.hello(conn, req)
+                hello = self.hello(conn, req)
+                # A position taken, maybe a new world, storage or fence lifted: what is due to
+                # persist, hash or replicate may have changed, and no snapshot says so.
+                self.st.wake_all()
+                return hello
             case Alloc():
-                return self.segments.alloc(conn, req)
+                alloc = self.segments.alloc(conn, req)
+                self.st.wake_all()  # slots replaced: a look at what is due (rare, cheap)
+                return alloc
             case Hash():
                 # A trainer about to restore from memory: every complete snapshot gets its data
                 # hash now (the background pass may not have reached it yet). All positions: a
@@ -192,6 +209,7 @@ class Server:
                     self.st.persisted_high = min(self.st.persisted_high, req.step)
                     self.st.resumed_at = min(self.st.resumed_at, req.step)
                     self.st.committed = [s for s in self.st.committed if s <= req.step]
+                self.st.wake.set()  # a snapshot in memory may be due again
                 return OkReply()
             case Flush():
                 return self.flush(req.step, req.timeout_s)
@@ -322,7 +340,7 @@ class Server:
         deadline = time.monotonic() + timeout
         next_look = 0.0
         self.st.wake.set()
-        while time.monotonic() < deadline:
+        while True:
             with self.st.lock:
                 if self.st.storage is None:
                     return ErrorReply(error="no storage configured: nothing to flush to")
@@ -331,7 +349,8 @@ class Server:
                 errs = [e for e in self.st.errors if e["step"] is not None and e["step"] >= step]
             if errs:
                 return ErrorReply(error=errs[-1]["error"])
-            if time.monotonic() >= next_look and not self.st.commits_here():
+            here = self.st.commits_here()
+            if time.monotonic() >= next_look and not here:
                 # Another node's agent commits steps whose rank 0 it hosts: look at storage.
                 # Never on the committing node itself: a manifest there may be an abandoned
                 # timeline's (or one this agent is about to rewrite, after a restored message
@@ -343,5 +362,17 @@ class Server:
                         with self.st.lock:
                             self.st.committed = sorted({*self.st.committed, step})
                         continue
-            time.sleep(0.02)
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            # Asleep until the commit or an error is recorded (both notify ``progress``), the
+            # next look at storage, or FLUSH_WAIT_S (a safety net): no loop of short sleeps.
+            wait = min(deadline - now, FLUSH_WAIT_S)
+            if not here:
+                wait = min(wait, next_look - now)
+            with self.st.lock:  # looked at again under the lock: no notify is missed
+                if not any(s >= step for s in self.st.committed) and not any(
+                    e["step"] is not None and e["step"] >= step for e in self.st.errors
+                ):
+                    self.st.progress.wait(max(0.0, wait))
         return ErrorReply(error=f"step {step} was not committed within {timeout:.0f} s")

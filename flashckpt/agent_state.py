@@ -33,6 +33,7 @@ from flashckpt.storage import Storage
 __all__ = [
     "BACKGROUND_CHUNK",
     "BACKGROUND_NICE",
+    "RETRY_SOON_S",
     "AgentState",
     "Conn",
     "Pacer",
@@ -58,6 +59,10 @@ then one more chunk goes, so a trainer that copies all the time slows background
 stops it."""
 PACE_BUDGET_S = 2.0
 """Pauses of one pass (one snapshot hashed, one shard written) add up to this at most."""
+RETRY_SOON_S = 0.2
+"""How soon a background thread looks again at work it left unfinished and nobody will wake it
+for (a persist that gave way to a trainer or found a slot torn, a commit waiting for the other
+nodes' parts in storage): otherwise the threads wait for their event (or ``poll_interval``)."""
 
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "riscv64": 30}
 """ioprio_set(2) system call numbers (glibc has no wrapper)."""
@@ -250,7 +255,8 @@ class AgentState:
         # Snapshots whose data no longer matches their hash: (path, seq) -> step. Never persisted.
         self.corrupt: dict[tuple[str, int], int] = {}
         self.wake = threading.Event()  # wakes the persister (a snapshot completed, a flush)
-        self.private_q: queue.Queue[tuple[int, int]] = queue.Queue()  # (position, step)
+        # (position, step) of a completed snapshot; a negative position: the agent stops
+        self.private_q: queue.Queue[tuple[int, int]] = queue.Queue()
         self.stopping = threading.Event()
         self.committed: list[int] = []
         # The current world (rendezvous round): set by the newest trainer's hello. Only ranks and
@@ -270,7 +276,18 @@ class AgentState:
         # storage already holds belong to an abandoned timeline and are rewritten.
         self.resumed_at = 1 << 62
         self.errors: list[dict[str, Any]] = []
+        # Notified (under ``lock``) when a step is committed or an error recorded: what a flush
+        # waits for (it sleeps on it, not in a loop).
+        self.progress = threading.Condition(self.lock)
         self.last_client_time = time.monotonic()
+
+    def wake_all(self) -> None:
+        """Wakes the persist, hash and replica threads: what they look at changed for a reason
+        no snapshot announces (the agent started with adopted snapshots, a trainer said hello,
+        a new world or storage, the timeline was set back). Each thread waits for its event."""
+        self.wake.set()
+        self.hash_wake.set()
+        self.replica_wake.set()
 
     def refuse(self, path: str, why: str) -> None:
         log.warning("slot file %s %s", path, why)
@@ -291,6 +308,7 @@ class AgentState:
         with self.lock:
             self.errors.append({"step": step, "error": error, "time": time.time()})
             del self.errors[:-50]
+            self.progress.notify_all()
         self.broadcast(PersistErrorEvent(step=step, error=error))
 
     def active_slots(self) -> list[Slot]:

@@ -97,7 +97,14 @@ def main() -> int:
                 ckpt.step()
         with open(a.log + ".stats.json", "w") as f:
             s = ckpt.stats
-            json.dump({"saves": s.saves, "persist_marked": s.persist_marked}, f)
+            json.dump(
+                {
+                    "saves": s.saves,
+                    "persist_marked": s.persist_marked,
+                    "persist_carried": s.persist_carried,
+                },
+                f,
+            )
     final = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
     safetensors.torch.save_file(final, a.log + ".final.safetensors")
     dist.destroy_process_group()

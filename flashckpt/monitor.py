@@ -62,6 +62,10 @@ __all__ = [
 
 log = logging.getLogger("flashckpt.monitor")
 
+IDLE_POLL_S = 1.0
+"""Seconds between looks for rings while this machine has none (no trainer yet, or between
+jobs): an idle agent's monitor wakes once a second, not ``poll_s`` (4 times a second)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class MonitorConfig:
@@ -269,8 +273,16 @@ class AgentMonitor:
                 rs = self._ranks.setdefault(int(ev["rank"]), RankState(int(ev["rank"])))
                 rs.high_water = max(rs.high_water, int(ev["last"]))
 
+    def next_wait(self) -> float:
+        """Seconds until the next poll: ``poll_s`` while there are rings to read, else at most
+        :data:`IDLE_POLL_S` (a new trainer's ring is found that much later; its first steps
+        wait in the ring meanwhile)."""
+        with self._lock:
+            idle = not self._ranks
+        return max(self.cfg.poll_s, IDLE_POLL_S) if idle else self.cfg.poll_s
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.cfg.poll_s):
+        while not self._stop.wait(self.next_wait()):
             try:
                 self.poll()
             except Exception:  # the monitor lives on; one bad poll must not end it

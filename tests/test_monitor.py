@@ -77,6 +77,28 @@ def test_ring_records_phases_and_overwritten_records(tmp_path: Path) -> None:
     ring.close()
 
 
+def test_the_monitor_polls_rings_often_and_looks_for_them_once_a_second(tmp_path: Path) -> None:
+    """An agent with no trainer's ring wakes its monitor once a second (IDLE_POLL_S), not at
+    poll_s; once a ring is found it reads it every poll_s."""
+    from flashckpt.monitor import IDLE_POLL_S, AgentMonitor
+
+    shm, run = tmp_path / "shm", tmp_path / "run"
+    shm.mkdir()
+    run.mkdir()
+    mon = AgentMonitor(
+        job="j", node="n", shm_dir=str(shm), run_dir=str(run), config=MonitorConfig(poll_s=0.25)
+    )
+    assert IDLE_POLL_S > 0.25
+    mon.poll()
+    assert mon.next_wait() == IDLE_POLL_S
+    rec = StepRecorder(ring_path(str(shm), "j", "n", 0), rank=0, world=1, enter_wall=time.time())
+    try:
+        mon.poll()
+        assert mon.next_wait() == 0.25
+    finally:
+        rec.close(exit_code=0)
+
+
 # -- live status, metrics, events ------------------------------------------------------------------
 def test_live_status_prometheus_and_events(fc_env: FcEnv, capsys: pytest.CaptureFixture) -> None:
     cfg = MonitorConfig(

@@ -3,9 +3,12 @@ takes an older run's steps for its own, and the habits PyTorch users bring."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
 import shutil
+import signal
 import warnings
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from tinytrain import make, train_step
 
 import flashckpt
 from flashckpt.checkpointer import CheckpointConfig
+from flashckpt.protocol import AgentClient, AgentError, socket_path
 
 
 def _env(fc_env: FcEnv, storage_path: Path) -> FcEnv:
@@ -352,14 +356,17 @@ def _data_run(env: FcEnv, pattern: str, total: int, stop_at: int | None = None, 
         every=5,
         **env.ckpt_kwargs(agent="connect"),
     )
+    epochs = []  # the loader's iterators, each with its 2 worker processes
     try:
         with ck:
             while ck.steps_done < total:
                 if pattern != "plain":
-                    batches = iter(loader)
+                    epochs.append(iter(loader))
+                    batches = epochs[-1]
                 else:
                     gen.manual_seed(1234 + extras["epoch"])
-                    batches = itertools.islice(loader, extras["batch"], None)
+                    epochs.append(iter(loader))
+                    batches = itertools.islice(epochs[-1], extras["batch"], None)
                 for x, y in batches:
                     i = ck.steps_done
                     if i == stop_at:
@@ -378,6 +385,12 @@ def _data_run(env: FcEnv, pattern: str, total: int, stop_at: int | None = None, 
                     extras["batch"] = 0
     except KeyboardInterrupt:
         pass
+    finally:
+        # Stopped here, not by the garbage collector: ``ck`` keeps the loader (and a torchdata
+        # loader its last iterator) alive, and workers stopped from a collection later, inside
+        # another test, were seen taking torch's whole 5 s join timeout each (30-50 s a test).
+        for it in epochs:
+            it._shutdown_workers()  # type: ignore[attr-defined]
     return model, seen, ck
 
 
@@ -507,8 +520,18 @@ def test_per_rank_state_comes_back_to_each_rank_from_storage(fc_env: FcEnv, tmp_
         return outs
 
     run("train")
+    # The ranks flushed step 3 to storage as they left, and their agent leaves when both are
+    # done. An agent left after that (one was seen started again as the ranks left, and staying
+    # its 30 s of "unused") is stopped: the memory snapshots must go, however.
     deadline = time.monotonic() + 120
-    while fc_env.segments() and time.monotonic() < deadline:  # the agent leaves when done
+    while fc_env.segments() and time.monotonic() < deadline:
+        with contextlib.suppress(AgentError, OSError):
+            client = AgentClient(socket_path(fc_env.run_dir, fc_env.job, "n0"), timeout=0.0)
+            try:
+                pid = int(client.request("ping", timeout=10)["pid"])
+            finally:
+                client.close()
+            os.kill(pid, signal.SIGTERM)
         time.sleep(0.2)
     assert fc_env.segments() == [], "the memory snapshots must be gone: restore from storage"
     r0, r1 = run("restore")

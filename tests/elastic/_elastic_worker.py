@@ -53,6 +53,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.1)
+    p.add_argument(
+        "--sleep-world-size",
+        type=int,
+        default=0,
+        help="sleep --step-sleep only in a world of this many ranks (0: in every world)",
+    )
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
     p.add_argument("--mode", choices=("sync", "overlap"), default="sync", help="snapshot mode")
     p.add_argument("--slow-forward", type=float, default=0.0, help="seconds added to a forward")
@@ -107,7 +113,8 @@ def main() -> int:
             sched.step()
             ckpt.step()
             _event(a.out, "step", step=step, loss=float(loss.item()).hex())
-            time.sleep(a.step_sleep)
+            if a.sleep_world_size in (0, dist.get_world_size()):
+                time.sleep(a.step_sleep)
     if a.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -1,10 +1,13 @@
 """A small DDP (gloo) loop for plain ``torchrun --rdzv-backend=flashckpt-etcd`` (not collected).
 
 Usage: torchrun ... _torchrun_worker.py --out DIR --steps N --every K --kill-rank R --kill-at S
+[--kills M]
 
-In the first attempt (``TORCHELASTIC_RESTART_COUNT=0``) rank R SIGKILLs itself right after step
-S is marked done; torchrun restarts the group, and the restarted ranks restore. Every process
-appends JSON lines (``start``, ``restored``, ``done``) to ``<out>/events.jsonl``.
+In each of the first M attempts (``TORCHELASTIC_RESTART_COUNT`` 0 to M-1; M is 1 by default)
+rank R SIGKILLs itself right after iteration ``start_step + S`` of that attempt is marked done
+(in the first attempt, iteration S); torchrun restarts the group, and the restarted ranks
+restore. Every process appends JSON lines (``start``, ``restored``, ``done``) to
+``<out>/events.jsonl``; ``start`` records the rendezvous store it was handed.
 """
 
 from __future__ import annotations
@@ -57,12 +60,14 @@ def main() -> int:
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--kill-at", type=int, default=5)
+    p.add_argument("--kills", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(1)
     _event(
         a.out,
         "start",
         master_port=os.environ.get("MASTER_PORT"),
+        use_agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
         omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
     )
     print(f"hello from rank {os.environ.get('RANK')}", flush=True)
@@ -82,7 +87,8 @@ def main() -> int:
         flush_timeout=120.0 if rank == 0 else 1.0,
     ) as ckpt:
         _event(a.out, "restored", start_step=ckpt.start_step, restored_from=ckpt.restored_from)
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        killed_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < a.kills
+        kill_at = ckpt.start_step + a.kill_at
         for index in range(ckpt.start_step, a.steps):
             g = torch.Generator().manual_seed(1000 * rank + index)
             x = torch.randn(4, 8, generator=g)
@@ -91,7 +97,7 @@ def main() -> int:
             loss.backward()
             opt.step()
             _mark_done(ckpt, index)
-            if first_attempt and rank == a.kill_rank and index == a.kill_at:
+            if killed_attempt and rank == a.kill_rank and index == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(0.05)
     _event(a.out, "done")

@@ -32,6 +32,9 @@ EVERY = 5
 WORKER_ARGS = ["--steps", str(STEPS), "--every", str(EVERY)]
 PACED = [*WORKER_ARGS, "--step-sleep", "0.1"]
 SLOW = [*WORKER_ARGS, "--step-sleep", "0.3"]  # leaves time to start a standby before the kill
+# Paced until a machine of two is killed (the kill needs training left); the survivor alone has
+# nothing to wait for.
+SHRINK = [*SLOW, "--sleep-world-size", "2"]
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
@@ -193,7 +196,8 @@ def test_late_machine_scales_the_job_up(
         tmp_path,
         etcd_server,
         nnodes="1:2",
-        worker_args=[*WORKER_ARGS, "--step-sleep", "0.5"],  # room for the late start under load
+        # Room for the late start under load; once both machines train nothing is waited for.
+        worker_args=[*WORKER_ARGS, "--step-sleep", "0.5", "--sleep-world-size", "1"],
         launcher_args=["--rdzv-conf", "last_call_timeout=1"],
     )
     make_cluster.append(cluster)
@@ -219,7 +223,7 @@ def test_machine_loss_without_standby_shrinks_the_job(
         tmp_path,
         etcd_server,
         nnodes="1:2",
-        worker_args=SLOW,
+        worker_args=SHRINK,
         launcher_args=["--rdzv-conf", "last_call_timeout=1"],
     )
     make_cluster.append(cluster)
@@ -258,7 +262,7 @@ def test_sharded_job_shrinks_by_resharding(
         tmp_path,
         etcd_server,
         nnodes="1:2",
-        worker_args=[*SLOW, "--fsdp"],
+        worker_args=[*SHRINK, "--fsdp"],
         launcher_args=["--rdzv-conf", "last_call_timeout=1", "--replicas", "0"],
     )
     make_cluster.append(cluster)

@@ -31,7 +31,9 @@ def test_the_survivor_goes_on_alone_resharding_from_its_memory_and_the_lost_mach
     ns, etcd_url = net
     cluster = _MemoryOnly(
         tmp_path / "job", ns, etcd_url, nnodes="1:2",
-        worker_args=[*WORKER_ARGS, "--step-sleep", "0.3"],
+        # Paced while both machines train (the kill needs a replica in place first); the
+        # survivor alone has nothing to wait for.
+        worker_args=[*WORKER_ARGS, "--step-sleep", "0.3", "--sleep-world-size", "2"],
     )  # fmt: skip
     try:
         cluster.start("n0")

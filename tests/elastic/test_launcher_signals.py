@@ -89,8 +89,17 @@ def test_signal_while_waiting_in_the_rendezvous(
     machine = cluster.start("n0")  # its peer never comes: it waits in the rendezvous
     client = EtcdClient(etcd_server, timeout=timedelta(seconds=5))
     state_key = job_prefix(cluster.run_id, DEFAULT_KEY_PREFIX) + "rdzv/state"
-    cluster.wait_for("the launcher to join the rendezvous", lambda: client.get(state_key), 90)
-    time.sleep(2)  # well inside torch's wait loop (one watch per second)
+
+    def waiting() -> bool:
+        # Its node is a participant of the round: torch's join added it and waits for the
+        # peer (a state read again once a second) until the round completes, which it cannot.
+        found = client.get(state_key)
+        if found is None:
+            return False
+        state = pickle.loads(decode_state(found[0], state_key))
+        return bool(state.participants) and bool(state.last_heartbeats)
+
+    cluster.wait_for("the launcher to wait in the rendezvous", waiting, 90)
     os.kill(machine.proc.pid, sig)
     _wait_signalled_exit(cluster, "n0", sig)
     assert not _leftovers(cluster, "n0", client), cluster.logs()

@@ -69,6 +69,7 @@ from flashckpt.agent_server import Server
 from flashckpt.agent_state import AgentState
 from flashckpt.errors import AgentError
 from flashckpt.monitor import AgentMonitor
+from flashckpt.protocol import AgentClient
 from flashckpt.shm import ensure_private_dir
 from flashckpt.storage import Storage
 
@@ -148,13 +149,22 @@ class NodeAgent:
         lock_path = names.lock_path(cfg.run_dir, cfg.job, cfg.node)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         # A previous agent may be finishing its shutdown (final persist): give it a moment.
+        # One that still serves is not waited for: two trainers that both started an agent at
+        # entry left the second waiting for the lock, to take over once the first exited at
+        # the job's end and then sit out its idle timeout with nobody to serve.
         deadline = time.monotonic() + lock_wait
+        next_ping = 0.0
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() < deadline:
+                now = time.monotonic()
+                serving = False
+                if now >= next_ping:
+                    next_ping = now + 0.5
+                    serving = self._answers()
+                if now < deadline and not serving:
                     time.sleep(0.05)
                     continue
                 os.close(fd)
@@ -204,6 +214,19 @@ class NodeAgent:
             cfg.storage,
             cfg.shm_dir,
         )
+
+    def _answers(self) -> bool:
+        """Whether an agent answers a ping on this job's and node's socket (it serves)."""
+        try:
+            client = AgentClient(self.socket_path, timeout=0.0)
+        except (AgentError, OSError):
+            return False
+        try:
+            return bool(client.request("ping", timeout=2.0).get("pid"))
+        except (AgentError, OSError, ValueError):
+            return False
+        finally:
+            client.close()
 
     def install_signal_handlers(self) -> None:
         import faulthandler

@@ -111,6 +111,13 @@ def test_detached_agent_with_pid_file_and_private_socket(fc_env: FcEnv, tmp_path
     # A second agent for the same job and node refuses to start (exit code 3).
     r2 = _cli("agent", "--job", fc_env.job, "--node", fc_env.node, "--run-dir", fc_env.run_dir)
     assert r2.returncode == 3
+    # Also one told to wait for the lock (as trainers start theirs): the first one answers, so
+    # it does not wait (it used to, then took over once the first exited at the job's end and
+    # sat out its idle timeout with nobody to serve). _cli gives up after 120 s.
+    flags = ("--job", fc_env.job, "--node", fc_env.node, "--run-dir", fc_env.run_dir)
+    r3 = _cli("agent", *flags, "--lock-wait", "600")
+    assert r3.returncode == 3 and "already serves" in r3.stderr, r3.stderr
+    assert proc.is_running()
     # Trainers use it (agent="connect" requires it to be there).
     model, opt, sched = make(0)
     with flashckpt.checkpointing(

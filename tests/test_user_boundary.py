@@ -3,12 +3,9 @@ takes an older run's steps for its own, and the habits PyTorch users bring."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import os
 import shutil
-import signal
 import warnings
 from pathlib import Path
 
@@ -520,19 +517,28 @@ def test_per_rank_state_comes_back_to_each_rank_from_storage(fc_env: FcEnv, tmp_
         return outs
 
     run("train")
+
     # The ranks flushed step 3 to storage as they left, and their agent leaves when both are
-    # done. An agent left after that (one was seen started again as the ranks left, and staying
-    # its 30 s of "unused") is stopped: the memory snapshots must go, however.
-    deadline = time.monotonic() + 120
-    while fc_env.segments() and time.monotonic() < deadline:
-        with contextlib.suppress(AgentError, OSError):
+    # done, its memory with it. No other agent is left: both ranks start one at entry, and the
+    # second, finding the first serving, exits at once (it used to wait for the lock, take over
+    # as the first left and sit out its idle timeout, holding the run's memory).
+    def agent_answers() -> bool:
+        try:
             client = AgentClient(socket_path(fc_env.run_dir, fc_env.job, "n0"), timeout=0.0)
-            try:
-                pid = int(client.request("ping", timeout=10)["pid"])
-            finally:
-                client.close()
-            os.kill(pid, signal.SIGTERM)
+        except (AgentError, OSError):
+            return False
+        try:
+            client.request("ping", timeout=10)
+            return True
+        except (AgentError, OSError):
+            return False
+        finally:
+            client.close()
+
+    deadline = time.monotonic() + 120
+    while (fc_env.segments() or agent_answers()) and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert not agent_answers(), "an agent is left serving after the job ended"
     assert fc_env.segments() == [], "the memory snapshots must be gone: restore from storage"
     r0, r1 = run("restore")
     assert r0 == "3 storage 3 [0, 1, 2] 3", r0

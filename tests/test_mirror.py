@@ -67,17 +67,25 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-def _train(env: FcEnv, mirror: str, saves: int, **over: Any) -> tuple[dict[str, torch.Tensor], Any]:
+def _train(
+    env: FcEnv, mirror: str, saves: int, *, wait_mirror: bool = False, **over: Any
+) -> tuple[dict[str, torch.Tensor], Any]:
     """Trains ``saves`` steps with a snapshot after each, then one more step (the exit's final
-    snapshot); returns the final state and the checkpointer."""
+    snapshot); returns the final state and the checkpointer. ``wait_mirror``: after each
+    mirror-marked snapshot, waits until the mirror committed it (the mirror copies the newest
+    waiting step and drops older waiting ones, by design: under load a test that expects
+    every marked step in the mirror must not run ahead of it)."""
     model, opt, sched = make(0)
     kw = env.ckpt_kwargs(every=0, mirror=mirror, **{"persist_every": 1, **over})
     with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
         for i in range(saves):
             train_step(model, opt, sched, i)
             ck.step()
+            marked = ck.stats.mirror_marked
             ck.save(mode="sync")
             ck.flush()
+            if wait_mirror and ck.stats.mirror_marked > marked:
+                _wait_committed(Storage(mirror), ck.stats.last_snapshot_step)
         train_step(model, opt, sched, saves)
         ck.step()
         final = _state(model, opt)
@@ -106,7 +114,7 @@ def test_marked_steps_reach_the_mirror_and_restore_survives_the_lost_disk(
     mirror = Storage(mirror_url)
     primary = Storage(fc_env.storage)
     try:
-        final, ck = _train(fc_env, mirror_url, 7, mirror_every=3)
+        final, ck = _train(fc_env, mirror_url, 7, mirror_every=3, wait_mirror=True)
         assert ck.stats.mirror_marked == 4  # persisted snapshots 1, 4, 7, and the exit's 8
         got = _wait_committed(mirror, 8)
         # keep=3 (the agent's) holds in each tier on its own.
@@ -176,7 +184,7 @@ def test_the_newest_step_of_either_tier_is_restored(
     mirror, primary = Storage(mirror_url), Storage(fc_env.storage)
     agent = _fresh_agent(fc_env, agent)
     try:
-        final, _ = _train(fc_env, mirror_url, 4, mirror_every=1)
+        final, _ = _train(fc_env, mirror_url, 4, mirror_every=1, wait_mirror=True)
         _wait_committed(mirror, 5)
         agent = _fresh_agent(fc_env, agent)
         # Both hold 5: the storage root (nearer) serves it.

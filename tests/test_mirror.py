@@ -449,7 +449,7 @@ def test_a_fresh_start_over_a_mirror_with_steps_is_refused(
     fc_env: FcEnv, agent: RunningAgent, tmp_path: Path
 ) -> None:
     mirror_url = f"file://{tmp_path / 'remote'}"
-    _train(fc_env, mirror_url, 1, mirror_every=1)
+    _train(fc_env, mirror_url, 1, mirror_every=1, wait_mirror=True)
     _wait_committed(Storage(mirror_url), 2)
     shutil.rmtree(fc_env.storage_path)  # the storage root is empty: the mirror still holds 2
     model, opt, sched = make(0)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flashckpt.agent_state import AgentState
@@ -64,6 +65,9 @@ class Committer:
         # those another world committed before it began, which the check ignores. Kept per
         # world (the newest few): a late step of an older world is checked against its own.
         self._baselines: dict[str, frozenset[int]] = {}
+        self.holders: list[Callable[[], set[int]]] = []
+        """What :meth:`retain` must not delete yet: each returns steps still needed."""
+        self._retain_lock = threading.Lock()  # one retention at a time (two threads call it)
 
     def enqueue(self, step: int, world: int, num_shards: int, world_id: str) -> None:
         """A step this node will commit once every node's part of it is in (dropped, with a log
@@ -218,12 +222,18 @@ class Committer:
                     log.info("step %d dropped: newer step %d is committed", step, newest)
                     done = True
                 if not done and time.monotonic() > deadline and not final:
-                    missing = self.commit_missing.get(step, [])
+                    missing = self.commit_missing.get(step)
                     done = True
-                    err = (
-                        f"step {step}: parts of ranks {missing} did not arrive within "
-                        f"{self.st.cfg.commit_timeout:.0f} s; not committed"
-                    )
+                    if missing is None:  # every part came: the step was never ready()
+                        err = (
+                            f"step {step}: every part arrived, but {self.not_ready_reason(step)} "
+                            f"within {self.st.cfg.commit_timeout:.0f} s; not committed"
+                        )
+                    else:
+                        err = (
+                            f"step {step}: parts of ranks {missing} did not arrive within "
+                            f"{self.st.cfg.commit_timeout:.0f} s; not committed"
+                        )
                 else:
                     err = None
                 if done:
@@ -246,9 +256,31 @@ class Committer:
         """Whether a step whose parts are all in may be committed now."""
         return True
 
+    def not_ready_reason(self, step: int) -> str:
+        """What :meth:`ready` waited for (the timeout's report)."""
+        return "it was never ready to commit"
+
     def report_error(self, step: int, error: str) -> None:
         """A step that could not be committed (reported to the trainers)."""
         self.st.record_error(step, error)
+
+    def retain(self) -> list[int]:
+        """Deletes all but the newest ``keep`` committed steps of :meth:`root`, except the steps
+        a holder still needs (:attr:`holders`: the remote tier copies its marked steps from
+        this root); returns the deleted steps."""
+        storage = self.root()
+        if storage is None:
+            return []
+        with self._retain_lock:
+            hold: set[int] = set()
+            for held in self.holders:
+                hold |= held()
+            removed = storage.retain(self.st.cfg.keep, frozenset(hold))
+            if removed:
+                with self.st.lock:
+                    known = self.committed_steps()  # the list itself (either tier's): in place
+                    known[:] = [s for s in known if s not in removed]
+        return removed
 
     def on_commit(self, step: int, removed: list[int]) -> None:
         """A step was committed (``removed``: the steps retention deleted)."""
@@ -287,6 +319,8 @@ class Committer:
             with self.st.lock:
                 self.commit_missing[step] = sorted(set(range(world)) - {int(r) for r in ranks})
             return False
+        with self.st.lock:
+            self.commit_missing.pop(step, None)  # every part is in
         if not self.ready(step):
             return False
         refused = self.refusal(storage, step, world_id)
@@ -317,11 +351,7 @@ class Committer:
         # Announced before retention deletes the old steps (a GB-sized step takes a while to
         # unlink): a flush waiting for this commit returns now.
         self.on_commit(step, [])
-        removed = storage.retain(self.st.cfg.keep)
-        if removed:
-            with self.st.lock:
-                known = self.committed_steps()  # the list itself (either tier's): kept in place
-                known[:] = [s for s in known if s not in removed]
+        removed = self.retain()
         log.info(
             "committed step %d to %s: manifest and latest in %.3f s (%d parts), then retention "
             "removed %s in %.3f s",

@@ -12,7 +12,10 @@ primary root, then the mirror's ``latest``; ``keep`` applies to the mirror on it
 
 Why from the primary files and not from the slot: a remote upload may take minutes, and a slot
 held (pinned) that long would keep the trainer from snapshotting into it; the persisted files
-are there for as long as retention keeps them. They are not trusted for that: each file is
+are there for as long as retention keeps them, and the primary tier's retention keeps a step
+until the mirror is done with it (copied and committed, dropped, or failed), so a slow mirror
+never loses a marked step to it (the primary root holds more than ``keep`` steps meanwhile).
+They are not trusted for that: each file is
 verified against the hash(es) its part recorded (the completion hash of the snapshot, for a
 shard) while it is copied, and a file that fails is removed from the mirror and the step is not
 mirrored. A step that is half copied (the agent died, the mirror failed) has no part of this
@@ -81,8 +84,22 @@ class MirrorCommitter(Committer):
         primary = self.st.storage
         return primary is not None and primary.fs.exists(primary.step_path(step, MANIFEST))
 
+    def not_ready_reason(self, step: int) -> str:
+        if self.m.primary is not None and self.m.primary.fenced is not None:
+            return f"this agent is fenced ({self.m.primary.fenced})"
+        return "the storage root never committed it (its commit failed or it was removed)"
+
     def report_error(self, step: int, error: str) -> None:
         self.m.error(step, error)
+
+    def commit_round(self, final: bool = False) -> None:
+        with self.st.lock:
+            before = set(self.commits)
+        super().commit_round(final)
+        with self.st.lock:
+            done = before - set(self.commits)
+        if done:
+            self.m.release()  # committed or dropped: the primary root need not keep it now
 
     def on_commit(self, step: int, removed: list[int]) -> None:
         with self.st.lock:
@@ -109,6 +126,32 @@ class Mirrorer:
         self.wake = threading.Event()
         self._pending: dict[int, MirrorJob] = {}
         self._busy = threading.Lock()  # held while one step is copied
+        self._copying: int | None = None  # the step being copied
+        if primary is not None:
+            # The primary tier's retention keeps the steps this mirror still copies or commits
+            # (under load a step could be retained away before its copy or its mirror commit:
+            # the marked step never reached the mirror).
+            primary.holders.append(self.held_steps)
+
+    def held_steps(self) -> set[int]:
+        """The steps of the primary root this mirror still needs: waiting to be copied, being
+        copied, or waiting for their commit in the mirror (which checks that the primary root
+        committed them)."""
+        with self.st.lock:
+            held = set(self._pending) | set(self.committer.commits)
+            if self._copying is not None:
+                held.add(self._copying)
+        return held
+
+    def release(self) -> None:
+        """Runs the primary tier's retention once the mirror is done with a step it held (the
+        primary root may hold more than ``keep`` steps meanwhile)."""
+        if self.primary is None or self.primary.root() is None:
+            return
+        try:
+            self.primary.retain()
+        except Exception as e:  # retention's errors are the next commit's to meet
+            log.warning("retention after the mirror released a step failed: %s", e)
 
     @property
     def url(self) -> str | None:
@@ -168,6 +211,7 @@ class Mirrorer:
         while time.monotonic() < deadline and self.run_once():
             pass
         self.committer.drain_commits(max(0.0, deadline - time.monotonic()))
+        self.release()
 
     def run_once(self) -> bool:
         """Copies the newest waiting step (older waiting ones are dropped: superseded).
@@ -177,14 +221,21 @@ class Mirrorer:
                 return False
             step = max(self._pending)
             job = self._pending.pop(step)
-            for old in sorted(self._pending):
+            skipped = sorted(self._pending)
+            for old in skipped:
                 log.info("mirror: step %d skipped, newer step %d is due", old, step)
             self._pending.clear()
+            self._copying = step
         with self._busy:
             try:
                 self.copy(job)
             except Exception as e:  # the daemon lives on; the error is kept
                 self.error(step, f"{type(e).__name__}: {e}")
+            finally:
+                with self.st.lock:
+                    self._copying = None
+        if skipped or step not in self.held_steps():
+            self.release()  # steps the primary root kept for the mirror may go now
         return True
 
     # -- copying -----------------------------------------------------------------------------

@@ -364,9 +364,14 @@ class Storage:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.step_path(step, MANIFEST))
 
-    def retain(self, keep: int) -> list[int]:
+    def retain(self, keep: int, hold: frozenset[int] = frozenset()) -> list[int]:
         """Deletes all but the newest ``keep`` committed steps, and the partial step directories
         older than the newest committed one (:meth:`remove_partial_steps`).
+
+        Args:
+            keep: how many of the newest committed steps stay.
+            hold: steps not deleted now, whatever their age (the remote tier still copies or
+                commits them); a later retention deletes them once they are no longer held.
 
         Returns:
             The deleted steps.
@@ -375,7 +380,7 @@ class Storage:
         if not committed:
             return []
         doomed = committed[:-keep] if keep > 0 else []
-        removed = [s for s in doomed if self._remove_step(s)]
+        removed = [s for s in doomed if s not in hold and self._remove_step(s)]
         return sorted(removed + self.remove_partial_steps(committed))
 
     def remove_partial_steps(self, committed: list[int] | None = None) -> list[int]:

@@ -371,9 +371,9 @@ def test_the_commit_is_announced_before_retention_deletes_old_steps(fc_env: FcEn
     agent_storage = agent.st.storage
     assert agent_storage is not None
 
-    def spy(keep: int) -> list[int]:
+    def spy(keep: int, hold: frozenset[int] = frozenset()) -> list[int]:
         seen.append(list(agent.st.committed))  # what a flush sees while retention runs
-        return retain(keep)
+        return retain(keep, hold)
 
     agent_storage.retain = spy  # type: ignore[method-assign]
     for step in (5, 10):

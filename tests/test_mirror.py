@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -553,3 +554,63 @@ def test_the_mirror_commits_only_once_every_part_is_in_and_the_primary_committed
     }
     assert json.loads((tmp_path / "remote" / "latest").read_text())["step"] == step
     assert m1.committed == []  # only the committing node commits
+
+
+@pytest.mark.parametrize("late", ["copy", "commit"])
+def test_a_slow_mirror_keeps_its_step_from_the_primary_retention(
+    fc_env: FcEnv, agent: RunningAgent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, late: str
+) -> None:
+    """The mirror copies step 1 (or commits it) only after the storage root committed steps 2-4:
+    with keep=3 the root's retention would have removed step 1 before the mirror was done with
+    it (the copy found no files, or the mirror's commit waited for a root manifest that was gone:
+    a CI failure under load). The root keeps it until the mirror is done, then retains."""
+    from flashckpt.agent_mirror import MirrorCommitter, Mirrorer
+
+    primary = Storage(fc_env.storage)
+    mirror_url = f"file://{tmp_path / 'remote'}"
+    mirror = Storage(mirror_url)
+    root_has_4 = threading.Event()
+
+    def wait_for_step_4(step: int) -> None:
+        if step == 1:
+            assert root_has_4.wait(120), "the storage root never committed step 4"
+
+    if late == "copy":
+        copy = Mirrorer.copy
+
+        def slow_copy(self: Mirrorer, job: Any) -> None:
+            wait_for_step_4(job.step)
+            copy(self, job)
+
+        monkeypatch.setattr(Mirrorer, "copy", slow_copy)
+    else:
+        try_commit = MirrorCommitter.try_commit
+
+        def slow_commit(self: MirrorCommitter, step: int, *a: Any) -> bool:
+            wait_for_step_4(step)
+            return try_commit(self, step, *a)
+
+        monkeypatch.setattr(MirrorCommitter, "try_commit", slow_commit)
+    model, opt, sched = make(0)
+    kw = fc_env.ckpt_kwargs(every=0, persist_every=1, mirror=mirror_url, mirror_every=10, keep=3)
+    try:
+        with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+            for i in range(4):
+                train_step(model, opt, sched, i)
+                ck.step()
+                ck.save(mode="sync")
+                assert ck.flush() == i + 1
+            assert primary.committed_steps() == [1, 2, 3, 4]  # step 1 held for the mirror
+            root_has_4.set()
+            _wait_committed(mirror, 1)
+            # Done with step 1: the root's retention runs (keep=3).
+            deadline = time.monotonic() + 60
+            while primary.committed_steps() != [2, 3, 4]:
+                assert time.monotonic() < deadline, primary.committed_steps()
+                time.sleep(0.05)
+    finally:
+        root_has_4.set()  # a failed check leaves no agent thread blocked
+    assert _wait_committed(mirror, 4) == [1, 4]
+    assert mirror.check_step(1).status == "ok"
+    errors = agent.agent.mirrorer.errors
+    assert not [e for e in errors if e["step"] == 1], errors

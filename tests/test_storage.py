@@ -202,6 +202,15 @@ def test_partial_steps_older_than_the_newest_commit_are_removed(storage: Storage
     assert storage.remove_partial_steps() == []
 
 
+def test_retention_keeps_held_steps_until_released(storage: Storage) -> None:
+    for s in (1, 2, 3, 4):
+        storage.commit(s, _write_step(storage, s))
+    assert storage.retain(2, hold=frozenset({1})) == [2]  # step 1 held (the mirror copies it)
+    assert storage.committed_steps() == [1, 3, 4]
+    assert storage.retain(2) == [1]  # released: the next retention takes it
+    assert storage.committed_steps() == [3, 4]
+
+
 def test_retention_goes_on_past_a_step_it_cannot_remove(
     storage: Storage, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -35,6 +35,7 @@ from flashckpt.agent_state import AgentState, lower_thread_priority, read_meta
 from flashckpt.errors import FlashckptError, ShmSpaceError
 from flashckpt.names import check_name
 from flashckpt.replica import (
+    HeldReplica,
     ReplicaError,
     ReplicaNotReady,
     ReplicaServer,
@@ -75,6 +76,9 @@ class Replicator:
         self._dynamic = False  # set_peers was called: the launcher tells the world
         self._known: set[str] = set(self.peers)  # every machine ever in the world
         self._peers_world: str | None = None  # the trainers' world when the peers last changed
+        # prune_stale_worlds: the steps of world _seen_world seen held from each sender.
+        self._seen_world: str | None = None
+        self._seen_steps: dict[str, set[int]] = {}
         self.listen = cfg.replica_listen_addr()
         self.store: ReplicaStore | None = None
         self.server: ReplicaServer | None = None
@@ -205,7 +209,7 @@ class Replicator:
             self.wake.clear()
             if self.st.stopping.is_set():
                 break
-            self.prune_departed()
+            self.prune()
             if not self.sending:
                 continue
             try:
@@ -270,8 +274,67 @@ class Replicator:
                 ", ".join(targets) or "nobody",
             )
         self.wake.set()
-        self.prune_departed()
+        self.prune()
         return targets if self.sending else []
+
+    def prune(self) -> None:
+        """Drops the held replicas that protect nobody any more (:meth:`prune_departed`,
+        :meth:`prune_stale_worlds`)."""
+        self.prune_departed()
+        self.prune_stale_worlds()
+
+    def prune_stale_worlds(self) -> None:
+        """Drops the held replicas of an older world that no push of the current world will
+        replace: their sender is still in the world, but it no longer sends here (the ring of
+        machines changed), or its ranks were numbered anew (it sent replicas of the current
+        world here of two steps already, a whole round, none under that rank). Only with the
+        launcher's peer list (the world is known) and once this machine's trainers have a
+        complete snapshot of the current world, as for :meth:`prune_departed`. Left alone, such
+        a replica held its room until its sender left, and its bytes counted against this
+        machine's own slots at the next alloc."""
+        store, cfg = self.store, self.st.cfg
+        with self._lock:
+            dynamic = self._dynamic
+        if store is None or not dynamic or cfg.replicas == 0:
+            return
+        with self.st.lock:
+            world = self.st.world_id
+        held = store.held()
+        if world is None or all(h.header.world == world for h in held):
+            return
+        if not self.candidates():
+            return  # the current world has no snapshot here yet
+        nodes = self.world_nodes()
+        # Sender -> steps of the current world seen held from it (at this and earlier calls:
+        # a rank's replica replaces the previous one, so one look sees one step per rank).
+        with self._lock:
+            if self._seen_world != world:
+                self._seen_world, self._seen_steps = world, {}
+            for h in held:
+                if h.header.world == world:
+                    steps = self._seen_steps.setdefault(h.header.sender_node, set())
+                    if len(steps) < 2:
+                        steps.add(h.header.step)
+            current = {n: set(v) for n, v in self._seen_steps.items()}
+
+        def stale(h: HeldReplica) -> bool:
+            sender = h.header.sender_node
+            if h.header.world == world or sender not in nodes:
+                return False  # current, or departed (prune_departed's)
+            if cfg.node not in replica_targets(nodes, sender, cfg.replicas):
+                return True
+            return len(current.get(sender, ())) >= 2
+
+        for h in store.drop_where(stale):
+            log.info(
+                "dropped the replica of %s rank %d step %d of world %r: no push of world %r "
+                "replaces it",
+                h.header.sender_node,
+                h.header.rank,
+                h.header.step,
+                h.header.world,
+                world,
+            )
 
     def prune_departed(self) -> None:
         """Drops the held replicas of machines that left the world: they protect nobody now.

@@ -568,8 +568,13 @@ class ReplicaStore:
     def prune(self, keep_nodes: Iterable[str]) -> list[HeldReplica]:
         """Drops the replicas of machines no longer in the world; returns what was dropped."""
         keep = set(keep_nodes)
+        return self.drop_where(lambda h: h.header.sender_node not in keep)
+
+    def drop_where(self, doomed: Callable[[HeldReplica], bool]) -> list[HeldReplica]:
+        """Drops the held replicas for which ``doomed`` is true (their spares too); returns
+        what was dropped."""
         with self._lock:
-            gone = [h for k, h in self._held.items() if k[0] not in keep]
+            gone = [h for h in self._held.values() if doomed(h)]
             maps = []
             for h in gone:
                 key = (h.header.sender_node, h.header.rank)

@@ -732,6 +732,68 @@ def test_set_peers_replaces_and_prunes_departed_once_the_new_world_snapshotted(
             s.close()
 
 
+def test_replicas_of_an_older_world_no_push_replaces_are_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Senders still in the world, but: one no longer sends here (the ring changed), one numbers
+    its ranks anew (its replicas of the current world come under another rank). Their old
+    world's replicas go once the current world snapshotted here and, for the renumbered one, it
+    sent two steps of the current world; a sender whose current push has not come yet keeps
+    its old replica."""
+    import flashckpt.agent_replica as ar
+    from flashckpt.replica import HeldReplica, ReplicaHeader
+
+    st, slots = _state_with_slots(tmp_path, replica_listen="127.0.0.1:0")
+    r = ar.Replicator(st)
+    r.start_server()
+
+    def hold(sender: str, rank: int, step: int, world: str) -> None:
+        assert r.store is not None
+        path = names.replica_path(str(tmp_path), "j", "a", sender, rank)
+        Path(path).write_bytes(b"x")
+        h = ReplicaHeader("j", sender, rank, step, world, 2, 2, 10, 1, 0.0)
+        r.store._held[(sender, rank)] = HeldReplica(h, path)
+
+    def holds() -> list[tuple[str, int, int, str]]:
+        assert r.store is not None
+        return sorted(
+            (h.header.sender_node, h.header.rank, h.header.step, h.header.world)
+            for h in r.store.held()
+        )
+
+    new_world_snapshot: list[Any] = []
+    monkeypatch.setattr(r, "candidates", lambda: list(new_world_snapshot))
+    try:
+        st.world_id = "w1"
+        # World a, b, c, d (ring a -> b -> c -> d -> a): a holds d's replicas.
+        r.set_peers({n: ("127.0.0.1", i + 1) for i, n in enumerate("bcd")})
+        hold("d", 3, 5, "w1")
+        hold("d", 7, 5, "w1")  # d's second rank
+        # World w2 is a, c, d, z (ring a -> c -> d -> z -> a): d sends to z now, so no push
+        # replaces d's replicas here; z sends here.
+        st.world_id = "w2"
+        r.set_peers({n: ("127.0.0.1", i + 1) for i, n in enumerate("cdz")})
+        hold("z", 0, 6, "w1")  # z's replica of w1 (it sent here in w1 too)
+        assert len(holds()) == 3
+        r.prune()
+        assert len(holds()) == 3, "dropped before the current world snapshotted here"
+        new_world_snapshot.append(("slot", 0, None, "w2"))
+        r.prune()
+        # d no longer sends here: gone. z still sends here: its old replica stays until its
+        # pushes of w2 come (two steps: a round of every rank).
+        assert holds() == [("z", 0, 6, "w1")]
+        hold("z", 1, 8, "w2")  # z's ranks numbered anew: rank 1 now
+        r.prune()
+        assert holds() == [("z", 0, 6, "w1"), ("z", 1, 8, "w2")], "one step of w2 is no round"
+        hold("z", 1, 9, "w2")  # the next push replaces the previous one
+        r.prune()
+        assert holds() == [("z", 1, 9, "w2")]
+    finally:
+        r.close()
+        for s in slots:
+            s.close()
+
+
 def test_a_taken_replica_port_takes_another_and_an_unusable_address_runs_without(
     tmp_path: Path,
 ) -> None:

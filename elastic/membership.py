@@ -26,7 +26,9 @@ without it. So the renew loop records when the last successful renewal was *sent
 the TTL from when it received it, later); at :func:`fence_deadline` (``ttl - ttl/5`` after it)
 without a renewal, and with no peer answering its probe port either (cut off from the others
 too, not only from etcd: an etcd outage that every machine sees lapses no lease and lets no
-new world form), the machine is fenced: ``on_fenced`` stops its workers and its node agent's
+new world form), or with peers that answer and say they renewed their own leases since (cut
+off from etcd alone: the others will form a new world without it; :func:`peer_etcd_age`),
+the machine is fenced: ``on_fenced`` stops its workers and its node agent's
 commits before :func:`lease_expiry`, the earliest moment the others can act. The renewals stop;
 the stale lease and token are never used again: once etcd answers, :meth:`NodeRegistry.rejoin`
 registers the machine afresh (new lease, new token, next generation), as a standby.
@@ -70,6 +72,7 @@ __all__ = [
     "fence_deadline",
     "lease_expiry",
     "nodes_prefix",
+    "peer_etcd_age",
     "probe",
 ]
 
@@ -231,11 +234,65 @@ def _probe_patiently(record: NodeRecord) -> ProbeResult:
     return result
 
 
-class _ProbeServer:
-    """Answers every connection with the launcher's token, from a daemon thread."""
+_ETCD_QUESTION = b"etcd?\n"
+"""What a prober sends after the token line to ask when the peer last renewed its lease."""
+_ETCD_ANSWER_MAX = 64
+"""Bytes of the answer to the etcd question a prober reads at most (it is one short line)."""
 
-    def __init__(self, token: str, bind_host: str) -> None:
+
+def _read_line(sock: socket.socket, limit: int) -> bytes:
+    """One line from ``sock`` (byte by byte: nothing after it is consumed), at most ``limit``
+    bytes; what came if the peer closed first."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) < limit:
+        chunk = sock.recv(1)
+        if not chunk:
+            break
+        line += chunk
+    return line
+
+
+def peer_etcd_age(record: NodeRecord, timeout: float) -> float | None:
+    """How many seconds ago a live peer's launcher last renewed its etcd lease (sent), as it
+    answers on its probe port; None if it does not answer with its token, has no lease (it is
+    fenced), or answers something else.
+
+    Used when this machine's renewals fail while the peer answers: a peer that still reaches
+    etcd says this machine alone is cut off from etcd (its lease will lapse and the others will
+    form a new world without it), not an etcd outage that every machine sees.
+    """
+    if not record.probe:
+        return None
+    host, _, port = record.probe.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            token = _read_line(sock, 256).strip().decode(errors="replace")
+            if token != record.token:
+                return None
+            sock.sendall(_ETCD_QUESTION)
+            answer = _read_line(sock, _ETCD_ANSWER_MAX).decode(errors="replace").split()
+    except (OSError, ValueError):
+        return None
+    if len(answer) != 2 or answer[0] != "etcd":
+        return None
+    try:
+        age = float(answer[1])
+    except ValueError:
+        return None  # "none": no lease
+    return age if 0.0 <= age < 1e9 else None
+
+
+class _ProbeServer:
+    """Answers every connection with the launcher's token, from a daemon thread; a prober that
+    then asks (:data:`_ETCD_QUESTION`) gets how long ago this launcher last renewed its lease
+    (``etcd_age``; ``none`` while it holds no lease)."""
+
+    def __init__(
+        self, token: str, bind_host: str, etcd_age: Callable[[], float | None] | None = None
+    ) -> None:
         self.token = token
+        self._etcd_age = etcd_age
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._sock = socket.create_server((bind_host, 0), family=family, backlog=128)
         self._sock.settimeout(0.5)
@@ -255,6 +312,11 @@ class _ProbeServer:
             with contextlib.suppress(OSError), conn:
                 conn.settimeout(1.0)
                 conn.sendall(self.token.encode() + b"\n")
+                # A plain probe closes now (recv returns at once); one that asks gets a line.
+                conn.settimeout(0.5)
+                if conn.recv(len(_ETCD_QUESTION)) == _ETCD_QUESTION:
+                    age = self._etcd_age() if self._etcd_age is not None else None
+                    conn.sendall(b"etcd none\n" if age is None else f"etcd {age:.3f}\n".encode())
 
     def close(self) -> None:
         self._stop.set()
@@ -312,7 +374,8 @@ class NodeRegistry:
         self._warned_cut_off = False
         # Monotonic time peers last answered their probe while renewals failed, and which.
         self._peer_answered_at = float("-inf")
-        self._peers_answering: list[str] = []
+        self._peers_answering: dict[str, float | None] = {}
+        self._cut_off_reason: str | None = None  # why _cut_off said so, when not "nobody answers"
         self._probe_wake = threading.Event()
         self._prober: threading.Thread | None = None
         self._generation = 1
@@ -374,7 +437,7 @@ class NodeRegistry:
             NodeIdInUse: If a live launcher already holds this node id.
             EtcdUnavailable: If etcd cannot be reached in time.
         """
-        self._probe_server = _ProbeServer(self._record.token, self._bind_host)
+        self._probe_server = _ProbeServer(self._record.token, self._bind_host, self._etcd_age)
         host = self._advertise_host
         host = f"[{host}]" if ":" in host else host
         with self._lock:
@@ -619,13 +682,16 @@ class NodeRegistry:
                 return
             now = time.monotonic()
             deadline = fence_deadline(last_ok, ttl_s)
-            if fencing and now >= deadline and self._cut_off(last_ok):
-                self._fence(
-                    f"no etcd lease renewal for {now - last_ok:.1f} s (TTL {ttl_s:g} s) and no "
-                    "other machine of the job answers",
-                    last_ok,
-                )
-                return
+            if fencing and now >= deadline:
+                self._cut_off_reason = None
+                if self._cut_off(last_ok):
+                    self._fence(
+                        self._cut_off_reason
+                        or f"no etcd lease renewal for {now - last_ok:.1f} s (TTL {ttl_s:g} s) "
+                        "and no other machine of the job answers",
+                        last_ok,
+                    )
+                    return
             if now < next_at:
                 continue  # woke for the fence deadline only
             next_at = now + interval
@@ -665,6 +731,14 @@ class NodeRegistry:
                 if fencing:
                     self._probe_in_background()
 
+    def _etcd_age(self) -> float | None:
+        """Seconds since the last lease renewal that succeeded was sent (what this launcher
+        answers a peer that asks); None while it holds no lease (fenced, not registered)."""
+        with self._lock:
+            if self._lease is None or self._fenced:
+                return None
+            return max(0.0, time.monotonic() - self._last_ok)
+
     def _probe_in_background(self) -> None:
         """Probes the peers from a thread of its own (the renew loop keeps its pace)."""
         if self._prober is None:
@@ -684,14 +758,23 @@ class NodeRegistry:
                 with self._lock:
                     self._peer_answered_at, self._peers_answering = time.monotonic(), alive
 
-    def _alive_peers(self, timeout: float) -> list[str] | None:
-        """The peers that answer their probe port; None when no peer is known."""
+    def _alive_peers(self, timeout: float) -> dict[str, float | None] | None:
+        """The peers that answer their probe port, each with when it last renewed its own lease
+        (``time.monotonic()`` here, as it answers; None if it holds none); None when no peer is
+        known."""
         peers = [r for r in self.peers().values() if r.probe]
         if not peers:
             return None
+
+        def ask(r: NodeRecord) -> tuple[bool, float | None]:
+            if probe(r, timeout) is not ProbeResult.ALIVE:
+                return False, None
+            age = peer_etcd_age(r, timeout)
+            return True, None if age is None else time.monotonic() - age
+
         with ThreadPoolExecutor(min(16, len(peers)), thread_name_prefix="flashckpt-fence") as ex:
-            answers = list(ex.map(lambda r: probe(r, timeout), peers))
-        return [r.node_id for r, a in zip(peers, answers, strict=True) if a is ProbeResult.ALIVE]
+            answers = list(ex.map(ask, peers))
+        return {r.node_id: renewed for r, (ok, renewed) in zip(peers, answers, strict=True) if ok}
 
     def _cut_off(self, last_ok: float) -> bool:
         """Whether this machine is cut off from the others too, not only from etcd.
@@ -708,11 +791,24 @@ class NodeRegistry:
         with self._lock:
             # Answers of the last two renewal intervals count (the background probes).
             lately = self._peer_answered_at >= time.monotonic() - 2 * self._ttl.total_seconds() / 5
-            answered = list(self._peers_answering)
+            answered = dict(self._peers_answering)
         alive = answered if lately else self._alive_peers(_FENCE_PROBE_TIMEOUT_S)
         if alive is None:
             return False
         if not alive:
+            return True
+        # A peer that renewed its lease well after this machine's last renewal (1.5 intervals:
+        # more than the renewals' phase difference) reaches etcd: this machine alone does not.
+        # Its lease will lapse and a new world will form without it, so it fences as if cut off
+        # from everyone.
+        margin = 1.5 * self._ttl.total_seconds() / 5
+        reaching = {n: t for n, t in alive.items() if t is not None and t > last_ok + margin}
+        if reaching:
+            self._cut_off_reason = (
+                f"no etcd lease renewal for {time.monotonic() - last_ok:.1f} s, while node(s) "
+                f"{', '.join(sorted(reaching))} renewed theirs since: this machine alone is "
+                "cut off from etcd, and the others will form a new world without it"
+            )
             return True
         if not self._warned_cut_off:
             self._warned_cut_off = True

@@ -275,6 +275,16 @@ class Machine:
         """Brings the machine's link back after :meth:`partition`."""
         _ip("link", "set", "eth0", "up", netns=self.netns)
 
+    def cut_from(self, addr: str) -> None:
+        """Cuts the machine off one address only (an ``unreachable`` route in its namespace:
+        connections fail, packets already on their way are dropped), e.g. the hub's, where the
+        cluster's etcd runs: a machine that reaches its peers but not etcd."""
+        _ip("route", "add", "unreachable", f"{addr}/32", netns=self.netns)
+
+    def reconnect_to(self, addr: str) -> None:
+        """Undoes :meth:`cut_from`."""
+        _ip("route", "del", "unreachable", f"{addr}/32", netns=self.netns)
+
     def destroy(self) -> None:
         """Kills the machine and deletes its namespace (its veth goes with it)."""
         with contextlib.suppress(OSError):

@@ -139,6 +139,24 @@ def test_partition_cuts_the_link_and_heal_restores_it(cluster: netns.Cluster) ->
     assert _py(a, probe) == "reachable"
 
 
+def test_cut_from_one_address_keeps_the_others(cluster: netns.Cluster) -> None:
+    a, b, c = cluster.add("ca"), cluster.add("cb"), cluster.add("cc")
+
+    def probe(to: netns.Machine) -> str:
+        return _py(
+            a,
+            "import socket\ntry:\n"
+            f" socket.create_connection(('{to.addr}', 9), timeout=1)\n"
+            "except ConnectionRefusedError:\n print('reachable')\n"
+            "except OSError as e:\n print('unreachable', type(e).__name__)",
+        )
+
+    a.cut_from(b.addr)
+    assert probe(b).startswith("unreachable") and probe(c) == "reachable"
+    a.reconnect_to(b.addr)
+    assert probe(b) == "reachable"
+
+
 def test_hub_service_reached_from_machines_and_through_forward(cluster: netns.Cluster) -> None:
     m = cluster.add("mh")
     hub = cluster.hub

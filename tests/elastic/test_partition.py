@@ -9,6 +9,7 @@ machines in their own namespaces (``_nscluster.py``) and takes one machine's lin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -24,8 +25,11 @@ from elastic.etcd import EtcdClient, EtcdUnavailable
 from elastic.membership import (
     FenceNotice,
     NodeRegistry,
+    ProbeResult,
     fence_deadline,
     lease_expiry,
+    peer_etcd_age,
+    probe,
 )
 
 TTL = timedelta(seconds=2)
@@ -134,17 +138,48 @@ def test_a_machine_that_reaches_neither_etcd_nor_a_peer_is_fenced(
 
 
 @pytest.mark.etcd
-def test_etcd_unreachable_while_a_peer_answers_is_no_fence(
+def test_an_etcd_outage_every_machine_sees_is_no_fence(
     make_registry: Callable[..., tuple[NodeRegistry, _Cuttable]],
 ) -> None:
     notices: list[FenceNotice] = []
     reg, client = make_registry("a", on_fenced=notices.append)
-    make_registry("b")  # its probe port answers with its token
+    peer, peer_client = make_registry("b", on_fenced=notices.append)  # its probe port answers
     _wait_for("the peer to be seen", lambda: "b" in reg.peers())
     client.cut.set()
+    peer_client.cut.set()  # etcd is down for both: no lease lapses, no new world forms
     time.sleep(TTL.total_seconds() * 1.5)
-    assert notices == [] and not reg.fenced, "an etcd outage every machine sees fenced it"
+    assert notices == [] and not reg.fenced and not peer.fenced, "an etcd outage fenced them"
     client.cut.clear()
+    peer_client.cut.clear()
+
+
+@pytest.mark.etcd
+def test_a_machine_cut_off_from_etcd_alone_is_fenced_before_its_lease_lapses(
+    make_registry: Callable[..., tuple[NodeRegistry, _Cuttable]], etcd_client: EtcdClient
+) -> None:
+    """Its peers reach etcd (and say so on their probe ports): its lease will lapse and the
+    others form a new world without it, so it fences, as one cut off from everyone does."""
+    notices: list[tuple[FenceNotice, float]] = []
+    reg, client = make_registry("a", on_fenced=lambda n: notices.append((n, time.monotonic())))
+    peer, _ = make_registry("b")
+    _wait_for("the peer to be seen", lambda: "b" in reg.peers())
+    b = reg.peers()["b"]
+    age = peer_etcd_age(b, 1.0)
+    assert age is not None and 0.0 <= age < TTL.total_seconds(), age
+    assert peer_etcd_age(dataclasses.replace(b, token="another"), 1.0) is None
+    assert probe(b) is ProbeResult.ALIVE  # the plain probe is unchanged
+    client.cut.set()
+    cut_at = time.monotonic()
+    notice, called_at = _wait_for("the fence", lambda: notices and notices[0])
+    assert reg.fenced and not peer.fenced
+    assert "alone is cut off from etcd" in notice.reason and "b" in notice.reason, notice.reason
+    assert notice.last_ok <= cut_at
+    assert called_at >= fence_deadline(notice.last_ok, TTL.total_seconds())
+    assert called_at < lease_expiry(notice.last_ok, TTL.total_seconds()), "fenced too late"
+    # A fenced launcher says it holds no lease.
+    assert peer_etcd_age(reg.record, 1.0) is None
+    client.cut.clear()
+    assert reg.rejoin(timedelta(seconds=10)) == 2 and not reg.fenced
 
 
 @pytest.mark.etcd
@@ -285,13 +320,20 @@ def _events(machine: Any, name: str) -> list[dict[str, Any]]:
 @pytest.mark.slow
 @pytest.mark.skipif(_NETNS is not None, reason=_NETNS or "")
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("heal", ["while_training", "after_the_job"])
+@pytest.mark.parametrize(
+    ("cut", "heal"), [("link", "while_training"), ("etcd", "after_the_job")]
+)  # fmt: skip
 def test_a_partitioned_machine_fences_itself_and_rejoins_as_a_standby(
-    tmp_path: Path, net: tuple[netns.Cluster, str], reference_model: dict[str, Any], heal: str
+    tmp_path: Path,
+    net: tuple[netns.Cluster, str],
+    reference_model: dict[str, Any],
+    cut: str,
+    heal: str,
 ) -> None:
-    """The rank-0 machine (its agent commits) loses its link while training: it fences itself,
-    the survivor and the standby finish the job, ``latest`` never moves backwards; healed while
-    the job trains, it waits as a standby; healed after the job ended, it leaves."""
+    """The rank-0 machine (its agent commits) loses its link while training (or only its route
+    to etcd: it still reaches its peers, which still reach etcd): it fences itself, the survivor
+    and the standby finish the job, ``latest`` never moves backwards; healed while the job
+    trains, it waits as a standby; healed after the job ended, it leaves."""
     from _cluster import assert_same_model
     from _nscluster import NsSimCluster
 
@@ -320,12 +362,17 @@ def test_a_partitioned_machine_fences_itself_and_rejoins_as_a_standby(
         survivor = "n1" if victim_id == "n0" else "n0"
         victim = cluster.machines[victim_id]
         cut_at = time.time()
-        ns.machines[victim_id].partition()
+        if cut == "link":
+            ns.machines[victim_id].partition()
+        else:
+            ns.machines[victim_id].cut_from(ns.hub_addr)  # where etcd runs
 
         cluster.wait_for("the fence", lambda: _events(victim, "fence_workers_stopped"), 90)
         fenced = _events(victim, "fenced")[0]
         stopped = _events(victim, "fence_workers_stopped")[0]
         assert fenced["pids"] and stopped["pids"] == fenced["pids"], victim.events()
+        if cut == "etcd":  # its peers answered and said they reach etcd
+            assert "alone is cut off from etcd" in fenced["reason"], fenced
         assert _events(victim, "agent_fenced"), "the node agent was not fenced"
         # The workers stopped because of the fence, not because a collective failed: torch saw
         # no failure of theirs (no restart counted), and they left no gloo error.
@@ -359,7 +406,10 @@ def test_a_partitioned_machine_fences_itself_and_rejoins_as_a_standby(
                 assert cluster.wait_exit(node, 240) == 0, cluster.logs()
             assert victim.proc.poll() is None, "the cut-off machine did not wait for its link"
         healed_at = time.time()
-        ns.machines[victim_id].heal()
+        if cut == "link":
+            ns.machines[victim_id].heal()
+        else:
+            ns.machines[victim_id].reconnect_to(ns.hub_addr)
         cluster.wait_for("the machine to register again", lambda: _events(victim, "rejoined"), 120)
         assert _events(victim, "rejoined")[0]["generation"] == 2
         for node in (survivor, "n2"):

@@ -55,7 +55,8 @@ class FcEnv:
             "storage": self.storage,
             "run_dir": self.run_dir,
             "shm_dir": self.shm_dir,
-            "poll_interval": 0.02,
+            # poll_interval: the product's default (5 s), so a missing wake-up fails a test
+            # rather than hiding behind a fast poll.
             "retry_interval": 0.2,
         }
         kw.update(over)

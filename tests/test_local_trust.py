@@ -200,7 +200,6 @@ def _other_job(env: FcEnv, suffix: str) -> AgentConfig:
         storage=None,
         run_dir=env.run_dir,
         shm_dir=env.shm_dir,
-        poll_interval=0.02,
     )
 
 

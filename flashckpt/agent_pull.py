@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from flashckpt.agent_segments import slot_file_bytes
-from flashckpt.agent_state import AgentState, Conn, RankRecord
+from flashckpt.agent_state import AgentState, Conn, RankRecord, slot_room
 from flashckpt.errors import CorruptCheckpointError, CorruptSnapshotError, ShmSpaceError
 from flashckpt.messages import ErrorReply, PullReplica, PullReplicaReply, Reply
 from flashckpt.replica import (
@@ -321,8 +321,7 @@ class Puller:
                     f"{best.source} holds step {got.step} of world {got.world!r}, "
                     f"not of world {req.world_id!r}"
                 )
-            self._check_room(rec, idx, got)
-            allocate_slot_file(incoming, got.meta_len, got.data_len)  # the tmpfs's room, too
+            self.reserve(rec, idx, incoming, got)
             slot = Slot(incoming)
             box.append((slot, slot.begin_write()))
             return slot.data(got.data_len)
@@ -360,28 +359,30 @@ class Puller:
                     s.close()
             with contextlib.suppress(OSError):
                 os.unlink(incoming)
+            with self.st.lock:
+                self.st.incoming.pop(incoming, None)
             raise
         log.debug("replica meta: rank %d world %s", meta.rank, meta.world_id)
         return path, idx, got.header
 
-    def _check_room(self, rec: RankRecord, idx: int, h: ReplicaHeader) -> None:
-        """The capacity check a trainer's ``alloc`` runs, for the position's slot ``idx``
-        replaced by one of the replica's size: this machine's slots after the pull (every
-        position's) plus the replicas it holds must fit the tmpfs."""
-        check = self.st.capacity_check
-        if check is None:
-            return
+    def reserve(self, rec: RankRecord, idx: int, incoming: str, h: ReplicaHeader) -> None:
+        """Checks and takes the room of the incoming slot file for the position's slot ``idx``
+        (as a trainer's ``alloc`` does, never at the same time as one or another pull:
+        ``room_lock``): this machine's slots after the pull (every position's, the other pulls
+        in flight as the slots they will become) plus the replicas it holds must fit the tmpfs;
+        then the file is allocated (the tmpfs's room, too) and counted as in flight until it is
+        installed or removed."""
         new = slot_file_bytes(h.meta_len, h.data_len)
-        own = present = 0
-        with self.st.lock:
-            for other in self.st.ranks.values():
-                for i, s in enumerate(other.slots):
-                    size = 0
-                    with contextlib.suppress(ValueError):  # closed meanwhile
-                        size = s.size if s is not None else 0
-                    present += size
-                    own += new if (other is rec and i == idx) else size
-        check(own, present)
+        with self.st.room_lock:
+            check = self.st.capacity_check
+            if check is not None:
+                own, present = slot_room(
+                    self.st, lambda other, i, size: new if (other is rec and i == idx) else size
+                )
+                check(own, present)
+            allocate_slot_file(incoming, h.meta_len, h.data_len)
+            with self.st.lock:
+                self.st.incoming[incoming] = (rec, idx, new)
 
     def _install(self, rec: RankRecord, conn: Conn, idx: int, path: str, incoming: str) -> None:
         """Puts the complete replica in place of the position's slot ``idx`` (as an alloc
@@ -407,6 +408,7 @@ class Puller:
             new = Slot(path)
             with self.st.lock:
                 rec.slots[idx] = new
+                self.st.incoming.pop(incoming, None)
         self.st.wake.set()
 
 

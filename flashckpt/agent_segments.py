@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import psutil
 
 from flashckpt import names
-from flashckpt.agent_state import AgentState, Conn, RankRecord, header_ok, read_meta
+from flashckpt.agent_state import AgentState, Conn, RankRecord, header_ok, read_meta, slot_room
 from flashckpt.messages import Alloc, AllocReply
 from flashckpt.shm import (
     HEADER_SIZE,
@@ -168,23 +168,18 @@ class Segments:
         self, rec: RankRecord, meta_cap: int, data_cap: int, keep: set[int]
     ) -> tuple[int, int]:
         """(bytes of every slot file of this agent once ``rec``'s alloc is done, bytes of slot
-        files that exist now): for the replicas' capacity check."""
-        own = present = 0
-        with self.st.lock:
-            for other in self.st.ranks.values():
-                for i, s in enumerate(other.slots):
-                    size = 0
-                    with contextlib.suppress(ValueError):
-                        size = s.size if s is not None else 0
-                    present += size
-                    kept = s is not None and (
-                        i in keep or (s.meta_cap >= meta_cap and s.data_cap >= data_cap)
-                    )
-                    if other is not rec or kept:
-                        own += size
-                    else:
-                        own += slot_file_bytes(meta_cap, data_cap)
-        return own, present
+        files that exist now, pulls in flight counted): for the replicas' capacity check."""
+
+        def after(other: RankRecord, i: int, size: int) -> int:
+            if other is not rec:
+                return size
+            s = other.slots[i]
+            kept = s is not None and (
+                i in keep or (s.meta_cap >= meta_cap and s.data_cap >= data_cap)
+            )
+            return size if kept else slot_file_bytes(meta_cap, data_cap)
+
+        return slot_room(self.st, after)
 
     def alloc(self, conn: Conn, msg: Alloc) -> AllocReply:
         rank, meta_cap, data_cap = msg.key, msg.meta_cap, msg.data_cap
@@ -208,7 +203,9 @@ class Segments:
                     f"{rec.world_id!r}, the current world is {self.st.world_id!r}"
                 )
         paths = []
-        with self.st.io_lock:  # never remap a slot the persister is reading
+        # Never remap a slot the persister is reading (io_lock); the room is checked and taken
+        # with no pull's doing the same meanwhile (room_lock).
+        with self.st.io_lock, self.st.room_lock:
             if self.st.stopping.is_set():
                 raise ValueError("the node agent is shutting down: no new slots")
             check = self.st.capacity_check

@@ -230,6 +230,25 @@ class RankRecord:
     done: bool = False
 
 
+def slot_room(st: AgentState, after: Callable[[RankRecord, int, int], int]) -> tuple[int, int]:
+    """(bytes of every slot file of this agent once a planned change is done, bytes of the slot
+    files that exist now): the replicas' capacity check's figures. ``after(position, index,
+    bytes)`` gives a slot's bytes after the change, from its bytes without it: a pull's incoming
+    file counts as the slot it will replace (it exists already)."""
+    own = present = 0
+    with st.lock:
+        pending = {(id(r), i): n for r, i, n in st.incoming.values()}
+        for rec in st.ranks.values():
+            for i, s in enumerate(rec.slots):
+                size = 0
+                with contextlib.suppress(ValueError):  # closed meanwhile
+                    size = s.size if s is not None else 0
+                coming = pending.get((id(rec), i))
+                present += size + (coming or 0)
+                own += after(rec, i, size if coming is None else coming)
+    return own, present
+
+
 class AgentState:
     """What the parts of one node agent share."""
 
@@ -250,6 +269,13 @@ class AgentState:
         # Called at a trainer's alloc with (own slot bytes after it, of those already in the
         # tmpfs): the replicas' up-front capacity check (ShmSpaceError); None without replicas.
         self.capacity_check: Callable[[int, int], None] | None = None
+        # Held while the room of new slot files is checked and taken (a trainer's alloc, a
+        # pull's incoming file; inside io_lock when both are held): two at once would each
+        # pass the check counting only their own files.
+        self.room_lock = threading.Lock()
+        # The pulls' slot files allocated but not installed yet: incoming path -> (position,
+        # slot index, bytes). They count in the capacity check as the slots they will become.
+        self.incoming: dict[str, tuple[RankRecord, int, int]] = {}
         # Slot files refused (foreign owner, loose mode) or discarded (bad header): path -> why.
         self.refused: dict[str, str] = {}
         # Snapshots whose data no longer matches their hash: (path, seq) -> step. Never persisted.

@@ -911,6 +911,73 @@ def test_a_look_prefers_the_newer_worlds_replica_over_an_abandoned_timelines_hig
         b.close()
 
 
+def test_pulls_in_flight_count_in_every_room_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two positions: a pull into position 0 has allocated its incoming file (not installed
+    yet) when a pull into position 1 and a trainer's alloc check their room: both count that
+    file as the slot it will become (and as present in the tmpfs). And no two checks run at
+    once: one whose allocation is slow holds the other's check until its file is counted."""
+    import threading
+
+    import flashckpt.agent_pull as ap
+    from flashckpt.agent_segments import Segments, slot_file_bytes
+    from flashckpt.agent_state import RankRecord
+    from flashckpt.replica import ReplicaHeader
+    from flashckpt.shm import allocate_slot_file
+
+    st, slots0 = _state_with_slots(tmp_path)
+    slots1 = []
+    for i in range(2):
+        p = names.slot_path(str(tmp_path), "j", "a", 1, i)
+        allocate_slot_file(p, 4096, 1 << 16)
+        slots1.append(Slot(p))
+    st.ranks[1] = RankRecord(1, slots=list(slots1))
+    rec0, rec1 = st.ranks[0], st.ranks[1]
+    size = slots0[0].size
+    seen: list[tuple[int, int]] = []
+    st.capacity_check = lambda own, present: seen.append((own, present))
+    puller = ap.Puller(st, dict)
+    h = ReplicaHeader("j", "x", 1, 8, "w1", 2, 4096, 1 << 20, 1, 0.0)
+    big = slot_file_bytes(h.meta_len, h.data_len)
+    in0, in1 = (str(tmp_path / f"in{i}.tmp-pull") for i in range(2))
+    allocated = threading.Event()
+    release = threading.Event()
+    real_allocate = ap.allocate_slot_file
+
+    def slow_allocate(path: str, meta_len: int, data_len: int) -> None:
+        real_allocate(path, meta_len, data_len)
+        if path == in0:
+            allocated.set()
+            release.wait(60)
+
+    monkeypatch.setattr(ap, "allocate_slot_file", slow_allocate)
+    first = threading.Thread(target=puller.reserve, args=(rec0, 0, in0, h))
+    first.start()
+    try:
+        assert allocated.wait(60)
+        second = threading.Thread(target=puller.reserve, args=(rec1, 1, in1, h))
+        second.start()
+        second.join(1.0)
+        assert second.is_alive(), "a second room check ran while the first took its room"
+        release.set()
+        first.join(60)
+        second.join(60)
+        # The first saw 4 slots with its own replacing rec0's slot 0; the second saw the
+        # first's file as rec0's slot 0 (and present), its own replacing rec1's slot 1.
+        assert seen == [(3 * size + big, 4 * size), (2 * size + 2 * big, 4 * size + big)]
+        assert set(st.incoming) == {in0, in1}
+        # A trainer's alloc of position 1 (same capacities as its slots: kept) counts both.
+        del st.incoming[in1]
+        own, present = Segments(st).slot_bytes_after(rec1, 4096, 1 << 16, set())
+        assert (own, present) == (3 * size + big, 4 * size + big)
+    finally:
+        release.set()
+        first.join(60)
+        for s in slots0 + slots1:
+            s.close()
+
+
 def test_a_pull_runs_allocs_capacity_check_and_refuses_with_the_numbers(tmp_path: Path) -> None:
     """A pulled replica becomes one of the position's slots: like a trainer's alloc, the pull
     first checks that this machine's slots after it plus the replicas it holds fit the tmpfs

@@ -375,7 +375,6 @@ class NodeRegistry:
         # Monotonic time peers last answered their probe while renewals failed, and which.
         self._peer_answered_at = float("-inf")
         self._peers_answering: dict[str, float | None] = {}
-        self._cut_off_reason: str | None = None  # why _cut_off said so, when not "nobody answers"
         self._probe_wake = threading.Event()
         self._prober: threading.Thread | None = None
         self._generation = 1
@@ -683,14 +682,9 @@ class NodeRegistry:
             now = time.monotonic()
             deadline = fence_deadline(last_ok, ttl_s)
             if fencing and now >= deadline:
-                self._cut_off_reason = None
-                if self._cut_off(last_ok):
-                    self._fence(
-                        self._cut_off_reason
-                        or f"no etcd lease renewal for {now - last_ok:.1f} s (TTL {ttl_s:g} s) "
-                        "and no other machine of the job answers",
-                        last_ok,
-                    )
+                reason = self._cut_off(last_ok)
+                if reason is not None:
+                    self._fence(reason, last_ok)
                     return
             if now < next_at:
                 continue  # woke for the fence deadline only
@@ -776,8 +770,9 @@ class NodeRegistry:
             answers = list(ex.map(ask, peers))
         return {r.node_id: renewed for r, (ok, renewed) in zip(peers, answers, strict=True) if ok}
 
-    def _cut_off(self, last_ok: float) -> bool:
-        """Whether this machine is cut off from the others too, not only from etcd.
+    def _cut_off(self, last_ok: float) -> str | None:
+        """Why this machine is cut off from the job (from the others too, or from etcd alone
+        while they reach it), or None when it is not.
 
         A peer that answers its probe port means etcd is what is unreachable (an outage every
         machine sees lapses no lease, so no new world forms without this one): training goes
@@ -793,23 +788,26 @@ class NodeRegistry:
             lately = self._peer_answered_at >= time.monotonic() - 2 * self._ttl.total_seconds() / 5
             answered = dict(self._peers_answering)
         alive = answered if lately else self._alive_peers(_FENCE_PROBE_TIMEOUT_S)
+        ttl_s = self._ttl.total_seconds()
         if alive is None:
-            return False
+            return None
         if not alive:
-            return True
+            return (
+                f"no etcd lease renewal for {time.monotonic() - last_ok:.1f} s (TTL {ttl_s:g} s) "
+                "and no other machine of the job answers"
+            )
         # A peer that renewed its lease well after this machine's last renewal (1.5 intervals:
         # more than the renewals' phase difference) reaches etcd: this machine alone does not.
         # Its lease will lapse and a new world will form without it, so it fences as if cut off
         # from everyone.
-        margin = 1.5 * self._ttl.total_seconds() / 5
+        margin = 1.5 * ttl_s / 5
         reaching = {n: t for n, t in alive.items() if t is not None and t > last_ok + margin}
         if reaching:
-            self._cut_off_reason = (
+            return (
                 f"no etcd lease renewal for {time.monotonic() - last_ok:.1f} s, while node(s) "
                 f"{', '.join(sorted(reaching))} renewed theirs since: this machine alone is "
                 "cut off from etcd, and the others will form a new world without it"
             )
-            return True
         if not self._warned_cut_off:
             self._warned_cut_off = True
             logger.warning(
@@ -818,7 +816,7 @@ class NodeRegistry:
                 time.monotonic() - last_ok,
                 ", ".join(sorted(alive)),
             )
-        return False
+        return None
 
     def _fence(self, reason: str, last_ok: float) -> None:
         ttl_s = self._ttl.total_seconds()

@@ -324,8 +324,9 @@ def test_replica_config_is_checked() -> None:
             AgentConfig(job="j", node="a", **bad)
 
 
-def _state_with_slots(tmp_path: Path, **cfg: Any) -> tuple[Any, list[Slot]]:
-    """An agent's shared state holding one position with two real slot files in ``tmp_path``."""
+def _state_with_slots(tmp_path: Path, positions: int = 1, **cfg: Any) -> tuple[Any, list[Slot]]:
+    """An agent's shared state holding ``positions`` positions with two real slot files each in
+    ``tmp_path`` (the slots returned in order: position 0's two, then position 1's, ...)."""
     from flashckpt.agent_state import AgentState, RankRecord
     from flashckpt.shm import allocate_slot_file
 
@@ -333,11 +334,14 @@ def _state_with_slots(tmp_path: Path, **cfg: Any) -> tuple[Any, list[Slot]]:
         AgentConfig(job="j", node="a", shm_dir=str(tmp_path), run_dir=str(tmp_path / "r"), **cfg)
     )
     slots = []
-    for i in range(2):
-        p = names.slot_path(str(tmp_path), "j", "a", 0, i)
-        allocate_slot_file(p, 4096, 1 << 16)
-        slots.append(Slot(p))
-    st.ranks[0] = RankRecord(0, slots=list(slots))
+    for rank in range(positions):
+        mine = []
+        for i in range(2):
+            p = names.slot_path(str(tmp_path), "j", "a", rank, i)
+            allocate_slot_file(p, 4096, 1 << 16)
+            mine.append(Slot(p))
+        st.ranks[rank] = RankRecord(rank, slots=list(mine))
+        slots += mine
     return st, slots
 
 
@@ -922,17 +926,10 @@ def test_pulls_in_flight_count_in_every_room_check(
 
     import flashckpt.agent_pull as ap
     from flashckpt.agent_segments import Segments, slot_file_bytes
-    from flashckpt.agent_state import RankRecord
     from flashckpt.replica import ReplicaHeader
-    from flashckpt.shm import allocate_slot_file
 
-    st, slots0 = _state_with_slots(tmp_path)
-    slots1 = []
-    for i in range(2):
-        p = names.slot_path(str(tmp_path), "j", "a", 1, i)
-        allocate_slot_file(p, 4096, 1 << 16)
-        slots1.append(Slot(p))
-    st.ranks[1] = RankRecord(1, slots=list(slots1))
+    st, slots = _state_with_slots(tmp_path, positions=2)
+    slots0 = slots[:2]
     rec0, rec1 = st.ranks[0], st.ranks[1]
     size = slots0[0].size
     seen: list[tuple[int, int]] = []
@@ -974,7 +971,7 @@ def test_pulls_in_flight_count_in_every_room_check(
     finally:
         release.set()
         first.join(60)
-        for s in slots0 + slots1:
+        for s in slots:
             s.close()
 
 

@@ -39,6 +39,7 @@ from flashckpt.config import (
     parse_mirror_every,
     parse_persist_every,
     resolve_copy_mode,
+    resolve_prefault,
     unknown_options,
 )
 from flashckpt.errors import PersistError
@@ -249,7 +250,7 @@ class Checkpointer:
             self._hook_optimizer()
             self._snap.executor = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
             self._snap.preallocate()
-            self._snap.prefault_all()
+            self._prefault()
         except BaseException:
             self._teardown()
             raise
@@ -258,6 +259,25 @@ class Checkpointer:
             self._mon.ready(self.start_step, self.restored_from)
         self._log_entry()
         return self
+
+    def _prefault(self) -> None:
+        """Populates the slots' pages: waits for them here, or leaves a thread at it
+        (``config.prefault``, resolved as :func:`resolve_prefault` says)."""
+        devices = {p.device.type for p in self.model.parameters()}
+        if self.optimizer is not None:
+            devices |= {
+                v.device.type
+                for st in self.optimizer.state.values()
+                for v in st.values()
+                if isinstance(v, torch.Tensor)
+            }
+        how, why = resolve_prefault(self.config.prefault, devices, self.restored_from is not None)
+        self.stats.prefault, self.stats.prefault_reason = how, why
+        thread = self._snap.prefault_all()
+        if thread is not None and how == "entry":
+            t0 = time.perf_counter()
+            thread.join()
+            self.stats.prefault_wait_s = time.perf_counter() - t0
 
     def _log_entry(self) -> None:
         if self.restored_from is not None:
@@ -642,6 +662,12 @@ class Checkpointer:
                 "configured": self.config.mode,
                 "resolved": s.copy_mode,
                 "reason": s.copy_mode_reason,
+            },
+            "prefault": {
+                "configured": self.config.prefault,
+                "resolved": s.prefault,
+                "reason": s.prefault_reason,
+                "entry_wait_s": s.prefault_wait_s,
             },
             "every": self._auto.status()
             if self._auto is not None

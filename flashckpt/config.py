@@ -14,16 +14,21 @@ from flashckpt.storage import Storage
 
 __all__ = [
     "COPY_MODES",
+    "PREFAULT_MODES",
     "CheckpointConfig",
     "Stats",
     "check_scheduler_given",
     "parse_mirror_every",
     "resolve_copy_mode",
+    "resolve_prefault",
     "unknown_options",
 ]
 
 COPY_MODES = ("auto", "overlap", "sync")
 """The values ``mode`` takes (in the config and in ``save(mode=...)``)."""
+
+PREFAULT_MODES = ("auto", "entry", "background")
+"""The values ``prefault`` takes."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,6 +102,17 @@ class CheckpointConfig:
     forward/backward computes). ``"overlap"``: ``save()`` returns after the cheap part; the bulk
     is copied in the background and ``optimizer.step()`` waits for that copy. ``"sync"``: the
     copy is done before ``save()`` returns."""
+    prefault: Literal["auto", "entry", "background"] = "auto"
+    """When the pages of fresh slots are populated (a copy into never-touched shared memory costs
+    several times one into populated pages: tmpfs zeroes each page on first touch).
+    ``"entry"``: before ``__enter__`` returns, where nothing else runs (about 0.5 s per GiB of
+    slots on an idle core). ``"background"``: in a thread that runs beside training (entry
+    returns at once; the first saves never wait for it, but next to training threads the same
+    work takes several times the CPU and slows the steps it overlaps). ``"auto"`` (the default):
+    ``"entry"`` on a fresh start with the whole state in host memory (the cores that train would
+    run the thread), ``"background"`` on a resume (the time to the first step after a failure
+    comes first; slots that already hold snapshots are populated anyway) and when any tensor
+    lives on a GPU (the cores are mostly free). ``stats.prefault`` says what was done and why."""
     when_busy: Literal["wait", "skip"] = "wait"
     """When no slot is free (the previous copy still runs and the agent persists the other slot):
     wait for one, or skip this snapshot (counted in ``stats`` and returned by ``save``)."""
@@ -157,6 +173,8 @@ class CheckpointConfig:
             raise ValueError(f"mtbf_s={self.mtbf_s!r}: the job MTBF must be > 0 seconds")
         if self.mode not in COPY_MODES:
             raise ValueError(f"mode={self.mode!r}: use 'auto', 'overlap' or 'sync'")
+        if self.prefault not in PREFAULT_MODES:
+            raise ValueError(f"prefault={self.prefault!r}: use 'auto', 'entry' or 'background'")
         if self.when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy={self.when_busy!r}: use 'wait' or 'skip'")
         if self.keep < 1:
@@ -192,6 +210,25 @@ class CheckpointConfig:
                     f"mirror={self.mirror!r} is the storage root itself: give the mirror a "
                     "root of its own (a second file system or bucket), or drop mirror="
                 )
+
+
+def resolve_prefault(prefault: str, device_types: set[str], restored: bool) -> tuple[str, str]:
+    """When the slots' pages are populated, and why: ``prefault`` itself unless it is ``"auto"``,
+    which becomes ``"background"`` on a resume (``restored``: the first step after a failure
+    comes first) or when any tensor lives off the CPU (``device_types``: the cores are mostly
+    free while a GPU trains), and ``"entry"`` on a fresh start with the whole state in host
+    memory (a background thread would compete with the cores that train).
+    """
+    if prefault not in PREFAULT_MODES:
+        raise ValueError(f"prefault={prefault!r}: use 'auto', 'entry' or 'background'")
+    if prefault != "auto":
+        return prefault, f"prefault={prefault!r} configured"
+    if restored:
+        return "background", "prefault='auto': a resume (the first step comes first)"
+    gpu = sorted(device_types - {"cpu"})
+    if gpu:
+        return "background", f"prefault='auto': the state has tensors on {', '.join(gpu)}"
+    return "entry", "prefault='auto': a fresh start with the whole state in host memory"
 
 
 def resolve_copy_mode(mode: str, device_types: set[str]) -> tuple[str, str]:
@@ -288,6 +325,13 @@ class Stats:
     override it for one snapshot."""
     copy_mode_reason: str | None = None
     """Why ``copy_mode`` is what it is (the devices ``mode="auto"`` found, or the config)."""
+    prefault: str | None = None
+    """How the slots' pages were populated, ``"entry"`` or ``"background"`` (the configured
+    ``prefault``, or what ``"auto"`` resolved to on entry)."""
+    prefault_reason: str | None = None
+    """Why ``prefault`` is what it is."""
+    prefault_wait_s: float = 0.0
+    """Seconds ``__enter__`` waited for the slots' pages (``prefault="entry"``)."""
 
 
 _ARGUMENTS = (

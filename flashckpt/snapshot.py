@@ -395,8 +395,9 @@ class Snapshotter:
         need = self.estimate_bytes()
         self.ensure_slots(MIN_META_CAP, need, fault=False)
 
-    def prefault_all(self) -> None:
-        """Maps every slot page in a background thread (returns at once): a copy into fresh
+    def prefault_all(self) -> Prefaulter | None:
+        """Maps every slot page in a background thread (returns it at once; None when there are
+        no slots; ``join`` it to wait for the pages): a copy into fresh
         slot pages costs 2.5x one into mapped pages (tmpfs zeroes each page on first touch).
 
         The slot the first snapshot goes to comes first, mapped from its end: a save never waits
@@ -406,7 +407,7 @@ class Snapshotter:
         with self.slot_lock:
             slots = [s for s in self.slots if s is not None]
         if not slots:
-            return
+            return None
         target = self.target_slot()
         slots.sort(key=lambda s: s is not target)
         ranges = [(s.data.data_ptr() + HEADER_SIZE, s.data.numel() - HEADER_SIZE, s) for s in slots]
@@ -417,7 +418,7 @@ class Snapshotter:
         def busy(i: int) -> bool:  # a copy runs into the other slot
             return any(s is not None and s is not slots[i] and s.writing for s in self.slots)
 
-        Prefaulter(ranges, alive=alive, busy=busy).start()  # stops once its slots go
+        return Prefaulter(ranges, alive=alive, busy=busy).start()  # stops once its slots go
 
     def ensure_slots(self, meta_need: int, data_need: int, fault: bool = True) -> None:
         """Makes the slots hold at least the given sizes; existing slots that do are kept

@@ -187,10 +187,11 @@ class Job:
         ]
         peer = self.system == "flashckpt-peer"
         sharded_storage = self.system == "flashckpt-sharded-storage"
+        sharded = ["--fsdp-gib", str(a.peer_gib), "--fsdp-width", str(a.peer_width)]
         if peer:  # sharded, memory only: the lost shards can only come from a peer's replica
-            worker += ["--fsdp-gib", str(a.peer_gib)]
+            worker += sharded
         if sharded_storage:  # sharded, no replicas: the lost shards come from storage
-            worker += ["--fsdp-gib", str(a.peer_gib), "--persist-every", "1"]
+            worker += [*sharded, "--persist-every", "1"]
         if self.flashckpt:
             cmd = [
                 sys.executable, "-m", "flashckpt", "run",
@@ -482,6 +483,14 @@ def main() -> int:
         type=float,
         default=0.25,
         help="GiB of state per machine of the sharded systems' job (default 0.25)",
+    )
+    p.add_argument(
+        "--peer-width",
+        type=int,
+        default=1024,
+        help="width of the sharded job's Linear(W, W) layers (default 1024: 43 layers at 0.25 "
+        "GiB per machine); wider layers hold the same state in fewer layers, so a step of "
+        "FSDP2 over gloo makes fewer collectives",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="debug logs from flashckpt run")

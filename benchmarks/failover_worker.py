@@ -66,9 +66,10 @@ def main() -> int:
         "--fsdp-gib",
         type=float,
         default=0.0,
-        help="> 0: a sharded job instead (FSDP2, Linear(1024, 1024) layers, AdamW) with this many "
+        help="> 0: a sharded job instead (FSDP2, Linear(W, W) layers, AdamW) with this many "
         "GiB of state per machine; the DDP job otherwise",
     )
+    p.add_argument("--fsdp-width", type=int, default=1024, help="W of the sharded job's layers")
     p.add_argument(
         "--persist-every",
         type=int,
@@ -87,7 +88,7 @@ def main() -> int:
     if sharded:
         from torch.distributed.fsdp import fully_shard
 
-        width = 1024
+        width = a.fsdp_width
         world = dist.get_world_size()
         # fp32 params + two AdamW moments: 12 bytes a parameter, split over the machines.
         layers = max(world, round(a.fsdp_gib * world * 2**30 / 12 / (width * width + width)))

@@ -212,6 +212,11 @@ class CheckpointConfig:
                 )
 
 
+def _off_cpu(device_types: set[str]) -> str:
+    """The device types other than the CPU, comma-separated ("" when all is in host memory)."""
+    return ", ".join(sorted(device_types - {"cpu"}))
+
+
 def resolve_prefault(prefault: str, device_types: set[str], restored: bool) -> tuple[str, str]:
     """When the slots' pages are populated, and why: ``prefault`` itself unless it is ``"auto"``,
     which becomes ``"background"`` on a resume (``restored``: the first step after a failure
@@ -225,9 +230,8 @@ def resolve_prefault(prefault: str, device_types: set[str], restored: bool) -> t
         return prefault, f"prefault={prefault!r} configured"
     if restored:
         return "background", "prefault='auto': a resume (the first step comes first)"
-    gpu = sorted(device_types - {"cpu"})
-    if gpu:
-        return "background", f"prefault='auto': the state has tensors on {', '.join(gpu)}"
+    if gpu := _off_cpu(device_types):
+        return "background", f"prefault='auto': the state has tensors on {gpu}"
     return "entry", "prefault='auto': a fresh start with the whole state in host memory"
 
 
@@ -245,9 +249,8 @@ def resolve_copy_mode(mode: str, device_types: set[str]) -> tuple[str, str]:
         raise ValueError(f"mode={mode!r}: use 'auto', 'overlap' or 'sync'")
     if mode != "auto":
         return mode, f"mode={mode!r} configured"
-    gpu = sorted(device_types - {"cpu"})
-    if gpu:
-        return "overlap", f"mode='auto': the state has tensors on {', '.join(gpu)}"
+    if gpu := _off_cpu(device_types):
+        return "overlap", f"mode='auto': the state has tensors on {gpu}"
     return "sync", "mode='auto': the whole state lives in host memory"
 
 

@@ -22,6 +22,11 @@ and ``b`` on another, trainers with ``torch.set_num_threads(1)``. Pushes (count,
 come from the agents' logs, the last push per rank from their ``status`` reply; per-thread CPU of
 the agents from /proc (thread names from the ``_probe``).
 
+``--spare-core`` asks what replication costs a trainer whose agent has a core to itself (a GPU
+host has cores to spare; this one has two): ``a``'s trainer alone on core 0; both agents and
+``b``'s trainer on core 1. Only ``a``'s loop is measured; ``b`` feeds ``a``'s agent its replicas
+and receives ``a``'s, so ``a``'s agent still sends and receives every snapshot.
+
     python benchmarks/replication_cost.py --rounds 3 --out benchmarks/runs/replication-cost.json
 """
 
@@ -111,7 +116,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 class Machines:
     """Two machines' shared-memory dirs, agents and trainers; everything removed at close."""
 
-    def __init__(self, pin: bool, idle_timeout: float) -> None:
+    def __init__(self, pin: bool, idle_timeout: float, spare_core: bool = False) -> None:
         self.idle_timeout = idle_timeout
         """An agent left behind (this process SIGKILLed) exits after this long alone."""
         self.root = tempfile.mkdtemp(prefix="fcrc-", dir="/tmp")
@@ -123,6 +128,11 @@ class Machines:
         self.mounts: list[str] = []
         self.shm: dict[str, str] = {}
         self.cpu: dict[str, int | None] = {}
+        """Each machine's trainer core (None: not pinned)."""
+        self.agent_cpu: dict[str, int | None] = {}
+        """Each machine's agent core: its trainer's, or with ``spare_core`` the second core for
+        both agents (machine ``b``'s trainer is there too: ``a``'s agent has a core its
+        trainer never runs on, as on a GPU host whose agent has cores to spare)."""
         cpus = sorted(os.sched_getaffinity(0))
         for i, node in enumerate(NODES):
             d = os.path.join(self.root, f"shm-{node}")
@@ -136,9 +146,9 @@ class Machines:
                     self.mounts.append(d)
             self.shm[node] = d
             self.cpu[node] = cpus[i % len(cpus)] if pin else None
+            self.agent_cpu[node] = cpus[1 % len(cpus)] if spare_core else self.cpu[node]
 
-    def _spawn(self, cmd: list[str], node: str, logf: str, env: dict[str, str]) -> Any:
-        cpu = self.cpu[node]
+    def _spawn(self, cmd: list[str], cpu: int | None, logf: str, env: dict[str, str]) -> Any:
         pre = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
         with open(logf, "ab") as f:
             p = subprocess.Popen(
@@ -161,7 +171,7 @@ class Machines:
         cmd += ["--log-file", logf, *extra]
         env = dict(os.environ, FCBENCH_THREAD_LOG=self.probe_dir)
         env["PYTHONPATH"] = os.pathsep.join([C.PROBE_DIR, env.get("PYTHONPATH", "")])
-        p = self._spawn(cmd, node, logf + ".err", env)
+        p = self._spawn(cmd, self.agent_cpu[node], logf + ".err", env)
         sock = os.path.join(self.run_dir, f"{job}.{node}.sock")
         deadline = time.monotonic() + 120
         while True:
@@ -186,7 +196,7 @@ class Machines:
         spec = dict(spec, cpu=self.cpu[node], shm_dir=self.shm[node], run_dir=self.run_dir)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
         cmd += ["--out", part]
-        return self._spawn(cmd, node, part + ".err", env), part
+        return self._spawn(cmd, self.cpu[node], part + ".err", env), part
 
     def stop(self, p: Any) -> None:
         if p.poll() is None:
@@ -301,19 +311,25 @@ def run_variant(m: Machines, args: argparse.Namespace, variant: str, rnd: int) -
             m.stop(p)
         m.clean_shm()
     res["load_end"] = os.getloadavg()
-    lost = []
     for r in res["machines"].values():
         r["lost_per_ckpt_s"] = (r["loop_s"] - r["plain_s"]) / r["ckpts"] if r.get("ckpts") else None
-        lost.append(r["lost_per_ckpt_s"])
-    res["loop_s"] = max(r["loop_s"] for r in res["machines"].values())
+    measured = [res["machines"][n] for n in _measured(args)]
+    lost = [r["lost_per_ckpt_s"] for r in measured]
+    res["measured"] = list(_measured(args))
+    res["loop_s"] = max(r["loop_s"] for r in measured)
     res["lost_per_ckpt_s"] = max(lost) if None not in lost else None
     ckpts_expected = args.steps // args.every
     if variant == "plain":  # the noise floor: two plain loops of one process, per checkpoint
         res["noise_per_ckpt_s"] = max(
-            abs(r["loop_s"] - r["plain_s"]) / max(1, ckpts_expected)
-            for r in res["machines"].values()
+            abs(r["loop_s"] - r["plain_s"]) / max(1, ckpts_expected) for r in measured
         )
     return res
+
+
+def _measured(args: argparse.Namespace) -> tuple[str, ...]:
+    """The machines whose loops are measured: both, or with ``--spare-core`` only ``a`` (``b``
+    shares the agents' core and only feeds ``a`` its replicas)."""
+    return ("a",) if args.spare_core else NODES
 
 
 def _agent_snap(m: Machines, pid: int) -> dict[str, Any]:
@@ -369,7 +385,9 @@ def _verdict(
     return out
 
 
-def summarize(runs: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+def summarize(
+    runs: list[dict[str, Any]], rounds: int, measured: tuple[str, ...] = NODES
+) -> dict[str, Any]:
     by = {(r["variant"], r["round"]): r for r in runs}
     per_round = []
     for rnd in range(1, rounds + 1):
@@ -383,8 +401,8 @@ def summarize(runs: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
             if r is None or pl is None:
                 return None
             got = []
-            for n, m in r["machines"].items():
-                p = pl["machines"][n]
+            for n in measured:
+                m, p = r["machines"][n], pl["machines"][n]
                 got.append((m["loop_s"] - (p["plain_s"] + p["loop_s"]) / 2) / max(1, m["ckpts"]))
             return max(got)
 
@@ -453,12 +471,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     pin = p.add_mutually_exclusive_group()
     pin.add_argument("--pin", dest="pin", action="store_true", default=None, help="one core each")
     pin.add_argument("--no-pin", dest="pin", action="store_false", help="no core pinning")
+    p.add_argument(
+        "--spare-core",
+        action="store_true",
+        help="machine a's trainer alone on core 0; both agents and b's trainer on core 1; only "
+        "a's loop is measured (an agent with a core of its own, as on a GPU host)",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per variant run")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.pin is None:
         a.pin = len(os.sched_getaffinity(0)) >= 2
+    if a.spare_core and (not a.pin or len(os.sched_getaffinity(0)) < 2):
+        p.error("--spare-core needs two cores and pinning (not --no-pin)")
     for k in ("dim", "layers", "batch", "steps", "every", "rounds"):
         if getattr(a, k) < 1:
             p.error(f"--{k}: must be >= 1")
@@ -488,7 +514,10 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: v for k, v in vars(args).items() if k != "child"},
         "pinned": args.pin,
         "pinned_note": (
-            "each machine (agent + trainer) on a core of its own, trainers with 1 torch thread"
+            "machine a's trainer alone on one core; both agents and b's trainer on the other; "
+            "only a measured; trainers with 1 torch thread"
+            if args.spare_core
+            else "each machine (agent + trainer) on a core of its own, trainers with 1 torch thread"
             if args.pin
             else f"no pinning; trainers with {args.threads} torch threads"
         ),
@@ -497,10 +526,11 @@ def main(argv: list[str] | None = None) -> int:
         "errors": [],
     }
     t0 = time.perf_counter()
-    m = Machines(args.pin, idle_timeout=args.timeout + 60)
+    m = Machines(args.pin, idle_timeout=args.timeout + 60, spare_core=args.spare_core)
     try:
         with C.terminate_as_exception():
             out["cpus"] = {n: m.cpu[n] for n in NODES}
+            out["agent_cpus"] = {n: m.agent_cpu[n] for n in NODES}
             out["tmpfs"] = bool(m.mounts)
             for rnd in range(1, args.rounds + 1):
                 order = list(VARIANTS)
@@ -523,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                         _write(args.out, out)
     finally:
         m.close()
-    out["summary"] = summarize(out["runs"], args.rounds)
+    out["summary"] = summarize(out["runs"], args.rounds, _measured(args))
     out["load_end"] = os.getloadavg()
     out["wall_s"] = time.perf_counter() - t0
     if args.out:

@@ -9,6 +9,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "replication_cost.py"
 
@@ -73,12 +76,47 @@ def test_a_tiny_run_pushes_only_with_replicas(tmp_path: Path) -> None:
     assert res["summary"]["median_receiver_cpu_s_per_push"] is not None
 
 
-def test_the_target_is_undecided_inside_the_noise_or_on_negative_figures() -> None:
+def test_spare_core_puts_both_agents_beside_b_and_measures_only_a() -> None:
+    rc = _bench_module()
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        out = subprocess.run(
+            [sys.executable, str(BENCH), "--spare-core"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2 and "two cores" in out.stderr
+        return
+    m = rc.Machines(True, 10.0, spare_core=True)
+    try:
+        assert m.cpu == {"a": cpus[0], "b": cpus[1]}
+        assert m.agent_cpu == {"a": cpus[1], "b": cpus[1]}
+    finally:
+        m.close()
+    assert not os.path.exists(m.root)
+    plain = rc.Machines(True, 10.0)
+    try:
+        assert plain.agent_cpu == plain.cpu == {"a": cpus[0], "b": cpus[1]}
+    finally:
+        plain.close()
+    assert rc._measured(rc.parse_args(["--spare-core"])) == ("a",)
+    assert rc._measured(rc.parse_args([])) == ("a", "b")
+    with pytest.raises(SystemExit):
+        rc.parse_args(["--spare-core", "--no-pin"])
+
+
+def _bench_module() -> Any:  # the benchmark module, imported from benchmarks/
     sys.path.insert(0, str(BENCH.parent))
     try:
         import replication_cost as rc
     finally:
         sys.path.remove(str(BENCH.parent))
+    return rc
+
+
+def test_the_target_is_undecided_inside_the_noise_or_on_negative_figures() -> None:
+    rc = _bench_module()
     assert rc._verdict(1.05, 0.5, 0.01)["met"] is True
     assert rc._verdict(1.5, 0.5, 0.01)["met"] is False
     assert rc._verdict(1.05, 0.5, 0.2)["met"] is None  # allowance 0.05 s < noise 0.2 s

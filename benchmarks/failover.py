@@ -11,7 +11,9 @@ system, from worker and launcher timestamps:
 - ``rendezvous``: -> the new round is formed (flashckpt only);
 - ``detect+rdzv``: kill -> the last new worker process is started;
 - ``init``: -> every new worker has imported torch and joined the process group;
-- ``restore``: -> every new worker has restored its state;
+- ``restore``: -> every new worker has restored its state; in the JSON split at the model built
+  (``model_s``: pg ready -> model and optimizer built, FSDP's ``fully_shard`` per layer included;
+  ``entry_s``: -> the checkpointing block entered, the restore itself);
 - ``first step``: -> every rank finished its first step after the resume (the headline number,
   ``total``, is kill -> here);
 - ``lost``: steps done before the kill and computed again after it, against the snapshot
@@ -329,8 +331,9 @@ def run_once(
                 120,
             )
         time.sleep(args.settle)
-        # Kill at a random point of a snapshot interval.
-        time.sleep(rng.uniform(0, args.every * args.step_sleep))
+        # Kill at a random point of a snapshot interval: ``every`` steps of the job as it runs
+        # (a sharded job's step takes seconds, far more than --step-sleep).
+        time.sleep(rng.uniform(0, args.every * max(args.step_sleep, _step_interval(job.events()))))
         events = job.events()
         # The sharded systems lose the machine of rank 1 (the one whose shards are only in a
         # peer's replica or in storage; tests/elastic/test_launcher_replica.py kills either).
@@ -345,6 +348,20 @@ def run_once(
         return _measure(system, job, t_kill, args)
     finally:
         job.close()
+
+
+def _rank(e: dict[str, Any]) -> int:
+    return int(e["rank"])
+
+
+def _step_interval(events: list[dict[str, Any]]) -> float:
+    """The median interval between one rank's consecutive steps so far (0 before two)."""
+    by_rank: dict[int, list[float]] = {}
+    for e in events:
+        if e["event"] == "step":
+            by_rank.setdefault(e["rank"], []).append(e["t"])
+    gaps = [b - a for times in by_rank.values() for a, b in itertools.pairwise(times)]
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def _steps_done(events: list[dict[str, Any]]) -> int:
@@ -381,6 +398,10 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
     t_pg = max(e["t"] for e in after if e["event"] == "pg_ready" and e["pid"] in new_pids)
     restored = [e for e in after if e["event"] == "restored" and e["pid"] in new_pids]
     t_restored = max(e["t"] for e in restored)
+    # The restore's two parts: building the model (FSDP: one fully_shard per layer) and the
+    # checkpointing block's entry (the restore itself), each the slowest worker's end.
+    built = [e["t"] for e in after if e["event"] == "ddp_ready"]
+    t_built = max(built) if built else None
     first_by_rank: dict[int, float] = {}
     for e in after:
         if e["event"] == "step" and e["rank"] not in first_by_rank:
@@ -402,6 +423,8 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
         "detect_rdzv_s": t_spawn - t_kill,
         "init_s": t_pg - t_spawn,
         "restore_s": t_restored - t_pg,
+        "model_s": (t_built - t_pg) if t_built is not None else None,
+        "entry_s": (t_restored - t_built) if t_built is not None else None,
         "first_step_s": t_first - t_restored,
         "first_step_by_rank_s": {
             str(r): t - max(e["t"] for e in restored if e["rank"] == r)
@@ -415,6 +438,15 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
         "steps_recomputed": last_done + 1 - resume_step,
         "snapshot_interval": args.every,
         "restored_from": sorted({str(e["restored_from"]) for e in restored}),
+        # Per new rank: its restore pipeline (inside the entry) and its pull's phases.
+        "restore_pipeline_by_rank_s": {
+            str(e["rank"]): e.get("restore_pipeline_s") for e in sorted(restored, key=_rank)
+        },
+        "pull_phases_by_rank_s": {
+            str(e["rank"]): e["pull_phases_s"]
+            for e in sorted(restored, key=_rank)
+            if e.get("pull_phases_s")
+        },
     }
     if job.flashckpt:
         launcher = [e for e in job.launcher_events() if e["t"] > t_kill]
@@ -428,7 +460,7 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ["total_s", "detect_s", "rendezvous_s", "detect_rdzv_s", "init_s", "restore_s",
-            "first_step_s", "steady_step_s", "steps_recomputed"]  # fmt: skip
+            "model_s", "entry_s", "first_step_s", "steady_step_s", "steps_recomputed"]  # fmt: skip
     out: dict[str, Any] = {"runs": len(runs)}
     for key in keys:
         values = [r[key] for r in runs if r.get(key) is not None]

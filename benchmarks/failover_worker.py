@@ -155,7 +155,18 @@ def main() -> int:
         # and must not turn a committed job into a failed one.
         on_persist_failure="raise" if rank == 0 else "warn",
     ) as ckpt:
-        _event(a.out, "restored", start_step=ckpt.start_step, restored_from=ckpt.restored_from)
+        st = ckpt.status()
+        _event(
+            a.out,
+            "restored",
+            start_step=ckpt.start_step,
+            restored_from=ckpt.restored_from,
+            # The restore pipeline's own time (the rest of the entry: the agent link, the
+            # slots, the prefault's start) and, from peer memory, the pull's phases.
+            restore_pipeline_s=st.get("restore_s"),
+            pull_phases_s=(st.get("restore") or {}).get("pull_phases_s"),
+            prefault=(st.get("prefault") or {}).get("resolved"),
+        )
         for step in range(ckpt.start_step, a.steps):
             # Where a step's time goes (the first one after a resume against steady ones).
             t0 = time.perf_counter()

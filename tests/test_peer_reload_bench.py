@@ -94,6 +94,8 @@ def test_the_failover_measure_reports_steady_and_first_step_times() -> None:
         ev(101.0, "start", 4, 1, t_process=101.0),
         ev(101.5, "pg_ready", 3, 0),
         ev(101.5, "pg_ready", 4, 1),
+        ev(101.7, "ddp_ready", 3, 0),
+        ev(101.8, "ddp_ready", 4, 1),
         ev(102.0, "restored", 3, 0, start_step=4, restored_from="memory"),
         ev(102.5, "restored", 4, 1, start_step=4, restored_from="peer-memory"),
         ev(103.0, "step", 3, 0, step=4),
@@ -112,3 +114,9 @@ def test_the_failover_measure_reports_steady_and_first_step_times() -> None:
     assert r["first_step_s"] == pytest.approx(1.5)
     assert r["first_step_by_rank_s"] == {"0": pytest.approx(1.0), "1": pytest.approx(1.5)}
     assert r["step_sleep_s"] == 0.05
+    # The restore splits at the slowest worker's model built: 0.3 s building, 0.7 s entering.
+    assert r["restore_s"] == pytest.approx(1.0)
+    assert r["model_s"] == pytest.approx(0.3) and r["entry_s"] == pytest.approx(0.7)
+    # The kill's random point spans ``every`` steps of the job as it runs (0.2 s each here).
+    assert failover._step_interval(events[:12]) == pytest.approx(0.2)
+    assert failover._step_interval(events[:2]) == 0.0

@@ -442,6 +442,9 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
         "restore_pipeline_by_rank_s": {
             str(e["rank"]): e.get("restore_pipeline_s") for e in sorted(restored, key=_rank)
         },
+        "entry_phases_by_rank_s": {
+            str(e["rank"]): e.get("entry_phases_s") for e in sorted(restored, key=_rank)
+        },
         "pull_phases_by_rank_s": {
             str(e["rank"]): e["pull_phases_s"]
             for e in sorted(restored, key=_rank)

@@ -166,6 +166,7 @@ def main() -> int:
             restore_pipeline_s=st.get("restore_s"),
             pull_phases_s=(st.get("restore") or {}).get("pull_phases_s"),
             prefault=(st.get("prefault") or {}).get("resolved"),
+            entry_phases_s=(st.get("entry") or {}).get("phases_s"),
         )
         for step in range(ckpt.start_step, a.steps):
             # Where a step's time goes (the first one after a resume against steady ones).

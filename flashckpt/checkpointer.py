@@ -141,6 +141,7 @@ class Checkpointer:
         self._mon: StepRecorder | None = None
         self._auto: AutoInterval | None = None
         self._restore_s: float | None = None
+        self._phase_t = 0.0  # perf_counter() at the end of the previous entry phase
         self._restore_info: dict[str, Any] = {}
         self._timeline_start = -1  # the step this run resumed at; -1: started from scratch
         # The collaborators, one job each; the methods below guard, then delegate to them.
@@ -212,6 +213,8 @@ class Checkpointer:
     # -- context manager ---------------------------------------------------------------------
     def __enter__(self) -> Checkpointer:
         enter_wall = time.time()
+        self.stats.entry_phases_s = {}
+        self._phase_t = time.perf_counter()
         self._setup()
         ctx = self._ctx
         shm_dir = self._snap.shm_dir
@@ -226,6 +229,7 @@ class Checkpointer:
                 enter_wall=enter_wall,
             )
         try:
+            self._entry_phase("hello")
             if self.config.restore:
                 restorer = self._restorer
                 restorer.run()
@@ -236,6 +240,7 @@ class Checkpointer:
             else:
                 # A past timeline's snapshots must never be resumed from after this run's start.
                 self._applier.invalidate_after(self._snap, -1)
+            self._entry_phase("restore")
             if self.restored_from is None:
                 start_fresh(self._storage, ctx, self.config)
             self._count = self.start_step
@@ -249,8 +254,11 @@ class Checkpointer:
                 self._hooks.extend(self._mon.attach(self.model, self.optimizer))
             self._hook_optimizer()
             self._snap.executor = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
+            self._entry_phase("timeline")
             self._snap.preallocate()
+            self._entry_phase("preallocate")
             self._prefault()
+            self._entry_phase("prefault")
         except BaseException:
             self._teardown()
             raise
@@ -259,6 +267,12 @@ class Checkpointer:
             self._mon.ready(self.start_step, self.restored_from)
         self._log_entry()
         return self
+
+    def _entry_phase(self, name: str) -> None:
+        """Records the seconds since the previous phase of the entry (``stats.entry_phases_s``)."""
+        now = time.perf_counter()
+        self.stats.entry_phases_s[name] = now - self._phase_t
+        self._phase_t = now
 
     def _prefault(self) -> None:
         """Populates the slots' pages: waits for them here, or leaves a thread at it
@@ -669,6 +683,10 @@ class Checkpointer:
                 "reason": s.prefault_reason,
                 "entry_wait_s": s.prefault_wait_s,
             },
+            "entry": {
+                "phases_s": dict(s.entry_phases_s),
+                "total_s": sum(s.entry_phases_s.values()),
+            },
             "every": self._auto.status()
             if self._auto is not None
             else {
@@ -688,6 +706,7 @@ class Checkpointer:
             probe_storage(Storage(cfg.mirror), ctx, what="mirror")
         ctx.name(job=cfg.job, node=cfg.node, run_dir=cfg.run_dir, storage=cfg.storage)
         assert ctx.socket is not None and ctx.run_dir is not None
+        self._entry_phase("join")
         cfg.replicated, shard, num_shards, replica = ctx.shard_layout(
             self.model, self.optimizer, cfg.replicated
         )

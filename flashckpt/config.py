@@ -335,6 +335,12 @@ class Stats:
     """Why ``prefault`` is what it is."""
     prefault_wait_s: float = 0.0
     """Seconds ``__enter__`` waited for the slots' pages (``prefault="entry"``)."""
+    entry_phases_s: dict[str, float] = field(default_factory=dict)
+    """Where ``__enter__``'s time went, in order: ``join`` (the process group, the storage
+    probes), ``hello`` (the node agent: found or started, told this rank, its slots mapped),
+    ``restore`` (the restore pipeline, or looking for something to restore), ``timeline``,
+    ``preallocate`` (both slots reserved), ``prefault`` (its wait at entry, or starting its
+    thread). ``status()["entry"]``."""
 
 
 _ARGUMENTS = (

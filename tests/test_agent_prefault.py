@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from fchelpers import FcEnv
+from fchelpers import FcEnv, RunningAgent
 from tinytrain import make
 
 import flashckpt
@@ -115,6 +115,36 @@ def test_background_prefault_is_selectable(fc_env: FcEnv) -> None:
         }
         _train_step(model, opt)
         ck.step()
+    _join_prefault_threads()
+
+
+def test_a_resume_prefaults_in_the_background(fc_env: FcEnv, agent: RunningAgent) -> None:
+    """A resume's first step comes first: the slots are populated beside it. The agent is a
+    standing one: an auto-started agent exits once every rank finished ("done"), and with it
+    the memory the next entry would resume from (a race with the next entry)."""
+    model, opt = _big()
+    _train_step(model, opt)
+    kw = fc_env.ckpt_kwargs()
+    phases = ["join", "hello", "restore", "timeline", "preallocate", "prefault"]
+    with flashckpt.checkpointing(model, opt, **kw) as ck:
+        entry = ck.status()["entry"]
+        assert list(entry["phases_s"]) == phases and min(entry["phases_s"].values()) >= 0
+        # The fresh start waited for the pages: that wait is the prefault phase.
+        assert entry["phases_s"]["prefault"] >= ck.stats.prefault_wait_s > 0
+        assert entry["total_s"] == pytest.approx(sum(entry["phases_s"].values()))
+        _train_step(model, opt)
+        ck.step()
+    _join_prefault_threads()
+    model2, opt2 = _big()
+    with flashckpt.checkpointing(model2, opt2, **kw) as ck2:
+        assert ck2.restored_from == "memory" and ck2.start_step == 1
+        status = ck2.status()["prefault"]
+        assert status["resolved"] == "background" and "resume" in status["reason"]
+        assert status["entry_wait_s"] == 0.0
+        entry = ck2.status()["entry"]
+        assert list(entry["phases_s"]) == phases
+        # The restore phase holds the restore pipeline (timed inside it).
+        assert entry["phases_s"]["restore"] >= ck2.status()["restore_s"] > 0
     _join_prefault_threads()
 
 

@@ -31,6 +31,7 @@ from flashckpt.shm import (
     Slot,
     allocate_slot_file,
     file_problem,
+    require_room,
     round_up,
     slot_path,
     slot_prefix,
@@ -214,13 +215,21 @@ class Segments:
                 # other machines this one holds says so now, with the numbers.
                 own, present = self.slot_bytes_after(rec, meta_cap, data_cap, keep)
                 check(own, present)
+            if msg.check_only:
+                # The files the alloc would (re)create, against the free space as it would
+                # find it (a replaced file's bytes come back first).
+                need = replaced = 0
+                for i, s in enumerate(rec.slots):
+                    if not _kept(s, i, keep, meta_cap, data_cap):
+                        need += slot_file_bytes(meta_cap, data_cap)
+                        with contextlib.suppress(ValueError):  # closed meanwhile
+                            replaced += s.size if s is not None else 0
+                require_room(self.st.cfg.shm_dir, need, replaced)
+                return AllocReply(slots=[])
             for i in range(2):
                 s = rec.slots[i]
-                if (
-                    s is not None
-                    and header_ok(s)
-                    and (i in keep or (s.meta_cap >= meta_cap and s.data_cap >= data_cap))
-                ):
+                if _kept(s, i, keep, meta_cap, data_cap):
+                    assert s is not None
                     paths.append(s.path)
                     continue
                 path = slot_path(self.st.cfg.shm_dir, self.st.cfg.job, self.st.cfg.node, rank, i)
@@ -235,6 +244,15 @@ class Segments:
                     rec.slots[i] = new
                 paths.append(path)
         return AllocReply(slots=paths)
+
+
+def _kept(s: Slot | None, i: int, keep: set[int], meta_cap: int, data_cap: int) -> bool:
+    """Whether an alloc keeps slot ``i`` as it is (asked to, or big enough), not recreated."""
+    return (
+        s is not None
+        and header_ok(s)
+        and (i in keep or (s.meta_cap >= meta_cap and s.data_cap >= data_cap))
+    )
 
 
 def slot_file_bytes(meta_cap: int, data_cap: int) -> int:

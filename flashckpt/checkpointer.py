@@ -255,10 +255,20 @@ class Checkpointer:
             self._hook_optimizer()
             self._snap.executor = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
             self._entry_phase("timeline")
-            self._snap.preallocate()
-            self._entry_phase("preallocate")
-            self._prefault()
-            self._entry_phase("prefault")
+            if self.restored_from is None:
+                self._snap.preallocate()
+                self._entry_phase("preallocate")
+                self._prefault()
+                self._entry_phase("prefault")
+            else:
+                # A resume: the first step comes first. The slots it has (those just restored
+                # from) get their pages beside it; the ones it lacks (a machine that took its
+                # snapshot from a peer or storage) are checked for room now and allocated by a
+                # thread the first snapshot waits for.
+                self._prefault()
+                self._entry_phase("prefault")
+                self._snap.preallocate(background=True)
+                self._entry_phase("preallocate")
         except BaseException:
             self._teardown()
             raise

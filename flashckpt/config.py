@@ -340,7 +340,8 @@ class Stats:
     probes), ``hello`` (the node agent: found or started, told this rank, its slots mapped),
     ``restore`` (the restore pipeline, or looking for something to restore), ``timeline``,
     ``preallocate`` (both slots reserved), ``prefault`` (its wait at entry, or starting its
-    thread). ``status()["entry"]``."""
+    thread); on a resume ``prefault`` comes before ``preallocate``, which then only checks
+    the room of the slots a thread allocates. ``status()["entry"]``."""
 
 
 _ARGUMENTS = (

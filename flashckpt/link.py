@@ -277,8 +277,11 @@ class AgentLink:
                 Snap(rank=self.ctx.rank, local_rank=self.ctx.local_rank, step=step)
             )
 
-    def alloc(self, *, meta_cap: int, data_cap: int, keep: list[int]) -> list[str]:
-        """Has the agent (re)allocate this rank's slots; returns their paths.
+    def alloc(
+        self, *, meta_cap: int, data_cap: int, keep: list[int], check_only: bool = False
+    ) -> list[str]:
+        """Has the agent (re)allocate this rank's slots; returns their paths (``check_only``:
+        only checks that they fit, returns none).
 
         Raises:
             ShmSpaceError: the shared memory cannot hold them.
@@ -294,6 +297,7 @@ class AgentLink:
                     meta_cap=meta_cap,
                     data_cap=data_cap,
                     keep=keep,
+                    check_only=True if check_only else None,
                 ),
                 timeout=self.config.agent_timeout,
             )

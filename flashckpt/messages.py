@@ -287,9 +287,15 @@ class Alloc(_Position):
     """Bytes of the data region."""
     keep: list[int] | None = None
     """Slots (0, 1) the trainer needs as they are: never replaced, whatever their size."""
+    check_only: bool | None = None
+    """True: only check that the shared memory has room for them (as the alloc would: the
+    replicas' capacity check and the free space), allocate nothing; the reply lists no slot.
+    (None, the default, is left off the wire: an alloc's JSON is what it was.)"""
 
     def __post_init__(self) -> None:
         _Position.__post_init__(self)
+        if self.check_only is not None and type(self.check_only) is not bool:
+            raise ProtocolError(f"alloc: check_only={self.check_only!r} is not a boolean")
         if not (0 <= self.meta_cap <= MAX_SLOT_BYTES and 0 <= self.data_cap <= MAX_SLOT_BYTES):
             raise ProtocolError(
                 f"alloc: slot sizes {self.meta_cap} + {self.data_cap} B are outside "
@@ -478,7 +484,7 @@ class AllocReply(Reply):
     """The position's slots, allocated or kept."""
 
     slots: list[str]
-    """The two slot files."""
+    """The two slot files (none for ``check_only``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -48,6 +48,7 @@ __all__ = [
     "check_private_dir",
     "ensure_private_dir",
     "file_problem",
+    "require_room",
     "slot_path",
     "slot_prefix",
 ]
@@ -118,6 +119,14 @@ def allocate_slot_file(path: str, meta_cap: int, data_cap: int) -> int:
     finally:
         os.close(fd)
     return total
+
+
+def require_room(shm_dir: str, need: int, replaced: int = 0) -> None:
+    """Raises :class:`ShmSpaceError` (with the numbers and the fix) unless ``shm_dir`` has room
+    for ``need`` more bytes once files of ``replaced`` bytes are replaced."""
+    free = shm_free_bytes(shm_dir)
+    if need > free + replaced:
+        raise ShmSpaceError(_space_message(shm_dir, need, free + replaced))
 
 
 def _space_message(shm_dir: str, need: int, free: int) -> str:

@@ -257,6 +257,8 @@ class Snapshotter:
         """Whether the slots are page-locked for CUDA: the state had CUDA tensors at entry
         (:meth:`pin_for_cuda`); every slot mapped since is registered as it is mapped."""
         self._opt_names: tuple[tuple[int, ...], list[str | None]] | None = None
+        self._alloc_thread: threading.Thread | None = None
+        """The background allocation of :meth:`preallocate` (a resume), until waited for."""
 
     def map(self, path: str) -> SlotMap:
         problem = file_problem(path)
@@ -389,11 +391,43 @@ class Snapshotter:
             factor += 1
         return model_bytes + factor * param_bytes + 64 * len(opt.state_dict()["state"] or [1])
 
-    def preallocate(self) -> None:
+    def preallocate(self, background: bool = False) -> None:
         """Reserves both slots at entry, sized from the state (or an estimate before the first
-        optimizer step), so a too-small /dev/shm fails here, before training, not mid-run."""
+        optimizer step), so a too-small /dev/shm fails here, before training, not mid-run.
+
+        ``background`` (a resume: the first step comes first): the agent checks at once that
+        the slots fit (the same check its allocation makes) and a thread allocates them and
+        maps their pages beside the first steps; the first snapshot waits for it
+        (:meth:`wait_alloc`). A standby that took its snapshot from a peer has one slot to
+        allocate: 0.3 s of its entry at 0.25 GiB (``benchmarks/README.md``, failover).
+        """
         need = self.estimate_bytes()
-        self.ensure_slots(MIN_META_CAP, need, fault=False)
+        if not background:
+            self.ensure_slots(MIN_META_CAP, need, fault=False)
+            return
+        req = self._alloc_request(MIN_META_CAP, need)
+        if req is None:
+            return
+        meta_cap, data_cap, keep = req
+        self.link.alloc(meta_cap=meta_cap, data_cap=data_cap, keep=keep, check_only=True)
+        t = threading.Thread(
+            target=self._background_alloc, args=(need,), name="flashckpt-alloc", daemon=True
+        )
+        self._alloc_thread = t
+        t.start()
+
+    def _background_alloc(self, need: int) -> None:
+        try:
+            self.ensure_slots(MIN_META_CAP, need, fault=True)
+        except Exception as e:  # the first snapshot allocates again (and raises there)
+            log.warning("flashckpt: reserving the slots in the background failed: %s", e)
+
+    def wait_alloc(self) -> None:
+        """Waits for the background allocation of :meth:`preallocate`, if one runs."""
+        t = self._alloc_thread
+        if t is not None:
+            t.join()
+            self._alloc_thread = None
 
     def prefault_all(self) -> Prefaulter | None:
         """Maps every slot page in a background thread (returns it at once; None when there are
@@ -429,22 +463,11 @@ class Snapshotter:
         lose the one step to resume from until the next snapshot completes. It is replaced once
         the other slot holds a newer one and it becomes the target.
         """
-        target = self.target_slot() if any(self.slots) else None
+        req = self._alloc_request(meta_need, data_need)
+        if req is None:
+            return
+        meta_cap, data_cap, keep = req
         with self.slot_lock:
-            keep = [
-                i
-                for i, s in enumerate(self.slots)
-                if s is not None and s is not target and s.step is not None
-            ]
-            ok = all(
-                i in keep
-                or (s is not None and s.slot.meta_cap >= meta_need and s.slot.data_cap >= data_need)
-                for i, s in enumerate(self.slots)
-            )
-            if ok:
-                return
-            meta_cap = max(4 * MIN_META_CAP, 2 * meta_need)
-            data_cap = data_need + data_need // 16 + (1 << 20)
             paths = self.link.alloc(meta_cap=meta_cap, data_cap=data_cap, keep=keep)
             new: list[SlotMap | None] = []
             for i, p in enumerate(paths):
@@ -463,8 +486,28 @@ class Snapshotter:
                     self.registrar.unregister(old)  # replaced: no copy runs into it (waited)
             self.slots = new
 
+    def _alloc_request(self, meta_need: int, data_need: int) -> tuple[int, int, list[int]] | None:
+        """(meta_cap, data_cap, keep) of the alloc that makes the slots hold these sizes, or
+        None when they do (see :meth:`ensure_slots`)."""
+        target = self.target_slot() if any(self.slots) else None
+        with self.slot_lock:
+            keep = [
+                i
+                for i, s in enumerate(self.slots)
+                if s is not None and s is not target and s.step is not None
+            ]
+            ok = all(
+                i in keep
+                or (s is not None and s.slot.meta_cap >= meta_need and s.slot.data_cap >= data_need)
+                for i, s in enumerate(self.slots)
+            )
+        if ok:
+            return None
+        return max(4 * MIN_META_CAP, 2 * meta_need), data_need + data_need // 16 + (1 << 20), keep
+
     def acquire_slot(self, flat: FlatState, when_busy: str) -> SlotMap | None:
         assert self.layout is not None
+        self.wait_alloc()
         need_meta = max(MIN_META_CAP, 2 * len(json.dumps(flat.skeleton)) + 256 * len(flat.names))
         need_data = self.layout.nbytes
         target = self.target_slot() if all(self.slots) else None
@@ -688,7 +731,8 @@ class Snapshotter:
                     self.slots[i] = None  # the agent discarded it: the next save allocates
 
     def stop(self) -> None:
-        """Stops the copy thread (after the copy it runs)."""
+        """Stops the copy thread (after the copy it runs) and waits for a background alloc."""
+        self.wait_alloc()
         if self.executor is not None:
             self.executor.shutdown(wait=True)
             self.executor = None

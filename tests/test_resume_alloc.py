@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import resource
-import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-from fchelpers import FcEnv, RunningAgent
+from fchelpers import FcEnv, RunningAgent, private_shm
 from test_agent_prefault import _slot_mappings
 
 import flashckpt
@@ -104,19 +103,14 @@ def test_too_small_shm_at_a_resume_is_an_error_at_entry_and_allocates_nothing(
     fc_env: FcEnv, tmp_path: Path
 ) -> None:
     _persist_one_step(fc_env)
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        a = RunningAgent(fc_env.agent_config(shm_dir=str(mnt)))
+    with private_shm(tmp_path / "shm", size="8m") as mnt:
+        if not os.path.ismount(mnt):
+            pytest.skip("needs a tmpfs of a set size (root)")
+        a = RunningAgent(fc_env.agent_config(shm_dir=mnt))
         try:
             model, opt = _model()
             ck = flashckpt.checkpointing(
-                model, opt, **fc_env.ckpt_kwargs(agent="connect", shm_dir=str(mnt))
+                model, opt, **fc_env.ckpt_kwargs(agent="connect", shm_dir=mnt)
             )
             with pytest.raises(flashckpt.ShmSpaceError, match=r"MiB free but .*--shm-size"):
                 ck.__enter__()
@@ -124,8 +118,6 @@ def test_too_small_shm_at_a_resume_is_an_error_at_entry_and_allocates_nothing(
         finally:
             a.stop()
         assert [n for n in os.listdir(mnt) if not n.endswith(".owner")] == []
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_check_only_alloc_is_a_boolean() -> None:

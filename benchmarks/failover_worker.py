@@ -155,10 +155,12 @@ def main() -> int:
         # and must not turn a committed job into a failed one.
         on_persist_failure="raise" if rank == 0 else "warn",
     ) as ckpt:
+        t_entered = time.time()  # the event's time: status() asks the agent, after the entry
         st = ckpt.status()
         _event(
             a.out,
             "restored",
+            t=t_entered,
             start_step=ckpt.start_step,
             restored_from=ckpt.restored_from,
             # The restore pipeline's own time (the rest of the entry: the agent link, the

@@ -65,6 +65,9 @@ DEFAULT_MODULES = (
     "torch.nn.parallel",
     "torch._dynamo",
     "flashckpt",
+    # What the first checkpointing() call imports (the restore, storage, fsspec, xxhash):
+    # 0.2-0.3 s a fresh worker would pay between building its model and its restore.
+    "flashckpt.checkpointer",
 )
 """What the zygote imports: what a DDP training script with flashckpt imports anyway."""
 

@@ -409,13 +409,7 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
     t_first = max(first_by_rank.values())
     # The first step after the resume against a steady one: the interval between one rank's
     # consecutive steps before the kill (it includes --step-sleep and any snapshot steps).
-    steady: list[float] = []
-    by_rank: dict[int, list[float]] = {}
-    for e in before:
-        if e["event"] == "step" and e["t"] <= t_kill:
-            by_rank.setdefault(e["rank"], []).append(e["t"])
-    for times in by_rank.values():
-        steady.extend(b - a for a, b in itertools.pairwise(times))
+    steady = _step_interval([e for e in before if e["t"] <= t_kill]) or None
     resume_step = restored[0]["start_step"]
     result: dict[str, Any] = {
         "system": system,
@@ -431,7 +425,7 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
             for r, t in sorted(first_by_rank.items())
             if any(e["rank"] == r for e in restored)
         },
-        "steady_step_s": statistics.median(steady) if steady else None,
+        "steady_step_s": steady,
         "step_sleep_s": args.step_sleep,
         "last_step_done_before_kill": last_done,
         "resume_step": resume_step,

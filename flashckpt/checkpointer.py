@@ -255,18 +255,17 @@ class Checkpointer:
             self._hook_optimizer()
             self._snap.executor = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
             self._entry_phase("timeline")
-            if self.restored_from is None:
+            # A resume: the first step comes first. The slots it has (those just restored
+            # from) get their pages beside it; the ones it lacks (a machine that took its
+            # snapshot from a peer or storage) are checked for room now and allocated by a
+            # thread the first snapshot waits for.
+            resume = self.restored_from is not None
+            if not resume:
                 self._snap.preallocate()
                 self._entry_phase("preallocate")
-                self._prefault()
-                self._entry_phase("prefault")
-            else:
-                # A resume: the first step comes first. The slots it has (those just restored
-                # from) get their pages beside it; the ones it lacks (a machine that took its
-                # snapshot from a peer or storage) are checked for room now and allocated by a
-                # thread the first snapshot waits for.
-                self._prefault()
-                self._entry_phase("prefault")
+            self._prefault()
+            self._entry_phase("prefault")
+            if resume:
                 self._snap.preallocate(background=True)
                 self._entry_phase("preallocate")
         except BaseException:

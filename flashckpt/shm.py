@@ -92,9 +92,7 @@ def allocate_slot_file(path: str, meta_cap: int, data_cap: int) -> int:
     total = HEADER_SIZE + meta_cap + data_cap
     shm_dir = os.path.dirname(path)
     old = os.path.getsize(path) if os.path.exists(path) else 0
-    free = shm_free_bytes(shm_dir)
-    if total > free + old:
-        raise ShmSpaceError(_space_message(shm_dir, total, free + old))
+    require_room(shm_dir, total, old)
     tmp = f"{path}.tmp{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)  # a leftover (or a planted link): never written through
@@ -104,6 +102,7 @@ def allocate_slot_file(path: str, meta_cap: int, data_cap: int) -> int:
             os.posix_fallocate(fd, 0, total)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                free = shm_free_bytes(shm_dir)
                 raise ShmSpaceError(_space_message(shm_dir, total, free + old)) from None
             raise
         # A fresh header: EMPTY, with the capacities, so readers see a valid empty slot.

@@ -6,14 +6,13 @@ nothing), and the first snapshot after the resume goes into fully mapped slots."
 from __future__ import annotations
 
 import os
-import resource
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent, private_shm
-from test_agent_prefault import _slot_mappings
+from test_agent_prefault import _slot_mappings, _thread_minor_faults
 
 import flashckpt
 import flashckpt.snapshot
@@ -46,10 +45,6 @@ def _persist_one_step(fc_env: FcEnv) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in model.state_dict().items()}
     finally:
         first.stop()  # a clean stop removes the segments
-
-
-def _thread_minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 def test_a_resume_from_storage_allocates_its_slots_beside_the_first_steps(

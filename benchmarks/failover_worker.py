@@ -16,8 +16,10 @@ T_PROCESS = time.time()
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import faulthandler  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
@@ -54,6 +56,9 @@ def _torch_save(directory: str, state: dict[str, object]) -> None:
 
 
 def main() -> int:
+    # A worker stopped by its launcher (SIGTERM) prints where every thread was: a worker that
+    # hangs instead of failing when its peer dies shows where in the launcher's log.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--mode", choices=("flashckpt", "torchsave"), required=True)

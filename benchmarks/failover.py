@@ -45,6 +45,9 @@ With ``--namespaces`` (root, Linux) every machine runs in its own network namesp
 address on a private bridge, hostname and ``/dev/shm`` (``elastic/netns.py``); etcd (or torch's
 TCPStore) runs in the hub namespace, and a kill takes every process of the machine and its shared
 memory at once. Without it, machines are process trees on this host's loopback.
+``--socket-log`` (with ``--namespaces``) writes every machine's TCP sockets (``ss -tanpio``) at
+0, 0.3, 1 and 3 s after each kill to ``socket-log-<victim>.txt`` in the run's directory: it
+shows which connections a survivor still holds to a dead machine when a detection is slow.
 
 Run from the repository root::
 
@@ -68,6 +71,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -122,6 +126,7 @@ class Job:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.killed: set[str] = set()
         self.etcd: EtcdServer | None = None
+        self.socket_logs: list[threading.Thread] = []
         self.store_host: subprocess.Popen[bytes] | None = None
         # Each machine's /dev/shm holds its two slots per rank and the replica it keeps with the
         # file that one replaced (reused by the next push): 4x its state, and some room.
@@ -271,12 +276,31 @@ class Job:
         if self.net is not None:  # every process of the machine, and its memory
             t = time.time()
             self.net.machines[node].kill()
+            if self.args.socket_log:
+                log = threading.Thread(target=self._log_sockets, args=(node, t), daemon=True)
+                log.start()
+                self.socket_logs.append(log)
             return t
         victims = process_tree(self.procs[node].pid)
         t = time.time()
         kill_processes(victims)
         psutil.wait_procs(victims, timeout=10)
         return t
+
+    def _log_sockets(self, victim: str, t_kill: float) -> None:
+        """Every machine's TCP sockets at a few moments after ``victim``'s kill."""
+        assert self.net is not None
+        with open(self.work / f"socket-log-{victim}.txt", "w") as f:
+            for delay in (0.0, 0.3, 1.0, 3.0):
+                time.sleep(max(0.0, t_kill + delay - time.time()))
+                f.write(f"=== {time.time() - t_kill:+.2f} s after the kill of {victim}\n")
+                for name, machine in self.net.machines.items():
+                    ss = subprocess.run(
+                        ["ip", "netns", "exec", machine.netns, "ss", "-tanpio"],
+                        capture_output=True,
+                        text=True,
+                    )
+                    f.write(f"--- {name} pids={machine.pids()}\n{ss.stdout}{ss.stderr}\n")
 
     def wait(self, what: str, check: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -296,6 +320,8 @@ class Job:
         return f"--- {node}\n{text[-3000:]}"
 
     def close(self) -> None:
+        for log in self.socket_logs:
+            log.join(timeout=10)
         launched = list(self.procs.values())
         if self.store_host is not None:
             launched.append(self.store_host)
@@ -521,6 +547,12 @@ def main() -> int:
         "GiB per machine); wider layers hold the same state in fewer layers, so a step of "
         "FSDP2 over gloo makes fewer collectives",
     )
+    p.add_argument(
+        "--socket-log",
+        action="store_true",
+        help="with --namespaces: every machine's TCP sockets at 0, 0.3, 1, 3 s after each kill, "
+        "in the run's directory (socket-log-<victim>.txt)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="debug logs from flashckpt run")
     p.add_argument(
@@ -537,6 +569,8 @@ def main() -> int:
         return 0
     if args.namespaces and (reason := netns.unavailable()) is not None:
         p.error(f"--namespaces: {reason}")
+    if args.socket_log and not args.namespaces:
+        p.error("--socket-log needs --namespaces (it reads each machine's network namespace)")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
         if s not in SYSTEMS:

@@ -7,7 +7,9 @@ instant, at a random point of a snapshot interval); the standby takes its place.
 system, from worker and launcher timestamps:
 
 - ``detect``: kill -> the first launcher reports the machine dead (flashckpt only; torchrun
-  does not report it);
+  does not report it); ``detected_via`` in the JSON says how it learnt it (``link``: its held
+  link to the victim's launcher closed; ``probe``: its workers failed and it probed;
+  ``watch``: the victim's key went, its lease lapsed);
 - ``rendezvous``: -> the new round is formed (flashckpt only);
 - ``detect+rdzv``: kill -> the last new worker process is started;
 - ``init``: -> every new worker has imported torch and joined the process group;
@@ -21,12 +23,13 @@ system, from worker and launcher timestamps:
 
 Systems:
 
-- ``flashckpt``: ``flashckpt run`` with its defaults (etcd v3 rendezvous, 5 s leases, peer
-  probe on failure, event-driven rendezvous, the node agent kept across rounds, workers forked
+- ``flashckpt``: ``flashckpt run`` with its defaults (etcd v3 rendezvous, 5 s leases, links
+  held between launchers and a peer probe when one breaks or workers fail, event-driven
+  rendezvous, the node agent kept across rounds, workers forked
   from a pre-warmed process), resuming with
   ``flashckpt.checkpointing`` (memory or committed storage);
-- ``flashckpt-lease-only``: the same with ``--no-probe``: a dead machine is found by its lease
-  lapsing (what a power loss or network partition looks like);
+- ``flashckpt-lease-only``: the same with ``--no-probe`` (no links, no probes): a dead machine
+  is found by its lease lapsing (what a power loss or network partition looks like);
 - ``flashckpt-cold``: the same with ``--no-prewarm``: every worker is a fresh interpreter that
   imports torch, like torchrun's;
 - ``flashckpt-peer``: ``flashckpt run`` defaults (replicas 1) without storage, and a sharded job
@@ -478,6 +481,10 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
         if lost and rdzv:
             result["detect_s"] = min(lost) - t_kill
             result["rendezvous_s"] = max(rdzv) - min(lost)
+            # How the first launcher learnt it: "link" (a held link to the victim's launcher
+            # closed), "probe" (its workers failed and it probed), "watch" (the key went).
+            first = min((e for e in launcher if e["event"] == "peer_lost"), key=lambda e: e["t"])
+            result["detected_via"] = first.get("via")
     return result
 
 

@@ -243,10 +243,14 @@ class LauncherConfig:
     probe: bool = field(
         default=True,
         metadata=cliargs.flag(
-            "--no-probe", help="do not probe peers when workers fail; rely on lease expiry alone"
+            "--no-probe",
+            help="do not probe peers when workers fail or when a held link to a peer breaks; "
+            "rely on lease expiry alone",
         ),
     )
-    """Probe peers when workers fail, to find dead machines before their lease lapses."""
+    """Probe peers when workers fail, and hold a link to two peers' probe ports (a link that
+    breaks gets its peer probed, :mod:`elastic.peerlinks`), to find dead machines before their
+    lease lapses."""
     health_check: bool = field(
         default=False,
         metadata=cliargs.flag(

@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import pickle
+import selectors
 import socket
 import threading
 import time
@@ -60,6 +61,14 @@ from elastic.etcd import (
     EtcdOutcomeUnknown,
     KeyValue,
     Lease,
+)
+from elastic.peerlinks import (
+    HOLD_ANSWER,
+    HOLD_QUESTION,
+    LinkTarget,
+    PeerLinks,
+    read_line,
+    ring_successors,
 )
 
 __all__ = [
@@ -238,18 +247,8 @@ _ETCD_QUESTION = b"etcd?\n"
 """What a prober sends after the token line to ask when the peer last renewed its lease."""
 _ETCD_ANSWER_MAX = 64
 """Bytes of the answer to the etcd question a prober reads at most (it is one short line)."""
-
-
-def _read_line(sock: socket.socket, limit: int) -> bytes:
-    """One line from ``sock`` (byte by byte: nothing after it is consumed), at most ``limit``
-    bytes; what came if the peer closed first."""
-    line = b""
-    while not line.endswith(b"\n") and len(line) < limit:
-        chunk = sock.recv(1)
-        if not chunk:
-            break
-        line += chunk
-    return line
+_MAX_HELD = 256
+"""Links a probe port holds at most (a job's ring needs a few; more is somebody's mistake)."""
 
 
 def peer_etcd_age(record: NodeRecord, timeout: float) -> float | None:
@@ -267,11 +266,11 @@ def peer_etcd_age(record: NodeRecord, timeout: float) -> float | None:
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
             sock.settimeout(timeout)
-            token = _read_line(sock, 256).strip().decode(errors="replace")
+            token = read_line(sock, 256).strip().decode(errors="replace")
             if token != record.token:
                 return None
             sock.sendall(_ETCD_QUESTION)
-            answer = _read_line(sock, _ETCD_ANSWER_MAX).decode(errors="replace").split()
+            answer = read_line(sock, _ETCD_ANSWER_MAX).decode(errors="replace").split()
     except (OSError, ValueError):
         return None
     if len(answer) != 2 or answer[0] != "etcd":
@@ -286,7 +285,10 @@ def peer_etcd_age(record: NodeRecord, timeout: float) -> float | None:
 class _ProbeServer:
     """Answers every connection with the launcher's token, from a daemon thread; a prober that
     then asks (:data:`_ETCD_QUESTION`) gets how long ago this launcher last renewed its lease
-    (``etcd_age``; ``none`` while it holds no lease)."""
+    (``etcd_age``; ``none`` while it holds no lease); a linker that asks
+    (:data:`~elastic.peerlinks.HOLD_QUESTION`) gets ``held`` and the connection stays open,
+    silent, until this launcher exits (:mod:`elastic.peerlinks`): its closing is what tells the
+    linker that this launcher is gone. At most :data:`_MAX_HELD` links are held."""
 
     def __init__(
         self, token: str, bind_host: str, etcd_age: Callable[[], float | None] | None = None
@@ -295,33 +297,96 @@ class _ProbeServer:
         self._etcd_age = etcd_age
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._sock = socket.create_server((bind_host, 0), family=family, backlog=128)
-        self._sock.settimeout(0.5)
+        self._sock.setblocking(False)
         self.port = int(self._sock.getsockname()[1])
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._held: set[socket.socket] = set()
         self._thread = threading.Thread(target=self._serve, name="flashckpt-probe", daemon=True)
         self._thread.start()
+
+    @property
+    def held(self) -> int:
+        """How many links are held now."""
+        return len(self._held)
 
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
+                events = self._selector.select(1.0)
             except OSError:
                 return
-            with contextlib.suppress(OSError), conn:
-                conn.settimeout(1.0)
-                conn.sendall(self.token.encode() + b"\n")
-                # A plain probe closes now (recv returns at once); one that asks gets a line.
-                conn.settimeout(0.5)
-                if conn.recv(len(_ETCD_QUESTION)) == _ETCD_QUESTION:
-                    age = self._etcd_age() if self._etcd_age is not None else None
-                    conn.sendall(b"etcd none\n" if age is None else f"etcd {age:.3f}\n".encode())
+            for key, _ in events:
+                sock = key.fileobj
+                if sock is self._wake_r:
+                    continue
+                assert isinstance(sock, socket.socket)
+                if sock is self._sock:
+                    self._accept()
+                else:
+                    self._held_readable(sock)
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._stop.set()
+            return
+        keep = False
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(self.token.encode() + b"\n")
+            # A plain probe closes now (recv returns at once); one that asks gets a line.
+            conn.settimeout(0.5)
+            question = conn.recv(len(_ETCD_QUESTION))
+            if question == _ETCD_QUESTION:
+                age = self._etcd_age() if self._etcd_age is not None else None
+                conn.sendall(b"etcd none\n" if age is None else f"etcd {age:.3f}\n".encode())
+            elif question == HOLD_QUESTION and len(self._held) < _MAX_HELD:
+                conn.sendall(HOLD_ANSWER)
+                conn.setblocking(False)
+                self._selector.register(conn, selectors.EVENT_READ)
+                self._held.add(conn)
+                keep = True
+        except OSError:
+            pass
+        finally:
+            if not keep:
+                with contextlib.suppress(OSError):
+                    conn.close()
+
+    def _held_readable(self, conn: socket.socket) -> None:
+        """A held link's holder closed it (or sent something it should not): let it go."""
+        with contextlib.suppress(BlockingIOError):
+            try:
+                if conn.recv(64):
+                    return
+            except OSError:
+                pass
+            self._held.discard(conn)
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn)
+            with contextlib.suppress(OSError):
+                conn.close()
 
     def close(self) -> None:
         self._stop.set()
-        self._sock.close()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
         self._thread.join(timeout=2)
+        # The held links close here, after the lease was revoked (NodeRegistry.close): a
+        # linker that sees them close finds the key gone and declares nothing.
+        for sock in (self._sock, *self._held, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._held.clear()
+        with contextlib.suppress(OSError):
+            self._selector.close()
 
 
 class NodeRegistry:
@@ -336,12 +401,20 @@ class NodeRegistry:
             restart, a busy host) before a healthy machine is declared dead.
         advertise_host: Address peers use to reach the probe port (default: the host name).
         bind_host: Address the probe port listens on (default: every interface).
-        on_lost: Called from the watch thread with the record of every peer whose key
-            disappeared (its lease lapsed or was revoked). Exceptions are logged.
+        on_lost: Called with the record of every peer whose key disappeared (its lease lapsed
+            or was revoked) and how that was learnt: ``"link"`` (its held link broke and a probe
+            found it dead), ``"probe"`` (:meth:`reap_dead_peers` found it dead) or ``"watch"``
+            (the key went: its lease lapsed, another machine found it dead, or it left).
+            Called once per peer instance, from the thread that learnt it. Exceptions are
+            logged.
         on_fenced: Called once from the renew thread when this machine is fenced (see the
             module docstring): it must stop everything that writes for the job before
             :attr:`FenceNotice.expiry`. ``None``: never fenced (a lapsed lease is registered
             again under the same token, as for a private etcd nobody else uses).
+        links: How many peers to hold a link to (:mod:`elastic.peerlinks`: the next ones in
+            the ring of node ids), so that a peer launcher's death is seen when its sockets
+            close, whatever the workers do; 0: none (deaths are learnt from failed workers'
+            probes and from lapsed leases only).
     """
 
     def __init__(
@@ -353,8 +426,9 @@ class NodeRegistry:
         ttl: timedelta = timedelta(seconds=5),
         advertise_host: str | None = None,
         bind_host: str = "",
-        on_lost: Callable[[NodeRecord], None] | None = None,
+        on_lost: Callable[[NodeRecord, str], None] | None = None,
         on_fenced: Callable[[FenceNotice], None] | None = None,
+        links: int = 2,
     ) -> None:
         if ttl < timedelta(seconds=2):
             raise ValueError(
@@ -394,6 +468,10 @@ class NodeRegistry:
             probe="",
         )
         self._advertise_host = advertise_host or socket.getfqdn()
+        if links < 0:
+            raise ValueError(f"links must be 0 (none) or more, got {links}")
+        self._fanout = links
+        self._links: PeerLinks | None = None
 
     @property
     def key(self) -> str:
@@ -442,6 +520,8 @@ class NodeRegistry:
         with self._lock:
             self._record = replace(self._record, probe=f"{host}:{self._probe_server.port}")
         self._register(Deadline.after(timeout))
+        if self._fanout:
+            self._links = PeerLinks(self._on_link_broken)
         for target, name in ((self._renew_loop, "renew"), (self._watch_loop, "watch")):
             self._start_thread(target, name)
 
@@ -542,7 +622,13 @@ class NodeRegistry:
         kvs = self._client.get_prefix(self._prefix, timeout=timeout)
         return [r for r in (NodeRecord.from_kv(kv) for kv in kvs) if r is not None]
 
-    def reap_dead_peers(self, candidates: Collection[str] | None = None) -> list[NodeRecord]:
+    def linked(self) -> set[str]:
+        """The peers this launcher holds a link to now (:mod:`elastic.peerlinks`)."""
+        return self._links.held() if self._links is not None else set()
+
+    def reap_dead_peers(
+        self, candidates: Collection[str] | None = None, *, via: str = "probe"
+    ) -> list[NodeRecord]:
         """Probes peers and revokes the lease of every one that is certainly dead.
 
         Revoking deletes the peer's key, so every launcher's watch reports it as lost at once,
@@ -550,6 +636,7 @@ class NodeRegistry:
 
         Args:
             candidates: Node ids to probe; default every peer.
+            via: Why they are probed, for ``on_lost``.
 
         Returns:
             The records of the peers found dead.
@@ -586,7 +673,7 @@ class NodeRegistry:
                 logger.warning(
                     "could not revoke the lease of dead node %s: %s", record.node_id, exc
                 )
-            self._report_lost(record)
+            self._report_lost(record, via)
         return dead
 
     def close(self, timeout: timedelta = timedelta(seconds=2), *, revoke: bool = True) -> None:
@@ -598,6 +685,8 @@ class NodeRegistry:
             revoke: ``False`` when etcd is known to be unreachable: the lease lapses.
         """
         self._stop.set()
+        if self._links is not None:
+            self._links.close()
         with self._lock:
             lease, self._lease = self._lease, None
             lease = lease or self._stale_lease
@@ -856,9 +945,10 @@ class NodeRegistry:
             with self._lock:
                 vanished = [r for n, r in self._peers.items() if n not in current]
                 self._peers = current
+            self._update_links()
             if not first:
                 for record in vanished:
-                    self._report_lost(record)
+                    self._report_lost(record, "watch")
             first = False
             try:
                 self._client.wait_for_change(
@@ -868,19 +958,46 @@ class NodeRegistry:
                 logger.warning("watching the job's node keys failed (will retry): %s", exc)
                 self._stop.wait(0.5)
 
-    def _report_lost(self, record: NodeRecord) -> None:
+    def _update_links(self) -> None:
+        """Links the ring successors among the peers the watch sees (and no others)."""
+        if self._links is None:
+            return
+        with self._lock:
+            peers = {n: r for n, r in self._peers.items() if r.probe}
+            own = self._record.node_id
+        self._links.set_targets(
+            [
+                LinkTarget(n, peers[n].token, peers[n].probe)
+                for n in ring_successors(own, peers, self._fanout)
+            ]
+        )
+
+    def _on_link_broken(self, target: LinkTarget, why: str) -> None:
+        """The link thread: a linked peer's launcher may be gone; probe it (from a thread of
+        its own: a probe may take seconds, the other links are watched meanwhile)."""
+        logger.info("node %s: %s; probing it", target.node_id, why)
+        threading.Thread(
+            target=self.reap_dead_peers,
+            args=({target.node_id},),
+            kwargs={"via": "link"},
+            name="flashckpt-node-link-probe",
+            daemon=True,
+        ).start()
+
+    def _report_lost(self, record: NodeRecord, via: str) -> None:
         with self._lock:
             if record.token in self._seen_lost:
                 return
             self._seen_lost.add(record.token)
             self._peers.pop(record.node_id, None)
+        self._update_links()
         if record.state == "leaving":
             logger.info("node %s left the job", record.node_id)
         else:
-            logger.warning("node %s (%s) is gone", record.node_id, record.state)
+            logger.warning("node %s (%s) is gone (%s)", record.node_id, record.state, via)
         if self._on_lost is not None:
             try:
-                self._on_lost(record)
+                self._on_lost(record, via)
             except Exception:
                 logger.exception("handling the loss of node %s failed", record.node_id)
 

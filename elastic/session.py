@@ -10,11 +10,16 @@
 
 What happens when a machine dies mid-training (machines A, B active; C standby):
 
-1. A's workers fail in their next collective (gloo sees B's sockets close) and exit; A's agent
-   notices within ``--monitor-interval`` and starts a new rendezvous round.
-2. Before joining, A probes its peers (:meth:`NodeRegistry.reap_dead_peers`): B's launcher port
-   refuses, so A revokes B's lease. (Without the probe, B's lease lapses after
-   ``--lease-ttl``.) B's key disappears; every launcher's watch reports it.
+1. B's launcher dies with the machine, and the links that A and C hold to its probe port
+   (:mod:`elastic.peerlinks`) close at once. They probe B: its port refuses (or nothing
+   answers it), so they revoke B's lease. B's key disappears; every launcher's watch reports
+   it. (Without the links, or when B vanished without closing anything, A learns it when its
+   workers fail in their next collective, gloo seeing B's sockets close, and A probes its
+   peers before the next rendezvous round, :meth:`NodeRegistry.reap_dead_peers`; failing that,
+   B's lease lapses after ``--lease-ttl``.)
+2. A's agent restarts its workers for a new rendezvous round, whether they failed in a
+   collective or still run (blocked in one that waits for B, or between collectives): torch's
+   monitor loop sees the round change once B is dropped (step 3).
 3. Each launcher marks B dead in torch's rendezvous state (:func:`expire_rendezvous_nodes`), so
    torch drops B at once instead of after its 15 s heartbeat timeout, and A and the standby C
    form the next round.
@@ -123,6 +128,9 @@ _PREWARM_READY_TIMEOUT_S = 120.0
 _TEARDOWN_ETCD_TIMEOUT = timedelta(seconds=2)
 # Before the exit barrier, and while workers train (polling for waiting machines).
 _PROBE_ETCD_TIMEOUT = timedelta(seconds=2)
+# Peers each launcher holds a link to (the next ones in the ring of node ids): every machine's
+# death is then seen by two others when its sockets close, whatever its peers' workers do.
+_LINKS = 2
 # torchrun's default set (--signals-to-handle).
 _HANDLED_SIGNALS = tuple(
     getattr(signal, name)
@@ -300,6 +308,7 @@ class LaunchSession:
             on_lost=self._on_peer_lost,
             # A private etcd on this machine: nobody else can take its place.
             on_fenced=None if cfg.standalone else self._on_fenced,
+            links=_LINKS if cfg.probe else 0,
         )
         try:
             self._registry.start(read_timeout)
@@ -501,8 +510,8 @@ class LaunchSession:
 
     # ---------------------------------------------------------------------------- hooks
 
-    def _on_peer_lost(self, record: NodeRecord) -> None:
-        self.events("peer_lost", peer=record.node_id, peer_state=record.state)
+    def _on_peer_lost(self, record: NodeRecord, via: str) -> None:
+        self.events("peer_lost", peer=record.node_id, peer_state=record.state, via=via)
         if record.state == "active":
             with self._lock:
                 self._lost_active += 1

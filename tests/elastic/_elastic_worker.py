@@ -62,6 +62,14 @@ def main() -> int:
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
     p.add_argument("--mode", choices=("sync", "overlap"), default="sync", help="snapshot mode")
     p.add_argument("--slow-forward", type=float, default=0.0, help="seconds added to a forward")
+    p.add_argument(
+        "--stall-at",
+        type=int,
+        default=0,
+        help="after this many steps done (not in a run restored past them), sleep --stall-s "
+        "outside any collective (a data loader stall): only a launcher learns that a peer died",
+    )
+    p.add_argument("--stall-s", type=float, default=0.0)
     a = p.parse_args()
     torch.set_num_threads(1)
     _event(a.out, "start", t_process=T_START)
@@ -113,6 +121,9 @@ def main() -> int:
             sched.step()
             ckpt.step()
             _event(a.out, "step", step=step, loss=float(loss.item()).hex())
+            if a.stall_at and ckpt.steps_done == a.stall_at and ckpt.start_step < a.stall_at:
+                _event(a.out, "stalled", step=step)
+                time.sleep(a.stall_s)
             if a.sleep_world_size in (0, dist.get_world_size()):
                 time.sleep(a.step_sleep)
     if a.fsdp:

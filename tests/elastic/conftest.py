@@ -4,6 +4,8 @@
 - ``etcd_instance``: a private :class:`EtcdServer` for one test, to kill or restart at will.
 - ``etcd_client``: an :class:`EtcdClient` on the shared server with a short timeout.
 - ``etcd_prefix``: a key prefix unique to the test, so tests sharing the server never collide.
+- ``registries``: makes started :class:`NodeRegistry` instances on the shared server (loopback
+  probe ports), all closed at the end of the test.
 - ``reference_model``: the final model of an uninterrupted ``flashckpt run`` of the test
   module's ``WORKER_ARGS``, for the launcher tests to compare interrupted runs with.
 
@@ -16,15 +18,16 @@ from __future__ import annotations
 
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from elastic.etcd import EtcdClient
 from elastic.etcd_server import EtcdServer, EtcdServerError, find_etcd_binary
+from elastic.membership import NodeRegistry
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +73,31 @@ def etcd_prefix(request: pytest.FixtureRequest) -> str:
 def etcd_client(etcd_server: str) -> EtcdClient:
     """A client of the shared server; calls fail after 5 s instead of hanging the test."""
     return EtcdClient(etcd_server, timeout=timedelta(seconds=5))
+
+
+@pytest.fixture
+def registries(etcd_client: EtcdClient) -> Iterator[Callable[..., NodeRegistry]]:
+    """``registries(job_prefix, node, **kwargs)``: a started registry of ``node`` (lease TTL 2 s
+    unless ``ttl=`` says otherwise; other keywords go to :class:`NodeRegistry`)."""
+    made: list[NodeRegistry] = []
+
+    def make(job_prefix: str, node: str, **kwargs: Any) -> NodeRegistry:
+        reg = NodeRegistry(
+            etcd_client,
+            job_prefix,
+            node,
+            ttl=kwargs.pop("ttl", timedelta(seconds=2)),
+            advertise_host="127.0.0.1",
+            bind_host="127.0.0.1",
+            **kwargs,
+        )
+        reg.start(timedelta(seconds=10))
+        made.append(reg)
+        return reg
+
+    yield make
+    for reg in made:
+        reg.close()
 
 
 @pytest.fixture

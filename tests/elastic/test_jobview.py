@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -155,28 +154,6 @@ def test_status_text_flags_a_slow_machine() -> None:
     assert "standby: s" in text
 
 
-@pytest.fixture
-def registries(etcd_client: EtcdClient) -> Iterator[Callable[[str, str], NodeRegistry]]:
-    made: list[NodeRegistry] = []
-
-    def make_registry(jp: str, node: str) -> NodeRegistry:
-        reg = NodeRegistry(
-            etcd_client,
-            jp,
-            node,
-            ttl=timedelta(seconds=2),
-            advertise_host="127.0.0.1",
-            bind_host="127.0.0.1",
-        )
-        reg.start(timedelta(seconds=10))
-        made.append(reg)
-        return reg
-
-    yield make_registry
-    for reg in made:
-        reg.close()
-
-
 def _wait_for(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -193,7 +170,7 @@ def test_status_from_etcd_shows_the_whole_job(
     etcd_server: str,
     etcd_client: EtcdClient,
     etcd_prefix: str,
-    registries: Callable[[str, str], NodeRegistry],
+    registries: Callable[..., NodeRegistry],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     key_prefix = etcd_prefix.rstrip("/")
@@ -285,7 +262,7 @@ def test_status_from_etcd_shows_the_whole_job(
 def test_a_persistent_straggler_retires_once_a_standby_waits(
     etcd_client: EtcdClient,
     etcd_prefix: str,
-    registries: Callable[[str, str], NodeRegistry],
+    registries: Callable[..., NodeRegistry],
 ) -> None:
     jp = job_prefix("job2", etcd_prefix.rstrip("/"))
     retired: list[str] = []

@@ -110,6 +110,67 @@ def test_standby_takes_the_place_of_a_killed_machine(
     assert not any(_alive(pid) for pid in victims)
 
 
+@pytest.mark.timeout(240)
+def test_a_machine_killed_while_the_survivors_workers_stall_is_found_by_the_links(
+    etcd_server: str,
+    tmp_path: Path,
+    reference_model: dict[str, torch.Tensor],
+    make_cluster: list[SimCluster],
+) -> None:
+    # Every worker stalls outside any collective after step 10 (a data loader stall, a long
+    # step): no worker can learn of the kill, and the leases outlive the stall. Only the links
+    # the launchers hold to each other's probe ports see the killed launcher's sockets close.
+    ttl = "60"
+    cluster = SimCluster(
+        tmp_path,
+        etcd_server,
+        nnodes="2:2",
+        worker_args=[*PACED, "--stall-at", "10", "--stall-s", "150"],
+        launcher_args=["--lease-ttl", ttl],
+    )
+    make_cluster.append(cluster)
+    cluster.start("n0")
+    cluster.start("n1")
+    cluster.wait_for("training to start", lambda: len(cluster.steps()) >= 2, 120)
+    standby = cluster.start("n2")
+    stalled = lambda: {e["node"] for e in cluster.events() if e["event"] == "stalled"}  # noqa: E731
+    cluster.wait_for("both machines to stall", lambda: stalled() == {"n0", "n1"}, 150)
+    cluster.wait_for(
+        "the standby to join the rendezvous",
+        lambda: any(e["event"] == "rendezvous_start" for e in standby.events()),
+        60,
+    )
+    victim = cluster.rank0_node()
+    survivor = "n1" if victim == "n0" else "n0"
+    killed_at = time.time()
+    assert cluster.machines[victim].kill(), "the machine had no processes"
+    for node in (survivor, "n2"):
+        assert cluster.wait_exit(node, 150) == 0, cluster.logs()
+    assert_same_model(cluster.out, reference_model)
+
+    launchers = {node: cluster.machines[node].events() for node in (survivor, "n2")}
+    # (until the first of them finished and left)
+    done_at = min(e["t"] for ev in launchers.values() for e in ev if e["event"] == "succeeded")
+    lost = [
+        e
+        for ev in launchers.values()
+        for e in ev
+        if e["event"] == "peer_lost" and killed_at < e["t"] < done_at
+    ]
+    assert sorted(e["peer"] for e in lost) == [victim, victim], lost
+    # Found dead by a link (the launcher that revoked its lease; the other may have learnt it
+    # from the deleted key), not by its 60 s lease. (Without the links a launcher learns it
+    # when torch drops the silent machine from its rendezvous state after 15 s without a
+    # heartbeat, and probes before the next round: "probe", 12 s after the kill when tried.)
+    assert "link" in {e["via"] for e in lost}, lost
+    # The survivor's workers were still running (stalled) when its launcher restarted them.
+    restarts = [e for e in launchers[survivor] if e["event"] == "workers_restart"]
+    assert restarts and restarts[0]["state"] == "HEALTHY", launchers[survivor]
+    resumed = cluster.restored_since(killed_at)
+    assert {e["node"] for e in resumed} == {survivor, "n2"}, resumed
+    assert {e["start_step"] for e in resumed} == {10}, resumed
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

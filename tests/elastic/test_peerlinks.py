@@ -1,0 +1,232 @@
+"""Held links between launchers (:mod:`elastic.peerlinks`): a peer launcher's death is found when
+its sockets close, not when its lease lapses or when the survivor's workers happen to fail.
+
+The registries run against a real etcd; the peer that dies is a real process killed with
+SIGKILL, with a lease TTL (30 s) far longer than the tests wait, so only the link can tell.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from elastic import membership
+from elastic.etcd import EtcdClient
+from elastic.membership import NodeRecord, NodeRegistry
+from elastic.peerlinks import HOLD_ANSWER, HOLD_QUESTION, read_line, ring_successors
+
+LONG_TTL = timedelta(seconds=30)
+WAIT_S = 20.0  # well inside LONG_TTL: a loss reported by then was not the lease's lapse
+
+
+def _wait_for(what: str, cond: Callable[[], Any], timeout: float = WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class _Lost:
+    """An ``on_lost`` that records what it was told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[NodeRecord, str]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, record: NodeRecord, via: str) -> None:
+        with self._lock:
+            self.calls.append((record, via))
+
+    def of(self, node: str) -> list[str]:
+        with self._lock:
+            return [via for r, via in self.calls if r.node_id == node]
+
+
+@pytest.fixture
+def make_registry(
+    registries: Callable[..., NodeRegistry], etcd_prefix: str
+) -> Callable[..., NodeRegistry]:
+    """A registry of the test's job, with a lease that outlives the test."""
+    return lambda node, **kwargs: registries(etcd_prefix, node, ttl=LONG_TTL, **kwargs)
+
+
+_PEER_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from datetime import timedelta
+    from elastic.etcd import EtcdClient
+    from elastic.membership import NodeRegistry
+
+    url, prefix, node = sys.argv[1:4]
+    reg = NodeRegistry(EtcdClient(url, timeout=timedelta(seconds=5)), prefix, node,
+                       ttl=timedelta(seconds=30), advertise_host="127.0.0.1",
+                       bind_host="127.0.0.1")
+    reg.start(timedelta(seconds=10))
+    print("ready", flush=True)
+    while True:
+        time.sleep(60)
+    """
+)
+
+
+@pytest.fixture
+def peer_process(etcd_server: str, etcd_prefix: str) -> Iterator[Callable[[str], int]]:
+    """Starts a launcher's registry in a process of its own (to be SIGKILLed); returns its pid.
+    Every process is killed at the end, even on failure."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(node: str) -> int:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PEER_SCRIPT, etcd_server, etcd_prefix, node],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", f"the peer process did not start (exit {proc.poll()})"
+        return proc.pid
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_ring_successors_watch_every_machine_fanout_times() -> None:
+    nodes = [f"n{i}" for i in range(7)]
+    watchers: dict[str, int] = dict.fromkeys(nodes, 0)
+    for own in nodes:
+        succ = ring_successors(own, [n for n in nodes if n != own], 2)
+        assert len(succ) == 2 and own not in succ
+        for n in succ:
+            watchers[n] += 1
+    assert set(watchers.values()) == {2}, watchers
+    assert ring_successors("b", ["a", "c"], 2) == ["c", "a"]
+    assert ring_successors("a", ["b"], 2) == ["b"], "fewer peers than the fanout: all of them"
+    assert ring_successors("a", [], 2) == []
+
+
+@pytest.mark.etcd
+def test_a_killed_peer_launcher_is_found_dead_by_its_link_long_before_its_lease(
+    make_registry: Callable[..., NodeRegistry],
+    peer_process: Callable[[str], int],
+    etcd_client: EtcdClient,
+) -> None:
+    lost = _Lost()
+    reg = make_registry("a", on_lost=lost)
+    pid = peer_process("b")
+    _wait_for("a link to b", lambda: reg.linked() == {"b"})
+    b_key = reg.key[: -len("a")] + "b"
+    assert etcd_client.get_kv(b_key) is not None
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    _wait_for("b reported lost", lambda: lost.of("b"))
+    found_in = time.monotonic() - killed_at
+    assert lost.of("b") == ["link"], "found by the link, once"
+    assert found_in < LONG_TTL.total_seconds() / 2
+    # Its lease was revoked: the key is gone for every other launcher's watch too.
+    assert etcd_client.get_kv(b_key) is None
+    assert "b" not in reg.peers() and reg.linked() == set()
+
+
+@pytest.mark.etcd
+def test_without_links_a_killed_peer_waits_for_its_lease(
+    make_registry: Callable[..., NodeRegistry],
+    peer_process: Callable[[str], int],
+    etcd_client: EtcdClient,
+) -> None:
+    lost = _Lost()
+    reg = make_registry("a", on_lost=lost, links=0)
+    pid = peer_process("b")
+    _wait_for("b seen", lambda: "b" in reg.peers())
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(3.0)
+    assert lost.of("b") == [] and reg.linked() == set()
+    # What the workers' failure does: a probe finds it dead.
+    dead = reg.reap_dead_peers()
+    assert [r.node_id for r in dead] == ["b"] and lost.of("b") == ["probe"]
+
+
+@pytest.mark.etcd
+def test_a_peer_that_leaves_cleanly_is_not_declared_dead_by_its_link(
+    make_registry: Callable[..., NodeRegistry], caplog: pytest.LogCaptureFixture
+) -> None:
+    lost = _Lost()
+    reg = make_registry("a", on_lost=lost)
+    peer = make_registry("b")
+    _wait_for("a link to b", lambda: reg.linked() == {"b"})
+    _wait_for("a link from b", lambda: peer.linked() == {"a"})
+    peer.update(state="leaving")
+    with caplog.at_level("INFO", logger=membership.__name__):
+        peer.close()  # revokes its lease first, then closes the links it holds
+        _wait_for("b's departure seen", lambda: lost.of("b"))
+        time.sleep(1.0)  # the link's probe, had it found the key, would have reported by now
+    assert lost.of("b") == ["watch"]
+    assert not [r for r in caplog.records if "declaring it dead" in r.getMessage()]
+    assert reg.linked() == set()
+
+
+@pytest.mark.etcd
+def test_links_follow_the_ring_and_a_restarted_peer_is_linked_afresh(
+    make_registry: Callable[..., NodeRegistry],
+) -> None:
+    regs = {n: make_registry(n, links=1) for n in ("a", "b", "c")}
+    for own, succ in (("a", "b"), ("b", "c"), ("c", "a")):
+        _wait_for(f"{own} linked to {succ}", lambda o=own, s=succ: regs[o].linked() == {s})
+    old_b = regs["b"].record.token
+    regs["b"].close()
+    _wait_for("a linked to c once b left", lambda: regs["a"].linked() == {"c"})
+    regs["b"] = make_registry("b", links=1)
+    assert regs["b"].record.token != old_b
+    _wait_for("a linked to the new b", lambda: regs["a"].linked() == {"b"})
+
+
+def test_the_probe_server_holds_a_bounded_number_of_links(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(membership, "_MAX_HELD", 2)
+    server = membership._ProbeServer("tok", "127.0.0.1")
+    socks: list[socket.socket] = []
+    try:
+
+        def hold() -> bytes:
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            socks.append(sock)
+            assert read_line(sock, 64) == b"tok\n"
+            sock.sendall(HOLD_QUESTION)
+            return read_line(sock, len(HOLD_ANSWER))
+
+        assert hold() == HOLD_ANSWER and hold() == HOLD_ANSWER
+        assert hold() == b"", "over the bound: closed, not held"
+        _wait_for("two links held", lambda: server.held == 2)
+        socks[0].close()  # a holder that goes away frees its place
+        _wait_for("its place freed", lambda: server.held == 1)
+        assert hold() == HOLD_ANSWER
+        # A probe is answered as ever while links are held.
+        record = NodeRecord("x", "h", 1, "tok", f"127.0.0.1:{server.port}")
+        assert membership.probe(record) is membership.ProbeResult.ALIVE
+        # Closing the server closes the links it held: their holders read EOF.
+        server.close()
+        assert socks[-1].recv(1) == b""
+    finally:
+        server.close()
+        for sock in socks:
+            sock.close()

@@ -157,10 +157,16 @@ class LauncherConfig:
         metadata=cliargs.flag(
             "--max-restarts",
             "--max_restarts",
-            help="worker-group restarts after failures before giving up",
+            help="worker-group restarts after the workers' own failures before giving up (a "
+            "failure because a machine of their round died is a membership change and is not "
+            "counted)",
         ),
     )
-    """Worker-group restarts after failures before the launcher gives up."""
+    """Worker-group restarts after the workers' own failures before the launcher gives up.
+    Workers that fail because a machine of their round died (found dead by a link, a probe or
+    its lease) restart for the next round without using one up, as torch's agent does for
+    healthy workers when a machine joins: a long job survives any number of machine losses
+    while standbys last."""
     shutdown_timeout: float = field(
         default_factory=lambda: default_shutdown_timeout(),
         metadata=cliargs.flag(

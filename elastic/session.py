@@ -17,9 +17,11 @@ What happens when a machine dies mid-training (machines A, B active; C standby):
    workers fail in their next collective, gloo seeing B's sockets close, and A probes its
    peers before the next rendezvous round, :meth:`NodeRegistry.reap_dead_peers`; failing that,
    B's lease lapses after ``--lease-ttl``.)
-2. A's agent restarts its workers for a new rendezvous round, whether they failed in a
-   collective or still run (blocked in one that waits for B, or between collectives): torch's
-   monitor loop sees the round change once B is dropped (step 3).
+2. A's launcher restarts its workers for the next round once B is reported gone, whether they
+   failed in a collective or still run (blocked in one that waits for B, or between
+   collectives; with no standby waiting, torch's agent alone would leave them there). Workers
+   that fail with their world are a membership change, not a failure of theirs: the restart
+   does not use up ``--max-restarts`` (:meth:`_FlashAgent._monitor_workers`).
 3. Each launcher marks B dead in torch's rendezvous state (:func:`expire_rendezvous_nodes`), so
    torch drops B at once instead of after its 15 s heartbeat timeout, and A and the standby C
    form the next round.
@@ -178,6 +180,10 @@ class LaunchSession:
         self._shutdown_rdzv = False
         self._rounds = 0
         self._lost_active = 0
+        # torch's node descriptors of the machines of the round the workers run in, and those
+        # of them gone since it formed (the workers' failure is then the world's).
+        self._round_nodes: set[str] = set()
+        self._round_lost: list[NodeRecord] = []
         self._last_view: tuple[tuple[int, ...], int] | None = None
         self._old_handlers: dict[int, Any] = {}
         self._jobview: JobViewPublisher | None = None
@@ -512,9 +518,11 @@ class LaunchSession:
 
     def _on_peer_lost(self, record: NodeRecord, via: str) -> None:
         self.events("peer_lost", peer=record.node_id, peer_state=record.state, via=via)
-        if record.state == "active":
-            with self._lock:
+        with self._lock:
+            if record.state == "active":
                 self._lost_active += 1
+            if record.rdzv_node in self._round_nodes:
+                self._round_lost.append(record)
         if record.rdzv_node and self._backend is not None:
             try:
                 marked = expire_rendezvous_nodes(self._backend, [record.rdzv_node])
@@ -688,8 +696,31 @@ class LaunchSession:
             group_world_size=worker_group.group_world_size,
         )
         self._registry.update(state="active", group_rank=worker_group.group_rank)
+        with self._lock:
+            self._round_nodes = round_participants(self._handler) or set()
+            self._round_lost = []
         if self.config.health_check:
             self._health_check(worker_group)
+
+    def round_lost(self, *, failed: bool) -> str | None:
+        """A machine of the workers' round gone since the round formed, if any.
+
+        Args:
+            failed: The workers failed: probe the round's machines first (a dead one is likely
+                why, and its report may not have come yet), and count a machine that left
+                (stopped, preempted, or done with the job) too. For workers that still run, a
+                machine that left with its workers done broke nothing: they finish too.
+        """
+        assert self._registry is not None
+        with self._lock:
+            nodes = self._round_nodes
+        if failed and self.config.probe and nodes:
+            peers = {n for n, r in self._registry.peers().items() if r.rdzv_node in nodes}
+            if peers:
+                self._registry.reap_dead_peers(peers)
+        with self._lock:
+            gone = [r for r in self._round_lost if failed or r.state != "leaving"]
+        return gone[0].node_id if gone else None
 
     def before_start_workers(self, worker_group: WorkerGroup) -> None:
         """Called before workers start: makes sure a node agent fit for this world answers."""
@@ -986,6 +1017,27 @@ class _FlashAgent(LocalElasticAgent):
             self._session.wait_for_heal()
             self._restart_workers(worker_group)
         result = super()._monitor_workers(worker_group)
+        if result.state != WorkerState.SUCCEEDED:
+            failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+            lost = self._session.round_lost(failed=failed)
+            if lost is not None:
+                # A machine of the workers' round died: their world is gone, and their next
+                # collective fails or waits for it (gloo sometimes waits until its timeout,
+                # and with no standby waiting torch would never restart healthy workers). A
+                # membership change, as when torch restarts healthy workers for a joining
+                # machine: it does not use up --max-restarts either (else a long job would
+                # give up after that many machine losses, however many standbys it has).
+                logger.warning(
+                    "%s after machine %s of their round died; restarting them for the next "
+                    "round (not counted against --max-restarts: %d left)",
+                    "workers failed" if failed else "workers still running",
+                    lost,
+                    self._remaining_restarts,
+                )
+                self._session.workers_started({})
+                worker_group.state = result.state
+                self._restart_workers(worker_group)
+                return super()._monitor_workers(worker_group)
         if result.state != WorkerState.HEALTHY:
             self._session.workers_started({})  # gone, or about to be stopped by torch
         return result
@@ -1000,7 +1052,11 @@ class _FlashAgent(LocalElasticAgent):
         super()._exit_barrier()
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        self._session.events("workers_restart", state=worker_group.state.name)
+        self._session.events(
+            "workers_restart",
+            state=worker_group.state.name,
+            remaining_restarts=self._remaining_restarts,
+        )
         super()._restart_workers(worker_group)
 
 

@@ -54,7 +54,11 @@ def test_standby_takes_the_place_of_a_killed_machine(
     reference_model: dict[str, torch.Tensor],
     make_cluster: list[SimCluster],
 ) -> None:
-    cluster = SimCluster(tmp_path, etcd_server, nnodes="2:2", worker_args=SLOW)
+    # No restart allowed for the workers' own failures: the survivor's, which fail with their
+    # world when the machine dies, restart for the next round all the same.
+    cluster = SimCluster(
+        tmp_path, etcd_server, nnodes="2:2", worker_args=SLOW, launcher_args=["--max-restarts", "0"]
+    )
     make_cluster.append(cluster)
     cluster.start("n0")
     cluster.start("n1")
@@ -108,6 +112,8 @@ def test_standby_takes_the_place_of_a_killed_machine(
         assert lost == [rank0_node], events
     # Every process of the killed machine is gone (the workers died with their launcher).
     assert not any(_alive(pid) for pid in victims)
+    restarts = [e for e in launchers[survivor] if e["event"] == "workers_restart"]
+    assert len(restarts) == 1 and restarts[0]["remaining_restarts"] == 0, restarts
 
 
 @pytest.mark.timeout(240)
@@ -308,6 +314,42 @@ def test_machine_loss_without_standby_shrinks_the_job(
     # The survivor reloads the replicated state from its node agent's memory and goes on alone.
     assert committed_before <= resumed[0]["start_step"] <= last_step_before + 1
     assert resumed[0]["restored_from"] == "memory", resumed
+    assert max(cluster.committed()) == STEPS
+
+
+@pytest.mark.timeout(180)
+def test_a_survivor_without_standby_restarts_its_stalled_workers_when_its_peer_dies(
+    etcd_server: str, tmp_path: Path, make_cluster: list[SimCluster]
+) -> None:
+    # 1:2 and no standby, every worker stalled outside any collective: no machine waits to
+    # join, so torch's agent would leave the survivor's healthy workers alone until their next
+    # collective fails (after the stall). The launcher restarts them when the link reports
+    # the death, and the job goes on alone.
+    cluster = SimCluster(
+        tmp_path,
+        etcd_server,
+        nnodes="1:2",
+        worker_args=[*PACED, "--stall-at", "10", "--stall-s", "150"],
+        launcher_args=["--rdzv-conf", "last_call_timeout=1", "--max-restarts", "0"],
+    )
+    make_cluster.append(cluster)
+    cluster.start("n0")
+    cluster.start("n1")
+    stalled = lambda: {e["node"] for e in cluster.events() if e["event"] == "stalled"}  # noqa: E731
+    cluster.wait_for("both machines to stall", lambda: stalled() == {"n0", "n1"}, 120)
+    survivor = cluster.rank0_node()
+    victim = "n1" if survivor == "n0" else "n0"
+    killed_at = time.time()
+    assert cluster.machines[victim].kill(), "the machine had no processes"
+    assert cluster.wait_exit(survivor, 120) == 0, cluster.logs()
+    events = cluster.machines[survivor].events()
+    restarts = [e for e in events if e["event"] == "workers_restart" and e["t"] > killed_at]
+    assert len(restarts) == 1 and restarts[0]["state"] == "HEALTHY", events
+    assert restarts[0]["remaining_restarts"] == 0
+    resumed = cluster.restored_since(killed_at)
+    assert [(e["node"], e["world_size"], e["start_step"]) for e in resumed] == [
+        (survivor, 1, 10)
+    ], resumed
     assert max(cluster.committed()) == STEPS
 
 

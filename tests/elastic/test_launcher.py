@@ -35,6 +35,9 @@ SLOW = [*WORKER_ARGS, "--step-sleep", "0.3"]  # leaves time to start a standby b
 # Paced until a machine of two is killed (the kill needs training left); the survivor alone has
 # nothing to wait for.
 SHRINK = [*SLOW, "--sleep-world-size", "2"]
+# Every worker stalls after step 10 (snapshotted) outside any collective, longer than a test
+# waits: only a launcher can learn that a peer machine died meanwhile.
+STALL = [*PACED, "--stall-at", "10", "--stall-s", "150"]
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
@@ -131,7 +134,7 @@ def test_a_machine_killed_while_the_survivors_workers_stall_is_found_by_the_link
         tmp_path,
         etcd_server,
         nnodes="2:2",
-        worker_args=[*PACED, "--stall-at", "10", "--stall-s", "150"],
+        worker_args=STALL,
         launcher_args=["--lease-ttl", ttl],
     )
     make_cluster.append(cluster)
@@ -139,8 +142,7 @@ def test_a_machine_killed_while_the_survivors_workers_stall_is_found_by_the_link
     cluster.start("n1")
     cluster.wait_for("training to start", lambda: len(cluster.steps()) >= 2, 120)
     standby = cluster.start("n2")
-    stalled = lambda: {e["node"] for e in cluster.events() if e["event"] == "stalled"}  # noqa: E731
-    cluster.wait_for("both machines to stall", lambda: stalled() == {"n0", "n1"}, 150)
+    cluster.wait_for("both machines to stall", lambda: _stalled(cluster) == {"n0", "n1"}, 150)
     cluster.wait_for(
         "the standby to join the rendezvous",
         lambda: any(e["event"] == "rendezvous_start" for e in standby.events()),
@@ -175,6 +177,11 @@ def test_a_machine_killed_while_the_survivors_workers_stall_is_found_by_the_link
     resumed = cluster.restored_since(killed_at)
     assert {e["node"] for e in resumed} == {survivor, "n2"}, resumed
     assert {e["start_step"] for e in resumed} == {10}, resumed
+
+
+def _stalled(cluster: SimCluster) -> set[str]:
+    """The machines whose workers reported the stall of ``STALL``."""
+    return {e["node"] for e in cluster.events() if e["event"] == "stalled"}
 
 
 def _alive(pid: int) -> bool:
@@ -329,14 +336,13 @@ def test_a_survivor_without_standby_restarts_its_stalled_workers_when_its_peer_d
         tmp_path,
         etcd_server,
         nnodes="1:2",
-        worker_args=[*PACED, "--stall-at", "10", "--stall-s", "150"],
+        worker_args=STALL,
         launcher_args=["--rdzv-conf", "last_call_timeout=1", "--max-restarts", "0"],
     )
     make_cluster.append(cluster)
     cluster.start("n0")
     cluster.start("n1")
-    stalled = lambda: {e["node"] for e in cluster.events() if e["event"] == "stalled"}  # noqa: E731
-    cluster.wait_for("both machines to stall", lambda: stalled() == {"n0", "n1"}, 120)
+    cluster.wait_for("both machines to stall", lambda: _stalled(cluster) == {"n0", "n1"}, 120)
     survivor = cluster.rank0_node()
     victim = "n1" if survivor == "n0" else "n0"
     killed_at = time.time()

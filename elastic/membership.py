@@ -67,6 +67,7 @@ from elastic.peerlinks import (
     HOLD_QUESTION,
     LinkTarget,
     PeerLinks,
+    connect_probe_port,
     read_line,
     ring_successors,
 )
@@ -203,10 +204,8 @@ def probe(record: NodeRecord, timeout: float = _PROBE_TIMEOUT_S) -> ProbeResult:
     """
     if not record.probe:
         return ProbeResult.UNKNOWN
-    host, _, port = record.probe.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
-            sock.settimeout(timeout)
+        with connect_probe_port(record.probe, timeout) as sock:
             answer = b""
             while not answer.endswith(b"\n") and len(answer) < 256:
                 chunk = sock.recv(256)
@@ -262,10 +261,8 @@ def peer_etcd_age(record: NodeRecord, timeout: float) -> float | None:
     """
     if not record.probe:
         return None
-    host, _, port = record.probe.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
-            sock.settimeout(timeout)
+        with connect_probe_port(record.probe, timeout) as sock:
             token = read_line(sock, 256).strip().decode(errors="replace")
             if token != record.token:
                 return None
@@ -362,17 +359,18 @@ class _ProbeServer:
 
     def _held_readable(self, conn: socket.socket) -> None:
         """A held link's holder closed it (or sent something it should not): let it go."""
-        with contextlib.suppress(BlockingIOError):
-            try:
-                if conn.recv(64):
-                    return
-            except OSError:
-                pass
-            self._held.discard(conn)
-            with contextlib.suppress(KeyError, ValueError):
-                self._selector.unregister(conn)
-            with contextlib.suppress(OSError):
-                conn.close()
+        try:
+            if conn.recv(64):
+                return
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self._held.discard(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+        with contextlib.suppress(OSError):
+            conn.close()
 
     def close(self) -> None:
         self._stop.set()

@@ -38,6 +38,7 @@ __all__ = [
     "HOLD_QUESTION",
     "LinkTarget",
     "PeerLinks",
+    "connect_probe_port",
     "read_line",
     "ring_successors",
 ]
@@ -65,6 +66,20 @@ def read_line(sock: socket.socket, limit: int) -> bytes:
             break
         line += chunk
     return line
+
+
+def connect_probe_port(address: str, timeout: float) -> socket.socket:
+    """A connection to a launcher's probe port at ``host:port`` (``[v6]:port``), with
+    ``timeout`` on the connection and on every later read and write.
+
+    Raises:
+        OSError: It could not connect (``ConnectionRefusedError``: nothing listens there).
+        ValueError: ``address`` has no port number.
+    """
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    sock.settimeout(timeout)
+    return sock
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,36 +216,32 @@ class PeerLinks:
         self._retry_at[token] = (time.monotonic() + pause, pause)
 
     def _connect(self, target: LinkTarget) -> None:
-        host, _, port = target.address.rpartition(":")
-        sock: socket.socket | None = None
         try:
-            sock = socket.create_connection(
-                (host.strip("[]"), int(port)), timeout=self._connect_timeout
-            )
-            sock.settimeout(self._connect_timeout)
-            token = read_line(sock, _TOKEN_MAX).strip().decode(errors="replace")
-            if token != target.token:
-                sock.close()
-                self._pause(target.token)
-                self._broken(target, "its probe port answered with another token")
-                return
-            sock.sendall(HOLD_QUESTION)
-            answer = read_line(sock, len(HOLD_ANSWER))
+            sock = connect_probe_port(target.address, self._connect_timeout)
         except ConnectionRefusedError:
-            if sock is not None:
-                sock.close()
             self._pause(target.token)
             self._broken(target, "its probe port refused the link")
             return
         except (OSError, ValueError) as exc:
-            if sock is not None:
-                sock.close()
             self._pause(target.token)
             logger.debug("cannot link node %s at %s: %s", target.node_id, target.address, exc)
             return
-        if answer != HOLD_ANSWER:
-            # A probe server that does not hold links (or is closing): try again later.
-            sock.close()
+        held = False
+        try:
+            token = read_line(sock, _TOKEN_MAX).strip().decode(errors="replace")
+            if token != target.token:
+                self._pause(target.token)
+                self._broken(target, "its probe port answered with another token")
+                return
+            sock.sendall(HOLD_QUESTION)
+            # Anything but "held": a probe server that does not hold links, or is closing.
+            held = read_line(sock, len(HOLD_ANSWER)) == HOLD_ANSWER
+        except OSError as exc:
+            logger.debug("cannot link node %s at %s: %s", target.node_id, target.address, exc)
+        finally:
+            if not held:
+                sock.close()
+        if not held:
             self._pause(target.token)
             return
         sock.setblocking(False)

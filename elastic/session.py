@@ -703,24 +703,36 @@ class LaunchSession:
             self._health_check(worker_group)
 
     def round_lost(self, *, failed: bool) -> str | None:
-        """A machine of the workers' round gone since the round formed, if any.
+        """A machine of the workers' round gone since the round formed, if any (its node id,
+        or its rendezvous descriptor when only etcd knows it yet).
 
         Args:
-            failed: The workers failed: probe the round's machines first (a dead one is likely
-                why, and its report may not have come yet), and count a machine that left
-                (stopped, preempted, or done with the job) too. For workers that still run, a
-                machine that left with its workers done broke nothing: they finish too.
+            failed: The workers failed: a dead machine of the round is likely why, and its
+                report may not have come yet (another thread may be revoking its lease right
+                now), so the round's machines are probed and etcd is asked which of them still
+                hold a key; a machine that left (stopped, preempted, or done with the job)
+                counts too. For workers that still run, only reports count, and a machine
+                that left with its workers done broke nothing: they finish too.
         """
         assert self._registry is not None
         with self._lock:
-            nodes = self._round_nodes
-        if failed and self.config.probe and nodes:
+            nodes = set(self._round_nodes)
+            gone = [r for r in self._round_lost if failed or r.state != "leaving"]
+        if gone:
+            return gone[0].node_id
+        if not failed or not nodes:
+            return None
+        if self.config.probe:
             peers = {n for n, r in self._registry.peers().items() if r.rdzv_node in nodes}
             if peers:
                 self._registry.reap_dead_peers(peers)
-        with self._lock:
-            gone = [r for r in self._round_lost if failed or r.state != "leaving"]
-        return gone[0].node_id if gone else None
+        try:
+            records = self._registry.records(timeout=_PROBE_ETCD_TIMEOUT)
+        except EtcdError as exc:
+            logger.warning("cannot read the job's nodes from etcd after the failure: %s", exc)
+            return None
+        missing = sorted(nodes - {r.rdzv_node for r in records} - {self._registry.record.rdzv_node})
+        return missing[0] if missing else None
 
     def before_start_workers(self, worker_group: WorkerGroup) -> None:
         """Called before workers start: makes sure a node agent fit for this world answers."""

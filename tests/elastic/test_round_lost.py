@@ -1,0 +1,101 @@
+"""``LaunchSession.round_lost``: whether the workers' failure is their world's (a machine of their
+round is gone: restart for the next round, not counted) or their own (counted against
+``--max-restarts``), decided without processes against a registry that plays the races.
+
+The race fresh-ci hit: the link thread revoked a dead peer's lease and dropped it from the peer
+table, but had not reported it yet when the failed workers were seen; the failure then found
+neither a report nor a peer to probe, and a job with ``--max-restarts 0`` exited 1.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from elastic.etcd import EtcdError
+from elastic.launch_config import EventLog, LauncherConfig
+from elastic.membership import NodeRecord
+from elastic.session import LaunchSession
+
+OWN = NodeRecord("n0", "h0", 1, "t0", "127.0.0.1:1", state="active", rdzv_node="d0")
+PEER = NodeRecord("n1", "h1", 2, "t1", "127.0.0.1:2", state="active", rdzv_node="d1")
+
+
+class Registry:
+    """What ``round_lost`` reads: the watch's peer table, etcd's keys, the probes."""
+
+    def __init__(self, table: list[NodeRecord], keys: list[NodeRecord]) -> None:
+        self.record = OWN
+        self.table = {r.node_id: r for r in table}
+        self.keys = keys
+        self.probed: list[set[str]] = []
+        self.etcd_down = False
+
+    def peers(self) -> dict[str, NodeRecord]:
+        return dict(self.table)
+
+    def records(self, timeout: timedelta | None = None) -> list[NodeRecord]:
+        if self.etcd_down:
+            raise EtcdError("etcd did not answer")
+        return [OWN, *self.keys]
+
+    def reap_dead_peers(self, candidates: set[str], *, via: str = "probe") -> list[NodeRecord]:
+        self.probed.append(set(candidates))
+        return []
+
+
+def _session(registry: Registry, tmp_path: Any) -> LaunchSession:
+    config = LauncherConfig(
+        entrypoint="s.py",
+        rdzv_id="job",
+        min_nodes=2,
+        max_nodes=3,
+        rdzv_endpoint="127.0.0.1:2379",
+    )
+    s = LaunchSession(config, EventLog(str(tmp_path / "events.jsonl"), "n0"))
+    s._registry = registry  # type: ignore[assignment]
+    s._round_nodes = {"d0", "d1"}
+    return s
+
+
+def test_a_peer_revoked_but_not_yet_reported_makes_the_failure_the_worlds(tmp_path: Any) -> None:
+    # Gone from the table and from etcd, no report yet: etcd says it.
+    registry = Registry(table=[], keys=[])
+    s = _session(registry, tmp_path)
+    assert s.round_lost(failed=True) == "d1"
+    # Workers that still run restart only on a report.
+    assert s.round_lost(failed=False) is None
+
+
+def test_a_peer_still_in_the_table_is_probed_and_a_live_one_makes_the_failure_the_workers(
+    tmp_path: Any,
+) -> None:
+    registry = Registry(table=[PEER], keys=[PEER])
+    s = _session(registry, tmp_path)
+    assert s.round_lost(failed=True) is None
+    assert registry.probed == [{"n1"}]
+
+
+def test_a_reported_loss_needs_no_look(tmp_path: Any) -> None:
+    registry = Registry(table=[PEER], keys=[PEER])
+    s = _session(registry, tmp_path)
+    s._round_lost.append(PEER)
+    assert s.round_lost(failed=True) == "n1"
+    assert s.round_lost(failed=False) == "n1"
+    assert registry.probed == []
+    # A machine that left with its workers done broke nothing for workers that still run.
+    s._round_lost[:] = [NodeRecord("n1", "h1", 2, "t1", "", state="leaving", rdzv_node="d1")]
+    assert s.round_lost(failed=False) is None
+    assert s.round_lost(failed=True) == "n1"
+
+
+def test_etcd_down_counts_the_failure_as_the_workers(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry = Registry(table=[], keys=[])
+    registry.etcd_down = True
+    s = _session(registry, tmp_path)
+    assert s.round_lost(failed=True) is None
+    assert "cannot read the job's nodes from etcd" in caplog.text

@@ -19,7 +19,9 @@ silent: its lease remains the authority.
 
 Each launcher holds links to a few peers only (its successors in the ring of node ids,
 :func:`ring_successors`), so a job of N machines holds about ``fanout * N`` connections in all,
-and every machine is watched by ``fanout`` others.
+and every machine is watched by ``fanout`` others. Each link is made (connected, token read,
+hold answered) by a short-lived thread of its own: a target that does not answer (a partitioned
+machine, a stopped process) holds up its own link only, never the watch on the links held.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def ring_successors(own: str, others: Collection[str], fanout: int) -> list[str]
 
 
 class PeerLinks:
-    """Holds a link to each target's probe port, from one daemon thread.
+    """Holds a link to each target's probe port, watched by one daemon thread (each link is made
+    by a thread of its own, see the module).
 
     Args:
         on_broken: Called from the link thread with a target whose link broke (EOF or a reset
@@ -129,6 +132,9 @@ class PeerLinks:
         self._targets: dict[str, LinkTarget] = {}  # by token
         self._conns: dict[str, socket.socket] = {}  # by token; the thread changes it, locked
         self._retry_at: dict[str, tuple[float, float]] = {}  # token -> (when, pause)
+        # Links being made (the watch thread's), and what their threads made of them (locked).
+        self._connecting: set[str] = set()
+        self._made: list[tuple[LinkTarget, socket.socket | None, str | None]] = []
         self._stop = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -149,12 +155,16 @@ class PeerLinks:
             return {self._targets[t].node_id for t in self._conns if t in self._targets}
 
     def close(self) -> None:
-        """Closes every link and stops the thread. Never raises."""
-        self._stop.set()
+        """Closes every link and stops the thread. Never raises. A link still being made is
+        closed by its thread when it is made."""
+        with self._lock:
+            self._stop.set()
         self._wake()
         self._thread.join(timeout=2)
         with self._lock:
             conns, self._conns = list(self._conns.values()), {}
+            conns += [sock for _, sock, _ in self._made if sock is not None]
+            self._made = []
         for sock in conns:
             with contextlib.suppress(OSError):
                 sock.close()
@@ -192,6 +202,10 @@ class PeerLinks:
         returns how long to wait for the next event."""
         with self._lock:
             targets = dict(self._targets)
+            made, self._made = self._made, []
+        for target, sock, broken in made:
+            self._connecting.discard(target.token)
+            self._take(target, sock, broken, current=target.token in targets)
         for token in [t for t in self._conns if t not in targets]:
             self._drop(token)
         for token in [t for t in self._retry_at if t not in targets]:
@@ -199,15 +213,19 @@ class PeerLinks:
         now = time.monotonic()
         wait = 1.0
         for token, target in targets.items():
-            if token in self._conns:
+            if token in self._conns or token in self._connecting:
                 continue
             when, _ = self._retry_at.get(token, (0.0, 0.0))
             if when > now:
                 wait = min(wait, when - now)
                 continue
-            self._connect(target)
-            if token not in self._conns:
-                wait = min(wait, self._retry_at[token][0] - time.monotonic())
+            self._connecting.add(token)
+            threading.Thread(
+                target=self._connect,
+                args=(target,),
+                name="flashckpt-node-link-connect",
+                daemon=True,
+            ).start()
         return max(0.0, wait)
 
     def _pause(self, token: str) -> None:
@@ -216,33 +234,47 @@ class PeerLinks:
         self._retry_at[token] = (time.monotonic() + pause, pause)
 
     def _connect(self, target: LinkTarget) -> None:
-        try:
-            sock = connect_probe_port(target.address, self._connect_timeout)
-        except ConnectionRefusedError:
-            self._pause(target.token)
-            self._broken(target, "its probe port refused the link")
-            return
-        except (OSError, ValueError) as exc:
-            self._pause(target.token)
-            logger.debug("cannot link node %s at %s: %s", target.node_id, target.address, exc)
-            return
+        """A link-making thread: connects, reads the token, asks to hold; hands the outcome
+        to the watch thread (:meth:`_take`)."""
+        sock: socket.socket | None = None
+        broken: str | None = None  # why the peer may be dead; None: no verdict
         held = False
         try:
+            sock = connect_probe_port(target.address, self._connect_timeout)
             token = read_line(sock, _TOKEN_MAX).strip().decode(errors="replace")
             if token != target.token:
-                self._pause(target.token)
-                self._broken(target, "its probe port answered with another token")
-                return
-            sock.sendall(HOLD_QUESTION)
-            # Anything but "held": a probe server that does not hold links, or is closing.
-            held = read_line(sock, len(HOLD_ANSWER)) == HOLD_ANSWER
-        except OSError as exc:
+                broken = "its probe port answered with another token"
+            else:
+                sock.sendall(HOLD_QUESTION)
+                # Anything but "held": a probe server that does not hold links, or is closing.
+                held = read_line(sock, len(HOLD_ANSWER)) == HOLD_ANSWER
+        except ConnectionRefusedError:
+            broken = "its probe port refused the link"
+        except (OSError, ValueError) as exc:
             logger.debug("cannot link node %s at %s: %s", target.node_id, target.address, exc)
-        finally:
-            if not held:
-                sock.close()
-        if not held:
+        if not held and sock is not None:
+            sock.close()
+            sock = None
+        with self._lock:
+            if not self._stop.is_set():
+                self._made.append((target, sock, broken))
+                sock = None
+        if sock is not None:  # closed meanwhile
+            sock.close()
+        self._wake()
+
+    def _take(
+        self, target: LinkTarget, sock: socket.socket | None, broken: str | None, *, current: bool
+    ) -> None:
+        """The watch thread: a link made (``sock``), refused or answered wrongly (``broken``,
+        the peer may be dead), or not made (neither: the pause grows)."""
+        if sock is None:
             self._pause(target.token)
+            if broken is not None and current:
+                self._broken(target, broken)
+            return
+        if not current:  # no longer a target
+            sock.close()
             return
         sock.setblocking(False)
         with self._lock:

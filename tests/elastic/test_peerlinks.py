@@ -24,7 +24,14 @@ import pytest
 from elastic import membership
 from elastic.etcd import EtcdClient
 from elastic.membership import NodeRecord, NodeRegistry
-from elastic.peerlinks import HOLD_ANSWER, HOLD_QUESTION, read_line, ring_successors
+from elastic.peerlinks import (
+    HOLD_ANSWER,
+    HOLD_QUESTION,
+    LinkTarget,
+    PeerLinks,
+    read_line,
+    ring_successors,
+)
 
 LONG_TTL = timedelta(seconds=30)
 WAIT_S = 20.0  # well inside LONG_TTL: a loss reported by then was not the lease's lapse
@@ -230,3 +237,29 @@ def test_the_probe_server_holds_a_bounded_number_of_links(
         server.close()
         for sock in socks:
             sock.close()
+
+
+def test_a_peer_that_never_answers_holds_up_only_its_own_link() -> None:
+    # A target that accepts the connection and then says nothing (a stopped process, a machine
+    # whose launcher hangs) must not hold up the other links: the live peer is linked while the
+    # silent one still waits out its (long) connect timeout, and its kill is seen at once.
+    silent = socket.create_server(("127.0.0.1", 0))
+    live = membership._ProbeServer("live", "127.0.0.1")
+    broken: list[tuple[str, str]] = []
+    links = PeerLinks(lambda t, why: broken.append((t.node_id, why)), connect_timeout=60)
+    try:
+        links.set_targets(
+            [
+                LinkTarget("silent", "s", f"127.0.0.1:{silent.getsockname()[1]}"),
+                LinkTarget("live", "live", f"127.0.0.1:{live.port}"),
+            ]
+        )
+        _wait_for("the live peer's link held", lambda: links.held() == {"live"})
+        live.close()  # its launcher gone: its link closes
+        _wait_for("the live peer's link seen broken", lambda: broken)
+        assert broken == [("live", "its link closed")]
+        assert links.held() == set()
+    finally:
+        links.close()
+        live.close()
+        silent.close()

@@ -17,7 +17,10 @@ system, from worker and launcher timestamps:
   (``model_s``: pg ready -> model and optimizer built, FSDP's ``fully_shard`` per layer included;
   ``entry_s``: -> the checkpointing block entered, the restore itself);
 - ``first step``: -> every rank finished its first step after the resume (the headline number,
-  ``total``, is kill -> here);
+  ``total``, is kill -> here); in the JSON, ``train()`` alone (forward, backward, optimizer
+  step) of a worker's first step and of later ones: ``train_first_fresh_s`` (the job's first
+  workers: a fresh start, no restore), ``train_first_resumed_s`` (the resumed workers'),
+  ``train_steady_s`` (the steps before the kill but each worker's first; flashckpt systems);
 - ``lost``: steps done before the kill and computed again after it, against the snapshot
   interval.
 
@@ -412,6 +415,36 @@ def _resumed(events: list[dict[str, Any]], t_kill: float) -> bool:
     return len(ranks) >= 2
 
 
+def _first_pids(events: list[dict[str, Any]]) -> set[int]:
+    """The job's first workers: the first ``start`` of each rank."""
+    first: dict[int, int] = {}
+    for e in sorted((e for e in events if e["event"] == "start"), key=lambda e: e["t"]):
+        first.setdefault(e["rank"], e["pid"])
+    return set(first.values())
+
+
+def _first_train_s(events: list[dict[str, Any]]) -> float | None:
+    """The slowest worker's ``train_s`` of its first step among ``events`` (None: not logged)."""
+    first: dict[int, float] = {}
+    for e in events:
+        if e["event"] == "step" and e["pid"] not in first and e.get("train_s") is not None:
+            first[e["pid"]] = e["train_s"]
+    return max(first.values()) if first else None
+
+
+def _after_first_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The step events of each worker but its first."""
+    seen: set[int] = set()
+    out = []
+    for e in events:
+        if e["event"] != "step":
+            continue
+        if e["pid"] in seen:
+            out.append(e)
+        seen.add(e["pid"])
+    return out
+
+
 def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> dict[str, Any]:
     events = job.events()
     new_pids = _new_pids(events, t_kill)
@@ -439,6 +472,18 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
     # The first step after the resume against a steady one: the interval between one rank's
     # consecutive steps before the kill (it includes --step-sleep and any snapshot steps).
     steady = _step_interval([e for e in before if e["t"] <= t_kill]) or None
+    # ``train()`` alone (forward, backward, optimizer step; no snapshot, no sleep): each
+    # worker's first step against the steady ones, for the job's first workers (a fresh start:
+    # no restore) and for the resumed ones. What a fresh process's first step costs anyway is
+    # the job's own (FSDP2's lazy init, first-touch allocations), not the failover's.
+    first_pids = _first_pids(events)
+    fresh_first = _first_train_s([e for e in before if e["pid"] in first_pids])
+    resumed_first = _first_train_s(after)
+    later = [
+        e["train_s"]
+        for e in _after_first_steps([e for e in before if e["t"] <= t_kill])
+        if e.get("train_s") is not None
+    ]
     resume_step = restored[0]["start_step"]
     result: dict[str, Any] = {
         "system": system,
@@ -455,6 +500,9 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
             if any(e["rank"] == r for e in restored)
         },
         "steady_step_s": steady,
+        "train_first_fresh_s": fresh_first,
+        "train_first_resumed_s": resumed_first,
+        "train_steady_s": statistics.median(later) if later else None,
         "step_sleep_s": args.step_sleep,
         "last_step_done_before_kill": last_done,
         "resume_step": resume_step,
@@ -490,7 +538,8 @@ def _measure(system: str, job: Job, t_kill: float, args: argparse.Namespace) -> 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ["total_s", "detect_s", "rendezvous_s", "detect_rdzv_s", "init_s", "restore_s",
-            "model_s", "entry_s", "first_step_s", "steady_step_s", "steps_recomputed"]  # fmt: skip
+            "model_s", "entry_s", "first_step_s", "steady_step_s", "train_first_fresh_s",
+            "train_first_resumed_s", "train_steady_s", "steps_recomputed"]  # fmt: skip
     out: dict[str, Any] = {"runs": len(runs)}
     for key in keys:
         values = [r[key] for r in runs if r.get(key) is not None]

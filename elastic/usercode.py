@@ -15,6 +15,7 @@ import runpy
 import sys
 import traceback
 
+from elastic import storewait
 from flashckpt import envnames
 
 __all__ = ["FAST_EXIT_ENV", "run_user_code"]
@@ -26,8 +27,10 @@ FAST_EXIT_ENV = envnames.WORKER_FAST_EXIT
 def run_user_code(args: list[str]) -> None:
     """Runs ``[script, *args]`` or ``["-m", module, *args]`` as ``__main__``.
 
-    A failure with an exception ends the process at once (see the module docstring).
+    A failure with an exception ends the process at once (see the module docstring). Its
+    c10d store clients connect as soon as the round's store listens (:mod:`elastic.storewait`).
     """
+    storewait.install()
     try:
         if args[0] == "-m":
             module = args[1]

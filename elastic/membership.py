@@ -163,6 +163,10 @@ class NodeRecord:
     replica: str = ""
     """``host:port`` of its node agent's replica server (other machines send it replicas of
     their snapshots there); empty if it holds none."""
+    done: bool = False
+    """Set as it leaves (``leaving``): its workers finished the job. A machine that left done
+    broke nothing for workers still running elsewhere; one that left otherwise (signalled,
+    preempted, retired for a standby, failed) took its workers out of their round."""
 
     def to_json(self) -> bytes:
         """The key's value."""
@@ -176,6 +180,8 @@ class NodeRecord:
         try:
             data = json.loads(kv.value)
             fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data and k != "lease"}
+            # Only a true JSON boolean says done: anything else is the safer "not done".
+            fields["done"] = fields.get("done") is True
             return cls(**fields, lease=kv.lease)
         except (ValueError, TypeError, KeyError):
             return None

@@ -184,6 +184,7 @@ class LaunchSession:
         # of them gone since it formed (the workers' failure is then the world's).
         self._round_nodes: set[str] = set()
         self._round_lost: list[NodeRecord] = []
+        self._workers_done = False  # this machine's workers finished the job (published on leaving)
         self._last_view: tuple[tuple[int, ...], int] | None = None
         self._old_handlers: dict[int, Any] = {}
         self._jobview: JobViewPublisher | None = None
@@ -511,6 +512,7 @@ class LaunchSession:
             logger.error("workers failed: %s", _describe_failures(result))
             self.events("failed")
             return 1
+        self._workers_done = True
         self.events("succeeded")
         return 0
 
@@ -712,12 +714,14 @@ class LaunchSession:
                 now), so the round's machines are probed and etcd is asked which of them still
                 hold a key; a machine that left (stopped, preempted, or done with the job)
                 counts too. For workers that still run, only reports count, and a machine
-                that left with its workers done broke nothing: they finish too.
+                that left with its workers done (``NodeRecord.done``) broke nothing: they
+                finish too; one that left otherwise (SIGTERM, preemption) took its workers
+                out of the round, so they are restarted at once, stalled or not.
         """
         assert self._registry is not None
         with self._lock:
             nodes = set(self._round_nodes)
-            gone = [r for r in self._round_lost if failed or r.state != "leaving"]
+            gone = [r for r in self._round_lost if failed or not (r.state == "leaving" and r.done)]
         if gone:
             return gone[0].node_id
         if not failed or not nodes:
@@ -897,7 +901,9 @@ class LaunchSession:
         if self._registry is not None:
             if etcd_up:
                 with contextlib.suppress(Exception):
-                    self._registry.update(state="leaving", timeout=_TEARDOWN_ETCD_TIMEOUT)
+                    self._registry.update(
+                        state="leaving", done=self._workers_done, timeout=_TEARDOWN_ETCD_TIMEOUT
+                    )
             self._registry.close(timeout=_TEARDOWN_ETCD_TIMEOUT, revoke=etcd_up)
             self._registry = None
         if self._prewarmer is not None:

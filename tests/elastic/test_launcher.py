@@ -325,13 +325,17 @@ def test_machine_loss_without_standby_shrinks_the_job(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["kill", "sigterm"])
 def test_a_survivor_without_standby_restarts_its_stalled_workers_when_its_peer_dies(
-    etcd_server: str, tmp_path: Path, make_cluster: list[SimCluster]
+    etcd_server: str, tmp_path: Path, make_cluster: list[SimCluster], how: str
 ) -> None:
     # 1:2 and no standby, every worker stalled outside any collective: no machine waits to
     # join, so torch's agent would leave the survivor's healthy workers alone until their next
     # collective fails (after the stall). The launcher restarts them when the link reports
-    # the death, and the job goes on alone.
+    # the death, and the job goes on alone. A machine stopped by SIGTERM (preempted) leaves
+    # in order, its key marked "leaving" but not done: its workers left the round too (before
+    # NodeRecord.done, a leaving machine counted as one whose workers finished, and the
+    # survivor's stalled workers waited out the stall).
     cluster = SimCluster(
         tmp_path,
         etcd_server,
@@ -346,9 +350,17 @@ def test_a_survivor_without_standby_restarts_its_stalled_workers_when_its_peer_d
     survivor = cluster.rank0_node()
     victim = "n1" if survivor == "n0" else "n0"
     killed_at = time.time()
-    assert cluster.machines[victim].kill(), "the machine had no processes"
+    if how == "kill":
+        assert cluster.machines[victim].kill(), "the machine had no processes"
+    else:
+        cluster.machines[victim].proc.send_signal(signal.SIGTERM)
+        assert cluster.wait_exit(victim, 60) == 128 + signal.SIGTERM, cluster.logs()
     assert cluster.wait_exit(survivor, 120) == 0, cluster.logs()
     events = cluster.machines[survivor].events()
+    lost = [e for e in events if e["event"] == "peer_lost" and e["t"] > killed_at]
+    assert [(e["peer"], e["peer_state"]) for e in lost][:1] == [
+        (victim, "leaving" if how == "sigterm" else "active")
+    ], lost
     restarts = [e for e in events if e["event"] == "workers_restart" and e["t"] > killed_at]
     assert len(restarts) == 1 and restarts[0]["state"] == "HEALTHY", events
     assert restarts[0]["remaining_restarts"] == 0

@@ -9,12 +9,13 @@ neither a report nor a peer to probe, and a job with ``--max-restarts 0`` exited
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
-from elastic.etcd import EtcdError
+from elastic.etcd import EtcdError, KeyValue
 from elastic.launch_config import EventLog, LauncherConfig
 from elastic.membership import NodeRecord
 from elastic.session import LaunchSession
@@ -86,9 +87,29 @@ def test_a_reported_loss_needs_no_look(tmp_path: Any) -> None:
     assert s.round_lost(failed=False) == "n1"
     assert registry.probed == []
     # A machine that left with its workers done broke nothing for workers that still run.
-    s._round_lost[:] = [NodeRecord("n1", "h1", 2, "t1", "", state="leaving", rdzv_node="d1")]
+    done = NodeRecord("n1", "h1", 2, "t1", "", state="leaving", rdzv_node="d1", done=True)
+    s._round_lost[:] = [done]
     assert s.round_lost(failed=False) is None
     assert s.round_lost(failed=True) == "n1"
+    # One that left otherwise (SIGTERM, preemption, retired) took its workers out of the round.
+    s._round_lost[:] = [replace(done, done=False)]
+    assert s.round_lost(failed=False) == "n1"
+    assert s.round_lost(failed=True) == "n1"
+
+
+def test_only_a_json_true_says_a_leaving_machine_was_done() -> None:
+    record = NodeRecord("n1", "h1", 2, "t1", "", state="leaving", rdzv_node="d1", done=True)
+    assert NodeRecord.from_kv(KeyValue(b"k", record.to_json(), 0, 0, 0, 7)) == replace(
+        record, lease=7
+    )
+    for value in ('"yes"', "1", "null", '{"a": 1}'):
+        raw = record.to_json().replace(b'"done":true', f'"done":{value}'.encode())
+        parsed = NodeRecord.from_kv(KeyValue(b"k", raw, 0, 0, 0, 7))
+        assert parsed is not None and parsed.done is False, value
+    # A record from a launcher that does not publish the field: not done.
+    raw = record.to_json().replace(b',"done":true', b"")
+    parsed = NodeRecord.from_kv(KeyValue(b"k", raw, 0, 0, 0, 7))
+    assert parsed is not None and parsed.done is False
 
 
 def test_etcd_down_counts_the_failure_as_the_workers(

@@ -995,8 +995,14 @@ class NodeRegistry:
             self._seen_lost.add(record.token)
             self._peers.pop(record.node_id, None)
         self._update_links()
-        if record.state == "leaving":
-            logger.info("node %s left the job", record.node_id)
+        if record.state == "leaving" and record.done:
+            logger.info("node %s left the job, its workers done", record.node_id)
+        elif record.state == "leaving":
+            logger.warning(
+                "node %s left the job before its workers were done (stopped, preempted or "
+                "retired): its workers left their round",
+                record.node_id,
+            )
         else:
             logger.warning("node %s (%s) is gone (%s)", record.node_id, record.state, via)
         if self._on_lost is not None:

@@ -173,21 +173,28 @@ def test_without_links_a_killed_peer_waits_for_its_lease(
 
 
 @pytest.mark.etcd
+@pytest.mark.parametrize("done", [True, False], ids=["workers-done", "stopped"])
 def test_a_peer_that_leaves_cleanly_is_not_declared_dead_by_its_link(
-    make_registry: Callable[..., NodeRegistry], caplog: pytest.LogCaptureFixture
+    make_registry: Callable[..., NodeRegistry], caplog: pytest.LogCaptureFixture, done: bool
 ) -> None:
     lost = _Lost()
     reg = make_registry("a", on_lost=lost)
     peer = make_registry("b")
     _wait_for("a link to b", lambda: reg.linked() == {"b"})
     _wait_for("a link from b", lambda: peer.linked() == {"a"})
-    peer.update(state="leaving")
+    peer.update(state="leaving", done=done)
     with caplog.at_level("INFO", logger=membership.__name__):
         peer.close()  # revokes its lease first, then closes the links it holds
         _wait_for("b's departure seen", lambda: lost.of("b"))
         time.sleep(1.0)  # the link's probe, had it found the key, would have reported by now
     assert lost.of("b") == ["watch"]
-    assert not [r for r in caplog.records if "declaring it dead" in r.getMessage()]
+    # What it published on leaving reached the watch.
+    assert [(r.state, r.done) for r, _ in lost.calls if r.node_id == "b"] == [("leaving", done)]
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "declaring it dead" in m]
+    # The log says whether its workers finished or were taken out of their round.
+    said = "left the job, its workers done" if done else "left the job before its workers"
+    assert [m for m in messages if said in m], messages
     assert reg.linked() == set()
 
 

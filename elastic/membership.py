@@ -168,6 +168,11 @@ class NodeRecord:
     broke nothing for workers still running elsewhere; one that left otherwise (signalled,
     preempted, retired for a standby, failed) took its workers out of their round."""
 
+    @property
+    def left_done(self) -> bool:
+        """It left with its workers done: nothing of its round was broken by its leaving."""
+        return self.state == "leaving" and self.done
+
     def to_json(self) -> bytes:
         """The key's value."""
         data = asdict(self)
@@ -995,7 +1000,7 @@ class NodeRegistry:
             self._seen_lost.add(record.token)
             self._peers.pop(record.node_id, None)
         self._update_links()
-        if record.state == "leaving" and record.done:
+        if record.left_done:
             logger.info("node %s left the job, its workers done", record.node_id)
         elif record.state == "leaving":
             logger.warning(

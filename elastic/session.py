@@ -721,7 +721,7 @@ class LaunchSession:
         assert self._registry is not None
         with self._lock:
             nodes = set(self._round_nodes)
-            gone = [r for r in self._round_lost if failed or not (r.state == "leaving" and r.done)]
+            gone = [r for r in self._round_lost if failed or not r.left_done]
         if gone:
             return gone[0].node_id
         if not failed or not nodes:

@@ -499,10 +499,9 @@ class ReplicaStore:
             _recv_into(sock, slot.data(h.data_len), hasher, chunk_bytes, pace)
             end = _recv_frame(sock)
             if end.get("end") != "ok":
-                why = end.get("why")
                 raise ReplicaError(
                     f"the sender aborted the replica of {h.sender_node!r} rank {h.rank} step "
-                    f"{h.step}: {why if isinstance(why, str) else 'no reason given'}"
+                    f"{h.step}: {_abort_why(end)}"
                 )
             got = int(hasher.intdigest())
             if got != h.data_hash:
@@ -702,6 +701,12 @@ def _why(reply: dict[str, Any]) -> str:
     return err[:1000] if isinstance(err, str) else "no reason given"
 
 
+def _abort_why(end: dict[str, Any]) -> str:
+    """The reason of an ``{"end": "abort", "why": ...}`` frame (pushes and fetches alike)."""
+    why = end.get("why")
+    return why[:1000] if isinstance(why, str) else "no reason given"
+
+
 # -- the restore side --------------------------------------------------------------------------
 
 
@@ -782,7 +787,7 @@ def fetch_replica(
             end = _recv_frame(sock)
             ph["recv"] = time.perf_counter() - t
             if end.get("end") != "ok":
-                raise ReplicaError(f"{src} aborted sending the replica: {_why(end)}")
+                raise ReplicaError(f"{src} aborted sending the replica: {_abort_why(end)}")
     except OSError as e:
         raise ReplicaError(f"replica fetch from {src} failed: {e}") from None
     got = int(hasher.intdigest())
@@ -990,7 +995,8 @@ class ReplicaServer:
             _send_frame(conn, {"ok": True, "header": h.to_json()})
             conn.sendall(slot.buf[slot.meta_off : slot.meta_off + h.meta_len])
             _send_from(conn, slot.data(h.data_len), self.chunk_bytes, self.pace)
-            if slot.seq() != info.seq:  # never: a held replica is replaced by rename, not rewritten
+            # A newer push may have renamed this file away as its spare and be writing into it.
+            if slot.seq() != info.seq:
                 _send_frame(conn, {"end": "abort", "why": "the replica changed while sent"})
                 return
             _send_frame(conn, {"end": "ok"})

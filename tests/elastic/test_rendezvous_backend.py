@@ -177,6 +177,11 @@ class _Trap:
         return os.mkdir, (str(self.marker),)
 
 
+def _flip_last(data: bytes) -> bytes:
+    """``data`` with its last byte changed (setting it to 0 changed nothing 1 time in 256)."""
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
+
+
 def _corruptions(marker: Path) -> dict[str, bytes]:
     good = encode_state(pickle.dumps({"round": 1}))
     wrong_version = bytearray(good)
@@ -193,7 +198,7 @@ def _corruptions(marker: Path) -> dict[str, bytes]:
         "padded": good + b"\x00",
         "bit flip": bytes(flipped),
         "other version": bytes(wrong_version),
-        "framed trap, bad checksum": encode_state(pickle.dumps(_Trap(marker)))[:-1] + b"\x00",
+        "framed trap, bad checksum": _flip_last(encode_state(pickle.dumps(_Trap(marker)))),
     }
 
 

@@ -66,12 +66,12 @@ from flashckpt.agent_persist import Persister
 from flashckpt.agent_replica import Replicator
 from flashckpt.agent_segments import SegmentGroup, Segments, abandoned_segments
 from flashckpt.agent_server import Server
-from flashckpt.agent_state import AgentState
+from flashckpt.agent_state import RETRY_SOON_S, AgentState
 from flashckpt.errors import AgentError
 from flashckpt.monitor import AgentMonitor
 from flashckpt.protocol import AgentClient
 from flashckpt.shm import ensure_private_dir
-from flashckpt.storage import Storage
+from flashckpt.storage import MANIFEST, Storage
 
 __all__ = [
     "AgentConfig",
@@ -87,6 +87,17 @@ log = logging.getLogger("flashckpt.agent")
 MAIN_TICK_S = 1.0
 """Seconds between the main loop's looks at its timeouts (idle, unused, trainers gone, done):
 all of seconds or more. A stop wakes it at once."""
+
+
+EXIT_KEPT = 4
+"""The agent's exit code when storage lacks the newest step its memory held at the stop (storage
+failing, the stop's deadline passed): the segments are kept for the job's next agent."""
+EXIT_MIRROR_FAILED = 5
+"""The agent's exit code when the final step never reached the mirror (``mirror=``)."""
+STOP_PERSIST_ROUNDS = 4
+"""Persists the stop tries at most (each of the then newest step: trainers may still run)."""
+STOP_LOOK_S = 0.25
+"""Seconds between two looks at storage for another node's commit of the final step."""
 
 
 class AgentRunning(RuntimeError):
@@ -240,8 +251,10 @@ class NodeAgent:
                 os.write(2, f"flashckpt agent: got signal {signum}, stopping\n".encode())
             self._poke(blocking=False)
 
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        # SIGHUP: the terminal went away (its session's processes get it); the launcher's
+        # death reaches its agent as SIGTERM (PR_SET_PDEATHSIG). Each one persists or keeps.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, handler)
 
     def request_stop(self) -> None:
         self._stop_flag = True
@@ -329,8 +342,7 @@ class NodeAgent:
                 with contextlib.suppress(BlockingIOError, InterruptedError):
                     os.read(poke, 512)
         log.info("agent stopping (%s)", reason)
-        self.shutdown(final_persist=True)
-        return 0
+        return self.shutdown(final_persist=True)
 
     def holds_unpersisted(self) -> bool:
         """Whether memory holds snapshots storage lacks (or commits are in flight)."""
@@ -345,7 +357,13 @@ class NodeAgent:
             return False
         return self.persister.pending_step() is not None or bool(self.committer.commits)
 
-    def shutdown(self, final_persist: bool = True) -> None:
+    def shutdown(self, final_persist: bool = True) -> int:
+        """Stops the threads, writes what storage lacks, then frees the segments, or keeps them
+        when memory still holds a step storage lacks (see :meth:`_final_persist`). Returns the
+        exit code: 0, or :data:`EXIT_KEPT` (storage is configured and lacks the newest step:
+        the segments are kept), or :data:`EXIT_MIRROR_FAILED` (the final step never reached
+        the mirror)."""
+        deadline = time.monotonic() + self.st.cfg.stop_timeout
         # Every background thread waits on an event of its own (or the accept): each is woken,
         # so the threads end now, not at their safety-net timeout (poll_interval).
         self.st.stopping.set()
@@ -359,42 +377,165 @@ class NodeAgent:
         # Wait for the persist thread to leave its step (it checks _stopping between steps).
         with self.st.io_lock:
             pass
+        keep: str | None = "the stop failed before it looked at memory"
+        code = 0
         try:
+            try:
+                keep = self._final_persist(deadline) if final_persist else self._lacks()
+            except Exception as e:  # never free the only copy on a failure of our own
+                log.exception("final persist failed")
+                keep = f"the final persist failed ({type(e).__name__}: {e})"
             if final_persist and self.st.storage is not None:
                 try:
-                    step = self.persister.pending_step()
-                    if step is not None:
-                        self.persister.persist(*step)
-                except Exception:
-                    log.exception("final persist failed")
-                try:
-                    self.committer.drain_commits(min(self.st.cfg.commit_timeout, 10.0))
-                except Exception:
-                    log.exception("final commit failed")
-                try:
                     # The exit's final step goes to the remote tier too: a bounded wait.
-                    self.persister.exit_mirror()
-                    self.mirrorer.drain(self.st.cfg.commit_timeout)
+                    if not self._final_mirror():
+                        code = EXIT_MIRROR_FAILED
                 except Exception:
                     log.exception("final mirror failed")
+                    code = EXIT_MIRROR_FAILED
             if self.monitor is not None:
                 try:
                     self.monitor.close()  # before the segments go: the last records of the rings
                 except Exception:
                     log.exception("closing the monitor failed")
         finally:
-            # Whatever failed above, the segments go (an allocation racing the shutdown is
-            # refused under the same locks, so none is created after this).
+            # Whatever failed above, the segments go, or stay when they hold the only copy (an
+            # allocation racing the shutdown is refused under the same locks, so none is
+            # created after this).
             with self.st.io_lock, self.st.lock, self.st.map_lock:  # not under the hasher either
                 for c in list(self.st.conns):
                     with contextlib.suppress(OSError):
                         c.sock.close()
-                self.segments.remove_segments()
+                kept = self.segments.remove_segments(keep_slots=keep is not None)
+            if kept:
+                log.warning(
+                    "kept %d snapshot segment(s) of job %s node %s in %s (%s): the next agent "
+                    "of this job adopts them and a rerun resumes from them; `flashckpt clean` "
+                    "removes them once no agent of the job runs: %s",
+                    len(kept),
+                    self.st.cfg.job,
+                    self.st.cfg.node,
+                    self.st.cfg.shm_dir,
+                    keep,
+                    " ".join(os.path.basename(p) for p in kept),
+                )
+                if self.st.storage is not None:
+                    code = code or EXIT_KEPT
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
+        return code
+
+    def _trainers_finished(self) -> bool:
+        """Whether every position of the current world said done (the run ended)."""
+        with self.st.lock:
+            ranks = [r for r in self.st.ranks.values() if r.world_id == self.st.world_id]
+            return bool(ranks) and all(r.done for r in ranks)
+
+    def _lacks(self, newest: int | None = None) -> str | None:
+        """Why the segments must be kept (memory holds a step storage lacks), or None."""
+        if newest is None:
+            newest = self.persister.newest_in_memory()
+        if newest is None:
+            return None
+        storage = self.st.storage
+        if storage is None:
+            # Memory only: a run that ended is done with its state; anything else (a signal,
+            # trainers that died) leaves the only copy for the job's next agent.
+            return None if self._trainers_finished() else "no storage configured"
+        if self._storage_has(storage, newest, time.monotonic()):
+            return None
+        return f"storage {storage.url} lacks step {newest}"
+
+    def _storage_has(self, storage: Storage, step: int, deadline: float) -> bool:
+        """Whether ``step`` is committed in storage; a node that does not commit it (rank 0 is
+        elsewhere) waits for the committing node's manifest until ``deadline``."""
+        with self.st.lock:
+            if step in self.st.committed:
+                return True
+            commits_here = any(
+                r.global_rank == 0 for r in self.st.ranks.values() if r.world_id == self.st.world_id
+            )
+        while True:
+            try:
+                if storage.fs.exists(storage.step_path(step, MANIFEST)):
+                    return True
+            except Exception as e:  # storage failing: it does not have it
+                log.warning("cannot look for step %d in storage %s: %s", step, storage.url, e)
+                return False
+            if commits_here or time.monotonic() >= deadline:
+                return False
+            time.sleep(STOP_LOOK_S)
+
+    def _final_persist(self, deadline: float) -> str | None:
+        """Writes the newest step every local rank holds and storage lacks (marked for storage
+        or not: memory is all there is) and waits for its commit, until ``deadline``. Returns
+        None when storage then holds the newest step memory does (or memory holds none), else
+        why not: the segments are then kept for the job's next agent."""
+        storage = self.st.storage
+        newest = self.persister.newest_in_memory()
+        if newest is None or storage is None:
+            return self._lacks(newest)
+        cfg = self.st.cfg
+        log.info(
+            "stopping: writing what storage lacks (newest step in memory %d, committed %s) "
+            "within %.0f s (stop_timeout)",
+            newest,
+            max(self.st.committed, default=None),
+            cfg.stop_timeout,
+        )
+        error: str | None = None
+        # A few rounds at most: a trainer still running (the agent alone was stopped) may
+        # complete newer snapshots meanwhile; its slots are then kept for its next agent.
+        for _ in range(STOP_PERSIST_ROUNDS):
+            if time.monotonic() >= deadline:
+                break
+            pending = self.persister.pending_step(force=True)
+            if pending is None:
+                break
+            try:
+                self.persister.persist(*pending)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                self.st.record_error(pending[0], error)
+                break
+            with self.st.lock:
+                unfinished = self.st.persisted_high < pending[0]
+            if unfinished:  # gave way to a trainer: again, soon
+                time.sleep(RETRY_SOON_S)
+        try:
+            self.committer.drain_commits(
+                max(0.0, min(cfg.commit_timeout, deadline - time.monotonic()))
+            )
+        except Exception as e:
+            log.exception("final commit failed")
+            error = error or f"its commit failed: {type(e).__name__}: {e}"
+        newest = self.persister.newest_in_memory()
+        if newest is None or self._storage_has(storage, newest, deadline):
+            if newest is not None:
+                log.info(
+                    "stopping: storage %s holds step %d, the newest in memory", storage.url, newest
+                )
+            return None
+        if error is not None:
+            return f"writing step {newest} to storage {storage.url} failed: {error}"
+        if time.monotonic() >= deadline:
+            return (
+                f"step {newest} was not committed to storage {storage.url} within the stop's "
+                f"{cfg.stop_timeout:g} s (stop_timeout)"
+            )
+        errors = [e["error"] for e in self.st.errors[-1:]]
+        why = f": {errors[0]}" if errors else ""
+        return f"step {newest} is not committed in storage {storage.url}{why}"
+
+    def _final_mirror(self) -> bool:
+        """Sends the exit's final step to the mirror and waits for it (bounded); whether it got
+        there (True when there is nothing to mirror)."""
+        self.persister.exit_mirror()
+        self.mirrorer.drain(self.st.cfg.commit_timeout)
+        return True
 
     def status(self) -> dict[str, Any]:
         """What the agent holds and did: positions and their slots' steps, committed and

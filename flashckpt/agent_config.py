@@ -68,6 +68,14 @@ class AgentConfig:
     makes a missed wake-up cost less."""
     commit_timeout: float = 120.0
     """How long the committing node waits for the other nodes' parts of a step."""
+    stop_timeout: float = 60.0
+    """The longest the agent's stop (SIGTERM, SIGINT, SIGHUP, its launcher's death, the idle
+    timeout) spends writing the snapshots storage lacks (the newest step its local ranks hold,
+    marked by ``persist_every`` or not) and waiting for their commit; the mirror's final copy
+    then has up to ``commit_timeout`` more. Whatever it could not write by then (no storage,
+    storage failing, the deadline passed) stays in shared memory for the next agent of the same
+    job to adopt, and the log says so and where. A launcher that kills its stopping agent
+    sooner (after its ``--shutdown-timeout``) cuts this short; the segments then stay too."""
     retry_interval: float = 2.0
     """Pause after a persistence error before the next attempt."""
     write_through_private: bool = field(
@@ -124,6 +132,8 @@ class AgentConfig:
             raise ValueError(f"keep={self.keep}: keep at least 1 committed step")
         if self.poll_interval <= 0:
             raise ValueError(f"poll_interval={self.poll_interval}: must be > 0 seconds")
+        if self.stop_timeout < 0:
+            raise ValueError(f"stop_timeout={self.stop_timeout}: must be >= 0 seconds")
         if self.idle_timeout <= 0:
             raise ValueError(f"idle_timeout={self.idle_timeout}: must be > 0 seconds")
         if self.orphan_age_s < 0:

@@ -304,8 +304,13 @@ class Persister:
                     self.st.record_error(step, f"writing rank {rank} state: {e}")
                 break
 
-    def pending_step(self) -> tuple[int, dict[int, tuple[int, SlotInfo]]] | None:
-        """The newest step every local rank holds complete and storage lacks, with its slots."""
+    def pending_step(
+        self, force: bool = False
+    ) -> tuple[int, dict[int, tuple[int, SlotInfo]]] | None:
+        """The newest step every local rank holds complete and storage lacks, with its slots.
+
+        ``force`` (the agent's stop): the newest such step whether or not its trainers marked
+        it for storage (``persist_every``), as when a trainer died: memory is all there is."""
         if self.st.storage is None:
             return None  # memory only: nothing is ever pending
         with self.st.lock:
@@ -344,7 +349,7 @@ class Persister:
             # persist_every: the newest snapshot the trainers marked; the newest of all when a
             # flush waits, or a trainer of this world died or finished (its memory is all there
             # is: save at breakpoint, and the exit's final snapshot).
-            forced = self.st.flush_waiting > 0 or any(r.conn is None for r in ranks)
+            forced = force or self.st.flush_waiting > 0 or any(r.conn is None for r in ranks)
             marked = common if forced else {s for s in common if self._marked(ranks, per_rank, s)}
             if not marked:
                 with self.st.lock:
@@ -356,6 +361,40 @@ class Persister:
                 if url is not None:
                     self._mirror_owed = url
             return step, {r: have[step] for r, have in per_rank.items()}
+
+    def newest_in_memory(self) -> int | None:
+        """The newest step a restart could take from this node's memory: the newest step every
+        local rank of the current world holds complete, or, while not every local position is
+        known (or no world is), the newest complete snapshot of any (kept, not guessed away);
+        None when memory holds no complete snapshot."""
+        with self.st.lock:
+            recs = [r for r in self.st.ranks.values() if any(s is not None for s in r.slots)]
+            per_rank: dict[int, set[int]] = {}
+            for rec in recs:
+                have = set()
+                for s in rec.slots:
+                    try:
+                        info = s.header() if s is not None else None
+                    except ValueError:  # closed meanwhile
+                        continue
+                    if (
+                        s is not None
+                        and info is not None
+                        and info.complete
+                        and (s.path, info.seq) not in self.st.corrupt
+                    ):
+                        have.add(info.step)
+                per_rank[rec.rank] = have
+            anything = set().union(*per_rank.values()) if per_rank else set()
+            if not anything:
+                return None
+            world = [r for r in recs if r.world_id == self.st.world_id]
+            expected = max((r.local_world_size for r in world), default=0)
+            if world and len(world) >= expected:
+                common = set.intersection(*(per_rank[r.rank] for r in world))
+                if common:
+                    return max(common)
+            return max(anything)
 
     def _mirror_mark(
         self,

@@ -13,6 +13,7 @@ neither adopted nor served. Only the trainer that said hello for a position gets
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import mmap
@@ -24,6 +25,7 @@ import psutil
 
 from flashckpt import names
 from flashckpt.agent_state import AgentState, Conn, RankRecord, header_ok, read_meta, slot_room
+from flashckpt.errors import AgentError
 from flashckpt.messages import Alloc, AllocReply
 from flashckpt.shm import (
     HEADER_SIZE,
@@ -37,7 +39,7 @@ from flashckpt.shm import (
     slot_prefix,
 )
 
-__all__ = ["SegmentGroup", "Segments", "abandoned_segments"]
+__all__ = ["SegmentGroup", "Segments", "abandoned_segments", "foreign_file", "planted_message"]
 
 log = logging.getLogger("flashckpt.agent")
 
@@ -55,16 +57,69 @@ class Segments:
         """Names this agent's process (pid, start time) for ``abandoned_segments``."""
 
     def write_owner(self) -> None:
+        """Writes the owner file (this process's pid and start time).
+
+        Raises:
+            AgentError: the shared-memory directory is full (its free space and the fix), or a
+                file of another user sits under one of the job's names there (the file, its
+                owner and the fix). Nothing is left behind either way.
+        """
         me = psutil.Process()
         owner = {"pid": me.pid, "create_time": me.create_time(), "job": self.st.cfg.job}
         tmp = f"{self.owner_path}.tmp{me.pid}"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        # O_EXCL | O_NOFOLLOW: a link planted under this name is never written through.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(owner, f)
-        os.replace(tmp, self.owner_path)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            # O_EXCL | O_NOFOLLOW: a link planted under this name is never written through.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(owner, f)
+            os.replace(tmp, self.owner_path)
+        except OSError as e:
+            if foreign_file(tmp) is None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+                raise AgentError(self.full_message(e)) from None
+            planted = foreign_file(self.owner_path) or foreign_file(tmp)
+            if planted is not None:
+                raise AgentError(
+                    planted_message(planted, self.st.cfg.job, self.st.cfg.shm_dir)
+                ) from None
+            raise AgentError(
+                f"the node agent cannot write its owner file {self.owner_path}: {e}"
+            ) from None
+
+    def full_message(self, e: OSError) -> str:
+        """The error of a shared-memory directory too full for the agent's own small files:
+        the directory, its free space, this job's snapshots there, and the fix."""
+        shm = self.st.cfg.shm_dir
+        try:
+            st = os.statvfs(shm)
+            free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+            space = f"{free / 2**20:.1f} MiB free of {total / 2**20:.1f} MiB"
+        except OSError:
+            space = "its free space unknown"
+        prefix = slot_prefix(self.st.cfg.job, self.st.cfg.node)
+        mine = 0
+        with contextlib.suppress(OSError):
+            for name in os.listdir(shm):
+                if _SLOT_RE.match(name) and name.startswith(prefix):
+                    with contextlib.suppress(OSError):
+                        mine += os.lstat(os.path.join(shm, name)).st_size
+        kept = (
+            f"; this job's snapshot slots there ({mine / 2**20:.1f} MiB) are kept: the next "
+            "start resumes from them"
+            if mine
+            else ""
+        )
+        return (
+            f"the shared-memory directory {shm} is full ({space}; {e.strerror}): the node "
+            f"agent cannot write its owner file there{kept}. Free space in {shm} (`df -h {shm}` "
+            f"and `ls -la {shm}` show what holds it; `flashckpt clean --shm-dir {shm}` removes "
+            "the segments of dead flashckpt agents), enlarge it (docker: --shm-size, or mount "
+            "a larger tmpfs), or pass --shm-dir / shm_dir= a directory with room; then run again"
+        )
 
     def clean_orphans(self) -> None:
         """Removes the abandoned segments of other jobs: agent dead, untouched for
@@ -150,7 +205,13 @@ class Segments:
             os.unlink(path)
         return None
 
-    def remove_segments(self) -> None:
+    def remove_segments(self, keep_slots: bool = False) -> list[str]:
+        """Unmaps the slots and unlinks this agent's segment files; returns the files kept.
+
+        ``keep_slots`` (memory holds snapshots storage lacks): the slot files and the owner file
+        stay for the next agent of the job to adopt (the owner names this, then dead, agent:
+        another job's agent or ``flashckpt clean`` removes them once abandoned); the rest (the
+        trainers' step rings, replicas of other machines) goes."""
         for rec in self.st.ranks.values():
             for i, s in enumerate(rec.slots):
                 if s is not None:
@@ -160,10 +221,23 @@ class Segments:
                         log.warning("closing %s: %s (removed anyway)", s.path, e)
                     rec.slots[i] = None
         prefix = slot_prefix(self.st.cfg.job, self.st.cfg.node)
-        for name in os.listdir(self.st.cfg.shm_dir):
-            if name.startswith(prefix):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.st.cfg.shm_dir, name))
+        owner = os.path.basename(self.owner_path)
+        kept = []
+        for name in sorted(os.listdir(self.st.cfg.shm_dir)):
+            if not name.startswith(prefix):
+                continue
+            path = os.path.join(self.st.cfg.shm_dir, name)
+            if keep_slots and (_SLOT_RE.match(name) or name == owner):
+                if name != owner:
+                    kept.append(path)
+                continue
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # e.g. another user's file planted under our name
+                log.warning("cannot remove %s: %s", path, e)
+        return kept
 
     def slot_bytes_after(
         self, rec: RankRecord, meta_cap: int, data_cap: int, keep: set[int]
@@ -187,6 +261,7 @@ class Segments:
         # Slots the trainer needs as they are (the newest snapshot, maybe of an older layout):
         # never replaced here, whatever their size.
         keep = set(msg.keep or ())
+        cfg = self.st.cfg
         with self.st.lock:
             # Only the trainer that holds the position (said hello for it on this connection,
             # in the current world) gets its slots: a stray or stale alloc would create a
@@ -238,12 +313,49 @@ class Segments:
                         rec.slots[i] = None
                     with self.st.map_lock:  # never under the hasher
                         s.close()
-                allocate_slot_file(path, meta_cap, data_cap)
+                try:
+                    allocate_slot_file(path, meta_cap, data_cap)
+                except PermissionError as e:
+                    # Another user's file under the slot's name (or its temporary name): the
+                    # rename over it is refused in a sticky directory. Named, with its owner.
+                    planted = foreign_file(path) or foreign_file(f"{path}.tmp{os.getpid()}")
+                    if planted is None:
+                        raise
+                    raise ValueError(planted_message(planted, cfg.job, cfg.shm_dir)) from e
                 new = Slot(path)
                 with self.st.lock:
                     rec.slots[i] = new
                 paths.append(path)
         return AllocReply(slots=paths)
+
+
+def foreign_file(path: str) -> tuple[str, int, str] | None:
+    """(path, uid, user name) when ``path`` exists and belongs to another user, else None."""
+    try:
+        uid = os.lstat(path).st_uid
+    except OSError:
+        return None
+    if uid == os.geteuid():
+        return None
+    try:
+        import pwd
+
+        user = pwd.getpwuid(uid).pw_name
+    except (KeyError, ImportError):
+        user = "no such user"
+    return path, uid, user
+
+
+def planted_message(planted: tuple[str, int, str], job: str, shm_dir: str) -> str:
+    """The error for a file of another user under one of the job's names in ``shm_dir``."""
+    path, uid, user = planted
+    return (
+        f"{path} belongs to another user (uid {uid}, {user}), not to you (uid "
+        f"{os.geteuid()}): a file under one of job {job!r}'s names in {shm_dir} that this agent "
+        "may neither use nor replace. Have it removed (by that user or root: "
+        f"`sudo rm {path}`), or run with another job id (job= / --job) or a shared-memory "
+        "directory of your own (shm_dir= / --shm-dir, mode 0700)"
+    )
 
 
 def _kept(s: Slot | None, i: int, keep: set[int], meta_cap: int, data_cap: int) -> bool:

@@ -534,8 +534,14 @@ class NodeAgent:
         """Sends the exit's final step to the mirror and waits for it (bounded); whether it got
         there (True when there is nothing to mirror)."""
         self.persister.exit_mirror()
-        self.mirrorer.drain(self.st.cfg.commit_timeout)
-        return True
+        ok = self.mirrorer.drain(self.st.cfg.commit_timeout)
+        if not ok:
+            log.error(
+                "the final step did not reach the mirror %s (see the errors above); exit code %d",
+                self.mirrorer.url,
+                EXIT_MIRROR_FAILED,
+            )
+        return ok
 
     def status(self) -> dict[str, Any]:
         """What the agent holds and did: positions and their slots' steps, committed and

@@ -23,8 +23,12 @@ node, so it is never committed there; its files are removed by the mirror's next
 when the next agent opens the mirror.
 
 Only the newest waiting step is copied: a slow link skips steps rather than building a queue.
-Errors of the mirror are logged and kept in ``status()["mirror"]``, never reported as persist
-errors (the primary tier holds the step: a flush of it succeeds).
+Errors of the mirror are logged, kept in ``status()["mirror"]`` and sent to the trainers as
+``persist_error`` events (``"mirror <url>: ..."``: they land in ``stats.persist_errors`` and the
+trainers' log, as the disk tier's do), but a flush of the step still succeeds (the primary tier
+holds it). At the agent's stop the newest step due for the mirror (waiting, or whose copy
+failed) is copied and committed with retries until ``commit_timeout``; the stop reports whether
+it got there (the agent's exit code, :data:`~flashckpt.agent.EXIT_MIRROR_FAILED`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 
 from flashckpt.agent_commit import Committer
 from flashckpt.agent_state import AgentState, lower_thread_priority
+from flashckpt.messages import PersistErrorEvent
 from flashckpt.snapmeta import NodePart
 from flashckpt.storage import MANIFEST, Storage
 
@@ -127,6 +132,8 @@ class Mirrorer:
         self._pending: dict[int, MirrorJob] = {}
         self._busy = threading.Lock()  # held while one step is copied
         self._copying: int | None = None  # the step being copied
+        # The newest step whose copy failed (newer than any copied): the stop tries it again.
+        self._failed: MirrorJob | None = None
         if primary is not None:
             # The primary tier's retention keeps the steps this mirror still copies or commits
             # (under load a step could be retained away before its copy or its mirror commit:
@@ -158,10 +165,13 @@ class Mirrorer:
         return self.storage.url if self.storage is not None else None
 
     def error(self, step: int | None, error: str) -> None:
+        """Logs, keeps (``status()``) and sends a mirror error to the trainers."""
         log.error("mirror step %s failed: %s", step, error)
         with self.st.lock:
             self.errors.append({"step": step, "error": error, "time": time.time()})
             del self.errors[:-50]
+        where = self.url or "(not opened)"
+        self.st.broadcast(PersistErrorEvent(step=step, error=f"mirror {where}: {error}"))
 
     def enqueue(self, job: MirrorJob) -> None:
         """A step this node persisted whose snapshots are marked for the mirror."""
@@ -200,18 +210,65 @@ class Mirrorer:
     def commit_loop(self) -> None:
         self.committer.commit_loop()
 
-    def drain(self, timeout: float) -> None:
-        """At shutdown: copies the newest waiting step and commits what can be within
-        ``timeout`` seconds (the exit's final step reaches the mirror; a bounded wait)."""
+    def drain(self, timeout: float) -> bool:
+        """At shutdown: copies the newest step due for the mirror (waiting, or the newest whose
+        copy failed) and commits it, trying again after a failure (every ``retry_interval``,
+        growing to 10 s) until it is there or ``timeout`` seconds passed: the exit's final step
+        reaches the mirror, a bounded wait. Returns whether it got there (True when no step
+        was due; on the committing node "there" means committed in the mirror)."""
         deadline = time.monotonic() + timeout
         if not self._busy.acquire(timeout=max(0.0, timeout)):
-            log.warning("mirror: a copy still runs at shutdown; not waited for")
-            return
+            self.error(None, f"a copy still ran at shutdown after {timeout:g} s (commit_timeout)")
+            return False
         self._busy.release()
-        while time.monotonic() < deadline and self.run_once():
-            pass
+        with self.st.lock:
+            jobs = [*self._pending.values(), *([self._failed] if self._failed else [])]
+            target = max(jobs, key=lambda j: j.step) if jobs else None
+            waiting = set(self.committer.commits)
+        ok = True
+        if target is not None:
+            pause = self.st.cfg.retry_interval
+            tries = 0
+            while True:
+                tries += 1
+                with self.st.lock:
+                    self._pending[target.step] = target  # run_once copies the newest waiting
+                self.run_once()
+                with self.st.lock:
+                    ok = self.mirrored_high >= target.step
+                left = deadline - time.monotonic()
+                if ok or left <= pause:
+                    break
+                log.warning(
+                    "mirror: the final step %d failed to copy (try %d); trying again in %.0f s "
+                    "(%.0f s left of commit_timeout)",
+                    target.step,
+                    tries,
+                    pause,
+                    left,
+                )
+                time.sleep(pause)
+                pause = min(pause * 2, 10.0)
+            if ok and target.commits:
+                waiting.add(target.step)
         self.committer.drain_commits(max(0.0, deadline - time.monotonic()))
         self.release()
+        with self.st.lock:
+            missing = sorted(s for s in waiting if s not in self.committed)
+        if target is not None and not ok:
+            self.error(
+                target.step,
+                f"the final step {target.step} never reached the mirror within {timeout:g} s "
+                "(commit_timeout): it is in the storage root only",
+            )
+        elif missing:
+            ok = False
+            self.error(
+                missing[-1],
+                f"step {missing[-1]} was not committed in the mirror within {timeout:g} s "
+                "(commit_timeout): it is in the storage root only",
+            )
+        return ok
 
     def run_once(self) -> bool:
         """Copies the newest waiting step (older waiting ones are dropped: superseded).
@@ -230,7 +287,16 @@ class Mirrorer:
             try:
                 self.copy(job)
             except Exception as e:  # the daemon lives on; the error is kept
+                with self.st.lock:
+                    if step > self.mirrored_high and (
+                        self._failed is None or step >= self._failed.step
+                    ):
+                        self._failed = job
                 self.error(step, f"{type(e).__name__}: {e}")
+            else:
+                with self.st.lock:
+                    if self._failed is not None and self._failed.step <= step:
+                        self._failed = None
             finally:
                 with self.st.lock:
                     self._copying = None

@@ -1,0 +1,116 @@
+"""A failing mirror (``mirror=``) is as loud as the disk tier (issue 30): its errors reach the
+trainers' ``persist_errors``, and at its stop the agent tries the final step again until
+``commit_timeout`` (it gets there once the mirror recovers) and exits with
+``EXIT_MIRROR_FAILED`` when it never does. Real agent processes, real files."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fchelpers import FcEnv, kill_job_processes, wait_agent
+from tinytrain import make, train_step
+
+import flashckpt
+from flashckpt.agent import EXIT_MIRROR_FAILED
+from flashckpt.storage import Storage
+
+pytestmark = pytest.mark.slow
+
+
+def _wait_until(cond, what: str, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _agent(env: FcEnv, log: Path, commit_timeout: int) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashckpt",
+        "agent",
+        *env.cli_flags(),
+        "--idle-timeout",
+        "120",
+        "--commit-timeout",
+        str(commit_timeout),
+        "--retry-interval",
+        "0.5",
+    ]
+    with open(log, "ab") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=f)
+    wait_agent(env, p.pid)
+    return p
+
+
+def _run_with_a_mirror_that_breaks(env: FcEnv, remote: Path) -> tuple[int, list]:  # type: ignore[type-arg]
+    """Trains with the mirror working for the first step, then broken (its root becomes a
+    file); returns the final step and the trainer's persist_errors."""
+    url = f"file://{remote}"
+    model, opt, sched = make(0)
+    kw = env.ckpt_kwargs(every=0, persist_every=1, mirror=url, mirror_every=1)
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        train_step(model, opt, sched, 0)
+        ck.step()
+        ck.save(mode="sync")
+        assert ck.flush() == 1
+        _wait_until(lambda: Storage(url).committed_steps() == [1], "step 1 in the mirror")
+        away = remote.with_name("remote-away")
+        remote.rename(away)
+        remote.write_text("the mirror is gone")
+        for i in range(1, 3):
+            train_step(model, opt, sched, i)
+            ck.step()
+            ck.save(mode="sync")
+            assert ck.flush() == i + 1  # the storage root still commits every step
+        _wait_until(lambda: ck.stats.persist_errors, "the mirror's error at the trainer")
+        errors = list(ck.stats.persist_errors)
+        train_step(model, opt, sched, 3)
+        ck.step()
+    return ck.stats.last_snapshot_step, errors
+
+
+def test_a_broken_mirror_reaches_persist_errors_and_fails_the_agents_exit(
+    tmp_path: Path, fc_env: FcEnv
+) -> None:
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    log = tmp_path / "agent.log"
+    a = _agent(fc_env, log, commit_timeout=4)
+    try:
+        final, errors = _run_with_a_mirror_that_breaks(fc_env, remote)
+        assert final == 4
+        assert any(e["error"].startswith(f"mirror file://{remote}: ") for e in errors), errors
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(timeout=120) == EXIT_MIRROR_FAILED
+    finally:
+        kill_job_processes(fc_env.job)
+    text = log.read_text()
+    assert "the final step 4 failed to copy (try 1)" in text, text[-4000:]
+    assert "the final step 4 never reached the mirror within 4 s" in text, text[-4000:]
+    assert Storage(fc_env.storage).committed_steps()[-1] == 4
+
+
+def test_the_final_mirror_copy_is_retried_until_the_mirror_recovers(
+    tmp_path: Path, fc_env: FcEnv
+) -> None:
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    log = tmp_path / "agent.log"
+    a = _agent(fc_env, log, commit_timeout=120)
+    try:
+        final, _ = _run_with_a_mirror_that_breaks(fc_env, remote)
+        a.send_signal(signal.SIGTERM)
+        _wait_until(lambda: "failed to copy (try 2)" in log.read_text(), "a second try")
+        remote.unlink()
+        remote.with_name("remote-away").rename(remote)
+        assert a.wait(timeout=120) == 0, log.read_text()[-4000:]
+    finally:
+        kill_job_processes(fc_env.job)
+    assert Storage(f"file://{remote}").committed_steps()[-1] == final

@@ -151,11 +151,33 @@ def exit_with_status(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if status < 0:
-        signal.signal(-status, signal.SIG_DFL)
-        os.kill(os.getpid(), -status)
-        time.sleep(1)
-        os._exit(128 - status)
+        _die_by_signal(-status)
+        os._exit(128 - status)  # a signal whose default action does not end a process
     os._exit(status)
+
+
+# Signals whose default action stops rather than ends a process: a worker is never reported
+# killed by one, and sending it to the stub would freeze it instead of ending it.
+_STOP_SIGNALS = frozenset({signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
+
+
+def _die_by_signal(signum: int) -> None:
+    """Ends this process by ``signum``, so its parent (torch) sees the worker's ``-N``; returns
+    only where that signal cannot end it (its default action stops or ignores)."""
+    if signum in _STOP_SIGNALS:
+        return
+    if signum != signal.SIGKILL:
+        # SIGKILL's action cannot be changed (EINVAL) and needs no reset; any other signal
+        # must hit its default action, not the relay handler installed above, nor a mask.
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(signum, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+    with contextlib.suppress(OSError):
+        os.kill(os.getpid(), signum)
+    # Delivery to this process is synchronous for an unblocked signal; the sleep only covers
+    # a signal whose default action is to be ignored (SIGCHLD, SIGWINCH...).
+    time.sleep(0.1)
 
 
 # ---------------------------------------------------------------------------------- zygote

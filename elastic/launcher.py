@@ -41,13 +41,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import uuid
 from collections.abc import Sequence
 
 from elastic.launch_config import (
+    JOB_ID_HELP,
     EventLog,
     LauncherConfig,
     LaunchError,
+    derive_job_id,
     parse_nnodes,
 )
 from flashckpt import cliargs
@@ -72,7 +73,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--rdzv-id",
         "--rdzv_id",
         default=None,
-        help="job id, the same on every machine (names the flashckpt job too)",
+        help=JOB_ID_HELP,
     )
     add(
         "--rdzv-backend",
@@ -134,7 +135,17 @@ def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
             )
         min_nodes, max_nodes = parse_nnodes(args.nnodes)
         standalone = args.standalone or (args.rdzv_endpoint is None and max_nodes == 1)
-        rdzv_id = args.rdzv_id or ("s" + uuid.uuid4().hex[:12] if standalone else "none")
+        rdzv_id, id_origin = args.rdzv_id or "none", None
+        if not args.rdzv_id:
+            derived = derive_job_id(
+                storage=args.storage,
+                entrypoint=args.training_script,
+                entrypoint_args=list(args.training_script_args),
+                module=args.module,
+                standalone=standalone,
+            )
+            if derived is not None:
+                rdzv_id, id_origin = derived
         _warn_static_only(args)
         config = LauncherConfig(
             entrypoint=args.training_script,
@@ -142,6 +153,7 @@ def parse_args(argv: Sequence[str]) -> tuple[LauncherConfig, bool]:
             min_nodes=min_nodes,
             max_nodes=max_nodes,
             rdzv_id=rdzv_id,
+            rdzv_id_origin=id_origin,
             standalone=standalone,
             **cliargs.config_kwargs(LauncherConfig, args),
         )
@@ -184,6 +196,12 @@ def main(argv: list[str]) -> int:
         level=logging.DEBUG if verbose else logging.INFO,
         format=f"[flashckpt run {config.node_id}] %(asctime)s %(levelname)s %(message)s",
     )
+    if config.rdzv_id_origin is not None:
+        logger.info(
+            "job id: %s (derived from %s; pass --rdzv-id to choose one)",
+            config.rdzv_id,
+            config.rdzv_id_origin,
+        )
     try:
         return launch(config)
     except LaunchError as exc:

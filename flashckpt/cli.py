@@ -7,7 +7,9 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -224,29 +226,90 @@ def _cmd_clean(args: argparse.Namespace) -> int:
         print("flashckpt clean: --older-than must be >= 0 seconds", file=sys.stderr)
         return 2
     try:
-        groups = abandoned_segments(args.shm_dir, args.older_than)
+        os.listdir(args.shm_dir)
     except OSError as e:
         print(f"flashckpt clean: cannot read {args.shm_dir}: {e}", file=sys.stderr)
         return 1
-    if args.job:
-        groups = [g for g in groups if g.key[0] == args.job]
     verb = "would remove" if args.dry_run else "removed"
-    total = 0
-    for g in groups:
-        job, node = g.key
-        if not args.dry_run:
-            g.remove()
-        total += g.nbytes
-        print(
-            f"{verb} job {job} node {node}: {len(g.paths)} files, {_human(g.nbytes)} ({g.reason})"
-        )
-        for p in g.paths:
-            print(f"  {p}")
-    if not groups:
+    total = ngroups = ndirs = 0
+    # The slots of a standalone agent lie in --shm-dir itself; those of the agents of
+    # `flashckpt run` in a directory per job, node and generation inside it, whatever the job id.
+    dirs = [args.shm_dir, *_generation_dirs(args.shm_dir, args.job)]
+    for d in dirs:
+        groups = abandoned_segments(d, args.older_than)
+        if args.job:
+            groups = [g for g in groups if g.key[0] == args.job]
+        for g in groups:
+            job, node = g.key
+            if not args.dry_run:
+                g.remove()
+            total += g.nbytes
+            ngroups += 1
+            where = "" if d == args.shm_dir else f" in {d}"
+            print(
+                f"{verb} job {job} node {node}{where}: {len(g.paths)} files, "
+                f"{_human(g.nbytes)} ({g.reason})"
+            )
+            for p in g.paths:
+                print(f"  {p}")
+        if d == args.shm_dir:
+            continue
+        try:
+            left = {os.path.join(d, n) for n in os.listdir(d)}
+            idle = time.time() - os.lstat(d).st_mtime
+        except OSError:
+            continue
+        if args.dry_run:
+            left -= {p for g in groups for p in g.paths}
+        # An empty directory is left by a launcher killed after its agent removed its segments;
+        # a live launcher's is empty only for the instant before its agent starts, so an empty
+        # one must also have been unchanged for a while.
+        emptied = not left and (groups or idle >= max(args.older_than, _EMPTY_DIR_AGE_S))
+        if emptied and (args.dry_run or _rmdir(d)):
+            ndirs += 1
+            print(f"{verb} directory {d}")
+    if not ngroups and not ndirs:
         print(f"nothing to clean in {args.shm_dir} (segments of live agents are never removed)")
-    else:
-        print(f"{verb} {_human(total)} in {len(groups)} segment groups")
+    elif ngroups:
+        print(f"{verb} {_human(total)} in {ngroups} segment groups")
     return 0
+
+
+_GENERATION_DIR_RE = re.compile(r"^flashckpt\.([A-Za-z0-9_-]{1,64})\.([A-Za-z0-9_-]{1,64})\.g\d+$")
+"""The name of :func:`flashckpt.names.generation_shm_dir`: job, node."""
+
+_EMPTY_DIR_AGE_S = 60.0
+"""How long an empty generation directory must be unchanged before ``clean`` removes it."""
+
+
+def _generation_dirs(shm_dir: str, job: str | None) -> list[str]:
+    """The per-generation segment directories of ``flashckpt run``'s agents in ``shm_dir`` that
+    belong to this user (``flashckpt.<job>.<node>.g<N>``), of every job or of ``job``."""
+    out = []
+    try:
+        entries = sorted(os.listdir(shm_dir))
+    except OSError:
+        return []
+    for name in entries:
+        m = _GENERATION_DIR_RE.match(name)
+        if not m or (job is not None and m.group(1) != job):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():  # never through a link
+            out.append(path)
+    return out
+
+
+def _rmdir(path: str) -> bool:
+    try:
+        os.rmdir(path)  # only ever an empty one
+    except OSError:
+        return False
+    return True
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -379,6 +442,25 @@ def _main(argv: list[str]) -> int:
     return 2
 
 
+def _url(text: str) -> str:
+    from flashckpt.cliargs import storage_url
+
+    try:
+        return storage_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _version() -> str:
+    """The installed package's version (its metadata), as pip reports it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flashckpt")
+    except PackageNotFoundError:
+        return "(not installed: no package metadata; install with pip install .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every verb but ``plan``, ``goodput`` and ``run`` (they parse their own)."""
     parser = argparse.ArgumentParser(
@@ -387,16 +469,19 @@ def build_parser() -> argparse.ArgumentParser:
         "launcher and the tools that read a run's checkpoints and events.",
         epilog="`flashckpt VERB --help` describes a verb.",
     )
+    parser.add_argument(
+        "--version", action="version", version=f"flashckpt {_version()}", help="print the version"
+    )
     # One line per verb in `flashckpt --help` (each help fits the 80-column default); the longer
     # description is the verb's own --help.
     sub = parser.add_subparsers(dest="cmd", required=True, title="verbs", metavar="VERB")
     p = sub.add_parser("agent", help="run the node agent (a daemon per machine)")
     _agent_args(p)
     p = sub.add_parser("ls", help="list committed steps with sizes")
-    p.add_argument("url")
+    p.add_argument("url", type=_url)
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("verify", help="check the integrity of committed steps")
-    p.add_argument("url")
+    p.add_argument("url", type=_url)
     p.add_argument("--step", type=int, default=None)
     p = sub.add_parser(
         "clean",
@@ -437,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a step as one safetensors file or a DCP dir",
         description="Write a step as one consolidated safetensors file, or as a DCP directory.",
     )
-    p.add_argument("url", help="checkpoint root URL")
+    p.add_argument("url", type=_url, help="checkpoint root URL")
     p.add_argument("--step", type=int, default=None, help="step (default: newest committed)")
     p.add_argument("--to", required=True, help="output file (safetensors) or directory (dcp)")
     p.add_argument("--format", choices=("safetensors", "dcp"), default="safetensors")

@@ -33,6 +33,7 @@ __all__ = [
     "field_docs",
     "flag",
     "flag_fields",
+    "storage_url",
 ]
 
 
@@ -234,3 +235,24 @@ def config_kwargs(
             continue  # not given: the dataclass's own default
         out[f.name] = spec.to_field(value) if spec.to_field is not None else value
     return out
+
+
+def storage_url(text: str) -> str:
+    """A checkpoint root URL or path given on the command line, refused where it would land
+    somewhere else than meant.
+
+    ``file://tmp/x`` (two slashes) reads ``tmp`` as a host name, and fsspec then writes to
+    ``./tmp/x``, relative to the working directory, without a word.
+
+    Raises:
+        ValueError: For a ``file://`` URL with a host part, naming the three-slash form.
+    """
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme.lower() == "file" and not rest.startswith("/"):
+        host = rest.split("/", 1)[0]
+        raise ValueError(
+            f"{text!r}: a file:// URL names an absolute path after its two slashes, but here "
+            f"{host!r} follows them (read as a host, the path would be relative to the working "
+            f"directory): write 'file:///{rest}' for /{rest}, or a plain path"
+        )
+    return text

@@ -37,7 +37,7 @@ def _binary() -> str:
     try:
         return find_etcd_binary()
     except EtcdServerError as exc:
-        message = str(exc)
+        message = f"{exc}; or deselect these tests with -m 'not etcd'"
     pytest.fail(message, pytrace=False)
 
 

@@ -215,7 +215,11 @@ def test_launcher_flag_defaults_are_the_dataclass_defaults(
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "12")
     config, verbose = parse_args(["s.py", "--lr", "1"])
     want = LauncherConfig(
-        entrypoint="s.py", entrypoint_args=["--lr", "1"], standalone=True, rdzv_id=config.rdzv_id
+        entrypoint="s.py",
+        entrypoint_args=["--lr", "1"],
+        standalone=True,
+        rdzv_id=config.rdzv_id,
+        rdzv_id_origin=config.rdzv_id_origin,
     )
     assert config == want and not verbose
     assert config.shutdown_timeout == 12.0  # the dataclass's default, from the environment
@@ -237,6 +241,7 @@ def test_launcher_flag_defaults_are_the_dataclass_defaults(
         "nproc_per_node": 3,
         "entrypoint_args": [],
         "rdzv_id": changed.rdzv_id,
+        "rdzv_id_origin": changed.rdzv_id_origin,
     }
 
 

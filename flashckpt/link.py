@@ -73,6 +73,8 @@ class AgentLink:
         self.hello_msg: Hello | None = None
         self.next_reconnect = 0.0
         self.auto = False  # the agent was started by a trainer (not by its launcher)
+        self.log_from = 0
+        """Where the log of the agent this rank started last begins (its size before)."""
         self.restarts = 0
         """Times this rank lost its node agent and found (or started) another one."""
 
@@ -109,6 +111,12 @@ class AgentLink:
                 )
             if again and not self.may_restart():
                 continue
+            if self.agent_proc is not None and self.agent_proc.poll() == 1:
+                # It refused to start (a full /dev/shm, a planted file, a bad storage): its
+                # error now, not "did not start" after agent_timeout of respawning it.
+                why = _agent_error(agent_log_path(run_dir, ctx.job, ctx.node), self.log_from)
+                if why is not None:
+                    raise AgentError(f"the node agent could not start: {why}")
             if self.agent_proc is None or self.agent_proc.poll() is not None:
                 self.spawn(run_dir)
 
@@ -166,6 +174,7 @@ class AgentLink:
             cmd += ["--storage", cfg.storage]
         log_path = agent_log_path(run_dir, ctx.job, ctx.node)
         fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        self.log_from = os.fstat(fd).st_size  # what this agent writes starts here
         logf = os.fdopen(fd, "ab")
         try:
             # A new session: the agent must outlive this trainer (that is its whole point).
@@ -389,3 +398,21 @@ class AgentLink:
                     )
             self.client.close()
             self.client = None
+
+
+def _agent_error(log_path: str, start: int) -> str | None:
+    """The error a node agent that refused to start wrote to its log from offset ``start``:
+    its ``flashckpt agent: ...`` line (as the ``agent`` command reports an error), else the last
+    line it wrote (a traceback's), or None."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(start, f.tell() - 16384))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    mine = [ln for ln in lines if ln.startswith("flashckpt agent: ")]
+    if mine:
+        return mine[-1].removeprefix("flashckpt agent: ")
+    return f"{lines[-1]} (see {log_path})" if lines else None

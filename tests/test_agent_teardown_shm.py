@@ -132,6 +132,11 @@ def test_full_shm_at_agent_start_names_it_and_the_job_resumes_once_freed(
         assert f"the shared-memory directory {env.shm_dir} is full (0.0 MiB free" in text, text
         assert "--shm-size" in text and "flashckpt clean" in text, text
         assert "snapshot slots there" in text, text  # the kept memory is named, not lost
+    # A trainer's entry (it starts its own agent) says the same, not "did not start in 30 s".
+    entry = tmp_path / "entry.log"
+    assert _train(env, entry).wait(timeout=240) != 0
+    err = Path(str(entry) + ".err").read_text()
+    assert f"could not start: the shared-memory directory {env.shm_dir} is full" in err, err
     left = sorted(os.listdir(env.shm_dir))
     assert [n for n in left if ".tmp" in n] == [], left
     # Space freed: the rerun (its own agent) resumes from the snapshots memory kept.

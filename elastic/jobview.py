@@ -37,7 +37,7 @@ from typing import Any
 
 from elastic.etcd import EtcdClient, EtcdError
 from elastic.membership import NodeRecord, nodes_prefix
-from flashckpt.statusview import by_global_rank
+from flashckpt.statusview import by_global_rank, steps_done_of_ring
 
 __all__ = [
     "JobViewPublisher",
@@ -87,11 +87,12 @@ def machine_summary(
 
     Returns:
         A JSON-serialisable dict: per-rank figures (``ranks``) and machine figures: ``step``
-        (the slowest rank's last iteration), ``p50_ms`` (median of the ranks' medians),
-        ``p99_ms`` (worst rank's p99), ``compute_ms`` (median of the ranks' forward + optimizer
-        medians; None when the loop's model and optimizer calls are not seen), ``snapshot``
-        (the newest step every live local rank has in memory), ``persisted`` (newest committed
-        step), ``restarts``, ``alerts`` (active hang / straggler alerts, as messages).
+        (the slowest rank's steps completed, as ``ckpt.steps_done``), ``p50_ms`` (median of
+        the ranks' medians), ``p99_ms`` (worst rank's p99), ``compute_ms`` (median of the
+        ranks' forward + optimizer medians; None when the loop's model and optimizer calls
+        are not seen), ``snapshot`` (the newest step every live local rank has in memory),
+        ``persisted`` (newest committed step), ``restarts``, ``alerts`` (active hang /
+        straggler alerts, as messages).
     """
     st = agent_status or {}
     mon = st.get("monitor") or {}
@@ -103,7 +104,7 @@ def machine_summary(
         slots = [s for s in ((slot_ranks.get(r) or {}).get("slots") or []) if s is not None]
         ranks[str(r)] = {
             "state": d.get("state"),
-            "step": d.get("step"),
+            "step": steps_done_of_ring(d.get("step")),
             "p50_ms": _num(d.get("p50_ms")),
             "p99_ms": _num(d.get("p99_ms")),
             "compute_ms": (fwd + opt) if (fwd or opt) else None,

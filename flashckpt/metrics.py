@@ -13,7 +13,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from flashckpt.goodput import CATEGORIES
-from flashckpt.statusview import by_global_rank
+from flashckpt.statusview import by_global_rank, steps_done_of_ring
 
 __all__ = ["MetricsServer", "metric_families", "serve_metrics"]
 
@@ -102,7 +102,7 @@ def metric_families(
     def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, doc, labels=base + (extra or []))
 
-    fam_step = gauge("flashckpt_step", "last iteration done")
+    fam_step = gauge("flashckpt_step", "steps completed (as ckpt.steps_done)")
     fam_steps = CounterMetricFamily(
         "flashckpt_steps", "iterations recorded by this agent", labels=base
     )
@@ -118,8 +118,9 @@ def metric_families(
     fam_snap = gauge("flashckpt_last_snapshot_step", "newest complete snapshot in memory")
     for r, d in summary.get("ranks", {}).items():
         labels = [*lv, r]
-        if d.get("step") is not None:
-            fam_step.add_metric(labels, d["step"])
+        done = steps_done_of_ring(d.get("step"))
+        if done is not None:
+            fam_step.add_metric(labels, done)
         fam_steps.add_metric(labels, d["steps"])
         for q, key in (("0.5", "p50_ms"), ("0.99", "p99_ms")):
             if d.get(key) is not None:

@@ -95,7 +95,7 @@ def format_status(agents: list[dict[str, Any]]) -> str:
             snaps = [s for s in (slot_ranks.get(r, {}).get("slots") or []) if s is not None]
             lines.append(
                 f"{a.get('node')!s:<12} {r:>5} {_fmt(d.get('pid')):>8} "
-                f"{d.get('state', '-')!s:<10} {_fmt(_steps_done(d.get('step'))):>8} "
+                f"{d.get('state', '-')!s:<10} {_fmt(steps_done_of_ring(d.get('step'))):>8} "
                 f"{_fmt(d.get('p50_ms'), '.1f'):>9} {_fmt(d.get('p99_ms'), '.1f'):>9} "
                 f"{_fmt(max(snaps, default=None)):>9} {_fmt(committed):>9} "
                 f"{_fmt(d.get('restarts', 0)):>8}"
@@ -144,7 +144,7 @@ def _replication_line(rep: Any) -> str:
     return "replicas: " + "; ".join(parts)
 
 
-def _steps_done(ring_step: Any) -> int | None:
+def steps_done_of_ring(ring_step: Any) -> int | None:
     """Steps completed (``ckpt.steps_done``, as every step flashckpt prints) from the monitor's
     ``step``, the 0-based index of the newest iteration in the rank's step ring."""
     return ring_step + 1 if isinstance(ring_step, int) else None

@@ -134,7 +134,7 @@ def test_live_status_prometheus_and_events(fc_env: FcEnv, capsys: pytest.Capture
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
             text = body.decode()
             labels = f'job="{fc_env.job}",node="n0",rank="0"'
-            assert f"flashckpt_step{{{labels}}} 11.0" in text
+            assert f"flashckpt_step{{{labels}}} 12.0" in text  # steps completed, as everywhere
             assert f"flashckpt_steps_total{{{labels}}} 12.0" in text
             assert re.search(r'flashckpt_step_time_seconds\{.*quantile="0.99".*\} \d', text)
             assert f"flashckpt_last_snapshot_step{{{labels}}} 12.0" in text
@@ -144,7 +144,7 @@ def test_live_status_prometheus_and_events(fc_env: FcEnv, capsys: pytest.Capture
             out = capsys.readouterr().out
             assert f"job {fc_env.job}: 1 machine(s) reachable, 1 rank(s)" in out
             row = next(line for line in out.splitlines() if line.startswith("n0 "))
-            assert row.split()[1:5] == ["0", str(os.getpid()), "running", "11"]
+            assert row.split()[1:5] == ["0", str(os.getpid()), "running", "12"]
             assert "alerts: none" in out
         _wait_for("the exit", lambda: _monitor(agent)["ranks"]["0"]["state"] == "exit")
     finally:

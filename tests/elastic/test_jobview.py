@@ -73,7 +73,7 @@ def test_machine_summary_by_hand() -> None:
     s = machine_summary(
         node_id="m1", host="h1", role="active", group_rank=0, restarts=1, agent_status=st, now=5.0
     )
-    assert s["step"] == 40  # the slowest rank
+    assert s["step"] == 41  # the slowest rank's steps completed (its ring index 40, 0-based)
     assert s["p50_ms"] == 12.0  # median of 10, 30, 12
     assert s["p99_ms"] == 50.0  # the worst rank
     assert s["compute_ms"] == 6.0  # forward + optimizer medians 5, 10, 6 -> 6
@@ -231,7 +231,8 @@ def test_status_from_etcd_shows_the_whole_job(
             assert ma == {**mine, "state": "active", "age_s": ma["age_s"]}
             assert ma["role"] == "active" and ma["group_rank"] == 0 and ma["host"] == "host-a"
             assert list(ma["ranks"]) == ["0"] and ma["ranks"]["0"]["state"] == "running"
-            assert ma["step"] == 11 and ma["snapshot"] == 12 and ma["persisted"] == 12
+            # One convention: 12 steps done, snapshot and commit labelled 12.
+            assert ma["step"] == 12 and ma["snapshot"] == 12 and ma["persisted"] == 12
             assert 0 < ma["p50_ms"] <= ma["p99_ms"] and ma["compute_ms"] > 0
             assert ma["restarts"] == 1 and ma["alerts"] == []
             assert by_node["m-b"]["role"] == "standby" and by_node["m-b"]["ranks"] == {}
@@ -241,7 +242,7 @@ def test_status_from_etcd_shows_the_whole_job(
             out = capsys.readouterr().out
             assert out.startswith("job job1: 1 active machine(s), 1 standby, 0 other; 1 rank(s)")
             row = next(line for line in out.splitlines() if line.startswith("m-a "))
-            assert row.split()[:5] == ["m-a", "active", "0", "1", "11"]
+            assert row.split()[:5] == ["m-a", "active", "0", "1", "12"]  # steps completed
             assert row.split()[8:11] == ["12", "12", "1"]  # snapshot, persisted, restarts
             assert "standby: m-b" in out and "alerts: none" in out
             assert format_job_view(view, "job1") in out

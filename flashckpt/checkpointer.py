@@ -119,6 +119,9 @@ class Checkpointer:
         self._storage = Storage(config.storage) if config.storage else None
         self._hooks: list[Any] = []
         self._count = 0  # steps completed (the library's step count)
+        # Optimizer steps taken inside the block, per optimizer given (see _uncounted_steps).
+        self._opt_steps: dict[int, int] = {}
+        self._uncounted_warned = False
         self._last_saved_step: int | None = None
         # persist_every over save() calls, mirror_every over the snapshots marked for storage
         # (both parsed once; the config checked them); the same calls on every rank.
@@ -327,6 +330,12 @@ class Checkpointer:
         try:
             if exc_type is None:
                 self.wait()
+                self._check_counted("exit")
+                if self._count == self.start_step and self._optimizer_steps() > 0:
+                    # ckpt.step() was never called, yet the optimizer stepped: the state held
+                    # is that many steps past the start; it is snapshotted and committed under
+                    # that count (the warning above said so) rather than dropped.
+                    self._count = self.start_step + self._optimizer_steps()
                 count = self._count
                 if count > self.start_step and (
                     self._last_saved_step is None or self._last_saved_step < count
@@ -566,6 +575,8 @@ class Checkpointer:
             raise ValueError(f"save(mode={mode!r}): use 'auto', 'overlap' or 'sync'")
         if when_busy is not None and when_busy not in ("wait", "skip"):
             raise ValueError(f"save(when_busy={when_busy!r}): use 'wait' or 'skip'")
+        if not self._mirror_final:
+            self._check_counted("save")
         step = self._count
         when_busy = when_busy or self.config.when_busy
         t0 = time.perf_counter()
@@ -752,16 +763,85 @@ class Checkpointer:
         self._snap.pin_for_cuda()
 
     def _hook_optimizer(self) -> None:
-        if self.optimizer is None:
+        if self.optimizer is not None:
+
+            def pre_step(opt: Any, args: Any, kwargs: Any) -> None:
+                t0 = time.perf_counter()
+                self.wait()
+                if self._mon is not None:
+                    self._mon.ckpt_stall(time.perf_counter() - t0)
+
+            self._hooks.append(self.optimizer.register_step_pre_hook(pre_step))
+        # Every optimizer given (optimizer=, and any in stateful=/per_rank=) counts its steps,
+        # so that a loop that steps them without ckpt.step() is told (_check_counted).
+        opts = [self.optimizer, *self.stateful.values(), *self.per_rank.values()]
+        seen: set[int] = set()
+        for opt in opts:
+            if not isinstance(opt, torch.optim.Optimizer) or id(opt) in seen:
+                continue
+            seen.add(id(opt))
+            self._opt_steps[id(opt)] = 0
+
+            def post_step(o: Any, args: Any, kwargs: Any, key: int = id(opt)) -> None:
+                self._opt_steps[key] += 1
+                self._check_counted("step")
+
+            self._hooks.append(opt.register_step_post_hook(post_step))
+
+    def _optimizer_steps(self) -> int:
+        """Training steps the optimizers took inside the block: the most steps any one of them
+        took (several optimizers each step once per training step; a step ``GradScaler``
+        skipped for an inf/NaN gradient never calls ``step()`` and is not counted)."""
+        return max(self._opt_steps.values(), default=0)
+
+    def _check_counted(self, where: Literal["step", "save", "exit"]) -> None:
+        """Warns (once) when the optimizers stepped more often than ``ckpt.step()`` was called:
+        a loop that forgot ``ckpt.step()`` would otherwise train to the end with no snapshot and
+        nothing in storage, silently.
+
+        ``where="step"`` (an optimizer's step just ended) warns when a whole snapshot interval
+        (``every``; 2 steps with ``every="auto"`` or 0) of optimizer steps went uncounted: the
+        first point where a snapshot would have been due. ``ckpt.step()`` called before or after
+        ``optimizer.step()`` in an iteration differs by one at most, gradient accumulation steps
+        the optimizer once per ``ckpt.step()``, and ``GradScaler``'s skipped steps only lower the
+        optimizer's count, so none of them warns. ``save()`` and the exit warn on any uncounted
+        step (a snapshot is taken there).
+
+        A warning, not an error: raising from inside ``optimizer.step()`` would end the run
+        without its final snapshot (the exit's error path takes none), losing the very state
+        this check protects; warned, the run goes on and the exit still snapshots and commits
+        the state it holds (labelled with the optimizer's step count when ``ckpt.step()`` was
+        never called).
+        """
+        if self._uncounted_warned or not self._opt_steps:
             return
-
-        def pre_step(opt: Any, args: Any, kwargs: Any) -> None:
-            t0 = time.perf_counter()
-            self.wait()
-            if self._mon is not None:
-                self._mon.ckpt_stall(time.perf_counter() - t0)
-
-        self._hooks.append(self.optimizer.register_step_pre_hook(pre_step))
+        opt_steps = self._optimizer_steps()
+        calls = self._count - self.start_step
+        every = self.config.every
+        interval = every if isinstance(every, int) and every > 0 else 0
+        threshold = max(interval, 2) if where == "step" else 1
+        if opt_steps - calls < threshold:
+            return
+        self._uncounted_warned = True
+        due = (
+            f"a snapshot was due every {interval} steps"
+            if interval
+            else "snapshots are due at the steps ckpt.step() counts"
+        )
+        msg = (
+            f"flashckpt: the optimizer took {opt_steps} steps since entry but ckpt.step() was "
+            f"called {calls} times: {due}, and no snapshot is taken for steps it does not "
+            "count (nothing would reach memory or storage until the exit). Fix: call "
+            "ckpt.step() once per optimizer step, at the end of each training iteration. "
+            + (
+                "The exit snapshots and commits the state held, labelled with the optimizer's "
+                "step count."
+                if calls == 0
+                else "The exit snapshots the state held under ckpt.step()'s count."
+            )
+        )
+        log.error("%s", msg)
+        warnings.warn(msg, stacklevel=3)
 
     def _teardown(self, done: bool = False) -> None:
         for h in self._hooks:

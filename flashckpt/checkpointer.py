@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 
+from flashckpt import envnames
 from flashckpt.apply import Applier
 from flashckpt.config import (
     COPY_MODES,
@@ -354,17 +355,34 @@ class Checkpointer:
             log.error("flashckpt: %s", lost)
             warnings.warn(f"flashckpt: {lost}", stacklevel=2)
 
+    def _storage_url(self) -> str | None:
+        """The storage the node agent persists to: ``storage=``, else the launcher's
+        (``flashckpt run --storage``, in ``$FLASHCKPT_STORAGE``: its agent persists there even
+        when the script passes no ``storage=``, and a final persist that failed there must fail
+        the run as loudly)."""
+        if self._storage is not None:
+            return self._storage.url
+        return envnames.get(envnames.STORAGE)
+
     def _lost_work(self, committed: int | None) -> PersistError | None:
         """The error to raise on exit when the newest snapshot is not committed, else None."""
         step = self.stats.last_snapshot_step
-        if self._storage is None or step is None or (committed is not None and committed >= step):
+        url = self._storage_url()
+        if url is None or step is None or (committed is not None and committed >= step):
             return None
         errors = list(self.stats.persist_errors)
+        if self._storage is None and not errors:
+            return None  # the launcher's agent has no storage (flush said so): nothing lost
         why = f": {errors[-1]['error']}" if errors else ""
         durable = self.stats.last_committed_step
+        tier = (
+            f"storage {url}"
+            if self._storage is not None
+            else f"storage {url} (the launcher's --storage, ${envnames.STORAGE})"
+        )
         return PersistError(
-            f"step {step} (the final snapshot) was not committed to storage "
-            f"{self._storage.url}{why}. It is in this machine's shared memory only (the node "
+            f"step {step} (the final snapshot) was not committed to {tier}{why}. It is in this "
+            f"machine's shared memory only (the node "
             f"agent keeps retrying while it runs); the newest committed step is "
             f"{'none' if durable is None else durable}. Fix the storage and run again to resume, "
             "or pass on_persist_failure='warn' to exit normally anyway",
@@ -645,7 +663,7 @@ class Checkpointer:
         self.wait()
         step = self.stats.last_snapshot_step
         link = self._link
-        if step is None or self._storage is None or link.path is None:
+        if step is None or self._storage_url() is None or link.path is None:
             return None
         if not link.alive() and not link.relink(wait=True):
             log.error("flashckpt: step %d not persisted: no node agent", step)
@@ -663,6 +681,8 @@ class Checkpointer:
                     # persists the step; ask it.
                     if attempt < 2 and not link.alive() and link.relink(wait=True):
                         continue
+                    if self._storage is None and str(e).startswith("no storage configured"):
+                        return None  # $FLASHCKPT_STORAGE set, but this agent has none
                     log.error("flashckpt: step %d not persisted: %s", step, e)
                     self.stats.persist_errors.append({"step": step, "error": str(e)})
                     return None

@@ -2,7 +2,11 @@
 
 torchdata's ``StatefulDataLoader`` keeps its position (shuffle order, worker state); passed in
 ``per_rank=`` it is snapshotted with each rank's own RNG states, so a resumed run sees exactly the
-batches an uninterrupted run would have. Run it twice: the second run resumes where the first
+batches (and the dropout masks) an uninterrupted run would have. Give the loader its own
+``generator=``: without one, every ``iter()`` of the loader (the one after a restore included)
+draws its seeds from the global RNG, and the dropout masks after a resume differ from the
+uninterrupted run's. The sampler's shuffle state, taken from that generator, is in the loader's
+``state_dict`` (so in the snapshot). Run it twice: the second run resumes where the first
 stopped (``--stop-at``), and prints the same batch checksums an uninterrupted run prints::
 
     python examples/dataloader_resume.py --storage file:///tmp/dl-ck --stop-at 13
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import torch
@@ -38,12 +43,18 @@ def main() -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # where the restore came from
     torch.set_num_threads(1)
-    torch.manual_seed(0)  # before the loader: its sampler seeds itself from the global RNG
+    torch.manual_seed(0)  # the model's init and the dropout masks
     g = torch.Generator().manual_seed(0)
     x = torch.randn(96, 16, generator=g)
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())  # 12 batches of 8
-    loader = StatefulDataLoader(data, batch_size=8, shuffle=True, num_workers=2)
-    model = torch.nn.Linear(16, 1)
+    rank = int(os.environ.get("RANK", "0"))  # set by torchrun / flashckpt run
+    loader_gen = torch.Generator().manual_seed(1234 + rank)  # the loader's own: seeded per rank
+    loader = StatefulDataLoader(
+        data, batch_size=8, shuffle=True, num_workers=2, generator=loader_gen
+    )
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     with flashckpt.checkpointing(
         model, opt, per_rank={"loader": loader}, storage=a.storage, every=a.every
@@ -62,7 +73,8 @@ def main() -> int:
                 print(f"step {done:3d}  batch sum {total:+.6f}  loss {loss:.6f}")
                 if ckpt.steps_done == a.steps:
                     break
-    print("final weight sum", f"{model.weight.sum().item():.9f}")
+    total = sum(p.double().sum().item() for p in model.parameters())
+    print("final parameter sum", f"{total:.12f}")
     return 0
 
 

@@ -321,6 +321,8 @@ class EtcdServer:
                 stdout=log,
                 stderr=log,
                 # If this process dies (even by SIGKILL), the kernel kills etcd too: no orphans.
+                # Its own session: a terminal's Ctrl-C stops the launcher, which stops it last.
+                start_new_session=True,
                 preexec_fn=die_with_parent(signal.SIGKILL),
             )
         try:

@@ -11,7 +11,10 @@ rank and persists them in the background. The launcher keeps one agent that the 
   trainers reload from its memory under their new global ranks, and a step of the old world
   that waits for a dead machine's part does not hold up the new world's persistence;
 - it is spawned from one supervisor thread that lives as long as the launcher, with
-  ``PR_SET_PDEATHSIG=SIGTERM``: if the launcher dies, even by SIGKILL, the agent cleans up;
+  ``PR_SET_PDEATHSIG=SIGTERM``: if the launcher dies, even by SIGKILL, the agent writes what
+  storage lacks or keeps its segments for the next launch of the job; in its own session, so a
+  terminal's Ctrl-C (or a signal to the launcher's process group) reaches only the launcher,
+  which stops the workers first and then the agent;
 - if it exits on its own (a crash), it is started again in the same generation and adopts the
   segments, so the snapshots survive;
 - workers start only once :meth:`NodeAgentProcess.wait_ready` saw the current agent answer, so
@@ -29,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +44,10 @@ from typing import Any
 from elastic.deadline import Deadline
 from elastic.procutil import die_with_parent
 from flashckpt import names
+
+# The node agent's exit code when it kept its segments (flashckpt.agent.EXIT_KEPT; not imported:
+# that module is the agent's, and this one must stay light).
+EXIT_KEPT = 4
 
 __all__ = [
     "AgentGeneration",
@@ -237,11 +243,13 @@ class NodeAgentProcess:
                 self._send_replica_peers(agent, peers)
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """Stops the agent (SIGTERM: it persists what it holds, then removes its segments).
+        """Stops the agent (SIGTERM: it writes what storage lacks, then removes its segments,
+        or keeps them when they hold the only copy of a snapshot: exit code 4).
 
         Args:
             timeout_s: How long the agent may take before it is killed; default
-                ``stop_timeout_s``. Its directories and segments are removed either way.
+                ``stop_timeout_s``. Segments it kept (or left, killed) stay for the next agent
+                of the job and node; its socket directory is removed.
 
         Never raises.
         """
@@ -356,6 +364,10 @@ class NodeAgentProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
+                # Its own session: a terminal's Ctrl-C or a signal to the launcher's process
+                # group does not reach it; the launcher stops it once the workers stopped
+                # (SIGTERM), or the kernel does when the launcher dies (parent-death signal).
+                start_new_session=True,
                 preexec_fn=die_with_parent(signal.SIGTERM),
             )
         logger.info(
@@ -442,14 +454,35 @@ class NodeAgentProcess:
             try:
                 proc.wait(max(0.0, deadline.remaining()))
             except subprocess.TimeoutExpired:
-                logger.warning("node agent pid %d did not stop in time; killing it", proc.pid)
+                logger.warning(
+                    "node agent pid %d did not stop within %.0f s; killing it (its snapshots stay "
+                    "in %s for the next launch of this job)",
+                    proc.pid,
+                    self._stop_timeout_s,
+                    agent.gen.shm_dir,
+                )
                 proc.kill()
                 proc.wait()
+        code = proc.returncode
+        if code == EXIT_KEPT:
+            logger.warning(
+                "node agent pid %d kept its snapshots in %s: storage lacks the newest (see %s); "
+                "the same command run again resumes from them",
+                proc.pid,
+                agent.gen.shm_dir,
+                agent.gen.log_path,
+            )
+        elif code not in (0, None):
+            logger.warning(
+                "node agent pid %d exited with code %s (see %s)", proc.pid, code, agent.gen.log_path
+            )
         self._cleanup_dirs(agent.gen)
 
     def _cleanup_dirs(self, gen: AgentGeneration) -> None:
-        # The agent removed its segments and socket on the way out; its lock file remains. Other
-        # files in its run directory (event logs of the agent's monitor) are kept.
+        # The agent removed its segments and socket on the way out, or kept the segments that
+        # hold the only copy of a snapshot (storage lacks it, or the agent was killed): those
+        # stay for the next agent of this job and node (or `flashckpt clean`). Its lock file
+        # remains. Other files in its run directory (event logs of the agent's monitor) are kept.
         cfg = self.config
         for path in (
             names.lock_path(gen.run_dir, cfg.job, cfg.node),
@@ -459,7 +492,20 @@ class NodeAgentProcess:
                 os.unlink(path)
         with contextlib.suppress(OSError):
             os.rmdir(gen.run_dir)
-        shutil.rmtree(gen.shm_dir, ignore_errors=True)
+        try:
+            os.rmdir(gen.shm_dir)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            with contextlib.suppress(OSError):
+                left = sorted(os.listdir(gen.shm_dir))
+                logger.info(
+                    "kept %d file(s) in %s for the next launch of job %s: %s",
+                    len(left),
+                    gen.shm_dir,
+                    cfg.job,
+                    " ".join(left),
+                )
 
 
 def _agent_request(

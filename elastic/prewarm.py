@@ -415,6 +415,8 @@ class Prewarmer:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
+                # Its own session: a terminal's Ctrl-C stops the launcher, which stops it.
+                start_new_session=True,
                 preexec_fn=die_with_parent(signal.SIGTERM),
             )
 

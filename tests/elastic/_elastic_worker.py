@@ -54,6 +54,11 @@ def main() -> int:
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.1)
     p.add_argument(
+        "--persist-every",
+        default="1",
+        help="checkpointing()'s persist_every: a number of snapshots, or a duration ('1h')",
+    )
+    p.add_argument(
         "--sleep-world-size",
         type=int,
         default=0,
@@ -98,7 +103,8 @@ def main() -> int:
         every=a.every,
         mode=a.mode,
         replicated=not a.fsdp,
-        persist_every=1,  # the tests read the steps they snapshot back from storage
+        # 1 by default: the tests read the steps they snapshot back from storage.
+        persist_every=int(a.persist_every) if a.persist_every.isdigit() else a.persist_every,
         flush_timeout=600.0 if rank == 0 else 1.0,
         # Only rank 0's flush waits for the commit: the others' short flush may end before it
         # and must not turn a committed job into a failed one.

@@ -572,6 +572,7 @@ class NodeAgent:
                 "world_id": self.st.world_id,
                 "errors": list(self.st.errors[-10:]),
                 "shard_writes": dict(self.st.shard_writes),
+                "staged_writes": self.st.staged_writes,
                 "refused_slots": dict(self.st.refused),
                 "corrupt_snapshots": [
                     {"slot": p, "seq": q, "step": st} for (p, q), st in self.st.corrupt.items()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import queue
 import time
 from collections.abc import Callable
@@ -132,6 +133,7 @@ class Persister:
         self._mirror_url: str | None = None
         self._mirror_handed = -1
         self._yields = 0  # persists abandoned in a row to let a trainer have its slot
+        self._write_s_per_byte = 0.0  # the last shard write's speed (0: none yet)
         self._paused_s = 0.0  # the last shard write's pauses for the trainers' copies
         # The snapshot whose shard the persister writes without a recorded hash, (slot path,
         # seq): the hash thread leaves it alone (the write hashes it, once).
@@ -489,12 +491,23 @@ class Persister:
                     t1 = time.monotonic()
                     want = s.recorded_hash(info)
                     self._writing = None if want is not None else (s.path, info.seq)
+                    # This write will not give way (it did twice in a row already), or storage
+                    # writes slower than the trainer snapshots (it will want the slot before
+                    # the end, and a yield waits for a chunk's write): a trainer would wait for
+                    # storage. The data is copied out first (a memory copy, ~0.1 s per GB) and
+                    # the slot let go, so training waits for that copy at most (issue 30).
+                    stage = self._yields >= 2 or self._outpaced(r, s, info)
+                    staged = self._stage(s, info) if stage else None
                     try:
-                        rec = self.write_shard(storage, step, shard_name, s, info, meta)
+                        rec = self.write_shard(storage, step, shard_name, s, info, meta, staged)
                     finally:
                         self._writing = None
+                        if staged is not None:
+                            staged.close()
                     phase["shard"] += time.monotonic() - t1
                     phase["paused"] += self._paused_s
+                    if info.data_len >= 1 << 20:
+                        self._write_s_per_byte = (time.monotonic() - t1) / info.data_len
                     # The bytes written must be the ones hashed when the snapshot completed.
                     # Each chunk was hashed after it was written (the only read of the data
                     # here): the sequence number unchanged after the last one says no trainer
@@ -502,12 +515,16 @@ class Persister:
                     # corruption), the hash equal to the completion hash (when one was
                     # recorded before or during the write) says nothing else scribbled over it
                     # since. A step failing either is never committed.
-                    if s.seq() != info.seq:
+                    if staged is None and s.seq() != info.seq:
                         raise _Torn(f"shard {shard_name}")
                     got = int(rec.data_xxh3_64 or "", 16)
                     t1 = time.monotonic()
                     if want is None:
+                        # A staged copy was taken whole under the unchanged sequence number:
+                        # its hash is the snapshot's even once the slot was rewritten.
                         want = self._record_written_hash(s, info, got)
+                        if want is None and staged is not None:
+                            want = got
                     phase["hash"] += time.monotonic() - t1
                     if want is None:
                         raise _Torn(f"shard {shard_name}")
@@ -627,6 +644,52 @@ class Persister:
         log.info("the trainers finished: mirroring the last persisted step %d", step)
         self.mirrorer.enqueue(MirrorJob(step, self._mirror_url, part, commits))
 
+    def _outpaced(self, rank: int, slot: Slot, info: SlotInfo) -> bool:
+        """Whether writing this snapshot (at the last shard write's speed) takes longer than
+        its trainer took between its two newest snapshots: it would want the slot mid-write."""
+        if self._write_s_per_byte <= 0.0:
+            return False
+        with self.st.lock:
+            rec = self.st.ranks.get(rank)
+            others = [o for o in (rec.slots if rec else []) if o is not None and o is not slot]
+        for other in others:
+            try:
+                o = other.header()
+            except ValueError:  # closed meanwhile
+                continue
+            if o is not None and o.complete and o.time_complete and info.time_complete:
+                interval = abs(info.time_complete - o.time_complete)
+                return info.data_len * self._write_s_per_byte > interval
+        return False
+
+    def _stage(self, slot: Slot, info: SlotInfo) -> mmap.mmap:
+        """A private, page-aligned copy of the snapshot's data, taken while the slot is pinned;
+        the slot is then unpinned (the trainer may rewrite it). Raises :class:`_Torn` if the
+        slot changed meanwhile."""
+        n = info.data_len
+        buf = mmap.mmap(-1, max(n, 1))
+        try:
+            view = slot.data(n)
+            try:
+                buf[:n] = view
+            finally:
+                view.release()
+            if slot.seq() != info.seq:
+                raise _Torn(f"{slot.path}: rewritten while staged")
+        except BaseException:
+            buf.close()
+            raise
+        slot.unpin()
+        with self.st.lock:
+            self.st.staged_writes += 1
+        log.info(
+            "step %d: %.1f MiB copied out of %s so the trainer need not wait for storage",
+            info.step,
+            n / 2**20,
+            slot.path,
+        )
+        return buf
+
     def write_shard(
         self,
         storage: Storage,
@@ -635,6 +698,7 @@ class Persister:
         slot: Slot,
         info: SlotInfo,
         meta: SnapshotMeta,
+        staged: mmap.mmap | None = None,
     ) -> FileRecord:
         header = safetensors_header(
             meta.layout,
@@ -648,11 +712,15 @@ class Persister:
             # O_DIRECT straight from the slot (no page-cache copy).
             align=4096,
         )
-        data = slot.data(info.data_len)
+        whole = memoryview(staged) if staged is not None else None
+        data = slot.data(info.data_len) if whole is None else whole[: info.data_len]
         pace = self.st.pacer()
         self._paused_s = 0.0
 
         def check() -> None:
+            if staged is not None:  # our own copy: nothing to give way to but the copies
+                pace()
+                return
             if slot.seq() != info.seq:
                 raise _Torn(f"shard {name}")
             pace()  # a trainer copying into another slot goes first
@@ -671,8 +739,10 @@ class Persister:
             )
         finally:
             data.release()
+            if whole is not None:
+                whole.release()
             self._paused_s = pace.waited_s
-        if slot.seq() != info.seq:
+        if staged is None and slot.seq() != info.seq:
             raise _Torn(f"shard {name}")
         with self.st.lock:
             self.st.shard_writes["direct" if rec.direct else "buffered"] += 1

@@ -288,6 +288,7 @@ class AgentState:
         # The current world (rendezvous round): set by the newest trainer's hello. Only ranks and
         # snapshots of the current world are persisted together.
         self.world_id: str | None = None
+        self.staged_writes = 0  # shard writes from a private copy (the trainer wanted the slot)
         self.persisted_high = -1  # newest step persisted (or skipped) by this agent
         # Committed steps hidden (uncommitted) to be rewritten: retried until committed again.
         self.rewrites: set[int] = set()

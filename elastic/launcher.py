@@ -188,8 +188,9 @@ def main(argv: list[str]) -> int:
 
     Returns:
         The exit code: 0 when the job finished (or this standby was not needed), 1 when the
-        workers failed beyond ``--max-restarts``, 2 on a configuration or etcd error, 128+N
-        when stopped by signal N.
+        workers failed beyond ``--max-restarts`` or the node agent could not write the newest
+        snapshot to storage (it keeps it in memory for the same command run again), 2 on a
+        configuration, storage or etcd error, 128+N when stopped by signal N.
     """
     config, verbose = parse_args(argv)
     logging.basicConfig(
@@ -228,7 +229,8 @@ def launch(config: LauncherConfig) -> int:
     events = EventLog(config.event_log, config.node_id)
     try:
         with LaunchSession(config, events) as session:
-            return session.run()
+            code = session.run()
+        return session.exit_code(code)
     except SignalException as exc:
         # Stopped while setting up (connecting to etcd, registering, starting the agent): the
         # session released what it had; a signal is an exit code, not a traceback.

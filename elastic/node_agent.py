@@ -48,8 +48,12 @@ from flashckpt import names
 # The node agent's exit code when it kept its segments (flashckpt.agent.EXIT_KEPT; not imported:
 # that module is the agent's, and this one must stay light).
 EXIT_KEPT = 4
+# Its exit code when the exit's final step never reached the mirror (EXIT_MIRROR_FAILED).
+EXIT_MIRROR_FAILED = 5
 
 __all__ = [
+    "EXIT_KEPT",
+    "EXIT_MIRROR_FAILED",
     "AgentGeneration",
     "NodeAgentConfig",
     "NodeAgentError",
@@ -126,10 +130,14 @@ class AgentGeneration:
 class _Agent:
     """One agent process."""
 
-    def __init__(self, gen: AgentGeneration, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(
+        self, gen: AgentGeneration, proc: subprocess.Popen[bytes], log_offset: int = 0
+    ) -> None:
         self.gen = gen
         self.proc = proc
         self.ready = False
+        self.log_offset = log_offset
+        """Size of its log when it started: what it wrote since is its own."""
 
 
 class NodeAgentProcess:
@@ -156,6 +164,7 @@ class NodeAgentProcess:
         self._stop_timeout_s = config.stop_timeout_s
         self._failure: str | None = None
         self._crashes = 0
+        self._exit_code: int | None = None
         self._thread = threading.Thread(
             target=self._supervise, name="flashckpt-node-agent", daemon=True
         )
@@ -217,6 +226,14 @@ class NodeAgentProcess:
         persists and exits on its own, and must not be replaced while the launcher shuts down.
         """
         self._no_restart = True
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit code of the agent :meth:`stop` stopped (``None`` before, or when none ran):
+        0, :data:`EXIT_KEPT`, 5 (the final step never reached the mirror), negative when
+        killed."""
+        with self._cond:
+            return self._exit_code
 
     @property
     def replica_address(self) -> str | None:
@@ -283,7 +300,12 @@ class NodeAgentProcess:
                     break
                 failed = self._failure is not None
             if not failed and not self._no_restart:
-                self._tend_current()
+                try:
+                    self._tend_current()
+                except Exception as exc:  # e.g. an unsafe run directory: no agent can run
+                    with self._cond:
+                        self._failure = f"the flashckpt node agent cannot run: {exc}"
+                    logger.error("%s", self._failure)
             with self._cond:
                 self._cond.notify_all()
                 if not self._stopping:
@@ -359,6 +381,7 @@ class NodeAgentProcess:
             host = f"[{cfg.replica_bind}]" if ":" in cfg.replica_bind else cfg.replica_bind
             cmd += ["--replica-listen", f"{host}:{self._replica_port}"]
         with open(gen.log_path, "ab") as log:
+            offset = log.tell()
             proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
@@ -373,7 +396,7 @@ class NodeAgentProcess:
         logger.info(
             "node agent generation %d started (pid %d, log %s)", gen.number, proc.pid, gen.log_path
         )
-        return _Agent(gen, proc)
+        return _Agent(gen, proc, offset)
 
     @staticmethod
     def _answers(agent: _Agent) -> bool:
@@ -430,15 +453,29 @@ class NodeAgentProcess:
     def _on_crash(self, agent: _Agent) -> None:
         code = agent.proc.returncode
         if not agent.ready:
+            refused = _startup_error(agent)
+            if refused is not None:
+                # It refused to start (bad storage, a full shm dir, files it may not replace):
+                # the same agent started again would refuse again. Its error, at once.
+                with self._cond:
+                    self._failure = (
+                        f"the flashckpt node agent refused to start (exit code {code}): "
+                        f"{refused} (its log: {agent.gen.log_path})"
+                    )
+                    self._cond.notify_all()
+                logger.error("%s", self._failure)
+                return
             # Perhaps the replica port was taken meanwhile: the next agent asks for a new one
             # (published again once it answers).
             self._replica_port = 0
         with self._cond:
             self._crashes += 1
             if self._crashes > self.config.max_crashes:
+                tail = _log_tail(agent)
                 self._failure = (
                     f"the flashckpt node agent exited {self._crashes} times in a row (last exit "
                     f"code {code}); see {agent.gen.log_path}"
+                    + (f", which ends with:\n{tail}" if tail else "")
                 )
                 self._cond.notify_all()
         logger.warning(
@@ -464,6 +501,8 @@ class NodeAgentProcess:
                 proc.kill()
                 proc.wait()
         code = proc.returncode
+        with self._cond:
+            self._exit_code = code
         if code == EXIT_KEPT:
             logger.warning(
                 "node agent pid %d kept its snapshots in %s: storage lacks the newest (see %s); "
@@ -506,6 +545,31 @@ class NodeAgentProcess:
                     cfg.job,
                     " ".join(left),
                 )
+
+
+_STARTUP_ERROR_PREFIX = "flashckpt agent: "
+
+
+def _agent_output(agent: _Agent) -> list[str]:
+    """The lines the agent wrote to its log (never raises: ``[]``)."""
+    try:
+        with open(agent.gen.log_path, "rb") as f:
+            f.seek(agent.log_offset)
+            text = f.read(256 * 1024).decode(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _startup_error(agent: _Agent) -> str | None:
+    """The error an agent printed when it refused to start (``flashckpt agent: ...`` before it
+    answered), or ``None``."""
+    errors = [ln for ln in _agent_output(agent) if ln.startswith(_STARTUP_ERROR_PREFIX)]
+    return errors[-1][len(_STARTUP_ERROR_PREFIX) :] if errors else None
+
+
+def _log_tail(agent: _Agent, lines: int = 10) -> str:
+    return "\n".join(_agent_output(agent)[-lines:])
 
 
 def _agent_request(

@@ -90,6 +90,8 @@ from elastic.membership import (
     expire_rendezvous_nodes,
 )
 from elastic.node_agent import (
+    EXIT_KEPT,
+    EXIT_MIRROR_FAILED,
     NodeAgentConfig,
     NodeAgentError,
     NodeAgentProcess,
@@ -109,6 +111,7 @@ from elastic.rendezvous import (
 from elastic.restore_report import RestoreReporter, events_path, job_summary
 from elastic.stable_ranks import install_stable_ranks
 from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
+from elastic.storage_check import check_storage
 from elastic.worker_entry import EXEC_FLAG, LAUNCHER_PID_ENV
 from flashckpt import envnames, names
 from flashckpt.errors import AgentError
@@ -191,6 +194,7 @@ class LaunchSession:
         self._retire_reason: str | None = None
         self._signalled_at: float | None = None
         self._in_teardown = False
+        self._agent_exit: int | None = None  # the node agent's exit code, once stopped
         self._starts = 0
         self._reporter = RestoreReporter(os.devnull, 0)
         # Replicas of snapshots in other machines' memory: none where the job has one machine.
@@ -254,6 +258,10 @@ class LaunchSession:
         cfg = self.config
         run_dir = cfg.run_dir or _default_run_dir()
         self.events("launcher_start", pid=os.getpid())
+        if cfg.storage:
+            problem = check_storage(cfg.storage)
+            if problem is not None:
+                raise LaunchError(problem)
         endpoint = cfg.rdzv_endpoint
         if cfg.standalone:
             self._standalone = StandaloneEtcd(parent_dir=_ensure_dir(run_dir))
@@ -515,6 +523,27 @@ class LaunchSession:
         self._workers_done = True
         self.events("succeeded")
         return 0
+
+    def exit_code(self, code: int) -> int:
+        """The launcher's exit code once everything is released: ``code`` (from :meth:`run`),
+        or 1 where it was 0 but the node agent's last write failed (storage lacks the newest
+        snapshot: the agent kept it in memory; or the final step never reached the mirror).
+        A job whose work is not where the user asked it to be never ends with 0."""
+        if code != 0 or self._agent_exit not in (EXIT_KEPT, EXIT_MIRROR_FAILED):
+            return code
+        cfg = self.config
+        if self._agent_exit == EXIT_KEPT:
+            what = (
+                f"the newest snapshot is not in storage {cfg.storage}"
+                " (the node agent's writes there failed; its log says why): it is kept in this "
+                "machine's shared memory. Fix the storage and run the same command again: it "
+                "resumes from memory and writes it"
+            )
+        else:
+            what = "the final step never reached the mirror (the node agent's log says why)"
+        logger.error("%s; exit code 1", what)
+        self.events("final_persist_failed", agent_exit=self._agent_exit)
+        return 1
 
     # ---------------------------------------------------------------------------- hooks
 
@@ -915,6 +944,7 @@ class LaunchSession:
                 self._node_agent.stop(timeout_s=max(1.0, left))
             else:
                 self._node_agent.stop()
+            self._agent_exit = self._node_agent.exit_code
             self._node_agent = None
             self._print_summary()
         if self._standalone is not None:

@@ -14,8 +14,8 @@ local ranks and prints one line for the machine::
     [flashckpt run n0] round 2: ranks 0-1 restored step 40 from memory in 0.84 s
 
 At the end :func:`job_summary` condenses the whole events file (every round of the job on this
-machine) with :mod:`flashckpt.goodput`: the step reached, iterations run and recomputed, restarts,
-goodput.
+machine) with :mod:`flashckpt.goodput`: the steps completed, iterations run and recomputed,
+restarts, goodput.
 """
 
 from __future__ import annotations
@@ -213,7 +213,9 @@ def job_summary(path: str, *, restarts: int) -> str | None:
     last = [
         int(e["last"]) for e in events if e.get("event") == "steps" and e.get("last") is not None
     ]
-    reached = f"last recorded step {max(last)}" if last else "no step recorded"
+    # The events carry 0-based step indices; printed: steps completed (the convention of
+    # ckpt.steps_done, status, the storage's step numbers), so a run of 60 steps says 60.
+    reached = f"{max(last) + 1} steps completed" if last else "no step completed"
     iterations = max(rep.steps.values(), default=0)
     recomputed = max(rep.recomputed_steps.values(), default=0)
     return (

@@ -96,7 +96,7 @@ def test_torchrun_flags_restore_lines_and_summary(etcd_server: str, tmp_path: Pa
     resumed = {e["start_step"] for e in cluster.events() if e["event"] == "restored"}
     assert resumed == {0, int(restored.group(1))}
     assert re.search(
-        r"\] summary: last recorded step \d+, \d+ iterations per rank \(\d+ recomputed\), "
+        r"\] summary: 12 steps completed, \d+ iterations per rank \(\d+ recomputed\), "
         r"1 restart\(s\), goodput \d+\.\d% of [\d.]+ s",
         out,
     ), out
@@ -183,7 +183,7 @@ def test_job_summary_from_the_agents_events(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
     line = job_summary(str(path), restarts=1)
     assert line is not None
-    assert line.startswith("summary: last recorded step 9, 10 iterations per rank (0 recomputed)")
+    assert line.startswith("summary: 10 steps completed, 10 iterations per rank (0 recomputed)")
     assert "1 restart(s), goodput 83.3% of 12.0 s" in line, line
 
 

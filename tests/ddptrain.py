@@ -1,4 +1,5 @@
-"""A deterministic 2-rank DDP (gloo) training loop for the multi-rank tests; run one per rank."""
+"""A deterministic DDP (gloo) training loop for the multi-rank tests (2 ranks unless ``--world``);
+run one per rank."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tinytrain import kill_in_copy, make
 
 import flashckpt
+from flashckpt.ddp import distributed_data_parallel
 
 
 def main() -> int:
@@ -44,6 +46,12 @@ def main() -> int:
         help="at the snapshot after this many steps, this rank's clock says a persist is due "
         "(its last mark moved an hour back); the other ranks' clocks are left alone",
     )
+    p.add_argument(
+        "--wrap",
+        choices=["plain", "fixed"],
+        default="plain",
+        help="the DDP wrapper: torch's own, or flashckpt.ddp's (buckets fixed at construction)",
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     os.environ["LOCAL_WORLD_SIZE"] = str(a.local_world or a.world)
@@ -57,7 +65,10 @@ def main() -> int:
     if a.kill_in_copy:
         kill_in_copy(a.kill_in_copy)
     model, opt, sched = make(0)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if a.wrap == "fixed":
+        ddp = distributed_data_parallel(model)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
     persist: dict[str, int | str] = {}
     if a.persist_every != "default":
         pe = a.persist_every

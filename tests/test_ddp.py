@@ -30,13 +30,15 @@ def _launch(
     storage: str | None = None,
     nodes: tuple[str, str] | None = None,
     world_id: str | None = None,
+    world: int = 2,
+    extra: tuple[str, ...] = (),
 ) -> list[subprocess.Popen]:
     import os
 
     proc_env = {**os.environ, "FLASHCKPT_WORLD_ID": world_id} if world_id else None
     init = tmp / f"init-{tag}-{time.monotonic_ns()}"
     procs = []
-    for rank in range(2):
+    for rank in range(world):
         cmd = [
             sys.executable,
             str(HERE / "ddptrain.py"),
@@ -56,6 +58,9 @@ def _launch(
             str(steps),
             "--report",
             str(tmp / f"{tag}-report.txt"),
+            "--world",
+            str(world),
+            *extra,
         ]
         if nodes:
             cmd += ["--node", nodes[rank], "--local-world", "1"]
@@ -86,9 +91,9 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
     return [p.returncode for p in procs]
 
 
-def _assert_same_as_reference(tmp_path: Path) -> None:
+def _assert_same_as_reference(tmp_path: Path, world: int = 2) -> None:
     """Every logged loss and the final model of each rank equal the uninterrupted run's."""
-    for rank in range(2):
+    for rank in range(world):
         ref = dict(_log(tmp_path / f"ref-r{rank}.log"))
         for step, loss in _log(tmp_path / f"run-r{rank}.log"):
             assert loss == ref[step], (rank, step)

@@ -1,0 +1,63 @@
+"""SIGTERM or SIGHUP to a ``flashckpt run --standalone`` launcher's whole process group (``kill
+-TERM -<pgid>``, a closed terminal, a batch system stopping the job): the launcher stops the
+workers, then the node agent (it writes what storage lacks), then its private etcd, and removes
+the etcd's data; nothing it started is left running; the same command run again resumes from the
+newest snapshot taken, bitwise equal to an uninterrupted run (issue 30). Ctrl-C through a
+terminal and ``kill -9`` of the launcher are in test_teardown.py, whose harness this reuses."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from _cluster import SimCluster
+from test_teardown import EVERY, WORKER_ARGS, _command, _rerun_resumes_from, _start, _steps_done
+
+from elastic.testing import process_tree
+
+pytestmark = [pytest.mark.slow, pytest.mark.etcd]
+
+assert WORKER_ARGS  # the module's reference_model runs these (conftest reads WORKER_ARGS)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_to_the_launchers_process_group_then_the_same_command_resumes_from_the_newest(
+    tmp_path: Path, reference_model: dict[str, torch.Tensor], sig: signal.Signals
+) -> None:
+    cluster = SimCluster(tmp_path, None, nnodes="1", nproc=2, worker_args=WORKER_ARGS)
+    try:
+        cmd = _command(cluster, "n0", "file")
+        machine = _start(cluster, "n0", cmd)  # its own session: its pid is the group's id
+        cluster.wait_for("12 steps", lambda: _steps_done(cluster) >= 12, 120)
+        started = process_tree(machine.proc.pid)
+        assert any("etcd" in " ".join(p.cmdline()) for p in started), started
+        assert list(Path(cluster.run_dir).glob("flashckpt-etcd-*"))
+        os.killpg(machine.proc.pid, sig)
+        done = _steps_done(cluster)
+        code = cluster.wait_exit("n0", 120)
+        out = machine.tail(20000)
+        assert code == 128 + sig, out
+        assert f"stopping on {sig.name}" in out, out
+        # Nothing it started got the signal before the launcher stopped it in order.
+        assert "pre-warm process went away" not in out, out
+        assert "lease" not in out.lower(), out
+        assert "starting it again" not in out, out
+        # No orphans: the workers, torch's agent, the node agent, the zygote and etcd are gone.
+        _, alive = psutil.wait_procs(started, timeout=60)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
+        # The private etcd's data went with it.
+        assert not list(Path(cluster.run_dir).glob("flashckpt-etcd-*")), out
+        _rerun_resumes_from(
+            cluster,
+            cmd,
+            done // EVERY * EVERY,
+            max(e["t"] for e in cluster.events()),
+            reference_model,
+        )
+    finally:
+        cluster.close()

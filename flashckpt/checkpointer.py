@@ -46,7 +46,7 @@ from flashckpt.config import (
 from flashckpt.errors import PersistError
 from flashckpt.interval import AutoInterval
 from flashckpt.link import AgentLink
-from flashckpt.messages import Hello
+from flashckpt.messages import Done, Hello
 from flashckpt.protocol import AgentError
 from flashckpt.rankctx import RankContext
 from flashckpt.reshard import Resharder
@@ -55,7 +55,7 @@ from flashckpt.ring import StepRecorder, open_recorder
 from flashckpt.rng import capture_rng
 from flashckpt.saved import RestoreEnv
 from flashckpt.snapshot import SnapshotHandle, Snapshotter
-from flashckpt.storage import Storage
+from flashckpt.storage import MANIFEST, Storage
 from flashckpt.storageroot import probe_storage, start_fresh
 
 __all__ = ["CheckpointConfig", "Checkpointer", "SnapshotHandle", "Stats", "checkpointing"]
@@ -344,6 +344,8 @@ class Checkpointer:
                     self._mirror_final = True  # the last step goes to the remote tier too
                     self.save(mode="sync", when_busy="wait")
                 lost = self._lost_work(self.flush())
+                if lost is None:
+                    lost = self._lost_mirror()
             else:
                 with contextlib.suppress(Exception):
                     self.wait()
@@ -370,7 +372,12 @@ class Checkpointer:
         url = self._storage_url()
         if url is None or step is None or (committed is not None and committed >= step):
             return None
-        errors = list(self.stats.persist_errors)
+        # The storage tier's errors (the mirror's are _lost_mirror's).
+        errors = [
+            e
+            for e in list(self.stats.persist_errors)
+            if not str(e.get("error", "")).startswith("mirror ")
+        ]
         if self._storage is None and not errors:
             return None  # the launcher's agent has no storage (flush said so): nothing lost
         why = f": {errors[-1]['error']}" if errors else ""
@@ -389,6 +396,76 @@ class Checkpointer:
             step=step,
             errors=errors,
         )
+
+    def _lost_mirror(self) -> PersistError | None:
+        """The error to raise on exit when the remote tier (``mirror=``) failed during the run
+        and the final step never reached it, else None.
+
+        The mirror is copied by the node agent in the background, from the committed storage
+        step, and its errors reach ``stats.persist_errors`` (``"mirror <url>: ..."``). When
+        none came, the exit does not wait for the mirror (a healthy remote upload may take
+        minutes; the agent mirrors the final step once every rank said done, and its stop
+        retries it for ``commit_timeout``, exiting with code 5 if it never gets there). When
+        the mirror did fail during the run, the exit tells the agent this rank is done (so it
+        sends the final step to the mirror) and waits, up to ``flush_timeout``, for the final
+        step to be committed in the mirror root or for the mirror's error on it: a mirror that
+        fails is as loud as the storage tier, the run's exit fails.
+        """
+        url = self.config.mirror
+        step = self.stats.last_snapshot_step
+        if url is None or step is None or not self._mirror_errors(None):
+            return None
+        mirror = Storage(url)
+        link = self._link
+        if link.client is not None and link.alive():
+            with contextlib.suppress(AgentError):  # the agent mirrors the last step once all did
+                link.client.call(
+                    Done(rank=self._ctx.rank, local_rank=self._ctx.local_rank), timeout=10
+                )
+        deadline = time.monotonic() + self.config.flush_timeout
+        if self._mon is not None:
+            self._mon.pause()  # waiting for the mirror is no hang
+        try:
+            while True:
+                with contextlib.suppress(OSError):
+                    if mirror.fs.exists(mirror.step_path(step, MANIFEST)):
+                        return None
+                failed = self._mirror_errors(step)
+                if failed or not link.alive() or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.1)
+        finally:
+            if self._mon is not None:
+                self._mon.resume()
+        errors = self._mirror_errors(None)
+        why = (
+            f"the mirror's error: {errors[-1]['error']}"
+            if failed
+            else "the node agent went away"
+            if not link.alive()
+            else f"not there within {self.config.flush_timeout:g} s (flush_timeout)"
+        )
+        durable = self.stats.last_committed_step
+        return PersistError(
+            f"step {step} (the final snapshot) did not reach the mirror {url} ({why}). It is "
+            f"committed in storage {self._storage_url()} (newest committed step "
+            f"{'none' if durable is None else durable}), so a rerun resumes from it; the "
+            f"node agent tries the mirror copy again at its stop for up to its commit_timeout "
+            "(exit code 5 if it never gets there). Fix the mirror (space, permissions, "
+            "credentials) or pass mirror=None; on_persist_failure='warn' exits normally anyway",
+            step=step,
+            errors=errors,
+        )
+
+    def _mirror_errors(self, step: int | None) -> list[dict[str, Any]]:
+        """The mirror errors the agent reported (``"mirror <url>: ..."``); with ``step``, only
+        those of that step or a newer one (or of no step)."""
+        return [
+            e
+            for e in list(self.stats.persist_errors)
+            if str(e.get("error", "")).startswith("mirror ")
+            and (step is None or e.get("step") is None or e["step"] >= step)
+        ]
 
     # -- public API --------------------------------------------------------------------------
     @property

@@ -1,0 +1,105 @@
+"""A mirror (``mirror=``) that failed during the run fails the run's exit when the final step
+never reached it, as the storage tier's failure does (issue 30); one that recovered does not."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fchelpers import FcEnv, RunningAgent
+from tinytrain import make, train_step
+
+import flashckpt
+from flashckpt.errors import PersistError
+from flashckpt.storage import Storage
+
+
+def _wait_until(cond, what: str, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _train_with_a_broken_mirror(
+    env: FcEnv, remote: Path, out: dict[str, torch.Tensor], *, recover: bool
+) -> None:
+    """Step 1 reaches the mirror, then its root becomes a file; steps 2, 3 commit to storage
+    only (the mirror's errors reach the trainer); ``recover``: the mirror is put back before
+    step 4, the exit's final snapshot. ``out`` gets the final model state."""
+    url = f"file://{remote}"
+    model, opt, sched = make(0)
+    kw = env.ckpt_kwargs(
+        every=0, persist_every=1, mirror=url, mirror_every=1, agent="connect", flush_timeout=60
+    )
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        train_step(model, opt, sched, 0)
+        ck.step()
+        ck.save(mode="sync")
+        assert ck.flush() == 1
+        _wait_until(lambda: Storage(url).committed_steps() == [1], "step 1 in the mirror")
+        away = remote.with_name("remote-away")
+        remote.rename(away)
+        remote.write_text("the mirror is gone")
+        for i in range(1, 3):
+            train_step(model, opt, sched, i)
+            ck.step()
+            ck.save(mode="sync")
+            assert ck.flush() == i + 1  # the storage root commits every step
+        _wait_until(lambda: ck.stats.persist_errors, "the mirror's error at the trainer")
+        if recover:
+            remote.unlink()
+            away.rename(remote)
+        train_step(model, opt, sched, 3)
+        ck.step()
+        out.update({k: v.clone() for k, v in model.state_dict().items()})
+
+
+def _restored(env: FcEnv, remote: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    model, opt, sched = make(1)  # other initial weights: only a restore makes them equal
+    kw = env.ckpt_kwargs(every=0, persist_every=1, mirror=f"file://{remote}", agent="connect")
+    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
+        return ck.start_step, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_final_step_that_never_reached_a_failing_mirror_fails_the_exit(
+    fc_env: FcEnv, agent: RunningAgent, tmp_path: Path
+) -> None:
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    want: dict[str, torch.Tensor] = {}
+    with pytest.raises(PersistError) as err:
+        _train_with_a_broken_mirror(fc_env, remote, want, recover=False)
+    text = str(err.value)
+    url = f"file://{remote}"
+    assert f"step 4 (the final snapshot) did not reach the mirror {url} (the mirror's " in text
+    assert f"error: mirror {url}: " in text, text
+    assert f"It is committed in storage {fc_env.storage}" in text, text
+    assert "Fix the mirror" in text and "mirror=None" in text, text
+    assert err.value.step == 4 and err.value.errors, err.value.errors
+    assert Storage(fc_env.storage).committed_steps()[-1] == 4
+    # The final step is safe: a rerun (the mirror fixed) restores it bitwise.
+    remote.unlink()
+    remote.with_name("remote-away").rename(remote)
+    step, got = _restored(fc_env, remote)
+    assert step == 4 and got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_a_mirror_that_recovered_before_the_final_step_exits_normally(
+    fc_env: FcEnv, agent: RunningAgent, tmp_path: Path
+) -> None:
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    want: dict[str, torch.Tensor] = {}
+    _train_with_a_broken_mirror(fc_env, remote, want, recover=True)  # no PersistError
+    mirror = Storage(f"file://{remote}")
+    assert mirror.committed_steps()[-1] == 4
+    assert mirror.check_step(4).status == "ok"
+    step, got = _restored(fc_env, remote)
+    assert step == 4 and got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

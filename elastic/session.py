@@ -47,11 +47,13 @@ What happens when a machine is cut off (a network partition: B's link goes down,
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
 import socket
 import sys
+import termios
 import threading
 import time
 from datetime import timedelta
@@ -238,6 +240,8 @@ class LaunchSession:
         Ctrl-C must not skip the clean-up.
         """
         sigval = signal.Signals(signum)
+        if signum == getattr(signal, "SIGHUP", None):
+            _leave_hung_up_terminal()
         if self._signalled_at is None:
             self._signalled_at = time.monotonic()
         agent = self._node_agent
@@ -1198,6 +1202,25 @@ def _describe_failures(result: RunResult) -> str:
             f"rank {rank}: exit code {failure.exitcode} ({failure.message or 'no message'})"
         )
     return "; ".join(parts) or result.state.name
+
+
+def _leave_hung_up_terminal() -> None:
+    """Points this process's stdout and stderr at ``/dev/null`` where they are a terminal that
+    hung up (closed window, lost ssh: the SIGHUP's usual cause). Every write to such a terminal
+    fails with EIO: the teardown's first line ("stopping on SIGHUP") raised in the middle of it,
+    etcd was left to its parent-death signal, its data behind, and the exit code was 1. The
+    workers, the node agent and etcd keep their own descriptors (their logs are files)."""
+    for fd in (1, 2):
+        try:
+            termios.tcgetattr(fd)
+        except termios.error as exc:  # ENOTTY: a file or pipe, written as before
+            if exc.args and exc.args[0] == errno.EIO:
+                with contextlib.suppress(OSError):
+                    devnull = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(devnull, fd)
+                    os.close(devnull)
+        except OSError:  # a closed descriptor
+            continue
 
 
 def _default_run_dir() -> str:

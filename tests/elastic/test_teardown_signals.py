@@ -9,14 +9,19 @@ resumes from memory and removes the killed launcher's etcd data. Ctrl-C through 
 
 from __future__ import annotations
 
+import fcntl
 import os
+import select
 import signal
+import subprocess
+import termios
+import threading
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from _cluster import SimCluster
+from _cluster import Machine, SimCluster, cluster_env
 from test_teardown import (
     EVERY,
     WORKER_ARGS,
@@ -102,4 +107,79 @@ def test_kill_9_of_the_launcher_with_memory_only_then_the_same_command_resumes_f
         # The rerun removed the killed launcher's etcd data at its start, its own at its end.
         assert not list(Path(cluster.run_dir).glob("flashckpt-etcd-*"))
     finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(400)
+def test_the_terminal_closed_under_the_launcher_then_the_same_command_resumes_from_the_newest(
+    tmp_path: Path, reference_model: dict[str, torch.Tensor]
+) -> None:
+    """The launcher's terminal hung up (the window closed, ssh gone): its stdin, stdout and
+    stderr are the terminal, which refuses every write after the hangup (EIO); the kernel
+    SIGHUPs the session. The launcher still stops the workers, the agent persists, and the rerun
+    resumes from the newest snapshot."""
+    cluster = SimCluster(tmp_path, None, nnodes="1", nproc=2, worker_args=WORKER_ARGS)
+    master, slave = os.openpty()
+    shown: list[bytes] = []
+    stop = threading.Event()
+
+    def read_terminal() -> None:  # what the user's terminal shows; never lets it fill up
+        while not stop.is_set():
+            ready, _, _ = select.select([master], [], [], 0.1)
+            if ready:
+                try:
+                    shown.append(os.read(master, 65536))
+                except OSError:
+                    return
+
+    def on_tty() -> None:  # pragma: no cover - runs in the child between fork and exec
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    try:
+        cmd = _command(cluster, "n0", "file")
+        (cluster.shm_root / "n0").mkdir(parents=True, exist_ok=True)
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=slave,
+                stdout=slave,
+                stderr=slave,
+                env=cluster_env(),
+                cwd=cluster.root,
+                preexec_fn=on_tty,
+            )
+        finally:
+            os.close(slave)
+        log = cluster.root / "launcher-n0.log"
+        cluster.machines["n0"] = Machine("n0", proc, log, cluster.root / "launcher-n0.jsonl")
+        cluster.wait_for("12 steps", lambda: _steps_done(cluster) >= 12, 120)
+        started = process_tree(proc.pid)
+        stop.set()
+        reader.join()
+        os.close(master)  # the last reference: the terminal hangs up
+        master = -1
+        done = _steps_done(cluster)
+        code = proc.wait(timeout=120)
+        screen = b"".join(shown).decode(errors="replace")
+        assert code == 128 + signal.SIGHUP, (code, screen, cluster.logs())
+        _, alive = psutil.wait_procs(started, timeout=60)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
+        # The agent was stopped by the launcher, once, and wrote what storage lacked.
+        assert max(cluster.committed(), default=0) >= done // EVERY * EVERY, cluster.logs()
+        assert not list(Path(cluster.run_dir).glob("flashckpt-etcd-*"))
+        log.write_text("")  # the rerun's output goes to the log file
+        _rerun_resumes_from(
+            cluster,
+            cmd,
+            done // EVERY * EVERY,
+            max(e["t"] for e in cluster.events()),
+            reference_model,
+        )
+    finally:
+        stop.set()
+        if master >= 0:
+            os.close(master)
         cluster.close()

@@ -84,11 +84,11 @@ class Alerts:
                     "kind": "hang",
                     "rank": rs.rank,
                     "since": now_w - idle,
-                    "step": rs.last_step,
+                    "step": rs.steps_done,
                     "idle_s": idle,
                     "threshold_s": threshold,
-                    "message": f"rank {rs.rank} made no progress for {idle:.1f} s after step "
-                    f"{rs.last_step} (threshold {threshold:.1f} s)",
+                    "message": f"rank {rs.rank} made no progress for {idle:.1f} s after "
+                    f"{rs.steps_done} steps done (threshold {threshold:.1f} s)",
                 }
                 newly.append(rs)
         if not newly:

@@ -432,8 +432,10 @@ class AgentMonitor:
             inc.recomputed_n += b.recomputed_n - rn0
             inc.last_progress = b.t1
         if rs.hang is not None:
-            self._emit({"event": "hang_cleared", "rank": rs.rank, "step": rs.last_step})
-            log.warning("monitor: rank %d makes progress again (step %s)", rs.rank, rs.last_step)
+            self._emit({"event": "hang_cleared", "rank": rs.rank, "step": rs.steps_done})
+            log.warning(
+                "monitor: rank %d makes progress again (%s steps done)", rs.rank, rs.steps_done
+            )
             rs.hang, rs.kill_at = None, None
 
     def _start(self, rs: RankState) -> None:
@@ -504,16 +506,16 @@ class AgentMonitor:
                 "pid": ring.pid,
                 "reason": reason,
                 "t": t,
-                "last_step": rs.last_step,
+                "last_step": rs.steps_done,
             }
         )
         if reason not in ("exit", "replaced"):
             log.warning(
-                "monitor: rank %d (pid %d) %s after step %s",
+                "monitor: rank %d (pid %d) %s after %s steps done",
                 rs.rank,
                 ring.pid,
                 reason,
-                rs.last_step,
+                rs.steps_done,
             )
         if rs.straggler is not None:
             rs.straggler = None

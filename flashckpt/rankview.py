@@ -164,6 +164,12 @@ class RankState:
     straggler: dict[str, Any] | None = None
     end_reason: str | None = None
 
+    @property
+    def steps_done(self) -> int | None:
+        """Steps completed (``ckpt.steps_done``, as every step flashckpt prints or records for
+        a person): ``last_step`` is the 0-based index of the newest iteration in the ring."""
+        return None if self.last_step is None else self.last_step + 1
+
 
 def quantile(sorted_xs: list[float], q: float) -> float | None:
     """The ``q`` quantile of sorted values (nearest rank); None for no values."""

@@ -45,6 +45,7 @@ _assign(
     "flashckpt.codec",
     "flashckpt.rng",
     "flashckpt.sharded",
+    "flashckpt.ddp",
     "flashckpt.jsonstate",
     "flashckpt.peers",
     "flashckpt.ring",

@@ -156,7 +156,7 @@ def test_live_status_prometheus_and_events(fc_env: FcEnv, capsys: pytest.Capture
     assert start["rank"] == 0 and start["resume_step"] == 0 and start["restore_s"] >= 0
     assert sum(e["n"] for e in events if e["event"] == "steps") == 12
     end = next(e for e in events if e["event"] == "end")
-    assert end["reason"] == "exit" and end["last_step"] == 11
+    assert end["reason"] == "exit" and end["last_step"] == 12
     report = Path(fc_env.run_dir, f"{fc_env.job}.n0.goodput.txt").read_text()
     assert report.startswith("goodput report: 1 rank(s)")
 
@@ -296,7 +296,7 @@ def test_hang_dumps_stacks_kills_and_the_restart_resumes(
     kinds = [e["event"] for e in events]
     assert kinds.count("hang") == 1 and kinds.count("hang_kill") == 1
     hang = next(e for e in events if e["event"] == "hang")
-    assert hang["rank"] == 0 and hang["step"] == 14 and hang["threshold_s"] >= 2.0
+    assert hang["rank"] == 0 and hang["step"] == 15 and hang["threshold_s"] >= 2.0
     ends = [e["reason"] for e in events if e["event"] == "end"]
     assert ends == ["killed", "exit"]
     rep = compute_goodput(incarnations_from_events(events))

@@ -56,7 +56,7 @@ from flashckpt.rng import capture_rng
 from flashckpt.saved import RestoreEnv
 from flashckpt.snapshot import SnapshotHandle, Snapshotter
 from flashckpt.storage import MANIFEST, Storage
-from flashckpt.storageroot import probe_storage, start_fresh
+from flashckpt.storageroot import check_owner, probe_storage, start_fresh
 
 __all__ = ["CheckpointConfig", "Checkpointer", "SnapshotHandle", "Stats", "checkpointing"]
 
@@ -142,6 +142,7 @@ class Checkpointer:
         self._carried = False  # this save's mark carries a lost one forward (_persist_due)
         self._inherit_mirror = False  # ... and with it the lost mark's mirror mark
         self._entered = False
+        self._rank_lock: _RankLock | None = None
         self._mon: StepRecorder | None = None
         self._auto: AutoInterval | None = None
         self._restore_s: float | None = None
@@ -219,7 +220,13 @@ class Checkpointer:
         enter_wall = time.time()
         self.stats.entry_phases_s = {}
         self._phase_t = time.perf_counter()
-        self._setup()
+        try:
+            self._setup()
+        except BaseException:
+            if self._rank_lock is not None:
+                self._rank_lock.release()
+                self._rank_lock = None
+            raise
         ctx = self._ctx
         shm_dir = self._snap.shm_dir
         if shm_dir and ctx.run_dir:
@@ -823,6 +830,8 @@ class Checkpointer:
             probe_storage(Storage(cfg.mirror), ctx, what="mirror")
         ctx.name(job=cfg.job, node=cfg.node, run_dir=cfg.run_dir, storage=cfg.storage)
         assert ctx.socket is not None and ctx.run_dir is not None
+        self._rank_lock = _RankLock.take(ctx.run_dir, ctx.job, ctx.node, ctx.rank)
+        check_owner(self._storage, ctx, cfg)
         self._entry_phase("join")
         cfg.replicated, shard, num_shards, replica = ctx.shard_layout(
             self.model, self.optimizer, cfg.replicated
@@ -951,6 +960,9 @@ class Checkpointer:
         self._link.close(done=done)
         self._snap.unmap()
         self._entered = False
+        if self._rank_lock is not None:
+            self._rank_lock.release()
+            self._rank_lock = None
 
     # -- what tests and tools read of the collaborators (kept stable) ------------------------
     @property
@@ -982,6 +994,49 @@ class Checkpointer:
     @_next_reconnect.setter
     def _next_reconnect(self, value: float) -> None:
         self._link.next_reconnect = value
+
+
+class _RankLock:
+    """This process's claim on a (job, node, rank): an ``flock`` on a pid file in the run
+    directory, held while the checkpointer is entered. A second live process of the same job,
+    node and rank would otherwise restore from the first one's live snapshot and then write the
+    same slots and storage steps. The kernel drops the lock with its process (a ``kill -9``
+    frees it for the next run)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @staticmethod
+    def take(run_dir: str, job: str, node: str, rank: int) -> _RankLock:
+        """Raises:
+        RuntimeError: another live process holds the claim, naming its pid and the fix."""
+        import fcntl
+
+        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        path = os.path.join(run_dir, f"{job}.{node}.rank{rank}.lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = "unknown"
+            with contextlib.suppress(OSError, ValueError):
+                other = os.pread(fd, 32, 0).decode().strip() or "unknown"
+            os.close(fd)
+            raise RuntimeError(
+                f"job {job!r} rank {rank} on node {node!r} is already running in process "
+                f"{other} (it holds {path}): two processes of one job, node and rank would "
+                "restore from and write over each other's snapshots. Stop that process first, "
+                "or give this run another job name (job= or $FLASHCKPT_JOB)"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return _RankLock(fd)
+
+    def release(self) -> None:
+        os.close(self.fd)  # drops the flock
 
 
 def _json_copy(obj: Any, what: str) -> Any:

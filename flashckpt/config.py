@@ -135,6 +135,11 @@ class CheckpointConfig:
     may take over a storage root that holds committed steps: they are deleted on entry, and this
     run's steps replace them. Without it entry refuses with an error: the older run's steps would
     otherwise be taken for this run's (and resumed from next time)."""
+    takeover: bool = False
+    """Whether this job may use a storage root (or mirror) whose newest committed step another
+    job wrote (its manifest names the job). By default entry refuses: two jobs on one root
+    would resume from each other's steps. True: this job resumes from those steps and its own
+    commits replace them (a renamed job continuing another's run)."""
     allow_unsaved_scheduler: bool = False
     """Whether an optimizer driven by an LR scheduler (its param groups carry ``initial_lr``) may
     go without the scheduler in ``scheduler=`` or ``stateful=``. By default entry refuses: a
@@ -181,7 +186,7 @@ class CheckpointConfig:
             raise ValueError(f"keep={self.keep}: keep at least 1 committed step")
         if self.agent not in ("auto", "connect"):
             raise ValueError(f"agent={self.agent!r}: use 'auto' or 'connect'")
-        for name in ("restore", "overwrite", "allow_unsaved_scheduler"):
+        for name in ("restore", "overwrite", "takeover", "allow_unsaved_scheduler"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: use True or False")
         if self.on_persist_failure not in ("raise", "warn"):

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from flashckpt.rankctx import RankContext
     from flashckpt.storage import Storage
 
-__all__ = ["probe_storage", "start_fresh"]
+__all__ = ["check_owner", "probe_storage", "start_fresh"]
 
 log = logging.getLogger("flashckpt")
 
@@ -65,6 +65,51 @@ def probe_storage(st: Storage, ctx: RankContext, what: str = "storage") -> None:
             f"{what} {st.url} cannot keep checkpoints: another rank could not write, read "
             "back and delete a file there (its error names the cause)"
         )
+
+
+def check_owner(st: Storage | None, ctx: RankContext, config: CheckpointConfig) -> None:
+    """Refuses a storage root (and mirror) whose newest committed step another job wrote (the
+    manifests name the job), unless ``takeover=True`` (or ``overwrite=True`` with
+    ``restore=False``, which deletes those steps): two jobs on one root would resume from each
+    other's steps. Every rank agrees. A manifest without a job name (older format) or one that
+    cannot be read is left to the restore's checks.
+
+    Raises:
+        ValueError: the root holds another job's committed steps, naming it, the root and the
+            options.
+    """
+    if st is None or config.takeover or (config.overwrite and not config.restore):
+        return
+    _check_owner(st, ctx, "storage")
+    if config.mirror is not None:
+        from flashckpt.storage import Storage
+
+        _check_owner(Storage(config.mirror), ctx, "mirror")
+
+
+def _check_owner(st: Storage, ctx: RankContext, what: str) -> None:
+    stored = listed_steps(st)
+    other = None
+    if stored:
+        try:
+            other = st.manifest(max(stored)).job
+        except (OSError, ValueError):  # CorruptCheckpointError is a ValueError
+            other = None
+    foreign = other is not None and other != ctx.job
+    if not ctx.all_max(1 if foreign else 0):
+        return
+    if foreign:
+        raise ValueError(
+            f"{what} {st.url} holds committed steps of job {other!r} (newest: step "
+            f"{max(stored)}), and this is job {ctx.job!r}: resuming would take that job's state "
+            f"for this one's, and both jobs would overwrite each other's steps. Give this job a "
+            f"{what} root of its own, run it under job={other!r} if it is that job, or pass "
+            "takeover=True to resume from those steps as this job"
+        )
+    raise ValueError(
+        f"{what} {st.url} holds committed steps of another job (seen by another rank, whose "
+        "error names it): give this job a root of its own or pass takeover=True"
+    )
 
 
 def start_fresh(st: Storage | None, ctx: RankContext, config: CheckpointConfig) -> None:

@@ -181,6 +181,16 @@ class Restorer:
                 self.seconds = time.perf_counter() - t0
                 self.info.update(step=step, source=self.source, seconds=self.seconds)
                 self.applier.invalidate_after(env.snap, step)
+                for path, why in getattr(by_name.get("memory"), "discarded", []):
+                    log.warning(
+                        "flashckpt: rank %d restored step %d from %s: the snapshot in %s was "
+                        "discarded (%s)",
+                        ctx.rank,
+                        step,
+                        self.source,
+                        path,
+                        why,
+                    )
                 return
             if worst == 2:
                 if err is not None:

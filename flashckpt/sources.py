@@ -30,7 +30,7 @@ import torch
 from flashckpt.codec import piece_nodes, unflatten_state
 from flashckpt.errors import AgentError
 from flashckpt.layout import Layout, tensor_views
-from flashckpt.names import SLOT_SUFFIX_RE
+from flashckpt.names import SLOT_SUFFIX_RE, slot_path
 from flashckpt.peers import (
     HeldSnapshot,
     PeerPlan,
@@ -45,7 +45,7 @@ from flashckpt.reshard import listed_steps
 from flashckpt.rng import capture_rng
 from flashckpt.saved import SavedStep
 from flashckpt.sharded import ShardedPiece
-from flashckpt.shm import slot_prefix
+from flashckpt.shm import MAGIC, slot_prefix
 from flashckpt.snapmeta import SnapshotMeta
 from flashckpt.snapshot import BadMemory, SlotMap, TornSnapshot
 from flashckpt.storage import CorruptCheckpointError, Storage
@@ -79,6 +79,16 @@ def _checked_meta(raw: Any, where: str) -> SnapshotMeta | None:
         return None
 
 
+def _bad_header(raw: bytes) -> str | None:
+    """Why a slot whose header (its first bytes ``raw``) did not read is damaged, or None for
+    a slot never written (its header all zero bytes) or one that is gone (no bytes)."""
+    if not any(raw):
+        return None
+    if raw[: len(MAGIC)] != MAGIC:
+        return f"its header is damaged (magic {raw[: len(MAGIC)]!r}, not {MAGIC!r})"
+    return "its header is damaged (its CRC does not match)"
+
+
 class MemorySource:
     """This rank's own snapshots in its shared-memory slots (checked against their data hash
     before use)."""
@@ -88,16 +98,25 @@ class MemorySource:
 
     def __init__(self, env: RestoreEnv) -> None:
         self.env = env
+        self.discarded: list[tuple[str, str]] = []
+        """(slot path, why) of the snapshots in this rank's slots found damaged and not used
+        (the restore names them again with the source it used instead)."""
         env.mem = self._scan()
 
     def _scan(self) -> dict[int, tuple[SlotMap, dict[str, Any]]]:
         env, ctx = self.env, self.env.ctx
         out: dict[int, tuple[SlotMap, dict[str, Any]]] = {}
-        for sm in env.snap.slots:
+        for i, sm in enumerate(env.snap.slots):
             if sm is None:
+                # The agent serves no slot whose header fails its check: the file it left in
+                # its place (replaced at the first save) says why this position has none.
+                self._discard(self._unserved_header(i))
                 continue
             info = sm.slot.header()
-            if info is None or not info.complete:
+            if info is None:
+                self._discard((sm.slot.path, bytes(sm.slot.buf[:64])))
+                continue
+            if not info.complete:
                 continue
             meta = sm.slot.read_meta(info)
             m = _checked_meta(meta, sm.slot.path) if meta is not None else None
@@ -122,6 +141,39 @@ class MemorySource:
                     continue
             out[info.step] = (sm, meta)
         return out
+
+    def _unserved_header(self, index: int) -> tuple[str, bytes] | None:
+        """(path, first bytes) of this rank's slot file ``index`` the agent did not serve, or
+        None when there is none."""
+        ctx, shm_dir = self.env.ctx, self.env.snap.shm_dir
+        if not shm_dir:
+            return None
+        path = slot_path(shm_dir, ctx.job, ctx.node, ctx.local_rank, index)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            return path, os.pread(fd, 64, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def _discard(self, found: tuple[str, bytes] | None) -> None:
+        """Warns of a snapshot in this rank's slot not used for a damaged header (named again
+        with the source the restore used instead, see :class:`~flashckpt.restore.Restorer`)."""
+        why = _bad_header(found[1]) if found is not None else None
+        if found is None or why is None:
+            return
+        self.discarded.append((found[0], why))
+        log.warning(
+            "flashckpt: rank %d: the snapshot in %s is not used: %s; the restore takes the "
+            "newest step from the other sources (storage, mirror, peers)",
+            self.env.ctx.rank,
+            found[0],
+            why,
+        )
 
     def _interchangeable(self, step: int, buffers_xxh: int | None) -> bool:
         """Whether a replica's snapshot of ``step`` with this buffers hash can stand for this

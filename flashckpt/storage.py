@@ -38,6 +38,7 @@ from typing import Any, Literal
 import fsspec
 import xxhash
 
+from flashckpt.cliargs import storage_url
 from flashckpt.errors import CorruptCheckpointError
 from flashckpt.manifest import (
     FORMAT,
@@ -151,6 +152,20 @@ class StepCheck:
     """One line per problem, each naming its file."""
 
 
+def _check_local_url(url: str) -> None:
+    """Refuses a ``file://`` URL with anything but a path after its two slashes: fsspec reads
+    ``file://tmp/x`` (and ``file://localhost/x``) as a path relative to the working directory
+    and writes there without a word.
+
+    Raises:
+        ValueError: naming the three-slash form.
+    """
+    try:
+        storage_url(url)
+    except ValueError as e:
+        raise ValueError(f"storage URL {e}") from None
+
+
 class Storage:
     """A checkpoint root reached through fsspec.
 
@@ -172,6 +187,7 @@ class Storage:
             )
         if not file_mode & 0o200 or not file_mode & 0o400:
             raise ValueError(f"file_mode={oct(file_mode)}: the owner must read and write its files")
+        _check_local_url(url)
         self.url = url
         self.file_mode = file_mode
         # A directory is searchable by whoever may read the files in it.

@@ -57,8 +57,21 @@ class Applier:
         self.ctx = ctx
 
     def check_model(self, state: dict[str, Any]) -> None:
+        """Checks the saved model state against the model (keys and shapes); a state saved
+        through a wrapper the model lacks (or the other way round) has its keys renamed in
+        ``state`` when the wrapper's prefix is the only difference (see
+        :func:`wrapper_prefix`).
+
+        Raises:
+            ValueError: the state does not fit the model, naming the keys (and a wrapper prefix
+                that almost fits).
+        """
         saved = state.get("model", {})
         current = self.model.state_dict()
+        if isinstance(saved, dict) and set(saved) != set(current):
+            mapped = _unwrapped(saved, current)
+            if mapped is not None:
+                state["model"] = saved = mapped
         missing = sorted(set(current) - set(saved))
         unexpected = sorted(set(saved) - set(current))
         shapes = [
@@ -75,6 +88,9 @@ class Applier:
                 lines.append(f"  unexpected keys (in checkpoint, not in model): {unexpected}")
             if shapes:
                 lines.append("  shape mismatches: " + "; ".join(shapes))
+            hint = _prefix_hint(set(saved), set(current))
+            if hint:
+                lines.append(f"  {hint}")
             lines.append("  restore into the same architecture, or pass restore=False.")
             raise ValueError("\n".join(lines))
         for name, key in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
@@ -324,3 +340,73 @@ def clone_tensors(obj: Any, into: Any = None) -> Any:
         return copy.copy(o)
 
     return build(obj)
+
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module.")
+"""The key prefixes a wrapper adds to a model's state dict: ``DistributedDataParallel`` (and
+``DataParallel``) ``module.``, ``torch.compile`` ``_orig_mod.``, and both nested."""
+
+
+def wrapper_prefix(saved: set[str], current: set[str]) -> tuple[str, str] | None:
+    """``(prefix, side)`` when the two key sets differ exactly by one wrapper prefix on every key:
+    ``side`` is ``"checkpoint"`` when the checkpoint's keys carry it (saved through a wrapper the
+    model lacks), ``"model"`` when the model's do. Whole sets only: never a partial mapping."""
+    if not saved or not current or saved == current:
+        return None
+    for p in WRAPPER_PREFIXES:
+        if {p + k for k in current} == saved:
+            return p, "checkpoint"
+        if {p + k for k in saved} == current:
+            return p, "model"
+    for p in WRAPPER_PREFIXES:  # one wrapper on each side: module.x against _orig_mod.x
+        for q in WRAPPER_PREFIXES:
+            if (
+                p != q
+                and all(k.startswith(p) for k in saved)
+                and {q + k[len(p) :] for k in saved} == current
+            ):
+                return f"{p}->{q}", "both"
+    return None
+
+
+def _unwrapped(saved: dict[str, Any], current: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The saved model state with its keys renamed to the model's, when a wrapper prefix is the
+    only difference (see :func:`wrapper_prefix`), else None."""
+    found = wrapper_prefix(set(saved), set(current))
+    if found is None:
+        return None
+    prefix, side = found
+    if side == "checkpoint":
+        return {k[len(prefix) :]: v for k, v in saved.items()}
+    if side == "model":
+        return {prefix + k: v for k, v in saved.items()}
+    p, q = prefix.split("->")
+    return {q + k[len(p) :]: v for k, v in saved.items()}
+
+
+def _prefix_hint(saved: set[str], current: set[str]) -> str | None:
+    """A line naming a wrapper prefix most saved keys carry that the model's lack (or the other
+    way round), where the key sets still differ otherwise, with the fix."""
+    for p in WRAPPER_PREFIXES:
+        if (
+            saved
+            and all(k.startswith(p) for k in saved)
+            and not any(k.startswith(p) for k in current)
+        ):
+            return (
+                f"the checkpoint's keys all start with {p!r} (saved through a wrapper: "
+                f"{'DistributedDataParallel' if p.startswith('module') else 'torch.compile'}), "
+                "the model's do not, and the keys differ beyond that prefix: wrap the model the "
+                "same way before entry, or restore into the model it was saved from"
+            )
+        if (
+            current
+            and all(k.startswith(p) for k in current)
+            and not any(k.startswith(p) for k in saved)
+        ):
+            return (
+                f"the model's keys all start with {p!r} (a wrapper), the checkpoint's do not, "
+                "and the keys differ beyond that prefix: pass the unwrapped model, or restore "
+                "into the model it was saved from"
+            )
+    return None

@@ -89,7 +89,8 @@ class CheckpointConfig:
     failure divided by the world size); failures seen during the run update it."""
     job: str | None = None
     """Job id (names segments and the agent). Default: $FLASHCKPT_JOB, then
-    $TORCHELASTIC_RUN_ID, then a hash of the storage URL."""
+    $TORCHELASTIC_RUN_ID (unless it is torchrun --standalone's random one and storage is
+    given), then a hash of the storage URL."""
     node: str | None = None
     """Node id. Default: $FLASHCKPT_NODE, then the host name."""
     mode: Literal["auto", "overlap", "sync"] = "auto"

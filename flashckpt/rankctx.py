@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,7 +112,10 @@ class RankContext:
         job = job or envnames.job()
         if job is None:
             run_id = env("TORCHELASTIC_RUN_ID")
-            if run_id and run_id != "none":
+            # torchrun --standalone draws a new random id per launch: as the job's name it would
+            # make the same command's rerun another job (its snapshots out of sight, its storage
+            # another job's). With storage, the storage URL names the job instead.
+            if run_id and run_id != "none" and not (storage and _random_run_id(run_id)):
                 job = run_id
         if job is None:
             if storage is None:
@@ -218,3 +222,11 @@ def replicated_error(where: str) -> ValueError:
         "holds a different piece, but replicated=True persists one rank's state only; drop "
         "replicated=True (sharding is then detected) or pass replicated=False"
     )
+
+
+def _random_run_id(run_id: str) -> bool:
+    """Whether ``run_id`` is a random UUID (version 4), as torchrun --standalone draws one."""
+    try:
+        return uuid.UUID(run_id).version == 4 and str(uuid.UUID(run_id)) == run_id.lower()
+    except ValueError:
+        return False

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -131,6 +132,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--step-sleep", type=float, default=0.02)
     ap.add_argument("--persist-every", default="5m")
+    ap.add_argument("--out", default=None, help="write the results as JSON to this file")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="fc-slow-"))
     try:
@@ -146,7 +148,11 @@ def main() -> int:
             "at most "
             f"{r['max_steps_between']} steps / {r['max_s_between']:.1f} s between two"
         )
-    print(f"slowdown x{slow['loop_s'] / max(fast['loop_s'], 1e-9):.2f} at {args.rate} MB/s")
+    ratio = slow["loop_s"] / max(fast["loop_s"], 1e-9)
+    print(f"slowdown x{ratio:.2f} at {args.rate} MB/s")
+    if args.out:
+        result = {"args": vars(args), "unthrottled": fast, "throttled": slow, "slowdown": ratio}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

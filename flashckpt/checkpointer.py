@@ -1026,7 +1026,7 @@ class _RankLock:
                 f"job {job!r} rank {rank} on node {node!r} is already running in process "
                 f"{other} (it holds {path}): two processes of one job, node and rank would "
                 "restore from and write over each other's snapshots. Stop that process first, "
-                "or give this run another job name (job= or $FLASHCKPT_JOB)"
+                f"or give this run another job name (job= or ${envnames.JOB})"
             ) from None
         except BaseException:
             os.close(fd)

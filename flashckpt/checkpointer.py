@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-from flashckpt import envnames
+from flashckpt import envnames, names
 from flashckpt.apply import Applier
 from flashckpt.config import (
     COPY_MODES,
@@ -1013,7 +1013,7 @@ class _RankLock:
         import fcntl
 
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
-        path = os.path.join(run_dir, f"{job}.{node}.rank{rank}.lock")
+        path = names.rank_lock_path(run_dir, job, node, rank)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

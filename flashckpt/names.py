@@ -30,6 +30,7 @@ __all__ = [
     "owner_path",
     "prewarm_log_path",
     "prewarm_socket_path",
+    "rank_lock_path",
     "replica_path",
     "ring_path",
     "slot_path",
@@ -102,6 +103,12 @@ def socket_path(run_dir: str, job: str, node: str) -> str:
 def lock_path(run_dir: str, job: str, node: str) -> str:
     """The agent's lock file (one agent per job and node)."""
     return os.path.join(run_dir, f"{job}.{node}.lock")
+
+
+def rank_lock_path(run_dir: str, job: str, node: str, rank: int) -> str:
+    """The lock a trainer holds while its checkpointer is entered (one live process per job,
+    node and rank); it holds that process's pid."""
+    return os.path.join(run_dir, f"{job}.{node}.rank{rank}.lock")
 
 
 def agent_log_path(run_dir: str, job: str, node: str) -> str:

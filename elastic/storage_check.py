@@ -4,7 +4,6 @@ while the job trains to its end."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 __all__ = ["check_storage"]
@@ -18,27 +17,14 @@ def check_storage(url: str) -> str | None:
         ``None`` when that worked, else the problem and the fix, for ``flashckpt run: error:``.
     """
     from flashckpt.storage import Storage
+    from flashckpt.storageroot import probe_round_trip
 
     try:
         st = Storage(url)
     except (ValueError, ImportError) as e:
         return f"--storage {url}: {e}"
-    name = f".flashckpt-launcher-probe-{os.getpid()}-{os.urandom(4).hex()}"
-    path = st.path(name)
-    payload = b"flashckpt storage probe " + os.urandom(16)
-    error = None
-    try:
-        if st.local:
-            st.fs.makedirs(st.root, exist_ok=True)
-        st.fs.pipe_file(path, payload)
-        got = st.fs.cat_file(path)
-        st.fs.rm(path)
-        if got != payload:
-            error = f"the file read back differs ({len(got)} bytes, {len(payload)} written)"
-    except Exception as e:  # any backend's failure (OSError, botocore, ...), reported as is
-        error = f"{type(e).__name__}: {e}"
-        with contextlib.suppress(Exception):
-            st.fs.rm(path)
+    path = st.path(f".flashckpt-launcher-probe-{os.getpid()}-{os.urandom(4).hex()}")
+    error = probe_round_trip(st, path)
     if error is None:
         return None
     return (

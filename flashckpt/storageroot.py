@@ -33,22 +33,8 @@ def probe_storage(st: Storage, ctx: RankContext, what: str = "storage") -> None:
         StorageUnavailableError: this rank's probe failed (with the URL and the OS error), or
             another rank's did.
     """
-    name = f".flashckpt-probe-{ctx.rank}-{os.getpid()}-{os.urandom(4).hex()}"
-    path = st.path(name)
-    payload = b"flashckpt storage probe " + os.urandom(16)
-    error = None
-    try:
-        if st.local:  # a local root is created here, as the node agent would
-            st.fs.makedirs(st.root, exist_ok=True)
-        st.fs.pipe_file(path, payload)
-        got = st.fs.cat_file(path)
-        st.fs.rm(path)
-        if got != payload:
-            error = f"the file read back differs ({len(got)} bytes, {len(payload)} written)"
-    except Exception as e:  # any backend's failure (OSError, botocore, ...), reported as is
-        error = f"{type(e).__name__}: {e}"
-        with contextlib.suppress(Exception):
-            st.fs.rm(path)
+    path = st.path(f".flashckpt-probe-{ctx.rank}-{os.getpid()}-{os.urandom(4).hex()}")
+    error = probe_round_trip(st, path)
     others = ctx.all_max(1 if error else 0)
     if error is not None:
         fix = (
@@ -162,3 +148,22 @@ def _start_fresh(st: Storage, ctx: RankContext, config: CheckpointConfig, what: 
             why,
         )
     ctx.all_max(0)  # nobody writes before the old steps are gone
+
+
+def probe_round_trip(st: Storage, path: str) -> str | None:
+    """Writes, reads back and deletes a small file at ``path`` (a local root is created first,
+    as the node agent would). Returns None, or what failed."""
+    payload = b"flashckpt storage probe " + os.urandom(16)
+    try:
+        if st.local:
+            st.fs.makedirs(st.root, exist_ok=True)
+        st.fs.pipe_file(path, payload)
+        got = st.fs.cat_file(path)
+        st.fs.rm(path)
+        if got != payload:
+            return f"the file read back differs ({len(got)} bytes, {len(payload)} written)"
+    except Exception as e:  # any backend's failure (OSError, botocore, ...), reported as is
+        with contextlib.suppress(Exception):
+            st.fs.rm(path)
+        return f"{type(e).__name__}: {e}"
+    return None

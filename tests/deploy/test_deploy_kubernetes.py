@@ -1,0 +1,285 @@
+"""deploy/kubernetes: every overlay renders offline (``kubectl kustomize``), every rendered object
+validates (Kubernetes schemas of a pinned version, strict; JobSet and PyTorchJob against their
+vendored CRD schemas, strict), and the invariants an operator relies on hold in the rendered
+YAML: /dev/shm and the snapshots fit the memory limit, grace periods cover the shutdown and the
+agent's persist, etcd has 3 members with a PDB and compaction, images are pinned, the agent's
+and the trainers' host paths, job id and node id agree, and every flag exists."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+from deployhelpers import (
+    K8S_VERSION,
+    KUSTOMIZE,
+    OVERLAYS,
+    Pod,
+    argv,
+    crd_schema,
+    parse_agent,
+    parse_status,
+    parse_torchrun,
+    pods,
+    quantity,
+    render,
+    strict,
+)
+
+from elastic.launch_config import parse_nnodes
+from elastic.rdzv_name import BACKEND_NAME
+from flashckpt import envnames
+
+CRDS = {("jobset.x-k8s.io/v1alpha2", "JobSet"), ("kubeflow.org/v1", "PyTorchJob")}
+
+
+def validate(obj: dict[str, Any]) -> None:
+    """Raises when the object is not valid for the API server (strictly: no unknown field)."""
+    api, kind = obj["apiVersion"], obj["kind"]
+    if (api, kind) in CRDS:
+        schema = strict(crd_schema(kind, api.split("/")[1]))
+        jsonschema.validate({k: v for k, v in obj.items() if k != "metadata"}, schema)
+        # metadata is an opaque object in a CRD's schema: check it as an object's metadata.
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]},
+            K8S_VERSION,
+            strict=True,
+        )
+    else:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_the_overlay_list_is_complete() -> None:
+    found = sorted(p.name for p in (KUSTOMIZE / "overlays").iterdir() if p.is_dir())
+    assert tuple(found) == OVERLAYS
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_validates(overlay: str) -> None:
+    objects = render(overlay)
+    assert objects, f"{overlay} rendered nothing"
+    for obj in objects:
+        try:
+            validate(obj)
+        except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as e:
+            pytest.fail(f"{overlay}: {obj['kind']}/{obj['metadata']['name']}: {e}")
+
+
+@pytest.mark.parametrize(
+    ("kind", "path"),
+    [
+        ("StatefulSet", ["spec", "template", "spec", "containers", 0]),
+        ("DaemonSet", ["spec", "template", "spec", "containers", 0]),
+        ("JobSet", ["spec", "replicatedJobs", 0, "template", "spec", "template", "spec"]),
+        ("PyTorchJob", ["spec", "elasticPolicy"]),
+    ],
+)
+def test_validation_refuses_a_misspelt_field(kind: str, path: list[Any]) -> None:
+    """The validators are not vacuous: one unknown field in each kind fails."""
+    overlay = "pytorchjob" if kind == "PyTorchJob" else "jobset"
+    (obj,) = [copy.deepcopy(o) for o in render(overlay) if o["kind"] == kind]
+    node = obj
+    for key in path:
+        node = node[key]
+    node["imagePullPolcy"] = "Always"
+    with pytest.raises((kubernetes_validate.ValidationError, jsonschema.ValidationError)):
+        validate(obj)
+
+
+def _all_pods() -> list[tuple[str, Pod]]:
+    return [(o, p) for o in OVERLAYS for p in pods(render(o))]
+
+
+def _is_agent(c: dict[str, Any]) -> bool:
+    return argv(c)[:2] == ["flashckpt", "agent"]
+
+
+def _is_trainer(c: dict[str, Any]) -> bool:
+    return argv(c)[:1] == ["torchrun"]
+
+
+def _env(c: dict[str, Any], name: str) -> dict[str, Any]:
+    (e,) = [e for e in c.get("env", []) if e["name"] == name]
+    return e
+
+
+def test_images_are_pinned() -> None:
+    for overlay, pod in _all_pods():
+        for c in pod.containers():
+            image = c["image"]
+            name, _, tag = image.rpartition(":")
+            assert name and "/" not in tag and tag not in ("", "latest"), (
+                f"{overlay} {pod.name} {c['name']}: image {image!r} is not pinned to a version"
+            )
+
+
+def test_every_flag_exists() -> None:
+    """The command lines of the agent, the trainers (torchrun) and the probes parse with the
+    real parsers; an unknown or misspelt flag fails."""
+    seen = {"agent": 0, "torchrun": 0, "status": 0}
+    for _, pod in _all_pods():
+        for c in pod.containers():
+            cmd = argv(c)
+            if _is_agent(c):
+                parse_agent(cmd[2:])
+                seen["agent"] += 1
+            elif _is_trainer(c):
+                a = parse_torchrun(cmd[1:])
+                if a.rdzv_backend != "static":  # PyTorchJob: the operator passes PET_*
+                    assert a.rdzv_backend == BACKEND_NAME
+                seen["torchrun"] += 1
+            probes = [
+                c.get(p, {}).get("exec", {}).get("command", [])
+                for p in ("readinessProbe", "startupProbe")
+            ]
+            for line in [*probes, cmd]:
+                for part in line:
+                    for sub in part.split(";"):
+                        words = sub.replace("until ", "").replace("exec ", "").split(">")[0].split()
+                        if words[:2] == ["flashckpt", "status"]:
+                            parse_status([w.strip('"') for w in words[2:]])
+                            seen["status"] += 1
+    assert all(seen.values()), seen
+
+
+def test_pytorchjob_uses_the_flashckpt_backend_with_spares() -> None:
+    (job,) = [o for o in render("pytorchjob") if o["kind"] == "PyTorchJob"]
+    ep = job["spec"]["elasticPolicy"]
+    assert ep["rdzvBackend"] == BACKEND_NAME
+    assert ep["minReplicas"] < ep["maxReplicas"]
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == ep["maxReplicas"]
+
+
+def test_jobset_runs_spares_beyond_the_minimum() -> None:
+    for overlay in ("jobset", "sidecar", "byo-etcd"):
+        (js,) = [o for o in render(overlay) if o["kind"] == "JobSet"]
+        (rj,) = js["spec"]["replicatedJobs"]
+        pod = rj["template"]["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        lo, hi = parse_nnodes(parse_torchrun(argv(c)[1:]).nnodes)
+        assert lo < hi == rj["template"]["spec"]["parallelism"] * rj["replicas"], overlay
+
+
+def test_shm_and_snapshots_fit_the_memory_limit() -> None:
+    """Every trainer has a memory-backed /dev/shm (never the 64 MiB default) no larger than its
+    memory limit, and the limit covers the process, /dev/shm and two snapshot slots of the state
+    (tmpfs pages are charged to the writer's cgroup: the trainer's)."""
+    checked = 0
+    for overlay, pod in _all_pods():
+        ann = pod.template["metadata"].get("annotations", {})
+        for c in pod.spec["containers"]:
+            if not _is_trainer(c):
+                continue
+            limit = quantity(c["resources"]["limits"]["memory"])
+            dshm = pod.volume_at(c, "/dev/shm")
+            assert dshm["emptyDir"]["medium"] == "Memory", (overlay, pod.name)
+            shm = quantity(dshm["emptyDir"]["sizeLimit"])
+            assert shm <= limit, (overlay, pod.name, shm, limit)
+            state = quantity(ann["flashckpt.io/state-bytes-per-node"])
+            process = quantity(ann["flashckpt.io/process-bytes"])
+            need = process + shm + 2 * state
+            assert need <= limit, (
+                f"{overlay} {pod.name}: memory limit {limit} < process {process} + /dev/shm "
+                f"{shm} + 2 x state {state}"
+            )
+            slots = pod.volume_at(c, _env(c, envnames.SHM_DIR)["value"])
+            if "emptyDir" in slots:  # the sidecar's slots: the pod's own memory
+                assert slots["emptyDir"]["medium"] == "Memory"
+                assert quantity(slots["emptyDir"]["sizeLimit"]) >= 2 * state, overlay
+            checked += 1
+    assert checked >= 4
+
+
+def test_grace_periods_cover_shutdown_and_persist() -> None:
+    checked = 0
+    for overlay, pod in _all_pods():
+        grace = pod.spec.get("terminationGracePeriodSeconds", 30)
+        need = 0.0
+        for c in pod.containers():
+            if _is_trainer(c):
+                need += parse_torchrun(argv(c)[1:]).shutdown_timeout or 30
+            elif _is_agent(c):
+                a = parse_agent(argv(c)[2:])
+                need += a.stop_timeout + a.commit_timeout
+        if need:
+            assert grace >= need, f"{overlay} {pod.name}: grace {grace} s < {need} s"
+            checked += 1
+    assert checked >= 6
+
+
+def test_etcd_has_three_members_a_pdb_and_compaction() -> None:
+    for overlay in ("jobset", "pytorchjob", "sidecar"):
+        objects = render(overlay)
+        (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
+        assert sts["spec"]["replicas"] == 3
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"
+        name = sts["metadata"]["name"]
+        pod = sts["spec"]["template"]
+        (c,) = pod["spec"]["containers"]
+        assert c["image"].split(":")[0] == "gcr.io/etcd-development/etcd"
+        assert c["image"].split(":")[1].startswith("v3.6.")
+        flags = dict(a.split("=", 1) for a in c["args"])
+        members = flags["--initial-cluster"].split(",")
+        assert [m.split("=")[0] for m in members] == [f"{name}-{i}" for i in range(3)]
+        assert flags["--auto-compaction-mode"] == "periodic"
+        assert flags["--auto-compaction-retention"]
+        assert int(flags["--quota-backend-bytes"]) > 0
+        assert not any("enable-v2" in a for a in c["args"])
+        anti = pod["spec"]["affinity"]["podAntiAffinity"]
+        term = anti["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term[0]["topologyKey"] == "kubernetes.io/hostname"
+        assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+        (pdb,) = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        assert pdb["spec"]["minAvailable"] == 2
+        services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+        assert services[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+
+
+def _host_place(pod: Pod, c: dict[str, Any], path: str) -> tuple[str, str]:
+    """Where ``path`` of container ``c`` lives: ``(hostPath or pod:volume, subpath)``."""
+    vol = pod.volume_at(c, path)
+    where = vol["hostPath"]["path"] if "hostPath" in vol else f"pod:{vol['name']}"
+    return where, vol["subpath"]
+
+
+def test_agent_and_trainers_share_host_paths_job_and_node() -> None:
+    """The trainer finds its machine's agent: the same directories (host paths, or the pod's
+    volumes in the sidecar layout), the same job id (one ConfigMap key), the same node id (the
+    machine's name)."""
+    for overlay in OVERLAYS:
+        agents, trainers = [], []
+        for pod in pods(render(overlay)):
+            agents += [(pod, c) for c in pod.containers() if _is_agent(c)]
+            trainers += [(pod, c) for c in pod.containers() if _is_trainer(c)]
+        assert agents and trainers, overlay
+        for apod, ac in agents:
+            a = parse_agent(argv(ac)[2:])
+            want_shm = _host_place(apod, ac, a.shm_dir)
+            want_run = _host_place(apod, ac, a.run_dir)
+            for tpod, tc in trainers:
+                if want_shm[0].startswith("pod:"):
+                    assert tpod is apod, f"{overlay}: a pod volume is seen by its own pod only"
+                got_shm = _host_place(tpod, tc, _env(tc, envnames.SHM_DIR)["value"])
+                got_run = _host_place(tpod, tc, _env(tc, envnames.RUN_DIR)["value"])
+                assert (got_shm, got_run) == (want_shm, want_run), overlay
+                for name in (envnames.JOB, envnames.NODE):
+                    assert _env(tc, name).get("valueFrom") == _env(ac, name).get("valueFrom")
+                assert _env(tc, envnames.NODE)["valueFrom"] == {
+                    "fieldRef": {"fieldPath": "spec.nodeName"}
+                }
+                assert a.job == "v-FLASHCKPT_JOB" and a.node == "v-FLASHCKPT_NODE"
+                # One trainer pod per machine: the machine's name is its node id.
+                terms = tpod.spec["affinity"]["podAntiAffinity"][
+                    "requiredDuringSchedulingIgnoredDuringExecution"
+                ]
+                assert terms[0]["topologyKey"] == "kubernetes.io/hostname"
+            if not want_shm[0].startswith("pod:"):
+                # A DaemonSet: its hosts paths are made private to the agent's user first.
+                assert apod.owner["kind"] == "DaemonSet"
+                uid = apod.spec["securityContext"]["runAsUser"]
+                (init,) = apod.spec["initContainers"]
+                assert f"chown {uid}:" in init["args"][0] and "chmod 0700" in init["args"][0]

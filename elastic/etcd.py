@@ -62,6 +62,8 @@ __all__ = [
     "KeyValue",
     "Lease",
     "LeaseKeepAlive",
+    "WatchBatch",
+    "WatchEvent",
 ]
 
 logger = logging.getLogger(__name__)
@@ -142,6 +144,33 @@ class Lease:
     """The lease ID."""
     ttl: timedelta
     """The TTL etcd granted (etcd may raise a too-small requested TTL to its minimum)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One change delivered by :meth:`EtcdClient.watch_events`."""
+
+    deleted: bool
+    """``True`` for a delete (or a lease's expiry or revocation), ``False`` for a put."""
+    kv: KeyValue
+    """The key as written (for a delete: the key and the delete's revision, no value)."""
+    prev: KeyValue | None
+    """The key just before this change; ``None`` when it did not exist (or etcd no longer had
+    it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WatchBatch:
+    """What one :meth:`EtcdClient.watch_events` call saw."""
+
+    events: list[WatchEvent]
+    """The changes, oldest first; empty when the timeout passed first."""
+    revision: int
+    """Watch from this revision on next time (``after_revision``): the last event's revision,
+    or the one asked when no event came. Never splits the changes of one revision."""
+    compacted: int = 0
+    """Non-zero when the history after ``after_revision`` was compacted (to this revision):
+    changes may be missing, so re-read the keys, then watch from the read's revision."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -533,6 +562,26 @@ class EtcdClient:
         response = self._call("/v3/kv/txn", body, timeout=timeout, idempotent=False)
         return bool(response.get("succeeded"))
 
+    def compact(self, revision: int, *, timeout: timedelta | None = None) -> bool:
+        """Discards the history of every key before ``revision`` (etcd's compaction), which
+        frees the space old values take in etcd's database; current values stay.
+
+        Returns:
+            ``False`` when etcd had compacted to ``revision`` or beyond already.
+
+        Raises:
+            EtcdError: If etcd refused it (for example a revision in the future).
+        """
+        try:
+            self._call(
+                "/v3/kv/compaction", {"revision": str(revision)}, timeout=timeout, idempotent=True
+            )
+        except EtcdError as exc:
+            if "required revision has been compacted" in str(exc):
+                return False
+            raise
+        return True
+
     def wait_for_change(
         self,
         key: Key,
@@ -568,7 +617,7 @@ class EtcdClient:
         deadline = Deadline.after(timeout)
         for endpoint in self._attempts(deadline):
             try:
-                return self._watch_once(endpoint, payload, deadline)
+                return self._watch_once(endpoint, payload, deadline) is not None
             except _AttemptFailed as exc:
                 if deadline.expired():
                     if exc.sent:
@@ -579,6 +628,80 @@ class EtcdClient:
                         "reachable from this machine."
                     ) from exc
                 logger.debug("watch on %s failed, retrying: %s", endpoint.url, exc)
+        raise AssertionError("unreachable: _attempts never ends")
+
+    def watch_events(
+        self,
+        key: Key,
+        *,
+        after_revision: int,
+        timeout: timedelta,
+        prefix: bool = False,
+    ) -> WatchBatch:
+        """Waits for the next changes of ``key`` (or of the keys under it, with ``prefix``)
+        after ``after_revision`` and returns them with their previous values (etcd's
+        ``prev_kv``), so a caller keeps a view of the keys up to date from the changes alone,
+        without reading the keys again.
+
+        Args:
+            key: The key, or the prefix if ``prefix`` is true.
+            after_revision: Only changes made after this store revision are returned (the
+                revision of the read that built the view, then each batch's ``revision``).
+            timeout: How long to wait for a change.
+            prefix: Watch every key that starts with ``key``.
+
+        Returns:
+            The changes of one or more revisions (several when catching up), or none when the
+            timeout passed first or the stream broke (call again with the same revision: etcd
+            keeps the history until it is compacted); ``compacted`` set when that history is
+            gone.
+
+        Raises:
+            EtcdUnavailable: If no endpoint could be reached during the whole timeout.
+        """
+        key_bytes = _to_bytes(key, "key")
+        request: dict[str, Any] = (
+            _prefix_range(key_bytes) if prefix else {"key": _b64(key_bytes or b"\x00")}
+        )
+        request["start_revision"] = str(after_revision + 1)
+        request["prev_kv"] = True
+        payload = json.dumps({"create_request": request}).encode()
+        deadline = Deadline.after(timeout)
+        nothing = WatchBatch([], after_revision)
+        for endpoint in self._attempts(deadline):
+            try:
+                message = self._watch_once(endpoint, payload, deadline)
+            except _AttemptFailed as exc:
+                if deadline.expired():
+                    if exc.sent:
+                        return nothing
+                    raise EtcdUnavailable(
+                        f"no etcd endpoint of {list(self.endpoints)} accepted a watch within "
+                        f"{timeout.total_seconds():g} s: {exc}. Check that etcd is running and "
+                        "reachable from this machine."
+                    ) from exc
+                logger.debug("watch on %s failed, retrying: %s", endpoint.url, exc)
+                continue
+            if message is None:
+                return nothing
+            result = message.get("result") or {}
+            if int(result.get("compact_revision") or 0) > 0:
+                return WatchBatch([], after_revision, int(result["compact_revision"]))
+            raw_events = result.get("events") or []
+            if raw_events:
+                events = [
+                    WatchEvent(
+                        deleted=raw.get("type") == "DELETE",
+                        kv=_kv_from_json(raw.get("kv") or {}),
+                        prev=_kv_from_json(raw["prev_kv"]) if raw.get("prev_kv") else None,
+                    )
+                    for raw in raw_events
+                ]
+                return WatchBatch(events, max(e.kv.mod_revision for e in events))
+            # The stream ended, broke or was cancelled without a compaction (etcd shutting
+            # down, a leader change): watch again from the same revision, on the next endpoint.
+            if deadline.expired():
+                return nothing
         raise AssertionError("unreachable: _attempts never ends")
 
     # ----------------------------------------------------------------------------- leases
@@ -760,7 +883,11 @@ class EtcdClient:
             return _parse_json(data, endpoint, path)
         raise _error_from_response(response.status, data, endpoint, path)
 
-    def _watch_once(self, endpoint: _Endpoint, payload: bytes, deadline: Deadline) -> bool:
+    def _watch_once(
+        self, endpoint: _Endpoint, payload: bytes, deadline: Deadline
+    ) -> dict[str, Any] | None:
+        """The first message of a watch stream that says something (events, a cancel, an
+        error; ``{}`` when the stream ended), or None when the deadline passed first."""
         conn = self._connect(endpoint, deadline)
         try:
             try:
@@ -773,22 +900,24 @@ class EtcdClient:
                 while True:
                     remaining = deadline.remaining()
                     if remaining <= 0:
-                        return False
+                        return None
                     assert conn.sock is not None
                     conn.sock.settimeout(remaining)
                     line = response.readline()
                     if not line:
                         # The stream ended (etcd shutting down): let the caller re-read.
-                        return True
+                        return {}
                     message = json.loads(line)
+                    if not isinstance(message, dict):
+                        raise ValueError(f"unexpected watch message {line[:200]!r}")
                     if "error" in message:
                         # A broken watch (for example after a leader change): re-read.
-                        return True
+                        return message
                     result = message.get("result") or {}
                     if result.get("canceled") or result.get("events"):
-                        return True
+                        return message
             except TimeoutError:
-                return False
+                return None
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 raise _AttemptFailed(
                     f"watch on {endpoint.url} broke: {exc!r}", sent=True, timed_out=False

@@ -61,6 +61,7 @@ from elastic.etcd import (
     EtcdOutcomeUnknown,
     KeyValue,
     Lease,
+    WatchEvent,
 )
 from elastic.peerlinks import (
     HOLD_ANSWER,
@@ -464,7 +465,11 @@ class NodeRegistry:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._peers: dict[str, NodeRecord] = {}
+        self._view_loaded = False  # the watch read the node keys at least once
+        self.watch_reads = 0
+        """How often the watch read every node key (its start, and each compaction)."""
         self._seen_lost: set[str] = set()
+        self._reaping: set[str] = set()  # tokens of peers found dead here, being revoked
         self._lease: Lease | None = None
         self._threads: list[threading.Thread] = []
         self._probe_server: _ProbeServer | None = None
@@ -650,19 +655,24 @@ class NodeRegistry:
         Returns:
             The records of the peers found dead.
         """
+        own = self._record.node_id
+        with self._lock:
+            loaded, known = self._view_loaded, list(self._peers.values())
         try:
-            kvs = self._client.get_prefix(self._prefix)
+            if candidates is not None:
+                # The named peers' keys only: a broken link costs one key, not every one.
+                names = sorted(n for n in set(candidates) if n != own)
+                found, _ = self._client.get_many([self._prefix + n for n in names])
+                records = [r for r in map(_record_or_none, found) if r is not None]
+            elif loaded:
+                records = known  # the watch's view: up to date but for the last milliseconds
+            else:
+                kvs = self._client.get_prefix(self._prefix)
+                records = [r for r in map(NodeRecord.from_kv, kvs) if r is not None]
         except EtcdError as exc:
             logger.warning("cannot list the job's nodes to probe them: %s", exc)
             return []
-        records = []
-        for kv in kvs:
-            record = NodeRecord.from_kv(kv)
-            if record is None or record.node_id == self._record.node_id:
-                continue
-            if candidates is not None and record.node_id not in candidates:
-                continue
-            records.append(record)
+        records = [r for r in records if r.node_id != own]
         if not records:
             return []
         with ThreadPoolExecutor(min(32, len(records)), thread_name_prefix="flashckpt-probe") as ex:
@@ -676,6 +686,10 @@ class NodeRegistry:
                 record.host,
                 record.probe,
             )
+            with self._lock:
+                # Revoking deletes its key, and this launcher's own watch may see the deletion
+                # before the revocation returns: the loss is reported as found here, by ``via``.
+                self._reaping.add(record.token)
             try:
                 self._client.revoke_lease(record.lease)
             except EtcdError as exc:
@@ -938,34 +952,102 @@ class NodeRegistry:
             logger.exception("fencing this machine failed")
 
     def _watch_loop(self) -> None:
-        first = True
+        """Keeps :meth:`peers` up to date from the watched changes of the node keys.
+
+        The keys are read once when the watch starts, and again only when etcd compacted the
+        history the watch needs; every other change arrives as an event with the key's
+        previous value (a put, or a delete with what the key held), applied to the view as
+        it is: one change costs every launcher O(1), not a read of every node key.
+        """
+        revision: int | None = None
         while not self._stop.is_set():
+            if revision is None:
+                revision = self._read_peers()
+                if revision is None:
+                    self._stop.wait(0.5)
+                    continue
             try:
-                kvs, revision = self._client.get_prefix_with_revision(self._prefix)
-            except Exception as exc:
-                logger.warning("reading the job's node keys failed (will retry): %s", exc)
-                self._stop.wait(0.5)
-                continue
-            current: dict[str, NodeRecord] = {}
-            for kv in kvs:
-                record = NodeRecord.from_kv(kv)
-                if record is not None and record.node_id != self._record.node_id:
-                    current[record.node_id] = record
-            with self._lock:
-                vanished = [r for n, r in self._peers.items() if n not in current]
-                self._peers = current
-            self._update_links()
-            if not first:
-                for record in vanished:
-                    self._report_lost(record, "watch")
-            first = False
-            try:
-                self._client.wait_for_change(
+                batch = self._client.watch_events(
                     self._prefix, after_revision=revision, timeout=_WATCH_SLICE, prefix=True
                 )
             except Exception as exc:
                 logger.warning("watching the job's node keys failed (will retry): %s", exc)
                 self._stop.wait(0.5)
+                continue
+            if batch.compacted:
+                logger.info(
+                    "the node keys' history up to revision %d was compacted; reading the keys",
+                    batch.compacted,
+                )
+                revision = None
+                continue
+            if batch.events:
+                self._apply_events(batch.events)
+            revision = batch.revision
+
+    def _read_peers(self) -> int | None:
+        """Reads every node key into the view (the watch's start, or after a compaction);
+        reports the peers gone since the last read (none on the first). Returns the read's
+        revision, None if etcd did not answer."""
+        try:
+            kvs, revision = self._client.get_prefix_with_revision(self._prefix)
+        except Exception as exc:
+            logger.warning("reading the job's node keys failed (will retry): %s", exc)
+            return None
+        self.watch_reads += 1
+        current: dict[str, NodeRecord] = {}
+        for kv in kvs:
+            record = NodeRecord.from_kv(kv)
+            if record is not None and record.node_id != self._record.node_id:
+                current[record.node_id] = record
+        with self._lock:
+            first = not self._view_loaded
+            # A node id whose token changed was registered again: its old instance is gone.
+            vanished = [
+                r for n, r in self._peers.items() if n not in current or current[n].token != r.token
+            ]
+            self._peers = current
+            self._view_loaded = True
+        self._update_links()
+        if not first:
+            for record in vanished:
+                self._report_lost(record, "watch")
+        return revision
+
+    def _apply_events(self, events: list[WatchEvent]) -> None:
+        """Applies watched changes of node keys to the view; reports deleted peers."""
+        own = self._record.node_id
+        lost: list[NodeRecord] = []
+        with self._lock:
+            for event in events:
+                node_id = event.kv.key[len(self._prefix) :].decode(errors="replace")
+                if node_id == own:
+                    continue
+                if event.deleted:
+                    known = self._peers.pop(node_id, None)
+                    record = NodeRecord.from_kv(event.prev) if event.prev is not None else None
+                    if record is None:
+                        record = known
+                    if record is not None:
+                        lost.append(record)
+                    continue
+                record = NodeRecord.from_kv(event.kv)
+                if record is None:
+                    continue
+                if record.node_id != node_id:
+                    logger.warning(
+                        "node key %s holds the record of node %r; ignoring it",
+                        event.kv.key.decode(errors="replace"),
+                        record.node_id,
+                    )
+                    continue
+                known = self._peers.get(node_id)
+                if known is not None and known.token != record.token:
+                    lost.append(known)  # registered again: its old instance is gone
+                self._peers[node_id] = record
+        self._update_links()
+        for record in lost:
+            self._report_lost(record, "watch")
 
     def _update_links(self) -> None:
         """Links the ring successors among the peers the watch sees (and no others)."""
@@ -997,8 +1079,13 @@ class NodeRegistry:
         with self._lock:
             if record.token in self._seen_lost:
                 return
+            if via == "watch" and record.token in self._reaping:
+                return  # found dead here, its lease being revoked: reported by the reaper
+            self._reaping.discard(record.token)
             self._seen_lost.add(record.token)
-            self._peers.pop(record.node_id, None)
+            known = self._peers.get(record.node_id)
+            if known is not None and known.token == record.token:
+                del self._peers[record.node_id]  # not a newer instance of the same node id
         self._update_links()
         if record.left_done:
             logger.info("node %s left the job, its workers done", record.node_id)
@@ -1015,6 +1102,10 @@ class NodeRegistry:
                 self._on_lost(record, via)
             except Exception:
                 logger.exception("handling the loss of node %s failed", record.node_id)
+
+
+def _record_or_none(kv: KeyValue | None) -> NodeRecord | None:
+    return NodeRecord.from_kv(kv) if kv is not None else None
 
 
 def _remaining(deadline: Deadline) -> timedelta:

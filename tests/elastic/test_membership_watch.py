@@ -1,0 +1,247 @@
+"""The node-key watch keeps each launcher's view of its peers from the watched changes alone
+(issue 31: liveness stays O(1) per change): a put or a delete costs no launcher a read of the
+job's node keys, at any job size; the keys are read again only when the watch (re)starts or
+etcd compacted the history it needs.
+
+Simulated machines are :class:`NodeRegistry` instances in this process, on a real etcd.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from elastic.etcd import EtcdClient, WatchBatch
+from elastic.membership import NodeRecord, NodeRegistry
+
+WAIT_S = 60.0
+
+
+def _wait_for(what: str, cond: Callable[[], Any], timeout: float = WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class CountingClient(EtcdClient):
+    """Counts the reads etcd serves this client: range requests (a transaction of reads counts
+    one per key asked) and the keys they returned."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ranges = 0
+        self.keys_read = 0
+        self._count_lock = threading.Lock()
+
+    def _call(self, path: str, body: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        response = super()._call(path, body, **kwargs)
+        if path == "/v3/kv/range" and not body.get("count_only"):
+            with self._count_lock:
+                self.ranges += 1
+                self.keys_read += len(response.get("kvs") or [])
+        elif path == "/v3/kv/txn":
+            reads = [op for op in body.get("success") or [] if "request_range" in op]
+            found = [
+                kv
+                for item in response.get("responses") or []
+                for kv in item.get("response_range", {}).get("kvs") or []
+            ]
+            with self._count_lock:
+                self.ranges += len(reads)
+                self.keys_read += len(found)
+        return response
+
+    def counts(self) -> tuple[int, int]:
+        with self._count_lock:
+            return self.ranges, self.keys_read
+
+
+class _Lost:
+    def __init__(self) -> None:
+        self.calls: list[tuple[NodeRecord, str]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, record: NodeRecord, via: str) -> None:
+        with self._lock:
+            self.calls.append((record, via))
+
+    def of(self, node: str) -> list[tuple[str, str]]:
+        with self._lock:
+            return [(r.state, via) for r, via in self.calls if r.node_id == node]
+
+
+@pytest.fixture
+def make_registry(etcd_server: str) -> Iterator[Callable[..., NodeRegistry]]:
+    """``make_registry(job_prefix, node, client=None, **kwargs)``: a started registry (TTL 30 s:
+    no lease lapses during a test; no links: only the watch reports). Closed at the end."""
+    made: list[NodeRegistry] = []
+
+    def make(
+        job_prefix: str, node: str, client: EtcdClient | None = None, **kwargs: Any
+    ) -> NodeRegistry:
+        reg = NodeRegistry(
+            client or EtcdClient(etcd_server, timeout=timedelta(seconds=10)),
+            job_prefix,
+            node,
+            ttl=timedelta(seconds=30),
+            advertise_host="127.0.0.1",
+            bind_host="127.0.0.1",
+            links=0,
+            **kwargs,
+        )
+        reg.start(timedelta(seconds=30))
+        made.append(reg)
+        return reg
+
+    yield make
+    for reg in made:
+        reg.close()
+
+
+def _reads_per_change(
+    n: int, etcd_server: str, prefix: str, make_registry: Callable[..., NodeRegistry]
+) -> tuple[int, int, int]:
+    """Starts ``n`` registries sharing one counting client; returns the range requests, keys
+    read and watch re-reads that one put and one delete of a node key cost all of them
+    together."""
+    client = CountingClient(etcd_server, timeout=timedelta(seconds=10))
+    regs = [make_registry(prefix, f"m{i:03d}", client) for i in range(n)]
+    _wait_for(
+        f"all {n} machines to see each other",
+        lambda: all(len(r.peers()) == n - 1 and r.watch_reads >= 1 for r in regs),
+    )
+    before = client.counts()
+    reads_before = sum(r.watch_reads for r in regs)
+    changed, leaving = regs[0], regs[-1]
+    changed.update(state="active", group_rank=7)
+    _wait_for(
+        "the put seen by every machine",
+        lambda: all(r.peers()[changed.record.node_id].group_rank == 7 for r in regs[1:]),
+    )
+    leaving.close()  # revokes its lease: the key goes
+    _wait_for(
+        "the delete seen by every machine",
+        lambda: all(leaving.record.node_id not in r.peers() for r in regs[:-1]),
+    )
+    after = client.counts()
+    rereads = sum(r.watch_reads for r in regs) - reads_before
+    return after[0] - before[0], after[1] - before[1], rereads
+
+
+@pytest.mark.etcd
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_node_change_costs_no_read_of_the_node_keys_at_any_job_size(
+    etcd_server: str, etcd_prefix: str, make_registry: Callable[..., NodeRegistry]
+) -> None:
+    small = _reads_per_change(4, etcd_server, etcd_prefix + "small/", make_registry)
+    large = _reads_per_change(32, etcd_server, etcd_prefix + "large/", make_registry)
+    # Before issue 31 every machine read every node key after each change (a put and a
+    # delete: about (7, 25, 7) at 4 machines and (63, 1985, 63) at 32). Now the watched events
+    # carry what changed.
+    assert small == large == (0, 0, 0), (small, large)
+
+
+class _GatedClient(EtcdClient):
+    """A client whose watch calls wait at a gate once it is closed (the watcher falls behind),
+    and that counts how many calls wait there."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.open = threading.Event()
+        self.open.set()
+        self.waiting = threading.Event()
+
+    def watch_events(self, *args: Any, **kwargs: Any) -> WatchBatch:
+        if not self.open.is_set():
+            self.waiting.set()
+            self.open.wait()
+        return super().watch_events(*args, **kwargs)
+
+
+@pytest.mark.etcd
+@pytest.mark.timeout(120)
+def test_the_view_follows_puts_and_deletes_and_is_read_again_after_a_compaction(
+    etcd_server: str,
+    etcd_client: EtcdClient,
+    etcd_prefix: str,
+    make_registry: Callable[..., NodeRegistry],
+) -> None:
+    lost = _Lost()
+    gated = _GatedClient(etcd_server, timeout=timedelta(seconds=10))
+    watcher = make_registry(etcd_prefix, "a", gated, on_lost=lost)
+    b = make_registry(etcd_prefix, "b")
+    c = make_registry(etcd_prefix, "c")
+    _wait_for("b and c seen", lambda: set(watcher.peers()) == {"b", "c"})
+    assert watcher.watch_reads == 1
+
+    # A put: the new record replaces the old one.
+    b.update(state="active", group_rank=1)
+    _wait_for("b's put seen", lambda: watcher.peers()["b"].group_rank == 1)
+    # A delete: reported with what the key held last (its previous value), once.
+    c.update(state="leaving", done=True)
+    c.close()
+    _wait_for("c's delete seen", lambda: lost.of("c"))
+    assert lost.of("c") == [("leaving", "watch")]
+    assert set(watcher.peers()) == {"b"} and watcher.peers()["b"].state == "active"
+    assert watcher.watch_reads == 1, "puts and deletes were applied, not read again"
+
+    # The watcher falls behind: while it waits, b leaves, d joins, and etcd compacts the
+    # history the watcher would need. It must read the keys again and miss nothing.
+    gated.open.clear()
+    b.update(state="active", group_rank=2)  # wakes the watch; its next call waits at the gate
+    _wait_for("the watcher held at the gate", gated.waiting.is_set)
+    b.close()
+    d = make_registry(etcd_prefix, "d")
+    assert etcd_client.compact(etcd_client.revision())
+    gated.open.set()
+    _wait_for("d seen and b's loss reported", lambda: "d" in watcher.peers() and lost.of("b"))
+    assert watcher.watch_reads == 2, "read again once, after the compaction"
+    assert set(watcher.peers()) == {"d"} and watcher.peers()["d"].token == d.record.token
+    assert lost.of("b") == [("active", "watch")]
+
+    # And the watch goes on from the read's revision.
+    d.update(state="waiting")
+    _wait_for("d's put seen", lambda: watcher.peers()["d"].state == "waiting")
+    assert watcher.watch_reads == 2
+
+
+@pytest.mark.etcd
+def test_watch_events_carry_previous_values_and_report_a_compaction(
+    etcd_client: EtcdClient, etcd_prefix: str
+) -> None:
+    start = etcd_client.revision()
+    etcd_client.put(etcd_prefix + "x", b"1")
+    etcd_client.put(etcd_prefix + "x", b"2")
+    etcd_client.delete(etcd_prefix + "x")
+    seen: list[tuple[bool, bytes, bytes | None]] = []
+    revision = start
+    while len(seen) < 3:
+        batch = etcd_client.watch_events(
+            etcd_prefix, after_revision=revision, timeout=timedelta(seconds=10), prefix=True
+        )
+        assert batch.events and not batch.compacted
+        seen += [(e.deleted, e.kv.value, e.prev.value if e.prev else None) for e in batch.events]
+        revision = batch.revision
+    assert seen == [(False, b"1", None), (False, b"2", b"1"), (True, b"", b"2")]
+    quiet = etcd_client.watch_events(
+        etcd_prefix, after_revision=revision, timeout=timedelta(seconds=0.3), prefix=True
+    )
+    assert quiet.events == [] and quiet.revision == revision and not quiet.compacted
+    etcd_client.put(etcd_prefix + "y", b"3")
+    now = etcd_client.revision()
+    assert etcd_client.compact(now)
+    assert not etcd_client.compact(now), "compacted already"
+    gone = etcd_client.watch_events(
+        etcd_prefix, after_revision=start, timeout=timedelta(seconds=10), prefix=True
+    )
+    assert gone.compacted == now and gone.events == []

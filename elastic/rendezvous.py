@@ -65,6 +65,7 @@ from elastic.etcd import (
     Lease,
     parse_endpoints,
 )
+from elastic.rdzv_handler import RdzvHandler, settings_from_params
 from elastic.rdzv_name import BACKEND_NAME
 from elastic.stable_ranks import install_stable_ranks
 from elastic.store import EtcdStore
@@ -76,6 +77,7 @@ __all__ = [
     "create_backend",
     "create_client",
     "create_handler",
+    "create_rdzv_handler",
     "decode_state",
     "encode_state",
     "use_fresh_worker_store",
@@ -455,3 +457,26 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     handler = _torch_create_handler(store, backend, params)
     install_stable_ranks(handler, backend)
     return handler
+
+
+def create_rdzv_handler(params: RendezvousParameters) -> RdzvHandler:
+    """Builds the O(1)-per-machine handler (:mod:`elastic.rdzv_handler`) from torchrun's
+    rendezvous parameters: :func:`create_client`'s, ``key_prefix``, ``store_timeout`` and
+    :func:`elastic.rdzv_handler.settings_from_params`'s.
+
+    Raises:
+        ValueError: If a parameter is invalid; the message names it.
+    """
+    client = create_client(params)
+    key_prefix = str(params.get("key_prefix", DEFAULT_KEY_PREFIX))
+    store_timeout_s = params.get_as_int("store_timeout", _DEFAULT_STORE_TIMEOUT_S)
+    if store_timeout_s is None or store_timeout_s <= 0:
+        raise ValueError(
+            f"rendezvous option store_timeout must be a positive number of seconds, got "
+            f"{params.get('store_timeout')!r}"
+        )
+    prefix = job_prefix(params.run_id, key_prefix)
+    settings = settings_from_params(params, prefix)
+    store = EtcdStore(client, prefix + "store/", timeout=timedelta(seconds=store_timeout_s))
+    use_fresh_worker_store()
+    return RdzvHandler(client, store, settings)

@@ -1,0 +1,408 @@
+"""The contract of the O(1)-per-machine rendezvous handler (:mod:`elastic.rdzv_handler`) on a
+real etcd, with simulated machines as threads: rounds, stable ranks, standbys, shrink and grow
+within ``min:max``, the lead's death, a lost answer to the closing transaction, stale rounds,
+closing, ``num_nodes_waiting`` from the watch, bounded keys, and a round of 128 machines.
+
+These replace the compare-and-set contract tests of the blob backend it supersedes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+
+from elastic.etcd import EtcdClient, EtcdOutcomeUnknown
+from elastic.rdzv_handler import (
+    RdzvHandler,
+    RdzvSettings,
+    decode_members,
+    encode_members,
+    settings_from_params,
+)
+from elastic.store import EtcdStore
+
+pytestmark = pytest.mark.etcd
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or cond}")
+        time.sleep(0.02)
+
+
+class Job:
+    """Handlers of one job (machines), each calling ``next_rendezvous`` in its own thread."""
+
+    def __init__(self, url: str, prefix: str, **settings: Any) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.settings = settings
+        self.client = EtcdClient(url, timeout=timedelta(seconds=10))
+        self.handlers: list[RdzvHandler] = []
+        self.threads: list[threading.Thread] = []
+
+    def machine(self, **override: Any) -> RdzvHandler:
+        kw = {
+            "run_id": "job",
+            "job_prefix": self.prefix,
+            "last_call_timeout": timedelta(seconds=0.5),
+            "lease_ttl": timedelta(seconds=3),
+            "join_timeout": timedelta(seconds=20),
+            "local_addr": "127.0.0.1",
+            **self.settings,
+            **override,
+        }
+        h = RdzvHandler(
+            self.client, EtcdStore(self.client, self.prefix + "store/"), RdzvSettings(**kw)
+        )
+        self.handlers.append(h)
+        return h
+
+    def join(self, h: RdzvHandler) -> dict[str, Any]:
+        """Starts ``h.next_rendezvous()`` in a thread; the dict gets ``info`` or ``error``."""
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                out["info"] = h.next_rendezvous()
+            except BaseException as exc:  # recorded for the test to check
+                out["error"] = exc
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self.threads.append(t)
+        out["thread"] = t
+        return out
+
+    def rounds(self, hs: list[RdzvHandler]) -> list[RendezvousInfo]:
+        outs = [self.join(h) for h in hs]
+        return [done(o) for o in outs]
+
+    def key_list(self) -> list[str]:
+        return sorted(
+            kv.key.decode()[len(self.prefix) :] for kv in self.client.get_prefix(self.prefix)
+        )
+
+    def close(self) -> None:
+        for h in self.handlers:
+            h.leave()
+        for t in self.threads:
+            t.join(timeout=15)
+
+
+def done(out: dict[str, Any], timeout: float = 60) -> RendezvousInfo:
+    out["thread"].join(timeout)
+    assert not out["thread"].is_alive(), "next_rendezvous did not return"
+    if "error" in out:
+        raise out["error"]
+    info: RendezvousInfo = out["info"]
+    return info
+
+
+def kill(h: RdzvHandler) -> None:
+    """An abrupt death: the lease goes (as when it lapses), nothing else is said."""
+    lease = h._lease
+    h.suspend()
+    h._left = True  # its thread stops at its next wake-up: a dead machine does nothing more
+    assert lease is not None
+    h._client.revoke_lease(lease)
+
+
+@pytest.fixture
+def job(etcd_server: str, etcd_prefix: str) -> Iterator[Callable[..., Job]]:
+    made: list[Job] = []
+
+    def make(**settings: Any) -> Job:
+        j = Job(etcd_server, etcd_prefix + uuid.uuid4().hex[:6] + "/", **settings)
+        made.append(j)
+        return j
+
+    yield make
+    for j in made:
+        j.close()
+
+
+def ranks(infos: list[RendezvousInfo]) -> list[int]:
+    return [i.rank for i in infos]
+
+
+def test_members_packing_roundtrips() -> None:
+    revs = [10, 9, 5000, 5001, 3, 1 << 40]
+    assert decode_members(encode_members(revs)) == revs
+    big = list(range(100_000, 103_000, 3))[::-1]
+    assert decode_members(encode_members(big)) == big
+    with pytest.raises(ValueError):
+        decode_members("gA==")  # a varint that never ends
+
+
+def test_a_round_forms_with_unique_ranks_and_a_small_result(job: Callable[..., Job]) -> None:
+    j = job(min_nodes=4, max_nodes=4)
+    hs = [j.machine() for _ in range(4)]
+    infos = j.rounds(hs)
+    assert sorted(ranks(infos)) == [0, 1, 2, 3]
+    assert {i.world_size for i in infos} == {4}
+    # Every machine got the same MASTER_ADDR/PORT from rank 0 through the round's store.
+    assert (
+        len(
+            {
+                (i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
+                for i in infos
+            }
+        )
+        == 1
+    )
+    assert {h.round for h in hs} == {0}
+    assert hs[0].participants() == {h.node for h in hs}
+    result = j.client.get_kv(j.prefix + "rdzv/r/000000000000/c/result")
+    assert result is not None and len(result.value) < 200
+    assert json.loads(result.value)["world"] == 4
+    assert all(h.num_nodes_waiting() == 0 for h in hs)
+
+
+def test_standby_takes_the_dead_machines_rank_survivors_keep_theirs(
+    job: Callable[..., Job],
+) -> None:
+    j = job(min_nodes=3, max_nodes=3)
+    hs = [j.machine() for _ in range(3)]
+    infos = j.rounds(hs)
+    before = {h.node: i.rank for h, i in zip(hs, infos, strict=True)}
+    standby = j.machine()
+    waiting = j.join(standby)
+    wait_until(lambda: standby.waiting_in == 1, what="the standby waits in round 1")
+    # The round is full and every member lives: nobody restarts for the standby.
+    time.sleep(0.3)  # let a (wrong) count arrive, if one were coming
+    assert [h.num_nodes_waiting() for h in hs] == [0, 0, 0]
+    victim = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 1)
+    kill(victim)
+    survivors = [h for h in hs if h is not victim]
+    wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in survivors), what="standby counted")
+    after = j.rounds(survivors)
+    info = done(waiting)
+    assert [i.rank for i in after] == [before[h.node] for h in survivors]
+    assert info.rank == 1 and info.world_size == 3
+    assert {i.world_size for i in after} == {3}
+
+
+def test_shrink_after_last_call_and_grow_when_a_machine_arrives(job: Callable[..., Job]) -> None:
+    j = job(min_nodes=2, max_nodes=3)
+    a, b = j.machine(), j.machine()
+    infos = j.rounds([a, b])  # min reached: closes after the last call
+    assert {i.world_size for i in infos} == {2}
+    c = j.machine()
+    out_c = j.join(c)
+    # The round has room: the newcomer counts, both members restart.
+    wait_until(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, what="grow")
+    grown = [*j.rounds([a, b]), done(out_c)]
+    assert {i.world_size for i in grown} == {3}
+    assert ranks(grown[:2]) == ranks(infos)  # kept
+    assert grown[2].rank == 2
+    # c leaves (SIGTERM): a and b form a round of 2 again.
+    c.leave()
+    shrunk = j.rounds([a, b])
+    assert {i.world_size for i in shrunk} == {2}
+    assert ranks(shrunk) == ranks(infos)
+
+
+def test_a_member_restarting_counts_as_waiting(job: Callable[..., Job]) -> None:
+    j = job(min_nodes=2, max_nodes=2)
+    a, b = j.machine(), j.machine()
+    j.rounds([a, b])
+    calls = []
+    real = j.client._call
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        calls.append(threading.get_ident())
+        return real(*args, **kw)
+
+    j.client._call = counting  # type: ignore[method-assign]
+    assert b.num_nodes_waiting() == 0
+    out_a = j.join(a)  # a's workers failed: it joins the next round
+    wait_until(lambda: b.num_nodes_waiting() == 1, what="b sees a waiting")
+    me = threading.get_ident()
+    for _ in range(50):
+        assert b.num_nodes_waiting() == 1
+    assert me not in calls  # answered locally: this thread made no etcd call
+    j.client._call = real  # type: ignore[method-assign]
+    assert {i.world_size for i in [done(j.join(b)), done(out_a)]} == {2}
+
+
+def test_lead_dies_another_machine_takes_over(job: Callable[..., Job]) -> None:
+    j = job(min_nodes=3, max_nodes=3)
+    first, second = j.machine(), j.machine()
+    out1, out2 = j.join(first), j.join(second)
+    lead_key = j.prefix + "rdzv/r/000000000000/c/lead"
+    wait_until(lambda: j.client.get(lead_key) is not None and second.waiting_in == 0)
+    lead_value = j.client.get(lead_key)
+    assert lead_value is not None
+    leader = first if lead_value[0] == first.node.encode() else second
+    other, out_other = (second, out2) if leader is first else (first, out1)
+    kill(leader)
+    wait_until(
+        lambda: (kv := j.client.get(lead_key)) is not None and kv[0] == other.node.encode(),
+        what="the other machine leads",
+    )
+    late = [j.join(j.machine()) for _ in range(2)]
+    infos = [done(out_other), *(done(o) for o in late)]
+    assert sorted(ranks(infos)) == [0, 1, 2]
+    assert {i.world_size for i in infos} == {3}
+
+
+def test_the_closers_lost_answer_finds_its_result_and_never_closes_twice(
+    job: Callable[..., Job],
+) -> None:
+    j = job(min_nodes=2, max_nodes=2)
+    a, b = j.machine(), j.machine()
+    real = j.client._call
+    lost: list[dict[str, Any]] = []
+
+    def lose_result_answer(path: str, body: dict[str, Any], **kw: Any) -> Any:
+        response = real(path, body, **kw)
+        put_keys = [
+            op["request_put"]["key"] for op in body.get("success", []) if "request_put" in op
+        ]
+        import base64
+
+        if any(base64.b64decode(k).endswith(b"/c/result") for k in put_keys) and not lost:
+            lost.append(response)  # applied, but the answer never arrives
+            raise EtcdOutcomeUnknown("answer lost (test)")
+        return response
+
+    j.client._call = lose_result_answer  # type: ignore[method-assign]
+    infos = j.rounds([a, b])
+    j.client._call = real  # type: ignore[method-assign]
+    assert lost and lost[0]["succeeded"]
+    assert sorted(ranks(infos)) == [0, 1]
+    assert j.client.get(j.prefix + "rdzv/round") is not None
+    assert j.client.get(j.prefix + "rdzv/round")[0] == b"0"  # type: ignore[index]
+    # One round closed, not two: no round-1 result, nobody waits.
+    assert j.client.get(j.prefix + "rdzv/r/000000000001/c/result") is None
+    assert a.round == 0 and b.round == 0
+
+
+def test_a_join_with_a_stale_round_is_refused_and_lands_in_the_open_round(
+    job: Callable[..., Job],
+) -> None:
+    j = job(min_nodes=1, max_nodes=1, last_call_timeout=timedelta(0))
+    h = j.machine()
+    real = h._txn
+    raced: list[bool] = []
+
+    def close_round_zero_first(compare: Any, success: Any, failure: Any, **kw: Any) -> Any:
+        if compare and not raced and any("request_put" in op for op in success):
+            # Between this machine's read and its join, another closed round 0.
+            raced.append(True)
+            j.client.put(j.prefix + "rdzv/round", b"0")
+        return real(compare, success, failure, **kw)
+
+    h._txn = close_round_zero_first  # type: ignore[method-assign]
+    info = done(j.join(h))
+    assert raced
+    assert info.rank == 0 and h.round == 1
+    assert not [k for k in j.key_list() if k.startswith("rdzv/r/000000000000/a/")]
+
+
+def test_a_result_of_another_round_is_a_clear_error(job: Callable[..., Job]) -> None:
+    j = job(min_nodes=1, max_nodes=1)
+    j.client.put(
+        j.prefix + "rdzv/r/000000000000/c/result",
+        json.dumps({"v": 1, "round": 7, "world": 1, "m": encode_members([5])}).encode(),
+    )
+    with pytest.raises(RendezvousStateError, match="says round 7"):
+        done(j.join(j.machine()))
+    j.client.put(j.prefix + "rdzv/round", b"not a round")
+    with pytest.raises(RendezvousStateError, match="not a round number"):
+        done(j.join(j.machine()))
+
+
+def test_closed_rendezvous(job: Callable[..., Job]) -> None:
+    j = job(min_nodes=2, max_nodes=2)
+    a, b = j.machine(), j.machine()
+    j.rounds([a, b])
+    standby = j.machine()
+    out = j.join(standby)
+    wait_until(lambda: standby.waiting_in == 1)
+    assert a.shutdown()
+    # The waiting standby was not needed: it leaves gracefully; a member's rejoin is refused.
+    with pytest.raises(RendezvousGracefulExitError):
+        done(out)
+    with pytest.raises(RendezvousClosedError):
+        b.next_rendezvous()
+    assert j.machine().is_closed()
+    with pytest.raises(RendezvousClosedError):
+        j.machine().next_rendezvous()
+    assert not [k for k in j.key_list() if k.startswith("rdzv/r/")]
+
+
+def test_keys_stay_bounded_over_many_rounds(job: Callable[..., Job]) -> None:
+    j = job(min_nodes=2, max_nodes=2)
+    a, b = j.machine(), j.machine()
+    counts = []
+    for _ in range(6):
+        j.rounds([a, b])
+        counts.append(len(j.key_list()))
+    assert a.round == 5
+    # The closer of round R deleted round R - 2 and its store keys.
+    assert {k[7:19] for k in j.key_list() if k.startswith("rdzv/r/")} == {
+        "000000000004",
+        "000000000005",
+    }
+    assert {k.split("/")[1] for k in j.key_list() if k.startswith("store/")} == {
+        "torch.rendezvous.job.4",
+        "torch.rendezvous.job.5",
+    }
+    assert max(counts[2:]) == min(counts[2:]), counts
+
+
+def test_settings_from_torchrun_options() -> None:
+    params = RendezvousParameters(
+        backend="flashckpt-etcd",
+        endpoint="h:1",
+        run_id="r",
+        min_nodes=1,
+        max_nodes=4,
+        last_call_timeout="2",
+        lease_ttl="7",
+        join_timeout=90,
+    )
+    s = settings_from_params(params, "/p/r/")
+    assert s.last_call_timeout == timedelta(seconds=2) and s.lease_ttl == timedelta(seconds=7)
+    assert s.join_timeout == timedelta(seconds=90) and s.max_nodes == 4
+    bad = RendezvousParameters(
+        backend="flashckpt-etcd",
+        endpoint="h:1",
+        run_id="r",
+        min_nodes=1,
+        max_nodes=2,
+        lease_ttl="1",
+    )
+    with pytest.raises(ValueError, match="lease_ttl"):
+        settings_from_params(bad, "/p/r/")
+
+
+def test_a_round_of_128_machines(job: Callable[..., Job]) -> None:
+    n = 128
+    j = job(min_nodes=n, max_nodes=n, lease_ttl=timedelta(seconds=10))
+    hs = [j.machine() for _ in range(n)]
+    infos = j.rounds(hs)
+    assert sorted(ranks(infos)) == list(range(n))
+    assert {i.world_size for i in infos} == {n}
+    result = j.client.get(j.prefix + "rdzv/r/000000000000/c/result")
+    assert result is not None and len(result[0]) < 1024
+    failed = sum(h.stats.snapshot()["txns_failed"] for h in hs)
+    assert failed < n  # lead races only: no compare-and-set storm

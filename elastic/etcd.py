@@ -425,6 +425,35 @@ class EtcdClient:
         kvs = [_kv_from_json(raw) for raw in response.get("kvs") or []]
         return kvs, _header_revision(response)
 
+    def get_range(
+        self,
+        start: Key,
+        end: Key,
+        *,
+        limit: int = 0,
+        keys_only: bool = False,
+        timeout: timedelta | None = None,
+    ) -> list[KeyValue]:
+        """Reads the keys from ``start`` (included) to ``end`` (excluded), sorted by key.
+
+        Args:
+            start: The first key.
+            end: The key after the last (``b"\\x00"``: every key from ``start`` on).
+            limit: At most this many keys (0: all).
+            keys_only: Leave the values out (``value`` is ``b""``).
+            timeout: Deadline of this call; defaults to the client's.
+        """
+        body: dict[str, Any] = {
+            "key": _b64(_to_bytes(start, "key")),
+            "range_end": _b64(_to_bytes(end, "key")),
+        }
+        if limit:
+            body["limit"] = str(limit)
+        if keys_only:
+            body["keys_only"] = True
+        response = self._call("/v3/kv/range", body, timeout=timeout, idempotent=True)
+        return [_kv_from_json(raw) for raw in response.get("kvs") or []]
+
     def count_prefix(self, prefix: Key, *, timeout: timedelta | None = None) -> int:
         """Counts the keys that start with ``prefix`` without reading their values."""
         body: dict[str, Any] = {**_prefix_range(_to_bytes(prefix, "prefix")), "count_only": True}

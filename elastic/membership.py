@@ -425,6 +425,10 @@ class NodeRegistry:
             the ring of node ids), so that a peer launcher's death is seen when its sockets
             close, whatever the workers do; 0: none (deaths are learnt from failed workers'
             probes and from lapsed leases only).
+        compact_every: The machine with the lowest node id of the job compacts etcd's history
+            to the revision it saw this long before, every this long (the job's writes leave
+            history that etcd keeps until compacted; a server's own auto-compaction makes
+            this a no-op); None: never.
     """
 
     def __init__(
@@ -439,6 +443,7 @@ class NodeRegistry:
         on_lost: Callable[[NodeRecord, str], None] | None = None,
         on_fenced: Callable[[FenceNotice], None] | None = None,
         links: int = 2,
+        compact_every: timedelta | None = timedelta(minutes=5),
     ) -> None:
         if ttl < timedelta(seconds=2):
             raise ValueError(
@@ -486,6 +491,11 @@ class NodeRegistry:
             raise ValueError(f"links must be 0 (none) or more, got {links}")
         self._fanout = links
         self._links: PeerLinks | None = None
+        if compact_every is not None and compact_every <= timedelta(0):
+            raise ValueError(f"compact_every must be positive or None, got {compact_every!r}")
+        self._compact_every = compact_every
+        self.compactions = 0
+        """How often this launcher compacted etcd's history."""
 
     @property
     def key(self) -> str:
@@ -538,6 +548,8 @@ class NodeRegistry:
             self._links = PeerLinks(self._on_link_broken)
         for target, name in ((self._renew_loop, "renew"), (self._watch_loop, "watch")):
             self._start_thread(target, name)
+        if self._compact_every is not None:
+            self._start_thread(self._compact_loop, "compact")
 
     def _start_thread(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=f"flashckpt-node-{name}", daemon=True)
@@ -1048,6 +1060,35 @@ class NodeRegistry:
         self._update_links()
         for record in lost:
             self._report_lost(record, "watch")
+
+    def _compact_loop(self) -> None:
+        """Compacts etcd's history once a period, to the revision of one period before, while
+        this machine has the lowest node id of the job (one machine, chosen by the watch's
+        view without a race that matters: two that both think so compact to about the same
+        revision, and compacting twice is harmless)."""
+        assert self._compact_every is not None
+        period = self._compact_every.total_seconds()
+        remembered: int | None = None
+        while not self._stop.wait(period):
+            with self._lock:
+                own = self._record.node_id
+                chosen = (
+                    self._view_loaded
+                    and self._lease is not None
+                    and not self._fenced
+                    and all(own < n for n in self._peers)
+                )
+            if not chosen:
+                remembered = None
+                continue
+            try:
+                now = self._client.revision()
+                if remembered is not None and self._client.compact(remembered):
+                    self.compactions += 1
+                    logger.debug("compacted etcd's history to revision %d", remembered)
+                remembered = now
+            except EtcdError as exc:
+                logger.info("compacting etcd's history failed (will retry): %s", exc)
 
     def _update_links(self) -> None:
         """Links the ring successors among the peers the watch sees (and no others)."""

@@ -10,22 +10,60 @@ Waiting uses an etcd watch, so a waiter wakes as soon as the key is written, wit
 
 Keep a Python reference to the store for as long as torch uses it (torch's ``PrefixStore`` holds
 only the C++ half; once the Python object is collected, calls fail with "Not implemented").
+
+Finished rounds' keys are removed (issue 31: a job's keys are bounded however often it
+restarts). The rendezvous hands each round a ``PrefixStore`` named ``<name>.<round>`` on this
+store (torch's ``torch.rendezvous.<run_id>.<round>``), where the agents write the round's
+``MASTER_ADDR``/``MASTER_PORT``, each machine's role and assigned ranks (``2 + 2N`` keys a
+round), the exit barrier and the health check's keys. Exactly one process writes a round's
+``MASTER_ADDR`` (the agent of group rank 0, :class:`RendezvousStoreInfo`); when it does, every
+round of the same name before the previous one is over (their machines are in this round, or
+gone), and that process deletes their keys: at most the current and the previous round stay.
+Finding them costs one keys-only read of one key per round present, not a read of the store.
+The keys of the last rounds go with the job (:func:`elastic.jobkeys.remove_finished_job_keys`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from elastic.deadline import Deadline
 from elastic.etcd import EtcdClient, EtcdError, EtcdOutcomeUnknown, KeyValue
 
-__all__ = ["EtcdStore"]
+__all__ = ["EtcdStore", "round_of"]
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_TIMEOUT = timedelta(seconds=300)  # c10d's default store timeout
+_ROUND_KEY = re.compile(rb"^(?P<name>[^/]*)\.(?P<round>[0-9]+)/(?P<rest>.*)$", re.DOTALL)
+_MAX_ROUNDS_LISTED = 1000
+"""Rounds of one name looked at per clean-up, at most (two or three are normal)."""
+
+
+def round_of(key: bytes) -> tuple[bytes, int, bytes] | None:
+    """``(name, round, rest)`` of a store key written through a round's ``PrefixStore``
+    (``<name>.<round>/<rest>``), or None for any other key."""
+    found = _ROUND_KEY.match(key)
+    if found is None:
+        return None
+    return found["name"], int(found["round"]), found["rest"]
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\x00"
 
 
 def _as_bytes(value: str | bytes) -> bytes:
@@ -76,9 +114,51 @@ class EtcdStore(dist.Store):
     # Method names and argument orders are those torch's trampoline calls.
 
     def set(self, key: str, value: str | bytes) -> None:
-        """Writes ``key``."""
+        """Writes ``key``; the first key of a new round (its ``MASTER_ADDR``) also removes the
+        keys of the rounds before the previous one (see the module docstring)."""
+        etcd_key = self._key(key)
         with self._etcd_errors():
-            self._client.put(self._key(key), _as_bytes(value))
+            self._client.put(etcd_key, _as_bytes(value))
+        parsed = round_of(_as_bytes(key))
+        if parsed is not None and parsed[2] == RendezvousStoreInfo.MASTER_ADDR_KEY.encode():
+            self.remove_finished_rounds(parsed[0], parsed[1])
+
+    def remove_finished_rounds(self, name: bytes, current: int) -> list[int]:
+        """Deletes the keys of the rounds ``<name>.<r>/`` before ``current``, but for the
+        newest of them (the previous round). Never raises: a failed clean-up leaves keys
+        behind, which the next round's removes.
+
+        Returns:
+            The rounds whose keys were deleted.
+        """
+        base = self._prefix.encode() + name + b"."
+        end = _prefix_end(base)
+        start = base
+        earlier: list[int] = []
+        removed: list[int] = []
+        try:
+            for _ in range(_MAX_ROUNDS_LISTED):
+                found = self._client.get_range(start, end, limit=1, keys_only=True)
+                if not found:
+                    break
+                segment, slash, _ = found[0].key[len(base) :].partition(b"/")
+                # Skip to the key after this segment's keys: one read per round present.
+                start = _prefix_end(base + segment + b"/") if slash else found[0].key + b"\x00"
+                if slash and segment.isdigit() and int(segment) < current:
+                    earlier.append(int(segment))
+            for number in sorted(earlier)[:-1]:
+                self._client.delete_prefix(base + str(number).encode() + b"/")
+                removed.append(number)
+        except EtcdError as exc:
+            logger.warning(
+                "could not remove the store keys of finished rounds of %r (the next round "
+                "tries again): %s",
+                name.decode(errors="replace"),
+                exc,
+            )
+        if removed:
+            logger.debug("removed the store keys of rounds %s of %r", removed, name)
+        return removed
 
     def get(self, key: str) -> bytes:
         """Reads ``key``, blocking until it exists or the store's timeout passes.

@@ -92,6 +92,9 @@ _assign(
     "flashckpt.reshard",
     "flashckpt.apply",
     "flashckpt.storageroot",
+    # one module per framework, imported only when used (each imports its framework)
+    "flashckpt.integrations",
+    "flashckpt.integrations.huggingface",
 )
 _assign(ELASTIC, *(f"elastic.{p.stem}" for p in (ROOT / "elastic").glob("*.py")))
 LAYERS["elastic"] = LAYERS.pop("elastic.__init__")

@@ -1,0 +1,158 @@
+"""A tiny Hugging Face Trainer run (GPT-2 of 2 layers from a config, random tokens, no
+downloads) for the integration tests and the benchmark, run as a subprocess.
+
+``--mode flash`` checkpoints with ``flashckpt.integrations.huggingface.FlashCheckpoint``;
+``--mode native`` with the Trainer's own checkpoints (``save_steps``) and, when one exists,
+``resume_from_checkpoint=True``; ``--mode none`` not at all. Every run of one command line is the
+same job: started again after a kill, it resumes. It appends ``global_step`` lines to ``--log``
+as steps end (a test kills it once enough are there) and writes, at the end, the final model and
+optimizer tensors (``final.safetensors``), the log history and the resume report
+(``final.json``) into ``--out``. ``--step-times`` appends each step's wall time (for the stall
+benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import safetensors.torch
+import torch
+
+
+def build(seed: int = 0) -> tuple[torch.nn.Module, torch.utils.data.Dataset]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config)  # dropout 0.1 everywhere: resume must restore the RNGs
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, 64, (40, 16), generator=g)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(tokens)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": tokens[i], "labels": tokens[i]}
+
+    return model, Tokens()
+
+
+def final_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    out = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    sd = optimizer.state_dict()
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            out[f"optim.{idx}.{k}"] = t.detach().clone().contiguous()
+    for i, g in enumerate(sd["param_groups"]):
+        out[f"optim.group{i}.lr"] = torch.tensor(float(g["lr"]), dtype=torch.float64)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--storage", default=None)
+    p.add_argument("--job", default=None)
+    p.add_argument("--node", default=None)
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--shm-dir", default=None)
+    p.add_argument("--mode", choices=("flash", "native", "none"), default="flash")
+    p.add_argument("--out", required=True)
+    p.add_argument("--log", required=True)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--step-times", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    os.makedirs(a.out, exist_ok=True)
+    model, ds = build()
+
+    class StepLog(TrainerCallback):
+        def __init__(self) -> None:
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            with open(a.log, "a") as f:
+                f.write(f"{state.global_step}\n")
+            if a.step_sleep:
+                time.sleep(a.step_sleep)
+
+        def on_step_begin(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            now = time.perf_counter()
+            if a.step_times and state.global_step > 0:
+                with open(a.step_times, "a") as f:
+                    f.write(f"{state.global_step} {now - self.t}\n")
+            self.t = now
+
+    callbacks: list = [StepLog()]
+    flash = None
+    if a.mode == "flash":
+        from flashckpt.integrations.huggingface import FlashCheckpoint
+
+        opts = {k: v for k, v in (("job", a.job), ("node", a.node), ("run_dir", a.run_dir)) if v}
+        if a.shm_dir:
+            opts["shm_dir"] = a.shm_dir
+        flash = FlashCheckpoint(
+            storage=a.storage, every=a.every, persist_every=1, agent_idle_timeout=120, **opts
+        )
+        callbacks.append(flash)
+    native_dir = os.path.join(a.out, "hf")
+    args = TrainingArguments(
+        output_dir=native_dir,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=a.accum,
+        max_steps=a.steps,
+        learning_rate=3e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=3,
+        weight_decay=0.01,
+        logging_steps=3,
+        save_strategy="steps" if a.mode == "native" else "no",
+        save_steps=a.every,
+        report_to=[],
+        use_cpu=True,
+        seed=42,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
+    resume = None
+    if a.mode == "native":
+        from transformers.trainer_utils import get_last_checkpoint
+
+        resume = get_last_checkpoint(native_dir) if os.path.isdir(native_dir) else None
+    trainer.train(resume_from_checkpoint=resume)
+    assert trainer.optimizer is not None
+    safetensors.torch.save_file(
+        final_tensors(trainer.model, trainer.optimizer), os.path.join(a.out, "final.safetensors")
+    )
+    history = [
+        {k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k}
+        for e in trainer.state.log_history
+    ]
+    report = {
+        "log_history": history,
+        "global_step": trainer.state.global_step,
+        "epoch": trainer.state.epoch,
+        "total_flos": trainer.state.total_flos,
+        "restored_step": flash.restored_step if flash else resume,
+        "restored_from": flash.restored_from if flash else None,
+    }
+    with open(os.path.join(a.out, "final.json"), "w") as f:
+        json.dump(report, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

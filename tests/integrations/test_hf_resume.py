@@ -1,0 +1,281 @@
+"""The Hugging Face Trainer with ``FlashCheckpoint``, judged as a user would: a tiny GPT-2 run
+(``tests/integrations/hftrain.py``) SIGKILLed at a random step and started again with the same
+command ends with the parameters, the optimizer state and the log history of the uninterrupted
+run, bit for bit; from memory (the node agent kept the snapshot) and from storage (the machine's
+memory lost too). The Trainer's own ``resume_from_checkpoint`` on the same run is measured
+beside it. Misuse that would diverge silently is refused, naming the fix."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from fchelpers import FcEnv, kill_job_processes
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).with_name("hftrain.py")
+STEPS, EVERY = 24, 4  # 10 steps per epoch: the run crosses two epoch boundaries
+
+
+def _cmd(env: FcEnv, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        str(SCRIPT),
+        *env.cli_flags(),
+        "--out",
+        str(out),
+        "--log",
+        str(out) + ".log",
+        "--steps",
+        str(STEPS),
+        *extra,
+    ]
+
+
+def _run(cmd: list[str], code: int = 0) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == code, p.stderr[-4000:]
+    return p.stderr
+
+
+def _steps_logged(out: Path) -> int:
+    with contextlib.suppress(FileNotFoundError):
+        return len(Path(str(out) + ".log").read_text().split())
+    return 0
+
+
+def _kill_at(cmd: list[str], out: Path, step: int) -> None:
+    """Starts the run and SIGKILLs it once ``step`` steps are logged."""
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        while _steps_logged(out) < step:
+            assert p.poll() is None, p.stderr.read().decode()[-4000:] if p.stderr else ""
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=0.02)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == -signal.SIGKILL
+
+
+def _final(out: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = safetensors.torch.load_file(str(out / "final.safetensors"))
+    report = json.loads((out / "final.json").read_text())
+    # train_loss is the Trainer's mean over the steps of *this* train() call (its own resume
+    # does the same): after a resume it covers the resumed steps only.
+    for entry in report["log_history"]:
+        entry.pop("train_loss", None)
+    return tensors, report
+
+
+def _different(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    assert a.keys() == b.keys()
+    return sorted(k for k in a if not torch.equal(a[k], b[k]))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The uninterrupted runs (one per command line), shared by the tests of this module."""
+    tmp = tmp_path_factory.mktemp("hfref")
+    job = "t" + uuid.uuid4().hex[:12] + "ref"
+    env = FcEnv(
+        job=job,
+        node="n0",
+        run_dir=f"/tmp/fct-{job}",
+        storage=f"file://{tmp}/ckpt",
+        storage_path=tmp / "ckpt",
+    )
+    runs: dict[tuple[str, ...], tuple[dict[str, torch.Tensor], dict]] = {}
+
+    def get(*extra: str) -> tuple[dict[str, torch.Tensor], dict]:
+        if extra not in runs:
+            out = tmp / f"ref{len(runs)}"
+            # a job (storage root) per command line: each run starts afresh
+            run_env = FcEnv(**{**vars(env), "storage": f"file://{tmp}/ckpt{len(runs)}"})
+            _run(_cmd(run_env, out, *extra))
+            runs[extra] = _final(out)
+            assert runs[extra][1]["global_step"] == STEPS
+            assert runs[extra][1]["restored_from"] is None
+        return runs[extra]
+
+    yield get
+    kill_job_processes(job)
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"fc.{job}"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", name))
+    shutil.rmtree(env.run_dir, ignore_errors=True)
+
+
+def _assert_same_run(ref: tuple[dict, dict], got: tuple[dict, dict]) -> None:
+    (rt, rr), (gt, gr) = ref, got
+    assert _different(rt, gt) == []
+    assert any(k.startswith("optim.") and k.endswith("exp_avg_sq") for k in gt)
+    assert gr["log_history"] == rr["log_history"]
+    assert (gr["global_step"], gr["epoch"], gr["total_flos"]) == (
+        rr["global_step"],
+        rr["epoch"],
+        rr["total_flos"],
+    )
+
+
+def test_kill_at_a_random_step_resumes_bitwise_from_memory(
+    tmp_path: Path, fc_env: FcEnv, reference
+) -> None:  # type: ignore[no-untyped-def]
+    ref = reference()
+    step = random.Random(29).randrange(EVERY + 1, STEPS - 1)
+    out = tmp_path / "run"
+    cmd = _cmd(fc_env, out, "--every", str(EVERY), "--step-sleep", "0.05")
+    _kill_at(cmd, out, step)
+    _run(cmd)  # the same command: resumes from the node agent's memory
+    got = _final(out)
+    assert got[1]["restored_from"] == "memory", got[1]
+    assert got[1]["restored_step"] % EVERY == 0 and got[1]["restored_step"] >= EVERY
+    _assert_same_run(ref, got)
+
+
+def test_kill_with_the_node_agent_resumes_bitwise_from_storage(
+    tmp_path: Path, fc_env: FcEnv, reference
+) -> None:  # type: ignore[no-untyped-def]
+    ref = reference()
+    out = tmp_path / "run"
+    # every=5: the snapshot of step 10 is an epoch's last, taken after the epoch's end
+    cmd = _cmd(fc_env, out, "--every", "5", "--step-sleep", "0.05")
+    _kill_at(cmd, out, 13)
+    kill_job_processes(fc_env.job)  # the node agent too, and the machine's memory with it
+    for name in os.listdir(fc_env.shm_dir):
+        if name.startswith(f"fc.{fc_env.job}."):
+            os.unlink(os.path.join(fc_env.shm_dir, name))
+    _run(cmd)
+    got = _final(out)
+    assert got[1]["restored_from"] == "storage", got[1]
+    assert got[1]["restored_step"] in (5, 10), got[1]
+    _assert_same_run(ref, got)
+
+
+def test_gradient_accumulation_resumes_bitwise(tmp_path: Path, fc_env: FcEnv, reference) -> None:  # type: ignore[no-untyped-def]
+    ref = reference("--accum", "2")
+    out = tmp_path / "run"
+    cmd = _cmd(fc_env, out, "--accum", "2", "--every", "3", "--step-sleep", "0.05")
+    _kill_at(cmd, out, 8)  # 5 optimizer steps per epoch: resumes mid-epoch 1 (step 6)
+    _run(cmd)
+    got = _final(out)
+    assert got[1]["restored_from"] == "memory" and got[1]["restored_step"] in (6, 9), got[1]
+    _assert_same_run(ref, got)
+
+
+def test_the_trainers_own_resume_on_the_same_run(tmp_path: Path, fc_env: FcEnv, reference) -> None:  # type: ignore[no-untyped-def]
+    """The baseline the adapter is held to: the Trainer's own checkpoint (save_steps=4) and
+    resume_from_checkpoint, killed at the same step. It is bitwise here too (CPU, one process,
+    the default seedable sampler); the adapter must be at least as exact."""
+    ref = reference()
+    out = tmp_path / "native"
+    cmd = _cmd(fc_env, out, "--mode", "native", "--every", str(EVERY), "--step-sleep", "0.05")
+    _kill_at(cmd, out, 14)
+    _run(cmd)
+    got = _final(out)
+    assert str(got[1]["restored_step"]).endswith("checkpoint-12"), got[1]
+    _assert_same_run(ref, got)
+
+
+def test_a_resume_with_another_batch_geometry_is_refused(tmp_path: Path, fc_env: FcEnv) -> None:
+    out = tmp_path / "run"
+    _run(_cmd(fc_env, out, "--every", str(EVERY)))
+    err = _run(_cmd(fc_env, out, "--every", str(EVERY), "--accum", "2"), code=1)
+    assert "another batch geometry" in err and "gradient_accumulation_steps: 1 then, 2 now" in err
+
+
+@pytest.fixture
+def hf_trainer_parts():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import hftrain
+
+        yield hftrain.build
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def _args(tmp: Path, **over):  # type: ignore[no-untyped-def]
+    from transformers import TrainingArguments
+
+    kw = dict(
+        output_dir=str(tmp / "hf"),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    kw.update(over)
+    return TrainingArguments(**kw)
+
+
+def test_misuse_is_refused_naming_the_fix(
+    tmp_path: Path, fc_env: FcEnv, agent, hf_trainer_parts
+) -> None:  # type: ignore[no-untyped-def]
+    from transformers import Trainer
+
+    from flashckpt.integrations.huggingface import FlashCheckpoint
+
+    with pytest.raises(TypeError, match="did you mean 'storage'"):
+        FlashCheckpoint(storge="file:///x")
+    model, ds = hf_trainer_parts()
+    kw = fc_env.ckpt_kwargs(every=2)
+    storage = kw.pop("storage")
+
+    # two resume sources
+    fc = FlashCheckpoint(storage, **kw)
+    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=ds, callbacks=[fc])
+    with pytest.raises(ValueError, match="Drop resume_from_checkpoint="):
+        trainer.train(resume_from_checkpoint=str(tmp_path))
+
+    # added after the Trainer was built: it never saw the optimizer being made
+    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=ds)
+    trainer.add_callback(FlashCheckpoint(storage, **kw))
+    with pytest.raises(RuntimeError, match=r"Trainer\(\.\.\., callbacks=\[FlashCheckpoint"):
+        trainer.train()
+
+    # a shuffle without a seed of its own: a resumed epoch would draw another order
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path, accelerator_config={"use_seedable_sampler": False}),
+        train_dataset=ds,
+        callbacks=[FlashCheckpoint(storage, **kw)],
+    )
+    with pytest.raises(ValueError, match="use_seedable_sampler"):
+        trainer.train()
+
+    # a snapshot asked for in the middle of a step (gradient accumulation)
+    from transformers import TrainerCallback
+
+    fc = FlashCheckpoint(storage, **kw, restore=False, overwrite=True)
+
+    class SaveMidStep(TrainerCallback):
+        def on_substep_end(self, args, state, control, **k):  # type: ignore[no-untyped-def]
+            fc.save()
+
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path, gradient_accumulation_steps=2),
+        train_dataset=ds,
+        callbacks=[fc, SaveMidStep()],
+    )
+    with pytest.raises(RuntimeError, match="accumulated gradients are in no snapshot"):
+        trainer.train()

@@ -163,13 +163,20 @@ def test_without_links_a_killed_peer_waits_for_its_lease(
     lost = _Lost()
     reg = make_registry("a", on_lost=lost, links=0)
     pid = peer_process("b")
-    _wait_for("b seen", lambda: "b" in reg.peers())
+    b = _wait_for("b seen", lambda: reg.peers().get("b"))
+    b_key = reg.key[: -len("a")] + "b"
     os.kill(pid, signal.SIGKILL)
-    time.sleep(3.0)
+    # The moment a link would break: b's launcher is gone, its probe port refuses.
+    _wait_for("b's launcher gone", lambda: membership.probe(b) is membership.ProbeResult.DEAD)
+    # Nothing told a: it holds no link, and b's key stays until its 30 s lease lapses.
     assert lost.of("b") == [] and reg.linked() == set()
-    # What the workers' failure does: a probe finds it dead.
+    assert etcd_client.get_kv(b_key) is not None
+    # What the workers' failure does: a probe finds it dead. Its revocation deletes b's key,
+    # which a's own watch sees too, maybe before the revocation returns: the loss is still
+    # reported once, by the probe that found it (the watch leaves it to the reaper).
     dead = reg.reap_dead_peers()
     assert [r.node_id for r in dead] == ["b"] and lost.of("b") == ["probe"]
+    assert etcd_client.get_kv(b_key) is None
 
 
 @pytest.mark.etcd

@@ -1,0 +1,188 @@
+"""The node agent DaemonSet layout of deploy/kubernetes, for real, with Linux namespaces
+(tests/deploy/podns.py): the agent "pod" in PID and mount namespaces of its own, with the host's
+snapshot directory and socket directory bind-mounted; two trainer "pods" (the two ranks of a DDP
+job), each in namespaces of its own, sharing only those two directories with the agent, each
+with its own 64 MiB /dev/shm.
+
+One run goes through both failures a DaemonSet layout must survive, at known steps (the ranks
+wait at a gate there), and ends bitwise equal to an uninterrupted run:
+
+1. the agent pod is killed (SIGKILL to its pid 1: every process of the pod) and a new agent pod
+   starts; the trainers reconnect to it and go on;
+2. both trainer pods are killed the same way (a group restart, as JobSet or torchrun does when
+   a rank dies) and recreated; they resume from the new agent's memory (``restored_from`` is
+   ``memory``), at a step past the agent's restart: the new agent adopted the slots in the host
+   directory and kept serving them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from podns import CONTAINER, Pod, PodSim, unavailable
+
+from flashckpt import envnames
+from flashckpt.errors import AgentError
+from flashckpt.protocol import AgentClient, socket_path
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+STEPS = 30
+GATE_AGENT = 8  # the ranks wait before this step while the agent pod is replaced
+GATE_KILL = 18  # ... and before this one when their pods are killed
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> Iterator[PodSim]:
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    s = PodSim(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def wait_until(cond, what: str, pods: list[Pod], timeout: float = 180.0) -> None:  # type: ignore[no-untyped-def]
+    """Waits for ``cond()``; fails (with the pods' output) if a pod exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        for pod in pods:
+            if pod.proc.poll() is not None:
+                pytest.fail(
+                    f"pod {pod.name} exited ({pod.proc.returncode}) before {what}:\n{pod.output()}"
+                )
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout} s:\n" + "\n".join(p.output() for p in pods))
+        time.sleep(0.05)
+
+
+class Job:
+    """The job's names, as the ConfigMap and the downward API give them to every pod."""
+
+    def __init__(self, sim: PodSim, tag: str) -> None:
+        self.sim = sim
+        self.id = f"k{uuid.uuid4().hex[:10]}{tag}"
+        self.node = "node-a"
+        self.storage = f"file://{sim.root / 'ckpt' / tag}"
+        self.env = {
+            **os.environ,
+            envnames.JOB: self.id,
+            envnames.NODE: self.node,
+            envnames.RUN_DIR: f"{CONTAINER}/run",
+            envnames.SHM_DIR: f"{CONTAINER}/shm",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def agent(self, name: str) -> Pod:
+        """The DaemonSet's container command (deploy/kubernetes/base/agent/daemonset.yaml)."""
+        argv = [
+            sys.executable, "-m", "flashckpt", "agent",
+            f"--job={self.id}", f"--node={self.node}", f"--storage={self.storage}",
+            f"--shm-dir={CONTAINER}/shm", f"--run-dir={CONTAINER}/run",
+            "--idle-timeout=31536000", "--hang-kill=off", "--replicas=0",
+        ]  # fmt: skip
+        return self.sim.start(name, argv, self.env)
+
+    def agent_answers(self, pid_ns_init: int) -> bool:
+        """Whether an agent answers on the socket (seen from the host) and it is the process
+        whose pod has this pid 1 (the agent's own pid is 1 in its PID namespace)."""
+        path = socket_path(str(self.sim.host / "run"), self.id, self.node)
+        try:
+            c = AgentClient(path, timeout=0.0)
+            try:
+                return int(c.request("ping", timeout=10)["pid"]) == 1 and pid_ns_init > 0
+            finally:
+                c.close()
+        except (AgentError, OSError):
+            return False
+
+    def trainers(self, tag: str, *gates: tuple[int, Path]) -> list[Pod]:
+        init = self.sim.root / f"init-{tag}-{time.monotonic_ns()}"
+        pods = []
+        for rank in (0, 1):
+            argv = [
+                sys.executable, str(HERE / "_podtrain.py"), "--rank", str(rank),
+                "--storage", self.storage, "--steps", str(STEPS),
+                "--log", str(self.sim.root / f"{tag}-r{rank}.log"),
+                "--init-file", str(init), "--report", str(self.sim.root / f"{tag}-report.txt"),
+                *(a for step, path in gates for a in ("--gate", f"{step}:{path}")),
+            ]  # fmt: skip
+            pods.append(self.sim.start(f"{tag}-r{rank}", argv, self.env))
+        return pods
+
+
+def _at_gate(gate: Path) -> bool:
+    return all(Path(f"{gate}.at{r}").exists() for r in (0, 1))
+
+
+def _log(path: Path) -> list[tuple[int, str]]:
+    return [(int(a), b) for a, b in (ln.split() for ln in path.read_text().splitlines())]
+
+
+def test_daemonset_layout_survives_agent_and_trainer_pod_restarts(sim: PodSim) -> None:
+    # The uninterrupted run: the same layout, no failure.
+    ref = Job(sim, "ref")
+    agent = ref.agent("ref-agent")
+    wait_until(lambda: ref.agent_answers(agent.init_pid() or 0), "reference agent", [agent])
+    for pod in ref.trainers("ref"):
+        assert pod.wait(timeout=240) == 0, pod.output()
+    agent.kill()
+
+    job = Job(sim, "run")
+    agent1 = job.agent("agent-1")
+    wait_until(lambda: job.agent_answers(agent1.init_pid() or 0), "agent", [agent1])
+    gate1, gate2 = sim.root / "gate-agent", sim.root / "gate-kill"
+    first = job.trainers("run", (GATE_AGENT, gate1), (GATE_KILL, gate2))
+    wait_until(lambda: _at_gate(gate1), "ranks at the agent gate", [agent1, *first])
+    # The trainers never started an agent of their own: each pod holds one process.
+    assert [len(p.pids()) for p in first] == [1, 1]
+    # The host directory holds the slots; the trainer pods' own /dev/shm does not.
+    assert any((sim.host / "shm").iterdir())
+
+    agent1.kill()  # the agent pod dies with everything in it
+    agent2 = job.agent("agent-2")
+    wait_until(lambda: job.agent_answers(agent2.init_pid() or 0), "new agent", [agent2, *first])
+    gate1.touch()
+    wait_until(lambda: _at_gate(gate2), "ranks at the kill gate", [agent2, *first])
+
+    for pod in first:  # both trainer pods, all their processes
+        pod.kill()
+    second = job.trainers("run")
+    for pod in second:
+        assert pod.wait(timeout=240) == 0, pod.output()
+    assert agent2.proc.poll() is None, f"the agent pod died:\n{agent2.output()}"
+
+    reports = [ln.split() for ln in (sim.root / "run-report.txt").read_text().splitlines()]
+    assert [r[2] for r in reports[:2]] == ["None", "None"], reports  # the first start: fresh
+    resumed = reports[2:]
+    assert sorted(int(r[0]) for r in resumed) == [0, 1], reports
+    assert {r[2] for r in resumed} == {"memory"}, reports
+    start = {int(r[1]) for r in resumed}
+    assert len(start) == 1, reports
+    # Past the agent's replacement: the new agent held snapshots taken after it started.
+    assert GATE_AGENT < start.pop() <= GATE_KILL, reports
+
+    for rank in (0, 1):
+        want = _log(sim.root / f"ref-r{rank}.log")
+        assert [s for s, _ in want] == list(range(STEPS))
+        got = _log(sim.root / f"run-r{rank}.log")  # both attempts: steps after resume repeat
+        assert {s for s, _ in got} == set(range(STEPS)), rank
+        for step, loss in got:
+            assert loss == want[step][1], (rank, step)
+        final = f"run-r{rank}.log.final.safetensors"
+        got_t = safetensors.torch.load_file(str(sim.root / final))
+        want_t = safetensors.torch.load_file(str(sim.root / f"ref-r{rank}.log.final.safetensors"))
+        assert got_t.keys() == want_t.keys()
+        for k in want_t:
+            assert torch.equal(got_t[k], want_t[k]), (rank, k)

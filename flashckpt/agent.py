@@ -609,4 +609,22 @@ def run_agent(config: AgentConfig, *, signals: bool = True, lock_wait: float = 0
     except AgentRunning as e:
         log.info("%s", e)
         return 3
+    notify_ready()
     return agent.run()
+
+
+def notify_ready() -> None:
+    """Tells systemd that the agent answers on its socket (a ``Type=notify`` unit such as
+    deploy/systemd's: ``systemctl start`` returns then); nothing without ``$NOTIFY_SOCKET``."""
+    import socket
+
+    path = os.environ.get("NOTIFY_SOCKET", "")
+    if not path:
+        return
+    addr = "\0" + path[1:] if path.startswith("@") else path  # "@": the abstract namespace
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(b"READY=1")
+    except OSError as e:
+        log.warning("cannot tell systemd the agent is ready (NOTIFY_SOCKET=%s): %s", path, e)

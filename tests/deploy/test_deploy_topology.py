@@ -2,7 +2,8 @@
 (tests/deploy/podns.py): the agent "pod" in PID and mount namespaces of its own, with the host's
 snapshot directory and socket directory bind-mounted; two trainer "pods" (the two ranks of a DDP
 job), each in namespaces of its own, sharing only those two directories with the agent, each
-with its own 64 MiB /dev/shm.
+with its own 64 MiB /dev/shm, all of them running as an unprivileged user that owns the host
+directories (the DaemonSet's runAsUser and init container).
 
 One run goes through both failures a DaemonSet layout must survive, at known steps (the ranks
 wait at a gate there), and ends bitwise equal to an uninterrupted run:
@@ -27,11 +28,10 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from podns import CONTAINER, Pod, PodSim, unavailable
+from podns import CONTAINER, UID, Pod, PodSim, unavailable
 
 from flashckpt import envnames
-from flashckpt.errors import AgentError
-from flashckpt.protocol import AgentClient, socket_path
+from flashckpt.protocol import socket_path
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ class Job:
         self.sim = sim
         self.id = f"k{uuid.uuid4().hex[:10]}{tag}"
         self.node = "node-a"
-        self.storage = f"file://{sim.root / 'ckpt' / tag}"
+        self.storage = f"file://{sim.vol / 'ckpt' / tag}"
         self.env = {
             **os.environ,
             envnames.JOB: self.id,
@@ -94,32 +94,30 @@ class Job:
         ]  # fmt: skip
         return self.sim.start(name, argv, self.env)
 
-    def agent_answers(self, pid_ns_init: int) -> bool:
-        """Whether an agent answers on the socket (seen from the host) and it is the process
-        whose pod has this pid 1 (the agent's own pid is 1 in its PID namespace)."""
-        path = socket_path(str(self.sim.host / "run"), self.id, self.node)
-        try:
-            c = AgentClient(path, timeout=0.0)
-            try:
-                return int(c.request("ping", timeout=10)["pid"]) == 1 and pid_ns_init > 0
-            finally:
-                c.close()
-        except (AgentError, OSError):
-            return False
+    def socket_file(self) -> Path:
+        """The agent's socket as the host sees it."""
+        return Path(socket_path(str(self.sim.host / "run"), self.id, self.node))
 
     def trainers(self, tag: str, *gates: tuple[int, Path]) -> list[Pod]:
-        init = self.sim.root / f"init-{tag}-{time.monotonic_ns()}"
+        vol = self.sim.vol
+        init = vol / f"init-{tag}-{time.monotonic_ns()}"
         pods = []
         for rank in (0, 1):
             argv = [
                 sys.executable, str(HERE / "_podtrain.py"), "--rank", str(rank),
                 "--storage", self.storage, "--steps", str(STEPS),
-                "--log", str(self.sim.root / f"{tag}-r{rank}.log"),
-                "--init-file", str(init), "--report", str(self.sim.root / f"{tag}-report.txt"),
+                "--log", str(vol / f"{tag}-r{rank}.log"),
+                "--init-file", str(init), "--report", str(vol / f"{tag}-report.txt"),
                 *(a for step, path in gates for a in ("--gate", f"{step}:{path}")),
             ]  # fmt: skip
             pods.append(self.sim.start(f"{tag}-r{rank}", argv, self.env))
         return pods
+
+
+def _listening(agent: Pod) -> bool:
+    """The agent pod's agent said it listens on its socket (it runs as the pods' user: the run
+    dir is private to that user, so this test, another user, does not ping it)."""
+    return " listening on " in agent.output()
 
 
 def _at_gate(gate: Path) -> bool:
@@ -134,25 +132,28 @@ def test_daemonset_layout_survives_agent_and_trainer_pod_restarts(sim: PodSim) -
     # The uninterrupted run: the same layout, no failure.
     ref = Job(sim, "ref")
     agent = ref.agent("ref-agent")
-    wait_until(lambda: ref.agent_answers(agent.init_pid() or 0), "reference agent", [agent])
+    wait_until(lambda: _listening(agent), "reference agent", [agent])
     for pod in ref.trainers("ref"):
         assert pod.wait(timeout=240) == 0, pod.output()
     agent.kill()
 
     job = Job(sim, "run")
     agent1 = job.agent("agent-1")
-    wait_until(lambda: job.agent_answers(agent1.init_pid() or 0), "agent", [agent1])
-    gate1, gate2 = sim.root / "gate-agent", sim.root / "gate-kill"
+    wait_until(lambda: _listening(agent1), "agent", [agent1])
+    gate1, gate2 = sim.vol / "gate-agent", sim.vol / "gate-kill"
     first = job.trainers("run", (GATE_AGENT, gate1), (GATE_KILL, gate2))
     wait_until(lambda: _at_gate(gate1), "ranks at the agent gate", [agent1, *first])
     # The trainers never started an agent of their own: each pod holds one process.
     assert [len(p.pids()) for p in first] == [1, 1]
     # The host directory holds the slots; the trainer pods' own /dev/shm does not.
     assert any((sim.host / "shm").iterdir())
+    # ... written by the pods' user, and the agent's socket is there.
+    assert {p.stat().st_uid for p in (sim.host / "shm").iterdir()} == {UID}
+    assert job.socket_file().is_socket()
 
     agent1.kill()  # the agent pod dies with everything in it
     agent2 = job.agent("agent-2")
-    wait_until(lambda: job.agent_answers(agent2.init_pid() or 0), "new agent", [agent2, *first])
+    wait_until(lambda: _listening(agent2), "new agent", [agent2, *first])
     gate1.touch()
     wait_until(lambda: _at_gate(gate2), "ranks at the kill gate", [agent2, *first])
 
@@ -163,7 +164,8 @@ def test_daemonset_layout_survives_agent_and_trainer_pod_restarts(sim: PodSim) -
         assert pod.wait(timeout=240) == 0, pod.output()
     assert agent2.proc.poll() is None, f"the agent pod died:\n{agent2.output()}"
 
-    reports = [ln.split() for ln in (sim.root / "run-report.txt").read_text().splitlines()]
+    vol = sim.vol
+    reports = [ln.split() for ln in (vol / "run-report.txt").read_text().splitlines()]
     assert [r[2] for r in reports[:2]] == ["None", "None"], reports  # the first start: fresh
     resumed = reports[2:]
     assert sorted(int(r[0]) for r in resumed) == [0, 1], reports
@@ -174,15 +176,15 @@ def test_daemonset_layout_survives_agent_and_trainer_pod_restarts(sim: PodSim) -
     assert GATE_AGENT < start.pop() <= GATE_KILL, reports
 
     for rank in (0, 1):
-        want = _log(sim.root / f"ref-r{rank}.log")
+        want = _log(vol / f"ref-r{rank}.log")
         assert [s for s, _ in want] == list(range(STEPS))
-        got = _log(sim.root / f"run-r{rank}.log")  # both attempts: steps after resume repeat
+        got = _log(vol / f"run-r{rank}.log")  # both attempts: steps after resume repeat
         assert {s for s, _ in got} == set(range(STEPS)), rank
         for step, loss in got:
             assert loss == want[step][1], (rank, step)
         final = f"run-r{rank}.log.final.safetensors"
-        got_t = safetensors.torch.load_file(str(sim.root / final))
-        want_t = safetensors.torch.load_file(str(sim.root / f"ref-r{rank}.log.final.safetensors"))
+        got_t = safetensors.torch.load_file(str(vol / final))
+        want_t = safetensors.torch.load_file(str(vol / f"ref-r{rank}.log.final.safetensors"))
         assert got_t.keys() == want_t.keys()
         for k in want_t:
             assert torch.equal(got_t[k], want_t[k]), (rank, k)

@@ -474,6 +474,7 @@ class NodeRegistry:
         self.watch_reads = 0
         """How often the watch read every node key (its start, and each compaction)."""
         self._seen_lost: set[str] = set()
+        self._departed: dict[str, NodeRecord] = {}  # the last record of each peer gone
         self._reaping: set[str] = set()  # tokens of peers found dead here, being revoked
         self._lease: Lease | None = None
         self._threads: list[threading.Thread] = []
@@ -647,6 +648,26 @@ class NodeRegistry:
         """
         kvs = self._client.get_prefix(self._prefix, timeout=timeout)
         return [r for r in (NodeRecord.from_kv(kv) for kv in kvs) if r is not None]
+
+    def workers_finished_elsewhere(self, timeout: timedelta) -> bool:
+        """Whether another machine of the job left with its workers done (the job's training
+        finished: :attr:`NodeRecord.left_done`), waiting up to ``timeout`` while a machine
+        that is not a waiting standby in the watch's view may yet leave.
+
+        For a machine that finds the rendezvous closed while it waits (a standby): the
+        machines that close it at the end of a successful job publish ``done`` as they leave,
+        just after closing it. A job whose active machines all left without ``done`` (failed,
+        signalled), or whose leaving is not seen in time (etcd unreachable), did not finish.
+        """
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            with self._lock:
+                done = any(r.left_done for r in self._departed.values())
+                active = any(r.state != "waiting" for r in self._peers.values())
+            if done or not active or time.monotonic() >= deadline:
+                return done
+            if self._stop.wait(0.05):
+                return False
 
     def linked(self) -> set[str]:
         """The peers this launcher holds a link to now (:mod:`elastic.peerlinks`)."""
@@ -1124,6 +1145,7 @@ class NodeRegistry:
                 return  # found dead here, its lease being revoked: reported by the reaper
             self._reaping.discard(record.token)
             self._seen_lost.add(record.token)
+            self._departed[record.node_id] = record
             known = self._peers.get(record.node_id)
             if known is not None and known.token == record.token:
                 del self._peers[record.node_id]  # not a newer instance of the same node id

@@ -126,6 +126,9 @@ __all__ = ["LaunchError", "LaunchSession"]
 logger = logging.getLogger("flashckpt.launcher")
 
 _DEFAULT_READ_TIMEOUT_S = 30
+_PEERS_LEAVE_TIMEOUT = timedelta(seconds=10)
+"""How long after its lease TTL a standby that finds the rendezvous closed waits for the
+machines still active to leave (and say whether their workers finished)."""
 _AGENT_READY_TIMEOUT = timedelta(seconds=120)
 _HEALTH_TIMEOUT = timedelta(seconds=60)
 _MAX_HEALTH_ROUNDS = 5
@@ -492,6 +495,16 @@ class LaunchSession:
                     "old world was committed after the fence)"
                 )
                 self.events("left", reason="the job finished while this machine was cut off")
+                return 0
+            # A standby finds the rendezvous closed when it waited outside the round (an etcd
+            # outage dropped it from torch's standby list): it was not needed if the job's
+            # workers finished (issue 31).
+            registry = self._registry
+            if registry is not None and registry.workers_finished_elsewhere(
+                registry.ttl + _PEERS_LEAVE_TIMEOUT
+            ):
+                logger.info("the job finished without needing this standby machine")
+                self.events("standby_released")
                 return 0
             logger.error(
                 "the rendezvous of job %r is closed: the job finished or a machine gave up; "

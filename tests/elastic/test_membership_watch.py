@@ -245,3 +245,29 @@ def test_watch_events_carry_previous_values_and_report_a_compaction(
         etcd_prefix, after_revision=start, timeout=timedelta(seconds=10), prefix=True
     )
     assert gone.compacted == now and gone.events == []
+
+
+@pytest.mark.etcd
+@pytest.mark.parametrize("done", [True, False], ids=["workers-done", "workers-failed"])
+def test_a_standby_learns_whether_the_jobs_workers_finished_from_the_leavers_records(
+    etcd_prefix: str, make_registry: Callable[..., NodeRegistry], done: bool
+) -> None:
+    standby = make_registry(etcd_prefix, "s")
+    other_standby = make_registry(etcd_prefix, "t")
+    active = [make_registry(etcd_prefix, n) for n in ("a", "b")]
+    for reg in active:
+        reg.update(state="active")
+    other_standby.update(state="waiting")
+    _wait_for(
+        "the active machines seen",
+        lambda: (
+            {n: r.state for n, r in standby.peers().items()}
+            == {"a": "active", "b": "active", "t": "waiting"}
+        ),
+    )
+    # What the closing machines do as they leave: publish their state, then revoke.
+    for reg in active:
+        reg.update(state="leaving", done=done)
+        reg.close()
+    # Only the waiting standby is left: the answer comes without waiting for it to leave.
+    assert standby.workers_finished_elsewhere(timedelta(seconds=60)) is done

@@ -21,6 +21,7 @@ usage: $(basename "$0") [options] [--] TRAINING_SCRIPT [ARGS...]
   --run-dir DIR        the node agents' socket and log directory (default /tmp/flashckpt-UID)
   --agent MODE         launcher (default) or systemd (deploy/systemd's unit)
   --partition P, --time T, --account A   passed to sbatch
+  --wait               wait for the job to end; exit with its status (sbatch --wait)
   --dry-run            print what would run; submit nothing
 USAGE
 }
@@ -40,6 +41,7 @@ while [ "$#" -gt 0 ]; do
     --run-dir) run_dir=$2; shift 2 ;;
     --agent) agent=$2; shift 2 ;;
     --partition | --time | --account) sbatch_extra+=("$1=$2"); shift 2 ;;
+    --wait) sbatch_extra+=(--wait); shift ;;
     --dry-run) dry_run=1; shift ;;
     -h | --help) usage; exit 0 ;;
     --) shift; break ;;

@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import yaml
+from deployhelpers import KUSTOMIZE, expand
 from podns import CONTAINER, UID, Pod, PodSim, unavailable
 
 from flashckpt import envnames
@@ -75,23 +77,37 @@ class Job:
         self.id = f"k{uuid.uuid4().hex[:10]}{tag}"
         self.node = "node-a"
         self.storage = f"file://{sim.vol / 'ckpt' / tag}"
+        # The trainer container's directories, as the JobSet sets them.
+        js = yaml.safe_load((KUSTOMIZE / "base" / "jobset" / "jobset.yaml").read_text())
+        pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        dirs = {
+            e["name"]: e["value"].replace("/flashckpt/", f"{CONTAINER}/")
+            for e in pod["containers"][0]["env"]
+            if e["name"] in (envnames.RUN_DIR, envnames.SHM_DIR)
+        }
+        assert dirs == {envnames.RUN_DIR: f"{CONTAINER}/run", envnames.SHM_DIR: f"{CONTAINER}/shm"}
         self.env = {
             **os.environ,
             envnames.JOB: self.id,
             envnames.NODE: self.node,
-            envnames.RUN_DIR: f"{CONTAINER}/run",
-            envnames.SHM_DIR: f"{CONTAINER}/shm",
+            **dirs,
             "PYTHONUNBUFFERED": "1",
         }
 
     def agent(self, name: str) -> Pod:
-        """The DaemonSet's container command (deploy/kubernetes/base/agent/daemonset.yaml)."""
-        argv = [
-            sys.executable, "-m", "flashckpt", "agent",
-            f"--job={self.id}", f"--node={self.node}", f"--storage={self.storage}",
-            f"--shm-dir={CONTAINER}/shm", f"--run-dir={CONTAINER}/run",
-            "--idle-timeout=31536000", "--hang-kill=off", "--replicas=0",
-        ]  # fmt: skip
+        """The DaemonSet's container, as deploy/kubernetes/base/agent/daemonset.yaml writes it:
+        its command line with the pod's variables, /flashckpt where the pods mount the host
+        directories, and only the metrics port turned off (a fixed port on a shared network)."""
+        ds = yaml.safe_load((KUSTOMIZE / "base" / "agent" / "daemonset.yaml").read_text())
+        (c,) = ds["spec"]["template"]["spec"]["containers"]
+        values = {envnames.JOB: self.id, envnames.NODE: self.node, envnames.STORAGE: self.storage}
+        args = [
+            a.replace("/flashckpt/", f"{CONTAINER}/")
+            for a in expand(c["args"], values)
+            if not a.startswith(("--metrics-port=", "--metrics-host="))
+        ]
+        assert c["command"] == ["flashckpt", "agent"]
+        argv = [sys.executable, "-m", "flashckpt", "agent", *args]
         return self.sim.start(name, argv, self.env)
 
     def socket_file(self) -> Path:

@@ -3,12 +3,12 @@
 Each simulated machine is a thread running what a launcher runs for the rendezvous, without
 workers:
 
-- ``flashckpt``: the ``flashckpt-etcd`` backend and store (``elastic.rendezvous.create_backend``),
-  the launcher's liveness (``elastic.membership.NodeRegistry``: a lease-bound node key renewed
-  every ``ttl / 5``, a watch on the peers' keys, a probe port; a lost peer is expired in
-  torch's state with ``expire_rendezvous_nodes``, as ``flashckpt run`` does), and the handler
-  ``flashckpt run`` builds (``create_watching_handler`` + ``install_stable_ranks``), with
-  torch's own keep-alive thread;
+- ``flashckpt``: the ``flashckpt-etcd`` handler as torchrun and ``flashckpt run`` build it
+  (``elastic.rendezvous.create_handler``: :mod:`elastic.rdzv_handler`, per-machine join keys on
+  a lease of ``--lease-ttl``), and the launcher's liveness (``elastic.membership.NodeRegistry``:
+  a lease-bound node key renewed every ``ttl / 5``, a watch on the peers' keys, a probe port; a
+  lost peer's rendezvous keys are deleted with ``handler.expire_nodes``, as ``flashckpt run``
+  does);
 - ``c10d``: torch's ``C10dRendezvousBackend`` on a TCPStore this benchmark hosts, with torch's
   ``DynamicRendezvousHandler`` built by ``dynamic_rendezvous.create_handler``, as torchrun's
   ``--rdzv-backend=c10d`` does;
@@ -25,7 +25,8 @@ probe (flashckpt only: ``reap_dead_peers``) and calls ``next_rendezvous()`` agai
 
 Per N and backend (a fresh etcd each trial): time from "go" until every machine has its rank
 in round 1; time from the kill until every survivor and the standby are in round 2; every
-``set_state`` (compare-and-set) and how many failed; the largest state written; etcd's
+compare-and-set (c10d: torch's ``set_state``; flashckpt: the handler's conditional
+transactions) and how many failed; the largest value written; etcd's
 ``/metrics`` (writes, received bytes, DB size) over a steady period of ``--steady`` seconds
 after round 2; the job's etcd keys after each round and after the machines left. Rounds are
 bounded by ``--round-timeout``: a round not formed by then is recorded with the machines that
@@ -85,6 +86,12 @@ class _Counters:
         self.bytes_written = 0
         self.max_value = 0
         self.errors: list[str] = []
+        self.handlers: list[Any] = []
+
+    def wrap_handler(self, handler: Any) -> None:
+        """flashckpt: the handler counts its own transactions (``handler.stats``)."""
+        with self.lock:
+            self.handlers.append(handler)
 
     def wrap(self, backend: Any, overhead: int) -> None:
         original = backend.set_state
@@ -104,13 +111,21 @@ class _Counters:
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
-            return {
+            out = {
                 "set_state": self.set_state,
                 "cas_failed": self.cas_failed,
                 "bytes_written": self.bytes_written,
                 "max_value": self.max_value,
                 "errors": list(self.errors[:5]),
             }
+            handlers = list(self.handlers)
+        for h in handlers:
+            st = h.stats.snapshot()
+            out["set_state"] += st["txns"]
+            out["cas_failed"] += st["txns_failed"]
+            out["bytes_written"] += st["bytes_written"]
+            out["max_value"] = max(out["max_value"], st["max_value"])
+        return out
 
 
 class _Host:
@@ -162,25 +177,25 @@ class _Host:
         registry = None
         lost = threading.Event()
         if a.backend == "flashckpt":
-            from elastic.membership import NodeRegistry, expire_rendezvous_nodes
+            from elastic.membership import NodeRegistry
             from elastic.rdzv_name import BACKEND_NAME
-            from elastic.rdzv_watch import create_watching_handler
-            from elastic.rendezvous import create_backend, use_fresh_worker_store
-            from elastic.stable_ranks import install_stable_ranks
+            from elastic.rendezvous import create_handler, job_prefix
 
-            params = self.params(BACKEND_NAME, a.endpoint, read_timeout=60)
-            backend, store = create_backend(params)
-            self.counters.wrap(backend, overhead=15)  # the frame around torch's bytes
+            params = self.params(
+                BACKEND_NAME, a.endpoint, read_timeout=60, lease_ttl=str(a.lease_ttl)
+            )
+            handler = create_handler(params)
+            backend = None
+            self.counters.wrap_handler(handler)
 
             def on_lost(record: Any, via: str) -> None:
                 lost.set()
                 if record.rdzv_node:
-                    with contextlib.suppress(Exception):
-                        expire_rendezvous_nodes(backend, [record.rdzv_node])
+                    handler.expire_nodes([record.rdzv_node])
 
             registry = NodeRegistry(
-                backend.client,
-                backend.job_prefix,
+                handler.client,
+                job_prefix(a.run_id),
                 f"m{index}",
                 ttl=timedelta(seconds=a.lease_ttl),
                 advertise_host="127.0.0.1",
@@ -191,10 +206,7 @@ class _Host:
             )
             registry.start(timedelta(seconds=60))
             self.cleanups.append(registry.close)
-            use_fresh_worker_store()
-            handler = create_watching_handler(store, backend, params)
-            install_stable_ranks(handler, backend)
-            registry.update(rdzv_node=repr(handler._this_node), state="waiting")
+            registry.update(rdzv_node=handler.node, state="waiting")
         else:
             from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
             from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
@@ -203,7 +215,14 @@ class _Host:
             backend, store = c10d.create_backend(params)
             self.counters.wrap(backend, overhead=0)
             handler = dr.create_handler(store, backend, params)
-        self.cleanups.append(handler.shutdown)
+        # The launcher's exit after a signal: the rendezvous stays open (leave), as it does for
+        # every machine but the last (closing it would end the job for the others).
+        # flashckpt: machine 1 closes the rendezvous (the job is over), the others leave it, as
+        # launchers do when a job ends; the keys left behind are then a finished job's.
+        if a.backend == "flashckpt" and index != 1:
+            self.cleanups.append(handler.leave)
+        else:
+            self.cleanups.append(handler.shutdown)
         if a.standby:
             threading.Thread(
                 target=self._report_standby, args=(backend, handler), daemon=True
@@ -246,6 +265,13 @@ class _Host:
             self.stop.wait(self.a.monitor_interval)
 
     def _report_standby(self, backend: Any, handler: Any) -> None:
+        if self.a.backend == "flashckpt":
+            while not self.stop.is_set():
+                if handler.waiting_in is not None:  # its join key of the next round is there
+                    self.emit(ev="standby_waiting", m=-1)
+                    return
+                time.sleep(0.05)
+            return
         me = handler._this_node
         while not self.stop.is_set():
             with contextlib.suppress(Exception):
@@ -277,7 +303,7 @@ class _Host:
 
         if a.backend == "flashckpt":
             import elastic.membership
-            import elastic.rdzv_watch  # noqa: F401
+            import elastic.rendezvous  # noqa: F401
         self.emit(ev="ready", pid=os.getpid())
         while not (self.ctl / "go").exists():
             time.sleep(0.01)

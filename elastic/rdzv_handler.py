@@ -53,7 +53,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -354,6 +354,8 @@ class RdzvHandler(RendezvousHandler):
         self._waiting = 0
         self._member_watch: _MemberWatch | None = None
         self._waiting_in: int | None = None  # the round this machine waits in, if any
+        self._local = threading.local()
+        self._reached = False  # etcd answered this handler once
         self._newest_seen = -1  # the newest closed round this machine read
         self._joined = False  # joined a round since it was last admitted to one
         self.stats = _Stats()
@@ -387,6 +389,7 @@ class RdzvHandler(RendezvousHandler):
         if self._closed:
             raise RendezvousClosedError(f"the rendezvous {self._s.run_id!r} is closed")
         deadline = Deadline.after(self._s.join_timeout)
+        warned = 0.0
         try:
             while True:
                 if deadline.expired():
@@ -396,14 +399,23 @@ class RdzvHandler(RendezvousHandler):
                         f"(join_timeout); {self._s.min_nodes} to {self._s.max_nodes} machines "
                         "must join"
                     )
-                info = self._attempt(deadline)
+                try:
+                    info = self._attempt(deadline)
+                except EtcdError as exc:
+                    # etcd answered before: an outage (a leader election, a restart) is waited
+                    # out until join_timeout; one that never answered is a configuration error.
+                    if not self._reached or deadline.expired():
+                        raise RendezvousConnectionError(
+                            f"the rendezvous of job {self._s.run_id!r} failed to reach etcd at "
+                            f"{','.join(self._client.endpoints)}: {exc}"
+                        ) from exc
+                    if time.monotonic() - warned > 10:
+                        warned = time.monotonic()
+                        logger.warning("etcd failed during the rendezvous (retrying): %s", exc)
+                    deadline.sleep(1.0)
+                    continue
                 if info is not None:
                     return info
-        except EtcdError as exc:
-            raise RendezvousConnectionError(
-                f"the rendezvous of job {self._s.run_id!r} failed to reach etcd at "
-                f"{','.join(self._client.endpoints)}: {exc}"
-            ) from exc
         finally:
             self._waiting_in = None
 
@@ -448,6 +460,32 @@ class RdzvHandler(RendezvousHandler):
         return True
 
     # -------------------------------------------------------------------- flashckpt's extras
+    @property
+    def client(self) -> EtcdClient:
+        """The etcd client."""
+        return self._client
+
+    @contextlib.contextmanager
+    def call_timeout(self, timeout: timedelta) -> Iterator[None]:
+        """Caps the deadline of this thread's etcd calls of the handler inside the block (the
+        launcher's teardown: waiting the client's full ``read_timeout`` helps nobody)."""
+        previous = getattr(self._local, "timeout", None)
+        self._local.timeout = timeout if previous is None else min(previous, timeout)
+        try:
+            yield
+        finally:
+            self._local.timeout = previous
+
+    def _timeout(self) -> timedelta | None:
+        timeout: timedelta | None = getattr(self._local, "timeout", None)
+        return timeout
+
+    def note_reachable(self) -> None:
+        """Tells the handler that etcd answered (the launcher checked it): from now on an etcd
+        failure in ``next_rendezvous`` is an outage, waited out until ``join_timeout``, not a
+        configuration error that fails at once."""
+        self._reached = True
+
     @property
     def node(self) -> str:
         """This machine's descriptor in the rendezvous (``addr_pid_n``), as in the keys."""
@@ -519,7 +557,7 @@ class RdzvHandler(RendezvousHandler):
             lease, self._lease = self._lease, None
         if lease is not None:
             try:
-                self._client.revoke_lease(lease, timeout=timedelta(seconds=2))
+                self._client.revoke_lease(lease, timeout=self._timeout() or timedelta(seconds=2))
             except EtcdError as exc:
                 logger.info("could not revoke the rendezvous lease (it lapses): %s", exc)
 
@@ -530,6 +568,7 @@ class RdzvHandler(RendezvousHandler):
         self._keepalive_stop.set()
         with self._lock:
             self._lease = None
+        self._lease_lost.set()  # a wait in next_rendezvous joins again, with a new lease
 
     # -------------------------------------------------------------------- one attempt
     def _rp(self, rnd: int) -> str:
@@ -545,6 +584,7 @@ class RdzvHandler(RendezvousHandler):
         self._check_left()
         lease = self._ensure_lease()
         head = self._txn([], [_range(self._p + "round"), _range(self._p + "closed")], [])
+        self._reached = True
         if _kvs(head, 1):
             self._raise_closed()
         round_kvs = _kvs(head, 0)
@@ -566,9 +606,18 @@ class RdzvHandler(RendezvousHandler):
             separators=(",", ":"),
         ).encode()
         compare = [_cmp(self._p + "round", "MOD", round_rev), _cmp(self._p + "closed", "CREATE", 0)]
+        lead_key = self._rp(rnd) + "c/lead"
         success = [
             _put(join_key, value, lease.id),
             _range(join_key),
+            # The first machine to join leads the round: decided in the same transaction (a
+            # nested one), so nobody races for it.
+            {
+                "request_txn": {
+                    "compare": [_cmp(lead_key, "CREATE", 0)],
+                    "success": [_put(lead_key, self._node.encode(), lease.id)],
+                }
+            },
             _range(self._rp(rnd) + "c/", prefix=True),
         ]
         try:
@@ -584,7 +633,7 @@ class RdzvHandler(RendezvousHandler):
         if not mine:
             return None
         my_create = mine[0].create_revision
-        ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 2)}
+        ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 3)}
         self._waiting_in = rnd
         self._joined = True
         logger.debug("joined round %d as %s (revision %d)", rnd, self._node, my_create)
@@ -923,7 +972,7 @@ class RdzvHandler(RendezvousHandler):
         if self._s.state_ttl is None:
             return None
         try:
-            return self._client.grant_lease(self._s.state_ttl).id
+            return self._client.grant_lease(self._s.state_ttl, timeout=self._timeout()).id
         except EtcdError:
             return None
 
@@ -961,7 +1010,7 @@ class RdzvHandler(RendezvousHandler):
             body["failure"] = failure
         writes = any("request_put" in op or "request_delete_range" in op for op in success)
         response: dict[str, Any] = self._client._call(
-            "/v3/kv/txn", body, timeout=None, idempotent=not (compare and writes)
+            "/v3/kv/txn", body, timeout=self._timeout(), idempotent=not (compare and writes)
         )
         with self.stats.lock:
             self.stats.txns += 1
@@ -1108,7 +1157,9 @@ def settings_from_params(params: RendezvousParameters, job_prefix: str) -> RdzvS
     | join_timeout      | Seconds ``next_rendezvous`` waits for a round (600).         |
     | last_call_timeout | Seconds a round waits for more machines once ``min_nodes``   |
     |                   | joined (30).                                                 |
-    | lease_ttl         | Seconds after its last renewal a dead machine's keys go (10).|
+    | lease_ttl         | Seconds after its last renewal a dead machine's keys go (10; |
+    |                   | torch's keep_alive_interval x keep_alive_max_attempt when    |
+    |                   | those are given instead).                                    |
     | state_ttl         | Seconds the round keys outlive the job's last round; 0:      |
     |                   | forever (7200).                                              |
     +-------------------+--------------------------------------------------------------+
@@ -1128,6 +1179,12 @@ def settings_from_params(params: RendezvousParameters, job_prefix: str) -> RdzvS
         return value
 
     state_ttl = seconds("state_ttl", 7200, 0)
+    lease_default = DEFAULT_LEASE_TTL.total_seconds()
+    if params.get("lease_ttl") is None and params.get("keep_alive_interval") is not None:
+        # torch's own options: a machine is dead after keep_alive_max_attempt missed beats.
+        interval = seconds("keep_alive_interval", 5, 0.1)
+        attempts = seconds("keep_alive_max_attempt", 3, 1)
+        lease_default = max(2.0, interval * attempts)
     return RdzvSettings(
         run_id=params.run_id,
         job_prefix=job_prefix,
@@ -1135,7 +1192,7 @@ def settings_from_params(params: RendezvousParameters, job_prefix: str) -> RdzvS
         max_nodes=params.max_nodes,
         join_timeout=timedelta(seconds=seconds("join_timeout", 600, 1)),
         last_call_timeout=timedelta(seconds=seconds("last_call_timeout", 30, 0)),
-        lease_ttl=timedelta(seconds=seconds("lease_ttl", DEFAULT_LEASE_TTL.total_seconds(), 2)),
+        lease_ttl=timedelta(seconds=seconds("lease_ttl", lease_default, 2)),
         state_ttl=timedelta(seconds=state_ttl) if state_ttl else None,
         local_addr=params.local_addr,
     )

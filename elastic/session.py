@@ -22,9 +22,8 @@ What happens when a machine dies mid-training (machines A, B active; C standby):
    collectives; with no standby waiting, torch's agent alone would leave them there). Workers
    that fail with their world are a membership change, not a failure of theirs: the restart
    does not use up ``--max-restarts`` (:meth:`_FlashAgent._monitor_workers`).
-3. Each launcher marks B dead in torch's rendezvous state (:func:`expire_rendezvous_nodes`), so
-   torch drops B at once instead of after its 15 s heartbeat timeout, and A and the standby C
-   form the next round.
+3. Each launcher deletes B's keys in the rendezvous (:meth:`RdzvHandler.expire_nodes`), so the
+   next round does not wait for B's rendezvous lease to lapse, and A and the standby C form it.
 4. A replaces its node agent by a fresh one (a membership change leaves the old agent with
    rank records and half-committed steps of the previous world), then starts its workers; they
    restore the newest step every rank can obtain (committed storage, since C has no memory).
@@ -71,17 +70,13 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
-    RendezvousConnectionError,
     RendezvousError,
     RendezvousParameters,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-)
 
 from elastic import health
-from elastic.etcd import EtcdError
+from elastic.etcd import EtcdClient, EtcdError
 from elastic.jobview import JobViewPublisher, StragglerSwap, agent_status
 from elastic.launch_config import EventLog, LauncherConfig, LaunchError
 from elastic.membership import (
@@ -89,7 +84,6 @@ from elastic.membership import (
     NodeIdInUse,
     NodeRecord,
     NodeRegistry,
-    expire_rendezvous_nodes,
 )
 from elastic.node_agent import (
     EXIT_KEPT,
@@ -97,21 +91,18 @@ from elastic.node_agent import (
     NodeAgentConfig,
     NodeAgentError,
     NodeAgentProcess,
-    round_participants,
     world_replica_peers,
 )
 from elastic.prewarm import PREWARM_SOCKET_ENV, Prewarmer
+from elastic.rdzv_handler import RdzvHandler
 from elastic.rdzv_registry import BACKEND_NAME
-from elastic.rdzv_watch import create_watching_handler
 from elastic.rendezvous import (
     DEFAULT_KEY_PREFIX,
-    EtcdRendezvousBackend,
-    create_backend,
+    create_handler,
     job_prefix,
     use_fresh_worker_store,
 )
 from elastic.restore_report import RestoreReporter, events_path, job_summary
-from elastic.stable_ranks import install_stable_ranks
 from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
 from elastic.storage_check import check_storage
 from elastic.worker_entry import EXEC_FLAG, LAUNCHER_PID_ENV
@@ -181,8 +172,8 @@ class LaunchSession:
         self._registry: NodeRegistry | None = None
         self._node_agent: NodeAgentProcess | None = None
         self._prewarmer: Prewarmer | None = None
-        self._backend: EtcdRendezvousBackend | None = None
-        self._handler: DynamicRendezvousHandler | None = None
+        self._client: EtcdClient | None = None
+        self._handler: RdzvHandler | None = None
         self._agent: _FlashAgent | None = None
         self._job_prefix = ""
         self._shutdown_rdzv = False
@@ -280,7 +271,12 @@ class LaunchSession:
         assert endpoint is not None
         self._set_worker_environment()
 
-        conf: dict[str, Any] = {"read_timeout": str(_DEFAULT_READ_TIMEOUT_S), **cfg.rdzv_conf}
+        conf: dict[str, Any] = {
+            "read_timeout": str(_DEFAULT_READ_TIMEOUT_S),
+            # A dead machine's rendezvous keys go with their lease, like its node key.
+            "lease_ttl": str(cfg.lease_ttl),
+            **cfg.rdzv_conf,
+        }
         try:
             params = RendezvousParameters(
                 backend=BACKEND_NAME,
@@ -291,11 +287,10 @@ class LaunchSession:
                 local_addr=cfg.local_addr,
                 **conf,
             )
-            backend, store = create_backend(params)
+            handler = create_handler(params)
         except ValueError as exc:
             raise LaunchError(f"--rdzv-conf/--rdzv-endpoint: {exc}") from exc
-        self._backend = backend
-        client = backend.client
+        client = self._client = handler.client
         read_timeout = client.timeout
         key_prefix = str(params.get("key_prefix", DEFAULT_KEY_PREFIX))
         self._job_prefix = job_prefix(cfg.rdzv_id, key_prefix)
@@ -309,6 +304,7 @@ class LaunchSession:
                 "single-machine run use --standalone; to wait longer pass --rdzv-conf "
                 "read_timeout=<seconds>"
             ) from exc
+        handler.note_reachable()  # an etcd outage from now on is waited out in the rendezvous
         try:
             reason = health.is_marked_unhealthy(client, self._job_prefix, cfg.node_id)
         except EtcdError as exc:
@@ -383,14 +379,8 @@ class LaunchSession:
             self._prewarmer.start()
 
         threading.Thread(target=self._report_warm, name="flashckpt-warm", daemon=True).start()
-        self._handler = create_watching_handler(store, backend, params)
-        try:
-            install_stable_ranks(self._handler, backend)
-        except RendezvousError as exc:
-            raise LaunchError(str(exc)) from exc
-        _tolerate_etcd_outages(self._handler, backend)
-        node_desc = getattr(self._handler, "_this_node", None)
-        self._registry.update(rdzv_node=repr(node_desc) if node_desc else None, state="waiting")
+        self._handler = handler
+        self._registry.update(rdzv_node=handler.node, state="waiting")
         self._start_job_view(client)
 
         entry = ["-u", "-m", "elastic.worker_entry"]
@@ -401,7 +391,7 @@ class LaunchSession:
         spec = WorkerSpec(
             role="trainer",
             local_world_size=cfg.nproc_per_node,
-            rdzv_handler=self._handler,
+            rdzv_handler=handler,
             entrypoint=os.environ.get("PYTHON_EXEC", sys.executable),
             args=(*entry, *cfg.entrypoint_args),
             max_restarts=cfg.max_restarts,
@@ -571,16 +561,9 @@ class LaunchSession:
                 self._lost_active += 1
             if record.rdzv_node in self._round_nodes:
                 self._round_lost.append(record)
-        if record.rdzv_node and self._backend is not None:
-            try:
-                marked = expire_rendezvous_nodes(self._backend, [record.rdzv_node])
-            except Exception as exc:  # torch's own heartbeat timeout still applies
-                logger.warning(
-                    "could not drop node %s from the rendezvous: %s", record.node_id, exc
-                )
-                return
-            if marked:
-                self.events("peer_expired", peer=record.node_id)
+        # Never raises: its rendezvous lease ends its keys anyway.
+        if record.rdzv_node and self._handler and self._handler.expire_nodes([record.rdzv_node]):
+            self.events("peer_expired", peer=record.node_id)
 
     # ---------------------------------------------------------------------------- fencing
 
@@ -624,13 +607,10 @@ class LaunchSession:
         with self._lock:
             self._worker_pids = []
         agent.join(timeout=max(0.0, notice.expiry - time.monotonic()))
-        # torch's keep-alive would write this node's heartbeat back over the epoch the others
-        # set (the next rendezvous starts it again). Last: stopping it waits for a heartbeat in
-        # flight, up to its 2 s etcd deadline.
-        stop_heartbeats = getattr(self._handler, "_stop_heartbeats", None)
-        if callable(stop_heartbeats):
-            with contextlib.suppress(Exception):
-                stop_heartbeats()
+        # Its rendezvous keys must lapse with this registration: no more renewals (the next
+        # rendezvous takes a new lease, as a standby).
+        if self._handler is not None:
+            self._handler.suspend()
         threading.Thread(target=self._await_heal, name="flashckpt-heal", daemon=True).start()
 
     def _fence_agent(self, notice: FenceNotice) -> None:
@@ -664,9 +644,8 @@ class LaunchSession:
     def _rejoin_limit_s(self) -> float:
         """How long a fenced machine waits for etcd before it leaves the job: the rendezvous'
         join timeout (torch's default 600 s)."""
-        settings = getattr(self._handler, "_settings", None)
-        join = getattr(getattr(settings, "timeout", None), "join", None)
-        return join.total_seconds() if isinstance(join, timedelta) else 600.0
+        handler = self._handler
+        return handler.join_timeout.total_seconds() if handler is not None else 600.0
 
     def _await_heal(self) -> None:
         """From the fence on: registers the machine again as soon as etcd answers."""
@@ -745,7 +724,7 @@ class LaunchSession:
         )
         self._registry.update(state="active", group_rank=worker_group.group_rank)
         with self._lock:
-            self._round_nodes = round_participants(self._handler) or set()
+            self._round_nodes = (self._handler.participants() if self._handler else None) or set()
             self._round_lost = []
         if self.config.health_check:
             self._health_check(worker_group)
@@ -829,8 +808,8 @@ class LaunchSession:
                 "cannot read the job's nodes from etcd: replica peers unchanged: %s", exc
             )
             return
-        world = round_participants(self._handler)
-        if world is None:  # torch's internals differ: every live machine but those leaving
+        world = self._handler.participants() if self._handler is not None else None
+        if world is None:  # etcd did not answer: every live machine but those leaving
             world = {r.rdzv_node for r in records if r.rdzv_node and r.state != "leaving"}
         peers = world_replica_peers(world, records, self.config.node_id)
         agent.set_replica_peers(peers)
@@ -851,7 +830,7 @@ class LaunchSession:
             )
 
     def _health_check(self, worker_group: WorkerGroup) -> None:
-        assert self._backend is not None and worker_group.store is not None
+        assert self._client is not None and worker_group.store is not None
         rank = worker_group.group_rank
         assert rank is not None and worker_group.group_world_size is not None
         try:
@@ -866,9 +845,7 @@ class LaunchSession:
             return
         if rank in verdict.unhealthy:
             reason = verdict.unhealthy[rank]
-            health.mark_unhealthy(
-                self._backend.client, self._job_prefix, self.config.node_id, reason
-            )
+            health.mark_unhealthy(self._client, self._job_prefix, self.config.node_id, reason)
             raise _Unhealthy(
                 f"this machine ({self.config.node_id}) failed the health check: {reason}; it "
                 "is recorded in etcd and will not be admitted to this job again"
@@ -933,8 +910,8 @@ class LaunchSession:
         signalled = self._signalled_at is not None
         if self._node_agent is not None and signalled:
             self._node_agent.refuse_restarts()
-        etcd_up = self._backend is not None and self.etcd_reachable()
-        if self._backend is not None and not etcd_up:
+        etcd_up = self._client is not None and self.etcd_reachable()
+        if self._client is not None and not etcd_up:
             logger.warning(
                 "etcd does not answer: this node's key and rendezvous place go with their "
                 "lease and heartbeat timeouts"
@@ -988,40 +965,28 @@ class LaunchSession:
     def _leave_rendezvous(self, *, close: bool, etcd_up: bool) -> None:
         """Closes the rendezvous (the job finished) or gives up this node's place in it.
 
-        After a signal torch leaves the rendezvous open (closing it would end the job for every
-        machine, and a standby must be able to take this one's place); this node's heartbeat is
-        set to the epoch instead, so the others drop it at their next read rather than count it
-        as waiting until torch's heartbeat timeout (15 s).
+        After a signal the rendezvous stays open (closing it would end the job for every
+        machine, and a standby must be able to take this one's place); this machine's lease is
+        revoked instead, so its join keys go at once and the others do not wait for it.
         """
-        handler, backend = self._handler, self._backend
+        handler = self._handler
         assert handler is not None
-        with contextlib.ExitStack() as stack:
-            if backend is not None:
-                stack.enter_context(backend.call_timeout(_TEARDOWN_ETCD_TIMEOUT))
+        with handler.call_timeout(_TEARDOWN_ETCD_TIMEOUT):
             if close and etcd_up:
-                with contextlib.suppress(Exception):
-                    handler.shutdown()
+                handler.shutdown()  # logs and returns False when etcd fails; leaves either way
                 return
-            # torch's keep-alive timer would write a fresh heartbeat over the epoch.
-            stop_heartbeats = getattr(handler, "_stop_heartbeats", None)
-            if callable(stop_heartbeats):
-                with contextlib.suppress(Exception):
-                    stop_heartbeats()
-            node = getattr(handler, "_this_node", None)
-            if node is None or backend is None or not etcd_up:
-                return
-            try:
-                expire_rendezvous_nodes(backend, [repr(node)], attempts=3)
-            except Exception as exc:  # torch's heartbeat timeout drops it instead
-                logger.info("could not give up this node's place in the rendezvous: %s", exc)
+            if etcd_up:
+                handler.leave()
+            else:
+                handler.suspend()  # its keys lapse with its lease
 
     def etcd_reachable(self) -> bool:
         """Whether etcd answers within 2 s."""
-        backend = self._backend
-        if backend is None:
+        client = self._client
+        if client is None:
             return False
         try:
-            backend.client.revision(timeout=_PROBE_ETCD_TIMEOUT)
+            client.revision(timeout=_PROBE_ETCD_TIMEOUT)
         except EtcdError:
             return False
         return True
@@ -1123,49 +1088,6 @@ class _FlashAgent(LocalElasticAgent):
             remaining_restarts=self._remaining_restarts,
         )
         super()._restart_workers(worker_group)
-
-
-def _tolerate_etcd_outages(
-    handler: DynamicRendezvousHandler, backend: EtcdRendezvousBackend
-) -> None:
-    """Keeps healthy workers training while etcd is unreachable.
-
-    torch's agent asks ``num_nodes_waiting()`` every ``--monitor-interval`` while the workers
-    run, and an error there ends the launcher (and so the job), although the workers never
-    talk to etcd. Here an etcd outage only means no machine can be seen waiting to join; it is
-    logged, and rendezvous rounds still fail after their own timeouts. Both the poll and torch's
-    heartbeat give up on etcd after 2 s, so neither holds up the monitor loop.
-    """
-    ask = handler.num_nodes_waiting
-    last_warning = [0.0]
-
-    def num_nodes_waiting() -> int:
-        try:
-            # A poll, not a rendezvous: a short deadline keeps the monitor loop (which also
-            # notices finished or failed workers) running while etcd is down.
-            with backend.call_timeout(_PROBE_ETCD_TIMEOUT):
-                return ask()
-        except RendezvousConnectionError as exc:
-            now = time.monotonic()
-            if now - last_warning[0] > 10:
-                last_warning[0] = now
-                logger.warning("etcd unreachable; the workers keep training: %s", exc)
-            return 0
-
-    setattr(handler, "num_nodes_waiting", num_nodes_waiting)  # noqa: B010
-
-    # torch's keep-alive thread holds the handler's heartbeat lock for its whole etcd write,
-    # which num_nodes_waiting() also takes: with etcd down and the client's 30 s read_timeout,
-    # the monitor loop stalled for 30 s at a time (workers that had finished went unnoticed).
-    # A heartbeat is retried every keep_alive_interval anyway.
-    keep_alive = getattr(handler, "_keep_alive", None)
-    if callable(keep_alive):
-
-        def capped_keep_alive() -> None:
-            with backend.call_timeout(_PROBE_ETCD_TIMEOUT):
-                keep_alive()
-
-        setattr(handler, "_keep_alive", capped_keep_alive)  # noqa: B010
 
 
 def stop_processes(pids: list[int], kill_at: float) -> list[int]:

@@ -81,7 +81,7 @@ def main() -> None:
         result = {
             "round": i,
             "pid": os.getpid(),
-            "node": repr(getattr(handler, "_this_node", None)),
+            "node": handler.node,  # type: ignore[attr-defined]
             "rank": rank,
             "world_size": world,
             "sum": tensor.item(),

@@ -13,7 +13,6 @@ directory, no etcd key of the machine, and the node agent was never started a se
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import time
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from _cluster import SimCluster
 
 from elastic.etcd import EtcdClient
 from elastic.etcd_server import EtcdServer
-from elastic.rendezvous import DEFAULT_KEY_PREFIX, decode_state, job_prefix
+from elastic.rendezvous import DEFAULT_KEY_PREFIX, job_prefix
 from elastic.testing import job_processes
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
@@ -88,28 +87,19 @@ def test_signal_while_waiting_in_the_rendezvous(
     cluster_box.append(cluster)
     machine = cluster.start("n0")  # its peer never comes: it waits in the rendezvous
     client = EtcdClient(etcd_server, timeout=timedelta(seconds=5))
-    state_key = job_prefix(cluster.run_id, DEFAULT_KEY_PREFIX) + "rdzv/state"
+    rounds = job_prefix(cluster.run_id, DEFAULT_KEY_PREFIX) + "rdzv/r/"
 
-    def waiting() -> bool:
-        # Its node is a participant of the round: torch's join added it and waits for the
-        # peer (a state read again once a second) until the round completes, which it cannot.
-        found = client.get(state_key)
-        if found is None:
-            return False
-        state = pickle.loads(decode_state(found[0], state_key))
-        return bool(state.participants) and bool(state.last_heartbeats)
+    def joins() -> list[str]:
+        return [kv.key.decode() for kv in client.get_prefix(rounds) if b"/a/" in kv.key]
 
-    cluster.wait_for("the launcher to wait in the rendezvous", waiting, 90)
+    # Its join key of round 0 is there: it waits for the peer, which never comes.
+    cluster.wait_for("the launcher to wait in the rendezvous", lambda: bool(joins()), 90)
     os.kill(machine.proc.pid, sig)
     _wait_signalled_exit(cluster, "n0", sig)
     assert not _leftovers(cluster, "n0", client), cluster.logs()
-    # Its place in the rendezvous is given up at once (heartbeat set to the epoch), so the other
-    # machines do not count it as waiting until torch's 15 s heartbeat timeout.
-    found = client.get(state_key)
-    assert found is not None
-    state = pickle.loads(decode_state(found[0], state_key))
-    beats = {repr(n): t.timestamp() for n, t in state.last_heartbeats.items()}
-    assert beats and all(t == 0 for t in beats.values()), beats
+    # Its place in the rendezvous is given up at once (its rendezvous lease revoked), so the
+    # other machines do not count it as waiting until the lease would lapse.
+    assert joins() == [], cluster.logs()
     assert _agent_starts(cluster, "n0") == 1, cluster.logs()
 
 

@@ -406,3 +406,23 @@ def test_a_round_of_128_machines(job: Callable[..., Job]) -> None:
     assert result is not None and len(result[0]) < 1024
     failed = sum(h.stats.snapshot()["txns_failed"] for h in hs)
     assert failed < n  # lead races only: no compare-and-set storm
+
+
+def test_an_etcd_restart_is_waited_out_by_members_and_standby(etcd_instance: Any) -> None:
+    j = Job(etcd_instance.client_url, "/outage/", min_nodes=2, max_nodes=2)
+    try:
+        a, b = j.machine(), j.machine()
+        j.rounds([a, b])
+        standby = j.machine()
+        out = j.join(standby)
+        wait_until(lambda: standby.waiting_in == 1)
+        etcd_instance.restart(down_for=timedelta(seconds=4))  # SIGKILL, 4 s down: > lease_ttl
+        # The members' watches and the standby's wait reconnect; the round is still full.
+        assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0
+        kill(a)
+        wait_until(lambda: b.num_nodes_waiting() > 0, what="b sees the standby after a's death")
+        info_b, info_s = done(j.join(b)), done(out)
+        assert (info_b.world_size, info_s.world_size) == (2, 2)
+        assert {info_b.rank, info_s.rank} == {0, 1}
+    finally:
+        j.close()

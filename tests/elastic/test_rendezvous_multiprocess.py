@@ -185,4 +185,4 @@ def test_torch_discovers_the_handler_through_the_entry_point(tmp_path: Path) -> 
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["DynamicRendezvousHandler", "flashckpt-etcd"]
+    assert done.stdout.split() == ["RdzvHandler", "flashckpt-etcd"]

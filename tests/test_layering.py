@@ -95,6 +95,7 @@ _assign(
     # one module per framework, imported only when used (each imports its framework)
     "flashckpt.integrations",
     "flashckpt.integrations.huggingface",
+    "flashckpt.integrations.lightning",
 )
 _assign(ELASTIC, *(f"elastic.{p.stem}" for p in (ROOT / "elastic").glob("*.py")))
 LAYERS["elastic"] = LAYERS.pop("elastic.__init__")

@@ -1,0 +1,177 @@
+"""A tiny Lightning run (an MLP with dropout, random data, no downloads) for the integration
+tests and the benchmark, run as a subprocess.
+
+``--mode flash`` checkpoints with ``flashckpt.integrations.lightning.FlashCheckpoint``;
+``--mode native`` with Lightning's own ``ModelCheckpoint(every_n_train_steps=...)`` and
+``fit(ckpt_path="last")``; ``--mode none`` not at all. ``--loader stateful`` trains from
+torchdata's ``StatefulDataLoader`` (a resumable position), ``plain`` from a ``DataLoader``. It
+appends ``global_step`` lines to ``--log`` as steps end and writes, at the end, the final model
+and optimizer tensors (``final.safetensors``) and a report (``final.json``) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+import safetensors.torch
+import torch
+
+
+def build(seed: int = 0):  # type: ignore[no-untyped-def]
+    import lightning.pytorch as pl
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(16, 64),
+                torch.nn.ReLU(),
+                torch.nn.Dropout(0.2),  # consumes the global RNG: resume must restore it
+                torch.nn.Linear(64, 1),
+            )
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    torch.manual_seed(seed)
+    model = Net()
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(80, 16, generator=g)
+    ds = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    return model, ds
+
+
+def final_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    out = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    sd = optimizer.state_dict()
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            out[f"optim.{idx}.{k}"] = t.detach().clone().contiguous()
+    for i, g in enumerate(sd["param_groups"]):
+        out[f"optim.group{i}.lr"] = torch.tensor(float(g["lr"]), dtype=torch.float64)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--storage", default=None)
+    p.add_argument("--job", default=None)
+    p.add_argument("--node", default=None)
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--shm-dir", default=None)
+    p.add_argument("--mode", choices=("flash", "native", "none"), default="flash")
+    p.add_argument("--loader", choices=("stateful", "plain"), default="stateful")
+    p.add_argument("--out", required=True)
+    p.add_argument("--log", required=True)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--step-times", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    import logging
+
+    import lightning.pytorch as pl
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    os.makedirs(a.out, exist_ok=True)
+    model, ds = build()
+    if a.loader == "stateful":
+        from torch.utils.data.distributed import DistributedSampler
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        # The shuffle order a function of (seed, epoch): Lightning calls set_epoch. (With
+        # shuffle=True and a generator= instead, torchdata 0.11's loader restored mid-epoch
+        # draws the next epoch's order from another generator state than an uninterrupted run.)
+        sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=7)
+        loader = StatefulDataLoader(ds, batch_size=8, sampler=sampler)
+    else:
+        gen = torch.Generator().manual_seed(7)  # the loader's own RNG (its shuffle order)
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, generator=gen)
+
+    class StepLog(pl.Callback):
+        def __init__(self) -> None:
+            self.t = time.perf_counter()
+            self.last = -1
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, i):  # type: ignore[no-untyped-def]
+            if trainer.global_step != self.last:
+                self.last = trainer.global_step
+                data = float(batch[0].sum()).hex()  # which samples the step trained on
+                with open(a.log, "a") as f:
+                    f.write(f"{trainer.global_step} {float(outputs['loss']).hex()} {data}\n")
+                now = time.perf_counter()
+                if a.step_times:
+                    with open(a.step_times, "a") as f:
+                        f.write(f"{trainer.global_step} {now - self.t}\n")
+                if a.step_sleep:
+                    time.sleep(a.step_sleep)
+                self.t = time.perf_counter()
+
+    callbacks: list = [StepLog()]
+    flash = None
+    ckpt_path = None
+    native_dir = os.path.join(a.out, "pl")
+    if a.mode == "flash":
+        from flashckpt.integrations.lightning import FlashCheckpoint
+
+        opts = {k: v for k, v in (("job", a.job), ("node", a.node), ("run_dir", a.run_dir)) if v}
+        if a.shm_dir:
+            opts["shm_dir"] = a.shm_dir
+        flash = FlashCheckpoint(
+            storage=a.storage, every=a.every, persist_every=1, agent_idle_timeout=120, **opts
+        )
+        callbacks.append(flash)
+    elif a.mode == "native":
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(
+            ModelCheckpoint(dirpath=native_dir, every_n_train_steps=a.every, save_last=True)
+        )
+        if os.path.exists(os.path.join(native_dir, "last.ckpt")):
+            ckpt_path = "last"
+    trainer = pl.Trainer(
+        max_steps=a.steps,
+        accelerator="cpu",
+        devices=1,
+        accumulate_grad_batches=a.accum,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=a.mode == "native",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=a.out,
+    )
+    trainer.fit(model, loader, ckpt_path=ckpt_path, weights_only=False if ckpt_path else None)
+    opt = trainer.optimizers[0]
+    safetensors.torch.save_file(final_tensors(model, opt), os.path.join(a.out, "final.safetensors"))
+    report = {
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "restored_step": flash.restored_step if flash else ckpt_path,
+        "restored_from": flash.restored_from if flash else None,
+    }
+    with open(os.path.join(a.out, "final.json"), "w") as f:
+        json.dump(report, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

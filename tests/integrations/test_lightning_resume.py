@@ -1,0 +1,234 @@
+"""A Lightning ``Trainer`` with ``FlashCheckpoint``, judged as a user would: a tiny run
+(``tests/integrations/pltrain.py``: an MLP with dropout, a shuffled ``StatefulDataLoader``)
+SIGKILLed at a random step and started again with the same command trains every later step on
+the same batches with the same loss as the uninterrupted run, and ends with the same parameters
+and optimizer state, bit for bit; from memory, and from storage with the snapshot at an epoch's
+end. Lightning's own ``ModelCheckpoint`` + ``fit(ckpt_path=...)`` on the same run is measured
+beside it. Misuse that would diverge silently is refused, naming the fix."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from fchelpers import FcEnv, kill_job_processes
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).with_name("pltrain.py")
+STEPS, EVERY = 24, 4  # 10 steps per epoch: the run crosses two epoch boundaries
+
+
+def _cmd(env: FcEnv, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        str(SCRIPT),
+        *env.cli_flags(),
+        "--out",
+        str(out),
+        "--log",
+        str(out) + ".log",
+        "--steps",
+        str(STEPS),
+        *extra,
+    ]
+
+
+def _run(cmd: list[str], code: int = 0) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == code, p.stderr[-4000:]
+    return p.stderr
+
+
+def _steps(out: Path) -> list[tuple[int, str, str]]:
+    """Every ``step loss data`` line logged, from every run of the command."""
+    with contextlib.suppress(FileNotFoundError):
+        lines = Path(str(out) + ".log").read_text().splitlines()
+        return [(int(s), loss, data) for s, loss, data in (ln.split() for ln in lines)]
+    return []
+
+
+def _kill_at(cmd: list[str], out: Path, step: int) -> None:
+    """Starts the run and SIGKILLs it once ``step`` steps are logged."""
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        while len(_steps(out)) < step:
+            assert p.poll() is None, p.stderr.read().decode()[-4000:] if p.stderr else ""
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=0.02)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == -signal.SIGKILL
+
+
+def _final(out: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = safetensors.torch.load_file(str(out / "final.safetensors"))
+    return tensors, json.loads((out / "final.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The uninterrupted run: final tensors and ``{step: (loss, data)}``."""
+    tmp = tmp_path_factory.mktemp("plref")
+    job = "t" + uuid.uuid4().hex[:12] + "ref"
+    env = FcEnv(
+        job=job,
+        node="n0",
+        run_dir=f"/tmp/fct-{job}",
+        storage=f"file://{tmp}/ckpt",
+        storage_path=tmp / "ckpt",
+    )
+    out = tmp / "ref"
+    try:
+        _run(_cmd(env, out))
+        tensors, report = _final(out)
+        assert report["global_step"] == STEPS and report["restored_from"] is None
+        steps = {s: (loss, data) for s, loss, data in _steps(out)}
+        assert sorted(steps) == list(range(1, STEPS + 1))
+        yield tensors, steps
+    finally:
+        kill_job_processes(job)
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(f"fc.{job}"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", name))
+        shutil.rmtree(env.run_dir, ignore_errors=True)
+
+
+def _assert_same_run(ref, out: Path) -> dict:  # type: ignore[no-untyped-def]
+    ref_tensors, ref_steps = ref
+    tensors, report = _final(out)
+    assert report["global_step"] == STEPS
+    logged = _steps(out)
+    assert {s for s, _, _ in logged} == set(range(1, STEPS + 1))
+    for step, loss, data in logged:  # every line, from every run, is the uninterrupted run's
+        assert (loss, data) == ref_steps[step], f"step {step}"
+    assert tensors.keys() == ref_tensors.keys()
+    assert sorted(k for k in tensors if not torch.equal(tensors[k], ref_tensors[k])) == []
+    assert any(k.endswith("exp_avg_sq") for k in tensors)
+    return report
+
+
+def test_kill_at_a_random_step_resumes_bitwise_from_memory(
+    tmp_path: Path, fc_env: FcEnv, reference
+) -> None:  # type: ignore[no-untyped-def]
+    step = random.Random(29).randrange(EVERY + 1, STEPS - 1)
+    out = tmp_path / "run"
+    cmd = _cmd(fc_env, out, "--every", str(EVERY), "--step-sleep", "0.05")
+    _kill_at(cmd, out, step)
+    _run(cmd)  # the same command: resumes from the node agent's memory
+    report = _assert_same_run(reference, out)
+    assert report["restored_from"] == "memory", report
+    assert report["restored_step"] % EVERY == 0 and report["restored_step"] >= EVERY
+
+
+def test_kill_with_the_node_agent_resumes_bitwise_from_storage(
+    tmp_path: Path, fc_env: FcEnv, reference
+) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "run"
+    # every=5: the snapshot of step 10 is an epoch's last, taken at the epoch's end
+    cmd = _cmd(fc_env, out, "--every", "5", "--step-sleep", "0.05")
+    _kill_at(cmd, out, 13)
+    kill_job_processes(fc_env.job)  # the node agent too, and the machine's memory with it
+    for name in os.listdir(fc_env.shm_dir):
+        if name.startswith(f"fc.{fc_env.job}."):
+            os.unlink(os.path.join(fc_env.shm_dir, name))
+    _run(cmd)
+    report = _assert_same_run(reference, out)
+    assert report["restored_from"] == "storage" and report["restored_step"] in (5, 10), report
+
+
+def test_lightnings_own_resume_on_the_same_run(tmp_path: Path, fc_env: FcEnv, reference) -> None:  # type: ignore[no-untyped-def]
+    """The baseline: ModelCheckpoint(every_n_train_steps=4) and fit(ckpt_path="last"), killed
+    after step 13 (resumes at 12, mid-epoch 1). Lightning's checkpoint holds no RNG state, so the
+    resumed steps draw other dropout masks: the losses differ from the first resumed step on, and
+    so do the final parameters and optimizer moments (measured: every one of them), where
+    FlashCheckpoint's resume is bitwise."""
+    ref_tensors, ref_steps = reference
+    out = tmp_path / "native"
+    cmd = _cmd(fc_env, out, "--mode", "native", "--every", str(EVERY), "--step-sleep", "0.05")
+    _kill_at(cmd, out, 13)
+    _run(cmd)
+    tensors, report = _final(out)
+    assert report["restored_step"] == "last" and report["global_step"] == STEPS
+    last = {s: (loss, data) for s, loss, data in _steps(out)}  # the resumed run's lines
+    assert last[13][0] != ref_steps[13][0]  # the first resumed step: another dropout mask
+    differ = sorted(k for k in tensors if not torch.equal(tensors[k], ref_tensors[k]))
+    assert [k for k in differ if k.startswith("model.")] == sorted(
+        k for k in tensors if k.startswith("model.")
+    )
+
+
+def test_a_mid_epoch_resume_without_a_resumable_loader_is_refused(
+    tmp_path: Path, fc_env: FcEnv
+) -> None:
+    out = tmp_path / "run"
+    cmd = _cmd(fc_env, out, "--loader", "plain", "--every", str(EVERY), "--step-sleep", "0.05")
+    _kill_at(cmd, out, 14)  # snapshot of step 12: in the middle of epoch 1
+    err = _run(cmd, code=1)
+    assert "no resumable position" in err and "StatefulDataLoader" in err
+
+
+def test_misuse_is_refused_naming_the_fix(tmp_path: Path, fc_env: FcEnv, agent) -> None:  # type: ignore[no-untyped-def]
+    import lightning.pytorch as pl
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import pltrain
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from flashckpt.integrations.lightning import FlashCheckpoint
+
+    with pytest.raises(TypeError, match="did you mean 'every'"):
+        FlashCheckpoint(evry=3)
+    kw = fc_env.ckpt_kwargs(every=2)
+    storage = kw.pop("storage")
+    model, ds = pltrain.build()
+    loader = torch.utils.data.DataLoader(ds, batch_size=8)
+
+    def trainer(*callbacks, **over):  # type: ignore[no-untyped-def]
+        opts = dict(
+            max_steps=4,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+        )
+        opts.update(over)
+        return pl.Trainer(callbacks=list(callbacks), **opts)
+
+    # two resume sources: Lightning's own checkpoint and flashckpt's snapshots
+    t = trainer(enable_checkpointing=False)
+    t.fit(model, loader)
+    t.save_checkpoint(tmp_path / "own.ckpt")
+    t = trainer(FlashCheckpoint(storage, **kw), enable_checkpointing=False)
+    with pytest.raises(ValueError, match="Drop ckpt_path="):
+        t.fit(model, loader, ckpt_path=str(tmp_path / "own.ckpt"), weights_only=False)
+
+    # a snapshot asked for in the middle of a gradient accumulation
+    fc = FlashCheckpoint(storage, **kw, restore=False, overwrite=True)
+
+    class SaveMidAccumulation(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):  # type: ignore[no-untyped-def]
+            fc.save()
+
+    t = trainer(fc, SaveMidAccumulation(), enable_checkpointing=False, accumulate_grad_batches=2)
+    with pytest.raises(RuntimeError, match="accumulated gradients are in no snapshot"):
+        t.fit(model, loader)

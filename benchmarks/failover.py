@@ -48,9 +48,9 @@ Systems:
 - ``torchrun-tuned``: the same with keep-alive 1 s x 3.
 
 With ``--namespaces`` (root, Linux) every machine runs in its own network namespace, with its own
-address on a private bridge, hostname and ``/dev/shm`` (``elastic/netns.py``); etcd (or torch's
-TCPStore) runs in the hub namespace, and a kill takes every process of the machine and its shared
-memory at once. Without it, machines are process trees on this host's loopback.
+address on a private bridge, hostname and ``/dev/shm`` (``flashckpt/testing/netns.py``); etcd (or
+torch's TCPStore) runs in the hub namespace, and a kill takes every process of the machine and its
+shared memory at once. Without it, machines are process trees on this host's loopback.
 ``--socket-log`` (with ``--namespaces``) writes every machine's TCP sockets (``ss -tanpio``) at
 0, 0.3, 1 and 3 s after each kill to ``socket-log-<victim>.txt`` in the run's directory: it
 shows which connections a survivor still holds to a dead machine when a detection is slow.
@@ -86,9 +86,9 @@ from typing import Any
 
 import psutil
 
-from elastic import netns
-from elastic.etcd_server import EtcdServer
-from elastic.testing import (
+from flashckpt.elastic.etcd.server import EtcdServer
+from flashckpt.testing import netns
+from flashckpt.testing.elastic import (
     kill_job,
     kill_processes,
     loopback_env,

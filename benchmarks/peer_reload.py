@@ -158,7 +158,9 @@ class _PhaseClock:
         setattr(owner, attr, timed)
 
     def install(self) -> None:
-        from flashckpt import apply, restore, snapshot, sources
+        from flashckpt.trainer import snapshot
+        from flashckpt.trainer.restore import apply, sources
+        from flashckpt.trainer.restore import pipeline as restore
 
         self.wrap(restore, "agree", "plan")
         self.wrap(restore.Restorer, "_fit", "fit")
@@ -379,7 +381,7 @@ def _tail(path: str, n: int = 3000) -> str:
 
 def _status(run_dir: str, job: str, node: str) -> dict[str, Any]:
     from flashckpt import names
-    from flashckpt.protocol import AgentClient
+    from flashckpt.protocol.channel import AgentClient
 
     c = AgentClient(names.socket_path(run_dir, job, node), timeout=30.0)
     try:
@@ -428,7 +430,7 @@ def _pushes(log: str) -> list[dict[str, Any]]:
 
 def loop_job(b: Bench, rep: int, replicas: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """One training job on a and b; returns its results and what the restores need."""
-    from flashckpt.storage import Storage
+    from flashckpt.format.storage import Storage
 
     job = f"{JOB}{os.getpid() % 10000}r{rep}{'on' if replicas else 'off'}"
     storage = os.path.join(b.root, f"storage-{job}")

@@ -4,11 +4,11 @@ Each simulated machine is a thread running what a launcher runs for the rendezvo
 workers:
 
 - ``flashckpt``: the ``flashckpt-etcd`` handler as torchrun and ``flashckpt run`` build it
-  (``elastic.rendezvous.create_handler``: :mod:`elastic.rdzv_handler`, per-machine join keys on
-  a lease of ``--lease-ttl``), and the launcher's liveness (``elastic.membership.NodeRegistry``:
-  a lease-bound node key renewed every ``ttl / 5``, a watch on the peers' keys, a probe port; a
-  lost peer's rendezvous keys are deleted with ``handler.expire_nodes``, as ``flashckpt run``
-  does);
+  (``flashckpt.elastic.rendezvous.backend.create_handler``:
+  :mod:`flashckpt.elastic.rendezvous.handler`, per-machine join keys on a lease of ``--lease-ttl``),
+  and the launcher's liveness (``flashckpt.elastic.membership.nodes.NodeRegistry``: a lease-bound
+  node key renewed every ``ttl / 5``, a watch on the peers' keys, a probe port; a lost peer's
+  rendezvous keys are deleted with ``handler.expire_nodes``, as ``flashckpt run`` does);
 - ``c10d``: torch's ``C10dRendezvousBackend`` on a TCPStore this benchmark hosts, with torch's
   ``DynamicRendezvousHandler`` built by ``dynamic_rendezvous.create_handler``, as torchrun's
   ``--rdzv-backend=c10d`` does;
@@ -177,9 +177,9 @@ class _Host:
         registry = None
         lost = threading.Event()
         if a.backend == "flashckpt":
-            from elastic.membership import NodeRegistry
-            from elastic.rdzv_name import BACKEND_NAME
-            from elastic.rendezvous import create_handler, job_prefix
+            from flashckpt.elastic.membership.nodes import NodeRegistry
+            from flashckpt.elastic.rendezvous.backend import create_handler, job_prefix
+            from flashckpt.elastic.rendezvous.name import BACKEND_NAME
 
             params = self.params(
                 BACKEND_NAME, a.endpoint, read_timeout=60, lease_ttl=str(a.lease_ttl)
@@ -284,7 +284,7 @@ class _Host:
             time.sleep(0.2)
 
     def _floor(self, index: int) -> None:
-        from elastic.etcd import EtcdClient
+        from flashckpt.elastic.etcd.client import EtcdClient
 
         client = EtcdClient([self.a.endpoint], timeout=timedelta(seconds=60))
         prefix = f"/floor/{self.a.run_id}/"
@@ -302,8 +302,8 @@ class _Host:
         import torch.distributed.elastic.rendezvous  # noqa: F401  (imports done before "go")
 
         if a.backend == "flashckpt":
-            import elastic.membership
-            import elastic.rendezvous  # noqa: F401
+            import flashckpt.elastic.membership.nodes
+            import flashckpt.elastic.rendezvous.backend  # noqa: F401
         self.emit(ev="ready", pid=os.getpid())
         while not (self.ctl / "go").exists():
             time.sleep(0.01)
@@ -375,8 +375,8 @@ class _Trial:
     # -- processes
     def start_infra(self) -> None:
         if self.backend in ("flashckpt", "floor"):
-            from elastic.etcd import EtcdClient
-            from elastic.etcd_server import EtcdServer
+            from flashckpt.elastic.etcd.client import EtcdClient
+            from flashckpt.elastic.etcd.server import EtcdServer
 
             self.etcd = EtcdServer(self.work / "etcd")
             self.url = self.etcd.start()
@@ -389,7 +389,7 @@ class _Trial:
             self.endpoint = f"127.0.0.1:{self.store.port}"
 
     def spawn(self, machines: str, *, standby: bool = False) -> None:
-        from elastic.procutil import die_with_parent
+        from flashckpt.elastic.launch.procutil import die_with_parent
 
         a = self.a
         cmd = [
@@ -416,7 +416,7 @@ class _Trial:
         log.close()
 
     def read(self) -> list[dict[str, Any]]:
-        from elastic.testing import read_jsonl
+        from flashckpt.testing.elastic import read_jsonl
 
         return read_jsonl(self.events)
 

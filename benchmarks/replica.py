@@ -1,11 +1,13 @@
-"""Bandwidth of snapshot replicas between node agents (flashckpt/replica.py), against a memcpy.
+"""Bandwidth of snapshot replicas between node agents (flashckpt/agent/replicas/transport.py),
+against a memcpy.
 
 Each sample, per size: a complete, hashed snapshot slot of ``size`` bytes of random data on
-machine A is pushed over TCP to machine B's :class:`~flashckpt.replica.ReplicaServer` (A hashes
-it as it sends, B as it receives; B writes it into a slot file of its tmpfs), then fetched back
-verified into a buffer, as a replacement machine would read it. The baseline in the same run is a
-plain copy of the same bytes into a pre-faulted buffer (the memory bound on this machine), so the
-ratios say what the transport, the TCP stack and the two hashes cost.
+machine A is pushed over TCP to machine B's
+:class:`~flashckpt.agent.replicas.transport.ReplicaServer` (A hashes it as it sends, B as it
+receives; B writes it into a slot file of its tmpfs), then fetched back verified into a buffer, as a
+replacement machine would read it. The baseline in the same run is a plain copy of the same bytes
+into a pre-faulted buffer (the memory bound on this machine), so the ratios say what the transport,
+the TCP stack and the two hashes cost.
 
 The holder runs in a process of its own (as another machine's agent would) and both talk over
 loopback (127.0.0.1): on one machine the sender, the receiver and the kernel share the cores, so
@@ -33,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, median
 
 from flashckpt import names
-from flashckpt.replica import (
+from flashckpt.agent.replicas.transport import (
     ReplicaServer,
     ReplicaStore,
     fetch_replica,
     push_replica,
 )
-from flashckpt.shm import Slot, allocate_slot_file
+from flashckpt.format.shm import Slot, allocate_slot_file
 
 JOB = "benchrep"
 

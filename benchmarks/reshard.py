@@ -37,8 +37,8 @@ from typing import Any
 import _common as C
 import torch
 
-from elastic.procutil import set_parent_death_signal
-from elastic.testing import kill_job
+from flashckpt.elastic.launch.procutil import set_parent_death_signal
+from flashckpt.testing.elastic import kill_job
 
 DIM = 2048
 

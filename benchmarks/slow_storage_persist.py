@@ -30,9 +30,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-import flashckpt.agent_persist as agent_persist  # noqa: E402
-from flashckpt.agent import AgentConfig, NodeAgent  # noqa: E402
-from flashckpt.storage import Storage  # noqa: E402
+import flashckpt.agent.persist as agent_persist  # noqa: E402
+from flashckpt.agent.daemon import AgentConfig, NodeAgent  # noqa: E402
+from flashckpt.format.storage import Storage  # noqa: E402
 
 CHUNK = 1 << 20
 

@@ -20,13 +20,13 @@ from flashckpt.errors import (
 )
 
 if TYPE_CHECKING:
-    from flashckpt.checkpointer import (
+    from flashckpt.offline.reading import LoadedCheckpoint, load
+    from flashckpt.trainer.checkpointer import (
         CheckpointConfig,
         Checkpointer,
         SnapshotHandle,
         checkpointing,
     )
-    from flashckpt.reading import LoadedCheckpoint, load
 
 __all__ = [
     "AgentError",
@@ -48,12 +48,12 @@ __version__ = "0.1.0"
 # The trainer-side API needs torch; it is imported on first use, so that the node agent
 # (``python -m flashckpt agent``, which imports this package first) never imports torch.
 _LAZY = {
-    "CheckpointConfig": "flashckpt.checkpointer",
-    "Checkpointer": "flashckpt.checkpointer",
-    "SnapshotHandle": "flashckpt.checkpointer",
-    "checkpointing": "flashckpt.checkpointer",
-    "LoadedCheckpoint": "flashckpt.reading",
-    "load": "flashckpt.reading",
+    "CheckpointConfig": "flashckpt.trainer.checkpointer",
+    "Checkpointer": "flashckpt.trainer.checkpointer",
+    "SnapshotHandle": "flashckpt.trainer.checkpointer",
+    "checkpointing": "flashckpt.trainer.checkpointer",
+    "LoadedCheckpoint": "flashckpt.offline.reading",
+    "load": "flashckpt.offline.reading",
 }
 
 

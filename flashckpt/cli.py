@@ -57,9 +57,9 @@ def _monitor_flags() -> dict[str, Any]:
 def _agent_args(p: argparse.ArgumentParser) -> None:
     """The ``agent`` flags: every AgentConfig and MonitorConfig field (defaults and help from
     the dataclasses), and the process's own (detach, pid and log files, lock wait)."""
-    from flashckpt.agent import AgentConfig
+    from flashckpt.agent.daemon import AgentConfig
     from flashckpt.cliargs import add_dataclass_args
-    from flashckpt.monitor import MonitorConfig
+    from flashckpt.monitor.step_monitor import MonitorConfig
 
     add_dataclass_args(p, AgentConfig)
     p.add_argument(
@@ -78,23 +78,23 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
 
 def agent_config(args: argparse.Namespace) -> Any:
     """The AgentConfig of parsed ``agent`` flags."""
-    from flashckpt.agent import AgentConfig
+    from flashckpt.agent.daemon import AgentConfig
     from flashckpt.cliargs import config_kwargs
-    from flashckpt.monitor import MonitorConfig
+    from flashckpt.monitor.step_monitor import MonitorConfig
 
     monitor = MonitorConfig(**config_kwargs(MonitorConfig, args, flags=_monitor_flags()))
     return AgentConfig(**config_kwargs(AgentConfig, args), monitor=monitor)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from flashckpt.agent import run_agent
+    from flashckpt.agent.daemon import run_agent
     from flashckpt.errors import UnsafeLocalStateError
-    from flashckpt.protocol import AgentClient, AgentError, socket_path
+    from flashckpt.protocol.channel import AgentClient, AgentError, socket_path
 
     cfg = agent_config(args)
     if args.detach:
         cmd = [sys.executable, "-m", "flashckpt", *[a for a in sys.argv[1:] if a != "--detach"]]
-        from flashckpt.shm import ensure_private_dir
+        from flashckpt.format.shm import ensure_private_dir
 
         log_path = args.log_file or names.agent_log_path(cfg.run_dir, cfg.job, cfg.node)
         try:
@@ -136,7 +136,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     try:
         return run_agent(cfg, lock_wait=args.lock_wait)
     except (UnsafeLocalStateError, AgentError) as e:  # a clear message, not a traceback
-        logging.getLogger("flashckpt.agent").error("%s", e)
+        logging.getLogger("flashckpt.agent.daemon").error("%s", e)
         print(f"flashckpt agent: {e}", file=sys.stderr)
         return 1
     finally:
@@ -150,7 +150,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from flashckpt.storage import CorruptCheckpointError, Storage
+    from flashckpt.format.storage import CorruptCheckpointError, Storage
 
     st = Storage(args.url)
     steps = st.committed_steps()
@@ -193,7 +193,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from flashckpt.storage import Storage
+    from flashckpt.format.storage import Storage
 
     st = Storage(args.url)
     steps = [args.step] if args.step is not None else st.committed_steps()
@@ -220,7 +220,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_clean(args: argparse.Namespace) -> int:
-    from flashckpt.agent import abandoned_segments
+    from flashckpt.agent.daemon import abandoned_segments
 
     if args.older_than < 0:
         print("flashckpt clean: --older-than must be >= 0 seconds", file=sys.stderr)
@@ -315,8 +315,8 @@ def _rmdir(path: str) -> bool:
 def _cmd_status(args: argparse.Namespace) -> int:
     if args.etcd:
         return _cmd_status_etcd(args)
-    from flashckpt.protocol import default_run_dir
-    from flashckpt.statusview import collect_status, format_status
+    from flashckpt.monitor.statusview import collect_status, format_status
+    from flashckpt.protocol.channel import default_run_dir
 
     run_dir = args.run_dir or envnames.run_dir() or default_run_dir()
     agents = collect_status(run_dir, args.job)
@@ -331,9 +331,9 @@ def _cmd_status_etcd(args: argparse.Namespace) -> int:
     """The whole job from the per-machine summaries its launchers publish to etcd."""
     from datetime import timedelta
 
-    from elastic.etcd import EtcdClient, EtcdError
-    from elastic.jobview import format_job_view, read_job_view
-    from elastic.rendezvous import job_prefix
+    from flashckpt.elastic.etcd.client import EtcdClient, EtcdError
+    from flashckpt.elastic.membership.jobview import format_job_view, read_job_view
+    from flashckpt.elastic.rendezvous.backend import job_prefix
 
     job = args.job or envnames.job()
     if not job:
@@ -363,8 +363,8 @@ def _cmd_status_etcd(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from flashckpt.export import export_dcp, export_safetensors
-    from flashckpt.storage import CorruptCheckpointError
+    from flashckpt.format.storage import CorruptCheckpointError
+    from flashckpt.offline.export import export_dcp, export_safetensors
 
     try:
         if args.format == "dcp":
@@ -382,7 +382,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(argv: list[str]) -> int:
-    from flashckpt import planner
+    from flashckpt import planning as planner
 
     return planner.main(argv)
 
@@ -417,11 +417,11 @@ def _main(argv: list[str]) -> int:
     if argv and argv[0] == "plan":
         return _cmd_plan(argv[1:])
     if argv and argv[0] == "goodput":
-        from flashckpt import goodput
+        from flashckpt.monitor import goodput
 
         return goodput.main(argv[1:])
     if argv and argv[0] == "run":
-        from elastic import launcher
+        from flashckpt.elastic.launch import launcher
 
         return launcher.main(argv[1:])
     parser = build_parser()

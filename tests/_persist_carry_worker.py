@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tinytrain import make, train_step
 
 import flashckpt
-from flashckpt.config import Stats
+from flashckpt.trainer.config import Stats
 
 
 def _wait(what: str, cond: object, timeout: float = 240.0) -> None:

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tinytrain import kill_in_copy, make
 
 import flashckpt
-from flashckpt.ddp import distributed_data_parallel
+from flashckpt.trainer.ddp import distributed_data_parallel
 
 
 def main() -> int:
@@ -50,7 +50,8 @@ def main() -> int:
         "--wrap",
         choices=["plain", "fixed"],
         default="plain",
-        help="the DDP wrapper: torch's own, or flashckpt.ddp's (buckets fixed at construction)",
+        help="the DDP wrapper: torch's own, or flashckpt.trainer.ddp's (buckets fixed at "
+        "construction)",
     )
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -101,7 +102,8 @@ def main() -> int:
                 log.write(f"{step} {float(loss.item()).hex()}\n")
                 log.flush()
                 if a.clock_due_at and step + 1 == a.clock_due_at:
-                    # The time form's own clock of this rank (flashckpt.checkpointer): an hour
+                    # The time form's own clock of this rank (flashckpt.trainer.checkpointer): an
+                    # hour
                     # since its last mark, however little time passed on the others.
                     assert ckpt._persist_cadence.mark_t is not None, "no snapshot marked yet"
                     ckpt._persist_cadence.mark_t -= 3600.0

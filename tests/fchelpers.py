@@ -22,8 +22,8 @@ from typing import Any
 import psutil
 import pytest
 
-from flashckpt.agent import AgentConfig, NodeAgent
-from flashckpt.protocol import AgentClient, AgentError, socket_path
+from flashckpt.agent.daemon import AgentConfig, NodeAgent
+from flashckpt.protocol.channel import AgentClient, AgentError, socket_path
 
 
 @dataclass

@@ -131,7 +131,7 @@ def launch(a: argparse.Namespace) -> int:
     import torch.distributed.checkpoint.state_dict
     import torch.distributed.fsdp  # noqa: F401
 
-    import flashckpt.checkpointer  # noqa: F401
+    import flashckpt.trainer.checkpointer  # noqa: F401
 
     def run(rank: int) -> int:
         a.rank = rank
@@ -154,7 +154,7 @@ def fork_ranks(world: int, expected: int, run: Callable[[int], int], name: str) 
     import signal
     import traceback
 
-    from elastic.procutil import set_parent_death_signal
+    from flashckpt.elastic.launch.procutil import set_parent_death_signal
 
     pids: dict[int, int] = {}
     for rank in range(world):

@@ -1,4 +1,5 @@
-"""Committed steps written straight through :class:`flashckpt.storage.Storage` (no trainer, no
+"""Committed steps written straight through :class:`flashckpt.format.storage.Storage` (no trainer,
+no
 agent): a real safetensors shard and real rank files, as the agent writes them."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from typing import Any
 
 import xxhash
 
-from flashckpt.layout import Layout, safetensors_header
-from flashckpt.storage import Storage, rank_file_name, shard_file_name
+from flashckpt.format.layout import Layout, safetensors_header
+from flashckpt.format.storage import Storage, rank_file_name, shard_file_name
 
 SHARD = shard_file_name(0, 1)
 RANK = rank_file_name(0, 1)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from fchelpers import FcEnv, RunningAgent
 
-from flashckpt.agent import AgentConfig, NodeAgent
-from flashckpt.storage import Storage
+from flashckpt.agent.daemon import AgentConfig, NodeAgent
+from flashckpt.format.storage import Storage
 
 
 def _part(node: str, step: int, world_id: str, rank: int, world: int = 2) -> dict[str, Any]:
@@ -189,8 +189,8 @@ def test_flush_on_the_committing_node_waits_for_the_rewrite_of_a_hidden_step(
     was committed: this node (it hosts rank 0) rewrites step 5. Flush must not answer from the
     old manifest, and the rewrite's commit must write the manifest again (it once took the step
     flush had seen for committed already, and storage ended older than what flush answered)."""
-    from flashckpt.agent_state import RankRecord
-    from flashckpt.messages import ErrorReply, FlushReply, Restored
+    from flashckpt.agent.state import RankRecord
+    from flashckpt.protocol.messages import ErrorReply, FlushReply, Restored
 
     agent = _agent(fc_env, commit_timeout=60.0)
     st = Storage(fc_env.storage)
@@ -288,8 +288,8 @@ def test_a_fenced_agent_commits_nothing_until_a_new_world_says_hello(
     fc_env: FcEnv, agent: RunningAgent
 ) -> None:
     from flashckpt.errors import AgentError
-    from flashckpt.messages import Fence, OkReply
-    from flashckpt.protocol import AgentClient
+    from flashckpt.protocol.channel import AgentClient
+    from flashckpt.protocol.messages import Fence, OkReply
 
     a = agent.agent
     st = Storage(fc_env.storage)
@@ -326,8 +326,8 @@ def test_a_bad_fence_request_is_refused_and_the_agent_serves_on(
     fc_env: FcEnv, agent: RunningAgent
 ) -> None:
     from flashckpt.errors import AgentError, ProtocolError
-    from flashckpt.messages import Fence, parse_request
-    from flashckpt.protocol import AgentClient
+    from flashckpt.protocol.channel import AgentClient
+    from flashckpt.protocol.messages import Fence, parse_request
 
     for bad, why in (
         ({"op": "fence", "timeout_s": "soon"}, "field 'timeout_s'"),

@@ -17,7 +17,7 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make
 
 import flashckpt
-from flashckpt.storage import Storage
+from flashckpt.format.storage import Storage
 
 
 def takes_o_direct(directory: Path) -> bool:

@@ -14,9 +14,9 @@ from fchelpers import FcEnv, RunningAgent, agent_process
 from tinytrain import make, train_steps
 
 import flashckpt
-from flashckpt.protocol import AgentClient, AgentError
-from flashckpt.shm import Slot
-from flashckpt.storage import Storage
+from flashckpt.format.shm import Slot
+from flashckpt.format.storage import Storage
+from flashckpt.protocol.channel import AgentClient, AgentError
 
 
 def _slot_files(env: FcEnv) -> list[str]:

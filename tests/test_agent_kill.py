@@ -18,8 +18,8 @@ import safetensors.torch
 import torch
 from fchelpers import FcEnv, tinytrain_command
 
-from flashckpt.protocol import AgentClient, AgentError, socket_path
-from flashckpt.storage import Storage
+from flashckpt.format.storage import Storage
+from flashckpt.protocol.channel import AgentClient, AgentError, socket_path
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,8 @@ import pytest
 from fchelpers import FcEnv, RunningAgent
 
 from flashckpt.errors import AgentError, ProtocolError
-from flashckpt.messages import (
+from flashckpt.protocol.channel import AgentClient
+from flashckpt.protocol.messages import (
     REQUESTS,
     Alloc,
     Committed,
@@ -30,9 +31,9 @@ from flashckpt.messages import (
     parse_reply,
     parse_request,
 )
-from flashckpt.protocol import AgentClient
 
-# What the trainer side sends today (flashckpt/checkpointer.py and the tools), field for field.
+# What the trainer side sends today (flashckpt/trainer/checkpointer.py and the tools), field for
+# field.
 WIRE: list[dict[str, Any]] = [
     {
         "id": 1,
@@ -127,7 +128,7 @@ def test_bad_requests_are_refused_naming_the_problem(doc: dict[str, Any], says: 
 
 
 def test_from_json_on_the_classes() -> None:
-    from flashckpt.messages import Event, Reply, Request
+    from flashckpt.protocol.messages import Event, Reply, Request
 
     assert Request.from_json({"op": "ping"}) == Ping()
     assert Flush.from_json({"op": "flush", "step": 2}) == Flush(step=2)
@@ -204,7 +205,7 @@ def test_a_live_agent_answers_bad_messages_with_errors_and_keeps_serving(
 def test_the_agent_replies_parse_as_the_typed_replies(fc_env: FcEnv, agent: RunningAgent) -> None:
     """The reply classes are what a real agent sends: a hello, an alloc, a flush and a status
     through AgentClient.call parse (a field renamed on either side would fail here)."""
-    from flashckpt.messages import Alloc, AllocReply, Done, OkReply, Restored, Status
+    from flashckpt.protocol.messages import Alloc, AllocReply, Done, OkReply, Restored, Status
 
     client = AgentClient(agent.agent.socket_path)
     try:
@@ -266,7 +267,7 @@ def test_a_failed_send_marks_the_connection_lost_at_once(
     """A send that fails (the agent went away, e.g. one exiting while a trainer says hello) marks
     the client disconnected before its reader sees the end of the stream, so the trainer's hello
     connects again instead of failing (fresh-ci saw the hello fail with a broken pipe)."""
-    from flashckpt import protocol
+    from flashckpt.protocol import channel as protocol
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)

@@ -14,7 +14,7 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make
 
 import flashckpt
-from flashckpt.config import CheckpointConfig, resolve_prefault
+from flashckpt.trainer.config import CheckpointConfig, resolve_prefault
 
 
 def _slot_mappings(paths: list[str]) -> dict[str, int]:

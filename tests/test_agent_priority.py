@@ -21,13 +21,13 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_steps
 
 import flashckpt
-from flashckpt import agent_persist
-from flashckpt.agent_persist import hash_snapshot
-from flashckpt.agent_state import BACKGROUND_NICE, Pacer, lower_thread_priority, slots_busy
+from flashckpt.agent import persist as agent_persist
+from flashckpt.agent.persist import hash_snapshot
+from flashckpt.agent.state import BACKGROUND_NICE, Pacer, lower_thread_priority, slots_busy
 from flashckpt.errors import CorruptCheckpointError
-from flashckpt.manifest import FileEntry
-from flashckpt.shm import Slot, allocate_slot_file
-from flashckpt.storage import Storage
+from flashckpt.format.manifest import FileEntry
+from flashckpt.format.shm import Slot, allocate_slot_file
+from flashckpt.format.storage import Storage
 
 # -- priority ----------------------------------------------------------------------------------
 

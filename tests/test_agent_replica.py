@@ -24,9 +24,9 @@ import xxhash
 from fchelpers import FcEnv, private_shm, tinytrain_command, wait_agent
 
 from flashckpt import names
-from flashckpt.agent import AgentConfig, abandoned_segments
-from flashckpt.protocol import AgentClient
-from flashckpt.shm import Slot
+from flashckpt.agent.daemon import AgentConfig, abandoned_segments
+from flashckpt.format.shm import Slot
+from flashckpt.protocol.channel import AgentClient
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -327,8 +327,8 @@ def test_replica_config_is_checked() -> None:
 def _state_with_slots(tmp_path: Path, positions: int = 1, **cfg: Any) -> tuple[Any, list[Slot]]:
     """An agent's shared state holding ``positions`` positions with two real slot files each in
     ``tmp_path`` (the slots returned in order: position 0's two, then position 1's, ...)."""
-    from flashckpt.agent_state import AgentState, RankRecord
-    from flashckpt.shm import allocate_slot_file
+    from flashckpt.agent.state import AgentState, RankRecord
+    from flashckpt.format.shm import allocate_slot_file
 
     st = AgentState(
         AgentConfig(job="j", node="a", shm_dir=str(tmp_path), run_dir=str(tmp_path / "r"), **cfg)
@@ -350,8 +350,8 @@ def test_pace_waits_while_a_trainer_copies_and_aborts_when_overwritten(
 ) -> None:
     import threading
 
-    import flashckpt.agent_replica as ar
-    from flashckpt.replica import ReplicaError
+    import flashckpt.agent.replicas.holder as ar
+    from flashckpt.agent.replicas.transport import ReplicaError
 
     monkeypatch.setattr(ar, "PACE_WAIT_S", 120.0)
     st, (sent, other) = _state_with_slots(tmp_path)
@@ -386,7 +386,7 @@ def test_pace_waits_while_a_trainer_copies_and_aborts_when_overwritten(
 
 
 def test_derived_limit_follows_own_slot_bytes(tmp_path: Path) -> None:
-    import flashckpt.agent_replica as ar
+    import flashckpt.agent.replicas.holder as ar
     from flashckpt.errors import ShmSpaceError
 
     st, slots = _state_with_slots(tmp_path, replicas=2, replica_listen="127.0.0.1:0")
@@ -409,8 +409,8 @@ def test_a_holder_not_ready_yet_is_asked_again_soon_not_failed(tmp_path: Path) -
     """A job's first snapshot reached a holder before its trainers set up their slots: it was
     refused as "no room (limit 0.0 MiB)", counted as a failure and retried with a growing
     back-off. It is "not ready": retried after NOT_READY_RETRY_S, and then held."""
-    import flashckpt.agent_replica as ar
-    from flashckpt.agent_state import AgentState
+    import flashckpt.agent.replicas.holder as ar
+    from flashckpt.agent.state import AgentState
 
     (tmp_path / "a").mkdir()
     st, (slot, _) = _state_with_slots(tmp_path / "a")
@@ -458,7 +458,7 @@ def test_a_holder_not_ready_yet_is_asked_again_soon_not_failed(tmp_path: Path) -
 
 
 def test_status_shows_replicas_sent_and_held() -> None:
-    from flashckpt.statusview import format_status
+    from flashckpt.monitor.statusview import format_status
 
     rep = {
         "listen": "127.0.0.1:7070",
@@ -471,8 +471,8 @@ def test_status_shows_replicas_sent_and_held() -> None:
 
 
 def test_replicas_of_machines_that_left_the_world_are_dropped(tmp_path: Path) -> None:
-    import flashckpt.agent_replica as ar
-    from flashckpt.replica import HeldReplica, ReplicaHeader
+    import flashckpt.agent.replicas.holder as ar
+    from flashckpt.agent.replicas.transport import HeldReplica, ReplicaHeader
 
     def hold(r: ar.Replicator, sender: str) -> str:
         assert r.store is not None
@@ -529,7 +529,7 @@ def _request(env: FcEnv, op: str, **fields: Any) -> dict[str, Any]:
 
 def test_replica_peers_request_is_validated() -> None:
     from flashckpt.errors import ProtocolError
-    from flashckpt.messages import (
+    from flashckpt.protocol.messages import (
         MAX_REPLICA_PEERS,
         ReplicaPeers,
         ReplicaPeersReply,
@@ -668,8 +668,8 @@ def test_peer_list_sent_at_runtime_replicates_and_a_new_list_redirects(
 def test_set_peers_replaces_and_prunes_departed_once_the_new_world_snapshotted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import flashckpt.agent_replica as ar
-    from flashckpt.replica import HeldReplica, ReplicaHeader
+    import flashckpt.agent.replicas.holder as ar
+    from flashckpt.agent.replicas.transport import HeldReplica, ReplicaHeader
 
     st, slots = _state_with_slots(tmp_path, replica_listen="127.0.0.1:0")
     r = ar.Replicator(st)
@@ -744,8 +744,8 @@ def test_replicas_of_an_older_world_no_push_replaces_are_dropped(
     world's replicas go once the current world snapshotted here and, for the renumbered one, it
     sent two steps of the current world; a sender whose current push has not come yet keeps
     its old replica."""
-    import flashckpt.agent_replica as ar
-    from flashckpt.replica import HeldReplica, ReplicaHeader
+    import flashckpt.agent.replicas.holder as ar
+    from flashckpt.agent.replicas.transport import HeldReplica, ReplicaHeader
 
     st, slots = _state_with_slots(tmp_path, replica_listen="127.0.0.1:0")
     r = ar.Replicator(st)
@@ -806,7 +806,7 @@ def test_a_taken_replica_port_takes_another_and_an_unusable_address_runs_without
     machine's leaves the agent without replicas, never without its checkpoints."""
     import socket
 
-    import flashckpt.agent_replica as ar
+    import flashckpt.agent.replicas.holder as ar
 
     taken = socket.create_server(("127.0.0.1", 0))
     try:
@@ -851,8 +851,8 @@ def _held_replica(
     ``world`` (1 MiB of data)."""
     import json
 
-    from flashckpt.replica import ReplicaServer, ReplicaStore, push_replica
-    from flashckpt.shm import allocate_slot_file
+    from flashckpt.agent.replicas.transport import ReplicaServer, ReplicaStore, push_replica
+    from flashckpt.format.shm import allocate_slot_file
 
     path = names.slot_path(shm, "j", sender, 0, 0)
     meta, data = json.dumps({"step": step}).encode(), os.urandom(2**20)
@@ -881,9 +881,9 @@ def test_a_look_prefers_the_newer_worlds_replica_over_an_abandoned_timelines_hig
     ``h2``. The look offers the replica taken last (w2's step 12), not the higher number."""
     import socket
 
-    from flashckpt.agent_pull import Puller
-    from flashckpt.agent_state import Conn
-    from flashckpt.messages import PullReplica, PullReplicaReply
+    from flashckpt.agent.replicas.pull import Puller
+    from flashckpt.agent.state import Conn
+    from flashckpt.protocol.messages import PullReplica, PullReplicaReply
 
     for d in ("s", "h1", "h2"):
         (tmp_path / d).mkdir()
@@ -924,9 +924,9 @@ def test_pulls_in_flight_count_in_every_room_check(
     once: one whose allocation is slow holds the other's check until its file is counted."""
     import threading
 
-    import flashckpt.agent_pull as ap
-    from flashckpt.agent_segments import Segments, slot_file_bytes
-    from flashckpt.replica import ReplicaHeader
+    import flashckpt.agent.replicas.pull as ap
+    from flashckpt.agent.replicas.transport import ReplicaHeader
+    from flashckpt.agent.segments import Segments, slot_file_bytes
 
     st, slots = _state_with_slots(tmp_path, positions=2)
     slots0 = slots[:2]
@@ -982,12 +982,12 @@ def test_a_pull_runs_allocs_capacity_check_and_refuses_with_the_numbers(tmp_path
     slots as they were and no file behind."""
     import socket
 
-    import flashckpt.agent_replica as ar
-    from flashckpt.agent_pull import Puller
-    from flashckpt.agent_segments import slot_file_bytes
-    from flashckpt.agent_state import Conn
+    import flashckpt.agent.replicas.holder as ar
+    from flashckpt.agent.replicas.pull import Puller
+    from flashckpt.agent.segments import slot_file_bytes
+    from flashckpt.agent.state import Conn
     from flashckpt.errors import ShmSpaceError
-    from flashckpt.messages import ErrorReply, PullReplica
+    from flashckpt.protocol.messages import ErrorReply, PullReplica
 
     (tmp_path / "h").mkdir()
     (tmp_path / "s").mkdir()

@@ -10,8 +10,8 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
 import flashckpt
-from flashckpt.protocol import AgentClient
-from flashckpt.storage import Storage
+from flashckpt.format.storage import Storage
+from flashckpt.protocol.channel import AgentClient
 
 
 def test_a_hidden_step_whose_rewrite_yields_is_committed_again(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fchelpers import FcEnv
 
-from flashckpt.protocol import AgentClient, socket_path
+from flashckpt.protocol.channel import AgentClient, socket_path
 
 
 def _sockets(pid: int) -> int:

@@ -20,9 +20,9 @@ import safetensors.torch
 import torch
 from fchelpers import FcEnv, kill_job_processes, tinytrain_command, wait_agent
 
-from flashckpt.agent import EXIT_KEPT
-from flashckpt.protocol import AgentClient
-from flashckpt.storage import Storage
+from flashckpt.agent.daemon import EXIT_KEPT
+from flashckpt.format.storage import Storage
+from flashckpt.protocol.channel import AgentClient
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def _agent_cmd(env: FcEnv) -> list[str]:
 
 
 def _status(env: FcEnv) -> dict:  # type: ignore[type-arg]
-    from flashckpt.protocol import socket_path
+    from flashckpt.protocol.channel import socket_path
 
     c = AgentClient(socket_path(env.run_dir, env.job, env.node), timeout=5.0)
     try:
@@ -102,7 +102,7 @@ def test_stop_persists_the_newest_unmarked_snapshot(
         # A stand-in launcher: spawns the agent with PR_SET_PDEATHSIG=SIGTERM, as elastic does.
         code = (
             "import subprocess,sys,time\n"
-            "from elastic.procutil import die_with_parent\n"
+            "from flashckpt.elastic.launch.procutil import die_with_parent\n"
             "import signal\n"
             f"p=subprocess.Popen({_agent_cmd(fc_env)!r},preexec_fn=die_with_parent(signal.SIGTERM))\n"
             "print(p.pid,flush=True)\n"

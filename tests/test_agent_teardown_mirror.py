@@ -16,8 +16,8 @@ from fchelpers import FcEnv, kill_job_processes, wait_agent
 from tinytrain import make, train_step
 
 import flashckpt
-from flashckpt.agent import EXIT_MIRROR_FAILED
-from flashckpt.storage import Storage
+from flashckpt.agent.daemon import EXIT_MIRROR_FAILED
+from flashckpt.format.storage import Storage
 
 pytestmark = pytest.mark.slow
 

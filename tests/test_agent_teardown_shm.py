@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 from fchelpers import FcEnv, kill_job_processes, private_shm, tinytrain_command, wait_agent
 
-from flashckpt.shm import Slot
+from flashckpt.format.shm import Slot
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
 import flashckpt
-import flashckpt.agent_persist as agent_persist
-from flashckpt.storage import Storage
+import flashckpt.agent.persist as agent_persist
+from flashckpt.format.storage import Storage
 
 
 def _slow_storage(monkeypatch: pytest.MonkeyPatch, seconds_per_chunk: float) -> None:

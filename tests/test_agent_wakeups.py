@@ -23,7 +23,7 @@ from fchelpers import FcEnv, RunningAgent, agent_process, wait_agent
 from tinytrain import make, train_steps
 
 import flashckpt
-import flashckpt.agent
+import flashckpt.agent.daemon
 
 WINDOW_S = 3.0
 """The idle window measured."""
@@ -103,7 +103,7 @@ def test_a_stop_wakes_every_thread_of_the_agent(
 ) -> None:
     """The waits are woken by the stop, not ended by their timeouts: with the main loop's tick
     and every thread's safety net an hour long, the agent and all its threads still end."""
-    monkeypatch.setattr(flashckpt.agent, "MAIN_TICK_S", 3600.0)
+    monkeypatch.setattr(flashckpt.agent.daemon, "MAIN_TICK_S", 3600.0)
     before = set(threading.enumerate())
     a = RunningAgent(fc_env.agent_config(poll_interval=3600.0))
     time.sleep(0.5)  # every thread is in its wait
@@ -120,7 +120,8 @@ def test_a_signal_stops_an_agent_whose_main_loop_would_sleep_an_hour(fc_env: FcE
     """SIGTERM ends the main loop's wait at once (the handler writes to its pipe: a signal
     alone does not end a select(), Python resumes it), whatever the tick."""
     code = (
-        "import sys, flashckpt.agent, flashckpt.cli; flashckpt.agent.MAIN_TICK_S = 3600.0; "
+        "import sys, flashckpt.agent.daemon, flashckpt.cli; "
+        "flashckpt.agent.daemon.MAIN_TICK_S = 3600.0; "
         "sys.exit(flashckpt.cli.main(sys.argv[1:]))"
     )
     cmd = [sys.executable, "-c", code, "agent", *fc_env.cli_flags(), "--idle-timeout", "7200"]

@@ -19,9 +19,9 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step, train_steps
 
 import flashckpt
-import flashckpt.apply
-from flashckpt.config import CheckpointConfig, resolve_copy_mode
-from flashckpt.snapshot import CudaHostRegistrar
+import flashckpt.trainer.restore.apply
+from flashckpt.trainer.config import CheckpointConfig, resolve_copy_mode
+from flashckpt.trainer.snapshot import CudaHostRegistrar
 
 
 class FakeCudart:
@@ -211,7 +211,9 @@ def test_restore_from_storage_registers_its_read_buffer_while_it_is_applied(
     agent.stop()  # a clean stop removes the slots: the next entry restores from storage
     again = RunningAgent(fc_env.agent_config())
     try:
-        monkeypatch.setattr(flashckpt.apply, "PIN_MIN_BYTES", 1)  # this state is tiny
+        monkeypatch.setattr(
+            flashckpt.trainer.restore.apply, "PIN_MIN_BYTES", 1
+        )  # this state is tiny
         rt = FakeCudart()
         model2, opt2, sched2 = make(1)
         ck2 = flashckpt.checkpointing(

@@ -23,7 +23,7 @@ from tinytrain import make, train_step
 
 import flashckpt
 from flashckpt import cli
-from flashckpt.storage import Storage
+from flashckpt.format.storage import Storage
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -137,7 +137,7 @@ def test_detached_agent_with_pid_file_and_private_socket(fc_env: FcEnv, tmp_path
 def test_connect_without_agent_is_a_clear_error(fc_env: FcEnv) -> None:
     import pytest
 
-    from flashckpt.protocol import AgentError
+    from flashckpt.protocol.channel import AgentError
 
     model, opt, sched = make(0)
     t0 = time.monotonic()
@@ -331,8 +331,8 @@ def _agent_options() -> tuple[argparse.ArgumentParser, dict[str, argparse.Action
 
 
 def test_every_agent_config_field_has_a_flag_listed_in_help() -> None:
-    from flashckpt.agent import AgentConfig
-    from flashckpt.monitor import MonitorConfig
+    from flashckpt.agent.daemon import AgentConfig
+    from flashckpt.monitor.step_monitor import MonitorConfig
 
     agent_parser, by_dest = _agent_options()
     text = agent_parser.format_help()
@@ -347,7 +347,7 @@ def test_every_agent_config_field_has_a_flag_listed_in_help() -> None:
 
 
 def test_agent_flag_defaults_are_the_dataclass_defaults() -> None:
-    from flashckpt.agent import AgentConfig
+    from flashckpt.agent.daemon import AgentConfig
     from flashckpt.cli import agent_config
 
     agent_parser, _ = _agent_options()

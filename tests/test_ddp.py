@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 from fchelpers import FcEnv
 
-from flashckpt.storage import Storage
+from flashckpt.format.storage import Storage
 
 pytestmark = pytest.mark.slow
 

@@ -1,9 +1,11 @@
-"""DDP with 3 ranks (gloo, CPU) resumes bitwise when the wrapper is flashckpt.ddp's (issue 30).
+"""DDP with 3 ranks (gloo, CPU) resumes bitwise when the wrapper is flashckpt.trainer.ddp's (issue
+30).
 
 A DDP wrapper built after a restore reduces its first step's gradients in its initial bucket
 layout, while the uninterrupted run reduces that step in the layout DDP rebuilt after its first
 step. With 3+ ranks gloo's ring sums an element's parts in an order that depends on its place in
-the bucket, so torch's own wrapper ends off by rounding; ``flashckpt.ddp`` fixes the layout at
+the bucket, so torch's own wrapper ends off by rounding; ``flashckpt.trainer.ddp`` fixes the layout
+at
 construction and the resumed run ends bitwise equal."""
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ def _killed_resumed_vs_uninterrupted(
 
 def test_three_rank_ddp_resume_is_bitwise_with_fixed_buckets(tmp_path: Path, fc_env: FcEnv) -> None:
     equal, _, diff = _killed_resumed_vs_uninterrupted(tmp_path, fc_env, "fixed")
-    assert equal, f"3-rank DDP resume with flashckpt.ddp's wrapper differs: max abs diff {diff}"
+    assert equal, (
+        f"3-rank DDP resume with flashckpt.trainer.ddp's wrapper differs: max abs diff {diff}"
+    )
 
 
 def test_three_rank_ddp_resume_with_torchs_wrapper_is_off_by_rounding(
@@ -97,7 +101,7 @@ def test_fix_bucket_order_needs_a_fresh_ddp_wrapper(tmp_path: Path, static_graph
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from flashckpt.ddp import distributed_data_parallel, fix_bucket_order
+    from flashckpt.trainer.ddp import distributed_data_parallel, fix_bucket_order
 
     with pytest.raises(TypeError, match="takes a DistributedDataParallel"):
         fix_bucket_order(torch.nn.Linear(2, 1))  # type: ignore[arg-type]

@@ -142,7 +142,7 @@ def test_export_of_an_untrusted_step_is_a_clear_error(tmp_path: Path) -> None:
 
     from stephelpers import SHARD, file_record, shard_bytes, write_step
 
-    from flashckpt.storage import Storage
+    from flashckpt.format.storage import Storage
 
     st = Storage(f"file://{tmp_path}/ckpt")
     st.commit(1, write_step(st, 1))

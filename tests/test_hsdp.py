@@ -23,8 +23,8 @@ from fchelpers import FcEnv
 from test_sharded import HERE, _assert_same_state, _losses, _reference, _run
 
 import flashckpt
-from flashckpt.reading import load_full
-from flashckpt.sharded import walk_pieces
+from flashckpt.offline.reading import load_full
+from flashckpt.state.sharded import walk_pieces
 
 
 def _manifest(env: FcEnv, step: int) -> dict:

@@ -13,15 +13,15 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
 import flashckpt
-from flashckpt.checkpointer import CheckpointConfig
-from flashckpt.interval import (
+from flashckpt.planning import choose_interval
+from flashckpt.trainer.checkpointer import CheckpointConfig
+from flashckpt.trainer.interval import (
     JOB_START_ENV,
     RESTARTS_ENV,
     AutoInterval,
     estimate_mtbf_s,
     interval_steps,
 )
-from flashckpt.planner import choose_interval
 
 HERE = Path(__file__).resolve().parent
 

@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 from fchelpers import FcEnv, agent_process, kill_job_processes, tinytrain_command
 
-from flashckpt.storage import Storage
+from flashckpt.format.storage import Storage
 
 pytestmark = pytest.mark.slow
 
@@ -186,7 +186,7 @@ def test_next_agent_keeps_segments_of_dead_jobs(tmp_path: Path, fc_env: FcEnv) -
 
 def test_breakpoint_save_then_clean_sigterm(tmp_path: Path, fc_env: FcEnv) -> None:
     """A trainer dies: the agent alone persists its newest complete snapshot; SIGTERM cleans up."""
-    from flashckpt.shm import Slot
+    from flashckpt.format.shm import Slot
 
     log = tmp_path / "run.log"
     agent = agent_process(fc_env)

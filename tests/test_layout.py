@@ -7,8 +7,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from flashckpt.codec import flatten_state, unflatten_state
-from flashckpt.layout import (
+from flashckpt.format.layout import (
     Layout,
     dtype_code,
     parse_safetensors,
@@ -16,6 +15,7 @@ from flashckpt.layout import (
     tensor_views,
     torch_dtype,
 )
+from flashckpt.state.codec import flatten_state, unflatten_state
 
 
 def _pack(state: dict) -> tuple[bytes, Layout, object]:
@@ -114,7 +114,7 @@ def test_parse_rejects_truncated_and_garbage() -> None:
 
 def test_dtype_tables_agree_with_torch() -> None:
     # parse_safetensors sizes entries from its own table (the agent has no torch to ask).
-    from flashckpt.layout import _ST_ITEMSIZE, _TORCH_NAMES
+    from flashckpt.format.layout import _ST_ITEMSIZE, _TORCH_NAMES
 
     assert _ST_ITEMSIZE.keys() == _TORCH_NAMES.keys()
     for code, name in _TORCH_NAMES.items():

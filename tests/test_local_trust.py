@@ -19,10 +19,10 @@ from fchelpers import FcEnv, RunningAgent, agent_process
 from tinytrain import make, train_steps
 
 import flashckpt
-from flashckpt.agent import AgentConfig, NodeAgent
+from flashckpt.agent.daemon import AgentConfig, NodeAgent
 from flashckpt.errors import UnsafeLocalStateError
-from flashckpt.monitor import MonitorConfig
-from flashckpt.protocol import AgentClient, socket_path
+from flashckpt.monitor.step_monitor import MonitorConfig
+from flashckpt.protocol.channel import AgentClient, socket_path
 
 NOBODY = 65534
 
@@ -323,7 +323,7 @@ def test_agent_command_refuses_a_loose_run_dir_with_a_clear_message(
 
 
 def test_status_lists_a_foreign_socket_as_an_error(tmp_path: Path) -> None:
-    from flashckpt.statusview import collect_status
+    from flashckpt.monitor.statusview import collect_status
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)

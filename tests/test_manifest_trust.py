@@ -20,8 +20,8 @@ import pytest
 from stephelpers import RANK, SHARD, file_record, shard_bytes, write_step
 
 import flashckpt
-from flashckpt.reading import load
-from flashckpt.storage import CorruptCheckpointError, Storage
+from flashckpt.format.storage import CorruptCheckpointError, Storage
+from flashckpt.offline.reading import load
 
 GOOD, BAD = 3, 6
 
@@ -377,7 +377,7 @@ def test_load_skips_a_listed_step_retention_deleted(
 @pytest.mark.parametrize("case", ["FIFO in place", "symlink in place", "negative shape"])
 def test_resharding_reads_headers_as_carefully(tmp_path: Path, case: str) -> None:
     """Resharding peeks at every shard's header before reading any whole: the same checks."""
-    from flashckpt.reading import read_resharded
+    from flashckpt.offline.reading import read_resharded
 
     st, root = _root(tmp_path)
     _commit_bad(st, root, CASES[case][0])

@@ -15,8 +15,8 @@ from fchelpers import FcEnv, RunningAgent, agent_process
 from tinytrain import make, train_steps
 
 import flashckpt
-from flashckpt.shm import Slot
-from flashckpt.storage import Storage
+from flashckpt.format.shm import Slot
+from flashckpt.format.storage import Storage
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

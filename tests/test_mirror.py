@@ -25,11 +25,11 @@ from fchelpers import FcEnv, RunningAgent, agent_process
 from tinytrain import make, train_step
 
 import flashckpt
-from flashckpt.config import CheckpointConfig, parse_mirror_every
 from flashckpt.errors import CorruptCheckpointError, StorageUnavailableError
-from flashckpt.manifest import FileEntry
-from flashckpt.snapmeta import SnapshotMeta
-from flashckpt.storage import MANIFEST, PARTS, Storage
+from flashckpt.format.manifest import FileEntry
+from flashckpt.format.snapmeta import SnapshotMeta
+from flashckpt.format.storage import MANIFEST, PARTS, Storage
+from flashckpt.trainer.config import CheckpointConfig, parse_mirror_every
 
 HERE = Path(__file__).resolve().parent
 
@@ -465,7 +465,7 @@ def test_a_fresh_start_over_a_mirror_with_steps_is_refused(
 def test_the_mirror_mark_is_part_of_the_typed_snapshot_meta() -> None:
     import hashlib
 
-    from flashckpt.layout import Layout
+    from flashckpt.format.layout import Layout
 
     base = {
         "job": "j",
@@ -499,12 +499,12 @@ def test_the_mirror_commits_only_once_every_part_is_in_and_the_primary_committed
     """Two machines' agents (their state objects, no threads): the committing node's mirror
     copy alone commits nothing, nor do both copies before the step is committed in the primary
     root; then the mirror's manifest is the primary's, and its ``latest`` names the step."""
-    from flashckpt.agent_commit import Committer
-    from flashckpt.agent_config import AgentConfig
-    from flashckpt.agent_mirror import Mirrorer, MirrorJob
-    from flashckpt.agent_state import AgentState
-    from flashckpt.manifest import RankEntry, ShardEntry
-    from flashckpt.snapmeta import NodePart
+    from flashckpt.agent.commit import Committer
+    from flashckpt.agent.config import AgentConfig
+    from flashckpt.agent.mirror import Mirrorer, MirrorJob
+    from flashckpt.agent.state import AgentState
+    from flashckpt.format.manifest import RankEntry, ShardEntry
+    from flashckpt.format.snapmeta import NodePart
 
     primary_url, mirror_url = f"file://{tmp_path / 'disk'}", f"file://{tmp_path / 'remote'}"
     states = [
@@ -564,7 +564,7 @@ def test_a_slow_mirror_keeps_its_step_from_the_primary_retention(
     with keep=3 the root's retention would have removed step 1 before the mirror was done with
     it (the copy found no files, or the mirror's commit waited for a root manifest that was gone:
     a CI failure under load). The root keeps it until the mirror is done, then retains."""
-    from flashckpt.agent_mirror import MirrorCommitter, Mirrorer
+    from flashckpt.agent.mirror import MirrorCommitter, Mirrorer
 
     primary = Storage(fc_env.storage)
     mirror_url = f"file://{tmp_path / 'remote'}"

@@ -20,10 +20,10 @@ from tinytrain import make, train_step
 
 import flashckpt
 from flashckpt import cli
-from flashckpt.goodput import compute_goodput, incarnations_from_events, read_events
-from flashckpt.monitor import MonitorConfig
-from flashckpt.rankview import RingReader
-from flashckpt.ring import EXITED, RUNNING, StepRecorder, ring_path
+from flashckpt.monitor.goodput import compute_goodput, incarnations_from_events, read_events
+from flashckpt.monitor.rankview import RingReader
+from flashckpt.monitor.ring import EXITED, RUNNING, StepRecorder, ring_path
+from flashckpt.monitor.step_monitor import MonitorConfig
 
 HERE = Path(__file__).resolve().parent
 
@@ -80,7 +80,7 @@ def test_ring_records_phases_and_overwritten_records(tmp_path: Path) -> None:
 def test_the_monitor_polls_rings_often_and_looks_for_them_once_a_second(tmp_path: Path) -> None:
     """An agent with no trainer's ring wakes its monitor once a second (IDLE_POLL_S), not at
     poll_s; once a ring is found it reads it every poll_s."""
-    from flashckpt.monitor import IDLE_POLL_S, AgentMonitor
+    from flashckpt.monitor.step_monitor import IDLE_POLL_S, AgentMonitor
 
     shm, run = tmp_path / "shm", tmp_path / "run"
     shm.mkdir()
@@ -267,7 +267,7 @@ def test_hang_dumps_stacks_kills_and_the_restart_resumes(
     cfg = MonitorConfig(poll_s=0.05, hang_floor_s=2.0, hang_factor=5.0, hang_dump_wait_s=1.0)
     agent = RunningAgent(fc_env.agent_config(monitor=cfg))
     try:
-        with caplog.at_level("WARNING", logger="flashckpt.monitor"):
+        with caplog.at_level("WARNING", logger="flashckpt.monitor.step_monitor"):
             hung = _trainer(fc_env, tmp_path, steps=15, hang=True)
             out, _ = hung.communicate(timeout=120)
         assert hung.returncode == -9, out  # SIGKILLed by the agent after the stack dump

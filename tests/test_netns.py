@@ -1,4 +1,5 @@
-"""Simulated machines in their own namespaces (elastic/netns.py): separate, and cleaned up."""
+"""Simulated machines in their own namespaces (flashckpt/testing/netns.py): separate, and cleaned
+up."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic import netns
+from flashckpt.testing import netns
 
 _REASON = netns.unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
@@ -191,7 +192,7 @@ def test_hub_service_reached_from_machines_and_through_forward(cluster: netns.Cl
 
 
 def test_etcd_in_the_hub(cluster: netns.Cluster, tmp_path: object) -> None:
-    from elastic.etcd_server import EtcdServerError, find_etcd_binary
+    from flashckpt.elastic.etcd.server import EtcdServerError, find_etcd_binary
 
     try:
         binary = find_etcd_binary()
@@ -212,9 +213,10 @@ def test_etcd_in_the_hub(cluster: netns.Cluster, tmp_path: object) -> None:
 def test_etcd_in_the_hub_that_exits_says_so_with_its_log(
     cluster: netns.Cluster, tmp_path: Path
 ) -> None:
-    # The hub's etcd starts and is probed like every other etcd (elastic.etcd_server): one that
+    # The hub's etcd starts and is probed like every other etcd (flashckpt.elastic.etcd.server): one
+    # that
     # exits while starting is an EtcdServerError naming the exit and its log, not a timeout.
-    from elastic.etcd_server import EtcdServerError
+    from flashckpt.elastic.etcd.server import EtcdServerError
 
     fake = tmp_path / "etcd"
     fake.write_text("#!/bin/sh\necho 'fake etcd: bad flag' >&2\nexit 3\n")

@@ -130,7 +130,7 @@ def _wait(cond: Callable[[], Any], what: str, timeout: float = 180.0) -> Any:
 
 def _client(env: Any) -> Any:
     from flashckpt import names
-    from flashckpt.protocol import AgentClient
+    from flashckpt.protocol.channel import AgentClient
 
     return AgentClient(names.socket_path(env.run_dir, env.job, env.node), timeout=10.0)
 
@@ -293,7 +293,7 @@ def _lose_b(
 
     _wait(held, "a to hold b's replica of step 8")
     if storage:
-        from flashckpt.storage import Storage
+        from flashckpt.format.storage import Storage
 
         st = Storage(a.storage)
         _wait(lambda: STEPS_BEFORE in st.committed_steps(), "step 8 committed")
@@ -340,7 +340,7 @@ def test_a_corrupted_replica_is_refused_with_a_warning_and_storage_serves(
     three: tuple[Any, Any, Any, Machines], tmp_path: Path
 ) -> None:
     from flashckpt import names
-    from flashckpt.shm import Slot
+    from flashckpt.format.shm import Slot
 
     a, b, c, m = three
     _, addr_a = _lose_b(a, b, c, m, storage=True)
@@ -367,7 +367,7 @@ def test_a_corrupted_replica_without_storage_starts_fresh_with_the_warning(
     three: tuple[Any, Any, Any, Machines], tmp_path: Path
 ) -> None:
     from flashckpt import names
-    from flashckpt.shm import Slot
+    from flashckpt.format.shm import Slot
 
     a, b, c, m = three
     _, addr_a = _lose_b(a, b, c, m, storage=False)
@@ -390,7 +390,7 @@ def test_bad_pull_replica_requests_get_a_protocol_error_and_the_agent_serves_on(
 ) -> None:
     from fchelpers import private_shm
 
-    from flashckpt.protocol import AgentError
+    from flashckpt.protocol.channel import AgentError
 
     with private_shm(tmp_path / "shm", "64m") as shm:
         env = dataclasses.replace(fc_env, node="a", shm_dir=shm)
@@ -453,7 +453,7 @@ def test_bad_pull_replica_requests_get_a_protocol_error_and_the_agent_serves_on(
 def test_a_replica_of_another_timelines_step_is_never_mixed_in() -> None:
     """Rank 0 holds step 10 from world w2 (the timeline resumed at 8 and redid it); a peer still
     holds rank 1's step 10 of world w1 (the abandoned timeline): same number, other state."""
-    from flashckpt.sources import world_conflict
+    from flashckpt.trainer.restore.sources import world_conflict
 
     same = [{"mem": {"10": "w1", "8": "w1"}, "peer": None}, {"mem": {}, "peer": [10, "w1"]}]
     assert world_conflict(10, "w1", same) is None
@@ -474,11 +474,11 @@ def test_a_replica_is_not_offered_over_storages_step_of_another_world(
     its manifest's world must be the replica's, else the replica is not offered."""
     import logging
 
-    from flashckpt.messages import PullReplicaReply
-    from flashckpt.rankctx import RankContext
-    from flashckpt.saved import RestoreEnv
-    from flashckpt.sources import PeerMemorySource
-    from flashckpt.storage import MANIFEST, Storage
+    from flashckpt.format.storage import MANIFEST, Storage
+    from flashckpt.protocol.messages import PullReplicaReply
+    from flashckpt.trainer.rankctx import RankContext
+    from flashckpt.trainer.restore.saved import RestoreEnv
+    from flashckpt.trainer.restore.sources import PeerMemorySource
 
     root = tmp_path / "storage"
     st = Storage(str(root))
@@ -519,12 +519,12 @@ def test_the_trainer_rechecks_the_pulled_replicas_hash_before_loading(tmp_path: 
     import threading
 
     from flashckpt import names
-    from flashckpt.messages import PullReplicaReply
-    from flashckpt.rankctx import RankContext
-    from flashckpt.saved import RestoreEnv, RestorePlan
-    from flashckpt.shm import Slot, allocate_slot_file
-    from flashckpt.snapshot import BadMemory, Snapshotter
-    from flashckpt.sources import PeerMemorySource
+    from flashckpt.format.shm import Slot, allocate_slot_file
+    from flashckpt.protocol.messages import PullReplicaReply
+    from flashckpt.trainer.rankctx import RankContext
+    from flashckpt.trainer.restore.saved import RestoreEnv, RestorePlan
+    from flashckpt.trainer.restore.sources import PeerMemorySource
+    from flashckpt.trainer.snapshot import BadMemory, Snapshotter
 
     shm = tmp_path / "shm"
     shm.mkdir(mode=0o700)
@@ -593,7 +593,7 @@ def test_the_trainer_rechecks_the_pulled_replicas_hash_before_loading(tmp_path: 
 
 
 def test_the_restart_line_names_peer_memory() -> None:
-    from elastic.restore_report import format_restore_line
+    from flashckpt.elastic.launch.restore_report import format_restore_line
 
     line = format_restore_line(
         2,

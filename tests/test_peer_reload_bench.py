@@ -28,11 +28,11 @@ def bench() -> Any:
 def test_the_push_parser_reads_the_agents_own_log_line(bench: Any, tmp_path: Path) -> None:
     """The line is produced by the agent's own format string (agent_replica.Replicator.push),
     so a change of its wording fails here instead of leaving the benchmark without bandwidth."""
-    import flashckpt.agent_replica as ar
+    import flashckpt.agent.replicas.holder as ar
 
     log = tmp_path / "agent.log"
     handler = logging.FileHandler(log)
-    lg = logging.getLogger("flashckpt.agent")
+    lg = logging.getLogger("flashckpt.agent.daemon")
     old = lg.level
     lg.addHandler(handler)
     lg.setLevel(logging.INFO)

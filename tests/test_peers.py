@@ -1,4 +1,5 @@
-"""The plan of a restore from memory across layouts (flashckpt.peers), on hand-made metas."""
+"""The plan of a restore from memory across layouts (flashckpt.trainer.restore.pieces), on
+hand-made metas."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from flashckpt.peers import covered, plan_needs
+from flashckpt.trainer.restore.pieces import covered, plan_needs
 
 
 def _meta(rows: list[tuple[int, int]], extra: tuple[str, ...] = ("sched/step",)) -> dict[str, Any]:

@@ -22,12 +22,12 @@ from fchelpers import FcEnv, RunningAgent, tinytrain_command
 from tinytrain import make, train_step
 
 import flashckpt
-from flashckpt.agent import NodeAgent
-from flashckpt.config import CheckpointConfig, parse_persist_every
+from flashckpt.agent.daemon import NodeAgent
 from flashckpt.errors import CorruptCheckpointError
-from flashckpt.rankctx import RankContext
-from flashckpt.snapmeta import SnapshotMeta
-from flashckpt.storage import Storage
+from flashckpt.format.snapmeta import SnapshotMeta
+from flashckpt.format.storage import Storage
+from flashckpt.trainer.config import CheckpointConfig, parse_persist_every
+from flashckpt.trainer.rankctx import RankContext
 
 HERE = Path(__file__).parent
 
@@ -287,7 +287,7 @@ def test_the_mark_is_part_of_the_typed_snapshot_meta() -> None:
         "private": {},
     }
     tail = {"layout_sig": None, "entries": [], "skeleton": {}}
-    from flashckpt.layout import Layout
+    from flashckpt.format.layout import Layout
 
     tail["layout_sig"] = Layout([], 0, __import__("hashlib").sha1(b"[]").hexdigest()).signature
     for persist in (True, False):
@@ -471,7 +471,7 @@ def test_a_persisted_snapshot_is_hashed_once_by_its_write(
     hashes each chunk and that hash becomes the snapshot's completion hash (recorded in the
     slot: a restore from memory checks it), no second pass over the data. Here the hash thread
     is held off, so every hash of the data would have to come from somewhere else."""
-    import flashckpt.agent_persist as ap
+    import flashckpt.agent.persist as ap
 
     a = agent.agent
     passes: list[int] = []

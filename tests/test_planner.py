@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from flashckpt.planner import (
+from flashckpt.planning import (
     GIB,
     ClusterConfig,
     ModelConfig,
@@ -555,5 +555,5 @@ def test_cli_missing_required_and_help(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_planner_does_not_import_torch() -> None:
-    code = "import sys, flashckpt.planner; sys.exit('torch' in sys.modules)"
+    code = "import sys, flashckpt.planning; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0

@@ -11,7 +11,7 @@ import torch
 from fchelpers import FcEnv, RunningAgent
 
 import flashckpt
-from flashckpt.apply import clone_tensors as _clone_tensors
+from flashckpt.trainer.restore.apply import clone_tensors as _clone_tensors
 
 HUGE = 2 << 20
 

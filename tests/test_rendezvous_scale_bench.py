@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from elastic.etcd_server import EtcdServerError, find_etcd_binary
+from flashckpt.elastic.etcd.server import EtcdServerError, find_etcd_binary
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "rendezvous_scale.py"
 N = 4

@@ -1,6 +1,7 @@
-"""Replicas between node agents (flashckpt/replica.py): real slot files in a tmpfs of the test's
-own, real TCP on 127.0.0.1, real hashes. The agent integration builds on these guarantees: a
-replica is kept only whole and verified, a newer one replaces an older one only once complete,
+"""Replicas between node agents (flashckpt/agent/replicas/transport.py): real slot files in a tmpfs
+of the test's own, real TCP on 127.0.0.1, real hashes. The agent integration builds on these
+guarantees: a replica is kept only whole and verified, a newer one replaces an older one only once
+complete,
 and nothing a peer sends is trusted."""
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import xxhash
 from fchelpers import private_shm
 
 from flashckpt import names
-from flashckpt.errors import CorruptSnapshotError, ShmSpaceError
-from flashckpt.replica import (
+from flashckpt.agent.replicas.transport import (
     FRAME_MAGIC,
     ReplicaError,
     ReplicaHeader,
@@ -32,7 +32,8 @@ from flashckpt.replica import (
     query_replicas,
     replica_targets,
 )
-from flashckpt.shm import Slot, allocate_slot_file, shm_free_bytes
+from flashckpt.errors import CorruptSnapshotError, ShmSpaceError
+from flashckpt.format.shm import Slot, allocate_slot_file, shm_free_bytes
 
 JOB = "jrep"
 
@@ -533,8 +534,8 @@ def test_the_replica_server_listens_and_serves_on_ipv6(shm: str) -> None:
     """``[::1]:port`` in ``--replica-listen`` and in the peer list: the server listens on an
     IPv6 socket, a push and a fetch go over it, and addresses are written back bracketed (the
     form they parse from)."""
-    from flashckpt.agent_config import AgentConfig
-    from flashckpt.replica import host_port
+    from flashckpt.agent.config import AgentConfig
+    from flashckpt.agent.replicas.transport import host_port
 
     cfg = AgentConfig(job=JOB, node="nB", replica_listen="[::1]:0", replica_peers="nA=[::1]:7070")
     assert cfg.replica_listen_addr() == ("::1", 0)

@@ -35,7 +35,7 @@ __all__ = ["three"]  # the fixture, imported for the tests here
 def _flip(a: Any, offset: int, mask: int) -> None:
     """A bit flips in the replica of b's rank 1 that a's agent holds."""
     from flashckpt import names
-    from flashckpt.shm import Slot
+    from flashckpt.format.shm import Slot
 
     rep = Slot(names.replica_path(a.shm_dir, a.job, "a", "b", 1))
     try:
@@ -117,7 +117,7 @@ def test_a_replica_whose_name_and_description_disagree_is_not_used(
 
 def test_the_replica_file_names_are_the_ones_the_source_lists() -> None:
     from flashckpt import names
-    from flashckpt.sources import REPLICA_SUFFIX_RE
+    from flashckpt.trainer.restore.sources import REPLICA_SUFFIX_RE
 
     path = names.replica_path("/dev/shm", "job-1", "a", "n0_7", 12)
     name = os.path.basename(path)
@@ -132,7 +132,7 @@ def test_the_replica_file_names_are_the_ones_the_source_lists() -> None:
 
 
 def test_the_restart_line_names_peer_memory_reshard() -> None:
-    from elastic.restore_report import format_restore_line
+    from flashckpt.elastic.launch.restore_report import format_restore_line
 
     line = format_restore_line(
         2,
@@ -215,9 +215,9 @@ def test_every_restored_from_name_fits_the_step_rings_field() -> None:
     ring's fixed field: a longer name would be cut there ("peer-memory-resh")."""
     import struct
 
-    from flashckpt.restore import SOURCES
-    from flashckpt.ring import INFO
-    from flashckpt.sources import REPLICA_RESHARD
+    from flashckpt.monitor.ring import INFO
+    from flashckpt.trainer.restore.pipeline import SOURCES
+    from flashckpt.trainer.restore.sources import REPLICA_RESHARD
 
     width = INFO.size - struct.calcsize("<dddddqi")  # the trailing 16s
     assert width == 16, INFO.format
@@ -266,7 +266,7 @@ def _lose_machine_1(m0: Any, m1: Any, m: Machines, tmp_path: Path, *, storage: b
 
     _wait(held, "machine 0 to hold machine 1's replicas of step 4")
     if storage:
-        from flashckpt.storage import Storage
+        from flashckpt.format.storage import Storage
 
         st = Storage(m0.storage)
         _wait(lambda: 4 in st.committed_steps(), "step 4 committed")
@@ -307,7 +307,7 @@ def test_a_replica_failing_its_hash_on_one_local_rank_is_used_by_none(
     from test_sharded import _assert_same_state, _run
 
     from flashckpt import names
-    from flashckpt.shm import Slot
+    from flashckpt.format.shm import Slot
 
     m0, m1, m = two_machines
     _lose_machine_1(m0, m1, m, tmp_path, storage=True)

@@ -14,13 +14,13 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
 import flashckpt
-import flashckpt.restore
-from flashckpt.rankctx import RankContext
-from flashckpt.restore import SOURCES, agree
-from flashckpt.rng import capture_rng
-from flashckpt.saved import RestoreEnv, RestorePlan, SavedStep
-from flashckpt.shm import Slot
-from flashckpt.storage import CorruptCheckpointError
+import flashckpt.trainer.restore.pipeline
+from flashckpt.format.shm import Slot
+from flashckpt.format.storage import CorruptCheckpointError
+from flashckpt.state.rng import capture_rng
+from flashckpt.trainer.rankctx import RankContext
+from flashckpt.trainer.restore.pipeline import SOURCES, agree
+from flashckpt.trainer.restore.saved import RestoreEnv, RestorePlan, SavedStep
 
 
 class _Offers:
@@ -156,7 +156,7 @@ def test_a_new_source_is_one_class_in_one_list(
     want = {k: v.clone() for k, v in states[4]["model"].items()}
     monkeypatch.setattr(_DiskSource, "states", states)
     monkeypatch.setattr(_DiskSource, "corrupt", {6})
-    monkeypatch.setattr(flashckpt.restore, "SOURCES", (*SOURCES, _DiskSource))
+    monkeypatch.setattr(flashckpt.trainer.restore.pipeline, "SOURCES", (*SOURCES, _DiskSource))
     model2, opt2, sched2 = make(1)
     extras: dict[str, Any] = {}
     kw = fc_env.ckpt_kwargs(agent="connect", storage=None)

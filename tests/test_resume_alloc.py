@@ -15,8 +15,8 @@ from fchelpers import FcEnv, RunningAgent, private_shm
 from test_agent_prefault import _slot_mappings, _thread_minor_faults
 
 import flashckpt
-import flashckpt.snapshot
-from flashckpt.messages import Alloc
+import flashckpt.trainer.snapshot
+from flashckpt.protocol.messages import Alloc
 
 RESUME_PHASES = ["join", "hello", "restore", "timeline", "prefault", "preallocate"]
 
@@ -52,13 +52,13 @@ def test_a_resume_from_storage_allocates_its_slots_beside_the_first_steps(
 ) -> None:
     # The allocating thread waits for the test's go: what entry did without it is seen.
     go = threading.Event()
-    real = flashckpt.snapshot.Snapshotter._background_alloc
+    real = flashckpt.trainer.snapshot.Snapshotter._background_alloc
 
-    def held(self: flashckpt.snapshot.Snapshotter, need: int) -> None:
+    def held(self: flashckpt.trainer.snapshot.Snapshotter, need: int) -> None:
         assert go.wait(60)
         real(self, need)
 
-    monkeypatch.setattr(flashckpt.snapshot.Snapshotter, "_background_alloc", held)
+    monkeypatch.setattr(flashckpt.trainer.snapshot.Snapshotter, "_background_alloc", held)
     want = _persist_one_step(fc_env)
     assert fc_env.segments() == []
     again = RunningAgent(fc_env.agent_config())

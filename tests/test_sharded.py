@@ -19,7 +19,7 @@ import safetensors.torch
 import torch
 from fchelpers import FcEnv, run_ranks
 
-from flashckpt.sharded import ShardedPiece, assemble
+from flashckpt.state.sharded import ShardedPiece, assemble
 
 HERE = Path(__file__).parent
 
@@ -170,7 +170,7 @@ import os, sys, json, socket
 import torch, torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor, DTensor
 from torch.distributed.device_mesh import init_device_mesh
-from flashckpt.codec import flatten_state, unflatten_state
+from flashckpt.state.codec import flatten_state, unflatten_state
 
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from flashckpt.shm import (
+from flashckpt.format.shm import (
     COMPLETE,
     HUGE_PAGE,
     Prefaulter,
@@ -46,7 +46,7 @@ def test_torn_write_is_never_served(slot_file: str) -> None:
     # A writer killed with SIGKILL between begin_write and end_write.
     code = (
         "import os, signal\n"
-        "from flashckpt.shm import Slot\n"
+        "from flashckpt.format.shm import Slot\n"
         f"s = Slot({slot_file!r})\n"
         "q = s.begin_write(); s.end_write(q, 1, b'{}', 0)\n"  # one complete snapshot first
         "q = s.begin_write(); s.write_meta(b'{\"x\": 2}'); s.data(3)[:] = b'xyz'\n"

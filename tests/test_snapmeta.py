@@ -14,8 +14,8 @@ from tinytrain import make, train_step
 import flashckpt
 from flashckpt import names
 from flashckpt.errors import CorruptCheckpointError
-from flashckpt.shm import Slot
-from flashckpt.snapmeta import META_KEYS, PART_KEYS, NodePart, SnapshotMeta
+from flashckpt.format.shm import Slot
+from flashckpt.format.snapmeta import META_KEYS, PART_KEYS, NodePart, SnapshotMeta
 
 
 def _slot_metas(fc_env: FcEnv) -> list[bytes]:

@@ -11,7 +11,7 @@ import pytest
 import xxhash
 from stephelpers import write_step
 
-from flashckpt.storage import CHUNK, CorruptCheckpointError, Storage
+from flashckpt.format.storage import CHUNK, CorruptCheckpointError, Storage
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -119,7 +119,7 @@ def test_page_aligned_shard_is_valid_safetensors(tmp_path) -> None:
     import safetensors.torch
     import torch
 
-    from flashckpt.layout import Layout, parse_safetensors, safetensors_header
+    from flashckpt.format.layout import Layout, parse_safetensors, safetensors_header
 
     tensors = {"a": torch.randn(5, 7), "b": torch.arange(9, dtype=torch.int64)}
     layout = Layout.build([(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()])

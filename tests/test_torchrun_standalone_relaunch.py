@@ -20,7 +20,7 @@ import torch
 from fchelpers import FcEnv, kill_job_processes, private_shm
 from safetensors.torch import load_file
 
-from flashckpt.rankctx import _random_run_id
+from flashckpt.trainer.rankctx import _random_run_id
 
 ROOT = Path(__file__).resolve().parent.parent
 

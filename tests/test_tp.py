@@ -21,7 +21,7 @@ from test_sharded import _assert_same_state, _losses, _reference
 from test_sharded import _run as _run_fsdp
 
 import flashckpt
-from flashckpt.sharded import walk_pieces
+from flashckpt.state.sharded import walk_pieces
 
 HERE = Path(__file__).parent
 
@@ -90,8 +90,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from flashckpt.codec import flatten_state
-from flashckpt.sharded import describe, mesh_layout, placement_objects, target_box
+from flashckpt.state.codec import flatten_state
+from flashckpt.state.sharded import describe, mesh_layout, placement_objects, target_box
 
 def mesh(dims, rank):
     if dist.is_initialized():

@@ -12,7 +12,7 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
 import flashckpt
-from flashckpt.shm import MAGIC
+from flashckpt.format.shm import MAGIC
 
 
 def test_a_slot_with_a_damaged_header_falls_back_to_storage_with_a_warning(

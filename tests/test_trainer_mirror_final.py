@@ -13,7 +13,7 @@ from tinytrain import make, train_step
 
 import flashckpt
 from flashckpt.errors import PersistError
-from flashckpt.storage import Storage
+from flashckpt.format.storage import Storage
 
 
 def _wait_until(cond, what: str, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashckpt
-from flashckpt.storage import Storage
+from flashckpt.format.storage import Storage
 
 
 @pytest.mark.parametrize("url", ["file://tmp/x", "file://localhost/tmp/x"])

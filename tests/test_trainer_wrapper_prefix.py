@@ -10,7 +10,7 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import batch, make
 
 import flashckpt
-from flashckpt.apply import wrapper_prefix
+from flashckpt.trainer.restore.apply import wrapper_prefix
 
 
 class Wrapped(torch.nn.Module):

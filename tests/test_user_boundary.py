@@ -15,8 +15,8 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
 import flashckpt
-from flashckpt.checkpointer import CheckpointConfig
-from flashckpt.protocol import AgentClient, AgentError, socket_path
+from flashckpt.protocol.channel import AgentClient, AgentError, socket_path
+from flashckpt.trainer.checkpointer import CheckpointConfig
 
 
 def _env(fc_env: FcEnv, storage_path: Path) -> FcEnv:
@@ -418,7 +418,7 @@ def test_shuffled_loader_with_workers_resumes_mid_epoch_bitwise(
 def test_per_rank_state_round_trips_as_json_and_is_validated() -> None:
     import json
 
-    from flashckpt.jsonstate import decode_state, encode_state
+    from flashckpt.state.jsonstate import decode_state, encode_state
 
     state = {
         "pos": 7,

@@ -128,7 +128,7 @@ def main() -> int:
 
 def kill_in_copy(nth: int) -> None:
     """Fault injection: the nth snapshot copy with tensors SIGKILLs this process halfway."""
-    from flashckpt.snapshot import Snapshotter
+    from flashckpt.trainer.snapshot import Snapshotter
 
     orig = Snapshotter.copy
     calls = [0]

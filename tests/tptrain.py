@@ -52,7 +52,7 @@ def launch(a: argparse.Namespace) -> int:
     import torch.distributed.fsdp
     import torch.distributed.tensor.parallel  # noqa: F401
 
-    import flashckpt.checkpointer  # noqa: F401
+    import flashckpt.trainer.checkpointer  # noqa: F401
 
     expected = 3 if a.exit_at >= 0 else 0
     return fork_ranks(a.world, expected, lambda rank: train(a, rank), "tptrain")

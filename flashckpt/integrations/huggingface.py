@@ -49,9 +49,9 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer_callback import ExportableState
 
-from flashckpt.checkpointer import Checkpointer
-from flashckpt.config import CheckpointConfig, unknown_options
-from flashckpt.rng import capture_rng, restore_rng
+from flashckpt.state.rng import capture_rng, restore_rng
+from flashckpt.trainer.checkpointer import Checkpointer
+from flashckpt.trainer.config import CheckpointConfig, unknown_options
 
 __all__ = ["FlashCheckpoint"]
 

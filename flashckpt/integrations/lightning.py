@@ -39,9 +39,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from flashckpt.checkpointer import Checkpointer
-from flashckpt.config import CheckpointConfig, unknown_options
-from flashckpt.rng import capture_rng, restore_rng
+from flashckpt.state.rng import capture_rng, restore_rng
+from flashckpt.trainer.checkpointer import Checkpointer
+from flashckpt.trainer.config import CheckpointConfig, unknown_options
 
 __all__ = ["FlashCheckpoint"]
 

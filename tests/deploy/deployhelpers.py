@@ -145,7 +145,7 @@ def parse_status(args: list[str]) -> argparse.Namespace:
 
 def parse_run(args: list[str]) -> argparse.Namespace:
     """``flashckpt run ARGS`` parsed by the launcher's own parser."""
-    from elastic.launcher import _build_parser
+    from flashckpt.elastic.launch.launcher import _build_parser
 
     return _parse(_build_parser(), args)
 

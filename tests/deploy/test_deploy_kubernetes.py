@@ -30,10 +30,10 @@ from deployhelpers import (
     strict,
 )
 
-from elastic.etcd_server import find_etcd_binary
-from elastic.launch_config import parse_nnodes
-from elastic.rdzv_name import BACKEND_NAME
 from flashckpt import envnames
+from flashckpt.elastic.etcd.server import find_etcd_binary
+from flashckpt.elastic.launch.config import parse_nnodes
+from flashckpt.elastic.rendezvous.name import BACKEND_NAME
 
 _etcd = subprocess.run([find_etcd_binary(), "--help"], capture_output=True, text=True)
 ETCD_HELP = _etcd.stdout + _etcd.stderr

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from deployhelpers import DATA, DEPLOY, parse_run, parse_torchrun
 
-from elastic.etcd_server import find_etcd_binary
-from elastic.rdzv_name import BACKEND_NAME
+from flashckpt.elastic.etcd.server import find_etcd_binary
+from flashckpt.elastic.rendezvous.name import BACKEND_NAME
 
 SUBMIT = DEPLOY / "slurm" / "submit.sh"
 GOLDEN = DATA / "slurm-dry-run.txt"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from deployhelpers import DEPLOY, parse_agent
 
-from flashckpt.protocol import AgentClient, socket_path
+from flashckpt.protocol.channel import AgentClient, socket_path
 
 UNIT = DEPLOY / "systemd" / "flashckpt-agent@.service"
 ENV_EXAMPLE = DEPLOY / "systemd" / "flashckpt-agent.env"

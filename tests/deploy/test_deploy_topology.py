@@ -33,7 +33,7 @@ from deployhelpers import KUSTOMIZE, expand
 from podns import CONTAINER, UID, Pod, PodSim, unavailable
 
 from flashckpt import envnames
-from flashckpt.protocol import socket_path
+from flashckpt.protocol.channel import socket_path
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from elastic.testing import kill_job, kill_processes, loopback_env, process_tree, read_jsonl
-from flashckpt.storage import Storage
+from flashckpt.format.storage import Storage
+from flashckpt.testing.elastic import (
+    kill_job,
+    kill_processes,
+    loopback_env,
+    process_tree,
+    read_jsonl,
+)
 
 WORKER = Path(__file__).with_name("_elastic_worker.py")
 

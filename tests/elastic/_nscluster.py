@@ -1,9 +1,9 @@
 """Launcher tests on machines that really are separate: :class:`SimCluster` on Linux namespaces.
 
 Each machine's launcher (with its node agent and workers) runs in a machine of
-:class:`elastic.netns.Cluster`: its own network namespace and address on a private bridge, its own
-hostname, its own ``/dev/shm``. etcd runs in the cluster's hub. Storage and the workers' output
-directory stay on the shared file system (as a network file system would be); run directories
+:class:`flashckpt.testing.netns.Cluster`: its own network namespace and address on a private bridge,
+its own hostname, its own ``/dev/shm``. etcd runs in the cluster's hub. Storage and the workers'
+output directory stay on the shared file system (as a network file system would be); run directories
 are per machine. Killing a machine SIGKILLs every process in its namespace, and its shared memory
 disappears with them.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from _cluster import Machine, SimCluster, cluster_env
 
-from elastic import netns
+from flashckpt.testing import netns
 
 
 class NsMachine(Machine):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from elastic.rdzv_registry import BACKEND_NAME, register
+from flashckpt.elastic.rendezvous.registry import BACKEND_NAME, register
 
 
 def _wait_for(path: Path, timeout_s: float) -> None:

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from elastic.etcd import EtcdClient
-from elastic.etcd_server import EtcdServer, EtcdServerError, find_etcd_binary
-from elastic.membership import NodeRegistry
+from flashckpt.elastic.etcd.client import EtcdClient
+from flashckpt.elastic.etcd.server import EtcdServer, EtcdServerError, find_etcd_binary
+from flashckpt.elastic.membership.nodes import NodeRegistry
 
 if TYPE_CHECKING:
     import torch

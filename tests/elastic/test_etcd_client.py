@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from elastic.etcd import (
+from flashckpt.elastic.etcd.client import (
     EtcdClient,
     EtcdError,
     EtcdLeaseNotFound,
@@ -19,7 +19,7 @@ from elastic.etcd import (
     EtcdUnavailable,
     parse_endpoints,
 )
-from elastic.etcd_server import EtcdServer
+from flashckpt.elastic.etcd.server import EtcdServer
 
 SHORT = timedelta(seconds=1)
 

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from _cluster import SimCluster
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-from elastic.etcd import EtcdClient
-from elastic.etcd_server import EtcdServer, etcd_command
-from elastic.jobkeys import remove_finished_job_keys
-from elastic.membership import NodeRegistry
-from elastic.rendezvous import job_prefix
-from elastic.store import EtcdStore
+from flashckpt.elastic.etcd.client import EtcdClient
+from flashckpt.elastic.etcd.server import EtcdServer, etcd_command
+from flashckpt.elastic.etcd.store import EtcdStore
+from flashckpt.elastic.membership.jobkeys import remove_finished_job_keys
+from flashckpt.elastic.membership.nodes import NodeRegistry
+from flashckpt.elastic.rendezvous.backend import job_prefix
 
 pytestmark = pytest.mark.etcd
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from _cluster import SimCluster
 
-from elastic.etcd_cluster import EtcdCluster
+from flashckpt.testing.etcd_cluster import EtcdCluster
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 

@@ -16,8 +16,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic.etcd import EtcdClient
-from elastic.store import EtcdStore
+from flashckpt.elastic.etcd.client import EtcdClient
+from flashckpt.elastic.etcd.store import EtcdStore
 
 
 @dataclass

@@ -15,8 +15,9 @@ from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 
 import flashckpt
-from elastic.etcd import EtcdClient
-from elastic.jobview import (
+from flashckpt import cli
+from flashckpt.elastic.etcd.client import EtcdClient
+from flashckpt.elastic.membership.jobview import (
     JobViewPublisher,
     StragglerSwap,
     agent_status,
@@ -24,11 +25,10 @@ from elastic.jobview import (
     machine_summary,
     read_job_view,
 )
-from elastic.membership import NodeRegistry
-from elastic.rendezvous import job_prefix
-from flashckpt import cli
-from flashckpt.monitor import MonitorConfig
-from flashckpt.protocol import socket_path
+from flashckpt.elastic.membership.nodes import NodeRegistry
+from flashckpt.elastic.rendezvous.backend import job_prefix
+from flashckpt.monitor.step_monitor import MonitorConfig
+from flashckpt.protocol.channel import socket_path
 
 
 def _rank(step: int, p50: float, p99: float, fwd: float, opt: float, **kw: Any) -> dict[str, Any]:

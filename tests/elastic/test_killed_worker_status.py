@@ -1,8 +1,8 @@
 """A worker killed by a signal is reported as killed by that signal (issue 30).
 
-The pre-warmed worker's stub (:mod:`elastic.prewarm`) stands in for the worker towards torch:
-it must end by the worker's signal, so torch reports ``-9`` for a SIGKILL (an OOM kill) rather
-than exit code 1 and a traceback of the stub's own.
+The pre-warmed worker's stub (:mod:`flashckpt.elastic.launch.prewarm`) stands in for the worker
+towards torch: it must end by the worker's signal, so torch reports ``-9`` for a SIGKILL (an OOM
+kill) rather than exit code 1 and a traceback of the stub's own.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from _cluster import cluster_env
 
-from elastic.testing import kill_job
+from flashckpt.testing.elastic import kill_job
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGSEGV])
@@ -28,7 +28,7 @@ def test_the_stub_ends_by_the_workers_signal(signum: int) -> None:
     code = textwrap.dedent(
         f"""
         import signal
-        from elastic.prewarm import exit_with_status
+        from flashckpt.elastic.launch.prewarm import exit_with_status
         signal.signal(signal.SIGTERM, lambda *a: None)
         exit_with_status(-{int(signum)})
         """
@@ -45,7 +45,7 @@ def test_a_stopping_signal_is_an_exit_code_not_a_frozen_stub() -> None:
         [
             sys.executable,
             "-c",
-            "from elastic.prewarm import exit_with_status; exit_with_status(-19)",
+            "from flashckpt.elastic.launch.prewarm import exit_with_status; exit_with_status(-19)",
         ],
         env=cluster_env(),
         capture_output=True,

@@ -23,9 +23,9 @@ import safetensors.torch
 import torch
 from _cluster import SimCluster, assert_same_model, cluster_env
 
-from elastic import health
-from elastic.etcd_server import EtcdServer
-from flashckpt.storage import Storage
+from flashckpt.elastic.etcd.server import EtcdServer
+from flashckpt.elastic.membership import health
+from flashckpt.format.storage import Storage
 
 STEPS = 50
 EVERY = 5

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from _cluster import SimCluster, cluster_env
 
-from elastic.launcher import parse_args
-from elastic.restore_report import RestoreReporter, job_summary
+from flashckpt.elastic.launch.launcher import parse_args
+from flashckpt.elastic.launch.restore_report import RestoreReporter, job_summary
 
 TORCHRUN_WORKER = Path(__file__).with_name("_torchrun_worker.py")
 
@@ -192,9 +192,9 @@ def test_job_summary_from_the_agents_events(tmp_path: Path) -> None:
 
 
 def test_every_launcher_config_field_has_a_flag_listed_in_help() -> None:
-    from elastic.launch_config import LauncherConfig
-    from elastic.launcher import _build_parser
     from flashckpt.cliargs import flag_fields
+    from flashckpt.elastic.launch.config import LauncherConfig
+    from flashckpt.elastic.launch.launcher import _build_parser
 
     parser = _build_parser()
     text = parser.format_help()
@@ -214,7 +214,7 @@ def test_launcher_flag_defaults_are_the_dataclass_defaults(
 ) -> None:
     import dataclasses
 
-    from elastic.launch_config import LauncherConfig
+    from flashckpt.elastic.launch.config import LauncherConfig
 
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "12")
     config, verbose = parse_args(["s.py", "--lr", "1"])

@@ -16,8 +16,8 @@ import torch
 from _cluster import assert_same_model
 from _nscluster import NsSimCluster
 
-from elastic import netns
-from elastic.etcd_server import find_etcd_binary
+from flashckpt.elastic.etcd.server import find_etcd_binary
+from flashckpt.testing import netns
 
 STEPS = 40
 EVERY = 5

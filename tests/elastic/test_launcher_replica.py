@@ -25,15 +25,19 @@ from typing import Any
 import pytest
 from _nscluster import NsSimCluster
 
-from elastic import netns
-from elastic.etcd import KeyValue
-from elastic.etcd_server import find_etcd_binary
-from elastic.launcher import parse_args
-from elastic.membership import NodeRecord
-from elastic.node_agent import NodeAgentConfig, NodeAgentProcess, world_replica_peers
 from flashckpt import names
+from flashckpt.elastic.etcd.client import KeyValue
+from flashckpt.elastic.etcd.server import find_etcd_binary
+from flashckpt.elastic.launch.agent_runner import (
+    NodeAgentConfig,
+    NodeAgentProcess,
+    world_replica_peers,
+)
+from flashckpt.elastic.launch.launcher import parse_args
+from flashckpt.elastic.membership.nodes import NodeRecord
 from flashckpt.errors import AgentError
-from flashckpt.protocol import AgentClient
+from flashckpt.protocol.channel import AgentClient
+from flashckpt.testing import netns
 
 STEPS = 90
 EVERY = 3

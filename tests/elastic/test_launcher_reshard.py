@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_launcher_replica import _REASON, WORKER_ARGS, _holds_newest, _MemoryOnly, net
 
-from elastic import netns
+from flashckpt.testing import netns
 
 __all__ = ["net"]  # the fixture, imported for the test here
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from _cluster import SimCluster
 
-from elastic.etcd import EtcdClient
-from elastic.etcd_server import EtcdServer
-from elastic.rendezvous import DEFAULT_KEY_PREFIX, job_prefix
-from elastic.testing import job_processes
+from flashckpt.elastic.etcd.client import EtcdClient
+from flashckpt.elastic.etcd.server import EtcdServer
+from flashckpt.elastic.rendezvous.backend import DEFAULT_KEY_PREFIX, job_prefix
+from flashckpt.testing.elastic import job_processes
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from elastic.etcd import EtcdClient, WatchBatch
-from elastic.membership import NodeRecord, NodeRegistry
+from flashckpt.elastic.etcd.client import EtcdClient, WatchBatch
+from flashckpt.elastic.membership.nodes import NodeRecord, NodeRegistry
 
 WAIT_S = 60.0
 

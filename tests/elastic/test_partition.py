@@ -20,9 +20,8 @@ from typing import Any
 
 import pytest
 
-from elastic import netns
-from elastic.etcd import EtcdClient, EtcdUnavailable
-from elastic.membership import (
+from flashckpt.elastic.etcd.client import EtcdClient, EtcdUnavailable
+from flashckpt.elastic.membership.nodes import (
     FenceNotice,
     NodeRegistry,
     ProbeResult,
@@ -31,6 +30,7 @@ from elastic.membership import (
     peer_etcd_age,
     probe,
 )
+from flashckpt.testing import netns
 
 TTL = timedelta(seconds=2)
 
@@ -199,7 +199,7 @@ def test_the_fence_stops_workers_with_sigterm_then_sigkill_by_the_deadline() -> 
     import subprocess
     import sys
 
-    from elastic.session import stop_processes
+    from flashckpt.elastic.launch.session import stop_processes
 
     polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     stubborn = subprocess.Popen(
@@ -234,7 +234,7 @@ def test_the_fence_never_signals_a_process_that_is_not_its_child() -> None:
     import subprocess
     import sys
 
-    from elastic.session import stop_processes
+    from flashckpt.elastic.launch.session import stop_processes
 
     parent = subprocess.Popen(
         [
@@ -302,7 +302,7 @@ class _LatestRecorder:
 
 @pytest.fixture
 def net(tmp_path: Path) -> Iterator[tuple[netns.Cluster, str]]:
-    from elastic.etcd_server import find_etcd_binary
+    from flashckpt.elastic.etcd.server import find_etcd_binary
 
     cluster = netns.Cluster(shm_size="1g")
     try:
@@ -337,7 +337,7 @@ def test_a_partitioned_machine_fences_itself_and_rejoins_as_a_standby(
     from _cluster import assert_same_model
     from _nscluster import NsSimCluster
 
-    from flashckpt.storage import Storage
+    from flashckpt.format.storage import Storage
 
     ns, etcd_url = net
     cluster = NsSimCluster(

@@ -1,5 +1,6 @@
-"""Held links between launchers (:mod:`elastic.peerlinks`): a peer launcher's death is found when
-its sockets close, not when its lease lapses or when the survivor's workers happen to fail.
+"""Held links between launchers (:mod:`flashckpt.elastic.membership.peerlinks`): a peer launcher's
+death is found when its sockets close, not when its lease lapses or when the survivor's workers
+happen to fail.
 
 The registries run against a real etcd; the peer that dies is a real process killed with
 SIGKILL, with a lease TTL (30 s) far longer than the tests wait, so only the link can tell.
@@ -21,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from elastic import membership
-from elastic.etcd import EtcdClient
-from elastic.membership import NodeRecord, NodeRegistry
-from elastic.peerlinks import (
+from flashckpt.elastic.etcd.client import EtcdClient
+from flashckpt.elastic.membership import nodes as membership
+from flashckpt.elastic.membership.nodes import NodeRecord, NodeRegistry
+from flashckpt.elastic.membership.peerlinks import (
     HOLD_ANSWER,
     HOLD_QUESTION,
     LinkTarget,
@@ -75,8 +76,8 @@ _PEER_SCRIPT = textwrap.dedent(
     """
     import sys, time
     from datetime import timedelta
-    from elastic.etcd import EtcdClient
-    from elastic.membership import NodeRegistry
+    from flashckpt.elastic.etcd.client import EtcdClient
+    from flashckpt.elastic.membership.nodes import NodeRegistry
 
     url, prefix, node = sys.argv[1:4]
     reg = NodeRegistry(EtcdClient(url, timeout=timedelta(seconds=5)), prefix, node,

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import importlib, json, sys
-from elastic.prewarm import DEFAULT_MODULES
+from flashckpt.elastic.launch.prewarm import DEFAULT_MODULES
 for name in DEFAULT_MODULES:
     importlib.import_module(name)
 before = set(sys.modules)

@@ -1,7 +1,8 @@
-"""The contract of the O(1)-per-machine rendezvous handler (:mod:`elastic.rdzv_handler`) on a
-real etcd, with simulated machines as threads: rounds, stable ranks, standbys, shrink and grow
-within ``min:max``, the lead's death, a lost answer to the closing transaction, stale rounds,
-closing, ``num_nodes_waiting`` from the watch, bounded keys, and a round of 128 machines.
+"""The contract of the O(1)-per-machine rendezvous handler
+(:mod:`flashckpt.elastic.rendezvous.handler`) on a real etcd, with simulated machines as threads:
+rounds, stable ranks, standbys, shrink and grow within ``min:max``, the lead's death, a lost answer
+to the closing transaction, stale rounds, closing, ``num_nodes_waiting`` from the watch, bounded
+keys, and a round of 128 machines.
 
 These replace the compare-and-set contract tests of the blob backend it supersedes.
 """
@@ -25,15 +26,15 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 
-from elastic.etcd import EtcdClient, EtcdOutcomeUnknown
-from elastic.rdzv_handler import (
+from flashckpt.elastic.etcd.client import EtcdClient, EtcdOutcomeUnknown
+from flashckpt.elastic.etcd.store import EtcdStore
+from flashckpt.elastic.rendezvous.handler import (
     RdzvHandler,
     RdzvSettings,
     decode_members,
     encode_members,
     settings_from_params,
 )
-from elastic.store import EtcdStore
 
 pytestmark = pytest.mark.etcd
 

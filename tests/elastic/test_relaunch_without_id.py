@@ -19,7 +19,7 @@ import pytest
 import torch
 from _cluster import Machine, SimCluster, assert_same_model, cluster_env
 
-from elastic.testing import kill_processes, process_tree
+from flashckpt.testing.elastic import kill_processes, process_tree
 
 WORKER_ARGS = ["--steps", "40", "--every", "5"]
 

@@ -1,5 +1,6 @@
-"""``flashckpt-etcd`` as torchrun builds it (:func:`elastic.rendezvous.create_handler`): its
-options, TLS, errors, and the per-round worker store.
+"""``flashckpt-etcd`` as torchrun builds it
+(:func:`flashckpt.elastic.rendezvous.backend.create_handler`): its options, TLS, errors, and the
+per-round worker store.
 
 The contract of the handler itself (rounds, standbys, closing, ...) is in ``test_rdzv_handler.py``;
 it replaced torch's ``DynamicRendezvousHandler`` on a compare-and-set blob, whose
@@ -22,11 +23,11 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
 )
 
-from elastic.etcd_server import EtcdServer
-from elastic.rdzv_handler import RdzvHandler
-from elastic.rdzv_registry import BACKEND_NAME
-from elastic.rendezvous import SHARE_STORE_ENV, create_handler, job_prefix
-from elastic.testing import make_test_certificates
+from flashckpt.elastic.etcd.server import EtcdServer
+from flashckpt.elastic.rendezvous.backend import SHARE_STORE_ENV, create_handler, job_prefix
+from flashckpt.elastic.rendezvous.handler import RdzvHandler
+from flashckpt.elastic.rendezvous.registry import BACKEND_NAME
+from flashckpt.testing.elastic import make_test_certificates
 
 
 def _params(endpoint: str, **config: Any) -> RendezvousParameters:

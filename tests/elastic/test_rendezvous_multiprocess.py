@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-import elastic
+import flashckpt.elastic
 
 WORKER = Path(__file__).with_name("_rdzv_worker.py")
 ROUNDS_WORKER = Path(__file__).with_name("_rdzv_rounds_worker.py")
-SOURCE_ROOT = Path(elastic.__file__).resolve().parent.parent
+SOURCE_ROOT = Path(flashckpt.elastic.__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:
@@ -167,7 +167,8 @@ def test_torch_discovers_the_handler_through_the_entry_point(tmp_path: Path) -> 
         "Metadata-Version: 2.1\nName: flashckpt-ep-probe\nVersion: 0.0\n"
     )
     (dist_info / "entry_points.txt").write_text(
-        "[torchrun.handlers]\nflashckpt-etcd = elastic.rdzv_registry:get_handler_creator\n"
+        "[torchrun.handlers]\n"
+        "flashckpt-etcd = flashckpt.elastic.rendezvous.registry:get_handler_creator\n"
     )
     code = textwrap.dedent(
         """

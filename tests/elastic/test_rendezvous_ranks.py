@@ -1,4 +1,5 @@
-"""Stable group ranks (:func:`elastic.stable_ranks.assign_ranks`): what the rendezvous' round
+"""Stable group ranks (:func:`flashckpt.elastic.rendezvous.stable_ranks.assign_ranks`): what the
+rendezvous' round
 lead computes from the members' claims (the handler's use of it: ``test_rdzv_handler.py``)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import random
 
 import pytest
 
-from elastic.stable_ranks import RankClaim, assign_ranks
+from flashckpt.elastic.rendezvous.stable_ranks import RankClaim, assign_ranks
 
 # -- the assignment ----------------------------------------------------------------------------
 

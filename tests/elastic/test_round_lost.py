@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from elastic.etcd import EtcdError, KeyValue
-from elastic.launch_config import EventLog, LauncherConfig
-from elastic.membership import NodeRecord
-from elastic.session import LaunchSession
+from flashckpt.elastic.etcd.client import EtcdError, KeyValue
+from flashckpt.elastic.launch.config import EventLog, LauncherConfig
+from flashckpt.elastic.launch.session import LaunchSession
+from flashckpt.elastic.membership.nodes import NodeRecord
 
 OWN = NodeRecord("n0", "h0", 1, "t0", "127.0.0.1:1", state="active", rdzv_node="d0")
 PEER = NodeRecord("n1", "h1", 2, "t1", "127.0.0.1:2", state="active", rdzv_node="d1")

@@ -1,6 +1,7 @@
-"""Workers' c10d store clients wait for the round's store themselves (:mod:`elastic.storewait`)
-instead of c10d's first backoff pause: a client that comes before the store listens is created
-only once the port accepts, a store that never listens is left to c10d's own error, and the
+"""Workers' c10d store clients wait for the round's store themselves
+(:mod:`flashckpt.elastic.launch.storewait`) instead of c10d's first backoff pause: a client that
+comes before the store listens is created only once the port accepts, a store that never listens is
+left to c10d's own error, and the
 store's host (worker rank 0) never waits. Ordering is asserted, never speed."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 import torch.distributed.rendezvous  # noqa: F401 - the module whose function is wrapped
 from torch.distributed import TCPStore
 
-from elastic import storewait
+from flashckpt.elastic.launch import storewait
 
 RDZV: ModuleType = sys.modules["torch.distributed.rendezvous"]
 
@@ -102,7 +103,7 @@ def test_install_twice_wraps_once(wrapped: list[tuple[str, float]]) -> None:
 
 def test_a_cold_worker_gets_the_wrapper_when_torch_distributed_is_first_imported() -> None:
     code = (
-        "import sys; from elastic import storewait; storewait.install();"
+        "import sys; from flashckpt.elastic.launch import storewait; storewait.install();"
         "assert 'torch' not in sys.modules;"
         "import torch.distributed;"
         "f = sys.modules['torch.distributed.rendezvous']._create_c10d_store;"

@@ -27,7 +27,7 @@ import pytest
 import torch
 from _cluster import Machine, SimCluster, assert_same_model, cluster_env
 
-from elastic.testing import process_tree
+from flashckpt.testing.elastic import process_tree
 
 EVERY = 5
 WORKER_ARGS = ["--steps", "40", "--every", str(EVERY), "--persist-every", "1h"]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.node_agent import NodeAgentConfig, NodeAgentError, NodeAgentProcess
 from flashckpt import names
+from flashckpt.elastic.launch.agent_runner import NodeAgentConfig, NodeAgentError, NodeAgentProcess
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastic.standalone import StandaloneEtcd, remove_leftovers
-from elastic.testing import process_tree
+from flashckpt.elastic.etcd.standalone import StandaloneEtcd, remove_leftovers
+from flashckpt.testing.elastic import process_tree
 
 pytestmark = pytest.mark.etcd
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.etcd
 _HOLDER = textwrap.dedent(
     """
     import sys, time
-    from elastic.standalone import StandaloneEtcd
+    from flashckpt.elastic.etcd.standalone import StandaloneEtcd
     etcd = StandaloneEtcd(parent_dir=sys.argv[1])
     etcd.start()
     print(etcd.data_dir, flush=True)

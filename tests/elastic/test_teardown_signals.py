@@ -32,7 +32,7 @@ from test_teardown import (
     _steps_done,
 )
 
-from elastic.testing import process_tree
+from flashckpt.testing.elastic import process_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import elastic.standalone as standalone
-from elastic.etcd_server import ETCD_MISSING, EtcdServerError
-from elastic.standalone import StandaloneEtcd, StandaloneEtcdError
+import flashckpt.elastic.etcd.standalone as standalone
+from flashckpt.elastic.etcd.server import ETCD_MISSING, EtcdServerError
+from flashckpt.elastic.etcd.standalone import StandaloneEtcd, StandaloneEtcdError
 
 
 def test_a_missing_etcd_names_the_install_line_once(

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.testing import kill_job, loopback_env, read_jsonl
+from flashckpt.testing.elastic import kill_job, loopback_env, read_jsonl
 
 WORKER = Path(__file__).with_name("_torchrun_worker.py")
 KILLS = 10  # restarts, each a trial of the stale-store race

@@ -1,0 +1,1231 @@
+"""Machine liveness for elastic jobs: lease-bound node keys in etcd, and fast death detection.
+
+Every launcher of a job registers itself under ``<key_prefix>/<run_id>/nodes/<node_id>`` with a
+key bound to an etcd lease that it renews every ``ttl / 5``. When a machine dies, nobody renews
+its lease, etcd deletes its key after at most ``ttl``, and every other launcher's watch sees the
+deletion at once. That is the authority on liveness, and it works whatever killed the machine
+(power, kernel panic, network partition).
+
+It is also slow compared with what a survivor already knows: when a peer's *processes* die and
+its host stays up (OOM kill, segfault, ``kill -9``, a crashed launcher), the survivor's
+collectives fail within milliseconds. So each launcher also listens on a small TCP *probe* port
+(advertised in its key) that answers with the launcher's instance token. When a launcher's
+workers fail, it probes its peers: a peer whose host refuses the connection, or answers with
+another token (the port was reused), is certainly dead, and its lease is revoked at once, which
+deletes its key just as the lease's expiry would. A probe that merely times out proves nothing
+(a slow network, a busy host), so it is left to the lease. Healthy machines are therefore never
+declared dead by a probe, only by their lease.
+
+What the job does with a death is up to the ``on_lost`` callback (the launcher expires the node
+in torch's rendezvous state, see :func:`expire_rendezvous_nodes`, so the next round forms
+without waiting for torch's own heartbeat timeout).
+
+*Fencing* is the other side of the lease: a machine that is cut off (a network partition) is
+alive, its workers may still write, while the others, once its lease lapses, form a new world
+without it. So the renew loop records when the last successful renewal was *sent* (etcd counts
+the TTL from when it received it, later); at :func:`fence_deadline` (``ttl - ttl/5`` after it)
+without a renewal, and with no peer answering its probe port either (cut off from the others
+too, not only from etcd: an etcd outage that every machine sees lapses no lease and lets no
+new world form), or with peers that answer and say they renewed their own leases since (cut
+off from etcd alone: the others will form a new world without it; :func:`peer_etcd_age`),
+the machine is fenced: ``on_fenced`` stops its workers and its node agent's
+commits before :func:`lease_expiry`, the earliest moment the others can act. The renewals stop;
+the stale lease and token are never used again: once etcd answers, :meth:`NodeRegistry.rejoin`
+registers the machine afresh (new lease, new token, next generation), as a standby.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import logging
+import os
+import pickle
+import selectors
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from flashckpt.elastic.deadline import Deadline
+from flashckpt.elastic.etcd.client import (
+    EtcdClient,
+    EtcdError,
+    EtcdLeaseNotFound,
+    EtcdOutcomeUnknown,
+    KeyValue,
+    Lease,
+    WatchEvent,
+)
+from flashckpt.elastic.membership.peerlinks import (
+    HOLD_ANSWER,
+    HOLD_QUESTION,
+    LinkTarget,
+    PeerLinks,
+    connect_probe_port,
+    read_line,
+    ring_successors,
+)
+
+__all__ = [
+    "FenceNotice",
+    "NodeIdInUse",
+    "NodeRecord",
+    "NodeRegistry",
+    "ProbeResult",
+    "expire_rendezvous_nodes",
+    "fence_deadline",
+    "lease_expiry",
+    "nodes_prefix",
+    "peer_etcd_age",
+    "probe",
+]
+
+logger = logging.getLogger(__name__)
+
+_PROBE_TIMEOUT_S = 0.5
+_PROBE_ATTEMPTS = 3
+_PROBE_RETRY_S = 0.1
+_WATCH_SLICE = timedelta(seconds=5)
+# Probing the peers while renewals fail: one try each (a cut-off host fails at once with "network
+# unreachable", a silent drop times out). In the background after each failed renewal, with a
+# loaded host's patience; at the fence deadline, when none answered lately, once more, short.
+_OUTAGE_PROBE_TIMEOUT_S = 1.0
+_FENCE_PROBE_TIMEOUT_S = 0.25
+
+
+def fence_deadline(last_ok: float, ttl_s: float) -> float:
+    """When a machine whose last successful lease renewal was sent at ``last_ok`` (monotonic
+    seconds) is fenced if no renewal succeeded since: ``ttl - ttl/5`` after it. The lease
+    lapses on etcd ``ttl`` after etcd *received* that renewal, so no other machine can act on
+    its loss before :func:`lease_expiry`: ``ttl/5`` is left to stop the workers."""
+    return last_ok + ttl_s - ttl_s / 5
+
+
+def lease_expiry(last_ok: float, ttl_s: float) -> float:
+    """The earliest moment etcd may drop a lease last renewed by a request sent at ``last_ok``
+    (monotonic seconds): the others may form a new world from then on."""
+    return last_ok + ttl_s
+
+
+@dataclass(frozen=True, slots=True)
+class FenceNotice:
+    """What :class:`NodeRegistry` tells ``on_fenced``."""
+
+    reason: str
+    """Why, for the log."""
+    last_ok: float
+    """Monotonic time the last successful renewal was sent."""
+    expiry: float
+    """Monotonic time from which etcd may have dropped the lease (:func:`lease_expiry`): the
+    workers must be gone by then."""
+    generation: int
+    """The registration that is fenced (1 for the first)."""
+
+
+def nodes_prefix(job_prefix: str) -> str:
+    """The etcd prefix of a job's node keys, given the job's prefix (ending in ``/``)."""
+    return job_prefix + "nodes/"
+
+
+class NodeIdInUse(RuntimeError):
+    """Another live launcher of this job already registered the same node id."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    """What a launcher publishes about itself under its node key."""
+
+    node_id: str
+    """The launcher's ``--node-id``."""
+    host: str
+    """The host name of its machine."""
+    pid: int
+    """The launcher's process id."""
+    token: str
+    """A random id of this launcher instance (answered by its probe port)."""
+    probe: str
+    """``host:port`` of its probe listener; empty if it has none."""
+    state: str = "starting"
+    """``starting``, ``waiting`` (in the rendezvous, standby included), ``active`` or
+    ``leaving``."""
+    rdzv_node: str | None = None
+    """torch's rendezvous node descriptor of this launcher (``addr_pid_localid``)."""
+    group_rank: int | None = None
+    """Its rank among the machines of the current round, when active."""
+    lease: int = 0
+    """The etcd lease the key is bound to (filled in when read)."""
+    replica: str = ""
+    """``host:port`` of its node agent's replica server (other machines send it replicas of
+    their snapshots there); empty if it holds none."""
+    done: bool = False
+    """Set as it leaves (``leaving``): its workers finished the job. A machine that left done
+    broke nothing for workers still running elsewhere; one that left otherwise (signalled,
+    preempted, retired for a standby, failed) took its workers out of their round."""
+
+    @property
+    def left_done(self) -> bool:
+        """It left with its workers done: nothing of its round was broken by its leaving."""
+        return self.state == "leaving" and self.done
+
+    def to_json(self) -> bytes:
+        """The key's value."""
+        data = asdict(self)
+        data.pop("lease")
+        return json.dumps(data, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_kv(cls, kv: KeyValue) -> NodeRecord | None:
+        """Parses a node key; ``None`` if it is not one of ours."""
+        try:
+            data = json.loads(kv.value)
+            fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data and k != "lease"}
+            # Only a true JSON boolean says done: anything else is the safer "not done".
+            fields["done"] = fields.get("done") is True
+            return cls(**fields, lease=kv.lease)
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+class ProbeResult(enum.Enum):
+    """What a probe of a peer's launcher says."""
+
+    ALIVE = "alive"
+    """It answered with its token."""
+    DEAD = "dead"
+    """Its host refused the connection, or another process answered: the launcher is gone."""
+    UNKNOWN = "unknown"
+    """No answer in time: only the lease can tell."""
+
+
+def probe(record: NodeRecord, timeout: float = _PROBE_TIMEOUT_S) -> ProbeResult:
+    """Checks whether a peer's launcher is still running.
+
+    Args:
+        record: The peer's node record.
+        timeout: Seconds to wait for the connection and the answer.
+
+    Returns:
+        :attr:`ProbeResult.DEAD` only when the peer is certainly gone.
+    """
+    if not record.probe:
+        return ProbeResult.UNKNOWN
+    try:
+        with connect_probe_port(record.probe, timeout) as sock:
+            answer = b""
+            while not answer.endswith(b"\n") and len(answer) < 256:
+                chunk = sock.recv(256)
+                if not chunk:
+                    break
+                answer += chunk
+    except ConnectionRefusedError:
+        return ProbeResult.DEAD
+    except (OSError, ValueError):
+        return ProbeResult.UNKNOWN
+    if not answer:
+        return ProbeResult.UNKNOWN
+    return (
+        ProbeResult.ALIVE
+        if answer.strip().decode(errors="replace") == record.token
+        else (ProbeResult.DEAD)
+    )
+
+
+def _probe_patiently(record: NodeRecord) -> ProbeResult:
+    """Probes up to three times while the answer is inconclusive.
+
+    A launcher killed an instant ago may still be exiting: its listening socket accepts the
+    connection but nobody answers. A moment later the port refuses.
+    """
+    result = ProbeResult.UNKNOWN
+    for attempt in range(_PROBE_ATTEMPTS):
+        if attempt:
+            time.sleep(_PROBE_RETRY_S)
+        result = probe(record)
+        logger.debug("probe of node %s at %s: %s", record.node_id, record.probe, result.value)
+        if result is not ProbeResult.UNKNOWN:
+            break
+    return result
+
+
+_ETCD_QUESTION = b"etcd?\n"
+"""What a prober sends after the token line to ask when the peer last renewed its lease."""
+_ETCD_ANSWER_MAX = 64
+"""Bytes of the answer to the etcd question a prober reads at most (it is one short line)."""
+_MAX_HELD = 256
+"""Links a probe port holds at most (a job's ring needs a few; more is somebody's mistake)."""
+
+
+def peer_etcd_age(record: NodeRecord, timeout: float) -> float | None:
+    """How many seconds ago a live peer's launcher last renewed its etcd lease (sent), as it
+    answers on its probe port; None if it does not answer with its token, has no lease (it is
+    fenced), or answers something else.
+
+    Used when this machine's renewals fail while the peer answers: a peer that still reaches
+    etcd says this machine alone is cut off from etcd (its lease will lapse and the others will
+    form a new world without it), not an etcd outage that every machine sees.
+    """
+    if not record.probe:
+        return None
+    try:
+        with connect_probe_port(record.probe, timeout) as sock:
+            token = read_line(sock, 256).strip().decode(errors="replace")
+            if token != record.token:
+                return None
+            sock.sendall(_ETCD_QUESTION)
+            answer = read_line(sock, _ETCD_ANSWER_MAX).decode(errors="replace").split()
+    except (OSError, ValueError):
+        return None
+    if len(answer) != 2 or answer[0] != "etcd":
+        return None
+    try:
+        age = float(answer[1])
+    except ValueError:
+        return None  # "none": no lease
+    return age if 0.0 <= age < 1e9 else None
+
+
+class _ProbeServer:
+    """Answers every connection with the launcher's token, from a daemon thread; a prober that
+    then asks (:data:`_ETCD_QUESTION`) gets how long ago this launcher last renewed its lease
+    (``etcd_age``; ``none`` while it holds no lease); a linker that asks
+    (:data:`~flashckpt.elastic.membership.peerlinks.HOLD_QUESTION`) gets ``held`` and the connection
+    stays open, silent, until this launcher exits (:mod:`flashckpt.elastic.membership.peerlinks`):
+    its closing is what tells the
+    linker that this launcher is gone. At most :data:`_MAX_HELD` links are held."""
+
+    def __init__(
+        self, token: str, bind_host: str, etcd_age: Callable[[], float | None] | None = None
+    ) -> None:
+        self.token = token
+        self._etcd_age = etcd_age
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self._sock = socket.create_server((bind_host, 0), family=family, backlog=128)
+        self._sock.setblocking(False)
+        self.port = int(self._sock.getsockname()[1])
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._held: set[socket.socket] = set()
+        self._thread = threading.Thread(target=self._serve, name="flashckpt-probe", daemon=True)
+        self._thread.start()
+
+    @property
+    def held(self) -> int:
+        """How many links are held now."""
+        return len(self._held)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                events = self._selector.select(1.0)
+            except OSError:
+                return
+            for key, _ in events:
+                sock = key.fileobj
+                if sock is self._wake_r:
+                    continue
+                assert isinstance(sock, socket.socket)
+                if sock is self._sock:
+                    self._accept()
+                else:
+                    self._held_readable(sock)
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._stop.set()
+            return
+        keep = False
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(self.token.encode() + b"\n")
+            # A plain probe closes now (recv returns at once); one that asks gets a line.
+            conn.settimeout(0.5)
+            question = conn.recv(len(_ETCD_QUESTION))
+            if question == _ETCD_QUESTION:
+                age = self._etcd_age() if self._etcd_age is not None else None
+                conn.sendall(b"etcd none\n" if age is None else f"etcd {age:.3f}\n".encode())
+            elif question == HOLD_QUESTION and len(self._held) < _MAX_HELD:
+                conn.sendall(HOLD_ANSWER)
+                conn.setblocking(False)
+                self._selector.register(conn, selectors.EVENT_READ)
+                self._held.add(conn)
+                keep = True
+        except OSError:
+            pass
+        finally:
+            if not keep:
+                with contextlib.suppress(OSError):
+                    conn.close()
+
+    def _held_readable(self, conn: socket.socket) -> None:
+        """A held link's holder closed it (or sent something it should not): let it go."""
+        try:
+            if conn.recv(64):
+                return
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self._held.discard(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+        with contextlib.suppress(OSError):
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._thread.join(timeout=2)
+        # The held links close here, after the lease was revoked (NodeRegistry.close): a
+        # linker that sees them close finds the key gone and declares nothing.
+        for sock in (self._sock, *self._held, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._held.clear()
+        with contextlib.suppress(OSError):
+            self._selector.close()
+
+
+class NodeRegistry:
+    """This launcher's node key, its lease, its probe port, and a watch on its peers' keys.
+
+    Args:
+        client: The etcd client.
+        job_prefix: The job's key prefix (``<key_prefix>/<run_id>/``).
+        node_id: This machine's node id, unique in the job.
+        ttl: Lease TTL: a machine that stops renewing is dropped this long after its last
+            renewal. Renewals happen every ``ttl / 5``, so four in a row may fail (an etcd
+            restart, a busy host) before a healthy machine is declared dead.
+        advertise_host: Address peers use to reach the probe port (default: the host name).
+        bind_host: Address the probe port listens on (default: every interface).
+        on_lost: Called with the record of every peer whose key disappeared (its lease lapsed
+            or was revoked) and how that was learnt: ``"link"`` (its held link broke and a probe
+            found it dead), ``"probe"`` (:meth:`reap_dead_peers` found it dead) or ``"watch"``
+            (the key went: its lease lapsed, another machine found it dead, or it left).
+            Called once per peer instance, from the thread that learnt it. Exceptions are
+            logged.
+        on_fenced: Called once from the renew thread when this machine is fenced (see the
+            module docstring): it must stop everything that writes for the job before
+            :attr:`FenceNotice.expiry`. ``None``: never fenced (a lapsed lease is registered
+            again under the same token, as for a private etcd nobody else uses).
+        links: How many peers to hold a link to (:mod:`flashckpt.elastic.membership.peerlinks`: the
+        next ones in
+            the ring of node ids), so that a peer launcher's death is seen when its sockets
+            close, whatever the workers do; 0: none (deaths are learnt from failed workers'
+            probes and from lapsed leases only).
+        compact_every: The machine with the lowest node id of the job compacts etcd's history
+            to the revision it saw this long before, every this long (the job's writes leave
+            history that etcd keeps until compacted; a server's own auto-compaction makes
+            this a no-op); None: never.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        job_prefix: str,
+        node_id: str,
+        *,
+        ttl: timedelta = timedelta(seconds=5),
+        advertise_host: str | None = None,
+        bind_host: str = "",
+        on_lost: Callable[[NodeRecord, str], None] | None = None,
+        on_fenced: Callable[[FenceNotice], None] | None = None,
+        links: int = 2,
+        compact_every: timedelta | None = timedelta(minutes=5),
+    ) -> None:
+        if ttl < timedelta(seconds=2):
+            raise ValueError(
+                f"the node lease TTL must be at least 2 s (etcd's granularity is 1 s and a "
+                f"renewal must fit in it), got {ttl.total_seconds():g} s"
+            )
+        self._client = client
+        self._prefix = nodes_prefix(job_prefix)
+        self._key = self._prefix + node_id
+        self._ttl = ttl
+        self._on_lost = on_lost
+        self._on_fenced = on_fenced
+        # Monotonic send time of the last successful renewal (or registration).
+        self._last_ok = time.monotonic()
+        self._fenced = False
+        self._stale_lease: Lease | None = None  # the lease of a fenced registration
+        self._warned_cut_off = False
+        # Monotonic time peers last answered their probe while renewals failed, and which.
+        self._peer_answered_at = float("-inf")
+        self._peers_answering: dict[str, float | None] = {}
+        self._probe_wake = threading.Event()
+        self._prober: threading.Thread | None = None
+        self._generation = 1
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._peers: dict[str, NodeRecord] = {}
+        self._view_loaded = False  # the watch read the node keys at least once
+        self.watch_reads = 0
+        """How often the watch read every node key (its start, and each compaction)."""
+        self._seen_lost: set[str] = set()
+        self._departed: dict[str, NodeRecord] = {}  # the last record of each peer gone
+        self._reaping: set[str] = set()  # tokens of peers found dead here, being revoked
+        self._lease: Lease | None = None
+        self._threads: list[threading.Thread] = []
+        self._probe_server: _ProbeServer | None = None
+        self._bind_host = bind_host
+        self._record = NodeRecord(
+            node_id=node_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            token=uuid.uuid4().hex,
+            probe="",
+        )
+        self._advertise_host = advertise_host or socket.getfqdn()
+        if links < 0:
+            raise ValueError(f"links must be 0 (none) or more, got {links}")
+        self._fanout = links
+        self._links: PeerLinks | None = None
+        if compact_every is not None and compact_every <= timedelta(0):
+            raise ValueError(f"compact_every must be positive or None, got {compact_every!r}")
+        self._compact_every = compact_every
+        self.compactions = 0
+        """How often this launcher compacted etcd's history."""
+
+    @property
+    def key(self) -> str:
+        """This node's key."""
+        return self._key
+
+    @property
+    def record(self) -> NodeRecord:
+        """What this launcher currently publishes."""
+        with self._lock:
+            return self._record
+
+    @property
+    def ttl(self) -> timedelta:
+        """The lease TTL."""
+        return self._ttl
+
+    @property
+    def fenced(self) -> bool:
+        """Whether this registration was fenced (and not registered again yet)."""
+        with self._lock:
+            return self._fenced
+
+    @property
+    def generation(self) -> int:
+        """The registration: 1, then one more at each :meth:`rejoin`."""
+        with self._lock:
+            return self._generation
+
+    def start(self, timeout: timedelta) -> None:
+        """Opens the probe port, registers the node key and starts renewing and watching.
+
+        A key left by a dead launcher with the same node id (a machine restarted quickly) is
+        taken over once its owner is found dead, or once its lease lapses.
+
+        Args:
+            timeout: Deadline for the registration, etcd retries included.
+
+        Raises:
+            NodeIdInUse: If a live launcher already holds this node id.
+            EtcdUnavailable: If etcd cannot be reached in time.
+        """
+        self._probe_server = _ProbeServer(self._record.token, self._bind_host, self._etcd_age)
+        host = self._advertise_host
+        host = f"[{host}]" if ":" in host else host
+        with self._lock:
+            self._record = replace(self._record, probe=f"{host}:{self._probe_server.port}")
+        self._register(Deadline.after(timeout))
+        if self._fanout:
+            self._links = PeerLinks(self._on_link_broken)
+        for target, name in ((self._renew_loop, "renew"), (self._watch_loop, "watch")):
+            self._start_thread(target, name)
+        if self._compact_every is not None:
+            self._start_thread(self._compact_loop, "compact")
+
+    def _start_thread(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=f"flashckpt-node-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def rejoin(self, timeout: timedelta) -> int:
+        """Registers this machine afresh after it was fenced: a new token, a new lease, the
+        next generation, state ``waiting``; the stale lease is revoked if etcd still has it
+        (its key goes, so every peer sees the old membership end). Renewals start again.
+
+        Returns:
+            The new generation.
+
+        Raises:
+            NodeIdInUse: Another live launcher took this node id meanwhile.
+            EtcdError: etcd did not take the registration in time.
+        """
+        deadline = Deadline.after(timeout)
+        with self._lock:
+            if not self._fenced:
+                return self._generation
+            stale, self._stale_lease = self._stale_lease, None
+            self._record = replace(
+                self._record, token=uuid.uuid4().hex, state="waiting", group_rank=None
+            )
+            token = self._record.token
+        if stale is not None:
+            with contextlib.suppress(EtcdError):
+                self._client.revoke_lease(stale, timeout=_remaining(deadline))
+        if self._probe_server is not None:
+            self._probe_server.token = token
+        self._register(deadline)
+        with self._lock:
+            self._fenced = False
+            self._generation += 1
+            generation = self._generation
+        self._start_thread(self._renew_loop, "renew")
+        logger.warning(
+            "registered again after the fence: generation %d (new lease and token), as a standby",
+            generation,
+        )
+        return generation
+
+    def update(self, *, timeout: timedelta | None = None, **fields: Any) -> None:
+        """Changes fields of the published record (``state``, ``group_rank``, ``rdzv_node``).
+
+        A failure to publish is logged, not raised: the record is informative, liveness rests
+        on the lease alone.
+
+        Args:
+            timeout: Deadline of the etcd write (default: the client's).
+            **fields: The fields to change.
+        """
+        with self._lock:
+            self._record = replace(self._record, **fields)
+            record, lease = self._record, self._lease
+        if lease is None:
+            return
+        try:
+            self._client.put(self._key, record.to_json(), lease=lease, timeout=timeout)
+        except EtcdError as exc:
+            logger.warning("could not publish this node's state %r: %s", fields, exc)
+
+    def publish(self, key: str, value: bytes) -> bool:
+        """Writes ``key`` bound to this node's lease, so it disappears with the machine.
+
+        Used for the machine's monitoring summary (:mod:`flashckpt.elastic.membership.jobview`).
+        After the lease lapsed and was registered again, the next call writes the key with the new
+        lease.
+
+        Returns:
+            False when the node holds no lease (not registered, or closed).
+
+        Raises:
+            EtcdError: etcd did not take the write.
+        """
+        with self._lock:
+            lease = self._lease
+        if lease is None:
+            return False
+        self._client.put(key, value, lease=lease)
+        return True
+
+    def peers(self) -> dict[str, NodeRecord]:
+        """The other live nodes of the job, as last seen by the watch."""
+        with self._lock:
+            return dict(self._peers)
+
+    def records(self, timeout: timedelta | None = None) -> list[NodeRecord]:
+        """Every live node record of the job (this one's too), read from etcd now (not the
+        watch's view, which may lag a record written just before a rendezvous completed).
+
+        Raises:
+            EtcdError: etcd did not answer.
+        """
+        kvs = self._client.get_prefix(self._prefix, timeout=timeout)
+        return [r for r in (NodeRecord.from_kv(kv) for kv in kvs) if r is not None]
+
+    def workers_finished_elsewhere(self, timeout: timedelta) -> bool:
+        """Whether another machine of the job left with its workers done (the job's training
+        finished: :attr:`NodeRecord.left_done`), waiting up to ``timeout`` while a machine
+        that is not a waiting standby in the watch's view may yet leave.
+
+        For a machine that finds the rendezvous closed while it waits (a standby): the
+        machines that close it at the end of a successful job publish ``done`` as they leave,
+        just after closing it. A job whose active machines all left without ``done`` (failed,
+        signalled), or whose leaving is not seen in time (etcd unreachable), did not finish.
+        """
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            with self._lock:
+                done = any(r.left_done for r in self._departed.values())
+                active = any(r.state != "waiting" for r in self._peers.values())
+            if done or not active or time.monotonic() >= deadline:
+                return done
+            if self._stop.wait(0.05):
+                return False
+
+    def linked(self) -> set[str]:
+        """The peers this launcher holds a link to now
+        (:mod:`flashckpt.elastic.membership.peerlinks`)."""
+        return self._links.held() if self._links is not None else set()
+
+    def reap_dead_peers(
+        self, candidates: Collection[str] | None = None, *, via: str = "probe"
+    ) -> list[NodeRecord]:
+        """Probes peers and revokes the lease of every one that is certainly dead.
+
+        Revoking deletes the peer's key, so every launcher's watch reports it as lost at once,
+        as if its lease had lapsed.
+
+        Args:
+            candidates: Node ids to probe; default every peer.
+            via: Why they are probed, for ``on_lost``.
+
+        Returns:
+            The records of the peers found dead.
+        """
+        own = self._record.node_id
+        with self._lock:
+            loaded, known = self._view_loaded, list(self._peers.values())
+        try:
+            if candidates is not None:
+                # The named peers' keys only: a broken link costs one key, not every one.
+                names = sorted(n for n in set(candidates) if n != own)
+                found, _ = self._client.get_many([self._prefix + n for n in names])
+                records = [r for r in map(_record_or_none, found) if r is not None]
+            elif loaded:
+                records = known  # the watch's view: up to date but for the last milliseconds
+            else:
+                kvs = self._client.get_prefix(self._prefix)
+                records = [r for r in map(NodeRecord.from_kv, kvs) if r is not None]
+        except EtcdError as exc:
+            logger.warning("cannot list the job's nodes to probe them: %s", exc)
+            return []
+        records = [r for r in records if r.node_id != own]
+        if not records:
+            return []
+        with ThreadPoolExecutor(min(32, len(records)), thread_name_prefix="flashckpt-probe") as ex:
+            results = list(ex.map(_probe_patiently, records))
+        dead = [r for r, result in zip(records, results, strict=True) if result is ProbeResult.DEAD]
+        for record in dead:
+            logger.warning(
+                "node %s (launcher pid %d on %s) no longer answers on %s: declaring it dead",
+                record.node_id,
+                record.pid,
+                record.host,
+                record.probe,
+            )
+            with self._lock:
+                # Revoking deletes its key, and this launcher's own watch may see the deletion
+                # before the revocation returns: the loss is reported as found here, by ``via``.
+                self._reaping.add(record.token)
+            try:
+                self._client.revoke_lease(record.lease)
+            except EtcdError as exc:
+                logger.warning(
+                    "could not revoke the lease of dead node %s: %s", record.node_id, exc
+                )
+            self._report_lost(record, via)
+        return dead
+
+    def close(self, timeout: timedelta = timedelta(seconds=2), *, revoke: bool = True) -> None:
+        """Stops renewing and revokes the lease, which deletes the node key. Never raises.
+
+        Args:
+            timeout: Deadline of the revocation; if etcd does not take it, the key goes when
+                the lease lapses (``ttl``).
+            revoke: ``False`` when etcd is known to be unreachable: the lease lapses.
+        """
+        self._stop.set()
+        if self._links is not None:
+            self._links.close()
+        with self._lock:
+            lease, self._lease = self._lease, None
+            lease = lease or self._stale_lease
+            self._stale_lease = None
+        if lease is not None and revoke:
+            try:
+                self._client.revoke_lease(lease, timeout=timeout)
+            except EtcdError as exc:
+                logger.info("could not revoke this node's lease (it lapses on its own): %s", exc)
+        if self._probe_server is not None:
+            self._probe_server.close()
+        for thread in self._threads:
+            thread.join(timeout=0.5)
+
+    # ------------------------------------------------------------------------ internals
+
+    def _register(self, deadline: Deadline) -> None:
+        while True:
+            sent = time.monotonic()
+            lease = self._client.grant_lease(self._ttl, timeout=_remaining(deadline))
+            with self._lock:
+                value = self._record.to_json()
+            try:
+                done, current = self._client.compare_and_set(
+                    self._key, value, mod_revision=0, lease=lease, timeout=_remaining(deadline)
+                )
+            except EtcdOutcomeUnknown:
+                found = self._client.get_kv(self._key, timeout=_remaining(deadline))
+                done, current = (found is not None and found.lease == lease.id), found
+            if done:
+                with self._lock:
+                    self._lease = lease
+                    self._last_ok = sent
+                return
+            with contextlib.suppress(EtcdError):
+                self._client.revoke_lease(lease, timeout=_remaining(deadline))
+            holder = NodeRecord.from_kv(current) if current is not None else None
+            if holder is not None and holder.token == self._record.token:
+                # Our own key from before a lost lease was re-created: adopt it.
+                self._client.revoke_lease(holder.lease, timeout=_remaining(deadline))
+                continue
+            verdict = probe(holder) if holder is not None else ProbeResult.UNKNOWN
+            if holder is not None and verdict is ProbeResult.DEAD:
+                logger.info(
+                    "node id %s was held by a dead launcher (pid %d on %s); taking it over",
+                    holder.node_id,
+                    holder.pid,
+                    holder.host,
+                )
+                self._client.revoke_lease(holder.lease, timeout=_remaining(deadline))
+                continue
+            if verdict is ProbeResult.ALIVE or deadline.expired():
+                who = f"pid {holder.pid} on {holder.host}" if holder else "another launcher"
+                raise NodeIdInUse(
+                    f"node id {self._record.node_id!r} is already used in this job by a running "
+                    f"launcher ({who}, key {self._key}); give every machine its own --node-id "
+                    "(simulated machines on one host need distinct ids)"
+                )
+            # The holder may be a launcher that died on another host: its lease will lapse.
+            deadline.sleep(0.5)
+
+    def _renew_loop(self) -> None:
+        interval = self._ttl.total_seconds() / 5
+        ttl_s = self._ttl.total_seconds()
+        fencing = self._on_fenced is not None
+        next_at = time.monotonic() + interval  # the next renewal
+        while True:
+            with self._lock:
+                lease, last_ok, fenced = self._lease, self._last_ok, self._fenced
+            if lease is None or fenced:
+                return
+            deadline = fence_deadline(last_ok, ttl_s)
+            now = time.monotonic()
+            # Wake for the next renewal, or at the fence deadline if that comes first.
+            wake = min(next_at, deadline) if fencing and now < deadline else next_at
+            if self._stop.wait(max(0.0, wake - now)):
+                return
+            with self._lock:
+                lease, last_ok, fenced = self._lease, self._last_ok, self._fenced
+            if lease is None or fenced:
+                return
+            now = time.monotonic()
+            deadline = fence_deadline(last_ok, ttl_s)
+            if fencing and now >= deadline:
+                reason = self._cut_off(last_ok)
+                if reason is not None:
+                    self._fence(reason, last_ok)
+                    return
+            if now < next_at:
+                continue  # woke for the fence deadline only
+            next_at = now + interval
+            sent = now
+            timeout = interval
+            if fencing and deadline > sent:
+                # A renewal that answers after the fence deadline comes too late: fence then.
+                timeout = min(interval, max(0.05, deadline - sent))
+            try:
+                self._client.refresh_lease(lease, timeout=timedelta(seconds=timeout))
+                with self._lock:
+                    self._last_ok = max(self._last_ok, sent)
+                    self._warned_cut_off = False
+            except EtcdLeaseNotFound:
+                if self._stop.is_set():
+                    return
+                if self._on_fenced is not None:
+                    # The job dropped this machine: its workers must stop, and it may come back
+                    # only as a new member, never under the old token.
+                    self._fence(
+                        f"this node's etcd lease lapsed (etcd was unreachable for more than "
+                        f"{ttl_s:g} s)",
+                        last_ok,
+                    )
+                    return
+                logger.warning(
+                    "this node's etcd lease lapsed (etcd was unreachable for more than %g s?); "
+                    "registering again",
+                    ttl_s,
+                )
+                try:
+                    self._register(Deadline.after(self._ttl * 4))
+                except Exception as exc:  # keep renewing; the next round retries
+                    logger.error("registering this node again failed: %s", exc)
+            except Exception as exc:  # one failed renewal must not stop the thread
+                logger.warning("renewing this node's etcd lease failed (will retry): %s", exc)
+                if fencing:
+                    self._probe_in_background()
+
+    def _etcd_age(self) -> float | None:
+        """Seconds since the last lease renewal that succeeded was sent (what this launcher
+        answers a peer that asks); None while it holds no lease (fenced, not registered)."""
+        with self._lock:
+            if self._lease is None or self._fenced:
+                return None
+            return max(0.0, time.monotonic() - self._last_ok)
+
+    def _probe_in_background(self) -> None:
+        """Probes the peers from a thread of its own (the renew loop keeps its pace)."""
+        if self._prober is None:
+            self._prober = threading.Thread(
+                target=self._probe_loop, name="flashckpt-node-outage-probe", daemon=True
+            )
+            self._prober.start()
+        self._probe_wake.set()
+
+    def _probe_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._probe_wake.wait(0.5):
+                continue
+            self._probe_wake.clear()
+            alive = self._alive_peers(_OUTAGE_PROBE_TIMEOUT_S)
+            if alive:
+                with self._lock:
+                    self._peer_answered_at, self._peers_answering = time.monotonic(), alive
+
+    def _alive_peers(self, timeout: float) -> dict[str, float | None] | None:
+        """The peers that answer their probe port, each with when it last renewed its own lease
+        (``time.monotonic()`` here, as it answers; None if it holds none); None when no peer is
+        known."""
+        peers = [r for r in self.peers().values() if r.probe]
+        if not peers:
+            return None
+
+        def ask(r: NodeRecord) -> tuple[bool, float | None]:
+            if probe(r, timeout) is not ProbeResult.ALIVE:
+                return False, None
+            age = peer_etcd_age(r, timeout)
+            return True, None if age is None else time.monotonic() - age
+
+        with ThreadPoolExecutor(min(16, len(peers)), thread_name_prefix="flashckpt-fence") as ex:
+            answers = list(ex.map(ask, peers))
+        return {r.node_id: renewed for r, (ok, renewed) in zip(peers, answers, strict=True) if ok}
+
+    def _cut_off(self, last_ok: float) -> str | None:
+        """Why this machine is cut off from the job (from the others too, or from etcd alone
+        while they reach it), or None when it is not.
+
+        A peer that answers its probe port means etcd is what is unreachable (an outage every
+        machine sees lapses no lease, so no new world forms without this one): training goes
+        on, as it always did through an etcd outage. A machine that knows no peer (one
+        machine, no standby) has nobody to take its place and is not fenced either. The peers
+        are probed in the background after each failed renewal (a loaded peer gets 1 s to
+        answer); at the deadline, if none answered in the last two renewal intervals, once
+        more, briefly. (A partition that follows an etcd outage is thus fenced up to two
+        intervals late.)
+        """
+        with self._lock:
+            # Answers of the last two renewal intervals count (the background probes).
+            lately = self._peer_answered_at >= time.monotonic() - 2 * self._ttl.total_seconds() / 5
+            answered = dict(self._peers_answering)
+        alive = answered if lately else self._alive_peers(_FENCE_PROBE_TIMEOUT_S)
+        ttl_s = self._ttl.total_seconds()
+        if alive is None:
+            return None
+        if not alive:
+            return (
+                f"no etcd lease renewal for {time.monotonic() - last_ok:.1f} s (TTL {ttl_s:g} s) "
+                "and no other machine of the job answers"
+            )
+        # A peer that renewed its lease well after this machine's last renewal (1.5 intervals:
+        # more than the renewals' phase difference) reaches etcd: this machine alone does not.
+        # Its lease will lapse and a new world will form without it, so it fences as if cut off
+        # from everyone.
+        margin = 1.5 * ttl_s / 5
+        reaching = {n: t for n, t in alive.items() if t is not None and t > last_ok + margin}
+        if reaching:
+            return (
+                f"no etcd lease renewal for {time.monotonic() - last_ok:.1f} s, while node(s) "
+                f"{', '.join(sorted(reaching))} renewed theirs since: this machine alone is "
+                "cut off from etcd, and the others will form a new world without it"
+            )
+        if not self._warned_cut_off:
+            self._warned_cut_off = True
+            logger.warning(
+                "no etcd lease renewal for %.1f s, but node(s) %s answer: etcd is unreachable, "
+                "this machine is not cut off from the job; not fencing",
+                time.monotonic() - last_ok,
+                ", ".join(sorted(alive)),
+            )
+        return None
+
+    def _fence(self, reason: str, last_ok: float) -> None:
+        ttl_s = self._ttl.total_seconds()
+        with self._lock:
+            if self._fenced:
+                return
+            self._fenced = True
+            # Never used again: no record, summary or renewal is written under it.
+            self._stale_lease, self._lease = self._lease, None
+            generation = self._generation
+        logger.warning(
+            "FENCED (generation %d): %s; this machine stops its workers and commits nothing "
+            "more; it registers again as a standby once etcd answers",
+            generation,
+            reason,
+        )
+        assert self._on_fenced is not None
+        try:
+            self._on_fenced(FenceNotice(reason, last_ok, lease_expiry(last_ok, ttl_s), generation))
+        except Exception:
+            logger.exception("fencing this machine failed")
+
+    def _watch_loop(self) -> None:
+        """Keeps :meth:`peers` up to date from the watched changes of the node keys.
+
+        The keys are read once when the watch starts, and again only when etcd compacted the
+        history the watch needs; every other change arrives as an event with the key's
+        previous value (a put, or a delete with what the key held), applied to the view as
+        it is: one change costs every launcher O(1), not a read of every node key.
+        """
+        revision: int | None = None
+        while not self._stop.is_set():
+            if revision is None:
+                revision = self._read_peers()
+                if revision is None:
+                    self._stop.wait(0.5)
+                    continue
+            try:
+                batch = self._client.watch_events(
+                    self._prefix, after_revision=revision, timeout=_WATCH_SLICE, prefix=True
+                )
+            except Exception as exc:
+                logger.warning("watching the job's node keys failed (will retry): %s", exc)
+                self._stop.wait(0.5)
+                continue
+            if batch.compacted:
+                logger.info(
+                    "the node keys' history up to revision %d was compacted; reading the keys",
+                    batch.compacted,
+                )
+                revision = None
+                continue
+            if batch.events:
+                self._apply_events(batch.events)
+            revision = batch.revision
+
+    def _read_peers(self) -> int | None:
+        """Reads every node key into the view (the watch's start, or after a compaction);
+        reports the peers gone since the last read (none on the first). Returns the read's
+        revision, None if etcd did not answer."""
+        try:
+            kvs, revision = self._client.get_prefix_with_revision(self._prefix)
+        except Exception as exc:
+            logger.warning("reading the job's node keys failed (will retry): %s", exc)
+            return None
+        self.watch_reads += 1
+        current: dict[str, NodeRecord] = {}
+        for kv in kvs:
+            record = NodeRecord.from_kv(kv)
+            if record is not None and record.node_id != self._record.node_id:
+                current[record.node_id] = record
+        with self._lock:
+            first = not self._view_loaded
+            # A node id whose token changed was registered again: its old instance is gone.
+            vanished = [
+                r for n, r in self._peers.items() if n not in current or current[n].token != r.token
+            ]
+            self._peers = current
+            self._view_loaded = True
+        self._update_links()
+        if not first:
+            for record in vanished:
+                self._report_lost(record, "watch")
+        return revision
+
+    def _apply_events(self, events: list[WatchEvent]) -> None:
+        """Applies watched changes of node keys to the view; reports deleted peers."""
+        own = self._record.node_id
+        lost: list[NodeRecord] = []
+        with self._lock:
+            for event in events:
+                node_id = event.kv.key[len(self._prefix) :].decode(errors="replace")
+                if node_id == own:
+                    continue
+                if event.deleted:
+                    known = self._peers.pop(node_id, None)
+                    record = NodeRecord.from_kv(event.prev) if event.prev is not None else None
+                    if record is None:
+                        record = known
+                    if record is not None:
+                        lost.append(record)
+                    continue
+                record = NodeRecord.from_kv(event.kv)
+                if record is None:
+                    continue
+                if record.node_id != node_id:
+                    logger.warning(
+                        "node key %s holds the record of node %r; ignoring it",
+                        event.kv.key.decode(errors="replace"),
+                        record.node_id,
+                    )
+                    continue
+                known = self._peers.get(node_id)
+                if known is not None and known.token != record.token:
+                    lost.append(known)  # registered again: its old instance is gone
+                self._peers[node_id] = record
+        self._update_links()
+        for record in lost:
+            self._report_lost(record, "watch")
+
+    def _compact_loop(self) -> None:
+        """Compacts etcd's history once a period, to the revision of one period before, while
+        this machine has the lowest node id of the job (one machine, chosen by the watch's
+        view without a race that matters: two that both think so compact to about the same
+        revision, and compacting twice is harmless)."""
+        assert self._compact_every is not None
+        period = self._compact_every.total_seconds()
+        remembered: int | None = None
+        while not self._stop.wait(period):
+            with self._lock:
+                own = self._record.node_id
+                chosen = (
+                    self._view_loaded
+                    and self._lease is not None
+                    and not self._fenced
+                    and all(own < n for n in self._peers)
+                )
+            if not chosen:
+                remembered = None
+                continue
+            try:
+                now = self._client.revision()
+                if remembered is not None and self._client.compact(remembered):
+                    self.compactions += 1
+                    logger.debug("compacted etcd's history to revision %d", remembered)
+                remembered = now
+            except EtcdError as exc:
+                logger.info("compacting etcd's history failed (will retry): %s", exc)
+
+    def _update_links(self) -> None:
+        """Links the ring successors among the peers the watch sees (and no others)."""
+        if self._links is None:
+            return
+        with self._lock:
+            peers = {n: r for n, r in self._peers.items() if r.probe}
+            own = self._record.node_id
+        self._links.set_targets(
+            [
+                LinkTarget(n, peers[n].token, peers[n].probe)
+                for n in ring_successors(own, peers, self._fanout)
+            ]
+        )
+
+    def _on_link_broken(self, target: LinkTarget, why: str) -> None:
+        """The link thread: a linked peer's launcher may be gone; probe it (from a thread of
+        its own: a probe may take seconds, the other links are watched meanwhile)."""
+        logger.info("node %s: %s; probing it", target.node_id, why)
+        threading.Thread(
+            target=self.reap_dead_peers,
+            args=({target.node_id},),
+            kwargs={"via": "link"},
+            name="flashckpt-node-link-probe",
+            daemon=True,
+        ).start()
+
+    def _report_lost(self, record: NodeRecord, via: str) -> None:
+        with self._lock:
+            if record.token in self._seen_lost:
+                return
+            if via == "watch" and record.token in self._reaping:
+                return  # found dead here, its lease being revoked: reported by the reaper
+            self._reaping.discard(record.token)
+            self._seen_lost.add(record.token)
+            self._departed[record.node_id] = record
+            known = self._peers.get(record.node_id)
+            if known is not None and known.token == record.token:
+                del self._peers[record.node_id]  # not a newer instance of the same node id
+        self._update_links()
+        if record.left_done:
+            logger.info("node %s left the job, its workers done", record.node_id)
+        elif record.state == "leaving":
+            logger.warning(
+                "node %s left the job before its workers were done (stopped, preempted or "
+                "retired): its workers left their round",
+                record.node_id,
+            )
+        else:
+            logger.warning("node %s (%s) is gone (%s)", record.node_id, record.state, via)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(record, via)
+            except Exception:
+                logger.exception("handling the loss of node %s failed", record.node_id)
+
+
+def _record_or_none(kv: KeyValue | None) -> NodeRecord | None:
+    return NodeRecord.from_kv(kv) if kv is not None else None
+
+
+def _remaining(deadline: Deadline) -> timedelta:
+    return timedelta(seconds=max(0.05, deadline.remaining()))
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def expire_rendezvous_nodes(
+    backend: Any, rdzv_nodes: Collection[str], *, attempts: int = 10
+) -> int:
+    """Marks nodes of torch's rendezvous state as dead, so the next sync drops them.
+
+    torch's ``DynamicRendezvousHandler`` drops a node from the state (participants, wait list,
+    standby list) when its heartbeat in the state is older than ``keep_alive_interval *
+    keep_alive_max_attempt`` (15 s by default). Setting the heartbeat of a node we *know* is
+    dead to the epoch makes every handler drop it at its next read, by torch's own rules, with
+    no other change to the state. One compare-and-set; retried when another node wrote first.
+
+    Args:
+        backend: The rendezvous backend (``get_state``/``set_state``).
+        rdzv_nodes: torch node descriptors (``addr_pid_localid``, see
+            :attr:`NodeRecord.rdzv_node`).
+        attempts: Compare-and-set attempts before giving up (torch's timeout still applies).
+
+    Returns:
+        How many nodes were marked (0 if none is in the state).
+    """
+    wanted = set(rdzv_nodes)
+    if not wanted:
+        return 0
+    for _ in range(attempts):
+        found = backend.get_state()
+        if found is None:
+            return 0
+        bits, token = found
+        # The state is torch's own pickle in our own etcd, written by torch's handlers.
+        state = pickle.loads(bits)
+        heartbeats = getattr(state, "last_heartbeats", None)
+        if not isinstance(heartbeats, dict):
+            logger.warning("unexpected rendezvous state layout; leaving dead nodes to torch")
+            return 0
+        marked = [n for n in heartbeats if repr(n) in wanted and heartbeats[n] != _EPOCH]
+        if not marked:
+            return 0
+        for node in marked:
+            heartbeats[node] = _EPOCH
+        result = backend.set_state(pickle.dumps(state), token)
+        if result is not None and result[2]:
+            return len(marked)
+        time.sleep(0.01)
+    logger.warning(
+        "could not mark %s dead in the rendezvous state; torch's timeout applies", wanted
+    )
+    return 0

@@ -1,0 +1,1204 @@
+"""A rendezvous whose cost per machine does not grow with the job: torch's ``RendezvousHandler``
+implemented directly on etcd v3, with one small key per machine and one small write per round.
+
+torch's ``DynamicRendezvousHandler`` keeps the whole job (participants, wait list, heartbeats) in
+one value that every machine rewrites by compare-and-set on each join and heartbeat: O(N) bytes
+per write, O(N) collisions per join, N^2 for the job; past a few dozen machines most writes are
+retries (``benchmarks/README.md``, issue 31). Here:
+
+Keys (under the job's prefix ``<key_prefix>/<run_id>/rdzv/``; ``<R>`` is a round, 12 digits):
+
+- ``r/<R>/a/<node>``: machine ``<node>`` joined round ``R``. Bound to the machine's own lease
+  (renewed every ``lease_ttl / 3``: the keep-alive is the heartbeat, nothing is rewritten), so
+  it disappears with the machine. Value: a small JSON object (node, its last group rank and the
+  round of it: its *claim*).
+- ``r/<R>/c/lead``: the machine that decides when round ``R`` closes (its *lead*), bound to its
+  lease: created if absent by a waiting machine; when the lead dies, another takes over.
+- ``r/<R>/c/result``: the round's outcome, written once by the lead in one transaction that
+  creates it only if absent: round number, world size and the members in rank order, as the
+  ``create_revision`` of their join keys, varint-packed (about 2.7 KiB for 1,024 machines).
+- ``round``: the newest closed round. Every join is a transaction that compares this key's
+  revision with the one the machine read, so no machine can join a round that closed meanwhile
+  (a stale round number is refused and the machine re-reads, never joins a world it is not in).
+- ``closed``: the rendezvous is closed (the job finished); on a lease of ``state_ttl``.
+
+A round ``R`` closes when every live member of round ``R - 1`` joined it (a dead member's key
+went with its lease, or was deleted by a peer that found it dead: :meth:`expire_nodes`) and
+``max_nodes`` machines joined, or ``min_nodes`` did and ``last_call_timeout`` passed since. The
+lead follows the joins with one watch (O(1) work per join); the others wait on a watch of the
+round's two control keys and read the result once. The lead of ``R`` deletes the keys of round
+``R - 2`` and its store keys, so a job holds at most three rounds of keys at any time.
+
+Group ranks are stable: a member of the previous round keeps its rank if it is below the new
+world size (:func:`flashckpt.elastic.rendezvous.stable_ranks.assign_ranks`); standbys and new
+machines take the free ranks (a standby takes a dead machine's rank). Only the lead computes them.
+
+While its workers train, a member answers ``num_nodes_waiting()`` from a watch of the next
+round's joins and of its own round's join keys (a member's key deleted: it died or left), never
+from an etcd read. A joining member of its round always counts; another machine counts only
+while the round has room (a standby of a full round waits without restarting anybody, as in
+torch's redundancy list).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from flashckpt.elastic.deadline import Deadline
+from flashckpt.elastic.etcd.client import (
+    EtcdClient,
+    EtcdError,
+    EtcdLeaseNotFound,
+    EtcdOutcomeUnknown,
+    KeyValue,
+    Lease,
+)
+from flashckpt.elastic.etcd.watchstream import (
+    WatchClosed,
+    WatchCompacted,
+    WatchEvent,
+    WatchStream,
+    prefix_end,
+)
+from flashckpt.elastic.rendezvous.name import BACKEND_NAME
+from flashckpt.elastic.rendezvous.stable_ranks import RankClaim, assign_ranks
+
+__all__ = [
+    "DEFAULT_LEASE_TTL",
+    "RdzvHandler",
+    "RdzvSettings",
+    "decode_members",
+    "encode_members",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LEASE_TTL = timedelta(seconds=10)
+_RESULT_VERSION = 1
+_JOIN_VERSION = 1
+_MAX_VALUE_BYTES = 64 << 10  # a result of ~20,000 machines; more is not ours
+_MAX_ROUND = 10**12 - 1
+_WAIT_SLICE_S = 30.0  # a waiter re-checks its lease at least this often
+_node_ids = itertools.count()
+
+
+# ------------------------------------------------------------------------------ encodings
+def encode_members(revisions: Sequence[int]) -> str:
+    """The members of a round in rank order (their join keys' ``create_revision``), packed:
+    zig-zag varints of the differences, base64. About 2 bytes per machine."""
+    out = bytearray()
+    previous = 0
+    for rev in revisions:
+        delta = rev - previous
+        previous = rev
+        z = (delta << 1) ^ (delta >> 63)
+        while True:
+            byte = z & 0x7F
+            z >>= 7
+            if z:
+                out.append(byte | 0x80)
+            else:
+                out.append(byte)
+                break
+    return base64.b64encode(bytes(out)).decode("ascii")
+
+
+def decode_members(text: str) -> list[int]:
+    """Inverse of :func:`encode_members`.
+
+    Raises:
+        ValueError: If ``text`` is not such a packing.
+    """
+    data = base64.b64decode(text.encode("ascii"), validate=True)
+    out: list[int] = []
+    previous = 0
+    z = shift = 0
+    for byte in data:
+        z |= (byte & 0x7F) << shift
+        if byte & 0x80:
+            shift += 7
+            if shift > 63:
+                raise ValueError("a varint longer than 64 bits")
+            continue
+        delta = (z >> 1) ^ -(z & 1)
+        previous += delta
+        out.append(previous)
+        z = shift = 0
+    if shift:
+        raise ValueError("truncated varint")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Result:
+    round: int
+    members: list[int]  # create revisions of the members' join keys, in rank order
+    digest: str
+    closer: str
+
+
+def _decode_result(kv: KeyValue, expected_round: int) -> _Result:
+    where = kv.key.decode(errors="replace")
+    if len(kv.value) > _MAX_VALUE_BYTES:
+        raise RendezvousStateError(f"the rendezvous result {where!r} is {len(kv.value)} bytes")
+    try:
+        doc = json.loads(kv.value)
+        if not isinstance(doc, dict) or doc.get("v") != _RESULT_VERSION:
+            raise ValueError(f"version {doc.get('v') if isinstance(doc, dict) else doc!r}")
+        members = decode_members(str(doc["m"]))
+        rnd, world = doc["round"], doc["world"]
+        if type(rnd) is not int or type(world) is not int:
+            raise ValueError("round and world must be integers")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RendezvousStateError(
+            f"the rendezvous result {where!r} is not one this flashckpt writes ({exc}): every "
+            "machine of a job must run the same flashckpt version; if another program wrote "
+            "it, use another --rdzv-id"
+        ) from None
+    if rnd != expected_round:
+        raise RendezvousStateError(
+            f"the rendezvous result {where!r} says round {rnd}, its key round {expected_round}: "
+            "the job's keys were changed by something else; use another --rdzv-id"
+        )
+    if world != len(members) or len(set(members)) != len(members) or world < 1:
+        raise RendezvousStateError(
+            f"the rendezvous result {where!r} is inconsistent: world {world}, "
+            f"{len(members)} members ({len(set(members))} distinct)"
+        )
+    return _Result(rnd, members, str(doc.get("digest", "")), str(doc.get("closer", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class _Join:
+    node: str
+    create_revision: int
+    claim: RankClaim | None
+
+
+def _decode_join(kv: KeyValue) -> _Join | None:
+    try:
+        doc = json.loads(kv.value)
+        node = doc["node"]
+        claim = doc.get("claim")
+        if not isinstance(node, str):
+            return None
+        parsed = None
+        if isinstance(claim, list) and len(claim) == 2:
+            parsed = RankClaim(round=int(claim[0]), rank=int(claim[1]))
+        return _Join(node, kv.create_revision, parsed)
+    except (ValueError, KeyError, TypeError):
+        logger.warning("ignoring an unreadable rendezvous join %r", kv.key)
+        return None
+
+
+# ------------------------------------------------------------------------------ etcd ops
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode("ascii")
+
+
+def _put(key: str, value: bytes, lease: int | None = None) -> dict[str, Any]:
+    op: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        op["lease"] = str(lease)
+    return {"request_put": op}
+
+
+def _range(key: str, *, prefix: bool = False, count_only: bool = False) -> dict[str, Any]:
+    op: dict[str, Any] = {"key": _b64(key)}
+    if prefix:
+        op["range_end"] = _b64(prefix_end(key.encode()))
+    if count_only:
+        op["count_only"] = True
+    return {"request_range": op}
+
+
+def _delete(key: str, *, prefix: bool = False) -> dict[str, Any]:
+    op: dict[str, Any] = {"key": _b64(key)}
+    if prefix:
+        op["range_end"] = _b64(prefix_end(key.encode()))
+    return {"request_delete_range": op}
+
+
+def _cmp(key: str, target: str, value: int | bytes) -> dict[str, Any]:
+    field = {"MOD": "mod_revision", "CREATE": "create_revision", "VALUE": "value"}[target]
+    return {
+        "key": _b64(key),
+        "target": target,
+        "result": "EQUAL",
+        field: _b64(value) if isinstance(value, bytes) else str(value),
+    }
+
+
+def _kvs(response: dict[str, Any], index: int) -> list[KeyValue]:
+    responses = response.get("responses") or []
+    if index >= len(responses):
+        return []
+    raw = responses[index].get("response_range", {}).get("kvs") or []
+    return [
+        KeyValue(
+            key=base64.b64decode(r.get("key") or ""),
+            value=base64.b64decode(r.get("value") or ""),
+            mod_revision=int(r.get("mod_revision", 0)),
+            create_revision=int(r.get("create_revision", 0)),
+            version=int(r.get("version", 0)),
+            lease=int(r.get("lease", 0)),
+        )
+        for r in raw
+    ]
+
+
+def _revision(response: dict[str, Any]) -> int:
+    return int(response.get("header", {}).get("revision", 0))
+
+
+# ------------------------------------------------------------------------------ handler
+@dataclass(frozen=True, slots=True)
+class RdzvSettings:
+    """What :class:`RdzvHandler` needs besides its client and store."""
+
+    run_id: str
+    job_prefix: str  # "<key_prefix>/<run_id>/"
+    min_nodes: int
+    max_nodes: int
+    join_timeout: timedelta = timedelta(seconds=600)
+    last_call_timeout: timedelta = timedelta(seconds=30)
+    lease_ttl: timedelta = DEFAULT_LEASE_TTL
+    state_ttl: timedelta | None = timedelta(hours=2)
+    local_addr: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(
+                f"the rendezvous needs 1 <= min_nodes <= max_nodes, got "
+                f"{self.min_nodes}:{self.max_nodes}"
+            )
+        if self.lease_ttl < timedelta(seconds=2):
+            raise ValueError(f"lease_ttl must be at least 2 s, got {self.lease_ttl}")
+        if not self.job_prefix.endswith("/"):
+            raise ValueError(f"the job prefix must end with '/', got {self.job_prefix!r}")
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.txns = 0
+        self.txns_failed = 0
+        self.bytes_written = 0
+        self.max_value = 0
+
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return {
+                "txns": self.txns,
+                "txns_failed": self.txns_failed,
+                "bytes_written": self.bytes_written,
+                "max_value": self.max_value,
+            }
+
+
+class RdzvHandler(RendezvousHandler):
+    """torch's ``RendezvousHandler`` on per-machine etcd keys (see the module docstring).
+
+    Args:
+        client: The etcd client.
+        store: The store handed to torch for each round (under a per-round prefix), usually an
+            :class:`flashckpt.elastic.etcd.store.EtcdStore` under ``<job>/store/``.
+        settings: Sizes, timeouts, lease TTLs.
+    """
+
+    def __init__(self, client: EtcdClient, store: dist.Store, settings: RdzvSettings) -> None:
+        self._client = client
+        self._store = store
+        self._s = settings
+        self._addr = settings.local_addr or socket.getfqdn()
+        self._node = f"{self._addr}_{os.getpid()}_{next(_node_ids)}"
+        self._qnode = urllib.parse.quote(self._node, safe="")
+        self._p = settings.job_prefix + "rdzv/"
+        self._lock = threading.Lock()
+        self._lease: Lease | None = None
+        self._keepalive: threading.Thread | None = None
+        self._keepalive_stop = threading.Event()
+        self._lease_lost = threading.Event()
+        self._closed = False
+        self._left = False
+        # The round this machine is a member of, and what it knows of it.
+        self._round: int | None = None
+        self._rank: int | None = None
+        self._members: list[int] = []
+        self._result_rev = 0
+        self._round_lease = 0  # the lease of the round and result keys (state_ttl)
+        self._claim: RankClaim | None = None
+        self._participants: set[str] | None = None
+        self._waiting = 0
+        self._member_watch: _MemberWatch | None = None
+        self._waiting_in: int | None = None  # the round this machine waits in, if any
+        self._local = threading.local()
+        self._reached = False  # etcd answered this handler once
+        self._newest_seen = -1  # the newest closed round this machine read
+        self._joined = False  # joined a round since it was last admitted to one
+        self.stats = _Stats()
+
+    # -------------------------------------------------------------------- torch's interface
+    def get_backend(self) -> str:
+        """See base class."""
+        return BACKEND_NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        """See base class: the workers of each round get a fresh TCPStore."""
+        return False
+
+    def get_run_id(self) -> str:
+        """See base class."""
+        return self._s.run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Joins the next round and returns this machine's rank in it (see the module
+        docstring).
+
+        Raises:
+            RendezvousClosedError: The rendezvous is closed (the job finished).
+            RendezvousGracefulExitError: It closed while this machine waited as a standby.
+            RendezvousTimeoutError: No round took this machine within ``join_timeout``.
+            RendezvousConnectionError: etcd failed beyond the client's retries.
+            RendezvousStateError: The job's keys hold something this handler never writes.
+        """
+        self._stop_member_watch()
+        if self._closed:
+            raise RendezvousClosedError(f"the rendezvous {self._s.run_id!r} is closed")
+        deadline = Deadline.after(self._s.join_timeout)
+        warned = 0.0
+        try:
+            while True:
+                if deadline.expired():
+                    raise RendezvousTimeoutError(
+                        f"no rendezvous round of job {self._s.run_id!r} took this machine "
+                        f"({self._node}) within {self._s.join_timeout.total_seconds():g} s "
+                        f"(join_timeout); {self._s.min_nodes} to {self._s.max_nodes} machines "
+                        "must join"
+                    )
+                try:
+                    info = self._attempt(deadline)
+                except EtcdError as exc:
+                    # etcd answered before: an outage (a leader election, a restart) is waited
+                    # out until join_timeout; one that never answered is a configuration error.
+                    if not self._reached or deadline.expired():
+                        raise RendezvousConnectionError(
+                            f"the rendezvous of job {self._s.run_id!r} failed to reach etcd at "
+                            f"{','.join(self._client.endpoints)}: {exc}"
+                        ) from exc
+                    if time.monotonic() - warned > 10:
+                        warned = time.monotonic()
+                        logger.warning("etcd failed during the rendezvous (retrying): %s", exc)
+                    deadline.sleep(1.0)
+                    continue
+                if info is not None:
+                    return info
+        finally:
+            self._waiting_in = None
+
+    def is_closed(self) -> bool:
+        """See base class (one etcd read)."""
+        if self._closed:
+            return True
+        try:
+            return self._client.get(self._p + "closed") is not None
+        except EtcdError as exc:
+            raise RendezvousConnectionError(f"cannot read {self._p}closed: {exc}") from exc
+
+    def set_closed(self) -> None:
+        """See base class: closes the rendezvous for every machine; deletes the rounds' keys."""
+        lease = self._new_state_lease()
+        ops = [
+            _put(self._p + "closed", json.dumps({"by": self._node}).encode(), lease),
+            _delete(self._p + "r/", prefix=True),
+            _delete(self._p + "round"),
+        ]
+        try:
+            self._txn([], ops, [])
+        except EtcdError as exc:
+            raise RendezvousConnectionError(f"could not close the rendezvous: {exc}") from exc
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        """See base class: machines waiting to join the next round that it has room for (a
+        restarting member of this round always counts). Answered from a watch, no etcd call."""
+        watch = self._member_watch
+        return watch.waiting() if watch is not None else 0
+
+    def shutdown(self) -> bool:
+        """See base class: closes the rendezvous and gives up this machine's keys."""
+        try:
+            self.set_closed()
+        except RendezvousError as exc:
+            logger.warning("could not close the rendezvous %r: %s", self._s.run_id, exc)
+            self.leave()
+            return False
+        self.leave()
+        return True
+
+    # -------------------------------------------------------------------- flashckpt's extras
+    @property
+    def client(self) -> EtcdClient:
+        """The etcd client."""
+        return self._client
+
+    @contextlib.contextmanager
+    def call_timeout(self, timeout: timedelta) -> Iterator[None]:
+        """Caps the deadline of this thread's etcd calls of the handler inside the block (the
+        launcher's teardown: waiting the client's full ``read_timeout`` helps nobody)."""
+        previous = getattr(self._local, "timeout", None)
+        self._local.timeout = timeout if previous is None else min(previous, timeout)
+        try:
+            yield
+        finally:
+            self._local.timeout = previous
+
+    def _timeout(self) -> timedelta | None:
+        timeout: timedelta | None = getattr(self._local, "timeout", None)
+        return timeout
+
+    def note_reachable(self) -> None:
+        """Tells the handler that etcd answered (the launcher checked it): from now on an etcd
+        failure in ``next_rendezvous`` is an outage, waited out until ``join_timeout``, not a
+        configuration error that fails at once."""
+        self._reached = True
+
+    @property
+    def node(self) -> str:
+        """This machine's descriptor in the rendezvous (``addr_pid_n``), as in the keys."""
+        return self._node
+
+    @property
+    def join_timeout(self) -> timedelta:
+        """How long ``next_rendezvous`` waits for a round."""
+        return self._s.join_timeout
+
+    @property
+    def round(self) -> int | None:
+        """The round this machine is a member of (``None`` before the first)."""
+        return self._round
+
+    @property
+    def waiting_in(self) -> int | None:
+        """The round this machine waits in right now (inside ``next_rendezvous``), if any."""
+        return self._waiting_in
+
+    def participants(self) -> set[str] | None:
+        """The descriptors of the members of this machine's round (one etcd read of the
+        round's join keys, cached); ``None`` before the first round or when etcd fails."""
+        with self._lock:
+            if self._participants is not None or self._round is None:
+                return self._participants
+            rnd, members = self._round, set(self._members)
+        try:
+            kvs = self._client.get_prefix(self._rp(rnd) + "a/")
+        except EtcdError as exc:
+            logger.warning("cannot read the members of round %d: %s", rnd, exc)
+            return None
+        joins = [j for j in map(_decode_join, kvs) if j is not None]
+        nodes = {j.node for j in joins if j.create_revision in members}
+        with self._lock:
+            if self._round == rnd:
+                self._participants = nodes
+        return nodes
+
+    def expire_nodes(self, nodes: Sequence[str]) -> int:
+        """Deletes the join keys of machines found dead (as their lease's end would), in the
+        newest round and the open one, and their lead key if they lead it; returns how many
+        keys went. Never raises for etcd (their leases end them anyway)."""
+        try:
+            head = self._txn([], [_range(self._p + "round")], [])
+            kvs = _kvs(head, 0)
+            newest = int(kvs[0].value) if kvs else -1
+            deleted = 0
+            for node in nodes:
+                q = urllib.parse.quote(node, safe="")
+                ops = [_delete(self._rp(r) + "a/" + q) for r in (newest, newest + 1) if r >= 0]
+                lead = self._rp(newest + 1) + "c/lead"
+                response = self._txn(
+                    [_cmp(lead, "VALUE", node.encode())], [*ops, _delete(lead)], ops
+                )
+                for item in response.get("responses") or []:
+                    deleted += int(item.get("response_delete_range", {}).get("deleted", 0))
+            return deleted
+        except (EtcdError, ValueError) as exc:
+            logger.warning("could not drop %s from the rendezvous: %s", list(nodes), exc)
+            return 0
+
+    def leave(self) -> None:
+        """Gives up this machine's place: its lease (and every key on it) goes. Never raises."""
+        self._left = True
+        self._stop_member_watch()
+        self._keepalive_stop.set()
+        with self._lock:
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                self._client.revoke_lease(lease, timeout=self._timeout() or timedelta(seconds=2))
+            except EtcdError as exc:
+                logger.info("could not revoke the rendezvous lease (it lapses): %s", exc)
+
+    def suspend(self) -> None:
+        """Stops renewing this machine's lease (a fenced machine: its keys lapse with it); the
+        next ``next_rendezvous`` takes a new lease."""
+        self._stop_member_watch()
+        self._keepalive_stop.set()
+        with self._lock:
+            self._lease = None
+        self._lease_lost.set()  # a wait in next_rendezvous joins again, with a new lease
+
+    # -------------------------------------------------------------------- one attempt
+    def _rp(self, rnd: int) -> str:
+        return f"{self._p}r/{rnd:012d}/"
+
+    def _check_left(self) -> None:
+        if self._left:
+            raise RendezvousClosedError(
+                f"this machine ({self._node}) left the rendezvous {self._s.run_id!r}"
+            )
+
+    def _attempt(self, deadline: Deadline) -> RendezvousInfo | None:
+        self._check_left()
+        lease = self._ensure_lease()
+        head = self._txn([], [_range(self._p + "round"), _range(self._p + "closed")], [])
+        self._reached = True
+        if _kvs(head, 1):
+            self._raise_closed()
+        round_kvs = _kvs(head, 0)
+        newest = self._parse_round(round_kvs[0]) if round_kvs else -1
+        round_rev = round_kvs[0].mod_revision if round_kvs else 0
+        self._round_lease = round_kvs[0].lease if round_kvs else 0
+        self._newest_seen = max(self._newest_seen, newest)
+        rnd = newest + 1
+        if rnd > _MAX_ROUND:
+            raise RendezvousStateError(f"the rendezvous ran out of round numbers ({rnd})")
+        join_key = self._rp(rnd) + "a/" + self._qnode
+        claim = self._claim
+        value = json.dumps(
+            {
+                "v": _JOIN_VERSION,
+                "node": self._node,
+                "claim": [claim.round, claim.rank] if claim else None,
+            },
+            separators=(",", ":"),
+        ).encode()
+        compare = [_cmp(self._p + "round", "MOD", round_rev), _cmp(self._p + "closed", "CREATE", 0)]
+        lead_key = self._rp(rnd) + "c/lead"
+        success = [
+            _put(join_key, value, lease.id),
+            _range(join_key),
+            # The first machine to join leads the round: decided in the same transaction (a
+            # nested one), so nobody races for it.
+            {
+                "request_txn": {
+                    "compare": [_cmp(lead_key, "CREATE", 0)],
+                    "success": [_put(lead_key, self._node.encode(), lease.id)],
+                }
+            },
+            _range(self._rp(rnd) + "c/", prefix=True),
+        ]
+        try:
+            response = self._txn(compare, success, [], write=len(value))
+        except EtcdLeaseNotFound:
+            self._lease_lost.set()
+            return None
+        except EtcdOutcomeUnknown:
+            return None  # re-read: the join is a put, repeating it is harmless
+        if not response.get("succeeded"):
+            return None  # a round closed meanwhile (or the job did): read again
+        mine = _kvs(response, 1)
+        if not mine:
+            return None
+        my_create = mine[0].create_revision
+        ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 3)}
+        self._waiting_in = rnd
+        self._joined = True
+        logger.debug("joined round %d as %s (revision %d)", rnd, self._node, my_create)
+        return self._wait_round(rnd, round_rev, my_create, _revision(response), ctl, deadline)
+
+    def _wait_round(
+        self,
+        rnd: int,
+        round_rev: int,
+        my_create: int,
+        rev: int,
+        ctl: dict[str, KeyValue],
+        deadline: Deadline,
+    ) -> RendezvousInfo | None:
+        ctl_prefix = self._rp(rnd) + "c/"
+        while True:
+            if "result" in ctl:
+                return self._take_result(rnd, ctl["result"], my_create)
+            if "lead" not in ctl or ctl["lead"].value == self._node.encode():
+                if self._try_lead(rnd, round_rev, ctl.get("lead")):
+                    result = self._lead(rnd, round_rev, deadline)
+                    if result is not None:
+                        return self._take_result(rnd, result, my_create)
+                # Lost the race, or stopped leading: read what is there now.
+            elif deadline.expired():
+                return None
+            else:
+                self._client.wait_for_change(
+                    ctl_prefix,
+                    after_revision=rev,
+                    timeout=timedelta(
+                        seconds=min(deadline.remaining(), _WAIT_SLICE_S, self._lease_ttl_s())
+                    ),
+                    prefix=True,
+                )
+            self._check_left()
+            if self._lease_lost.is_set() or deadline.expired():
+                return None
+            response = self._txn(
+                [],
+                [_range(ctl_prefix, prefix=True), _range(self._p + "closed")],
+                [],
+            )
+            if _kvs(response, 1):
+                self._raise_closed()
+            rev = _revision(response)
+            ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 0)}
+
+    def _try_lead(self, rnd: int, round_rev: int, current: KeyValue | None) -> bool:
+        lease = self._lease
+        if lease is None:
+            return False
+        lead_key = self._rp(rnd) + "c/lead"
+        if current is not None:
+            return current.lease == lease.id  # ours already (after a broken watch)
+        compare = [_cmp(lead_key, "CREATE", 0), _cmp(self._p + "round", "MOD", round_rev)]
+        try:
+            response = self._txn(compare, [_put(lead_key, self._node.encode(), lease.id)], [])
+        except EtcdOutcomeUnknown:
+            kv = self._client.get_kv(lead_key)
+            return kv is not None and kv.lease == lease.id
+        except EtcdLeaseNotFound:
+            self._lease_lost.set()
+            return False
+        return bool(response.get("succeeded"))
+
+    # -------------------------------------------------------------------- the lead
+    def _lead(self, rnd: int, round_rev: int, deadline: Deadline) -> KeyValue | None:
+        """Follows the joins of round ``rnd`` and closes it; returns its result, or ``None``
+        when this machine stopped leading (its lease ended, its watch fell too far behind)."""
+        prev, cur = self._rp(rnd - 1), self._rp(rnd)
+        ops = [
+            _range(prev + "c/result"),
+            _range(prev + "a/", prefix=True),
+            _range(cur + "a/", prefix=True),
+            _range(cur + "c/", prefix=True),
+        ]
+        snap = self._txn([], ops, [])
+        ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(snap, 3)}
+        if "result" in ctl:
+            return ctl["result"]
+        lead_kv = ctl.get("lead")
+        if lead_kv is None or self._lease is None or lead_kv.lease != self._lease.id:
+            return None
+        prev_members: set[int] = set()
+        if rnd > 0:
+            prev_result = _kvs(snap, 0)
+            if prev_result:
+                prev_members = set(_decode_result(prev_result[0], rnd - 1).members)
+        alive_prev: dict[bytes, str] = {}
+        for kv in _kvs(snap, 1):
+            j = _decode_join(kv)
+            if j is not None and j.create_revision in prev_members:
+                alive_prev[kv.key] = j.node
+        joins: dict[bytes, _Join] = {}
+        for kv in _kvs(snap, 2):
+            j = _decode_join(kv)
+            if j is not None:
+                joins[kv.key] = j
+        prev_a, cur_a = (prev + "a/").encode(), (cur + "a/").encode()
+        lead_key, result_key = (cur + "c/lead").encode(), (cur + "c/result").encode()
+        stream = WatchStream(
+            self._client,
+            prev_a,
+            prefix_end(cur.encode()),
+            _revision(snap) + 1,
+            prev_kv=True,
+        )
+        last_call_at: float | None = None
+        logger.info(
+            "leading round %d: %d joined, %d live members of round %d", rnd, len(joins),
+            len(alive_prev), rnd - 1,
+        )  # fmt: skip
+        try:
+            while True:
+                joined_nodes = {j.node for j in joins.values()}
+                ready = all(node in joined_nodes for node in alive_prev.values())
+                n = len(joins)
+                now = time.monotonic()
+                if n < self._s.min_nodes:
+                    last_call_at = None
+                close = False
+                if ready and n >= self._s.max_nodes:
+                    close = True
+                elif ready and n >= self._s.min_nodes:
+                    if last_call_at is None:
+                        last_call_at = now + self._s.last_call_timeout.total_seconds()
+                    close = now >= last_call_at
+                if close:
+                    result = self._close_round(rnd, round_rev, joins, set(alive_prev.values()))
+                    if result is not None:
+                        return result
+                    return None
+                if deadline.expired() or self._lease_lost.is_set() or self._left:
+                    return None
+                wait = min(deadline.remaining(), self._lease_ttl_s())
+                if last_call_at is not None and ready:
+                    wait = min(wait, max(0.0, last_call_at - now))
+                try:
+                    events = stream.next_events(timedelta(seconds=wait))
+                except WatchCompacted:
+                    return None  # read everything again
+                for ev in events:
+                    key = ev.kv.key
+                    if key.startswith(prev_a):
+                        if ev.deleted:
+                            alive_prev.pop(key, None)
+                    elif key.startswith(cur_a):
+                        if ev.deleted:
+                            joins.pop(key, None)
+                        else:
+                            j = _decode_join(ev.kv)
+                            if j is not None:
+                                joins[key] = j
+                    elif key == lead_key and (ev.deleted or ev.kv.lease != self._lease_id()):
+                        logger.info("no longer leading round %d (its lead key went)", rnd)
+                        return None
+                    elif key == result_key and not ev.deleted:
+                        return ev.kv
+        finally:
+            stream.close()
+
+    def _close_round(
+        self, rnd: int, round_rev: int, joins: dict[bytes, _Join], survivors: set[str]
+    ) -> KeyValue | None:
+        # Members: the live members of the previous round (all joined), then the others in
+        # the order they joined, up to max_nodes.
+        order = sorted(
+            joins.values(), key=lambda j: (j.node not in survivors, j.create_revision, j.node)
+        )
+        chosen = order[: self._s.max_nodes]
+        nodes = [j.node for j in chosen]
+        claims = {j.node: j.claim for j in chosen if j.claim is not None}
+        ranks = assign_ranks(nodes, claims)
+        by_rank = sorted(chosen, key=lambda j: ranks[j.node])
+        members = [j.create_revision for j in by_rank]
+        packed = encode_members(members)
+        digest = hashlib.sha256(packed.encode()).hexdigest()[:16]
+        value = json.dumps(
+            {
+                "v": _RESULT_VERSION,
+                "round": rnd,
+                "world": len(members),
+                "m": packed,
+                "digest": digest,
+                "closer": self._node,
+            },
+            separators=(",", ":"),
+        ).encode()
+        cur = self._rp(rnd)
+        result_key = cur + "c/result"
+        state_lease = self._state_lease()
+        success = [
+            _put(result_key, value, state_lease),
+            _put(self._p + "round", str(rnd).encode(), state_lease),
+            _range(result_key),
+        ]
+        if rnd >= 2:
+            success.append(_delete(self._rp(rnd - 2), prefix=True))
+            success.append(
+                _delete(
+                    f"{self._s.job_prefix}store/torch.rendezvous.{self._s.run_id}.{rnd - 2}/",
+                    prefix=True,
+                )
+            )
+        compare = [_cmp(result_key, "CREATE", 0), _cmp(self._p + "round", "MOD", round_rev)]
+        try:
+            response = self._txn(compare, success, [_range(result_key)], write=len(value))
+        except EtcdOutcomeUnknown:
+            # The answer was lost; whether it was applied or not, the key says: never close
+            # twice, never guess.
+            return self._client.get_kv(result_key)
+        kept = sum(1 for j in chosen if j.claim is not None and ranks[j.node] == j.claim.rank)
+        if response.get("succeeded"):
+            logger.info(
+                "closed round %d: %d machines (%d kept their rank, %d standing by), result %s "
+                "(%d bytes)",
+                rnd,
+                len(members),
+                kept,
+                len(order) - len(chosen),
+                digest,
+                len(value),
+            )
+            found = _kvs(response, 2)
+        else:
+            found = _kvs(response, 0)
+        return found[0] if found else None
+
+    # -------------------------------------------------------------------- the outcome
+    def _take_result(self, rnd: int, kv: KeyValue, my_create: int) -> RendezvousInfo | None:
+        result = _decode_result(kv, rnd)
+        try:
+            rank = result.members.index(my_create)
+        except ValueError:
+            # Not taken (the round was full, or this machine's key lapsed before it closed):
+            # a standby for the next round. Its key of this round goes.
+            logger.info(
+                "round %d formed with %d machines without this one (%s): waiting for the next",
+                rnd,
+                len(result.members),
+                self._node,
+            )
+            with contextlib.suppress(EtcdError):
+                self._client.delete(self._rp(rnd) + "a/" + self._qnode)
+            return None
+        world = len(result.members)
+        with self._lock:
+            self._round, self._rank, self._members = rnd, rank, result.members
+            self._result_rev = kv.mod_revision
+            self._round_lease = kv.lease
+            self._joined = False
+            self._participants = None
+            self._claim = RankClaim(round=rnd, rank=rank)
+        store = dist.PrefixStore(f"torch.rendezvous.{self._s.run_id}.{rnd}", self._store)
+        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
+        self._member_watch = _MemberWatch(self, rnd, result.members, kv.mod_revision, rank)
+        logger.info(
+            "round %d of %r: group rank %d of %d (result %s)",
+            rnd,
+            self._s.run_id,
+            rank,
+            world,
+            result.digest,
+        )
+        return RendezvousInfo(store, rank, world, bootstrap)
+
+    def _raise_closed(self) -> None:
+        self._closed = True
+        # A machine that joined and was not in the newest round stood by: torch's redundancy
+        # list, which leaves with success. Members (and machines that never joined) did not.
+        if self._joined and (self._round is None or self._round < self._newest_seen):
+            raise RendezvousGracefulExitError(
+                f"the rendezvous {self._s.run_id!r} closed (the job finished) while this "
+                "machine stood by; it was not needed"
+            )
+        raise RendezvousClosedError(
+            f"the rendezvous {self._s.run_id!r} is closed: the job finished, or a machine gave "
+            "up; start a new job with another --rdzv-id"
+        )
+
+    # -------------------------------------------------------------------- plumbing
+    def _parse_round(self, kv: KeyValue) -> int:
+        try:
+            rnd = int(kv.value)
+        except ValueError:
+            rnd = -1
+        if not 0 <= rnd <= _MAX_ROUND:
+            raise RendezvousStateError(
+                f"{kv.key.decode(errors='replace')!r} holds {kv.value[:40]!r}, not a round "
+                "number: something else wrote the job's keys; use another --rdzv-id"
+            )
+        return rnd
+
+    def _lease_ttl_s(self) -> float:
+        return self._s.lease_ttl.total_seconds()
+
+    def _lease_id(self) -> int:
+        lease = self._lease
+        return lease.id if lease is not None else 0
+
+    def _ensure_lease(self) -> Lease:
+        with self._lock:
+            if self._lease is not None and not self._lease_lost.is_set():
+                return self._lease
+        lease = self._client.grant_lease(self._s.lease_ttl)
+        self._keepalive_stop.set()
+        if self._keepalive is not None:
+            self._keepalive.join(timeout=2)
+        stop = threading.Event()
+        with self._lock:
+            self._lease = lease
+            self._keepalive_stop = stop
+            self._lease_lost.clear()
+        thread = threading.Thread(
+            target=self._renew, args=(lease, stop), name="flashckpt-rdzv-lease", daemon=True
+        )
+        thread.start()
+        self._keepalive = thread
+        return lease
+
+    def _renew(self, lease: Lease, stop: threading.Event) -> None:
+        interval = max(0.5, lease.ttl.total_seconds() / 3)
+        while not stop.wait(interval):
+            try:
+                self._client.refresh_lease(lease, timeout=timedelta(seconds=interval))
+            except EtcdLeaseNotFound:
+                if not stop.is_set():
+                    logger.warning("this machine's rendezvous lease lapsed; it joins again")
+                    self._lease_lost.set()
+                return
+            except EtcdError as exc:
+                logger.debug("renewing the rendezvous lease failed (retrying): %s", exc)
+
+    def _new_state_lease(self) -> int | None:
+        if self._s.state_ttl is None:
+            return None
+        try:
+            return self._client.grant_lease(self._s.state_ttl, timeout=self._timeout()).id
+        except EtcdError:
+            return None
+
+    def _state_lease(self) -> int | None:
+        """The lease of the job's round keys: the newest round's (renewed), or a new one."""
+        if self._s.state_ttl is None:
+            return None
+        if self._round_lease:
+            try:
+                self._client.refresh_lease(self._round_lease)
+                return self._round_lease
+            except EtcdLeaseNotFound:
+                pass
+        self._round_lease = self._client.grant_lease(self._s.state_ttl).id
+        return self._round_lease
+
+    def _refresh_state_lease(self) -> None:
+        lease = self._round_lease
+        if lease:
+            with contextlib.suppress(EtcdError):
+                self._client.refresh_lease(lease, timeout=timedelta(seconds=5))
+
+    def _txn(
+        self,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]],
+        *,
+        write: int = 0,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"success": success}
+        if compare:
+            body["compare"] = compare
+        if failure:
+            body["failure"] = failure
+        writes = any("request_put" in op or "request_delete_range" in op for op in success)
+        response: dict[str, Any] = self._client._call(
+            "/v3/kv/txn", body, timeout=self._timeout(), idempotent=not (compare and writes)
+        )
+        with self.stats.lock:
+            self.stats.txns += 1
+            if compare and not response.get("succeeded"):
+                self.stats.txns_failed += 1
+            elif write:
+                self.stats.bytes_written += write
+                self.stats.max_value = max(self.stats.max_value, write)
+        return response
+
+    def _stop_member_watch(self) -> None:
+        watch, self._member_watch = self._member_watch, None
+        if watch is not None:
+            watch.stop()
+
+
+class _MemberWatch:
+    """A member's view of who waits for the next round, fed by one watch (see the module
+    docstring); the thread ends once someone counts (torch restarts the workers then)."""
+
+    def __init__(
+        self, handler: RdzvHandler, rnd: int, members: list[int], result_rev: int, rank: int
+    ) -> None:
+        self._h = handler
+        self._rnd = rnd
+        self._members = set(members)
+        self._alive = set(members)
+        self._rank = rank
+        self._lock = threading.Lock()
+        self._count = 0
+        self._joins: dict[bytes, bool] = {}  # join key -> a member of this round
+        self._excluded = False
+        self._stop = threading.Event()
+        self._stream: WatchStream | None = None
+        self._start = result_rev + 1
+        self._thread = threading.Thread(
+            target=self._run, name="flashckpt-rdzv-members", daemon=True
+        )
+        self._thread.start()
+
+    def waiting(self) -> int:
+        with self._lock:
+            return self._count
+
+    def stop(self) -> None:
+        self._stop.set()
+        stream = self._stream
+        if stream is not None:
+            stream.close()
+
+    def _run(self) -> None:
+        h = self._h
+        cur, nxt = h._rp(self._rnd), h._rp(self._rnd + 1)
+        cur_a, nxt_a = (cur + "a/").encode(), (nxt + "a/").encode()
+        nxt_result = (nxt + "c/result").encode()
+        start = self._start
+        refresh_every = 60.0
+        if h._s.state_ttl is not None:
+            refresh_every = min(refresh_every, h._s.state_ttl.total_seconds() / 4)
+        last_refresh = time.monotonic()
+        while not self._stop.is_set():
+            stream = WatchStream(h._client, cur_a, prefix_end(nxt.encode()), start, prev_kv=True)
+            self._stream = stream
+            if self._stop.is_set():
+                stream.close()
+                return
+            try:
+                while not self._stop.is_set():
+                    events = stream.next_events(timedelta(seconds=refresh_every))
+                    if self._rank == 0 and time.monotonic() - last_refresh >= refresh_every:
+                        h._refresh_state_lease()
+                        last_refresh = time.monotonic()
+                    if self._apply(events, cur_a, nxt_a, nxt_result):
+                        return  # counted: torch restarts the workers, next_rendezvous follows
+            except WatchClosed:
+                return
+            except WatchCompacted as exc:
+                start = self._resync(exc.compact_revision, cur, nxt)
+            except EtcdError as exc:
+                logger.debug("the rendezvous watch failed (retrying): %s", exc)
+                start = stream.next_revision
+                self._stop.wait(1.0)
+            finally:
+                stream.close()
+
+    def _apply(self, events: list[WatchEvent], cur_a: bytes, nxt_a: bytes, result: bytes) -> bool:
+        me = self._h._qnode.encode()
+        for ev in events:
+            key = ev.kv.key
+            if key.startswith(cur_a):
+                if ev.deleted and ev.prev is not None:
+                    self._alive.discard(ev.prev.create_revision)
+            elif key.startswith(nxt_a):
+                if key.endswith(b"/" + me):
+                    continue
+                if ev.deleted:
+                    self._joins.pop(key, None)
+                else:
+                    j = _decode_join(ev.kv)
+                    member = j is not None and j.claim is not None and j.claim.round == self._rnd
+                    self._joins[key] = member
+            elif key == result and not ev.deleted:
+                self._excluded = True  # the next round formed without this machine
+        members = sum(1 for m in self._joins.values() if m)
+        others = len(self._joins) - members
+        count = members + (others if len(self._alive) < self._h._s.max_nodes else 0)
+        if self._excluded:
+            count = max(count, 1)
+        with self._lock:
+            self._count = count
+        return count > 0
+
+    def _resync(self, compacted: int, cur: str, nxt: str) -> int:
+        """After a compaction: the state from one read, the watch from after it."""
+        h = self._h
+        while not self._stop.is_set():
+            try:
+                snap = h._txn(
+                    [],
+                    [
+                        _range(cur + "a/", prefix=True),
+                        _range(nxt + "a/", prefix=True),
+                        _range(nxt + "c/result"),
+                    ],
+                    [],
+                )
+            except EtcdError:
+                self._stop.wait(1.0)
+                continue
+            self._alive = {kv.create_revision for kv in _kvs(snap, 0)} & self._members
+            self._joins = {}
+            events = [WatchEvent(False, kv, None) for kv in _kvs(snap, 1) + _kvs(snap, 2)]
+            self._apply(events, (cur + "a/").encode(), (nxt + "a/").encode(),
+                        (nxt + "c/result").encode())  # fmt: skip
+            return _revision(snap) + 1
+        return compacted + 1
+
+
+# ------------------------------------------------------------------------------ creation
+def settings_from_params(params: RendezvousParameters, job_prefix: str) -> RdzvSettings:
+    """The handler's settings from torchrun's rendezvous parameters.
+
+    +-------------------+--------------------------------------------------------------+
+    | join_timeout      | Seconds ``next_rendezvous`` waits for a round (600).         |
+    | last_call_timeout | Seconds a round waits for more machines once ``min_nodes``   |
+    |                   | joined (30).                                                 |
+    | lease_ttl         | Seconds after its last renewal a dead machine's keys go (10; |
+    |                   | torch's keep_alive_interval x keep_alive_max_attempt when    |
+    |                   | those are given instead).                                    |
+    | state_ttl         | Seconds the round keys outlive the job's last round; 0:      |
+    |                   | forever (7200).                                              |
+    +-------------------+--------------------------------------------------------------+
+
+    Raises:
+        ValueError: If a parameter is invalid; the message names it.
+    """
+
+    def seconds(name: str, default: float, minimum: float) -> float:
+        raw = params.get(name, default)
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"rendezvous option {name} must be a number, got {raw!r}") from None
+        if value < minimum:
+            raise ValueError(f"rendezvous option {name} must be >= {minimum:g}, got {raw!r}")
+        return value
+
+    state_ttl = seconds("state_ttl", 7200, 0)
+    lease_default = DEFAULT_LEASE_TTL.total_seconds()
+    if params.get("lease_ttl") is None and params.get("keep_alive_interval") is not None:
+        # torch's own options: a machine is dead after keep_alive_max_attempt missed beats.
+        interval = seconds("keep_alive_interval", 5, 0.1)
+        attempts = seconds("keep_alive_max_attempt", 3, 1)
+        lease_default = max(2.0, interval * attempts)
+    return RdzvSettings(
+        run_id=params.run_id,
+        job_prefix=job_prefix,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        join_timeout=timedelta(seconds=seconds("join_timeout", 600, 1)),
+        last_call_timeout=timedelta(seconds=seconds("last_call_timeout", 30, 0)),
+        lease_ttl=timedelta(seconds=seconds("lease_ttl", lease_default, 2)),
+        state_ttl=timedelta(seconds=state_ttl) if state_ttl else None,
+        local_addr=params.local_addr,
+    )

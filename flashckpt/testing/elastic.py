@@ -1,0 +1,184 @@
+"""Test helpers: throw-away TLS certificates, an in-memory rendezvous backend, and the process
+helpers of simulated machines (process trees killed at once, their JSON-line logs).
+
+The etcd server itself (:class:`flashckpt.elastic.etcd.server.EtcdServer`) is a product module:
+``flashckpt run --standalone`` starts one. Used by the test suite and the benchmarks; no pytest
+import here: the fixtures live in the test suite's ``conftest.py`` and use these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import psutil
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
+
+from flashckpt.elastic.etcd.server import EtcdServerError, TlsFiles
+
+__all__ = [
+    "InMemoryRendezvousBackend",
+    "job_processes",
+    "kill_job",
+    "kill_processes",
+    "loopback_env",
+    "make_test_certificates",
+    "process_tree",
+    "read_jsonl",
+]
+
+
+def make_test_certificates(directory: str | os.PathLike[str]) -> TlsFiles:
+    """Creates a throw-away CA and a server certificate for 127.0.0.1 with the openssl CLI.
+
+    Raises:
+        EtcdServerError: If ``openssl`` is not installed or fails.
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise EtcdServerError("openssl is not installed: apt-get install openssl")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, cert, ext = (
+        out / n for n in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem", "ext.cnf")
+    )
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    commands = [
+        [openssl, "req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2", "-subj",
+         "/CN=flashckpt-test-ca"],
+        [openssl, "req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+        [openssl, "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+         "-out", cert, "-days", "2", "-extfile", ext],
+    ]  # fmt: skip
+    for command in commands:
+        done = subprocess.run([str(c) for c in command], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise EtcdServerError(f"{' '.join(map(str, command))} failed: {done.stderr}")
+    return TlsFiles(ca_file=str(ca), cert_file=str(cert), key_file=str(key))
+
+
+class InMemoryRendezvousBackend(RendezvousBackend):
+    """A thread-safe in-memory :class:`RendezvousBackend` with the same contract as etcd's.
+
+    For tests of code above the backend, and as the reference the contract tests hold every
+    backend to. Tokens are integers that grow with every successful write.
+
+    Args:
+        name: The backend name reported to torch.
+    """
+
+    def __init__(self, name: str = "in-memory") -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._state: bytes | None = None
+        self._revision = 0
+
+    @property
+    def name(self) -> str:
+        """See base class."""
+        return self._name
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """See base class."""
+        with self._lock:
+            return None if self._state is None else (self._state, self._revision)
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        """See base class."""
+        with self._lock:
+            current = 0 if self._state is None else self._revision
+            expected = 0 if token is None else token
+            if type(expected) is not int or expected != current:
+                return None if self._state is None else (self._state, self._revision, False)
+            self._revision += 1
+            self._state = state
+            return state, self._revision, True
+
+
+# -- simulated machines: one process tree each, on this host ------------------------------------
+
+
+def loopback_env() -> dict[str, str]:
+    """This process's environment for a simulated machine's launcher.
+
+    The source tree holding this package first on ``PYTHONPATH``, gloo on loopback, one OpenMP
+    thread per process.
+    """
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """A process and all its descendants (empty if it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def job_processes(roots: Iterable[int], tag: str) -> list[psutil.Process]:
+    """The process trees of ``roots``, plus every other process whose command line has ``tag``.
+
+    The tag (a job's unique id) also finds processes that left their tree: daemons, orphans
+    whose parent was killed first.
+    """
+    found = [p for pid in roots for p in process_tree(pid)]
+    me = os.getpid()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error, TypeError):
+            if p.info["pid"] != me and tag in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+    return found
+
+
+def kill_processes(processes: Iterable[psutil.Process]) -> None:
+    """SIGKILLs every process at once (like a machine losing power); does not wait."""
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGKILL)
+
+
+def kill_job(launched: Iterable[subprocess.Popen[bytes]], tag: str) -> None:
+    """SIGKILLs every process of a job and reaps them; never raises.
+
+    Args:
+        launched: The processes the caller started (each with its own tree below it).
+        tag: The job's unique id, in the command line of every other process of the job.
+    """
+    procs = list(launched)
+    victims = job_processes((proc.pid for proc in procs), tag)
+    kill_processes(victims)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+    psutil.wait_procs(victims, timeout=10)
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every complete JSON line of a file (a line still being written is skipped)."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out

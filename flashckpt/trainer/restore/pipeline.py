@@ -1,0 +1,235 @@
+"""Restore: one pipeline, run collectively by every rank on entry.
+
+1. plan: the ranks agree on the newest step every rank can obtain, and from which source;
+2. read: each rank's source reads its state of that step into a :class:`SavedStep`;
+3. fit: DTensor pieces are fitted to this run's layout (resharded), and the state is checked
+   against the model;
+4. apply: the state goes into the model, optimizer and the user's objects.
+
+A rank that cannot read or fit the step says so in an all-reduce; the ranks then plan again
+without it (or only without that rank's copy, where only its memory failed its data hash), or
+stop where the failure is no bad copy but a state that does not fit.
+
+The sources, in order of preference (:data:`SOURCES`): this rank's own memory, a sharded state
+rebuilt from the memory of this world's ranks (with, at a new world size, the replicas their
+node agents hold of lost machines' snapshots), a replica's memory, this rank's snapshot from a
+peer machine's memory (the agents' replicas, pulled by this rank's agent), storage. A step is
+agreed only where every rank has it from one of them. A new source (a
+local-disk tier, a peer machine's memory) is one class implementing :class:`RestoreSource`,
+added to that list.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from flashckpt.format.storage import CorruptCheckpointError
+from flashckpt.trainer.interval import RESTARTS_ENV
+from flashckpt.trainer.restore.saved import RestoreEnv, RestorePlan, RestoreSource, SavedStep
+from flashckpt.trainer.restore.sources import (
+    K,
+    MemorySource,
+    PeerMemorySource,
+    PeerReshardSource,
+    ReplicaSource,
+    StorageSource,
+)
+from flashckpt.trainer.snapshot import BadMemory, TornSnapshot
+
+if TYPE_CHECKING:
+    from flashckpt.trainer.restore.apply import Applier
+
+__all__ = ["SOURCES", "Restorer", "agree"]
+
+log = logging.getLogger("flashckpt")
+
+SOURCES: tuple[Callable[[RestoreEnv], RestoreSource], ...] = (
+    MemorySource,
+    PeerReshardSource,
+    ReplicaSource,
+    PeerMemorySource,
+    StorageSource,
+)
+"""Every restore source, most preferred first (built in this order, once per restore)."""
+
+
+def agree(env: RestoreEnv, sources: list[RestoreSource], excluded: set[int]) -> RestorePlan | None:
+    """Agrees (collectively) on the newest step every rank can obtain, and from where.
+
+    Per rank, the first source (in ``sources`` order) that offers a step is the one it reads
+    from; a step counts where every rank has one. A whole-world source then replaces that plan
+    where it offers a newer step, or the same step where the plan needs a less preferred source
+    than it on some rank.
+    """
+    ctx = env.ctx
+    ranked = [(i, s) for i, s in enumerate(sources) if not s.whole_world]
+    offers = [
+        sorted(set(s.offer(excluded, lambda _: True)) - excluded, reverse=True)[:K]
+        for _, s in ranked
+    ]
+    got = ctx.gather_sets(offers, K)  # got[j][rank]: the steps ranked[j] offers on that rank
+    best: RestorePlan | None = None
+    for step in sorted(set().union(*(g for per in got for g in per)), reverse=True):
+        choice: dict[int, int] = {}
+        for r in range(ctx.world):
+            j = next((j for j in range(len(ranked)) if step in got[j][r]), None)
+            if j is None:
+                break
+            choice[r] = j
+        else:
+            best = RestorePlan(
+                step,
+                {r: ranked[j][1].name for r, j in choice.items()},
+                tier=max(ranked[j][0] for j in choice.values()),
+            )
+            break
+    for i, s in enumerate(sources):
+        if not s.whole_world:
+            continue
+
+        def wanted(step: int, i: int = i, best: RestorePlan | None = best) -> bool:
+            return best is None or step > best.step or (step == best.step and i < best.tier)
+
+        steps = [x for x in s.offer(excluded, wanted) if x not in excluded]
+        if steps and wanted(max(steps)):
+            best = RestorePlan(max(steps), dict.fromkeys(range(ctx.world), s.name), tier=i)
+    return best
+
+
+class Restorer:
+    """Runs the restore pipeline on entry (collective: every rank of the world runs it)."""
+
+    def __init__(self, env: RestoreEnv, applier: Applier) -> None:
+        self.env = env
+        self.applier = applier
+        self.step: int | None = None
+        """The restored step (None: nothing restored)."""
+        self.source: str | None = None
+        """Where it came from (``restored_from``)."""
+        self.seconds: float | None = None
+        """How long the restore took (or looking for something to restore)."""
+        self.info: dict[str, Any] = {}
+        """Details of the restore for ``status()``."""
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        env, ctx = self.env, self.env.ctx
+        sources: list[RestoreSource] = [make(env) for make in SOURCES]
+        by_name = {s.name: s for s in sources}
+        excluded: set[int] = set()
+        while True:
+            plan = agree(env, sources, excluded)
+            if plan is None:
+                if env.mem or env.stored - excluded:
+                    warnings.warn(
+                        f"flashckpt: rank {ctx.rank} holds steps {sorted(env.mem)} in memory and "
+                        f"{sorted(env.stored)} in storage, but no step can be obtained by every "
+                        "rank; nothing restored",
+                        stacklevel=3,
+                    )
+                # Collective (every rank finds no plan): a replacement machine (restart count 0)
+                # says it too, where a survivor of the same failure restarted.
+                restarts = ctx.all_max(_restart_count())
+                if restarts > 0:
+                    warnings.warn(
+                        f"flashckpt: rank {ctx.rank} starts from step 0 on restart {restarts} of "
+                        "the job: no step of the run before is in every rank's reach (own "
+                        "memory, a peer's replica, storage), so its work is lost; give the job "
+                        "storage= (or keep replicas on, more than one machine) to resume after a "
+                        "failure",
+                        stacklevel=3,
+                    )
+                self.applier.invalidate_after(env.snap, -1)
+                self.seconds = time.perf_counter() - t0
+                return
+            step = plan.step
+            reader = by_name[plan.sources[ctx.rank]]
+            self.info = {}
+            code, memory_only = 0, False
+            err: Exception | None = None
+            saved: SavedStep | None = None
+            state: dict[str, Any] | None = None
+            try:
+                _prepare(sources, plan)
+                saved = reader.read(plan)
+                state = self._fit(saved)
+                self.info = dict(saved.info)
+            except BadMemory as e:
+                # Only this copy is bad: the step may still come from storage (or a replica).
+                code, err = 1, e
+                reader.drop(step)
+                memory_only = True
+                warnings.warn(f"flashckpt: {e}; trying another source", stacklevel=3)
+            except (CorruptCheckpointError, FileNotFoundError, TornSnapshot) as e:
+                code, err = 1, e
+                warnings.warn(
+                    f"flashckpt: cannot restore step {step}: {e}; trying an older step",
+                    stacklevel=3,
+                )
+            except (ValueError, TypeError, KeyError, RuntimeError) as e:
+                code, err = 2, e
+            worst = ctx.all_max(code)
+            if worst == 0:
+                assert saved is not None and state is not None
+                self.applier.apply(state, saved.private, saved.shared)
+                self.step, self.source = step, saved.source
+                self.seconds = time.perf_counter() - t0
+                self.info.update(step=step, source=self.source, seconds=self.seconds)
+                self.applier.invalidate_after(env.snap, step)
+                for path, why in getattr(by_name.get("memory"), "discarded", []):
+                    log.warning(
+                        "flashckpt: rank %d restored step %d from %s: the snapshot in %s was "
+                        "discarded (%s)",
+                        ctx.rank,
+                        step,
+                        self.source,
+                        path,
+                        why,
+                    )
+                return
+            if worst == 2:
+                if err is not None:
+                    raise err
+                raise RuntimeError(f"another rank failed to restore step {step}; see its log")
+            # Every rank takes part: the step is excluded unless each failure was a bad copy in
+            # memory (those ranks dropped it from their memory steps and plan again).
+            if ctx.all_max(0 if code == 0 or memory_only else 1):
+                excluded.add(step)
+
+    def _fit(self, saved: SavedStep) -> dict[str, Any]:
+        """Fits a saved step to this run's layout and checks it against the model."""
+        state = self.env.resharder.resolve_sharded(
+            saved.step, saved.state, saved.manifest, saved.pieces
+        )
+        self.applier.check_model(state)
+        why = saved.check() if saved.check is not None else None
+        if why is not None:
+            raise TornSnapshot(why)
+        if saved.note:
+            log.info("%s", saved.note)
+        return state
+
+
+def _restart_count() -> int:
+    """How often the launcher restarted this rank's worker group (``$TORCHELASTIC_RESTART_COUNT``;
+    0 when not under a launcher or for a machine that joined since)."""
+    raw = os.environ.get(RESTARTS_ENV, "0")
+    return int(raw) if raw.isdigit() else 0
+
+
+def _prepare(sources: list[RestoreSource], plan: RestorePlan) -> None:
+    """Every source prepares the plan (each takes part in its own exchanges even where an
+    earlier one failed, so no peer waits); the first failure is raised after all."""
+    first: Exception | None = None
+    for s in sources:
+        try:
+            s.prepare(plan)
+        except Exception as e:  # raised once every source took part
+            first = first or e
+    if first is not None:
+        raise first

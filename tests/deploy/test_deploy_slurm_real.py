@@ -11,8 +11,10 @@ One machine only: the hot spares of --nnodes MIN:MAX need a second slurmd; the d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -229,8 +231,92 @@ def test_sbatch_template_trains_and_a_requeued_job_resumes(slurm: Slurm, tmp_pat
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(64)
+    except TimeoutError:
+        return b""
+
+
 def _job_state(slurm: Slurm, job: str) -> str:
     done = subprocess.run(
         ["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, env=slurm.env
     )
     return done.stdout.strip()
+
+
+def test_requeued_job_resumes_from_the_memory_of_the_systemd_agent(
+    slurm: Slurm, tmp_path: Path
+) -> None:
+    """--agent systemd: the node agent runs outside the job, as deploy/systemd's unit runs it
+    (its ExecStart, started here by the test, readiness through $NOTIFY_SOCKET), and the job's
+    workers run under torchrun with the flashckpt-etcd rendezvous. Slurm SIGKILLs job 1; the agent
+    is no process of the job and keeps the slots, so job 2 resumes from memory."""
+    job = "sd" + uuid.uuid4().hex[:10]
+    storage = f"file://{tmp_path / 'ckpt'}"
+    run_dir = Path(f"/run/flashckpt/{job}")
+    unit = (DEPLOY / "systemd" / "flashckpt-agent@.service").read_text()
+    (line,) = [ln for ln in unit.splitlines() if ln.startswith("ExecStart=")]
+    words = shlex.split(line.removeprefix("ExecStart=").replace("%i", job))
+    words = [w.replace("${FC_STORAGE}", storage).replace("${FC_METRICS_PORT}", "0") for w in words]
+    assert words[:2] == ["/opt/flashckpt/bin/flashckpt", "agent"]
+    # What RuntimeDirectory= and ExecStartPre= make (a directory here, not a tmpfs).
+    run_dir.parent.mkdir(exist_ok=True)
+    run_dir.mkdir(mode=0o700)
+    (run_dir / "shm").mkdir(mode=0o700)
+    notify = tmp_path / "notify.sock"
+    ready = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ready.bind(str(notify))
+    ready.settimeout(1)
+    with open(tmp_path / "agent.log", "ab") as log:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "flashckpt", *words[1:]],
+            env={**os.environ, "NOTIFY_SOCKET": str(notify)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    env = {
+        **slurm.env,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "FC_PYTHON": sys.executable,
+        "FC_ETCD_PORT": str(_free_port(pairs=True)),
+    }
+    flags = [
+        "--nodes", "1", "--min-nodes", "1", "--job-id", job, "--storage", storage,
+        "--nproc-per-node", "1", "--agent", "systemd", "--",
+        str(ROOT / "examples" / "gpt_train.py"), "--storage", storage, "--every", "2",
+    ]  # fmt: skip
+    progress = [tmp_path / "first" / "progress-r0.txt", tmp_path / "second" / "progress-r0.txt"]
+    try:
+        slurm._wait(lambda: agent.poll() is None and _recv(ready) == b"READY=1", "READY=1")
+        env["FC_ETCD_DATA_DIR"] = str(tmp_path / "etcd1")
+        first = _submit(
+            slurm, tmp_path, env, *flags, "--steps", "100000", "--out", str(tmp_path / "first"),
+            wait=False,
+        )  # fmt: skip
+        slurm._wait(lambda: len(_steps(progress[0])) >= 8, "8 steps of job 1", timeout=240)
+        subprocess.run(["scancel", "--full", "--signal=KILL", first], check=True, env=slurm.env)
+        slurm._wait(lambda: _job_state(slurm, first) in ("", "CANCELLED", "FAILED"), "job 1 gone")
+        last = max(_steps(progress[0]))
+        env["FC_ETCD_DATA_DIR"] = str(tmp_path / "etcd2")
+        _submit(
+            slurm, tmp_path, env, *flags, "--steps", str(last + 4),
+            "--out", str(tmp_path / "second"), wait=True,
+        )  # fmt: skip
+        assert agent.poll() is None, (tmp_path / "agent.log").read_text()
+        report = json.loads((tmp_path / "second" / "report.txt").read_text().splitlines()[0])
+        assert report["restored_from"] == "memory", report
+        assert 2 <= report["start_step"] <= last + 1, (report, last)
+        assert _steps(progress[1]) == list(range(report["start_step"], last + 4))
+    finally:
+        ready.close()
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+            try:
+                agent.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait(timeout=30)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            run_dir.parent.rmdir()  # only when no other job's is there

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from flashckpt.elastic.etcd.client import EtcdClient, WatchBatch
+from flashckpt.elastic.membership import nodes as membership
 from flashckpt.elastic.membership.nodes import NodeRecord, NodeRegistry
 
 WAIT_S = 60.0
@@ -213,6 +214,37 @@ def test_the_view_follows_puts_and_deletes_and_is_read_again_after_a_compaction(
     d.update(state="waiting")
     _wait_for("d's put seen", lambda: watcher.peers()["d"].state == "waiting")
     assert watcher.watch_reads == 2
+
+
+@pytest.mark.etcd
+def test_a_quiet_watch_outlives_a_compaction_without_reading_the_keys_again(
+    etcd_client: EtcdClient,
+    etcd_prefix: str,
+    make_registry: Callable[..., NodeRegistry],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Node keys stay quiet for hours while training, as the rest of the job (summaries, the
+    # rendezvous store) moves etcd's revision on and its history is compacted: a quiet watch
+    # moves its revision on (three counts, once a while) and no machine reads every node key
+    # again.
+    monkeypatch.setattr(membership, "_WATCH_SLICE", timedelta(seconds=0.2))
+    monkeypatch.setattr(membership, "_QUIET_CHECK_S", 0.3)
+    watcher = make_registry(etcd_prefix, "a")
+    peer = make_registry(etcd_prefix, "b")
+    _wait_for("b seen", lambda: "b" in watcher.peers())
+    for i in range(20):
+        etcd_client.put(etcd_prefix + "monitor/x", str(i))
+    moves = watcher.quiet_moves
+    _wait_for("the quiet watch moved on", lambda: watcher.quiet_moves > moves)
+    assert etcd_client.compact(etcd_client.revision())
+    slices = watcher.watch_slices
+    _wait_for("two watch slices after the compaction", lambda: watcher.watch_slices > slices + 1)
+    peer.update(state="active", group_rank=0)
+    _wait_for("b's put seen", lambda: watcher.peers()["b"].state == "active")
+    assert watcher.watch_reads == 1
+    # Not when a node key changed unseen: a delete the view has not applied keeps it where it
+    # is (the count differs), and the delete arrives as an event.
+    assert watcher._quiet_revision(0) == 0, "keys were written since revision 0"
 
 
 @pytest.mark.etcd

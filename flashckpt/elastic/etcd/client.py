@@ -454,6 +454,51 @@ class EtcdClient:
         response = self._call("/v3/kv/range", body, timeout=timeout, idempotent=True)
         return [_kv_from_json(raw) for raw in response.get("kvs") or []]
 
+    def counts(
+        self, queries: Sequence[tuple[Key, bool, int]], *, timeout: timedelta | None = None
+    ) -> tuple[list[int], int]:
+        """Counts keys for several queries from one consistent snapshot, in one round trip,
+        without reading them.
+
+        Args:
+            queries: ``(key, prefix, min_mod_revision)`` each: the key (every key under it
+                with ``prefix``), counting only keys last written at ``min_mod_revision`` or
+                later (0: all; etcd then lists those keys, without values: ask for few).
+            timeout: Deadline of this call; defaults to the client's.
+
+        Returns:
+            The counts in the order asked, and the store revision of the snapshot.
+        """
+        ranges = []
+        for key, prefix, min_mod_revision in queries:
+            key_bytes = _to_bytes(key, "key")
+            request: dict[str, Any] = (
+                _prefix_range(key_bytes) if prefix else {"key": _b64(key_bytes)}
+            )
+            if min_mod_revision:
+                # etcd's count ignores the revision filter, so the (few) keys it keeps are
+                # listed, without their values.
+                request["keys_only"] = True
+                request["min_mod_revision"] = str(min_mod_revision)
+            else:
+                request["count_only"] = True
+            ranges.append({"request_range": request})
+        response = self._call("/v3/kv/txn", {"success": ranges}, timeout=timeout, idempotent=True)
+        found = []
+        for (_, _, min_mod_revision), item in zip(
+            queries, response.get("responses") or [], strict=False
+        ):
+            answer = item.get("response_range", {})
+            found.append(
+                len(answer.get("kvs") or []) if min_mod_revision else int(answer.get("count", 0))
+            )
+        if len(found) != len(queries):
+            raise EtcdError(
+                f"etcd answered {len(found)} ranges for {len(queries)} counts; the server or a "
+                "proxy in between mangled the transaction"
+            )
+        return found, _header_revision(response)
+
     def count_prefix(self, prefix: Key, *, timeout: timedelta | None = None) -> int:
         """Counts the keys that start with ``prefix`` without reading their values."""
         body: dict[str, Any] = {**_prefix_range(_to_bytes(prefix, "prefix")), "count_only": True}

@@ -93,6 +93,8 @@ _PROBE_TIMEOUT_S = 0.5
 _PROBE_ATTEMPTS = 3
 _PROBE_RETRY_S = 0.1
 _WATCH_SLICE = timedelta(seconds=5)
+_QUIET_CHECK_S = 60.0
+"""A node-key watch quiet this long moves its revision on (:meth:`NodeRegistry._quiet_revision`)."""
 # Probing the peers while renewals fail: one try each (a cut-off host fails at once with "network
 # unreachable", a silent drop times out). In the background after each failed renewal, with a
 # loaded host's patience; at the fence deadline, when none answered lately, once more, short.
@@ -475,6 +477,10 @@ class NodeRegistry:
         self._view_loaded = False  # the watch read the node keys at least once
         self.watch_reads = 0
         """How often the watch read every node key (its start, and each compaction)."""
+        self.watch_slices = 0
+        """How often the watch returned (with events, quiet, or compacted)."""
+        self.quiet_moves = 0
+        """How often the quiet watch moved its revision on (:meth:`_quiet_revision`)."""
         self._seen_lost: set[str] = set()
         self._departed: dict[str, NodeRecord] = {}  # the last record of each peer gone
         self._reaping: set[str] = set()  # tokens of peers found dead here, being revoked
@@ -997,6 +1003,7 @@ class NodeRegistry:
         it is: one change costs every launcher O(1), not a read of every node key.
         """
         revision: int | None = None
+        quiet_since = time.monotonic()
         while not self._stop.is_set():
             if revision is None:
                 revision = self._read_peers()
@@ -1011,6 +1018,7 @@ class NodeRegistry:
                 logger.warning("watching the job's node keys failed (will retry): %s", exc)
                 self._stop.wait(0.5)
                 continue
+            self.watch_slices += 1
             if batch.compacted:
                 logger.info(
                     "the node keys' history up to revision %d was compacted; reading the keys",
@@ -1020,7 +1028,36 @@ class NodeRegistry:
                 continue
             if batch.events:
                 self._apply_events(batch.events)
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= _QUIET_CHECK_S:
+                quiet_since = time.monotonic()
+                moved = self._quiet_revision(batch.revision)
+                if moved > batch.revision:
+                    self.quiet_moves += 1
+                    revision = moved
+                    continue
             revision = batch.revision
+
+    def _quiet_revision(self, revision: int) -> int:
+        """The revision a quiet watch can go on from: etcd's current one when the node keys
+        provably did not change since ``revision`` (as many keys as the view holds, none
+        written after it: a delete lowers the count, a put or a re-creation is newer), else
+        ``revision``. A watch that stayed on an old revision while the rest of the job moved
+        etcd's revision on would find its history compacted, and read every node key again;
+        this costs one small transaction of three counts instead."""
+        own = self._key
+        try:
+            (total, newer, own_count), current = self._client.counts(
+                [(self._prefix, True, 0), (self._prefix, True, revision + 1), (own, False, 0)]
+            )
+        except EtcdError as exc:
+            logger.debug("could not check the node keys' revision: %s", exc)
+            return revision
+        with self._lock:
+            expected = len(self._peers) + own_count
+        if newer == 0 and total == expected and current > revision:
+            return current
+        return revision
 
     def _read_peers(self) -> int | None:
         """Reads every node key into the view (the watch's start, or after a compaction);

@@ -8,7 +8,7 @@ slot: its ``persisted_high``) with the steps and seconds between them.
     python benchmarks/slow_storage_persist.py --rate 3 --width 50000 --steps 300
 
 The agent runs in this process (a thread), so the wrapper applies to it; the trainer is
-``tests/tinytrain.py`` in a process of its own.
+``tests/support/tinytrain.py`` in a process of its own.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 
 import flashckpt.agent.persist as agent_persist  # noqa: E402
 from flashckpt.agent.daemon import AgentConfig, NodeAgent  # noqa: E402
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, tmp: Path, slow: bool) -> dict[str, Any]:
     log = tmp / f"{job}.log"
     cmd = [
         sys.executable,
-        str(HERE.parent / "tests" / "tinytrain.py"),
+        str(HERE.parent / "tests" / "support" / "tinytrain.py"),
         "--storage",
         storage,
         "--job",

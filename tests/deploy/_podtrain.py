@@ -22,7 +22,7 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 from tinytrain import make
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import pytest
 from _cluster import SimCluster
 from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
+from waiting import wait_until
 
 import flashckpt
 from flashckpt import cli
@@ -154,16 +154,6 @@ def test_status_text_flags_a_slow_machine() -> None:
     assert "standby: s" in text
 
 
-def _wait_for(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.etcd
 def test_status_from_etcd_shows_the_whole_job(
     fc_env: FcEnv,
@@ -209,8 +199,7 @@ def test_status_from_etcd_shows_the_whole_job(
                 train_step(model, opt, sched, step)
                 ck.step()
             assert ck.flush() == 12
-            _wait_for(
-                "rank 0 running at step 11 in the agent's monitor (the flush is over)",
+            wait_until(
                 lambda: (
                     (r := ((agent_status(sock) or {}).get("monitor") or {}).get("ranks", {}))
                     .get("0", {})
@@ -218,6 +207,8 @@ def test_status_from_etcd_shows_the_whole_job(
                     == 11
                     and r["0"]["state"] == "running"
                 ),
+                "rank 0 running at step 11 in the agent's monitor (the flush is over)",
+                timeout=30.0,
             )
             mine = pub_a.tick()
             pub_b.tick()

@@ -9,28 +9,18 @@ Simulated machines are :class:`NodeRegistry` instances in this process, on a rea
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from waiting import wait_until
 
 from flashckpt.elastic.etcd.client import EtcdClient, WatchBatch
 from flashckpt.elastic.membership import nodes as membership
 from flashckpt.elastic.membership.nodes import NodeRecord, NodeRegistry
 
 WAIT_S = 60.0
-
-
-def _wait_for(what: str, cond: Callable[[], Any], timeout: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class CountingClient(EtcdClient):
@@ -116,22 +106,25 @@ def _reads_per_change(
     together."""
     client = CountingClient(etcd_server, timeout=timedelta(seconds=10))
     regs = [make_registry(prefix, f"m{i:03d}", client) for i in range(n)]
-    _wait_for(
-        f"all {n} machines to see each other",
+    wait_until(
         lambda: all(len(r.peers()) == n - 1 and r.watch_reads >= 1 for r in regs),
+        f"all {n} machines to see each other",
+        timeout=WAIT_S,
     )
     before = client.counts()
     reads_before = sum(r.watch_reads for r in regs)
     changed, leaving = regs[0], regs[-1]
     changed.update(state="active", group_rank=7)
-    _wait_for(
-        "the put seen by every machine",
+    wait_until(
         lambda: all(r.peers()[changed.record.node_id].group_rank == 7 for r in regs[1:]),
+        "the put seen by every machine",
+        timeout=WAIT_S,
     )
     leaving.close()  # revokes its lease: the key goes
-    _wait_for(
-        "the delete seen by every machine",
+    wait_until(
         lambda: all(leaving.record.node_id not in r.peers() for r in regs[:-1]),
+        "the delete seen by every machine",
+        timeout=WAIT_S,
     )
     after = client.counts()
     rereads = sum(r.watch_reads for r in regs) - reads_before
@@ -182,16 +175,16 @@ def test_the_view_follows_puts_and_deletes_and_is_read_again_after_a_compaction(
     watcher = make_registry(etcd_prefix, "a", gated, on_lost=lost)
     b = make_registry(etcd_prefix, "b")
     c = make_registry(etcd_prefix, "c")
-    _wait_for("b and c seen", lambda: set(watcher.peers()) == {"b", "c"})
+    wait_until(lambda: set(watcher.peers()) == {"b", "c"}, "b and c seen", timeout=WAIT_S)
     assert watcher.watch_reads == 1
 
     # A put: the new record replaces the old one.
     b.update(state="active", group_rank=1)
-    _wait_for("b's put seen", lambda: watcher.peers()["b"].group_rank == 1)
+    wait_until(lambda: watcher.peers()["b"].group_rank == 1, "b's put seen", timeout=WAIT_S)
     # A delete: reported with what the key held last (its previous value), once.
     c.update(state="leaving", done=True)
     c.close()
-    _wait_for("c's delete seen", lambda: lost.of("c"))
+    wait_until(lambda: lost.of("c"), "c's delete seen", timeout=WAIT_S)
     assert lost.of("c") == [("leaving", "watch")]
     assert set(watcher.peers()) == {"b"} and watcher.peers()["b"].state == "active"
     assert watcher.watch_reads == 1, "puts and deletes were applied, not read again"
@@ -200,19 +193,23 @@ def test_the_view_follows_puts_and_deletes_and_is_read_again_after_a_compaction(
     # history the watcher would need. It must read the keys again and miss nothing.
     gated.open.clear()
     b.update(state="active", group_rank=2)  # wakes the watch; its next call waits at the gate
-    _wait_for("the watcher held at the gate", gated.waiting.is_set)
+    wait_until(gated.waiting.is_set, "the watcher held at the gate", timeout=WAIT_S)
     b.close()
     d = make_registry(etcd_prefix, "d")
     assert etcd_client.compact(etcd_client.revision())
     gated.open.set()
-    _wait_for("d seen and b's loss reported", lambda: "d" in watcher.peers() and lost.of("b"))
+    wait_until(
+        lambda: "d" in watcher.peers() and lost.of("b"),
+        "d seen and b's loss reported",
+        timeout=WAIT_S,
+    )
     assert watcher.watch_reads == 2, "read again once, after the compaction"
     assert set(watcher.peers()) == {"d"} and watcher.peers()["d"].token == d.record.token
     assert lost.of("b") == [("active", "watch")]
 
     # And the watch goes on from the read's revision.
     d.update(state="waiting")
-    _wait_for("d's put seen", lambda: watcher.peers()["d"].state == "waiting")
+    wait_until(lambda: watcher.peers()["d"].state == "waiting", "d's put seen", timeout=WAIT_S)
     assert watcher.watch_reads == 2
 
 
@@ -290,12 +287,13 @@ def test_a_standby_learns_whether_the_jobs_workers_finished_from_the_leavers_rec
     for reg in active:
         reg.update(state="active")
     other_standby.update(state="waiting")
-    _wait_for(
-        "the active machines seen",
+    wait_until(
         lambda: (
             {n: r.state for n, r in standby.peers().items()}
             == {"a": "active", "b": "active", "t": "waiting"}
         ),
+        "the active machines seen",
+        timeout=WAIT_S,
     )
     # What the closing machines do as they leave: publish their state, then revoke.
     for reg in active:

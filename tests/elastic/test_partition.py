@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import wait_until
 
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdUnavailable
 from flashckpt.elastic.membership.nodes import (
@@ -89,16 +90,6 @@ def make_registry(
         reg.close()
 
 
-def _wait_for(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.etcd
 def test_a_machine_that_reaches_neither_etcd_nor_a_peer_is_fenced(
     make_registry: Callable[..., tuple[NodeRegistry, _Cuttable]], etcd_client: EtcdClient
@@ -106,7 +97,7 @@ def test_a_machine_that_reaches_neither_etcd_nor_a_peer_is_fenced(
     notices: list[tuple[FenceNotice, float]] = []
     reg, client = make_registry("a", on_fenced=lambda n: notices.append((n, time.monotonic())))
     peer, _ = make_registry("b")
-    _wait_for("the peer to be seen", lambda: "b" in reg.peers())
+    wait_until(lambda: "b" in reg.peers(), "the peer to be seen", timeout=30.0)
     old_token, old_lease = reg.record.token, etcd_client.get_kv(reg.key)
     assert old_lease is not None
     client.cut.set()
@@ -114,7 +105,7 @@ def test_a_machine_that_reaches_neither_etcd_nor_a_peer_is_fenced(
     # Cut off from the others too: the peer's probe port no longer answers (its key stays: the
     # watch cannot see anything either).
     peer.close(revoke=False)
-    notice, called_at = _wait_for("the fence", lambda: notices and notices[0])
+    notice, called_at = wait_until(lambda: notices and notices[0], "the fence", timeout=30.0)
     assert reg.fenced and notice.generation == 1
     assert notice.expiry == pytest.approx(notice.last_ok + TTL.total_seconds())
     assert notice.last_ok <= cut_at, "the last renewal that succeeded was before the cut"
@@ -144,7 +135,7 @@ def test_an_etcd_outage_every_machine_sees_is_no_fence(
     notices: list[FenceNotice] = []
     reg, client = make_registry("a", on_fenced=notices.append)
     peer, peer_client = make_registry("b", on_fenced=notices.append)  # its probe port answers
-    _wait_for("the peer to be seen", lambda: "b" in reg.peers())
+    wait_until(lambda: "b" in reg.peers(), "the peer to be seen", timeout=30.0)
     client.cut.set()
     peer_client.cut.set()  # etcd is down for both: no lease lapses, no new world forms
     time.sleep(TTL.total_seconds() * 1.5)
@@ -162,7 +153,7 @@ def test_a_machine_cut_off_from_etcd_alone_is_fenced_before_its_lease_lapses(
     notices: list[tuple[FenceNotice, float]] = []
     reg, client = make_registry("a", on_fenced=lambda n: notices.append((n, time.monotonic())))
     peer, _ = make_registry("b")
-    _wait_for("the peer to be seen", lambda: "b" in reg.peers())
+    wait_until(lambda: "b" in reg.peers(), "the peer to be seen", timeout=30.0)
     b = reg.peers()["b"]
     age = peer_etcd_age(b, 1.0)
     assert age is not None and 0.0 <= age < TTL.total_seconds(), age
@@ -170,7 +161,7 @@ def test_a_machine_cut_off_from_etcd_alone_is_fenced_before_its_lease_lapses(
     assert probe(b) is ProbeResult.ALIVE  # the plain probe is unchanged
     client.cut.set()
     cut_at = time.monotonic()
-    notice, called_at = _wait_for("the fence", lambda: notices and notices[0])
+    notice, called_at = wait_until(lambda: notices and notices[0], "the fence", timeout=30.0)
     assert reg.fenced and not peer.fenced
     assert "alone is cut off from etcd" in notice.reason and "b" in notice.reason, notice.reason
     assert notice.last_ok <= cut_at

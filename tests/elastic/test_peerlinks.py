@@ -18,9 +18,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
 
 import pytest
+from waiting import wait_until
 
 from flashckpt.elastic.etcd.client import EtcdClient
 from flashckpt.elastic.membership import nodes as membership
@@ -36,16 +36,6 @@ from flashckpt.elastic.membership.peerlinks import (
 
 LONG_TTL = timedelta(seconds=30)
 WAIT_S = 20.0  # well inside LONG_TTL: a loss reported by then was not the lease's lapse
-
-
-def _wait_for(what: str, cond: Callable[[], Any], timeout: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class _Lost:
@@ -141,12 +131,12 @@ def test_a_killed_peer_launcher_is_found_dead_by_its_link_long_before_its_lease(
     lost = _Lost()
     reg = make_registry("a", on_lost=lost)
     pid = peer_process("b")
-    _wait_for("a link to b", lambda: reg.linked() == {"b"})
+    wait_until(lambda: reg.linked() == {"b"}, "a link to b", timeout=WAIT_S)
     b_key = reg.key[: -len("a")] + "b"
     assert etcd_client.get_kv(b_key) is not None
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    _wait_for("b reported lost", lambda: lost.of("b"))
+    wait_until(lambda: lost.of("b"), "b reported lost", timeout=WAIT_S)
     found_in = time.monotonic() - killed_at
     assert lost.of("b") == ["link"], "found by the link, once"
     assert found_in < LONG_TTL.total_seconds() / 2
@@ -164,11 +154,15 @@ def test_without_links_a_killed_peer_waits_for_its_lease(
     lost = _Lost()
     reg = make_registry("a", on_lost=lost, links=0)
     pid = peer_process("b")
-    b = _wait_for("b seen", lambda: reg.peers().get("b"))
+    b = wait_until(lambda: reg.peers().get("b"), "b seen", timeout=WAIT_S)
     b_key = reg.key[: -len("a")] + "b"
     os.kill(pid, signal.SIGKILL)
     # The moment a link would break: b's launcher is gone, its probe port refuses.
-    _wait_for("b's launcher gone", lambda: membership.probe(b) is membership.ProbeResult.DEAD)
+    wait_until(
+        lambda: membership.probe(b) is membership.ProbeResult.DEAD,
+        "b's launcher gone",
+        timeout=WAIT_S,
+    )
     # Nothing told a: it holds no link, and b's key stays until its 30 s lease lapses.
     assert lost.of("b") == [] and reg.linked() == set()
     assert etcd_client.get_kv(b_key) is not None
@@ -188,14 +182,14 @@ def test_a_peer_that_leaves_cleanly_is_not_declared_dead_by_its_link(
     lost = _Lost()
     reg = make_registry("a", on_lost=lost)
     peer = make_registry("b")
-    _wait_for("a link to b", lambda: reg.linked() == {"b"})
-    _wait_for("a link from b", lambda: peer.linked() == {"a"})
+    wait_until(lambda: reg.linked() == {"b"}, "a link to b", timeout=WAIT_S)
+    wait_until(lambda: peer.linked() == {"a"}, "a link from b", timeout=WAIT_S)
     # No wait for the watch to see it leaving: the delete's event carries the key's last value
     # (the watch's view may not have applied the put yet when the key goes).
     peer.update(state="leaving", done=done)
     with caplog.at_level("INFO", logger=membership.__name__):
         peer.close()  # revokes its lease first, then closes the links it holds
-        _wait_for("b's departure seen", lambda: lost.of("b"))
+        wait_until(lambda: lost.of("b"), "b's departure seen", timeout=WAIT_S)
         time.sleep(1.0)  # the link's probe, had it found the key, would have reported by now
     assert lost.of("b") == ["watch"]
     # What it published on leaving reached the watch.
@@ -214,13 +208,15 @@ def test_links_follow_the_ring_and_a_restarted_peer_is_linked_afresh(
 ) -> None:
     regs = {n: make_registry(n, links=1) for n in ("a", "b", "c")}
     for own, succ in (("a", "b"), ("b", "c"), ("c", "a")):
-        _wait_for(f"{own} linked to {succ}", lambda o=own, s=succ: regs[o].linked() == {s})
+        wait_until(
+            lambda o=own, s=succ: regs[o].linked() == {s}, f"{own} linked to {succ}", timeout=WAIT_S
+        )
     old_b = regs["b"].record.token
     regs["b"].close()
-    _wait_for("a linked to c once b left", lambda: regs["a"].linked() == {"c"})
+    wait_until(lambda: regs["a"].linked() == {"c"}, "a linked to c once b left", timeout=WAIT_S)
     regs["b"] = make_registry("b", links=1)
     assert regs["b"].record.token != old_b
-    _wait_for("a linked to the new b", lambda: regs["a"].linked() == {"b"})
+    wait_until(lambda: regs["a"].linked() == {"b"}, "a linked to the new b", timeout=WAIT_S)
 
 
 def test_the_probe_server_holds_a_bounded_number_of_links(
@@ -240,9 +236,9 @@ def test_the_probe_server_holds_a_bounded_number_of_links(
 
         assert hold() == HOLD_ANSWER and hold() == HOLD_ANSWER
         assert hold() == b"", "over the bound: closed, not held"
-        _wait_for("two links held", lambda: server.held == 2)
+        wait_until(lambda: server.held == 2, "two links held", timeout=WAIT_S)
         socks[0].close()  # a holder that goes away frees its place
-        _wait_for("its place freed", lambda: server.held == 1)
+        wait_until(lambda: server.held == 1, "its place freed", timeout=WAIT_S)
         assert hold() == HOLD_ANSWER
         # A probe is answered as ever while links are held.
         record = NodeRecord("x", "h", 1, "tok", f"127.0.0.1:{server.port}")
@@ -271,9 +267,9 @@ def test_a_peer_that_never_answers_holds_up_only_its_own_link() -> None:
                 LinkTarget("live", "live", f"127.0.0.1:{live.port}"),
             ]
         )
-        _wait_for("the live peer's link held", lambda: links.held() == {"live"})
+        wait_until(lambda: links.held() == {"live"}, "the live peer's link held", timeout=WAIT_S)
         live.close()  # its launcher gone: its link closes
-        _wait_for("the live peer's link seen broken", lambda: broken)
+        wait_until(lambda: broken, "the live peer's link seen broken", timeout=WAIT_S)
         assert broken == [("live", "its link closed")]
         assert links.held() == set()
     finally:

@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     RendezvousStateError,
 )
+from waiting import wait_until
 
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdOutcomeUnknown
 from flashckpt.elastic.etcd.store import EtcdStore
@@ -37,14 +38,6 @@ from flashckpt.elastic.rendezvous.handler import (
 )
 
 pytestmark = pytest.mark.etcd
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or cond}")
-        time.sleep(0.02)
 
 
 class Job:
@@ -185,14 +178,16 @@ def test_standby_takes_the_dead_machines_rank_survivors_keep_theirs(
     before = {h.node: i.rank for h, i in zip(hs, infos, strict=True)}
     standby = j.machine()
     waiting = j.join(standby)
-    wait_until(lambda: standby.waiting_in == 1, what="the standby waits in round 1")
+    wait_until(lambda: standby.waiting_in == 1, "the standby waits in round 1", timeout=30.0)
     # The round is full and every member lives: nobody restarts for the standby.
     time.sleep(0.3)  # let a (wrong) count arrive, if one were coming
     assert [h.num_nodes_waiting() for h in hs] == [0, 0, 0]
     victim = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 1)
     kill(victim)
     survivors = [h for h in hs if h is not victim]
-    wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in survivors), what="standby counted")
+    wait_until(
+        lambda: all(h.num_nodes_waiting() > 0 for h in survivors), "standby counted", timeout=30.0
+    )
     after = j.rounds(survivors)
     info = done(waiting)
     assert [i.rank for i in after] == [before[h.node] for h in survivors]
@@ -208,7 +203,9 @@ def test_shrink_after_last_call_and_grow_when_a_machine_arrives(job: Callable[..
     c = j.machine()
     out_c = j.join(c)
     # The round has room: the newcomer counts, both members restart.
-    wait_until(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, what="grow")
+    wait_until(
+        lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, "grow", timeout=30.0
+    )
     grown = [*j.rounds([a, b]), done(out_c)]
     assert {i.world_size for i in grown} == {3}
     assert ranks(grown[:2]) == ranks(infos)  # kept
@@ -234,7 +231,7 @@ def test_a_member_restarting_counts_as_waiting(job: Callable[..., Job]) -> None:
     j.client._call = counting  # type: ignore[method-assign]
     assert b.num_nodes_waiting() == 0
     out_a = j.join(a)  # a's workers failed: it joins the next round
-    wait_until(lambda: b.num_nodes_waiting() == 1, what="b sees a waiting")
+    wait_until(lambda: b.num_nodes_waiting() == 1, "b sees a waiting", timeout=30.0)
     me = threading.get_ident()
     for _ in range(50):
         assert b.num_nodes_waiting() == 1
@@ -248,7 +245,11 @@ def test_lead_dies_another_machine_takes_over(job: Callable[..., Job]) -> None:
     first, second = j.machine(), j.machine()
     out1, out2 = j.join(first), j.join(second)
     lead_key = j.prefix + "rdzv/r/000000000000/c/lead"
-    wait_until(lambda: j.client.get(lead_key) is not None and second.waiting_in == 0)
+    wait_until(
+        lambda: j.client.get(lead_key) is not None and second.waiting_in == 0,
+        "the condition",
+        timeout=30.0,
+    )
     lead_value = j.client.get(lead_key)
     assert lead_value is not None
     leader = first if lead_value[0] == first.node.encode() else second
@@ -256,7 +257,8 @@ def test_lead_dies_another_machine_takes_over(job: Callable[..., Job]) -> None:
     kill(leader)
     wait_until(
         lambda: (kv := j.client.get(lead_key)) is not None and kv[0] == other.node.encode(),
-        what="the other machine leads",
+        "the other machine leads",
+        timeout=30.0,
     )
     late = [j.join(j.machine()) for _ in range(2)]
     infos = [done(out_other), *(done(o) for o in late)]
@@ -337,7 +339,7 @@ def test_closed_rendezvous(job: Callable[..., Job]) -> None:
     j.rounds([a, b])
     standby = j.machine()
     out = j.join(standby)
-    wait_until(lambda: standby.waiting_in == 1)
+    wait_until(lambda: standby.waiting_in == 1, "the condition", timeout=30.0)
     assert a.shutdown()
     # The waiting standby was not needed: it leaves gracefully; a member's rejoin is refused.
     with pytest.raises(RendezvousGracefulExitError):
@@ -416,12 +418,14 @@ def test_an_etcd_restart_is_waited_out_by_members_and_standby(etcd_instance: Any
         j.rounds([a, b])
         standby = j.machine()
         out = j.join(standby)
-        wait_until(lambda: standby.waiting_in == 1)
+        wait_until(lambda: standby.waiting_in == 1, "the condition", timeout=30.0)
         etcd_instance.restart(down_for=timedelta(seconds=4))  # SIGKILL, 4 s down: > lease_ttl
         # The members' watches and the standby's wait reconnect; the round is still full.
         assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0
         kill(a)
-        wait_until(lambda: b.num_nodes_waiting() > 0, what="b sees the standby after a's death")
+        wait_until(
+            lambda: b.num_nodes_waiting() > 0, "b sees the standby after a's death", timeout=30.0
+        )
         info_b, info_s = done(j.join(b)), done(out)
         assert (info_b.world_size, info_s.world_size) == (2, 2)
         assert {info_b.rank, info_s.rank} == {0, 1}

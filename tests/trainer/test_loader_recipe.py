@@ -21,7 +21,7 @@ pytest.importorskip("torchdata")
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).with_name("loader_recipe_train.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "loader_recipe_train.py"
 
 
 def _cmd(env: FcEnv, log: Path, recipe: str, *extra: str) -> list[str]:

@@ -23,7 +23,7 @@ from flashckpt.trainer.interval import (
     interval_steps,
 )
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "support"
 
 
 def test_mtbf_estimate_counts_the_prior_as_one_failure_free_mtbf() -> None:

@@ -20,6 +20,7 @@ import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent, tinytrain_command
 from tinytrain import make, train_step
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.agent.daemon import NodeAgent
@@ -29,7 +30,7 @@ from flashckpt.format.storage import Storage
 from flashckpt.trainer.config import CheckpointConfig, parse_persist_every
 from flashckpt.trainer.rankctx import RankContext
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "support"
 
 
 def _two_machines(
@@ -324,13 +325,6 @@ def _persister_held(a: NodeAgent) -> Iterator[threading.Event]:
         del a.persister.pending_step  # the method again
 
 
-def _until(what: str, cond: Callable[[], bool], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
-        time.sleep(0.02)
-
-
 def _looked_at(a: NodeAgent, step: int) -> Callable[[], bool]:
     """Whether the agent's persister has looked at ``step``: persisted it, or found it unmarked
     (and persisted nothing)."""
@@ -359,15 +353,19 @@ def test_a_mark_lost_before_the_persist_began_carries_to_the_next_snapshot(
             assert a.st.persisted_high == -1  # the persister never began on step 1
             assert (ck.stats.persist_marked, ck.stats.persist_carried) == (2, 1)
             gate.set()
-            _until("the persister looks at step 3", _looked_at(a, 3))
+            wait_until(_looked_at(a, 3), "the persister looks at step 3", timeout=120.0)
         assert a.st.persisted_high == 3, f"step 3 not persisted ({a.st.unmarked_high=})"
         assert _wait_committed(st, 3) == [3]
-        _until("the trainer hears step 3 persisted", lambda: ck.stats.last_persisted_step == 3)
+        wait_until(
+            lambda: ck.stats.last_persisted_step == 3,
+            "the trainer hears step 3 persisted",
+            timeout=120.0,
+        )
         for i in range(3, 6):
             train_step(model, opt, sched, i)
             ck.step()
             ck.save(mode="sync")
-        _until("the persister looks at step 6", _looked_at(a, 6))
+        wait_until(_looked_at(a, 6), "the persister looks at step 6", timeout=120.0)
         assert (ck.stats.persist_marked, ck.stats.persist_carried) == (2, 1)
         assert a.st.persisted_high == 3 and st.committed_steps() == [3]
     assert st.committed_steps() == [3, 6]  # the exit's flush commits the last one
@@ -390,14 +388,18 @@ def test_a_mark_kept_while_the_persister_reads_it_carries_nothing(
                 ck.step()
                 ck.save(mode="sync")
             gate.set()
-            _until("the persister looks at step 1", _looked_at(a, 1))
+            wait_until(_looked_at(a, 1), "the persister looks at step 1", timeout=120.0)
         assert _wait_committed(st, 1) == [1]
-        _until("the trainer hears step 1 persisted", lambda: ck.stats.last_persisted_step == 1)
+        wait_until(
+            lambda: ck.stats.last_persisted_step == 1,
+            "the trainer hears step 1 persisted",
+            timeout=120.0,
+        )
         for i in range(2, 5):
             train_step(model, opt, sched, i)
             ck.step()
             ck.save(mode="sync")
-        _until("the persister looks at step 5", _looked_at(a, 5))
+        wait_until(_looked_at(a, 5), "the persister looks at step 5", timeout=120.0)
         assert (ck.stats.persist_marked, ck.stats.persist_carried) == (1, 0)
         assert st.committed_steps() == [1]
 
@@ -436,7 +438,7 @@ def test_a_mark_lost_on_one_machine_carries_forward_on_every_machine(
                     assert p.poll() is None, (tmp_path / f"r{rank}.stderr").read_text()[-3000:]
                 return all(Path(f"{out}.{r}.json").exists() for r in range(2))
 
-            _until("both ranks take 3 snapshots", saved, timeout=240)
+            wait_until(saved, "both ranks take 3 snapshots", timeout=240)
             n0, n1 = (x.agent for x in agents)
             assert n1.st.persisted_high == -1  # n1's persister never began on step 1
             assert n0.st.persisted_high >= 1  # n0's did (its part of step 1 is written)
@@ -444,7 +446,7 @@ def test_a_mark_lost_on_one_machine_carries_forward_on_every_machine(
             # Both ranks marked step 1 and, carried forward, step 3: the same steps.
             assert [(r["marked"], r["carried"]) for r in ranks] == [(2, 1), (2, 1)]
             gate.set()
-            _until("n1's persister looks at step 3", _looked_at(n1, 3))
+            wait_until(_looked_at(n1, 3), "n1's persister looks at step 3", timeout=120.0)
         assert n1.st.persisted_high == 3, f"n1 persisted nothing ({n1.st.unmarked_high=})"
         assert _wait_committed(st, 3) == [3]  # step 1 never was: n1's part never came
         assert st.check_step(3).status == "ok"
@@ -537,7 +539,7 @@ def test_a_carried_mark_keeps_the_lost_marks_mirror_mark(
             assert (ck.stats.persist_carried, ck.stats.mirror_marked) == (1, 2)
             assert ck._mirror_cadence.calls == 1  # step 1's mark only
             gate.set()
-            _until("the persister looks at step 3", _looked_at(a, 3))
+            wait_until(_looked_at(a, 3), "the persister looks at step 3", timeout=120.0)
         assert _wait_committed(st, 3) == [3]
         assert _wait_committed(mirror, 3) == [3]
     assert mirror.check_step(3).status == "ok"
@@ -610,7 +612,7 @@ def test_a_mark_the_persister_yields_to_the_trainer_carries_to_the_next_snapshot
                 if i == 0:
                     assert began.wait(timeout=120), "the persister did not begin on step 1"
             assert (ck.stats.persist_marked, ck.stats.persist_carried) == (2, 1)
-            _until("the persister looks at step 4", _looked_at(a, 4))
+            wait_until(_looked_at(a, 4), "the persister looks at step 4", timeout=120.0)
             assert a.st.persisted_high == 4, f"step 4 not persisted ({a.st.unmarked_high=})"
             assert _wait_committed(st, 4) == [4]  # step 1 was abandoned, never committed
     finally:

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv, kill_job_processes, private_shm, tinytrain_command, wait_agent
+from waiting import wait_until
 
 from flashckpt.format.shm import Slot
 
@@ -39,13 +39,6 @@ def env(fc_env: FcEnv, tmp_path: Path) -> Iterator[FcEnv]:
             yield fc_env
         finally:
             kill_job_processes(fc_env.job)
-
-
-def _wait_until(cond, what: str, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _train(
@@ -117,7 +110,7 @@ def test_full_shm_at_agent_start_names_it_and_the_job_resumes_once_freed(
     a = _agent(env)
     wait_agent(env, a.pid)
     t = _train(env, log, "--step-sleep", "0.05")
-    _wait_until(lambda: _newest_in_memory(env) >= 10, "snapshots in memory")
+    wait_until(lambda: _newest_in_memory(env) >= 10, "snapshots in memory", timeout=120.0)
     for p in (t, a):
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=30)

@@ -13,7 +13,7 @@ from flashckpt.elastic.launch import restore_report
 from flashckpt.format import shm
 from flashckpt.protocol import channel as protocol
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_name_is_unchanged() -> None:

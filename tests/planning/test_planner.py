@@ -38,7 +38,7 @@ from flashckpt.planning import (
     training_days,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # A Llama-2-7B-like shape: s = h = 4096, a = L = 32, so s*b*h = 2**24 and 5*a*s/h = 160.
 SHAPE_7B = {"layers": 32, "hidden": 4096, "heads": 32}

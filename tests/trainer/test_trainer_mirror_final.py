@@ -3,24 +3,17 @@ never reached it, as the storage tier's failure does (issue 30); one that recove
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.errors import PersistError
 from flashckpt.format.storage import Storage
-
-
-def _wait_until(cond, what: str, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _train_with_a_broken_mirror(
@@ -39,7 +32,9 @@ def _train_with_a_broken_mirror(
         ck.step()
         ck.save(mode="sync")
         assert ck.flush() == 1
-        _wait_until(lambda: Storage(url).committed_steps() == [1], "step 1 in the mirror")
+        wait_until(
+            lambda: Storage(url).committed_steps() == [1], "step 1 in the mirror", timeout=60.0
+        )
         away = remote.with_name("remote-away")
         remote.rename(away)
         remote.write_text("the mirror is gone")
@@ -48,7 +43,9 @@ def _train_with_a_broken_mirror(
             ck.step()
             ck.save(mode="sync")
             assert ck.flush() == i + 1  # the storage root commits every step
-        _wait_until(lambda: ck.stats.persist_errors, "the mirror's error at the trainer")
+        wait_until(
+            lambda: ck.stats.persist_errors, "the mirror's error at the trainer", timeout=60.0
+        )
         if recover:
             remote.unlink()
             away.rename(remote)

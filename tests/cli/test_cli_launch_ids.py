@@ -24,7 +24,7 @@ from flashckpt.elastic.launch.launcher import parse_args
 from flashckpt.monitor.statusview import format_status
 from flashckpt.testing.elastic import loopback_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):

@@ -18,7 +18,7 @@ from flashckpt.format.storage import Storage
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "support"
 
 
 def _launch(

@@ -23,7 +23,7 @@ from test_sharded import _run as _run_fsdp
 import flashckpt
 from flashckpt.state.sharded import walk_pieces
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "support"
 
 
 def _run_tp(env: FcEnv, tmp: Path, tag: str, steps: int, *extra: str, code: int = 0) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from flashckpt import envnames
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_public_names_are_unchanged() -> None:

@@ -8,25 +8,18 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from fchelpers import FcEnv, kill_job_processes, wait_agent
 from tinytrain import make, train_step
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.agent.daemon import EXIT_MIRROR_FAILED
 from flashckpt.format.storage import Storage
 
 pytestmark = pytest.mark.slow
-
-
-def _wait_until(cond, what: str, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _agent(env: FcEnv, log: Path, commit_timeout: int) -> subprocess.Popen[bytes]:
@@ -64,7 +57,9 @@ def _run_with_a_mirror_that_breaks(env: FcEnv, remote: Path) -> tuple[int, list]
         ck.step()
         ck.save(mode="sync")
         assert ck.flush() == 1
-        _wait_until(lambda: Storage(url).committed_steps() == [1], "step 1 in the mirror")
+        wait_until(
+            lambda: Storage(url).committed_steps() == [1], "step 1 in the mirror", timeout=120.0
+        )
         away = remote.with_name("remote-away")
         remote.rename(away)
         remote.write_text("the mirror is gone")
@@ -73,7 +68,9 @@ def _run_with_a_mirror_that_breaks(env: FcEnv, remote: Path) -> tuple[int, list]
             ck.step()
             ck.save(mode="sync")
             assert ck.flush() == i + 1  # the storage root still commits every step
-        _wait_until(lambda: ck.stats.persist_errors, "the mirror's error at the trainer")
+        wait_until(
+            lambda: ck.stats.persist_errors, "the mirror's error at the trainer", timeout=120.0
+        )
         errors = list(ck.stats.persist_errors)
         train_step(model, opt, sched, 3)
         ck.step()
@@ -111,7 +108,9 @@ def test_the_final_mirror_copy_is_retried_until_the_mirror_recovers(
     try:
         final, _ = _run_with_a_mirror_that_breaks(fc_env, remote)
         a.send_signal(signal.SIGTERM)
-        _wait_until(lambda: "failed to copy (try 2)" in log.read_text(), "a second try")
+        wait_until(
+            lambda: "failed to copy (try 2)" in log.read_text(), "a second try", timeout=120.0
+        )
         remote.unlink()
         remote.with_name("remote-away").rename(remote)
         assert a.wait(timeout=120) == 0, log.read_text()[-4000:]

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from flashckpt.trainer.rankctx import _random_run_id
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_only_a_random_uuid_is_taken_for_torchruns_random_id() -> None:

@@ -315,7 +315,7 @@ def test_a_slot_replaced_mid_run_is_unregistered_and_its_successor_registered(
 
 
 # -- benchmarks/gpu_check.sh: what runs without a GPU ---------------------------------------------
-_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.sh"
+_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh"
 
 
 def _gpu_check(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

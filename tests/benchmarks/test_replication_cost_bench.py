@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "replication_cost.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "replication_cost.py"
 
 
 def test_help_names_the_options() -> None:

@@ -31,7 +31,7 @@ from flashckpt.format.snapmeta import SnapshotMeta
 from flashckpt.format.storage import MANIFEST, PARTS, Storage
 from flashckpt.trainer.config import CheckpointConfig, parse_mirror_every
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "support"
 
 
 def _wait_committed(st: Storage, step: int, timeout: float = 120.0) -> list[int]:

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -19,6 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv, kill_job_processes, tinytrain_command, wait_agent
+from waiting import wait_until
 
 from flashckpt.agent.daemon import EXIT_KEPT
 from flashckpt.format.storage import Storage
@@ -27,13 +27,6 @@ from flashckpt.protocol.channel import AgentClient
 pytestmark = pytest.mark.slow
 
 STEPS = 60
-
-
-def _wait_until(cond, what: str, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _train(env: FcEnv, log: Path, *extra: str) -> subprocess.Popen[bytes]:
@@ -120,10 +113,14 @@ def test_stop_persists_the_newest_unmarked_snapshot(
         t = _train(fc_env, log, "--persist-every", "5m", "--step-sleep", "0.05")
         st = Storage(fc_env.storage)
         # The first snapshot is marked (persist_every's first); later ones are not for 5 min.
-        _wait_until(lambda: st.committed_steps() != [], "the first commit")
-        _wait_until(lambda: _newest_slot(fc_env) >= 12, "snapshots in memory")
+        wait_until(lambda: st.committed_steps() != [], "the first commit", timeout=120.0)
+        wait_until(lambda: _newest_slot(fc_env) >= 12, "snapshots in memory", timeout=120.0)
         t.send_signal(signal.SIGSTOP)  # connected, frozen: its snapshots stay unmarked
-        _wait_until(lambda: _status(fc_env)["ranks"]["0"]["slots"].count(None) == 0, "2 slots")
+        wait_until(
+            lambda: _status(fc_env)["ranks"]["0"]["slots"].count(None) == 0,
+            "2 slots",
+            timeout=120.0,
+        )
         newest = _newest_slot(fc_env)
         assert max(st.committed_steps()) < newest  # what the stop must write
         if parent is None:
@@ -160,10 +157,14 @@ def test_stop_with_failing_storage_keeps_the_segments(tmp_path: Path, fc_env: Fc
         wait_agent(fc_env, agent.pid)
         t = _train(fc_env, log, "--persist-every", "5m", "--step-sleep", "0.05")
         st = Storage(fc_env.storage)
-        _wait_until(lambda: st.committed_steps() != [], "the first commit")
-        _wait_until(lambda: _newest_slot(fc_env) >= 12, "snapshots in memory")
+        wait_until(lambda: st.committed_steps() != [], "the first commit", timeout=120.0)
+        wait_until(lambda: _newest_slot(fc_env) >= 12, "snapshots in memory", timeout=120.0)
         t.send_signal(signal.SIGSTOP)
-        _wait_until(lambda: _status(fc_env)["ranks"]["0"]["slots"].count(None) == 0, "2 slots")
+        wait_until(
+            lambda: _status(fc_env)["ranks"]["0"]["slots"].count(None) == 0,
+            "2 slots",
+            timeout=120.0,
+        )
         newest = _newest_slot(fc_env)
         committed = st.committed_steps()
         # Storage fails: its root becomes a file (every write under it fails).

@@ -18,7 +18,7 @@ import pytest
 
 from flashckpt.elastic.etcd.server import EtcdServerError, find_etcd_binary
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "rendezvous_scale.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "rendezvous_scale.py"
 N = 4
 
 

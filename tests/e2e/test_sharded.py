@@ -21,7 +21,7 @@ from fchelpers import FcEnv, run_ranks
 
 from flashckpt.state.sharded import ShardedPiece, assemble
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "support"
 
 
 def _run(

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "failover.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "failover.py"
 
 
 def _bench() -> ModuleType:

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
+from waiting import wait_until
 
 import flashckpt
 from flashckpt import cli
@@ -25,17 +25,7 @@ from flashckpt.monitor.rankview import RingReader
 from flashckpt.monitor.ring import EXITED, RUNNING, StepRecorder, ring_path
 from flashckpt.monitor.step_monitor import MonitorConfig
 
-HERE = Path(__file__).resolve().parent
-
-
-def _wait_for(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+HERE = Path(__file__).resolve().parents[1] / "support"
 
 
 def _events(env: FcEnv) -> list[dict[str, Any]]:
@@ -113,13 +103,14 @@ def test_live_status_prometheus_and_events(fc_env: FcEnv, capsys: pytest.Capture
             for step in range(12):
                 train_step(model, opt, sched, step)
                 ck.step()
-            mon = _wait_for(
-                "rank 0 at step 11",
+            mon = wait_until(
                 lambda: (
                     (r := (m := _monitor(agent))["ranks"].get("0", {})).get("step") == 11
                     and r.get("steps") == 12
                     and m
                 ),
+                "rank 0 at step 11",
+                timeout=30.0,
             )
             r0 = mon["ranks"]["0"]
             assert r0["state"] == "running" and r0["pid"] == os.getpid()
@@ -146,7 +137,9 @@ def test_live_status_prometheus_and_events(fc_env: FcEnv, capsys: pytest.Capture
             row = next(line for line in out.splitlines() if line.startswith("n0 "))
             assert row.split()[1:5] == ["0", str(os.getpid()), "running", "12"]
             assert "alerts: none" in out
-        _wait_for("the exit", lambda: _monitor(agent)["ranks"]["0"]["state"] == "exit")
+        wait_until(
+            lambda: _monitor(agent)["ranks"]["0"]["state"] == "exit", "the exit", timeout=30.0
+        )
     finally:
         agent.stop()
     events = _events(fc_env)
@@ -193,8 +186,8 @@ def test_straggler_is_flagged(fc_env: FcEnv) -> None:
             for r, rec in enumerate(recs):
                 models[r](x)
                 rec.step(step)
-        mon = _wait_for(
-            "a straggler alert", lambda: (m := _monitor(agent))["alerts"] and m, timeout=10
+        mon = wait_until(
+            lambda: (m := _monitor(agent))["alerts"] and m, "a straggler alert", timeout=10
         )
         assert [a["rank"] for a in mon["alerts"]] == [2]
         alert = mon["alerts"][0]
@@ -275,8 +268,10 @@ def test_hang_dumps_stacks_kills_and_the_restart_resumes(
         assert "wait_for_a_peer_that_never_comes" in stacks
         assert "Python stacks of rank 0" in caplog.text
         assert "wait_for_a_peer_that_never_comes" in caplog.text  # copied into the agent's log
-        mon = _wait_for(
-            "the end", lambda: (m := _monitor(agent))["ranks"]["0"]["state"] == "killed" and m
+        mon = wait_until(
+            lambda: (m := _monitor(agent))["ranks"]["0"]["state"] == "killed" and m,
+            "the end",
+            timeout=30.0,
         )
         assert mon["ranks"]["0"]["step"] == 14
         assert [a["kind"] for a in mon["recent_alerts"]] == ["hang"]
@@ -286,8 +281,10 @@ def test_hang_dumps_stacks_kills_and_the_restart_resumes(
         out, _ = again.communicate(timeout=120)
         assert again.returncode == 0, out
         assert "resumed at 12 memory" in out
-        mon = _wait_for(
-            "the exit", lambda: (m := _monitor(agent))["ranks"]["0"]["state"] == "exit" and m
+        mon = wait_until(
+            lambda: (m := _monitor(agent))["ranks"]["0"]["state"] == "exit" and m,
+            "the exit",
+            timeout=30.0,
         )
         assert mon["ranks"]["0"]["restarts"] == 1
     finally:

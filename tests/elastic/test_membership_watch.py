@@ -228,16 +228,20 @@ def test_a_quiet_watch_outlives_a_compaction_without_reading_the_keys_again(
     monkeypatch.setattr(membership, "_QUIET_CHECK_S", 0.3)
     watcher = make_registry(etcd_prefix, "a")
     peer = make_registry(etcd_prefix, "b")
-    _wait_for("b seen", lambda: "b" in watcher.peers())
+    wait_until(lambda: "b" in watcher.peers(), "b seen", timeout=WAIT_S)
     for i in range(20):
         etcd_client.put(etcd_prefix + "monitor/x", str(i))
     moves = watcher.quiet_moves
-    _wait_for("the quiet watch moved on", lambda: watcher.quiet_moves > moves)
+    wait_until(lambda: watcher.quiet_moves > moves, "the quiet watch moved on", timeout=WAIT_S)
     assert etcd_client.compact(etcd_client.revision())
     slices = watcher.watch_slices
-    _wait_for("two watch slices after the compaction", lambda: watcher.watch_slices > slices + 1)
+    wait_until(
+        lambda: watcher.watch_slices > slices + 1,
+        "two watch slices after the compaction",
+        timeout=WAIT_S,
+    )
     peer.update(state="active", group_rank=0)
-    _wait_for("b's put seen", lambda: watcher.peers()["b"].state == "active")
+    wait_until(lambda: watcher.peers()["b"].state == "active", "b's put seen", timeout=WAIT_S)
     assert watcher.watch_reads == 1
     # Not when a node key changed unseen: a delete the view has not applied keeps it where it
     # is (the count differs), and the delete arrives as an event.

@@ -35,7 +35,7 @@ def kubectl_unavailable() -> str | None:
     """Why ``kubectl kustomize`` cannot render here, or None."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        return "kubectl is not installed (it carries kustomize; Debian: kubernetes-client)"
+        return "kubectl is not installed (1.21 or newer: it carries kustomize v4+)"
     done = subprocess.run([kubectl, "version", "--client"], capture_output=True, text=True)
     m = re.search(r"Kustomize Version: v(\d+)", done.stdout)
     if m is None or int(m.group(1)) < 4:

@@ -112,8 +112,8 @@ def done(out: dict[str, Any], timeout: float = 60) -> RendezvousInfo:
 def kill(h: RdzvHandler) -> None:
     """An abrupt death: the lease goes (as when it lapses), nothing else is said."""
     lease = h._lease
-    h.suspend()
     h._left = True  # its thread stops at its next wake-up: a dead machine does nothing more
+    h.suspend()
     assert lease is not None
     h._client.revoke_lease(lease)
 
@@ -431,3 +431,24 @@ def test_an_etcd_restart_is_waited_out_by_members_and_standby(etcd_instance: Any
         assert {info_b.rank, info_s.rank} == {0, 1}
     finally:
         j.close()
+
+
+def test_a_machine_wrongly_found_dead_joins_again_and_the_round_forms(
+    job: Callable[..., Job],
+) -> None:
+    # Liveness said "dead" (a lapsed node lease on an overloaded host) while it waited: its
+    # rendezvous lease is revoked by a peer, its keys go, and it joins again with a new lease.
+    j = job(min_nodes=3, max_nodes=3)
+    a, b, c = j.machine(), j.machine(), j.machine()
+    out_a, out_b = j.join(a), j.join(b)
+    wait_until(lambda: a.waiting_in == 0 and b.waiting_in == 0)
+    old = a._lease
+    assert b.expire_nodes([a.node]) == 1
+    wait_until(lambda: a._lease is not None and a._lease != old, what="a joins with a new lease")
+    out_c = j.join(c)
+    infos = [done(out_a), done(out_b), done(out_c)]
+    assert sorted(ranks(infos)) == [0, 1, 2] and {i.world_size for i in infos} == {3}
+    # A member wrongly found dead while its workers train: its own count says restart.
+    assert a.num_nodes_waiting() == 0
+    c.expire_nodes([a.node])
+    wait_until(lambda: a.num_nodes_waiting() > 0, what="a learns it was dropped")

@@ -49,6 +49,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -362,6 +363,7 @@ class RdzvHandler(RendezvousHandler):
         self._waiting_in: int | None = None  # the round this machine waits in, if any
         self._local = threading.local()
         self._reached = False  # etcd answered this handler once
+        self._streams: set[WatchStream] = set()  # the watches next_rendezvous waits on
         self._newest_seen = -1  # the newest closed round this machine read
         self._joined = False  # joined a round since it was last admitted to one
         self.stats = _Stats()
@@ -452,7 +454,11 @@ class RdzvHandler(RendezvousHandler):
         """See base class: machines waiting to join the next round that it has room for (a
         restarting member of this round always counts). Answered from a watch, no etcd call."""
         watch = self._member_watch
-        return watch.waiting() if watch is not None else 0
+        if watch is None:
+            return 0
+        if self._lease_lost.is_set():
+            return max(1, watch.waiting())  # dropped from its round: the workers restart
+        return watch.waiting()
 
     def shutdown(self) -> bool:
         """See base class: closes the rendezvous and gives up this machine's keys."""
@@ -532,31 +538,34 @@ class RdzvHandler(RendezvousHandler):
         return nodes
 
     def expire_nodes(self, nodes: Sequence[str]) -> int:
-        """Deletes the join keys of machines found dead (as their lease's end would), in the
-        newest round and the open one, and their lead key if they lead it; returns how many
-        keys went. Never raises for etcd (their leases end them anyway)."""
+        """Ends the rendezvous lease of machines found dead, as its lapse would: their join
+        keys (of every round) and their lead key go at once, and a machine that was wrongly
+        found dead joins again with a new lease. Returns how many leases were revoked. Never
+        raises for etcd (the leases lapse anyway)."""
         try:
             head = self._txn([], [_range(self._p + "round")], [])
             kvs = _kvs(head, 0)
-            newest = int(kvs[0].value) if kvs else -1
-            deleted = 0
-            for node in nodes:
-                q = urllib.parse.quote(node, safe="")
-                ops = [_delete(self._rp(r) + "a/" + q) for r in (newest, newest + 1) if r >= 0]
-                lead = self._rp(newest + 1) + "c/lead"
-                response = self._txn(
-                    [_cmp(lead, "VALUE", node.encode())], [*ops, _delete(lead)], ops
-                )
-                for item in response.get("responses") or []:
-                    deleted += int(item.get("response_delete_range", {}).get("deleted", 0))
-            return deleted
-        except (EtcdError, ValueError) as exc:
+            newest = self._parse_round(kvs[0]) if kvs else -1
+            keys = [
+                self._rp(r) + "a/" + urllib.parse.quote(node, safe="")
+                for node in nodes
+                for r in (newest, newest + 1)
+                if r >= 0
+            ]
+            found = self._txn([], [_range(k) for k in keys], []) if keys else {}
+            leases = {kv.lease for i in range(len(keys)) for kv in _kvs(found, i) if kv.lease}
+            revoked = 0
+            for lease in sorted(leases):
+                revoked += int(self._client.revoke_lease(lease, timeout=self._timeout()))
+            return revoked
+        except (EtcdError, RendezvousStateError) as exc:
             logger.warning("could not drop %s from the rendezvous: %s", list(nodes), exc)
             return 0
 
     def leave(self) -> None:
         """Gives up this machine's place: its lease (and every key on it) goes. Never raises."""
         self._left = True
+        self._wake_waits()
         self._stop_member_watch()
         self._keepalive_stop.set()
         with self._lock:
@@ -575,6 +584,7 @@ class RdzvHandler(RendezvousHandler):
         with self._lock:
             self._lease = None
         self._lease_lost.set()  # a wait in next_rendezvous joins again, with a new lease
+        self._wake_waits()
 
     # -------------------------------------------------------------------- one attempt
     def _rp(self, rnd: int) -> str:
@@ -658,7 +668,21 @@ class RdzvHandler(RendezvousHandler):
         while True:
             if "result" in ctl:
                 return self._take_result(rnd, ctl["result"], my_create)
-            if "lead" not in ctl or ctl["lead"].value == self._node.encode():
+            mine = "lead" in ctl and ctl["lead"].value == self._node.encode()
+            if "lead" not in ctl and not mine:
+                # The lead died (the first joiner leads, chosen in its join): every waiter sees
+                # it at once. Each first waits a moment for another to take over, so that not
+                # all of them race for it.
+                self._wait_ctl(ctl_prefix, rev, min(deadline.remaining(), random.random() * 0.3))
+                self._check_left()
+                if self._lease_lost.is_set() or deadline.expired():
+                    return None
+                response = self._read_ctl(ctl_prefix)
+                rev = _revision(response)
+                ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 0)}
+                if "result" in ctl or "lead" in ctl:
+                    continue
+            if "lead" not in ctl or mine:
                 if self._try_lead(rnd, round_rev, ctl.get("lead")):
                     result = self._lead(rnd, round_rev, deadline)
                     if result is not None:
@@ -667,26 +691,51 @@ class RdzvHandler(RendezvousHandler):
             elif deadline.expired():
                 return None
             else:
-                self._client.wait_for_change(
-                    ctl_prefix,
-                    after_revision=rev,
-                    timeout=timedelta(
-                        seconds=min(deadline.remaining(), _WAIT_SLICE_S, self._lease_ttl_s())
-                    ),
-                    prefix=True,
+                self._wait_ctl(
+                    ctl_prefix, rev, min(deadline.remaining(), _WAIT_SLICE_S, self._lease_ttl_s())
                 )
             self._check_left()
             if self._lease_lost.is_set() or deadline.expired():
                 return None
-            response = self._txn(
-                [],
-                [_range(ctl_prefix, prefix=True), _range(self._p + "closed")],
-                [],
-            )
-            if _kvs(response, 1):
-                self._raise_closed()
+            response = self._read_ctl(ctl_prefix)
             rev = _revision(response)
             ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 0)}
+
+    def _read_ctl(self, ctl_prefix: str) -> dict[str, Any]:
+        """The round's control keys; raises if the rendezvous closed."""
+        response = self._txn([], [_range(ctl_prefix, prefix=True), _range(self._p + "closed")], [])
+        if _kvs(response, 1):
+            self._raise_closed()
+        return response
+
+    def _wait_ctl(self, ctl_prefix: str, rev: int, seconds: float) -> None:
+        """Waits for a change of the round's control keys after ``rev``, at most ``seconds``;
+        woken at once when this machine's lease is lost or it leaves."""
+        if seconds <= 0:
+            return
+        key = ctl_prefix.encode()
+        stream = WatchStream(self._client, key, prefix_end(key), rev + 1)
+        with self._lock:
+            self._streams.add(stream)
+        try:
+            if self._lease_lost.is_set() or self._left:
+                return
+            stream.next_events(timedelta(seconds=seconds))
+        except WatchClosed:
+            pass
+        except WatchCompacted:
+            pass  # the caller reads again
+        finally:
+            with self._lock:
+                self._streams.discard(stream)
+            stream.close()
+
+    def _wake_waits(self) -> None:
+        """Ends this machine's watches in ``next_rendezvous`` (its lease is gone, or it left)."""
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:
+            stream.close()
 
     def _try_lead(self, rnd: int, round_rev: int, current: KeyValue | None) -> bool:
         lease = self._lease
@@ -748,6 +797,8 @@ class RdzvHandler(RendezvousHandler):
             _revision(snap) + 1,
             prev_kv=True,
         )
+        with self._lock:
+            self._streams.add(stream)
         last_call_at: float | None = None
         logger.info(
             "leading round %d: %d joined, %d live members of round %d", rnd, len(joins),
@@ -780,8 +831,8 @@ class RdzvHandler(RendezvousHandler):
                     wait = min(wait, max(0.0, last_call_at - now))
                 try:
                     events = stream.next_events(timedelta(seconds=wait))
-                except WatchCompacted:
-                    return None  # read everything again
+                except (WatchCompacted, WatchClosed):
+                    return None  # read everything again (or the lease is gone: join again)
                 for ev in events:
                     key = ev.kv.key
                     if key.startswith(prev_a):
@@ -800,6 +851,8 @@ class RdzvHandler(RendezvousHandler):
                     elif key == result_key and not ev.deleted:
                         return ev.kv
         finally:
+            with self._lock:
+                self._streams.discard(stream)
             stream.close()
 
     def _close_round(
@@ -942,6 +995,7 @@ class RdzvHandler(RendezvousHandler):
         return lease.id if lease is not None else 0
 
     def _ensure_lease(self) -> Lease:
+        self._check_left()
         with self._lock:
             if self._lease is not None and not self._lease_lost.is_set():
                 return self._lease
@@ -968,8 +1022,12 @@ class RdzvHandler(RendezvousHandler):
                 self._client.refresh_lease(lease, timeout=timedelta(seconds=interval))
             except EtcdLeaseNotFound:
                 if not stop.is_set():
-                    logger.warning("this machine's rendezvous lease lapsed; it joins again")
+                    logger.warning(
+                        "this machine's rendezvous lease is gone (it lapsed, or a peer found "
+                        "this machine dead); it joins again with a new one"
+                    )
                     self._lease_lost.set()
+                    self._wake_waits()
                 return
             except EtcdError as exc:
                 logger.debug("renewing the rendezvous lease failed (retrying): %s", exc)

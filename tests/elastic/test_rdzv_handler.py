@@ -441,7 +441,7 @@ def test_a_machine_wrongly_found_dead_joins_again_and_the_round_forms(
     j = job(min_nodes=3, max_nodes=3)
     a, b, c = j.machine(), j.machine(), j.machine()
     out_a, out_b = j.join(a), j.join(b)
-    wait_until(lambda: a.waiting_in == 0 and b.waiting_in == 0)
+    wait_until(lambda: a.waiting_in == 0 and b.waiting_in == 0, "a and b wait in round 0")
     old = a._lease
     assert b.expire_nodes([a.node]) == 1
     wait_until(lambda: a._lease is not None and a._lease != old, what="a joins with a new lease")

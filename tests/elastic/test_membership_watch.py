@@ -51,7 +51,7 @@ class CountingClient(EtcdClient):
                 self.keys_read += len(found)
         return response
 
-    def counts(self) -> tuple[int, int]:
+    def read_counts(self) -> tuple[int, int]:
         with self._count_lock:
             return self.ranges, self.keys_read
 
@@ -111,7 +111,7 @@ def _reads_per_change(
         f"all {n} machines to see each other",
         timeout=WAIT_S,
     )
-    before = client.counts()
+    before = client.read_counts()
     reads_before = sum(r.watch_reads for r in regs)
     changed, leaving = regs[0], regs[-1]
     changed.update(state="active", group_rank=7)
@@ -126,7 +126,7 @@ def _reads_per_change(
         "the delete seen by every machine",
         timeout=WAIT_S,
     )
-    after = client.counts()
+    after = client.read_counts()
     rereads = sum(r.watch_reads for r in regs) - reads_before
     return after[0] - before[0], after[1] - before[1], rereads
 
@@ -305,3 +305,27 @@ def test_a_standby_learns_whether_the_jobs_workers_finished_from_the_leavers_rec
         reg.close()
     # Only the waiting standby is left: the answer comes without waiting for it to leave.
     assert standby.workers_finished_elsewhere(timedelta(seconds=60)) is done
+
+
+@pytest.mark.etcd
+def test_records_come_from_the_view_when_etcd_confirms_it_is_current_and_are_never_stale(
+    etcd_server: str, etcd_prefix: str, make_registry: Callable[..., NodeRegistry]
+) -> None:
+    client = CountingClient(etcd_server, timeout=timedelta(seconds=10))
+    me = make_registry(etcd_prefix, "a", client)
+    b, c = make_registry(etcd_prefix, "b"), make_registry(etcd_prefix, "c")
+    wait_until(lambda: set(me.peers()) == {"b", "c"}, "b and c seen", timeout=WAIT_S)
+    me.update(state="active", group_rank=0)  # its own writes do not make its view stale
+    own = EtcdClient(etcd_server, timeout=timedelta(seconds=10)).get_kv(me.key)
+    assert own is not None
+    _, keys_before = client.read_counts()
+    records = {r.node_id: r for r in me.records()}
+    assert set(records) == {"a", "b", "c"} and me.view_answers == 1
+    assert client.read_counts()[1] == keys_before, "no key read"
+    assert records["a"] == NodeRecord.from_kv(own), "its own record as etcd holds it"
+    # A change the view may not have applied yet is in the answer all the same (from the view
+    # once it applied it, else from a read of the keys).
+    b.update(state="active", group_rank=5)
+    c.close()
+    records = {r.node_id: r for r in me.records()}
+    assert set(records) == {"a", "b"} and records["b"].group_rank == 5

@@ -64,6 +64,7 @@ __all__ = [
     "LeaseKeepAlive",
     "WatchBatch",
     "WatchEvent",
+    "prefix_end",
 ]
 
 logger = logging.getLogger(__name__)
@@ -278,6 +279,12 @@ def _prefix_range_end(prefix: bytes) -> bytes:
     return b"\x00"  # With key b"\x00" this means "every key".
 
 
+def prefix_end(prefix: Key) -> bytes:
+    """The end of the range of every key that starts with ``prefix`` (for
+    :meth:`EtcdClient.counts`)."""
+    return _prefix_range_end(_to_bytes(prefix, "prefix"))
+
+
 def _prefix_range(prefix: bytes) -> dict[str, Any]:
     """The range-request fields that select every key starting with ``prefix``."""
     return {"key": _b64(prefix or b"\x00"), "range_end": _b64(_prefix_range_end(prefix))}
@@ -455,26 +462,27 @@ class EtcdClient:
         return [_kv_from_json(raw) for raw in response.get("kvs") or []]
 
     def counts(
-        self, queries: Sequence[tuple[Key, bool, int]], *, timeout: timedelta | None = None
+        self, queries: Sequence[tuple[Key, Key | None, int]], *, timeout: timedelta | None = None
     ) -> tuple[list[int], int]:
         """Counts keys for several queries from one consistent snapshot, in one round trip,
         without reading them.
 
         Args:
-            queries: ``(key, prefix, min_mod_revision)`` each: the key (every key under it
-                with ``prefix``), counting only keys last written at ``min_mod_revision`` or
-                later (0: all; etcd then lists those keys, without values: ask for few).
+            queries: ``(key, range_end, min_mod_revision)`` each: the keys from ``key`` to
+                ``range_end`` (excluded; ``None``: the key alone; :func:`prefix_end` of a
+                prefix: every key under it), counting only keys last written at
+                ``min_mod_revision`` or later (0: all; etcd then lists those keys, without
+                values: ask for few).
             timeout: Deadline of this call; defaults to the client's.
 
         Returns:
             The counts in the order asked, and the store revision of the snapshot.
         """
         ranges = []
-        for key, prefix, min_mod_revision in queries:
-            key_bytes = _to_bytes(key, "key")
-            request: dict[str, Any] = (
-                _prefix_range(key_bytes) if prefix else {"key": _b64(key_bytes)}
-            )
+        for key, range_end, min_mod_revision in queries:
+            request: dict[str, Any] = {"key": _b64(_to_bytes(key, "key"))}
+            if range_end is not None:
+                request["range_end"] = _b64(_to_bytes(range_end, "range end"))
             if min_mod_revision:
                 # etcd's count ignores the revision filter, so the (few) keys it keeps are
                 # listed, without their values.

@@ -46,6 +46,7 @@ from flashckpt.agent.state import (
     lower_thread_priority,
     read_meta,
 )
+from flashckpt.errors import FlashckptError
 from flashckpt.format.layout import safetensors_header
 from flashckpt.format.manifest import FileEntry, RankEntry, ShardEntry
 from flashckpt.format.shm import Slot, SlotInfo
@@ -100,11 +101,11 @@ def hash_snapshot(
     return None if slot.seq() != info.seq else int(h.intdigest())
 
 
-class _Torn(Exception):
+class _Torn(FlashckptError):
     """A slot changed under the agent while it read it."""
 
 
-class _Scribbled(Exception):
+class _Scribbled(FlashckptError):
     """A snapshot's data no longer matches the hash recorded when it was complete."""
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
+from flashckpt.errors import FlashckptError
 from flashckpt.format.layout import Layout, tensor_views
 from flashckpt.format.shm import HEADER_SIZE, Prefaulter, Slot, file_problem, prefault
 from flashckpt.protocol.channel import AgentError
@@ -747,12 +748,12 @@ class Snapshotter:
                 self.registrar.unregister(sm)
 
 
-class BadMemory(Exception):
+class BadMemory(FlashckptError):
     """This rank's snapshot in shared memory fails its data hash: the step may still come from
     storage or a replica."""
 
 
-class TornSnapshot(Exception):
+class TornSnapshot(FlashckptError):
     """A snapshot changed (or could not be had whole) while it was read or sent."""
 
 

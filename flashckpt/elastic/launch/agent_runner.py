@@ -44,6 +44,7 @@ from typing import Any
 from flashckpt import names
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.launch.procutil import die_with_parent
+from flashckpt.errors import FlashckptError
 
 # The node agent's exit code when it kept its segments (flashckpt.agent.daemon.EXIT_KEPT; not
 # imported:
@@ -71,7 +72,7 @@ _NEVER_IDLE_S = 10 * 365 * 24 * 3600
 _MAX_SOCKET_PATH = 100
 
 
-class NodeAgentError(RuntimeError):
+class NodeAgentError(FlashckptError, RuntimeError):
     """The node agent did not start, or kept dying."""
 
 

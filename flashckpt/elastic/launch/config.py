@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flashckpt import cliargs, names
+from flashckpt.errors import FlashckptError
 
 __all__ = [
     "EventLog",
@@ -37,7 +38,7 @@ __all__ = [
 logger = logging.getLogger("flashckpt.launcher")
 
 
-class LaunchError(RuntimeError):
+class LaunchError(FlashckptError, RuntimeError):
     """The launcher cannot run this machine: the message names the problem and the fix."""
 
 

@@ -109,7 +109,7 @@ from flashckpt.elastic.rendezvous.backend import (
 )
 from flashckpt.elastic.rendezvous.handler import RdzvHandler
 from flashckpt.elastic.rendezvous.registry import BACKEND_NAME
-from flashckpt.errors import AgentError
+from flashckpt.errors import AgentError, FlashckptError
 from flashckpt.protocol.channel import AgentClient
 from flashckpt.protocol.messages import Fence
 from flashckpt.trainer.interval import JOB_START_ENV
@@ -142,11 +142,11 @@ _HANDLED_SIGNALS = tuple(
 )
 
 
-class _Unhealthy(Exception):
+class _Unhealthy(FlashckptError):
     """This machine failed the health check."""
 
 
-class _LeaveJob(Exception):
+class _LeaveJob(FlashckptError):
     """This fenced machine leaves the job (it stayed cut off too long, or lost its node id)."""
 
 
@@ -995,7 +995,7 @@ class LaunchSession:
         return True
 
 
-class _RetryRendezvous(Exception):
+class _RetryRendezvous(FlashckptError):
     """The round must be formed again (a machine failed the health check)."""
 
 

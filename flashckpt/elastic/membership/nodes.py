@@ -73,6 +73,7 @@ from flashckpt.elastic.membership.peerlinks import (
     read_line,
     ring_successors,
 )
+from flashckpt.errors import FlashckptError
 
 __all__ = [
     "FenceNotice",
@@ -137,7 +138,7 @@ def nodes_prefix(job_prefix: str) -> str:
     return job_prefix + "nodes/"
 
 
-class NodeIdInUse(RuntimeError):
+class NodeIdInUse(FlashckptError, RuntimeError):
     """Another live launcher of this job already registered the same node id."""
 
 

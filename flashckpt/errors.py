@@ -15,6 +15,7 @@ __all__ = [
     "FlashckptError",
     "PersistError",
     "ProtocolError",
+    "RestoreError",
     "ShmSpaceError",
     "StorageUnavailableError",
     "UnsafeLocalStateError",
@@ -97,3 +98,27 @@ class CorruptSnapshotError(FlashckptError, ValueError):
         self.rank = rank
         self.step = step
         self.source = source
+
+
+class RestoreError(FlashckptError, ValueError):
+    """The step the ranks agreed on cannot be restored: on some rank its state does not fit this
+    run (model, optimizer, the user's objects) or reading it failed in a way no other step or
+    source mends. Raised on every rank, naming each failed rank and its error (as torch DCP's
+    ``CheckpointException``); on a failed rank it is raised from that rank's own error.
+
+    Attributes:
+        step: the step that was being restored.
+        failures: ``{rank: "ExceptionType: message"}`` for every rank that failed (another rank's
+            text is cut to a few kB).
+    """
+
+    def __init__(self, step: int, failures: dict[int, str]) -> None:
+        ranks = sorted(failures)
+        lines = [
+            f"step {step} cannot be restored: {len(ranks)} rank(s) failed ({ranks}):",
+            *(f"  rank {r}: {failures[r]}" for r in ranks),
+            "  fix the cause on each rank named (or pass restore=False to start from scratch)",
+        ]
+        super().__init__("\n".join(lines))
+        self.step = step
+        self.failures = dict(failures)

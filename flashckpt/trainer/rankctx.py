@@ -1,7 +1,7 @@
 """The rank context of a trainer: who this rank is (ranks, world id, job, node), the group it
-coordinates over, and the few collectives the checkpointer uses (all-gathers of short int lists,
-an all-reduce max). Every collective runs on the gloo coordination group, and each is a no-op on
-a world of one (no ``torch.distributed`` needed)."""
+coordinates over, and the few collectives the checkpointer uses (all-gathers of short int lists
+and of short texts, an all-reduce max). Every collective runs on the gloo coordination group, and
+each is a no-op on a world of one (no ``torch.distributed`` needed)."""
 
 from __future__ import annotations
 
@@ -160,6 +160,25 @@ class RankContext:
         out = [torch.empty_like(t) for _ in range(self.world)]
         torch.distributed.all_gather(out, t, group=self.coord_pg)
         return [[set(o[i].tolist()) - {-1} for o in out] for i in range(len(lists))]
+
+    def gather_texts(self, text: str, limit: int) -> list[str]:
+        """All-gathers one short text from every rank (UTF-8, cut to ``limit`` bytes), order kept:
+        result[rank]. Bytes in a tensor, as the other collectives: nothing is unpickled."""
+        data = text.encode()[:limit]
+        if self.world == 1:
+            return [data.decode(errors="replace")]
+        t = torch.zeros(4 + limit, dtype=torch.uint8)  # length (4 bytes, little-endian), bytes
+        t[: 4 + len(data)] = torch.frombuffer(
+            bytearray(len(data).to_bytes(4, "little") + data), dtype=torch.uint8
+        )
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        torch.distributed.all_gather(out, t, group=self.coord_pg)
+        texts = []
+        for o in out:
+            raw = bytes(o.tolist())
+            n = min(int.from_bytes(raw[:4], "little"), limit)
+            texts.append(raw[4 : 4 + n].decode(errors="replace"))
+        return texts
 
     def shard_layout(
         self,

@@ -8,7 +8,8 @@
 
 A rank that cannot read or fit the step says so in an all-reduce; the ranks then plan again
 without it (or only without that rank's copy, where only its memory failed its data hash), or
-stop where the failure is no bad copy but a state that does not fit.
+stop where the failure is no bad copy but a state that does not fit: every rank then raises a
+:class:`~flashckpt.errors.RestoreError` naming each failed rank and its error.
 
 The sources, in order of preference (:data:`SOURCES`): this rank's own memory, a sharded state
 rebuilt from the memory of this world's ranks (with, at a new world size, the replicas their
@@ -28,8 +29,10 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from flashckpt.errors import RestoreError
 from flashckpt.format.storage import CorruptCheckpointError
 from flashckpt.trainer.interval import RESTARTS_ENV
+from flashckpt.trainer.rankctx import RankContext
 from flashckpt.trainer.restore.saved import RestoreEnv, RestorePlan, RestoreSource, SavedStep
 from flashckpt.trainer.restore.sources import (
     K,
@@ -44,7 +47,7 @@ from flashckpt.trainer.snapshot import BadMemory, TornSnapshot
 if TYPE_CHECKING:
     from flashckpt.trainer.restore.apply import Applier
 
-__all__ = ["SOURCES", "Restorer", "agree"]
+__all__ = ["ERROR_TEXT_BYTES", "SOURCES", "Restorer", "agree"]
 
 log = logging.getLogger("flashckpt")
 
@@ -171,7 +174,7 @@ class Restorer:
                     f"flashckpt: cannot restore step {step}: {e}; trying an older step",
                     stacklevel=3,
                 )
-            except (ValueError, TypeError, KeyError, RuntimeError) as e:
+            except Exception as e:  # every rank takes part in the all-reduce below, then raises
                 code, err = 2, e
             worst = ctx.all_max(code)
             if worst == 0:
@@ -193,9 +196,7 @@ class Restorer:
                     )
                 return
             if worst == 2:
-                if err is not None:
-                    raise err
-                raise RuntimeError(f"another rank failed to restore step {step}; see its log")
+                raise _failed(ctx, step, err if code == 2 else None)
             # Every rank takes part: the step is excluded unless each failure was a bad copy in
             # memory (those ranks dropped it from their memory steps and plan again).
             if ctx.all_max(0 if code == 0 or memory_only else 1):
@@ -213,6 +214,25 @@ class Restorer:
         if saved.note:
             log.info("%s", saved.note)
         return state
+
+
+ERROR_TEXT_BYTES = 4096
+"""The most bytes of one rank's error text the other ranks are told (on a failed restore)."""
+
+
+def _failed(ctx: RankContext, step: int, err: Exception | None) -> RestoreError:
+    """The error every rank raises where some rank's restore of ``step`` failed for good
+    (collective): each rank tells the others its error text (empty: it did not fail), so each
+    raises one naming every failed rank; a failed rank's own text is whole, and it is raised
+    from its own error."""
+    own = f"{type(err).__name__}: {err}" if err is not None else ""
+    texts = ctx.gather_texts(own, ERROR_TEXT_BYTES)
+    failures = {r: t for r, t in enumerate(texts) if t}
+    if err is not None:
+        failures[ctx.rank] = own
+    error = RestoreError(step, failures)
+    error.__cause__ = err
+    return error
 
 
 def _restart_count() -> int:

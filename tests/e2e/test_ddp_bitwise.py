@@ -87,8 +87,8 @@ def test_three_rank_ddp_resume_is_bitwise_with_fixed_buckets(tmp_path: Path, fc_
 def test_three_rank_ddp_resume_with_torchs_wrapper_is_off_by_rounding(
     tmp_path: Path, fc_env: FcEnv
 ) -> None:
-    """What the README says of torch's own wrapper: not bitwise, the losses off by rounding (the
-    final tensors by what the model makes of it: see the README)."""
+    """What docs/training-loop.md says of torch's own wrapper: not bitwise, the losses off by
+    rounding (the final tensors by what the model makes of it: see that page)."""
     equal, loss_diff, diff = _killed_resumed_vs_uninterrupted(tmp_path, fc_env, "plain")
     assert not equal, "torch's DDP wrapper resumed bitwise: this test no longer shows the cause"
     assert diff > 0 and loss_diff < 1e-6, (loss_diff, diff)

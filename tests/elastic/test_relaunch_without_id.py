@@ -3,7 +3,7 @@
 Each launch used to draw a random job id, so the same command run again after a ``kill -9``
 could not see the snapshot its node agent left in memory, and ``flashckpt clean`` could not see
 that agent's segment directory either. Both runs here go without ``--rdzv-id`` and without
-storage (the README's example): memory is the only copy.
+storage (docs/elastic.md's example): memory is the only copy.
 """
 
 from __future__ import annotations

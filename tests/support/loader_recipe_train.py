@@ -1,5 +1,5 @@
-"""One rank training a dropout model over the README's ``StatefulDataLoader`` recipe, for
-tests/test_loader_recipe.py: ``--recipe new`` gives the loader its own generator (the README's
+"""One rank training a dropout model over the loader recipe of docs/training-loop.md, for
+tests/trainer/test_loader_recipe.py: ``--recipe new`` gives the loader its own generator (the
 recipe), ``--recipe old`` leaves it on the global RNG (the recipe before issue 30). With
 ``--hold-at N`` it writes ``<log>.held`` after the Nth step's snapshot and waits there to be
 SIGKILLed. It logs each step's loss (hex) and saves the final model next to ``--log``."""

@@ -1,4 +1,4 @@
-"""The README's ``StatefulDataLoader`` recipe resumes bitwise with dropout (issue 30): a rank
+"""The loader recipe of docs/training-loop.md resumes bitwise with dropout (issue 30): a rank
 SIGKILLed mid-epoch and resumed from memory ends with the uninterrupted run's model. Without the
 loader's own generator, ``iter()`` after the restore draws its seeds from the global RNG and
 shifts every dropout mask after it: the old recipe diverges."""
@@ -110,6 +110,6 @@ def test_loader_recipe_with_dropout_resumes_bitwise_after_sigkill(
     equal, diff = _compare(ref, run)
     print(f"loader recipe {recipe}: bitwise {equal}, final tensors max abs diff {diff:.3g}")
     if recipe == "new":
-        assert equal, f"the README's recipe diverged after a resume: max abs diff {diff}"
+        assert equal, f"the docs' loader recipe diverged after a resume: max abs diff {diff}"
     else:  # the recipe before issue 30: shows what the loader's own generator fixes
         assert not equal, "the old recipe resumed bitwise: this test no longer shows the cause"

@@ -53,6 +53,7 @@ __all__ = [
     "CATEGORIES",
     "GoodputReport",
     "Incarnation",
+    "build_parser",
     "compute_goodput",
     "format_report",
     "incarnations_from_events",
@@ -353,8 +354,8 @@ def plot_report(rep: GoodputReport, path: str, title: str | None = None) -> None
     fig.savefig(path, dpi=100)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``flashckpt goodput EVENTS... [--png PATH] [--json]``."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flashckpt goodput`` flags."""
     p = argparse.ArgumentParser(
         prog="flashckpt goodput",
         description="Break a job's wall time down from the node agents' event files.",
@@ -362,7 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("events", nargs="+", help="events.jsonl files (glob patterns allowed)")
     p.add_argument("--png", default=None, help="also draw the breakdown to this PNG file")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``flashckpt goodput EVENTS... [--png PATH] [--json]``."""
+    args = build_parser().parse_args(argv)
     try:
         events = read_events(args.events)
     except OSError as e:

@@ -190,7 +190,7 @@ class _Host:
 
             def on_lost(record: Any, via: str) -> None:
                 lost.set()
-                if record.rdzv_node:
+                if record.rdzv_node and via != "watch":  # as flashckpt run's session does
                     handler.expire_nodes([record.rdzv_node])
 
             registry = NodeRegistry(
@@ -234,6 +234,7 @@ class _Host:
             round=1 if not a.standby else 2,
             rank=info.rank,
             world=info.world_size,
+            phases=dict(getattr(handler, "phases", {})),
         )
         if registry is not None:
             registry.update(state="active", group_rank=info.rank)
@@ -250,7 +251,14 @@ class _Host:
                 registry.reap_dead_peers()
             registry.update(state="waiting", group_rank=None)
         info = handler.next_rendezvous()
-        self.emit(ev="rank", m=index, round=2, rank=info.rank, world=info.world_size)
+        self.emit(
+            ev="rank",
+            m=index,
+            round=2,
+            rank=info.rank,
+            world=info.world_size,
+            phases=dict(getattr(handler, "phases", {})),
+        )
         if registry is not None:
             registry.update(state="active", group_rank=info.rank)
         self._monitor(handler, None, None)
@@ -487,6 +495,30 @@ def _ranks(events: list[dict[str, Any]], rnd: int) -> dict[int, int]:
     return {e["m"]: e["rank"] for e in events if e["ev"] == "rank" and e["round"] == rnd}
 
 
+def _where_the_time_goes(events: list[dict[str, Any]], rnd: int, t0: float) -> dict[str, Any]:
+    """flashckpt: from ``t0`` (go, or the kill), the moments the last machine entered the
+    round, the last join was answered, the result was first and last read, the last machine
+    had its rank (MASTER_ADDR/PORT read), as seconds after ``t0``."""
+    ph = [
+        e["phases"] for e in events if e["ev"] == "rank" and e["round"] == rnd and e.get("phases")
+    ]
+    if not ph:
+        return {}
+
+    def last(name: str) -> float | None:
+        vals = [p[name] for p in ph if name in p]
+        return round(max(vals) - t0, 3) if vals else None
+
+    results = [p["result"] for p in ph if "result" in p]
+    return {
+        "last_start_s": last("start"),
+        "last_joined_s": last("joined"),
+        "first_result_s": round(min(results) - t0, 3) if results else None,
+        "last_result_s": last("result"),
+        "last_done_s": last("done"),
+    }
+
+
 def _per_machine_rate(a: dict[str, Any], b: dict[str, Any], key: str, n: int) -> float | None:
     if key not in a.get("etcd", {}) or key not in b.get("etcd", {}):
         return None
@@ -538,6 +570,8 @@ def run_trial(backend: str, n: int, a: argparse.Namespace, work: Path) -> dict[s
             else None,
             "ranks": [r1[m] for m in sorted(r1)],
         }
+        if backend == "flashckpt":
+            res["round1"]["phases"] = _where_the_time_goes(ev, 1, t_go)
         res["errors"] = [e["error"] for e in ev if e["ev"] == "error"][:5]
         if backend == "floor":
             return res
@@ -590,6 +624,8 @@ def run_trial(backend: str, n: int, a: argparse.Namespace, work: Path) -> dict[s
             "ranks": {str(m): r2[m] for m in sorted(r2)},
             "standby_rank": r2.get(n),
         }
+        if backend == "flashckpt":
+            res["round2"]["phases"] = _where_the_time_goes(ev, 2, t_kill)
         after2 = trial.snap("round2")
         res["before_kill"], res["after_round2"] = before_kill, after2
         res["cas_round1"] = {k: res["after_round1"][k] for k in ("set_state", "cas_failed")}

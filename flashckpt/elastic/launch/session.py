@@ -563,8 +563,16 @@ class LaunchSession:
                 self._lost_active += 1
             if record.rdzv_node in self._round_nodes:
                 self._round_lost.append(record)
-        # Never raises: its rendezvous lease ends its keys anyway.
-        if record.rdzv_node and self._handler and self._handler.expire_nodes([record.rdzv_node]):
+        # The machine that found it dead (a probe, a broken link: it revoked the node lease
+        # early) ends its rendezvous lease too; one whose node lease lapsed ("watch") lost its
+        # rendezvous lease at the same time, and N machines each revoking it would be N^2
+        # requests in a mass event. Never raises: its rendezvous lease ends its keys anyway.
+        if (
+            via != "watch"
+            and record.rdzv_node
+            and self._handler
+            and self._handler.expire_nodes([record.rdzv_node])
+        ):
             self.events("peer_expired", peer=record.node_id)
 
     # ---------------------------------------------------------------------------- fencing

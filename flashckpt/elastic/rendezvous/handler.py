@@ -364,6 +364,10 @@ class RdzvHandler(RendezvousHandler):
         self._local = threading.local()
         self._reached = False  # etcd answered this handler once
         self._streams: set[WatchStream] = set()  # the watches next_rendezvous waits on
+        self.phases: dict[str, float] = {}
+        """Wall-clock times (``time.time()``) of the last ``next_rendezvous``: ``start``,
+        ``joined`` (its join transaction answered), ``result`` (it read the round's result),
+        ``done`` (rank 0's ``MASTER_ADDR``/``MASTER_PORT`` read): for the scale benchmark."""
         self._newest_seen = -1  # the newest closed round this machine read
         self._joined = False  # joined a round since it was last admitted to one
         self.stats = _Stats()
@@ -397,6 +401,7 @@ class RdzvHandler(RendezvousHandler):
         if self._closed:
             raise RendezvousClosedError(f"the rendezvous {self._s.run_id!r} is closed")
         deadline = Deadline.after(self._s.join_timeout)
+        self.phases = {"start": time.time()}
         warned = 0.0
         try:
             while True:
@@ -652,6 +657,7 @@ class RdzvHandler(RendezvousHandler):
         ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 3)}
         self._waiting_in = rnd
         self._joined = True
+        self.phases["joined"] = time.time()
         logger.debug("joined round %d as %s (revision %d)", rnd, self._node, my_create)
         return self._wait_round(rnd, round_rev, my_create, _revision(response), ctl, deadline)
 
@@ -940,6 +946,7 @@ class RdzvHandler(RendezvousHandler):
                 self._client.delete(self._rp(rnd) + "a/" + self._qnode)
             return None
         world = len(result.members)
+        self.phases["result"] = time.time()
         with self._lock:
             self._round, self._rank, self._members = rnd, rank, result.members
             self._result_rev = kv.mod_revision
@@ -949,6 +956,7 @@ class RdzvHandler(RendezvousHandler):
             self._claim = RankClaim(round=rnd, rank=rank)
         store = dist.PrefixStore(f"torch.rendezvous.{self._s.run_id}.{rnd}", self._store)
         bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
+        self.phases["done"] = time.time()
         self._member_watch = _MemberWatch(self, rnd, result.members, kv.mod_revision, rank)
         logger.info(
             "round %d of %r: group rank %d of %d (result %s)",

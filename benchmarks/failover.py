@@ -86,7 +86,7 @@ from typing import Any
 
 import psutil
 
-from flashckpt.elastic.etcd.server import EtcdServer
+from flashckpt.elastic.etcd.server import EtcdV3Server
 from flashckpt.testing import netns
 from flashckpt.testing.elastic import (
     kill_job,
@@ -131,7 +131,7 @@ class Job:
         self.shm_root = Path("/dev/shm") / self.uid
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.killed: set[str] = set()
-        self.etcd: EtcdServer | None = None
+        self.etcd: EtcdV3Server | None = None
         self.socket_logs: list[threading.Thread] = []
         self.store_host: subprocess.Popen[bytes] | None = None
         # Each machine's /dev/shm holds its two slots per rank and the replica it keeps with the
@@ -161,7 +161,7 @@ class Job:
         if self.net is not None and self.flashckpt:
             return self.net.start_etcd(str(self.work / f"etcd-{self.uid}"))
         if self.flashckpt:
-            self.etcd = EtcdServer(self.work / f"etcd-{self.uid}")
+            self.etcd = EtcdV3Server(self.work / f"etcd-{self.uid}")
             return str(self.etcd.start())
         # torchrun's c10d rendezvous keeps its state in a TCPStore. Hosting it in a process of
         # its own keeps it alive when the machine that would otherwise host it is killed.

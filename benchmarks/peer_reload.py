@@ -166,7 +166,7 @@ class _PhaseClock:
         self.wrap(restore.Restorer, "_fit", "fit")
         self.wrap(apply.Applier, "apply", "apply")
         self.wrap(snapshot.Snapshotter, "verify", "hash")
-        for cls in (sources.MemorySource, sources.StorageSource, sources.PeerMemorySource):
+        for cls in (sources.MemorySource, sources.StorageSource, sources.ReplicaPullSource):
             self.wrap(cls, "prepare", f"prepare.{cls.name}")
             self.wrap(cls, "read", f"read.{cls.name}")
 

@@ -384,9 +384,9 @@ class _Trial:
     def start_infra(self) -> None:
         if self.backend in ("flashckpt", "floor"):
             from flashckpt.elastic.etcd.client import EtcdClient
-            from flashckpt.elastic.etcd.server import EtcdServer
+            from flashckpt.elastic.etcd.server import EtcdV3Server
 
-            self.etcd = EtcdServer(self.work / "etcd")
+            self.etcd = EtcdV3Server(self.work / "etcd")
             self.url = self.etcd.start()
             self.endpoint = self.url
             self.client = EtcdClient([self.url], timeout=timedelta(seconds=30))

@@ -1,7 +1,7 @@
 """Test helpers: throw-away TLS certificates, an in-memory rendezvous backend, and the process
 helpers of simulated machines (process trees killed at once, their JSON-line logs).
 
-The etcd server itself (:class:`flashckpt.elastic.etcd.server.EtcdServer`) is a product module:
+The etcd server itself (:class:`flashckpt.elastic.etcd.server.EtcdV3Server`) is a product module:
 ``flashckpt run --standalone`` starts one. Used by the test suite and the benchmarks; no pytest
 import here: the fixtures live in the test suite's ``conftest.py`` and use these.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from flashckpt.elastic.etcd.server import EtcdServerError, TlsFiles
+from flashckpt.elastic.etcd.server import EtcdV3ServerError, TlsFiles
 
 __all__ = [
     "InMemoryRendezvousBackend",
@@ -40,11 +40,11 @@ def make_test_certificates(directory: str | os.PathLike[str]) -> TlsFiles:
     """Creates a throw-away CA and a server certificate for 127.0.0.1 with the openssl CLI.
 
     Raises:
-        EtcdServerError: If ``openssl`` is not installed or fails.
+        EtcdV3ServerError: If ``openssl`` is not installed or fails.
     """
     openssl = shutil.which("openssl")
     if openssl is None:
-        raise EtcdServerError("openssl is not installed: apt-get install openssl")
+        raise EtcdV3ServerError("openssl is not installed: apt-get install openssl")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     ca_key, ca, key, csr, cert, ext = (
@@ -62,7 +62,7 @@ def make_test_certificates(directory: str | os.PathLike[str]) -> TlsFiles:
     for command in commands:
         done = subprocess.run([str(c) for c in command], capture_output=True, text=True)
         if done.returncode != 0:
-            raise EtcdServerError(f"{' '.join(map(str, command))} failed: {done.stderr}")
+            raise EtcdV3ServerError(f"{' '.join(map(str, command))} failed: {done.stderr}")
     return TlsFiles(ca_file=str(ca), cert_file=str(cert), key_file=str(key))
 
 

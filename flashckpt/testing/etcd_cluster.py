@@ -22,7 +22,7 @@ from types import TracebackType
 
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd.server import (
-    EtcdServerError,
+    EtcdV3ServerError,
     etcd_command,
     find_etcd_binary,
     log_tail,
@@ -97,7 +97,7 @@ class EtcdCluster:
         """Starts every member and waits until each serves reads (the cluster has a leader).
 
         Raises:
-            EtcdServerError: A member exited or did not serve in time (every member is killed
+            EtcdV3ServerError: A member exited or did not serve in time (every member is killed
                 first; the error carries the end of its log).
         """
         try:
@@ -125,7 +125,7 @@ class EtcdCluster:
         reads (which needs a quorum of the cluster up)."""
         for member in members:
             if self.running(member):
-                raise EtcdServerError(f"etcd member m{member} is running already")
+                raise EtcdV3ServerError(f"etcd member m{member} is running already")
             self._launch(member)
         deadline = Deadline.after(timeout)
         for member in members:
@@ -180,7 +180,7 @@ class EtcdCluster:
         def check_alive() -> None:
             proc = self._procs[member]
             if proc is not None and proc.poll() is not None:
-                raise EtcdServerError(
+                raise EtcdV3ServerError(
                     f"etcd member m{member} exited with code {proc.returncode}; its log ends "
                     f"with:\n{log_tail(self.log_path(member))}"
                 )

@@ -45,7 +45,7 @@ from typing import Any
 
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd.server import (
-    EtcdServerError,
+    EtcdV3ServerError,
     etcd_command,
     find_etcd_binary,
     log_tail,
@@ -391,7 +391,7 @@ class Cluster:
         etcd of the project; its log is ``<data_dir>/etcd.log``.
 
         Raises:
-            EtcdServerError: etcd exited, or does not serve within ``timeout`` seconds (the error
+            EtcdV3ServerError: etcd exited, or does not serve within ``timeout`` seconds (the error
                 carries the end of its log).
         """
         url = f"http://{self.hub_addr}:2379"
@@ -410,7 +410,7 @@ class Cluster:
         def check_alive() -> None:
             code = process.poll()
             if code is not None:
-                raise EtcdServerError(
+                raise EtcdV3ServerError(
                     f"etcd in the hub of {self.tag} exited with code {code} while starting; its "
                     f"log ends with:\n{log_tail(log_path)}"
                 )

@@ -478,7 +478,7 @@ def test_a_replica_is_not_offered_over_storages_step_of_another_world(
     from flashckpt.protocol.messages import PullReplicaReply
     from flashckpt.trainer.rankctx import RankContext
     from flashckpt.trainer.restore.saved import RestoreEnv
-    from flashckpt.trainer.restore.sources import PeerMemorySource
+    from flashckpt.trainer.restore.sources import ReplicaPullSource
 
     root = tmp_path / "storage"
     st = Storage(str(root))
@@ -504,7 +504,7 @@ def test_a_replica_is_not_offered_over_storages_step_of_another_world(
         env = RestoreEnv.__new__(RestoreEnv)
         env.ctx, env.snap, env.mem = RankContext(), Snap(), {}  # type: ignore[assignment]
         env.storage, env.stored = st, {10}
-        return PeerMemorySource(env).offer(set(), lambda _: True)
+        return ReplicaPullSource(env).offer(set(), lambda _: True)
 
     assert offered("w1") == [10]
     with caplog.at_level(logging.WARNING, logger="flashckpt"):
@@ -523,7 +523,7 @@ def test_the_trainer_rechecks_the_pulled_replicas_hash_before_loading(tmp_path: 
     from flashckpt.protocol.messages import PullReplicaReply
     from flashckpt.trainer.rankctx import RankContext
     from flashckpt.trainer.restore.saved import RestoreEnv, RestorePlan
-    from flashckpt.trainer.restore.sources import PeerMemorySource
+    from flashckpt.trainer.restore.sources import ReplicaPullSource
     from flashckpt.trainer.snapshot import BadMemory, Snapshotter
 
     shm = tmp_path / "shm"
@@ -573,7 +573,7 @@ def test_the_trainer_rechecks_the_pulled_replicas_hash_before_loading(tmp_path: 
     env = RestoreEnv.__new__(RestoreEnv)
     env.ctx, env.snap, env.mem = RankContext(), Snap(), {}  # type: ignore[assignment]
     env.storage, env.stored = None, set()
-    src = PeerMemorySource(env)
+    src = ReplicaPullSource(env)
     assert src.offer(set(), lambda _: True) == [8]
     plan = RestorePlan(8, {0: "peer-memory"}, tier=3)
     src.prepare(plan)

@@ -92,7 +92,7 @@ def test_builtin_mixins_stay_for_callers_that_catch_them() -> None:
     """The classes that were RuntimeError/TimeoutError before the hierarchy still are."""
     from flashckpt.agent.daemon import AgentRunning
     from flashckpt.elastic.etcd.client import EtcdError, EtcdTimeout
-    from flashckpt.elastic.etcd.server import EtcdServerError
+    from flashckpt.elastic.etcd.server import EtcdV3ServerError
     from flashckpt.elastic.etcd.standalone import StandaloneEtcdError
     from flashckpt.elastic.launch.agent_runner import NodeAgentError
     from flashckpt.elastic.launch.config import LaunchError
@@ -100,7 +100,7 @@ def test_builtin_mixins_stay_for_callers_that_catch_them() -> None:
 
     for cls in (
         AgentRunning,
-        EtcdServerError,
+        EtcdV3ServerError,
         StandaloneEtcdError,
         NodeAgentError,
         LaunchError,

@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from flashckpt.elastic.etcd.server import EtcdServerError, find_etcd_binary
+from flashckpt.elastic.etcd.server import EtcdV3ServerError, find_etcd_binary
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "rendezvous_scale.py"
 N = 4
@@ -25,7 +25,7 @@ N = 4
 def _etcd_or_skip() -> None:
     try:
         find_etcd_binary()
-    except EtcdServerError as exc:
+    except EtcdV3ServerError as exc:
         pytest.skip(str(exc))
 
 

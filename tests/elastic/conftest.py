@@ -1,7 +1,7 @@
 """Fixtures for membership tests: a real etcd server started by the tests themselves.
 
 - ``etcd_server``: client URL of one etcd shared by the whole session (start ~0.3 s).
-- ``etcd_instance``: a private :class:`EtcdServer` for one test, to kill or restart at will.
+- ``etcd_instance``: a private :class:`EtcdV3Server` for one test, to kill or restart at will.
 - ``etcd_client``: an :class:`EtcdClient` on the shared server with a short timeout.
 - ``etcd_prefix``: a key prefix unique to the test, so tests sharing the server never collide.
 - ``registries``: makes started :class:`NodeRegistry` instances on the shared server (loopback
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from flashckpt.elastic.etcd.client import EtcdClient
-from flashckpt.elastic.etcd.server import EtcdServer, EtcdServerError, find_etcd_binary
+from flashckpt.elastic.etcd.server import EtcdV3Server, EtcdV3ServerError, find_etcd_binary
 from flashckpt.elastic.membership.nodes import NodeRegistry
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 def _binary() -> str:
     try:
         return find_etcd_binary()
-    except EtcdServerError as exc:
+    except EtcdV3ServerError as exc:
         message = f"{exc}; or deselect these tests with -m 'not etcd'"
     pytest.fail(message, pytrace=False)
 
@@ -44,7 +44,7 @@ def _binary() -> str:
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Client URL of an etcd server shared by the session; stopped at the end, even on failure."""
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"), binary=_binary())
+    server = EtcdV3Server(tmp_path_factory.mktemp("etcd"), binary=_binary())
     server.start()
     try:
         yield server.client_url
@@ -53,9 +53,9 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
-def etcd_instance(tmp_path: Path) -> Iterator[EtcdServer]:
+def etcd_instance(tmp_path: Path) -> Iterator[EtcdV3Server]:
     """A running etcd private to this test: ``restart()``, ``kill()`` and ``start()`` it freely."""
-    server = EtcdServer(tmp_path / "etcd", binary=_binary())
+    server = EtcdV3Server(tmp_path / "etcd", binary=_binary())
     server.start()
     try:
         yield server

@@ -19,7 +19,7 @@ from flashckpt.elastic.etcd.client import (
     EtcdUnavailable,
     parse_endpoints,
 )
-from flashckpt.elastic.etcd.server import EtcdServer
+from flashckpt.elastic.etcd.server import EtcdV3Server
 
 SHORT = timedelta(seconds=1)
 
@@ -267,7 +267,7 @@ def test_fails_over_to_a_live_endpoint(etcd_server: str, dead_endpoint: str) -> 
 
 
 @pytest.mark.etcd
-def test_calls_ride_out_an_etcd_restart(etcd_instance: EtcdServer) -> None:
+def test_calls_ride_out_an_etcd_restart(etcd_instance: EtcdV3Server) -> None:
     client = EtcdClient(etcd_instance.client_url, timeout=timedelta(seconds=10))
     revision = client.put("k", b"before")
     etcd_instance.kill()
@@ -283,7 +283,7 @@ def test_calls_ride_out_an_etcd_restart(etcd_instance: EtcdServer) -> None:
 
 
 @pytest.mark.etcd
-def test_keep_alive_survives_an_etcd_outage(etcd_instance: EtcdServer) -> None:
+def test_keep_alive_survives_an_etcd_outage(etcd_instance: EtcdV3Server) -> None:
     client = EtcdClient(etcd_instance.client_url, timeout=timedelta(seconds=5))
     lease = client.grant_lease(timedelta(seconds=5))
     client.put("held", b"x", lease=lease)

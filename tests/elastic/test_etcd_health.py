@@ -18,8 +18,8 @@ from _cluster import SimCluster
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from flashckpt.elastic.etcd.client import EtcdClient
-from flashckpt.elastic.etcd.server import EtcdServer, etcd_command
-from flashckpt.elastic.etcd.store import EtcdStore
+from flashckpt.elastic.etcd.server import EtcdV3Server, etcd_command
+from flashckpt.elastic.etcd.store import EtcdV3Store
 from flashckpt.elastic.membership.jobkeys import remove_finished_job_keys
 from flashckpt.elastic.membership.nodes import NodeRegistry
 from flashckpt.elastic.rendezvous.backend import job_prefix
@@ -93,8 +93,8 @@ def _store_rounds(client: EtcdClient, prefix: str) -> list[int]:
 def test_a_new_round_removes_the_store_keys_of_the_rounds_before_the_previous(
     etcd_client: EtcdClient, etcd_prefix: str
 ) -> None:
-    store = EtcdStore(etcd_client, etcd_prefix + "store/")
-    other = EtcdStore(etcd_client, etcd_prefix + "store/")  # another machine's store
+    store = EtcdV3Store(etcd_client, etcd_prefix + "store/")
+    other = EtcdV3Store(etcd_client, etcd_prefix + "store/")  # another machine's store
     # Rounds as torch's handler names them, with a gap (round 3 never formed), past 9 -> 10
     # (the order of keys is not the order of rounds), and a key that is not a round's.
     etcd_client.put(etcd_prefix + "storf", b"a neighbour's key, not the store's")
@@ -133,7 +133,7 @@ def test_a_finished_job_leaves_only_its_closed_rendezvous_and_health_verdicts(
 
 
 def test_the_machine_with_the_lowest_node_id_compacts_the_jobs_history(
-    etcd_instance: EtcdServer, etcd_prefix: str
+    etcd_instance: EtcdV3Server, etcd_prefix: str
 ) -> None:
     client = EtcdClient(etcd_instance.client_url, timeout=timedelta(seconds=5))
     start = client.revision()

@@ -1,4 +1,4 @@
-"""Store contract: our EtcdStore behaves like torch's own HashStore, through torch's C++ side.
+"""Store contract: our EtcdV3Store behaves like torch's own HashStore, through torch's C++ side.
 
 Every case runs against both stores, each wrapped in torch's ``PrefixStore`` so that calls go
 through the C++ dispatch torch itself uses (rendezvous, gloo), not just the Python methods.
@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from flashckpt.elastic.etcd.client import EtcdClient
-from flashckpt.elastic.etcd.store import EtcdStore
+from flashckpt.elastic.etcd.store import EtcdV3Store
 
 
 @dataclass
@@ -36,7 +36,7 @@ def store(request: pytest.FixtureRequest) -> Iterator[StoreUnderTest]:
     else:
         url = request.getfixturevalue("etcd_server")
         client = EtcdClient(url, timeout=timedelta(seconds=5))
-        inner = EtcdStore(client, f"/test/store-{uuid.uuid4().hex}/")
+        inner = EtcdV3Store(client, f"/test/store-{uuid.uuid4().hex}/")
     inner.set_timeout(timedelta(seconds=5))
     yield StoreUnderTest(dist.PrefixStore("p", inner), inner)
 
@@ -138,7 +138,7 @@ def test_multi_get_and_multi_set(store: StoreUnderTest) -> None:
 
 @pytest.mark.etcd
 def test_unreachable_etcd_raises_network_error(dead_endpoint: str) -> None:
-    inner = EtcdStore(EtcdClient(dead_endpoint, timeout=timedelta(seconds=0.5)), "/s/")
+    inner = EtcdV3Store(EtcdClient(dead_endpoint, timeout=timedelta(seconds=0.5)), "/s/")
     s = dist.PrefixStore("p", inner)
     start = time.monotonic()
     with pytest.raises(dist.DistNetworkError, match="did not complete"):
@@ -150,4 +150,4 @@ def test_unreachable_etcd_raises_network_error(dead_endpoint: str) -> None:
 
 def test_store_rejects_empty_prefix() -> None:
     with pytest.raises(ValueError, match="prefix"):
-        EtcdStore(EtcdClient("127.0.0.1:1", timeout=timedelta(seconds=1)), "")
+        EtcdV3Store(EtcdClient("127.0.0.1:1", timeout=timedelta(seconds=1)), "")

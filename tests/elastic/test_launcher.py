@@ -23,7 +23,7 @@ import safetensors.torch
 import torch
 from _cluster import SimCluster, assert_same_model, cluster_env
 
-from flashckpt.elastic.etcd.server import EtcdServer
+from flashckpt.elastic.etcd.server import EtcdV3Server
 from flashckpt.elastic.membership import health
 from flashckpt.format.storage import Storage
 
@@ -250,7 +250,7 @@ def test_unreachable_etcd_at_start_fails_fast_with_the_fix(
 @pytest.mark.timeout(240)
 def test_job_survives_an_etcd_restart(
     tmp_path: Path,
-    etcd_instance: EtcdServer,
+    etcd_instance: EtcdV3Server,
     reference_model: dict[str, torch.Tensor],
     make_cluster: list[SimCluster],
 ) -> None:

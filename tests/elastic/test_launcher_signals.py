@@ -23,7 +23,7 @@ import pytest
 from _cluster import SimCluster
 
 from flashckpt.elastic.etcd.client import EtcdClient
-from flashckpt.elastic.etcd.server import EtcdServer
+from flashckpt.elastic.etcd.server import EtcdV3Server
 from flashckpt.elastic.rendezvous.backend import DEFAULT_KEY_PREFIX, job_prefix
 from flashckpt.testing.elastic import job_processes
 
@@ -124,7 +124,7 @@ def test_sigterm_to_the_process_group_while_workers_run(
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("how", ["sigterm", "finish"])
 def test_etcd_gone_for_good(
-    tmp_path: Path, etcd_instance: EtcdServer, cluster_box: list[SimCluster], how: str
+    tmp_path: Path, etcd_instance: EtcdV3Server, cluster_box: list[SimCluster], how: str
 ) -> None:
     short = ["--steps", "40", "--every", "5", "--step-sleep", "0.1"]
     steps = LONG_RUN if how == "sigterm" else short

@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous import (
 from waiting import wait_until
 
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdOutcomeUnknown
-from flashckpt.elastic.etcd.store import EtcdStore
+from flashckpt.elastic.etcd.store import EtcdV3Store
 from flashckpt.elastic.rendezvous.handler import (
     RdzvHandler,
     RdzvSettings,
@@ -63,7 +63,7 @@ class Job:
             **override,
         }
         h = RdzvHandler(
-            self.client, EtcdStore(self.client, self.prefix + "store/"), RdzvSettings(**kw)
+            self.client, EtcdV3Store(self.client, self.prefix + "store/"), RdzvSettings(**kw)
         )
         self.handlers.append(h)
         return h

@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
 )
 
-from flashckpt.elastic.etcd.server import EtcdServer
+from flashckpt.elastic.etcd.server import EtcdV3Server
 from flashckpt.elastic.rendezvous.backend import SHARE_STORE_ENV, create_handler, job_prefix
 from flashckpt.elastic.rendezvous.handler import RdzvHandler
 from flashckpt.elastic.rendezvous.registry import BACKEND_NAME
@@ -109,7 +109,7 @@ def test_tls_etcd_through_torchrun_options(tmp_path: Path) -> None:
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl CLI to make test certificates (apt-get install openssl)")
     tls = make_test_certificates(tmp_path / "certs")
-    with EtcdServer(tmp_path / "etcd", tls=tls) as server:
+    with EtcdV3Server(tmp_path / "etcd", tls=tls) as server:
         endpoint = server.client_url.removeprefix("https://")
         handler = create_handler(
             _params(

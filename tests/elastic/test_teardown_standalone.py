@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import flashckpt.elastic.etcd.standalone as standalone
-from flashckpt.elastic.etcd.server import ETCD_MISSING, EtcdServerError
+from flashckpt.elastic.etcd.server import ETCD_MISSING, EtcdV3ServerError
 from flashckpt.elastic.etcd.standalone import StandaloneEtcd, StandaloneEtcdError
 
 
@@ -16,7 +16,7 @@ def test_a_missing_etcd_names_the_install_line_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def missing() -> str:
-        raise EtcdServerError(ETCD_MISSING)
+        raise EtcdV3ServerError(ETCD_MISSING)
 
     monkeypatch.setattr(standalone, "find_etcd_binary", missing)
     etcd = StandaloneEtcd(parent_dir=str(tmp_path))

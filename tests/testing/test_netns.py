@@ -192,11 +192,11 @@ def test_hub_service_reached_from_machines_and_through_forward(cluster: netns.Cl
 
 
 def test_etcd_in_the_hub(cluster: netns.Cluster, tmp_path: object) -> None:
-    from flashckpt.elastic.etcd.server import EtcdServerError, find_etcd_binary
+    from flashckpt.elastic.etcd.server import EtcdV3ServerError, find_etcd_binary
 
     try:
         binary = find_etcd_binary()
-    except EtcdServerError as e:
+    except EtcdV3ServerError as e:
         pytest.skip(str(e))
     url = cluster.start_etcd(str(tmp_path), binary=binary)
     m = cluster.add("me")
@@ -215,11 +215,11 @@ def test_etcd_in_the_hub_that_exits_says_so_with_its_log(
 ) -> None:
     # The hub's etcd starts and is probed like every other etcd (flashckpt.elastic.etcd.server): one
     # that
-    # exits while starting is an EtcdServerError naming the exit and its log, not a timeout.
-    from flashckpt.elastic.etcd.server import EtcdServerError
+    # exits while starting is an EtcdV3ServerError naming the exit and its log, not a timeout.
+    from flashckpt.elastic.etcd.server import EtcdV3ServerError
 
     fake = tmp_path / "etcd"
     fake.write_text("#!/bin/sh\necho 'fake etcd: bad flag' >&2\nexit 3\n")
     fake.chmod(0o755)
-    with pytest.raises(EtcdServerError, match=r"(?s)exited with code 3.*fake etcd: bad flag"):
+    with pytest.raises(EtcdV3ServerError, match=r"(?s)exited with code 3.*fake etcd: bad flag"):
         cluster.start_etcd(str(tmp_path / "data"), binary=str(fake), timeout=120)

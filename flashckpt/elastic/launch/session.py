@@ -8,7 +8,7 @@
   (:mod:`flashckpt.elastic.membership.nodes`);
 - the flashckpt node agent process (:mod:`flashckpt.elastic.launch.agent_runner`);
 - torch's ``LocalElasticAgent`` with hooks around each rendezvous and worker start
-  (:class:`_FlashAgent`).
+  (:class:`_WorkerSupervisor`).
 
 What happens when a machine dies mid-training (machines A, B active; C standby):
 
@@ -23,7 +23,7 @@ What happens when a machine dies mid-training (machines A, B active; C standby):
    failed in a collective or still run (blocked in one that waits for B, or between
    collectives; with no standby waiting, torch's agent alone would leave them there). Workers
    that fail with their world are a membership change, not a failure of theirs: the restart
-   does not use up ``--max-restarts`` (:meth:`_FlashAgent._monitor_workers`).
+   does not use up ``--max-restarts`` (:meth:`_WorkerSupervisor._monitor_workers`).
 3. Each launcher deletes B's keys in the rendezvous (:meth:`RdzvHandler.expire_nodes`), so the
    next round does not wait for B's rendezvous lease to lapse, and A and the standby C form it.
 4. A replaces its node agent by a fresh one (a membership change leaves the old agent with
@@ -176,7 +176,7 @@ class LaunchSession:
         self._prewarmer: Prewarmer | None = None
         self._client: EtcdClient | None = None
         self._handler: RdzvHandler | None = None
-        self._agent: _FlashAgent | None = None
+        self._agent: _WorkerSupervisor | None = None
         self._job_prefix = ""
         self._shutdown_rdzv = False
         self._rounds = 0
@@ -400,7 +400,7 @@ class LaunchSession:
             monitor_interval=cfg.monitor_interval,
             local_addr=cfg.local_addr,
         )
-        self._agent = _FlashAgent(
+        self._agent = _WorkerSupervisor(
             spec,
             logs_specs=DefaultLogsSpecs(
                 log_dir=cfg.log_dir,
@@ -1007,8 +1007,10 @@ class _RetryRendezvous(FlashckptError):
     """The round must be formed again (a machine failed the health check)."""
 
 
-class _FlashAgent(LocalElasticAgent):
-    """torch's local elastic agent with the launch session's hooks around each round."""
+class _WorkerSupervisor(LocalElasticAgent):
+    """torch's ``LocalElasticAgent`` with the launch session's hooks around each round: the
+    supervisor of this machine's worker group. (In flashckpt, "agent" alone is the node agent
+    daemon; torch's class is called a supervisor here.)"""
 
     def __init__(
         self,

@@ -8,7 +8,7 @@ machine; it replaced torch's ``DynamicRendezvousHandler`` on a compare-and-set b
 grew as N^2 with the job, issue 31).
 
 The store handed to torch (for ``MASTER_ADDR``/``MASTER_PORT`` and the agents' barriers) is an
-:class:`flashckpt.elastic.etcd.store.EtcdStore` under ``<key_prefix>/<run_id>/store/``, one prefix
+:class:`flashckpt.elastic.etcd.store.EtcdV3Store` under ``<key_prefix>/<run_id>/store/``, one prefix
 per round.
 
 Creating the handler turns off torch's shared rendezvous TCPStore for the process
@@ -25,7 +25,7 @@ from datetime import timedelta
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from flashckpt.elastic.etcd.client import EtcdClient, parse_endpoints
-from flashckpt.elastic.etcd.store import EtcdStore
+from flashckpt.elastic.etcd.store import EtcdV3Store
 from flashckpt.elastic.rendezvous.handler import RdzvHandler, settings_from_params
 
 __all__ = [
@@ -163,6 +163,6 @@ def create_handler(params: RendezvousParameters) -> RdzvHandler:
         )
     prefix = job_prefix(params.run_id, key_prefix)
     settings = settings_from_params(params, prefix)
-    store = EtcdStore(client, prefix + "store/", timeout=timedelta(seconds=store_timeout_s))
+    store = EtcdV3Store(client, prefix + "store/", timeout=timedelta(seconds=store_timeout_s))
     use_fresh_worker_store()
     return RdzvHandler(client, store, settings)

@@ -331,7 +331,7 @@ class RdzvHandler(RendezvousHandler):
     Args:
         client: The etcd client.
         store: The store handed to torch for each round (under a per-round prefix), usually an
-            :class:`flashckpt.elastic.etcd.store.EtcdStore` under ``<job>/store/``.
+            :class:`flashckpt.elastic.etcd.store.EtcdV3Store` under ``<job>/store/``.
         settings: Sizes, timeouts, lease TTLs.
     """
 

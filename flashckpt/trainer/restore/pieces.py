@@ -31,7 +31,7 @@ from flashckpt.state.sharded import overlap_volume
 
 __all__ = [
     "HeldSnapshot",
-    "PeerPlan",
+    "MemoryPiecesPlan",
     "covered",
     "gather_json",
 ]
@@ -59,7 +59,7 @@ class HeldSnapshot:
 
 
 @dataclass(slots=True)
-class PeerPlan:
+class MemoryPiecesPlan:
     """A step that the memory of this world's ranks covers, and what this rank needs."""
 
     step: int
@@ -153,7 +153,7 @@ def _entries(meta: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...], i
 
 
 def exchange(
-    plan: PeerPlan,
+    plan: MemoryPiecesPlan,
     rank: int,
     world: int,
     group: Any,

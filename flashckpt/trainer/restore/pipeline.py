@@ -35,11 +35,11 @@ from flashckpt.trainer.interval import RESTARTS_ENV
 from flashckpt.trainer.rankctx import RankContext
 from flashckpt.trainer.restore.saved import RestoreEnv, RestorePlan, RestoreSource, SavedStep
 from flashckpt.trainer.restore.sources import (
+    DataParallelSource,
     K,
+    MemoryReshardSource,
     MemorySource,
-    PeerMemorySource,
-    PeerReshardSource,
-    ReplicaSource,
+    ReplicaPullSource,
     StorageSource,
 )
 from flashckpt.trainer.snapshot import BadMemory, TornSnapshot
@@ -53,9 +53,9 @@ log = logging.getLogger("flashckpt")
 
 SOURCES: tuple[Callable[[RestoreEnv], RestoreSource], ...] = (
     MemorySource,
-    PeerReshardSource,
-    ReplicaSource,
-    PeerMemorySource,
+    MemoryReshardSource,
+    DataParallelSource,
+    ReplicaPullSource,
     StorageSource,
 )
 """Every restore source, most preferred first (built in this order, once per restore)."""

@@ -3,12 +3,12 @@
 :class:`~flashckpt.trainer.restore.saved.SavedStep`.
 
 - :class:`MemorySource`: this rank's own snapshots in its shared-memory slots;
-- :class:`PeerReshardSource`: a sharded state rebuilt from the snapshots this world's ranks hold
+- :class:`MemoryReshardSource`: a sharded state rebuilt from the snapshots this world's ranks hold
   in memory (this machine's slots read in place, other machines' pieces sent over gloo), and,
   where the world size changed, from the replicas their node agents hold of lost machines'
   snapshots (``restored_from`` ``peer-reshard``);
-- :class:`ReplicaSource`: a replicated state from a surviving replica's memory;
-- :class:`PeerMemorySource`: this rank's snapshot from another machine's memory, where the node
+- :class:`DataParallelSource`: a replicated state from a surviving replica's memory;
+- :class:`ReplicaPullSource`: this rank's snapshot from another machine's memory, where the node
   agents replicate snapshots between machines (this rank's own machine was lost): this rank's
   agent pulls the replica into one of its slots, the rank reads it there as memory;
 - :class:`StorageSource`: the committed steps in storage.
@@ -40,7 +40,7 @@ from flashckpt.state.rng import capture_rng
 from flashckpt.state.sharded import ShardedPiece
 from flashckpt.trainer.restore.pieces import (
     HeldSnapshot,
-    PeerPlan,
+    MemoryPiecesPlan,
     Placeholders,
     exchange,
     gather_json,
@@ -55,11 +55,11 @@ if TYPE_CHECKING:
     from flashckpt.trainer.restore.saved import RestoreEnv, RestorePlan
 
 __all__ = [
+    "DataParallelSource",
     "K",
+    "MemoryReshardSource",
     "MemorySource",
-    "PeerMemorySource",
-    "PeerReshardSource",
-    "ReplicaSource",
+    "ReplicaPullSource",
     "StorageSource",
     "world_conflict",
 ]
@@ -331,7 +331,7 @@ class _HeldReplica:
     """Whether this rank checks its data hash (one local rank per replica does)."""
 
 
-class PeerReshardSource:
+class MemoryReshardSource:
     """A sharded state rebuilt from the snapshots this world's ranks hold in memory (this
     machine's slots are read in place; pieces of other machines travel over torch.distributed):
     every rank reads it together, after the world agreed on who sends what.
@@ -342,7 +342,7 @@ class PeerReshardSource:
     then ``peer-reshard``). A replica is checked like a slot (its description against
     its file and the job, its data hash before use); one that fails its hash is a
     :class:`BadMemory` (the step may still come from storage) and no rank uses it again in this
-    restore. At the same world size a replica is :class:`PeerMemorySource`'s (pulled into the
+    restore. At the same world size a replica is :class:`ReplicaPullSource`'s (pulled into the
     replacement's own slot)."""
 
     name = "memory-reshard"
@@ -359,7 +359,7 @@ class PeerReshardSource:
         step, world id), never used again in this restore (by any rank)."""
         self._failed_replicas: set[tuple[str, str, int, int, str]] = set()
         self.held = None if env.config.replicated else self._held_snapshots()
-        self.plan: PeerPlan | None = None
+        self.plan: MemoryPiecesPlan | None = None
         self.plan_replicas: dict[int, tuple[str, str]] = {}
         """Old rank -> (holder node, sender node) of the plan's old ranks that a replica serves."""
         self._received: dict[int, dict[str, torch.Tensor]] = {}
@@ -412,7 +412,7 @@ class PeerReshardSource:
                             sm.slot.path, why)  # fmt: skip
                 continue
             if rep is not None and m.world_size == ctx.world:
-                continue  # the same world size: PeerMemorySource pulls it for its own rank
+                continue  # the same world size: ReplicaPullSource pulls it for its own rank
             off = sm.slot.data_off
 
             def check(sm: SlotMap = sm, step: int = info.step) -> bool:
@@ -589,7 +589,7 @@ class PeerReshardSource:
                 code = 1
                 log.info("flashckpt: step %d cannot be resharded from memory: %s", step, e)
             if ctx.all_max(code) == 0:
-                self.plan = PeerPlan(step, wid, w, metas, groups[key], base, requests)
+                self.plan = MemoryPiecesPlan(step, wid, w, metas, groups[key], base, requests)
                 self.plan_replicas = dict(via.get(key, {}))
                 return [step]
         return []
@@ -607,10 +607,10 @@ class PeerReshardSource:
                 out.setdefault(h.rank, h)
         return out
 
-    def _mine(self, plan: PeerPlan) -> dict[int, HeldSnapshot]:
+    def _mine(self, plan: MemoryPiecesPlan) -> dict[int, HeldSnapshot]:
         return self._mine_of((plan.step, plan.world_id, plan.world_size))
 
-    def _mine_replicas(self, plan: PeerPlan) -> dict[int, tuple[int, _HeldReplica]]:
+    def _mine_replicas(self, plan: MemoryPiecesPlan) -> dict[int, tuple[int, _HeldReplica]]:
         """Old rank -> (index, replica) of the plan's snapshots this rank reads from a replica."""
         mine = self._mine(plan)
         out = {}
@@ -749,11 +749,14 @@ class PeerReshardSource:
         pass
 
 
-class ReplicaSource:
-    """For a replicated (data-parallel) state: a surviving replica's snapshot in memory, sent
-    over torch.distributed; this rank's RNG states and extras then come from the small per-rank
-    file the agent writes through at each snapshot (with its buffers hash, which the replica's
-    must match)."""
+class DataParallelSource:
+    """For a data-parallel state: a surviving data-parallel twin's snapshot in memory (another
+    rank holding the same parameters), sent over torch.distributed; this rank's RNG states and
+    extras then come from the small per-rank file the agent writes through at each snapshot
+    (with its buffers hash, which the twin's must match). Not a *replica*: that word means a
+    copy in another machine's node agent memory (:class:`ReplicaPullSource`).
+
+    Its ``name`` ("replica") is what restore reports print and stays as it was."""
 
     name = "replica"
     whole_world = False
@@ -876,7 +879,7 @@ class ReplicaSource:
         pass
 
 
-class PeerMemorySource:
+class ReplicaPullSource:
     """This rank's snapshot of a step from a peer machine's memory: the node agents replicate
     each machine's newest snapshot to another machine (:mod:`flashckpt.agent.replicas.holder`); a
     rank whose own memory lacks a step (its machine was lost, this one replaces it) has its own

@@ -329,3 +329,30 @@ def test_records_come_from_the_view_when_etcd_confirms_it_is_current_and_are_nev
     c.close()
     records = {r.node_id: r for r in me.records()}
     assert set(records) == {"a", "b"} and records["b"].group_rank == 5
+
+
+@pytest.mark.etcd
+def test_outage_probes_ask_a_bounded_sample_of_the_peers_at_any_job_size(
+    etcd_server: str,
+    etcd_prefix: str,
+    make_registry: Callable[..., NodeRegistry],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # While its lease renewals fail, a machine probes its peers to tell an etcd outage (they
+    # answer) from being cut off (none does): every machine at once, so a bounded number each.
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=10))
+    regs = [make_registry(etcd_prefix, f"m{i:02d}", client) for i in range(20)]
+    me = regs[0]
+    wait_until(lambda: len(me.peers()) == 19, "every peer seen", timeout=WAIT_S)
+    probed: list[str] = []
+    real_probe = membership.probe
+
+    def counting_probe(record: NodeRecord, timeout: float = 0.5) -> membership.ProbeResult:
+        probed.append(record.node_id)
+        return real_probe(record, timeout)
+
+    monkeypatch.setattr(membership, "probe", counting_probe)
+    alive = me._alive_peers(2.0)
+    assert alive is not None and len(alive) == len(probed) == membership._OUTAGE_SAMPLE
+    assert len(set(probed)) == len(probed), "each sampled peer once"
+    assert {"m01", "m02", "m03", "m04"} <= set(probed), "its ring successors first"

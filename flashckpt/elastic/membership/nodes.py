@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import pickle
+import random
 import selectors
 import socket
 import threading
@@ -102,6 +103,8 @@ _QUIET_CHECK_S = 60.0
 # loaded host's patience; at the fence deadline, when none answered lately, once more, short.
 _OUTAGE_PROBE_TIMEOUT_S = 1.0
 _FENCE_PROBE_TIMEOUT_S = 0.25
+_OUTAGE_SAMPLE = 8
+"""Peers probed at most per round of outage probes (whether this machine is cut off)."""
 
 
 def fence_deadline(last_ok: float, ttl_s: float) -> float:
@@ -942,6 +945,14 @@ class NodeRegistry:
         peers = [r for r in self.peers().values() if r.probe]
         if not peers:
             return None
+        if len(peers) > _OUTAGE_SAMPLE:
+            # Every machine probes during an etcd outage: a bounded sample keeps it O(1) per
+            # machine (its ring successors, then others at random), not N*N for the job.
+            by_id = {r.node_id: r for r in peers}
+            chosen = ring_successors(self._record.node_id, by_id, _OUTAGE_SAMPLE // 2)
+            others = [n for n in by_id if n not in chosen]
+            chosen += random.sample(others, _OUTAGE_SAMPLE - len(chosen))
+            peers = [by_id[n] for n in chosen]
 
         def ask(r: NodeRecord) -> tuple[bool, float | None]:
             if probe(r, timeout) is not ProbeResult.ALIVE:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -33,6 +34,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 import flashckpt.agent.persist as agent_persist  # noqa: E402
 from flashckpt.agent.daemon import AgentConfig, NodeAgent  # noqa: E402
 from flashckpt.format.storage import Storage  # noqa: E402
+from flashckpt.trainer.config import parse_persist_every  # noqa: E402
 
 CHUNK = 1 << 20
 
@@ -94,6 +96,7 @@ def run(args: argparse.Namespace, tmp: Path, slow: bool) -> dict[str, Any]:
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     # The loop's time: from its first logged step to its last (entry and exit excluded).
     first = last = None
+    written = 0
     persisted: list[tuple[float, int]] = []
     seen = -1
     while p.poll() is None:
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace, tmp: Path, slow: bool) -> dict[str, Any]:
             first = now
         if n >= args.steps and last is None:
             last = now
+            written = sum(agent.st.shard_writes.values())  # persists written in the loop
         high = agent.st.persisted_high
         if high > seen:
             persisted.append((now, high))
@@ -110,16 +114,26 @@ def run(args: argparse.Namespace, tmp: Path, slow: bool) -> dict[str, Any]:
         time.sleep(0.01)
     err = p.stderr.read().decode() if p.stderr else ""
     assert p.returncode == 0, err[-3000:]
-    last = last or time.monotonic()
+    if last is None:
+        last = time.monotonic()
+        written = sum(agent.st.shard_writes.values())
     agent.request_stop()
     t.join(120)
     steps = [s for _, s in persisted]
     gaps = [b - a for a, b in itertools.pairwise(steps)]
     times = [b - a for (a, _), (b, _) in itertools.pairwise(persisted)]
+    # persist_every's bound: the persists written while the loop ran (the give-ways and the
+    # exit's final persist left out) per interval begun.
+    _, every_s = parse_persist_every(args.persist_every)
+    loop_s = last - (first or last)
+    intervals = math.ceil(max(loop_s, 1e-9) / every_s) if every_s is not None else None
     return {
         "slow": slow,
-        "loop_s": (last - (first or last)),
+        "loop_s": loop_s,
         "persists": steps,
+        "written_during_loop": written,
+        "intervals": intervals,
+        "written_per_interval": written / intervals if intervals else None,
         "max_steps_between": max(gaps, default=0),
         "max_s_between": max(times, default=0.0),
     }
@@ -146,7 +160,9 @@ def main() -> int:
             f"{'throttled' if r['slow'] else 'unthrottled':>11}: loop {r['loop_s']:.1f} s, "
             f"{len(r['persists'])} steps persisted or given way ({r['persists'][:8]}...), "
             "at most "
-            f"{r['max_steps_between']} steps / {r['max_s_between']:.1f} s between two"
+            f"{r['max_steps_between']} steps / {r['max_s_between']:.1f} s between two; "
+            f"{r['written_during_loop']} written during the loop "
+            f"({r['intervals']} persist_every interval(s) begun)"
         )
     ratio = slow["loop_s"] / max(fast["loop_s"], 1e-9)
     print(f"slowdown x{ratio:.2f} at {args.rate} MB/s")

@@ -573,6 +573,7 @@ class NodeAgent:
                 "errors": list(self.st.errors[-10:]),
                 "shard_writes": dict(self.st.shard_writes),
                 "staged_writes": self.st.staged_writes,
+                "persisting": self.st.persisting,
                 "refused_slots": dict(self.st.refused),
                 "corrupt_snapshots": [
                     {"slot": p, "seq": q, "step": st} for (p, q), st in self.st.corrupt.items()

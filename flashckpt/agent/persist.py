@@ -59,7 +59,7 @@ from flashckpt.format.storage import (
     rank_file_name,
     shard_file_name,
 )
-from flashckpt.protocol.messages import Persisted
+from flashckpt.protocol.messages import PersistAbandoned, Persisted, Persisting
 
 __all__ = ["Persister", "hash_snapshot"]
 
@@ -428,6 +428,21 @@ class Persister:
         return True
 
     def persist(self, step: int, picks: dict[int, tuple[int, SlotInfo]]) -> None:
+        """Writes this node's part of ``step`` (the snapshots in ``picks``) to storage. Once
+        the snapshots are read and pinned the trainers hear ``persisting``, then ``persisted``
+        or, when the write ends without it (it gave way, a slot changed, storage failed),
+        ``persist_abandoned``; ``status()['persisting']`` says the same meanwhile."""
+        try:
+            self._persist(step, picks)
+        finally:
+            with self.st.lock:
+                abandoned = self.st.persisting == step
+                if abandoned:
+                    self.st.persisting = None
+            if abandoned:
+                self.st.broadcast(PersistAbandoned(step=step))
+
+    def _persist(self, step: int, picks: dict[int, tuple[int, SlotInfo]]) -> None:
         storage = self.st.storage
         assert storage is not None
         t0 = time.monotonic()
@@ -460,6 +475,11 @@ class Persister:
                     if meta is None or meta.step != step:
                         raise _Torn(f"rank {r}")
                     metas[r] = meta
+                # From here the step is this persist's (pinned, or soon copied out): a trainer
+                # whose marked snapshot leaves its slot meanwhile does not mark another.
+                with self.st.lock:
+                    self.st.persisting = step
+                self.st.broadcast(Persisting(step=step))
                 hosts_rank0 = any(m.rank == 0 for m in metas.values())
                 world_id = next(iter(metas.values())).world_id if metas else ""
                 if hosts_rank0 and step > self.st.resumed_at:
@@ -573,6 +593,7 @@ class Persister:
         part_s = time.monotonic() - t1
         with self.st.lock:
             self.st.persisted_high = max(self.st.persisted_high, step)
+            self.st.persisting = None
         self._yields = 0
         # The trainers carry a mark for storage forward until they hear this (or the commit):
         # a marked snapshot replaced before its persist began is made up for by the next one.

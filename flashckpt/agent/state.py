@@ -290,6 +290,7 @@ class AgentState:
         self.world_id: str | None = None
         self.staged_writes = 0  # shard writes from a private copy (the trainer wanted the slot)
         self.persisted_high = -1  # newest step persisted (or skipped) by this agent
+        self.persisting: int | None = None  # the step the persister writes now (issue 30)
         # Committed steps hidden (uncommitted) to be rewritten: retried until committed again.
         self.rewrites: set[int] = set()
         # flush requests waiting now: the newest snapshot is persisted even if unmarked

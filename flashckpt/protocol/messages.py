@@ -799,3 +799,34 @@ class Persisted(Event):
 
 EVENTS[Persisted.event] = Persisted
 __all__ += ["Persisted"]
+
+
+# -- persisting (issue 30: a persist in flight holds the trainers' mark) ----------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Persisting(Event):
+    """This node's persister took a step's snapshots (pinned, or copied out of the slots) and
+    writes them to storage now; ``persisted`` follows, or ``persist_abandoned``. A trainer
+    whose marked snapshot left its slot while this step (or a newer one) is being written
+    counts the mark as pending, not lost: slow storage then gets one persist per
+    ``persist_every``, not one after another."""
+
+    event: ClassVar[str] = "persisting"
+    step: int
+    """The step."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PersistAbandoned(Event):
+    """The persist of a step announced by ``persisting`` ended without writing it (it gave way
+    to a trainer, the slot changed under it, its data failed its hash, storage failed)."""
+
+    event: ClassVar[str] = "persist_abandoned"
+    step: int
+    """The step."""
+
+
+EVENTS[Persisting.event] = Persisting
+EVENTS[PersistAbandoned.event] = PersistAbandoned
+__all__ += ["PersistAbandoned", "Persisting"]

@@ -602,6 +602,12 @@ class Checkpointer:
         if owed == self._last_saved_step:
             return _PENDING  # the newest snapshot: this one goes to the other slot
         alive = self._link.alive()  # a dead agent's pin means nothing (the trainer ignores it)
+        writing = s.persisting_step
+        if alive and writing is not None and writing >= owed:
+            # The agent writes it (or a newer step) now, from a copy once slow storage made it
+            # let the slot go: passing the mark on would start the next persist as soon as
+            # this one ends, one after another, whatever persist_every says (issue 30).
+            return _PENDING
         for sm in self._snap.slots:
             if sm is not None and sm.step == owed:
                 return _PENDING if alive and sm.slot.pinned() else _LOST

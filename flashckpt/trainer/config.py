@@ -67,7 +67,9 @@ class CheckpointConfig:
     finds; a marked one that a newer snapshot replaces in memory before the agent persisted it
     (snapshots every step or two, an agent slowed by load, a persist yielded to the trainer)
     passes its mark to the next snapshot, on every rank alike (``stats.persist_carried``), so
-    storage does not wait for the next mark."""
+    storage does not wait for the next mark. A marked snapshot the agent is still writing (on
+    slow storage it writes from a copy and lets the slot go) keeps its mark: the agent persists
+    at most one marked snapshot per interval however long each write takes."""
     mirror: str | None = None
     """A second, remote checkpoint root (any fsspec URL, e.g. ``s3://bucket/run1``): the
     optional remote tier. ``storage`` is then meant for node-local disk, written often;
@@ -324,6 +326,10 @@ class Stats:
     last_persisted_step: int | None = None
     """The newest step this rank's node agent wrote its part of to storage (its commit follows
     once every machine's part is in)."""
+    persisting_step: int | None = None
+    """The step this rank's node agent is writing to storage now (its ``persisting`` event;
+    None once it reported the step persisted or abandoned): a mark for storage whose snapshot
+    left its slot while the agent writes it (from a copy, on slow storage) is pending, not lost."""
     persist_errors: list[dict[str, Any]] = field(default_factory=list)
     stall_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)

@@ -196,6 +196,13 @@ class AgentLink:
             step = int(msg["step"])
             if self.stats.last_persisted_step is None or step > self.stats.last_persisted_step:
                 self.stats.last_persisted_step = step
+            if self.stats.persisting_step is not None and self.stats.persisting_step <= step:
+                self.stats.persisting_step = None
+        elif ev == "persisting":
+            self.stats.persisting_step = int(msg["step"])
+        elif ev == "persist_abandoned":
+            if self.stats.persisting_step == int(msg["step"]):
+                self.stats.persisting_step = None
         elif ev == "persist_error":
             self.stats.persist_errors.append({"step": msg.get("step"), "error": msg.get("error")})
             log.warning("flashckpt: persisting step %s failed: %s", msg.get("step"), msg["error"])
@@ -243,6 +250,7 @@ class AgentLink:
         self.client = client
         self.auto = reply.auto_started
         self.restarts += 1
+        self.stats.persisting_step = None  # the lost agent's persist in flight went with it
         self._adopt_slots(reply.slots)
         timeline_start = self._timeline_start()
         if timeline_start >= 0:

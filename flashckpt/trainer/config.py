@@ -38,54 +38,21 @@ class CheckpointConfig:
     storage: str | None = None
     """Checkpoint root URL (any fsspec URL); None keeps snapshots in memory only."""
     every: int | Literal["auto"] = "auto"
-    """When ``ckpt.step()`` snapshots. ``"auto"`` (the default): at the interval that minimises
-    lost time, from the measured snapshot stall, step time and failure rate, chosen again after
-    every snapshot (:mod:`flashckpt.trainer.interval`; ``status()["every"]`` shows it); the first
-    one after 10 steps. An int N: whenever the number of steps done is a multiple of N. 0: manual,
-    snapshots only on ``save()`` (and the one on exit)."""
+    """When ``ckpt.step()`` snapshots: ``"auto"`` (the default: the interval that minimises lost
+    time, chosen after every snapshot), an int N (whenever the steps done are a multiple of N), or 0
+    (only on ``save()`` and exit). docs/performance.md."""
     persist_every: int | str = "5m"
-    """Which snapshots go to storage too (memory keeps every one). A duration ``"90s"``,
-    ``"10m"``, ``"2h"``: the first snapshot, then one when at least that long passed since the
-    last one marked (the ranks agree: one all-reduce of one integer per snapshot; a rank whose
-    clock says "due" decides for all). An int N: the first and then every Nth snapshot (1: every
-    one, the behaviour before this default).
-
-    The default, ``"5m"``, bounds the node agent's background work whatever ``every`` is: at
-    most one persisted snapshot per 5 minutes, so its hashing CPU and disk writes average at
-    most about state size / 300 s (a 10 GB shard: ~33 MB/s of hashing and writing, a small
-    fraction of a local disk) instead of growing with the snapshot rate, where they compete with
-    the cores that train. The price is paid only when a machine is lost with its memory and no
-    other machine's memory holds its state: the job then falls back to the last persisted step,
-    usually at most about five minutes plus one snapshot interval and one persist's duration
-    behind. Whatever it says, the newest snapshot is
-    persisted when ``flush()`` or the exit of the ``with`` block waits for it and when a trainer
-    dies (its node agent persists what that machine's memory holds: save at breakpoint), so a
-    rarer persist loses nothing on a process crash; and where another machine's memory holds the
-    state (data parallel: every machine does; sharded: the agent's ``replicas``) a lost machine
-    restores from there. Lower it (or use 1) where storage is the only copy that survives, e.g.
-    a single machine whose loss is likely. The agent persists the newest marked snapshot it
-    finds; a marked one that a newer snapshot replaces in memory before the agent persisted it
-    (snapshots every step or two, an agent slowed by load, a persist yielded to the trainer)
-    passes its mark to the next snapshot, on every rank alike (``stats.persist_carried``), so
-    storage does not wait for the next mark. A marked snapshot the agent is still writing (on
-    slow storage it writes from a copy and lets the slot go) keeps its mark: the agent persists
-    at most one marked snapshot per interval however long each write takes."""
+    """Which snapshots go to storage too (memory keeps every one): a duration ``"90s"``, ``"10m"``,
+    ``"2h"`` (the first, then one when that long passed since the last one marked) or an int N (the
+    first and every Nth). Why ``"5m"``: docs/persistence.md."""
     mirror: str | None = None
-    """A second, remote checkpoint root (any fsspec URL, e.g. ``s3://bucket/run1``): the
-    optional remote tier. ``storage`` is then meant for node-local disk, written often;
-    ``mirror_every`` of the persisted steps are copied from there to this root in the
-    background (verified against their hashes as they are copied) and committed there once
-    every node's files are in (same format, its own manifest and ``latest``, its own ``keep``).
-    Restore reads the newest committed step of either root. Needs ``storage``; None: no remote
-    tier."""
+    """A second, remote checkpoint root (any fsspec URL, e.g. ``s3://bucket/run1``):
+    ``mirror_every`` of the persisted steps are copied there from ``storage`` (then node-local disk)
+    and committed. Needs ``storage``; None: no remote tier. docs/persistence.md."""
     mirror_every: int | str = 10
-    """Which persisted snapshots go to ``mirror`` too, counted over the snapshots marked for
-    storage (``persist_every``). An int N: the first and then every Nth (10, the default: the
-    remote tier gets a tenth of the local disk's traffic, so a slow or metered link stays
-    bounded, while a lost machine, the only loss it is for, falls back at most 10 persisted
-    steps). A duration ``"30m"``: one when at least that long passed since the last one marked
-    (the ranks agree). The exit's final snapshot is mirrored too (the agent waits for it a
-    bounded time, ``commit_timeout``)."""
+    """Which persisted snapshots go to ``mirror`` too: an int N (the first and every Nth; 10, the
+    default) or a duration ``"30m"`` (the ranks agree). The exit's final snapshot is mirrored
+    too."""
     mtbf_s: float | None = None
     """With ``every="auto"``: the prior job MTBF in seconds (default: 50,000 GPU-hours per
     failure divided by the world size); failures seen during the run update it."""
@@ -96,26 +63,13 @@ class CheckpointConfig:
     node: str | None = None
     """Node id. Default: $FLASHCKPT_NODE, then the host name."""
     mode: Literal["auto", "overlap", "sync"] = "auto"
-    """How a snapshot's bulk (parameters and optimizer state) is copied into shared memory.
-    ``"auto"`` (the default) picks at the first save, from the devices of the state's tensors,
-    and keeps that choice for the run (``stats.copy_mode``, ``status()["copy_mode"]``): ``"sync"``
-    when every tensor lives in host memory (the cores that train would also run a background
-    copy: it only competes with them), ``"overlap"`` when any lives on a GPU (a mixed CPU/GPU
-    state too: the device-to-host copy runs on a CUDA side stream while the next
-    forward/backward computes). ``"overlap"``: ``save()`` returns after the cheap part; the bulk
-    is copied in the background and ``optimizer.step()`` waits for that copy. ``"sync"``: the
-    copy is done before ``save()`` returns."""
+    """How a snapshot's bulk is copied into shared memory: ``"overlap"`` (in the background;
+    ``optimizer.step()`` waits for it), ``"sync"`` (before ``save()`` returns) or ``"auto"`` (the
+    default: picked at the first save, ``stats.copy_mode``). docs/performance.md."""
     prefault: Literal["auto", "entry", "background"] = "auto"
-    """When the pages of fresh slots are populated (a copy into never-touched shared memory costs
-    several times one into populated pages: tmpfs zeroes each page on first touch).
-    ``"entry"``: before ``__enter__`` returns, where nothing else runs (about 0.5 s per GiB of
-    slots on an idle core). ``"background"``: in a thread that runs beside training (entry
-    returns at once; the first saves never wait for it, but next to training threads the same
-    work takes several times the CPU and slows the steps it overlaps). ``"auto"`` (the default):
-    ``"entry"`` on a fresh start with the whole state in host memory (the cores that train would
-    run the thread), ``"background"`` on a resume (the time to the first step after a failure
-    comes first; slots that already hold snapshots are populated anyway) and when any tensor
-    lives on a GPU (the cores are mostly free). ``stats.prefault`` says what was done and why."""
+    """When the pages of fresh slots are populated: ``"entry"`` (before ``__enter__`` returns),
+    ``"background"`` (in a thread beside training) or ``"auto"`` (the default: picked on entry,
+    ``stats.prefault`` says what and why). docs/performance.md."""
     when_busy: Literal["wait", "skip"] = "wait"
     """When no slot is free (the previous copy still runs and the agent persists the other slot):
     wait for one, or skip this snapshot (counted in ``stats`` and returned by ``save``)."""
@@ -134,15 +88,12 @@ class CheckpointConfig:
     memory are dropped); over a storage root that holds committed steps it needs
     ``overwrite=True``."""
     overwrite: bool = False
-    """Whether a run that starts from step 0 (``restore=False``, or nothing any rank can restore)
-    may take over a storage root that holds committed steps: they are deleted on entry, and this
-    run's steps replace them. Without it entry refuses with an error: the older run's steps would
-    otherwise be taken for this run's (and resumed from next time)."""
+    """Whether a run that starts from step 0 may take over a storage root that holds committed steps
+    (they are deleted on entry); without it entry refuses. docs/training-loop.md."""
     takeover: bool = False
-    """Whether this job may use a storage root (or mirror) whose newest committed step another
-    job wrote (its manifest names the job). By default entry refuses: two jobs on one root
-    would resume from each other's steps. True: this job resumes from those steps and its own
-    commits replace them (a renamed job continuing another's run)."""
+    """Whether this job may resume from a storage root (or mirror) whose newest committed step
+    another job wrote (its manifest names the job); without it entry refuses.
+    docs/training-loop.md."""
     allow_unsaved_scheduler: bool = False
     """Whether an optimizer driven by an LR scheduler (its param groups carry ``initial_lr``) may
     go without the scheduler in ``scheduler=`` or ``stateful=``. By default entry refuses: a
@@ -152,13 +103,9 @@ class CheckpointConfig:
     (storage failed mid-run; training went on from memory): raise :class:`PersistError` (the
     job exits non-zero), or only log and warn."""
     replicated: bool | None = None
-    """Whether all ranks hold the same model/optimizer state. None (the default): detected on
-    entry. A model state dict or optimizer holding a DTensor with a ``Shard`` (or strided)
-    placement (FSDP2, tensor parallel, HSDP) is sharded, anything else replicated. True: data
-    parallel, one replica persists the state (a sharded DTensor is then refused on entry).
-    False: every rank holds a piece of its own; with DTensors on a mesh with replicate dims
-    (HSDP) only the ranks of replica 0 (coordinate 0 on those dims) write the pieces.
-    ``ckpt.config.replicated`` holds the resolved value after entry."""
+    """Whether all ranks hold the same model/optimizer state. None (the default): detected on entry
+    (a DTensor with a ``Shard`` placement means sharded); ``ckpt.config.replicated`` holds the
+    resolved value. docs/sharded.md."""
     flush_timeout: float = 600.0
     """Seconds to wait on exit for the last snapshot to be committed to storage."""
     agent_timeout: float = 60.0

@@ -13,10 +13,13 @@ seconds; durations are seconds):
   a trainer process (an *incarnation* of a rank, named by ``token``) entered
   ``flashckpt.checkpointing()`` at ``enter`` and began its first step at ``ready``; the process
   was created at ``proc_start``. ``ready`` is null if it never got that far.
-- ``{"event": "steps", "rank", "token", "n", "t1", "step_s", "ckpt_s", "recomputed_s",
-  "recomputed_n", ...}``: ``n`` iterations ended by ``t1``; together they took ``step_s``; of
-  that, ``recomputed_s`` went to iterations run before (re-run after a resume) and ``ckpt_s`` to
-  checkpoint stalls of the others.
+- ``{"event": "steps", "v": 2, "rank", "token", "first", "last", "n", "t1", "step_s",
+  "ckpt_s", "recomputed_s", "recomputed_n", ...}``: ``n`` iterations ended by ``t1``; together
+  they took ``step_s``; of that, ``recomputed_s`` went to iterations run before (re-run after a
+  resume) and ``ckpt_s`` to checkpoint stalls of the others. ``first`` and ``last`` count steps
+  completed (``ckpt.steps_done``) after the batch's first and last iteration, as every step
+  flashckpt prints; lines without ``v`` (written before it) carry the iterations' 0-based
+  indices there instead: read both with :func:`steps_span`, never the fields themselves.
 - ``{"event": "end", "rank", "token", "reason": "exit" | "died" | "killed", "t"}``: the
   incarnation exited cleanly at ``t``, or was found dead (or killed as hung) at ``t``.
 
@@ -60,6 +63,7 @@ __all__ = [
     "main",
     "plot_report",
     "read_events",
+    "steps_span",
 ]
 
 CATEGORIES: tuple[str, ...] = (
@@ -193,6 +197,36 @@ def read_events(paths: Sequence[str]) -> list[dict[str, Any]]:
                     if isinstance(ev, dict) and "event" in ev:
                         events.append(ev)
     return events
+
+
+STEPS_EVENT_VERSION = 2
+"""The ``v`` of the ``steps`` events written now: ``first``/``last`` count steps completed. A
+line without ``v`` is version 1: 0-based iteration indices."""
+
+
+def steps_span(ev: dict[str, Any]) -> tuple[int | None, int | None]:
+    """A ``steps`` event's ``(first, last)`` as steps completed (``ckpt.steps_done`` after the
+    batch's first and last iteration; None where the batch had none), whichever version wrote it.
+
+    Raises:
+        ValueError: a version this flashckpt does not know (a newer one wrote the line): its
+            numbers are not guessed at.
+    """
+    v = ev.get("v", 1)
+    if v == 1:
+        shift = 1  # 0-based iteration indices
+    elif v == STEPS_EVENT_VERSION:
+        shift = 0
+    else:
+        raise ValueError(
+            f"a 'steps' event of version {v!r} (this flashckpt reads 1 and "
+            f"{STEPS_EVENT_VERSION}): written by a newer flashckpt; read the file with that one"
+        )
+    first, last = ev.get("first"), ev.get("last")
+    return (
+        None if first is None else int(first) + shift,
+        None if last is None else int(last) + shift,
+    )
 
 
 def incarnations_from_events(events: Iterable[dict[str, Any]]) -> dict[int, list[Incarnation]]:

@@ -36,12 +36,14 @@ from typing import Any, Literal
 
 from flashckpt.monitor.alerts import Alerts
 from flashckpt.monitor.goodput import (
+    STEPS_EVENT_VERSION,
     Incarnation,
     compute_goodput,
     format_report,
     incarnations_from_events,
     plot_report,
     read_events,
+    steps_span,
 )
 from flashckpt.monitor.metrics import MetricsServer, metric_families, serve_metrics
 from flashckpt.monitor.rankview import Batch, RankState, RingReader, quantile
@@ -271,9 +273,17 @@ class AgentMonitor:
                     rs.incarnations += 1
                     self._history[inc.token] = inc
         for ev in events:
-            if ev.get("event") == "steps" and ev.get("last") is not None:
+            if ev.get("event") != "steps":
+                continue
+            try:
+                _, done = steps_span(ev)
+            except ValueError as e:
+                log.warning("monitor: %s: %s; its steps are not counted", self.events_path, e)
+                continue
+            if done is not None:
                 rs = self._ranks.setdefault(int(ev["rank"]), RankState(int(ev["rank"])))
-                rs.high_water = max(rs.high_water, int(ev["last"]))
+                # high_water is a ring index (0-based), as the records it is compared with.
+                rs.high_water = max(rs.high_water, done - 1)
 
     def next_wait(self) -> float:
         """Seconds until the next poll: ``poll_s`` while there are rings to read, else at most
@@ -532,10 +542,13 @@ class AgentMonitor:
         self._emit(
             {
                 "event": "steps",
+                "v": STEPS_EVENT_VERSION,
                 "rank": rs.rank,
                 "token": ring.token if ring is not None else None,
-                "first": b.first,
-                "last": b.last,
+                # Steps completed after the batch's first and last iteration (the ring counts
+                # 0-based iterations): the numbers status, the metrics and the logs print.
+                "first": None if b.first is None else b.first + 1,
+                "last": None if b.last is None else b.last + 1,
                 "n": b.n,
                 "t1": b.t1 if b.n else None,
                 "step_s": b.step_s,

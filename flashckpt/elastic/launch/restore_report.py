@@ -29,7 +29,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flashckpt import names
-from flashckpt.monitor.goodput import compute_goodput, incarnations_from_events, read_events
+from flashckpt.monitor.goodput import (
+    compute_goodput,
+    incarnations_from_events,
+    read_events,
+    steps_span,
+)
 
 __all__ = ["RestoreReporter", "events_path", "format_restore_line", "job_summary"]
 
@@ -210,12 +215,11 @@ def job_summary(path: str, *, restarts: int) -> str | None:
     rep = compute_goodput(incarnations_from_events(events))
     if not rep.ranks:
         return None
-    last = [
-        int(e["last"]) for e in events if e.get("event") == "steps" and e.get("last") is not None
-    ]
-    # The events carry 0-based step indices; printed: steps completed (the convention of
-    # ckpt.steps_done, status, the storage's step numbers), so a run of 60 steps says 60.
-    reached = f"{max(last) + 1} steps completed" if last else "no step completed"
+    # Steps completed (the convention of ckpt.steps_done, status, the storage's step
+    # numbers), so a run of 60 steps says 60; steps_span reads old files' 0-based indices too.
+    done = [d for e in events if e.get("event") == "steps" for d in steps_span(e)[1:]]
+    last = [d for d in done if d is not None]
+    reached = f"{max(last)} steps completed" if last else "no step completed"
     iterations = max(rep.steps.values(), default=0)
     recomputed = max(rep.recomputed_steps.values(), default=0)
     return (

@@ -356,3 +356,37 @@ def test_outage_probes_ask_a_bounded_sample_of_the_peers_at_any_job_size(
     assert alive is not None and len(alive) == len(probed) == membership._OUTAGE_SAMPLE
     assert len(set(probed)) == len(probed), "each sampled peer once"
     assert {"m01", "m02", "m03", "m04"} <= set(probed), "its ring successors first"
+
+
+@pytest.mark.etcd
+def test_a_sweep_walks_the_ring_so_every_dead_machine_is_found_by_few_probes_each(
+    etcd_server: str,
+    etcd_prefix: str,
+    make_registry: Callable[..., NodeRegistry],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=10))
+    regs = {f"m{i:02d}": make_registry(etcd_prefix, f"m{i:02d}", client) for i in range(16)}
+    dead = {"m03", "m04", "m10"}
+    for node in dead:
+        regs.pop(node).close(revoke=False)  # its launcher gone, its key left to its lease
+    wait_until(
+        lambda: all(len(r.peers()) == 15 for r in regs.values()), "every key seen", timeout=WAIT_S
+    )
+    probes: list[str] = []
+    real = membership._probe_patiently
+
+    def counting(record: NodeRecord) -> membership.ProbeResult:
+        probes.append(record.node_id)
+        return real(record)
+
+    monkeypatch.setattr(membership, "_probe_patiently", counting)
+    found: set[str] = set()
+    most = 0
+    for reg in regs.values():  # every survivor sweeps, as before a new round
+        probes.clear()
+        found |= {r.node_id for r in reg.reap_dead_peers()}
+        most = max(most, len(probes))
+    assert found == dead
+    # A walk stops after 2 live successors; probes go 4 at a time (15 peers each before).
+    assert most <= 2 * membership._SWEEP_BATCH, most

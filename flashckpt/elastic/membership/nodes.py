@@ -103,6 +103,8 @@ _QUIET_CHECK_S = 60.0
 # loaded host's patience; at the fence deadline, when none answered lately, once more, short.
 _OUTAGE_PROBE_TIMEOUT_S = 1.0
 _FENCE_PROBE_TIMEOUT_S = 0.25
+_SWEEP_BATCH = 4
+"""Peers probed at once by the ring walk of :meth:`NodeRegistry.reap_dead_peers`."""
 _OUTAGE_SAMPLE = 8
 """Peers probed at most per round of outage probes (whether this machine is cut off)."""
 
@@ -722,8 +724,14 @@ class NodeRegistry:
         Revoking deletes the peer's key, so every launcher's watch reports it as lost at once,
         as if its lease had lapsed.
 
+        Without ``candidates`` (a sweep before a new round), this machine walks the ring of
+        node ids from itself: it probes its successors, a few at a time, until it has met
+        ``max(2, links)`` that are not dead. Every machine sweeping so, each dead machine is
+        probed by its nearest live predecessors, and the sweep costs each machine O(1 + dead)
+        probes instead of one per peer (N*N for the job).
+
         Args:
-            candidates: Node ids to probe; default every peer.
+            candidates: Node ids to probe; default: the ring walk above.
             via: Why they are probed, for ``on_lost``.
 
         Returns:
@@ -749,9 +757,13 @@ class NodeRegistry:
         records = [r for r in records if r.node_id != own]
         if not records:
             return []
-        with ThreadPoolExecutor(min(32, len(records)), thread_name_prefix="flashckpt-probe") as ex:
-            results = list(ex.map(_probe_patiently, records))
-        dead = [r for r, result in zip(records, results, strict=True) if result is ProbeResult.DEAD]
+        if candidates is None and loaded:
+            probed = self._walk_ring(records)
+        else:
+            workers = min(32, len(records))
+            with ThreadPoolExecutor(workers, thread_name_prefix="flashckpt-probe") as ex:
+                probed = list(zip(records, ex.map(_probe_patiently, records), strict=True))
+        dead = [r for r, result in probed if result is ProbeResult.DEAD]
         for record in dead:
             logger.warning(
                 "node %s (launcher pid %d on %s) no longer answers on %s: declaring it dead",
@@ -772,6 +784,24 @@ class NodeRegistry:
                 )
             self._report_lost(record, via)
         return dead
+
+    def _walk_ring(self, records: list[NodeRecord]) -> list[tuple[NodeRecord, ProbeResult]]:
+        """Probes ``records`` in ring order after this machine, :data:`_SWEEP_BATCH` at a
+        time, until ``max(2, links)`` of them are not dead (see :meth:`reap_dead_peers`)."""
+        by_id = {r.node_id: r for r in records}
+        order = ring_successors(self._record.node_id, by_id, len(by_id))
+        wanted = max(2, self._fanout)
+        probed: list[tuple[NodeRecord, ProbeResult]] = []
+        not_dead = 0
+        with ThreadPoolExecutor(_SWEEP_BATCH, thread_name_prefix="flashckpt-probe") as ex:
+            for start in range(0, len(order), _SWEEP_BATCH):
+                if not_dead >= wanted:
+                    break
+                batch = [by_id[n] for n in order[start : start + _SWEEP_BATCH]]
+                for record, result in zip(batch, ex.map(_probe_patiently, batch), strict=True):
+                    probed.append((record, result))
+                    not_dead += result is not ProbeResult.DEAD
+        return probed
 
     def close(self, timeout: timedelta = timedelta(seconds=2), *, revoke: bool = True) -> None:
         """Stops renewing and revokes the lease, which deletes the node key. Never raises.

@@ -56,26 +56,18 @@ class AgentConfig:
     exit_when_done: bool = False
     """Exit once every rank said done and everything is persisted (auto-started agents)."""
     unused_timeout: float = 30.0
-    """With ``exit_when_done``: exit if no trainer connected within this many seconds and there
-    are no snapshots to keep (an agent a trainer started while another one was answering); also
-    exit this many seconds after the last trainer left (finished, failed at entry or killed)
-    once storage holds everything memory does."""
+    """With ``exit_when_done``: exit this many seconds after the last trainer left once storage
+    holds everything memory does, or when no trainer connected within it and nothing is kept.
+    docs/node-agent.md."""
     poll_interval: float = 5.0
-    """Seconds an idle background thread waits before it looks again uninvited: a safety net
-    only. Its work wakes it at once (a trainer's snapshot, hello, flush, done or disconnect, a
-    recorded hash, a queued commit or mirror step, the stop), so an idle agent wakes a few times
-    a second in all, not 60 (each wake takes a training core for a moment); a lower value only
-    makes a missed wake-up cost less."""
+    """Seconds an idle background thread waits before it looks again uninvited: a safety net only,
+    its work wakes it at once. docs/node-agent.md."""
     commit_timeout: float = 120.0
     """How long the committing node waits for the other nodes' parts of a step."""
     stop_timeout: float = 60.0
-    """The longest the agent's stop (SIGTERM, SIGINT, SIGHUP, its launcher's death, the idle
-    timeout) spends writing the snapshots storage lacks (the newest step its local ranks hold,
-    marked by ``persist_every`` or not) and waiting for their commit; the mirror's final copy
-    then has up to ``commit_timeout`` more. Whatever it could not write by then (no storage,
-    storage failing, the deadline passed) stays in shared memory for the next agent of the same
-    job to adopt, and the log says so and where. A launcher that kills its stopping agent
-    sooner (after its ``--shutdown-timeout``) cuts this short; the segments then stay too."""
+    """The longest the agent's stop (a signal, its launcher's death, the idle timeout) spends
+    writing what storage lacks and waiting for its commit; what it could not write stays in shared
+    memory. docs/node-agent.md."""
     retry_interval: float = 2.0
     """Pause after a persistence error before the next attempt."""
     write_through_private: bool = field(
@@ -95,11 +87,9 @@ class AgentConfig:
             "(0: off; the peers come from --replica-peers or from the launcher)"
         ),
     )
-    """How many other machines keep a copy of this machine's newest complete snapshot in their
-    shared memory (the next ones in ring order of the world's machine ids): a fully sharded job
-    that loses a machine restores its shards from a survivor's memory instead of storage. 0
-    turns replication off (nothing is sent; a server given ``replica_listen`` still holds the
-    replicas of others)."""
+    """How many other machines (the next in ring order of the world's machine ids) keep a copy of
+    this machine's newest complete snapshot in their shared memory; 0 turns replication off.
+    docs/elastic.md."""
     replica_listen: str = field(default="", metadata=flag(metavar="HOST:PORT"))
     """Where this agent's replica server listens for other machines' replicas (``host:port``
     on the cluster network; port 0: one the OS picks, shown in the log and ``status``); empty:
@@ -114,12 +104,8 @@ class AgentConfig:
             "x this machine's own slot bytes, known once its trainers allocated their slots)"
         ),
     )
-    """The most bytes of other machines' replicas this agent holds at once. 0 derives it:
-    ``replicas`` x this machine's own slot bytes (both slots of every local rank), assuming the
-    other machines' snapshots are as large as this one's; a replica is one slot per rank, the
-    second slot's worth is the room a newer replica takes while the older one is still kept.
-    Until this machine's trainers allocated their slots the derived limit is 0 (no replicas
-    are held yet)."""
+    """The most bytes of other machines' replicas this agent holds at once; 0 derives it:
+    ``replicas`` x this machine's own slot bytes. docs/elastic.md."""
     monitor: MonitorConfig = field(
         default_factory=MonitorConfig, metadata=flag(derived="the monitoring flags")
     )

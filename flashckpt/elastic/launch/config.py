@@ -167,11 +167,9 @@ class LauncherConfig:
             "counted)",
         ),
     )
-    """Worker-group restarts after the workers' own failures before the launcher gives up.
-    Workers that fail because a machine of their round died (found dead by a link, a probe or
-    its lease) restart for the next round without using one up, as torch's agent does for
-    healthy workers when a machine joins: a long job survives any number of machine losses
-    while standbys last."""
+    """Worker-group restarts after the workers' own failures before the launcher gives up; workers
+    that fail because a machine of their round died restart without using one up.
+    docs/elastic.md."""
     shutdown_timeout: float = field(
         default_factory=lambda: default_shutdown_timeout(),
         metadata=cliargs.flag(
@@ -262,10 +260,8 @@ class LauncherConfig:
             "rely on lease expiry alone",
         ),
     )
-    """Probe peers when workers fail, and hold a link to two peers' probe ports (a link that
-    breaks gets its peer probed, :mod:`flashckpt.elastic.membership.peerlinks`), to find dead
-    machines before their
-    lease lapses."""
+    """Probe peers when workers fail, and hold a link to two peers' probe ports (a link that breaks
+    gets its peer probed), to find dead machines before their lease lapses."""
     health_check: bool = field(
         default=False,
         metadata=cliargs.flag(

@@ -76,8 +76,10 @@ def _source(obj: Any) -> str:
 
 
 def _md(doc: str) -> str:
-    """A docstring as markdown: Sphinx roles (``:class:`X` ``) dropped, the code kept."""
-    return re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", doc)
+    """A docstring as markdown: Sphinx roles (``:class:`X` ``) dropped, the code kept; a topic
+    page it names (``docs/persistence.md``) linked."""
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", doc)
+    return re.sub(r"(?<![\w/`\[])docs/([\w/-]+\.md)", r"[docs/\1](../\1)", doc)
 
 
 def _factory_text(factory: Callable[[], Any]) -> str:

@@ -1,5 +1,6 @@
-"""Every relative link in the README, ``docs/`` and ``benchmarks/`` markdown resolves: the file
-exists, and an anchor into a markdown file names one of its headings (GitHub's slugs)."""
+"""Every relative link in the markdown of the README, ``docs/``, ``benchmarks/`` and ``deploy/``
+resolves: the file exists, and an anchor into a markdown file names one of its headings (GitHub's
+slugs). Every page of ``docs/`` is reachable from its index, ``docs/README.md``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
 def _pages() -> list[Path]:
     pages = [ROOT / "README.md"]
-    for folder in ("docs", "benchmarks"):
+    for folder in ("docs", "benchmarks", "deploy"):
         pages += sorted((ROOT / folder).rglob("*.md"))
     return pages
 
@@ -98,3 +99,27 @@ def test_every_relative_link_resolves() -> None:
     assert not wrong, "broken links (fix the link or the heading it points to):\n" + "\n".join(
         wrong
     )
+
+
+def _linked(page: Path) -> set[Path]:
+    out = set()
+    for _, line in _prose(page.read_text()):
+        for target in _LINK.findall(line):
+            path_part = target.partition("#")[0]
+            if path_part and not re.match(r"^[a-z][a-z0-9+.-]*:", target):
+                out.add((page.parent / path_part).resolve())
+    return out
+
+
+def test_every_docs_page_is_reachable_from_the_index() -> None:
+    index = ROOT / "docs" / "README.md"
+    seen, todo = {index.resolve()}, [index]
+    while todo:
+        for dest in _linked(todo.pop()):
+            if dest.suffix == ".md" and dest.is_relative_to(ROOT / "docs") and dest not in seen:
+                seen.add(dest)
+                todo.append(dest)
+    orphans = sorted(
+        p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md") if p not in seen
+    )
+    assert not orphans, f"pages no link from docs/README.md leads to: {orphans}; link them there"

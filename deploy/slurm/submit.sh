@@ -85,7 +85,7 @@ if [ "$dry_run" = 1 ]; then
         hosts+=("node$i")
     done
     echo "# and, on an allocation of ${hosts[*]}, the job would run:"
-    env "${settings[@]}" FC_DRY_RUN=1 FC_HOSTS="${hosts[*]}" SLURM_JOB_ID=JOBID \
+    env "${settings[@]}" FC_DRY_RUN=1 FC_HOSTS="${hosts[*]}" SLURM_JOB_ID=12345 \
         bash "$here/flashckpt.sbatch" "$@"
     exit 0
 fi

@@ -20,13 +20,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from deployhelpers import DEPLOY, ROOT
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -121,17 +121,22 @@ class Slurm:
         )
         return done.stdout.strip() == "idle"
 
-    def _wait(self, cond, what: str, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-        deadline = time.monotonic() + timeout
-        while not cond():
+    def _wait(self, cond: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+        """:func:`waiting.wait_until` ``cond()``; fails at once (with the daemons' logs) when a
+        daemon exits first, and with them when time runs out."""
+
+        def check() -> object:
             for p in self.procs:
                 if p.poll() is not None:
                     pytest.fail(
                         f"{p.args[0]} exited ({p.returncode}) before {what}:\n{self.logs()}"
                     )
-            if time.monotonic() > deadline:
-                pytest.fail(f"no {what} within {timeout} s:\n{self.logs()}")
-            time.sleep(0.1)
+            return cond()
+
+        try:
+            wait_until(check, what, timeout=timeout, interval=0.1)
+        except AssertionError as e:
+            pytest.fail(f"{e}:\n{self.logs()}")
 
     def logs(self) -> str:
         return "\n".join(
@@ -217,6 +222,8 @@ def test_sbatch_template_trains_and_a_requeued_job_resumes(slurm: Slurm, tmp_pat
         slurm._wait(lambda: _job_state(slurm, first) in ("", "CANCELLED", "FAILED"), "job 1 gone")
         last = max(_steps(progress[0]))
         env["FC_ETCD_DATA_DIR"] = str(tmp_path / "etcd2")
+        # A port of its own, as the template gives each job (job 1's etcd may still be dying).
+        env["FC_ETCD_PORT"] = str(_free_port(pairs=True))
         _submit(
             slurm, tmp_path, env, *flags, "--steps", str(last + 4),
             "--out", str(tmp_path / "second"), wait=True,
@@ -299,6 +306,8 @@ def test_requeued_job_resumes_from_the_memory_of_the_systemd_agent(
         slurm._wait(lambda: _job_state(slurm, first) in ("", "CANCELLED", "FAILED"), "job 1 gone")
         last = max(_steps(progress[0]))
         env["FC_ETCD_DATA_DIR"] = str(tmp_path / "etcd2")
+        # A port of its own, as the template gives each job (job 1's etcd may still be dying).
+        env["FC_ETCD_PORT"] = str(_free_port(pairs=True))
         _submit(
             slurm, tmp_path, env, *flags, "--steps", str(last + 4),
             "--out", str(tmp_path / "second"), wait=True,

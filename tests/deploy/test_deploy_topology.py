@@ -22,7 +22,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +31,7 @@ import torch
 import yaml
 from deployhelpers import KUSTOMIZE, expand
 from podns import CONTAINER, UID, Pod, PodSim, unavailable
+from waiting import wait_until
 
 from flashckpt import envnames
 from flashckpt.protocol.channel import socket_path
@@ -55,18 +56,24 @@ def sim(tmp_path: Path) -> Iterator[PodSim]:
         s.close()
 
 
-def wait_until(cond, what: str, pods: list[Pod], timeout: float = 180.0) -> None:  # type: ignore[no-untyped-def]
-    """Waits for ``cond()``; fails (with the pods' output) if a pod exits or time runs out."""
-    deadline = time.monotonic() + timeout
-    while not cond():
+def wait_pods(
+    cond: Callable[[], object], what: str, pods: list[Pod], timeout: float = 180.0
+) -> None:
+    """:func:`waiting.wait_until` ``cond()``; fails at once (with the pods' output) when a pod
+    exits first, and with their output when time runs out."""
+
+    def check() -> object:
         for pod in pods:
             if pod.proc.poll() is not None:
                 pytest.fail(
                     f"pod {pod.name} exited ({pod.proc.returncode}) before {what}:\n{pod.output()}"
                 )
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} within {timeout} s:\n" + "\n".join(p.output() for p in pods))
-        time.sleep(0.05)
+        return cond()
+
+    try:
+        wait_until(check, what, timeout=timeout, interval=0.05)
+    except AssertionError as e:
+        pytest.fail(f"{e}:\n" + "\n".join(p.output() for p in pods))
 
 
 class Job:
@@ -148,17 +155,17 @@ def test_daemonset_layout_survives_agent_and_trainer_pod_restarts(sim: PodSim) -
     # The uninterrupted run: the same layout, no failure.
     ref = Job(sim, "ref")
     agent = ref.agent("ref-agent")
-    wait_until(lambda: _listening(agent), "reference agent", [agent])
+    wait_pods(lambda: _listening(agent), "reference agent", [agent])
     for pod in ref.trainers("ref"):
         assert pod.wait(timeout=240) == 0, pod.output()
     agent.kill()
 
     job = Job(sim, "run")
     agent1 = job.agent("agent-1")
-    wait_until(lambda: _listening(agent1), "agent", [agent1])
+    wait_pods(lambda: _listening(agent1), "agent", [agent1])
     gate1, gate2 = sim.vol / "gate-agent", sim.vol / "gate-kill"
     first = job.trainers("run", (GATE_AGENT, gate1), (GATE_KILL, gate2))
-    wait_until(lambda: _at_gate(gate1), "ranks at the agent gate", [agent1, *first])
+    wait_pods(lambda: _at_gate(gate1), "ranks at the agent gate", [agent1, *first])
     # The trainers never started an agent of their own: each pod holds one process.
     assert [len(p.pids()) for p in first] == [1, 1]
     # The host directory holds the slots; the trainer pods' own /dev/shm does not.
@@ -169,9 +176,9 @@ def test_daemonset_layout_survives_agent_and_trainer_pod_restarts(sim: PodSim) -
 
     agent1.kill()  # the agent pod dies with everything in it
     agent2 = job.agent("agent-2")
-    wait_until(lambda: _listening(agent2), "new agent", [agent2, *first])
+    wait_pods(lambda: _listening(agent2), "new agent", [agent2, *first])
     gate1.touch()
-    wait_until(lambda: _at_gate(gate2), "ranks at the kill gate", [agent2, *first])
+    wait_pods(lambda: _at_gate(gate2), "ranks at the kill gate", [agent2, *first])
 
     for pod in first:  # both trainer pods, all their processes
         pod.kill()

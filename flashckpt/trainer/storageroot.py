@@ -9,6 +9,7 @@ import os
 from typing import TYPE_CHECKING
 
 from flashckpt.errors import StorageUnavailableError
+from flashckpt.format.storage_owner import foreign_owner, write_owner
 from flashckpt.trainer.restore.reshard import listed_steps
 
 if TYPE_CHECKING:
@@ -54,47 +55,52 @@ def probe_storage(st: Storage, ctx: RankContext, what: str = "storage") -> None:
 
 
 def check_owner(st: Storage | None, ctx: RankContext, config: CheckpointConfig) -> None:
-    """Refuses a storage root (and mirror) whose newest committed step another job wrote (the
-    manifests name the job), unless ``takeover=True`` (or ``overwrite=True`` with
-    ``restore=False``, which deletes those steps): two jobs on one root would resume from each
-    other's steps. Every rank agrees. A manifest without a job name (older format) or one that
-    cannot be read is left to the restore's checks.
+    """Refuses a storage root (and mirror) that belongs to another job: its newest committed
+    step's manifest names that job, or, with nothing committed yet, the root's owner file does
+    (:mod:`flashckpt.format.storage_owner`), unless ``takeover=True`` (or ``overwrite=True``
+    with ``restore=False``, which deletes those steps): two jobs on one root would resume from
+    each other's steps. Every rank agrees; rank 0 then records this job in the owner file (a
+    takeover rewrites it). A manifest without a job name (older format) or one that cannot be
+    read is left to the restore's checks.
 
     Raises:
-        ValueError: the root holds another job's committed steps, naming it, the root and the
+        ValueError: the root belongs to another job, naming it, the evidence, the root and the
             options.
     """
-    if st is None or config.takeover or (config.overwrite and not config.restore):
+    if st is None:
         return
-    _check_owner(st, ctx, "storage")
+    roots = [(st, "storage")]
     if config.mirror is not None:
         from flashckpt.format.storage import Storage
 
-        _check_owner(Storage(config.mirror), ctx, "mirror")
+        roots.append((Storage(config.mirror), "mirror"))
+    take = config.takeover or (config.overwrite and not config.restore)
+    for root, what in roots:
+        if not take:
+            _check_owner(root, ctx, what)
+        if ctx.rank == 0:
+            try:
+                write_owner(root, ctx.job)
+            except Exception as e:  # any backend's failure: the probe passed, so rare
+                log.warning(
+                    "flashckpt: cannot record job %r as the owner of %s %s (%s): another job "
+                    "with nothing committed there would not be refused",
+                    ctx.job,
+                    what,
+                    root.url,
+                    e,
+                )
 
 
 def _check_owner(st: Storage, ctx: RankContext, what: str) -> None:
-    stored = listed_steps(st)
-    other = None
-    if stored:
-        try:
-            other = st.manifest(max(stored)).job
-        except (OSError, ValueError):  # CorruptCheckpointError is a ValueError
-            other = None
-    foreign = other is not None and other != ctx.job
-    if not ctx.all_max(1 if foreign else 0):
+    found = foreign_owner(st, ctx.job)
+    if not ctx.all_max(1 if found else 0):
         return
-    if foreign:
-        raise ValueError(
-            f"{what} {st.url} holds committed steps of job {other!r} (newest: step "
-            f"{max(stored)}), and this is job {ctx.job!r}: resuming would take that job's state "
-            f"for this one's, and both jobs would overwrite each other's steps. Give this job a "
-            f"{what} root of its own, run it under job={other!r} if it is that job, or pass "
-            "takeover=True to resume from those steps as this job"
-        )
+    if found is not None:
+        raise ValueError(found.refusal(what, st.url, ctx.job, "takeover=True"))
     raise ValueError(
-        f"{what} {st.url} holds committed steps of another job (seen by another rank, whose "
-        "error names it): give this job a root of its own or pass takeover=True"
+        f"{what} {st.url} belongs to another job (seen by another rank, whose error names it): "
+        "give this job a root of its own or pass takeover=True"
     )
 
 

@@ -214,6 +214,16 @@ class LauncherConfig:
         ),
     )
     """Checkpoint root URL handed to the node agent (``None``: the trainers supply it)."""
+    takeover: bool = field(
+        default=False,
+        metadata=cliargs.flag(
+            help="use a --storage root that belongs to another job (its committed steps or "
+            "its owner file name that job): this job resumes from its steps and owns it from "
+            "now on"
+        ),
+    )
+    """Take over a ``--storage`` root that belongs to another job (the launcher's check at
+    start; a script's own ``storage=`` takes ``takeover=True``)."""
     shm_dir: str = field(
         default="/dev/shm", metadata=cliargs.flag(help="where the node agent keeps snapshots")
     )

@@ -259,7 +259,7 @@ class LaunchSession:
         run_dir = cfg.run_dir or _default_run_dir()
         self.events("launcher_start", pid=os.getpid())
         if cfg.storage:
-            problem = check_storage(cfg.storage)
+            problem = check_storage(cfg.storage, cfg.rdzv_id, takeover=cfg.takeover)
             if problem is not None:
                 raise LaunchError(problem)
         endpoint = cfg.rdzv_endpoint

@@ -756,7 +756,26 @@ class Storage:
             "private": private,
             "xxh3_64": xxhash.xxh3_64_hexdigest(body.encode()),
         }
-        return self.write_json(self.step_path(step, rank_file_name(rank, world_size)), doc)
+        # Replaced atomically (temp file, then rename): the write-through of a snapshot may
+        # rewrite the file of a step that is already committed while the mirror copies it, and
+        # a reader must see the whole file, old or new (both hold the same state), never a
+        # truncated one.
+        path = self.step_path(step, rank_file_name(rank, world_size))
+        if self.local and os.path.islink(path):
+            # As every other local write (O_NOFOLLOW): a link planted where a checkpoint file
+            # goes is an error, not something to replace quietly.
+            raise OSError(errno.ELOOP, "a symbolic link is where a checkpoint file goes", path)
+        tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            rec = self.write_json(tmp, doc)
+            self.fs.mv(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.fs.rm(tmp)
+            raise
+        if self.local:
+            _fsync_dir(os.path.dirname(path))
+        return rec
 
     def read_private(self, step: int, rank: int, world_size: int) -> dict[str, Any] | None:
         """A rank's private state of a step, committed or not, if present and intact."""

@@ -6,12 +6,14 @@ import contextlib
 import mmap
 import os
 import uuid
+from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
 from stephelpers import write_step
 
-from flashckpt.format.storage import CHUNK, CorruptCheckpointError, Storage
+from flashckpt.format.storage import CHUNK, CorruptCheckpointError, Storage, rank_file_name
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -249,3 +251,30 @@ def test_a_link_planted_where_a_file_goes_is_not_written_through(tmp_path) -> No
     view.release()
     m.close()
     assert victim.read_bytes() == b"precious"
+
+
+def test_a_rewritten_rank_file_is_never_seen_truncated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node agent's write-through rewrites a step's rank file while the mirror may copy
+    that step (seen: the mirror read 0 bytes of a committed step's rank file and failed the
+    copy). While the new file is being written, the file at the step's path stays whole."""
+    st = Storage(f"file://{tmp_path}")
+    st.write_private(1, 0, 1, {"rng": [1, 2, 3]})
+    final = Path(st.step_path(1, rank_file_name(0, 1)))
+    whole = final.read_bytes()
+    seen: list[bytes] = []
+    real = Storage._write_chunks
+
+    def spy(self: Storage, path: str, head: bytes, chunks: Any, fh: Any) -> Any:
+        def reading_midway() -> Any:
+            seen.append(final.read_bytes())  # what a reader (the mirror's copy) gets meanwhile
+            yield from chunks
+
+        return real(self, path, head, reading_midway(), fh)
+
+    monkeypatch.setattr(Storage, "_write_chunks", spy)
+    st.write_private(1, 0, 1, {"rng": [1, 2, 3]})
+    assert seen == [whole]
+    assert final.read_bytes() == whole
+    assert sorted(p.name for p in final.parent.iterdir()) == [final.name]  # no temp file left

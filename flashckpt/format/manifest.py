@@ -172,6 +172,29 @@ class Manifest:
     """The job id that committed it, if recorded."""
     nodes: tuple[str, ...] = ()
     """The nodes whose agents wrote its files."""
+    world_id: str | None = None
+    """The world (rendezvous round) that committed it, if recorded; the commit check reads it
+    (a manifest of another world), restores do not."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object, keys in the order the node agent writes them: dumped as it dumps a
+        manifest, the bytes of the file read (``job`` and ``world_id`` only where recorded)."""
+        doc: dict[str, Any] = {"format": FORMAT}
+        if self.job is not None:
+            doc["job"] = self.job
+        doc.update(
+            step=self.step,
+            world_size=self.world_size,
+            num_shards=self.num_shards,
+            created=self.created,
+            nodes=list(self.nodes),
+            files={n: f.to_json() for n, f in self.files.items()},
+            ranks={str(r): {"file": e.file, "shard": e.shard} for r, e in self.ranks.items()},
+            shards={str(i): {"file": e.file, "writer": e.writer} for i, e in self.shards.items()},
+        )
+        if self.world_id is not None:
+            doc["world_id"] = self.world_id
+        return doc
 
     @staticmethod
     def from_json(doc: Any, path: str, step: int) -> Manifest:
@@ -259,8 +282,19 @@ class Manifest:
         if unlisted:
             # The step's shards and ranks need these: a step restore rejects must fail verify too.
             raise bad(f"does not list (size, hash) of file(s) {unlisted[:5]} the step needs")
+        world_id = doc.get("world_id")
         return Manifest(
-            step, world, num_shards, float(created), files, ranks, shards, job, tuple(nodes)
+            step,
+            world,
+            num_shards,
+            float(created),
+            files,
+            ranks,
+            shards,
+            job,
+            tuple(nodes),
+            # Restores never read it: an ill-typed one is not kept (as the commit check reads it)
+            world_id if isinstance(world_id, str) else None,
         )
 
 

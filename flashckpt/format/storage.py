@@ -577,24 +577,7 @@ class Storage:
         world = doc.get("world_id") if isinstance(doc, dict) else None
         return world if isinstance(world, str) and len(world) <= MAX_WORLD_ID else None
 
-    def read_manifest(self, step: int) -> dict[str, Any]:
-        """The manifest of a committed step as JSON, validated as :meth:`manifest` does (its
-        ``ranks`` and ``shards`` keys, the decimal strings of JSON, are kept)."""
-        m = self.manifest(step)
-        return {
-            "format": FORMAT,
-            "job": m.job,
-            "step": m.step,
-            "world_size": m.world_size,
-            "num_shards": m.num_shards,
-            "created": m.created,
-            "nodes": list(m.nodes),
-            "files": {n: f.to_json() for n, f in m.files.items()},
-            "ranks": {str(r): {"file": e.file, "shard": e.shard} for r, e in m.ranks.items()},
-            "shards": {str(i): {"file": e.file, "writer": e.writer} for i, e in m.shards.items()},
-        }
-
-    def read_file(self, step: int, name: str, manifest: dict[str, Any]) -> bytearray:
+    def read_file(self, step: int, name: str, manifest: Manifest) -> bytearray:
         """Reads a committed file whole and checks it against the manifest.
 
         The file system must agree with the manifest on the size before a byte is allocated.
@@ -602,14 +585,9 @@ class Storage:
         path = self.step_path(step, name)
         if not isinstance(name, str) or not _FILE_RE.match(name):
             raise CorruptCheckpointError(path, "is not a file name the checkpoint format defines")
-        files = manifest.get("files") if isinstance(manifest, dict) else None
-        rec = files.get(name) if isinstance(files, dict) else None
-        if rec is None:
+        entry = manifest.files.get(name)
+        if entry is None:
             raise CorruptCheckpointError(path, "is not listed in the manifest")
-        try:
-            entry = FileEntry.from_json(rec)
-        except ValueError as e:
-            raise CorruptCheckpointError(path, f"has {e} in the manifest") from None
         size = entry.size
         # The split form hashes the bytes before data_offset and those after it apart.
         cut = entry.data_offset if entry.data_offset is not None else size + 1
@@ -654,15 +632,15 @@ class Storage:
         return buf
 
     def read_shard_file(
-        self, step: int, name: str, manifest: dict[str, Any]
+        self, step: int, name: str, manifest: Manifest
     ) -> tuple[bytearray, ShardContent]:
         """Reads a shard file of a committed step and validates its header and skeleton."""
         buf = self.read_file(step, name, manifest)
         return buf, check_shard(buf, self.step_path(step, name))
 
-    def read_rank_file(self, step: int, rank: int, manifest: dict[str, Any]) -> dict[str, Any]:
+    def read_rank_file(self, step: int, rank: int, manifest: Manifest) -> dict[str, Any]:
         """A rank's private state (RNG, extras) of a committed step, checked."""
-        world = int(manifest["world_size"])
+        world = manifest.world_size
         name = rank_file_name(rank, world)
         raw = self.read_file(step, name, manifest)
         private: dict[str, Any] = parse_rank_doc(raw, self.step_path(step, name), step, rank, world)
@@ -797,16 +775,16 @@ class Storage:
         deleted it, or an agent is rewriting it), is ``missing``, not corrupt.
         """
         problems = []
-        manifest: dict[str, Any] | None = None
+        manifest: Manifest | None = None
         try:
-            manifest = self.read_manifest(step)
+            manifest = self.manifest(step)
         except FileNotFoundError:
             return StepCheck(step, "missing", [f"step {step} is not committed in {self.url}"])
         except CorruptCheckpointError as e:
             problems.append(str(e))
         else:
-            rank_of = {e["file"]: int(r) for r, e in manifest["ranks"].items()}
-            for name in sorted(manifest["files"]):
+            rank_of = {e.file: r for r, e in manifest.ranks.items()}
+            for name in sorted(manifest.files):
                 try:
                     if name in rank_of:
                         self.read_rank_file(step, rank_of[name], manifest)
@@ -819,7 +797,7 @@ class Storage:
         # Retention removes the manifest first and then the files: a step found broken whose
         # manifest is now gone was deleted under the check, not corrupt.
         try:
-            now = self.read_manifest(step)
+            now = self.manifest(step)
         except FileNotFoundError:
             return StepCheck(step, "missing", [f"step {step} was removed while being checked"])
         except CorruptCheckpointError:
@@ -836,9 +814,8 @@ class Storage:
         return self.check_step(step).problems
 
     def iter_files(self, step: int) -> Iterator[tuple[str, int]]:
-        manifest = self.read_manifest(step)
-        for name, rec in sorted(manifest["files"].items()):
-            yield name, int(rec["size"])
+        for name, entry in sorted(self.manifest(step).files.items()):
+            yield name, entry.size
 
 
 def _chunks(

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from flashckpt.format.layout import parse_safetensors_header, tensor_views, torch_dtype
-from flashckpt.format.manifest import check_skeleton
+from flashckpt.format.manifest import Manifest, check_skeleton
 from flashckpt.format.storage import CorruptCheckpointError, Storage
 from flashckpt.state.codec import piece_nodes, unflatten_state
 from flashckpt.state.sharded import ShardedPiece, assemble, overlaps, replace_at, walk_pieces
@@ -33,11 +33,12 @@ class LoadedCheckpoint:
     step: int
     state: dict[str, Any]
     ranks: dict[int, dict[str, Any]]
-    manifest: dict[str, Any]
+    manifest: Manifest
+    """The step's validated manifest (``manifest.to_json()``: the JSON of ``manifest.json``)."""
 
 
 def read_shard(
-    storage: Storage, step: int, shard: int, manifest: dict[str, Any] | None = None
+    storage: Storage, step: int, shard: int, manifest: Manifest | None = None
 ) -> dict[str, Any]:
     """Reads and checks one shard of a committed step; returns its state tree.
 
@@ -45,19 +46,20 @@ def read_shard(
         CorruptCheckpointError: a file is missing, truncated or fails its checksum.
         FileNotFoundError: the step is not committed.
     """
-    manifest = manifest or storage.read_manifest(step)
-    info = manifest["shards"].get(str(shard))
+    if manifest is None:
+        manifest = storage.manifest(step)
+    info = manifest.shards.get(shard)
     if info is None:
         raise CorruptCheckpointError(
             storage.step_path(step),
-            f"has no shard {shard} (the manifest lists shards {sorted(manifest['shards'])})",
+            f"has no shard {shard} (the manifest lists shards {sorted(manifest.shards)})",
         )
-    state, _ = _read_shard_file(storage, step, info["file"], manifest)
+    state, _ = _read_shard_file(storage, step, info.file, manifest)
     return state
 
 
-def _shard_files(storage: Storage, step: int, manifest: dict[str, Any]) -> list[str]:
-    return [manifest["shards"][k]["file"] for k in sorted(manifest["shards"], key=int)]
+def _shard_files(manifest: Manifest) -> list[str]:
+    return [manifest.shards[k].file for k in sorted(manifest.shards)]
 
 
 def _peek_header(storage: Storage, step: int, name: str) -> dict[str, Any]:
@@ -93,7 +95,7 @@ def read_resharded(
     storage: Storage,
     step: int,
     wants: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
-    manifest: dict[str, Any] | None = None,
+    manifest: Manifest | None = None,
 ) -> dict[str, torch.Tensor]:
     """Builds boxes of sharded (DTensor) tensors of a committed step from its saved pieces.
 
@@ -111,8 +113,9 @@ def read_resharded(
             box.
         KeyError: a wanted tensor is not a sharded tensor of the step.
     """
-    manifest = manifest or storage.read_manifest(step)
-    files = _shard_files(storage, step, manifest)
+    if manifest is None:
+        manifest = storage.manifest(step)
+    files = _shard_files(manifest)
     dtypes: dict[str, torch.dtype] = {}
     needed: list[str] = []
     for name in files:
@@ -149,7 +152,7 @@ def read_resharded(
 
 
 def _read_shard_file(
-    storage: Storage, step: int, name: str, manifest: dict[str, Any]
+    storage: Storage, step: int, name: str, manifest: Manifest
 ) -> tuple[dict[str, Any], dict[str, ShardedPiece]]:
     """Reads one shard file: its state tree and its DTensor pieces by tensor name.
 
@@ -191,8 +194,8 @@ def load_full(url: str, step: int | None = None) -> LoadedCheckpoint:
         if not steps:
             raise FileNotFoundError(f"no committed checkpoint in {url}")
         step = steps[-1]
-    manifest = storage.read_manifest(step)
-    files = _shard_files(storage, step, manifest)
+    manifest = storage.manifest(step)
+    files = _shard_files(manifest)
     if not files:
         raise CorruptCheckpointError(storage.step_path(step), "lists no shard files")
     state: dict[str, Any] = {}
@@ -212,22 +215,20 @@ def load_full(url: str, step: int | None = None) -> LoadedCheckpoint:
             raise CorruptCheckpointError(storage.step_path(step), str(e)) from None
         state = replace_at(state, path, full)
     ranks = {}
-    for r in manifest["ranks"]:
-        private = read_rank(storage, step, int(r), manifest)
+    for r in manifest.ranks:
+        private = read_rank(storage, step, r, manifest)
         if private is not None:
-            ranks[int(r)] = private
+            ranks[r] = private
     return LoadedCheckpoint(step, state, ranks, manifest)
 
 
-def read_rank(
-    storage: Storage, step: int, rank: int, manifest: dict[str, Any]
-) -> dict[str, Any] | None:
+def read_rank(storage: Storage, step: int, rank: int, manifest: Manifest) -> dict[str, Any] | None:
     """A rank's private state (RNG, extras) of a committed step, or None if it has none.
 
     Raises:
         CorruptCheckpointError: the rank file is missing, corrupt, or another rank's.
     """
-    if str(rank) not in manifest["ranks"]:
+    if rank not in manifest.ranks:
         return None
     return storage.read_rank_file(step, rank, manifest)
 
@@ -253,13 +254,13 @@ def load(url: str, step: int | None = None, *, shard: int = 0) -> LoadedCheckpoi
     last_err: Exception | None = None
     for s in steps:
         try:
-            manifest = storage.read_manifest(s)
+            manifest = storage.manifest(s)
             state = read_shard(storage, s, shard, manifest)
             ranks = {}
-            for r in manifest["ranks"]:
-                private = read_rank(storage, s, int(r), manifest)
+            for r in manifest.ranks:
+                private = read_rank(storage, s, r, manifest)
                 if private is not None:
-                    ranks[int(r)] = private
+                    ranks[r] = private
             return LoadedCheckpoint(s, state, ranks, manifest)
         except FileNotFoundError:
             if step is not None:

@@ -291,7 +291,7 @@ def test_a_corrupt_byte_of_a_split_shard_is_never_loaded(
     problems = st.verify(2)
     assert any(name in p and "fails its checksum" in p for p in problems), problems
     with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
-        st.read_shard_file(2, name, st.read_manifest(2))
+        st.read_shard_file(2, name, st.manifest(2))
 
 
 def test_a_manifest_of_the_whole_file_hash_still_loads(fc_env: FcEnv, agent: RunningAgent) -> None:

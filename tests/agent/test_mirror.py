@@ -126,8 +126,8 @@ def test_marked_steps_reach_the_mirror_and_restore_survives_the_lost_disk(
             # sound, and the mirror's latest names the newest.
             assert mirror.check_step(step).status == "ok"
             if step in (7, 8):
-                a, b = primary.read_manifest(step), mirror.read_manifest(step)
-                assert {**a, "created": 0} == {**b, "created": 0}
+                a, b = primary.manifest(step), mirror.manifest(step)
+                assert dataclasses.replace(a, created=0) == dataclasses.replace(b, created=0)
         assert json.loads(mirror.fs.cat_file(mirror.path("latest")))["step"] == 8
         status = agent.agent.status()["mirror"]
         assert status["committed"] == [4, 7, 8] and status["errors"] == []
@@ -391,8 +391,8 @@ def test_two_ranks_on_two_machines_mirror_the_same_steps(fc_env: FcEnv, tmp_path
     got = _wait_committed(mirror, 7)
     assert got == [1, 3, 5, 7]
     for step in got:
-        m = mirror.read_manifest(step)
-        assert m["nodes"] == ["n0", "n1"] and sorted(m["ranks"]) == ["0", "1"]
+        m = mirror.manifest(step)
+        assert m.nodes == ("n0", "n1") and sorted(m.ranks) == [0, 1]
         assert mirror.check_step(step).status == "ok"
         parts = sorted(p.name for p in (tmp_path / "remote" / f"step-{step:09d}" / PARTS).iterdir())
         assert parts == ["n0.json", "n1.json"]
@@ -548,10 +548,9 @@ def test_the_mirror_commits_only_once_every_part_is_in_and_the_primary_committed
     primary0.unfence("w2")
     m0.committer.commit_round()
     assert mirror.committed_steps() == [step] and m0.committed == [step]
-    assert {**mirror.read_manifest(step), "created": 0} == {
-        **primary.read_manifest(step),
-        "created": 0,
-    }
+    assert dataclasses.replace(mirror.manifest(step), created=0) == dataclasses.replace(
+        primary.manifest(step), created=0
+    )
     assert json.loads((tmp_path / "remote" / "latest").read_text())["step"] == step
     assert m1.committed == []  # only the committing node commits
 

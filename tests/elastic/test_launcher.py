@@ -398,7 +398,7 @@ def test_sharded_job_shrinks_by_resharding(
     cluster.wait_for("a committed step", lambda: bool(cluster.committed()), 60)
     assert max(cluster.steps()) < STEPS - 10, "training ran out before the kill; slow it down"
     committed_before = max(cluster.committed())
-    assert Storage(cluster.storage).read_manifest(committed_before)["num_shards"] == 2
+    assert Storage(cluster.storage).manifest(committed_before).num_shards == 2
     killed_at = time.time()
     assert cluster.machines["n1"].kill(), "the machine had no processes"
 
@@ -408,7 +408,7 @@ def test_sharded_job_shrinks_by_resharding(
     assert resumed[0]["restored_from"] == "storage", resumed
     assert resumed[0]["start_step"] >= committed_before
     assert max(cluster.committed()) == STEPS
-    assert Storage(cluster.storage).read_manifest(STEPS)["num_shards"] == 1
+    assert Storage(cluster.storage).manifest(STEPS).num_shards == 1
     final = safetensors.torch.load_file(cluster.out / "final.safetensors")
     assert sorted(final) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     assert final["0.weight"].shape == (32, 16)

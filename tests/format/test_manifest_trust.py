@@ -381,7 +381,7 @@ def test_resharding_reads_headers_as_carefully(tmp_path: Path, case: str) -> Non
 
     st, root = _root(tmp_path)
     _commit_bad(st, root, CASES[case][0])
-    manifest = st.read_manifest(BAD)
+    manifest = st.manifest(BAD)
     with pytest.raises(CorruptCheckpointError, match=f"step-{BAD:09d}/{SHARD}"):
         _bounded(lambda: read_resharded(st, BAD, {"model/w": ((0,), (10,))}, manifest))
 

@@ -39,7 +39,7 @@ def test_step_is_invisible_until_committed(storage: Storage) -> None:
     storage.commit(10, manifest)
     assert storage.committed_steps() == [10]
     assert storage.verify(10) == []
-    data = storage.read_file(10, "shard-00000-of-00001.safetensors", storage.read_manifest(10))
+    data = storage.read_file(10, "shard-00000-of-00001.safetensors", storage.manifest(10))
     assert bytes(data).endswith(b"x" * 1000)
 
 
@@ -64,10 +64,10 @@ def test_corruption_and_truncation_are_detected(storage: Storage) -> None:
     assert len(problems) == 1 and "checksum" in problems[0] and "shard-00000" in problems[0]
     storage.fs.pipe_file(path, b"x" * 500)
     with pytest.raises(CorruptCheckpointError, match="wrong size"):
-        storage.read_file(5, "shard-00000-of-00001.safetensors", storage.read_manifest(5))
+        storage.read_file(5, "shard-00000-of-00001.safetensors", storage.manifest(5))
     storage.fs.rm(path)
     with pytest.raises(CorruptCheckpointError, match="missing"):
-        storage.read_file(5, "shard-00000-of-00001.safetensors", storage.read_manifest(5))
+        storage.read_file(5, "shard-00000-of-00001.safetensors", storage.manifest(5))
 
 
 def test_bad_url_is_a_clear_error() -> None:

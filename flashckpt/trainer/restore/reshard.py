@@ -29,6 +29,7 @@ from flashckpt.state.sharded import (
 )
 
 if TYPE_CHECKING:
+    from flashckpt.format.manifest import Manifest
     from flashckpt.format.storage import Storage
     from flashckpt.trainer.config import CheckpointConfig
     from flashckpt.trainer.rankctx import RankContext
@@ -144,7 +145,7 @@ class Resharder:
         self,
         step: int,
         state: dict[str, Any],
-        manifest: dict[str, Any] | None = None,
+        manifest: Manifest | None = None,
         pieces: Mapping[str, list[ShardedPiece]] | None = None,
     ) -> dict[str, Any]:
         """Turns the saved DTensor pieces of a state into DTensors of this world's meshes.
@@ -220,10 +221,10 @@ class Resharder:
             state_dict = replace_at(state_dict, path, to_dtensor(local, mesh, placements, shape))
         return state_dict
 
-    def storage_shard(self, manifest: dict[str, Any]) -> int:
+    def storage_shard(self, manifest: Manifest) -> int:
         """The shard of a committed step this rank reads: its own when the step was saved in this
         layout; else any (the unsharded part is the same in every shard, and DTensor pieces whose
         boxes differ are then resharded from all shards)."""
         if self.config.replicated:
             return 0
-        return self.ctx.shard % int(manifest["num_shards"])
+        return self.ctx.shard % manifest.num_shards

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from flashckpt.format.manifest import Manifest
     from flashckpt.format.storage import Storage
     from flashckpt.state.sharded import ShardedPiece
     from flashckpt.trainer.config import CheckpointConfig
@@ -37,7 +38,7 @@ class SavedStep:
     pieces: Mapping[str, list[ShardedPiece]] | None = None
     """DTensor pieces this world's ranks hold in memory, by tensor name, to rebuild this rank's
     pieces from; None: a piece that does not fit is rebuilt from storage."""
-    manifest: dict[str, Any] | None = None
+    manifest: Manifest | None = None
     """The manifest of the committed step read (storage), which resharding reads pieces from."""
     shared: bool = False
     """The tensors view shared memory (a slot the next snapshot overwrites): apply copies every

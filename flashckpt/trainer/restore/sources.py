@@ -30,6 +30,7 @@ import torch
 
 from flashckpt.errors import AgentError
 from flashckpt.format.layout import Layout, tensor_views
+from flashckpt.format.manifest import Manifest
 from flashckpt.format.shm import MAGIC, slot_prefix
 from flashckpt.format.snapmeta import SnapshotMeta
 from flashckpt.format.storage import CorruptCheckpointError, Storage
@@ -267,7 +268,7 @@ class StorageSource:
 
     def _read(self, step: int, tier: str, storage: Storage) -> SavedStep:
         env, rank = self.env, self.env.ctx.rank
-        manifest = storage.read_manifest(step)
+        manifest = storage.manifest(step)
         # A step of another world size is resharded from the pieces of the tier it is read
         # from (the fit stage that follows this read reads them).
         env.resharder.storage = storage
@@ -275,7 +276,7 @@ class StorageSource:
         # same on every rank); the DTensor pieces are then resharded from all shards.
         shard = env.resharder.storage_shard(manifest)
         state = read_shard(storage, step, shard, manifest)
-        if int(manifest["world_size"]) == env.ctx.world:
+        if manifest.world_size == env.ctx.world:
             private = read_rank(storage, step, rank, manifest)
         else:
             private = self._private_from_other_world(storage, step, manifest)
@@ -284,7 +285,7 @@ class StorageSource:
         return SavedStep(step, tier, state, private, manifest=manifest)
 
     def _private_from_other_world(
-        self, storage: Storage, step: int, manifest: dict[str, Any]
+        self, storage: Storage, step: int, manifest: Manifest
     ) -> dict[str, Any] | None:
         """Extras of a step saved by another world size: rank 0's. The RNG states stay as they
         are (the saved ones belong to other ranks)."""
@@ -294,12 +295,12 @@ class StorageSource:
         log.info(
             "flashckpt: step %d was saved by %s ranks: extras from rank 0, RNG not restored",
             step,
-            manifest["world_size"],
+            manifest.world_size,
         )
         return {
             "rng": capture_rng(),
             "extras": rank0.get("extras") or {},
-            "other_world": int(manifest["world_size"]),
+            "other_world": manifest.world_size,
         }
 
     def drop(self, step: int) -> None:

@@ -72,6 +72,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd.client import (
@@ -164,6 +165,7 @@ class _Result:
     members: list[int]  # create revisions of the members' join keys, in rank order
     digest: str
     closer: str
+    master: tuple[str, int] | None  # rank 0's address and a port free on it, from its join
 
 
 def _decode_result(kv: KeyValue, expected_round: int) -> _Result:
@@ -194,7 +196,19 @@ def _decode_result(kv: KeyValue, expected_round: int) -> _Result:
             f"the rendezvous result {where!r} is inconsistent: world {world}, "
             f"{len(members)} members ({len(set(members))} distinct)"
         )
-    return _Result(rnd, members, str(doc.get("digest", "")), str(doc.get("closer", "")))
+    master = doc.get("master")
+    parsed_master: tuple[str, int] | None = None
+    if (
+        isinstance(master, list)
+        and len(master) == 2
+        and isinstance(master[0], str)
+        and type(master[1]) is int
+        and 0 < master[1] < 65536
+    ):
+        parsed_master = (master[0], master[1])
+    return _Result(
+        rnd, members, str(doc.get("digest", "")), str(doc.get("closer", "")), parsed_master
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +216,7 @@ class _Join:
     node: str
     create_revision: int
     claim: RankClaim | None
+    master: list[Any] | None = None  # [address, port free there] should it become rank 0
 
 
 def _decode_join(kv: KeyValue) -> _Join | None:
@@ -214,7 +229,8 @@ def _decode_join(kv: KeyValue) -> _Join | None:
         parsed = None
         if isinstance(claim, list) and len(claim) == 2:
             parsed = RankClaim(round=int(claim[0]), rank=int(claim[1]))
-        return _Join(node, kv.create_revision, parsed)
+        master = doc.get("master")
+        return _Join(node, kv.create_revision, parsed, master if isinstance(master, list) else None)
     except (ValueError, KeyError, TypeError):
         logger.warning("ignoring an unreadable rendezvous join %r", kv.key)
         return None
@@ -623,6 +639,10 @@ class RdzvHandler(RendezvousHandler):
                 "v": _JOIN_VERSION,
                 "node": self._node,
                 "claim": [claim.round, claim.rank] if claim else None,
+                # Should it be rank 0: where the workers meet (torch's RendezvousStoreInfo
+                # picks a free port on rank 0's host the same way). In the result, so nobody
+                # waits for rank 0 to publish it in the store.
+                "master": [self._addr, get_free_port()],
             },
             separators=(",", ":"),
         ).encode()
@@ -885,6 +905,7 @@ class RdzvHandler(RendezvousHandler):
                 "m": packed,
                 "digest": digest,
                 "closer": self._node,
+                "master": by_rank[0].master,
             },
             separators=(",", ":"),
         ).encode()
@@ -955,7 +976,10 @@ class RdzvHandler(RendezvousHandler):
             self._participants = None
             self._claim = RankClaim(round=rnd, rank=rank)
         store = dist.PrefixStore(f"torch.rendezvous.{self._s.run_id}.{rnd}", self._store)
-        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
+        if result.master is not None:
+            bootstrap = RendezvousStoreInfo(result.master[0], result.master[1])
+        else:  # a closer that did not carry it: torch's exchange through the store
+            bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
         self.phases["done"] = time.time()
         self._member_watch = _MemberWatch(self, rnd, result.members, kv.mod_revision, rank)
         logger.info(

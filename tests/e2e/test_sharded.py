@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from fchelpers import FcEnv, run_ranks
+from fchelpers import FcEnv, agent_process, run_ranks
 
 from flashckpt.state.sharded import ShardedPiece, assemble
 
@@ -111,11 +112,20 @@ def test_fsdp2_shrinks_and_grows(tmp_path: Path, fc_env: FcEnv) -> None:
 @pytest.mark.slow
 def test_fsdp2_restores_the_same_world_from_memory(tmp_path: Path, fc_env: FcEnv) -> None:
     # Both ranks die right after the snapshot of step 4 (taken at the end of step 3); the node
-    # agent outlives them and holds it in shared memory.
-    _run(fc_env, tmp_path, "crash", 2, 6, "--every", "2", "--exit-at", "3", code=3)
-    _run(fc_env, tmp_path, "again", 2, 6, "--every", "2")
-    # That run ended cleanly (its agent committed step 6 and removed its segments): the next one
-    # at the same world size takes each rank's own piece from storage, with no resharding.
+    # agent outlives them and holds it in shared memory. A hand-started agent: one the trainers
+    # start themselves exits 30 s after they left once storage holds their steps (by design),
+    # so on a loaded machine a slow restart found step 4 in storage only.
+    agent = agent_process(fc_env)
+    try:
+        _run(fc_env, tmp_path, "crash", 2, 6, "--every", "2", "--exit-at", "3", code=3)
+        _run(fc_env, tmp_path, "again", 2, 6, "--every", "2")
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=180)
+    assert agent.returncode == 0
+    # That run ended cleanly and its agent stopped (storage holds step 6, so it removed its
+    # segments): the next one at the same world size takes each rank's own piece from storage,
+    # with no resharding.
     _run(fc_env, tmp_path, "stored", 2, 7, "--every", "2")
     report = sorted((tmp_path / "report.txt").read_text().splitlines())
     assert report == [

@@ -2,8 +2,9 @@
 ``persist_every`` ("5m") while the node agent persists to storage throttled to ``--rate`` MB/s
 (a storage wrapper in the agent's process: every chunk of a shard write, 1 MiB here, waits as
 long as a link of that rate would take). Prints the loop's wall time against the same run on
-unthrottled storage, and the steps the agent persisted (or gave up for a trainer wanting the
-slot: its ``persisted_high``) with the steps and seconds between them.
+unthrottled storage and with no storage at all, the persists written during the loop per
+``persist_every`` interval begun, and the steps the agent persisted (or gave up for a trainer
+wanting the slot: its ``persisted_high``) with the steps and seconds between them.
 
     python benchmarks/slow_storage_persist.py --rate 3 --width 50000 --steps 300
 
@@ -58,11 +59,13 @@ def throttle(rate_mb_s: float) -> None:
     Storage.write_buffer = write_buffer  # type: ignore[method-assign]
 
 
-def run(args: argparse.Namespace, tmp: Path, slow: bool) -> dict[str, Any]:
+def run(args: argparse.Namespace, tmp: Path, slow: bool, keep: bool = True) -> dict[str, Any]:
+    """One run; ``keep=False``: no storage at all (the agent holds the snapshots in memory,
+    the trainer marks nothing): the loop's floor."""
     job = "bslow" + uuid.uuid4().hex[:8]
     run_dir = str(tmp / f"run-{job}")
-    storage = f"file://{tmp}/ckpt-{job}"
-    cfg = AgentConfig(job=job, node="n0", storage=storage, run_dir=run_dir)
+    storage = f"file://{tmp}/ckpt-{job}" if keep else ""
+    cfg = AgentConfig(job=job, node="n0", storage=storage or None, run_dir=run_dir)
     agent = NodeAgent(cfg)
     agent.start()
     t = threading.Thread(target=agent.run, daemon=True)
@@ -129,6 +132,7 @@ def run(args: argparse.Namespace, tmp: Path, slow: bool) -> dict[str, Any]:
     intervals = math.ceil(max(loop_s, 1e-9) / every_s) if every_s is not None else None
     return {
         "slow": slow,
+        "storage": keep,
         "loop_s": loop_s,
         "persists": steps,
         "written_during_loop": written,
@@ -150,11 +154,13 @@ def main() -> int:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="fc-slow-"))
     try:
+        none = run(args, tmp, slow=False, keep=False)
         fast = run(args, tmp, slow=False)
         throttle(args.rate)
         slow = run(args, tmp, slow=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f" no storage: loop {none['loop_s']:.1f} s")
     for r in (fast, slow):
         print(
             f"{'throttled' if r['slow'] else 'unthrottled':>11}: loop {r['loop_s']:.1f} s, "
@@ -165,9 +171,21 @@ def main() -> int:
             f"({r['intervals']} persist_every interval(s) begun)"
         )
     ratio = slow["loop_s"] / max(fast["loop_s"], 1e-9)
-    print(f"slowdown x{ratio:.2f} at {args.rate} MB/s")
+    floor = max(none["loop_s"], 1e-9)
+    vs_none = {"unthrottled": fast["loop_s"] / floor, "throttled": slow["loop_s"] / floor}
+    print(
+        f"slowdown x{ratio:.2f} at {args.rate} MB/s; against no storage: unthrottled "
+        f"x{vs_none['unthrottled']:.2f}, throttled x{vs_none['throttled']:.2f}"
+    )
     if args.out:
-        result = {"args": vars(args), "unthrottled": fast, "throttled": slow, "slowdown": ratio}
+        result = {
+            "args": vars(args),
+            "no_storage": none,
+            "unthrottled": fast,
+            "throttled": slow,
+            "slowdown": ratio,
+            "vs_no_storage": vs_none,
+        }
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

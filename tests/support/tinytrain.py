@@ -61,7 +61,7 @@ def train_steps(ck, model, opt, sched, start: int, stop: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--storage", required=True)
+    p.add_argument("--storage", required=True, help='checkpoint root URL; "": memory only')
     p.add_argument("--job", required=True)
     p.add_argument("--node", default="n0")
     p.add_argument("--run-dir", required=True)
@@ -92,7 +92,7 @@ def main() -> int:
         opt,
         scheduler=sched,
         extras=extras,
-        storage=a.storage,
+        storage=a.storage or None,  # "": memory only
         every=a.every,
         job=a.job,
         node=a.node,

@@ -970,37 +970,6 @@ class Checkpointer:
             self._rank_lock.release()
             self._rank_lock = None
 
-    # -- what tests and tools read of the collaborators (kept stable) ------------------------
-    @property
-    def _slots(self) -> list[Any]:
-        return self._snap.slots
-
-    @property
-    def _layout(self) -> Any:
-        return self._snap.layout
-
-    def _estimate_bytes(self) -> int:
-        return self._snap.estimate_bytes()
-
-    def _map(self, path: str) -> Any:
-        return self._snap.map(path)
-
-    @property
-    def _client(self) -> Any:
-        return self._link.client
-
-    @property
-    def _agent_proc(self) -> Any:
-        return self._link.agent_proc
-
-    @property
-    def _next_reconnect(self) -> float:
-        return self._link.next_reconnect
-
-    @_next_reconnect.setter
-    def _next_reconnect(self, value: float) -> None:
-        self._link.next_reconnect = value
-
 
 class _RankLock:
     """This process's claim on a (job, node, rank): an ``flock`` on a pid file in the run

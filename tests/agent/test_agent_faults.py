@@ -271,15 +271,15 @@ def test_entry_estimate_matches_the_first_step_of_any_optimizer(
         with flashckpt.checkpointing(
             model, opt, **fc_env.ckpt_kwargs(agent="connect", storage=None, restore=False)
         ) as ck:
-            est = ck._estimate_bytes()
+            est = ck._snap.estimate_bytes()
             model(torch.randn(2, 64)).sum().backward()
             opt.step()
             ck.step()
             ck.save(mode="sync")
-            assert ck._layout is not None
+            assert ck._snap.layout is not None
             # The slots reserved at entry hold the real snapshot: no reallocation needed.
-            assert ck._layout.nbytes <= est + 4096, (name, ck._layout.nbytes, est)
-            assert ck._layout.nbytes >= est - 4096 * 4, (name, ck._layout.nbytes, est)
+            assert ck._snap.layout.nbytes <= est + 4096, (name, ck._snap.layout.nbytes, est)
+            assert ck._snap.layout.nbytes >= est - 4096 * 4, (name, ck._snap.layout.nbytes, est)
 
 
 @pytest.mark.parametrize("mode", ["connect", "auto"])
@@ -300,17 +300,18 @@ def test_trainer_outlives_its_agent_and_links_to_the_next(fc_env_private: FcEnv,
             a.send_signal(signal.SIGKILL)
             a.wait(timeout=30)
             deadline = time.monotonic() + 30
-            while ck._client is not None and ck._client.connected:
+            while ck._link.client is not None and ck._link.client.connected:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             train_steps(ck, model, opt, sched, 2, 4)  # no agent: snapshots go on into the slots
             ck.wait()
             assert ck.stats.last_snapshot_step == 4 and ck.stats.skips == 0
-            assert ck._agent_proc is None  # save() tried to relink: not the trainer's to restart
+            # save() tried to relink: the agent is not the trainer's to restart
+            assert ck._link.agent_proc is None
             a = agent_process(fc_env)
-            ck._next_reconnect = 0.0
+            ck._link.next_reconnect = 0.0
             train_steps(ck, model, opt, sched, 4, 6)
-            assert ck._agent_proc is None
+            assert ck._link.agent_proc is None
             assert ck.agent_restarts == 1
             assert ck.flush() == 6
             st = ck.status()["agent"]

@@ -41,7 +41,7 @@ def test_cuda_state_snapshots_and_restores(fc_env: FcEnv, agent: RunningAgent, m
     with flashckpt.checkpointing(model2, opt2, **fc_env.ckpt_kwargs(agent="connect")) as ck2:
         assert ck2.start_step == 3 and ck2.restored_from == "memory"
         # the slots it restored from were registered at entry, before the restore read them
-        assert all(sm is not None and sm.registered_cuda for sm in ck2._slots)
+        assert all(sm is not None and sm.registered_cuda for sm in ck2._snap.slots)
         assert all(p.is_cuda for p in model2.parameters())
         assert all(v.is_cuda for st in opt2.state.values() for v in st.values() if v.dim())
 
@@ -53,7 +53,7 @@ def test_auto_mode_overlaps_on_cuda_and_registers_the_slots_at_entry(
     opt = torch.optim.AdamW(model.parameters())
     ck = flashckpt.checkpointing(model, opt, every=0, **fc_env.ckpt_kwargs(agent="connect"))
     with ck:
-        slots = [sm for sm in ck._slots if sm is not None]
+        slots = [sm for sm in ck._snap.slots if sm is not None]
         assert len(slots) == 2 and ck.stats.saves == 0
         assert all(sm.registered_cuda and sm.data.is_pinned() for sm in slots)
         assert len(ck._snap.registrar.registered) == 2
@@ -100,7 +100,7 @@ def test_a_refused_registration_is_cleared_and_cuda_goes_on(
 ) -> None:
     model = torch.nn.Linear(64, 64).cuda()
     with flashckpt.checkpointing(model, every=0, **fc_env.ckpt_kwargs(agent="connect")) as ck:
-        sm = ck._slots[0]
+        sm = ck._snap.slots[0]
         assert sm.registered_cuda
         # Registering it again: CUDA refuses (already registered); the code is checked.
         assert not ck._snap.registrar.register_range(sm.data.data_ptr(), 4096, "a test range")

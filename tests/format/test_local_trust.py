@@ -152,10 +152,10 @@ def test_trainer_does_not_map_an_untrusted_slot(fc_env: FcEnv, agent: RunningAge
     with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
         ck.step()
         ck.save(mode="sync")
-        path = ck._slots[0].slot.path
+        path = ck._snap.slots[0].slot.path
         os.chmod(path, 0o666)
         with pytest.raises(ValueError, match="not trusted: mode 0666"):
-            ck._map(path)
+            ck._snap.map(path)
         os.chmod(path, 0o600)
 
 

@@ -51,7 +51,7 @@ class FakeCudart:
 
 
 def _slot_ranges(ck: Any) -> dict[int, int]:
-    return {sm.data.data_ptr(): sm.data.numel() for sm in ck._slots if sm is not None}
+    return {sm.data.data_ptr(): sm.data.numel() for sm in ck._snap.slots if sm is not None}
 
 
 def _as_cuda_state(ck: Any, rt: FakeCudart) -> None:
@@ -149,7 +149,7 @@ def test_cuda_state_registers_its_slots_at_entry_and_unregisters_at_close(
         # Both slots, each whole mapping (header included), before any save().
         assert rt.pinned == slots and ck.stats.saves == 0
         assert {c[3] for c in rt.calls} == {1}  # cudaHostRegisterPortable: every device
-        assert all(sm.registered_cuda for sm in ck._slots)
+        assert all(sm.registered_cuda for sm in ck._snap.slots)
         calls = len(rt.calls)
         train_steps(ck, model, opt, sched, 0, 2)
         ck.save()
@@ -259,8 +259,8 @@ def test_a_refused_registration_warns_once_and_training_goes_on(
     try:
         assert sum(c[0] == "register" for c in rt.calls) == 2  # each slot tried once
         assert rt.cleared == 2  # the runtime's last error reset after each
-        assert not any(sm.registered_cuda for sm in ck._slots)
-        assert all(sm.register_failed for sm in ck._slots)
+        assert not any(sm.registered_cuda for sm in ck._snap.slots)
+        assert all(sm.register_failed for sm in ck._snap.slots)
         train_steps(ck, model, opt, sched, 0, 4)
         assert ck.stats.last_snapshot_step == 4
     finally:

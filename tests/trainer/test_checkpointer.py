@@ -228,7 +228,7 @@ def test_skip_policy_reports_every_skip(fc_env: FcEnv, agent: RunningAgent) -> N
     ) as ck:
         ck.step()
         assert ck.save(mode="sync").taken
-        for sm in ck._slots:
+        for sm in ck._snap.slots:
             sm.slot.pin(0)  # as the agent does while persisting
         ck.step()
         with pytest.warns(UserWarning, match="step 2 skipped"):
@@ -236,7 +236,7 @@ def test_skip_policy_reports_every_skip(fc_env: FcEnv, agent: RunningAgent) -> N
         assert not h.taken and h.skipped
         assert ck.stats.skips == 1 and ck.stats.skipped_steps == [2]
         assert ck.status()["skips"] == 1
-        for sm in ck._slots:
+        for sm in ck._snap.slots:
             sm.slot.unpin()
         ck.step()
         assert ck.save().taken

@@ -188,7 +188,7 @@ def test_a_slot_whose_description_fails_its_checks_is_ignored(
         train_step(model, opt, sched, 0)
         ck.step()
         ck.save(mode="sync")
-        path = next(sm.slot.path for sm in ck._slots if sm is not None and sm.step == 1)
+        path = next(sm.slot.path for sm in ck._snap.slots if sm is not None and sm.step == 1)
     slot = Slot(path)
     try:
         info = slot.header()

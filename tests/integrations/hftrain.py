@@ -22,12 +22,14 @@ import time
 import safetensors.torch
 import torch
 
+RANK = int(os.environ.get("RANK", "0"))  # under torchrun: rank 0 logs and writes the results
 
-def build(seed: int = 0) -> tuple[torch.nn.Module, torch.utils.data.Dataset]:
+
+def build(seed: int = 0, width: int = 32) -> tuple[torch.nn.Module, torch.utils.data.Dataset]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=width, n_layer=2, n_head=2)
     model = GPT2LMHeadModel(config)  # dropout 0.1 everywhere: resume must restore the RNGs
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, 64, (40, 16), generator=g)
@@ -63,12 +65,15 @@ def main() -> int:
     p.add_argument("--shm-dir", default=None)
     p.add_argument("--mode", choices=("flash", "native", "none"), default="flash")
     p.add_argument("--out", required=True)
-    p.add_argument("--log", required=True)
+    # --steps-log: the spelling torchrun lets through (its parser takes --log for --log-dir)
+    p.add_argument("--log", "--steps-log", dest="log", required=True)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--step-times", default=None)
+    p.add_argument("--width", type=int, default=32, help="n_embd (the state's size)")
+    p.add_argument("--persist-every", default="1", help="snapshots (int) or a duration")
     a = p.parse_args()
     torch.set_num_threads(1)
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -76,21 +81,27 @@ def main() -> int:
 
     hf_logging.set_verbosity_error()
     os.makedirs(a.out, exist_ok=True)
-    model, ds = build()
+    model, ds = build(width=a.width)
 
     class StepLog(TrainerCallback):
         def __init__(self) -> None:
             self.t = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
-            with open(a.log, "a") as f:
-                f.write(f"{state.global_step}\n")
+            if RANK == 0:
+                with open(a.log, "a") as f:
+                    f.write(f"{state.global_step}\n")
             if a.step_sleep:
                 time.sleep(a.step_sleep)
 
+        def on_train_begin(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            if RANK == 0 and flash is not None:  # where each run of the command started
+                with open(os.path.join(a.out, "starts.txt"), "a") as f:
+                    f.write(f"{flash.restored_step} {flash.restored_from}\n")
+
         def on_step_begin(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
             now = time.perf_counter()
-            if a.step_times and state.global_step > 0:
+            if a.step_times and state.global_step > 0 and RANK == 0:
                 with open(a.step_times, "a") as f:
                     f.write(f"{state.global_step} {now - self.t}\n")
             self.t = now
@@ -104,7 +115,11 @@ def main() -> int:
         if a.shm_dir:
             opts["shm_dir"] = a.shm_dir
         flash = FlashCheckpoint(
-            storage=a.storage, every=a.every, persist_every=1, agent_idle_timeout=120, **opts
+            storage=a.storage,
+            every=a.every,
+            persist_every=int(a.persist_every) if a.persist_every.isdigit() else a.persist_every,
+            agent_idle_timeout=120,
+            **opts,
         )
         callbacks.append(flash)
     native_dir = os.path.join(a.out, "hf")
@@ -134,6 +149,8 @@ def main() -> int:
         resume = get_last_checkpoint(native_dir) if os.path.isdir(native_dir) else None
     trainer.train(resume_from_checkpoint=resume)
     assert trainer.optimizer is not None
+    if RANK != 0:  # data parallel: every rank ends with the same state
+        return 0
     safetensors.torch.save_file(
         final_tensors(trainer.model, trainer.optimizer), os.path.join(a.out, "final.safetensors")
     )

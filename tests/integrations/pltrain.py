@@ -22,17 +22,19 @@ import safetensors.torch
 import torch
 
 
-def build(seed: int = 0):  # type: ignore[no-untyped-def]
+def build(seed: int = 0, width: int = 64):  # type: ignore[no-untyped-def]
     import lightning.pytorch as pl
 
     class Net(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Sequential(
-                torch.nn.Linear(16, 64),
+                torch.nn.Linear(16, width),
                 torch.nn.ReLU(),
                 torch.nn.Dropout(0.2),  # consumes the global RNG: resume must restore it
-                torch.nn.Linear(64, 1),
+                torch.nn.Linear(width, width),
+                torch.nn.ReLU(),
+                torch.nn.Linear(width, 1),
             )
             self.losses: list[float] = []
 
@@ -83,6 +85,8 @@ def main() -> int:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--step-times", default=None)
+    p.add_argument("--width", type=int, default=64, help="hidden width (the state's size)")
+    p.add_argument("--persist-every", default="1", help="snapshots (int) or a duration")
     a = p.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -92,7 +96,7 @@ def main() -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     os.makedirs(a.out, exist_ok=True)
-    model, ds = build()
+    model, ds = build(width=a.width)
     if a.loader == "stateful":
         from torch.utils.data.distributed import DistributedSampler
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -110,6 +114,11 @@ def main() -> int:
         def __init__(self) -> None:
             self.t = time.perf_counter()
             self.last = -1
+
+        def on_train_start(self, trainer, module):  # type: ignore[no-untyped-def]
+            if flash is not None:  # where each run of the command started
+                with open(os.path.join(a.out, "starts.txt"), "a") as f:
+                    f.write(f"{flash.restored_step} {flash.restored_from}\n")
 
         def on_train_batch_end(self, trainer, module, outputs, batch, i):  # type: ignore[no-untyped-def]
             if trainer.global_step != self.last:
@@ -136,14 +145,18 @@ def main() -> int:
         if a.shm_dir:
             opts["shm_dir"] = a.shm_dir
         flash = FlashCheckpoint(
-            storage=a.storage, every=a.every, persist_every=1, agent_idle_timeout=120, **opts
+            storage=a.storage,
+            every=a.every,
+            persist_every=int(a.persist_every) if a.persist_every.isdigit() else a.persist_every,
+            agent_idle_timeout=120,
+            **opts,
         )
         callbacks.append(flash)
     elif a.mode == "native":
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         callbacks.append(
-            ModelCheckpoint(dirpath=native_dir, every_n_train_steps=a.every, save_last=True)
+            ModelCheckpoint(dirpath=native_dir, every_n_train_steps=a.every, save_last="link")
         )
         if os.path.exists(os.path.join(native_dir, "last.ckpt")):
             ckpt_path = "last"

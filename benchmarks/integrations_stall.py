@@ -2,14 +2,15 @@
 against the framework's own checkpointing, side by side in one run (issue 29).
 
 For each framework (the Hugging Face ``Trainer``, a Lightning ``Trainer``), the same training
-command (``tests/integrations/hftrain.py`` / ``pltrain.py``) runs three ways, one after the
+command (``tests/support/hftrain.py`` / ``pltrain.py``) runs three ways, one after the
 other, several rounds interleaved: without checkpoints (``none``), with
 ``flashckpt.integrations.<framework>.FlashCheckpoint(every=N, persist_every=1)`` (every snapshot
 also persisted to storage by the node agent, as the framework's own checkpoint is written every
 time), and with the framework's own checkpoint every N steps (HF ``save_steps=N``; Lightning
 ``ModelCheckpoint(every_n_train_steps=N)``), to the same local disk. Each run logs every
-step's wall time; the time lost per checkpoint is the run's excess over ``steps x median step``
-divided by the checkpoints taken, and ``none``'s excess (the noise floor) is shown beside it.
+step's wall time; the time lost per checkpoint is the mean of the step intervals that hold a
+checkpoint less the median of the others (``none``, measured on the same intervals, is the noise
+floor), the median over the rounds.
 
     python benchmarks/integrations_stall.py --out benchmarks/runs/integrations.json
 
@@ -32,8 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {
-    "huggingface": ROOT / "tests" / "integrations" / "hftrain.py",
-    "lightning": ROOT / "tests" / "integrations" / "pltrain.py",
+    "huggingface": ROOT / "tests" / "support" / "hftrain.py",
+    "lightning": ROOT / "tests" / "support" / "pltrain.py",
 }
 
 
@@ -71,15 +72,24 @@ def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict
     shutil.rmtree(f"/tmp/fcb-{job}", ignore_errors=True)
     if p.returncode != 0:
         raise RuntimeError(f"{tag} failed:\n{p.stderr[-3000:]}")
-    steps = [float(line.split()[1]) for line in times.read_text().splitlines()]
-    steps = steps[2:]  # the first steps warm up (allocator, lazy optimizer state)
-    med = statistics.median(steps)
-    excess = sum(steps) - med * len(steps)
-    ckpts = (a.steps // a.every) if mode != "none" else 0
+    times_by_step = {
+        int(line.split()[0]): float(line.split()[1]) for line in times.read_text().splitlines()
+    }
+    # The step interval that holds the checkpoint of step s: HF logs the interval from step s's
+    # start to step s+1's start (its checkpoint comes between); Lightning logs when a batch
+    # ends, before the checkpoint callbacks, so the checkpoint of step s is in interval s + 1.
+    shift = 0 if framework == "huggingface" else 1
+    held = {s + shift for s in range(a.every, a.steps, a.every)}
+    warm = 2  # the first steps warm up (allocator, lazy optimizer state)
+    at_ckpt = [t for s, t in times_by_step.items() if s in held and s > warm]
+    others = [t for s, t in times_by_step.items() if s not in held and s > warm]
+    med = statistics.median(others)
+    lost = statistics.mean(at_ckpt) - med
+    ckpts = len(at_ckpt) if mode != "none" else 0
     return {
         "wall_s": wall,
         "median_step_s": med,
-        "excess_s": excess,
+        "lost_per_checkpoint_s": lost,
         "checkpoints": ckpts,
     }
 
@@ -106,28 +116,31 @@ def main() -> int:
             for _ in range(a.rounds):
                 for mode in runs:  # interleaved: a load change hits every mode alike
                     runs[mode].append(one_run(fw, mode, a, tmp))
-            summary = {}
+            summary: dict = {}
             for mode, rs in runs.items():
-                best = min(rs, key=lambda r: r["excess_s"])  # the least disturbed round
-                lost = best["excess_s"] / best["checkpoints"] if best["checkpoints"] else None
-                summary[mode] = {**best, "lost_per_checkpoint_s": lost, "rounds": rs}
+                lost = statistics.median(r["lost_per_checkpoint_s"] for r in rs)
+                summary[mode] = {
+                    "lost_per_checkpoint_s": lost,  # the median over rounds
+                    "median_step_s": statistics.median(r["median_step_s"] for r in rs),
+                    "rounds": rs,
+                }
             f, n = (
                 summary["flash"]["lost_per_checkpoint_s"],
                 summary["native"]["lost_per_checkpoint_s"],
             )
-            summary["native_over_flash"] = n / f if f and n and f > 0 else None
+            summary["native_over_flash"] = n / f if f > 0 else None
             results["frameworks"][fw] = summary
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     results["load_avg_end"] = os.getloadavg()
-    print(f"{'framework':12} {'mode':7} {'median step':>12} {'lost/ckpt':>10} {'excess':>10}")
+    print(f"{'framework':12} {'mode':7} {'median step':>12} {'lost/ckpt':>10}  rounds")
     for fw, s in results["frameworks"].items():
         for mode in ("none", "flash", "native"):
             r = s[mode]
-            lost = r["lost_per_checkpoint_s"]
+            rounds = " ".join(f"{x['lost_per_checkpoint_s']:.3f}" for x in r["rounds"])
             print(
                 f"{fw:12} {mode:7} {r['median_step_s']:12.4f} "
-                f"{'-' if lost is None else f'{lost:.4f}':>10} {r['excess_s']:10.3f}"
+                f"{r['lost_per_checkpoint_s']:10.4f}  {rounds}"
             )
         ratio = s["native_over_flash"]
         print(

@@ -1,5 +1,5 @@
 """The Hugging Face Trainer with ``FlashCheckpoint``, judged as a user would: a tiny GPT-2 run
-(``tests/integrations/hftrain.py``) SIGKILLed at a random step and started again with the same
+(``tests/support/hftrain.py``) SIGKILLed at a random step and started again with the same
 command ends with the parameters, the optimizer state and the log history of the uninterrupted
 run, bit for bit; from memory (the node agent kept the snapshot) and from storage (the machine's
 memory lost too). The Trainer's own ``resume_from_checkpoint`` on the same run is measured
@@ -23,10 +23,11 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv, kill_job_processes
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).with_name("hftrain.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "hftrain.py"
 STEPS, EVERY = 24, 4  # 10 steps per epoch: the run crosses two epoch boundaries
 
 
@@ -61,10 +62,8 @@ def _kill_at(cmd: list[str], out: Path, step: int) -> None:
     """Starts the run and SIGKILLs it once ``step`` steps are logged."""
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        while _steps_logged(out) < step:
-            assert p.poll() is None, p.stderr.read().decode()[-4000:] if p.stderr else ""
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=0.02)
+        wait_until(lambda: _steps_logged(out) >= step or p.poll() is not None, f"step {step}", 240)
+        assert p.poll() is None, p.stderr.read().decode()[-4000:] if p.stderr else ""
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=60)
     finally:
@@ -186,13 +185,9 @@ def test_the_trainers_own_resume_on_the_same_run(tmp_path: Path, fc_env: FcEnv, 
 
 @pytest.fixture
 def hf_trainer_parts():  # type: ignore[no-untyped-def]
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import hftrain
+    import hftrain  # tests/support (on sys.path)
 
-        yield hftrain.build
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    return hftrain.build
 
 
 def _args(tmp: Path, **over):  # type: ignore[no-untyped-def]
@@ -317,10 +312,9 @@ def test_two_ranks_ddp_killed_rank_resumes_bitwise(tmp_path: Path, fc_env: FcEnv
     cmd = _torchrun(fc_env, out, "--every", str(EVERY), "--step-sleep", "0.05")
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        while _steps_logged(out) < 6:  # 5 steps per epoch (2 ranks x 4 samples, 40 samples)
-            assert launcher.poll() is None, launcher.stderr.read().decode()[-4000:]  # type: ignore[union-attr]
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                launcher.wait(timeout=0.02)
+        # 5 steps per epoch (2 ranks x 4 samples, 40 samples): killed in epoch 1
+        wait_until(lambda: _steps_logged(out) >= 6 or launcher.poll() is not None, "step 6", 240)
+        assert launcher.poll() is None, launcher.stderr.read().decode()[-4000:]  # type: ignore[union-attr]
         ranks = {
             int(p.environ().get("RANK", -1)): p
             for p in psutil.Process(launcher.pid).children(recursive=True)

@@ -1,5 +1,5 @@
 """A Lightning ``Trainer`` with ``FlashCheckpoint``, judged as a user would: a tiny run
-(``tests/integrations/pltrain.py``: an MLP with dropout, a shuffled ``StatefulDataLoader``)
+(``tests/support/pltrain.py``: an MLP with dropout, a shuffled ``StatefulDataLoader``)
 SIGKILLed at a random step and started again with the same command trains every later step on
 the same batches with the same loss as the uninterrupted run, and ends with the same parameters
 and optimizer state, bit for bit; from memory, and from storage with the snapshot at an epoch's
@@ -23,10 +23,11 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv, kill_job_processes
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).with_name("pltrain.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "pltrain.py"
 STEPS, EVERY = 24, 4  # 10 steps per epoch: the run crosses two epoch boundaries
 
 
@@ -63,10 +64,8 @@ def _kill_at(cmd: list[str], out: Path, step: int) -> None:
     """Starts the run and SIGKILLs it once ``step`` steps are logged."""
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        while len(_steps(out)) < step:
-            assert p.poll() is None, p.stderr.read().decode()[-4000:] if p.stderr else ""
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=0.02)
+        wait_until(lambda: len(_steps(out)) >= step or p.poll() is not None, f"step {step}", 240)
+        assert p.poll() is None, p.stderr.read().decode()[-4000:] if p.stderr else ""
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=60)
     finally:
@@ -169,12 +168,8 @@ def test_lightnings_own_resume_on_the_same_run(tmp_path: Path, fc_env: FcEnv, re
 
 def test_misuse_is_refused_naming_the_fix(tmp_path: Path, fc_env: FcEnv, agent) -> None:  # type: ignore[no-untyped-def]
     import lightning.pytorch as pl
+    import pltrain  # tests/support (on sys.path)
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import pltrain
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
     from flashckpt.integrations.lightning import FlashCheckpoint
 
     with pytest.raises(TypeError, match="did you mean 'every'"):

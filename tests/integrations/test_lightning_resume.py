@@ -19,6 +19,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import safetensors.torch
 import torch
@@ -219,3 +220,79 @@ def test_misuse_is_refused_naming_the_fix(tmp_path: Path, fc_env: FcEnv, agent) 
     t = trainer(FlashCheckpoint(storage, **kw), enable_checkpointing=False, max_steps=6)
     with pytest.raises(ValueError, match=r"no resumable position.*StatefulDataLoader"):
         t.fit(model, loader)
+
+
+def _torchrun(env: FcEnv, out: Path, *extra: str, steps: int = 12) -> list[str]:
+    """The command line of a 2-rank DDP run (gloo) of the same script (no --node or --log:
+    torchrun's own parser would take them for its --node-rank and --log-dir)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        str(SCRIPT),
+        "--storage",
+        env.storage,
+        "--job",
+        env.job,
+        "--run-dir",
+        env.run_dir,
+        "--shm-dir",
+        env.shm_dir,
+        "--out",
+        str(out),
+        "--steps-log",
+        str(out) + ".log",
+        "--steps",
+        str(steps),
+        *extra,
+    ]
+
+
+def test_two_ranks_ddp_killed_resume_bitwise(tmp_path: Path, fc_env: FcEnv) -> None:
+    """2 ranks (DDP, gloo, under torchrun: each rank its part of the data), both SIGKILLed
+    mid-run, the same command again: every later step of rank 0 trains the same batch with the same
+    loss, and the final state is the uninterrupted 2-rank run's, bitwise."""
+    ref_env = FcEnv(**{**vars(fc_env), "job": fc_env.job + "r", "storage": fc_env.storage + "-r"})
+    _run(_torchrun(ref_env, tmp_path / "ref", "--every", str(EVERY)))
+    ref_tensors, _ = _final(tmp_path / "ref")
+    ref_steps = {s: (loss, data) for s, loss, data in _steps(tmp_path / "ref")}
+    assert sorted(ref_steps) == list(range(1, 13))
+    out = tmp_path / "run"
+    cmd = _torchrun(fc_env, out, "--every", str(EVERY), "--step-sleep", "0.05")
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        # 5 steps per epoch (2 ranks x 8 samples, 80 samples): killed in epoch 1
+        wait_until(lambda: len(_steps(out)) >= 6 or launcher.poll() is not None, "step 6", 240)
+        assert launcher.poll() is None, launcher.stderr.read().decode()[-4000:]  # type: ignore[union-attr]
+        ranks = {
+            int(p.environ().get("RANK", -1)): p
+            for p in psutil.Process(launcher.pid).children(recursive=True)
+            if str(SCRIPT) in " ".join(p.cmdline())
+        }
+        # The machine dies: both training processes and torchrun, SIGKILLed (killing rank 1
+        # alone leaves rank 0 in Lightning's SIGTERM handler, blocked in a collective with the
+        # dead rank until torchrun's shutdown timeout).
+        for proc in (ranks[1], ranks[0], psutil.Process(launcher.pid)):
+            proc.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == -signal.SIGKILL
+    _run(cmd)  # the same command: both ranks resume
+    tensors, report = _final(out)
+    starts = [line.split() for line in (out / "starts.txt").read_text().splitlines()]
+    # torchrun --standalone starts a new world (another master port) per launch: the ranks
+    # restore the newest step of the old world from storage (persisted at every snapshot here).
+    assert starts[0] == ["None", "None"] and starts[-1][1] in ("memory", "storage"), starts
+    assert starts[-1][0] in ("4", "8"), starts
+    for step, loss, data in _steps(out):
+        assert (loss, data) == ref_steps[step], f"step {step}"
+    assert report["global_step"] == 12
+    assert sorted(k for k in tensors if not torch.equal(tensors[k], ref_tensors[k])) == []

@@ -21,6 +21,9 @@ import warnings
 import safetensors.torch
 import torch
 
+RANK = int(os.environ.get("RANK", "0"))  # under torchrun: rank 0 logs and writes the results
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
 
 def build(seed: int = 0, width: int = 64):  # type: ignore[no-untyped-def]
     import lightning.pytorch as pl
@@ -79,7 +82,8 @@ def main() -> int:
     p.add_argument("--mode", choices=("flash", "native", "none"), default="flash")
     p.add_argument("--loader", choices=("stateful", "plain"), default="stateful")
     p.add_argument("--out", required=True)
-    p.add_argument("--log", required=True)
+    # --steps-log: the spelling torchrun lets through (its parser takes --log for --log-dir)
+    p.add_argument("--log", "--steps-log", dest="log", required=True)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--accum", type=int, default=1)
@@ -104,7 +108,7 @@ def main() -> int:
         # The shuffle order a function of (seed, epoch): Lightning calls set_epoch. (With
         # shuffle=True and a generator= instead, torchdata 0.11's loader restored mid-epoch
         # draws the next epoch's order from another generator state than an uninterrupted run.)
-        sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=7)
+        sampler = DistributedSampler(ds, num_replicas=WORLD, rank=RANK, shuffle=True, seed=7)
         loader = StatefulDataLoader(ds, batch_size=8, sampler=sampler)
     else:
         gen = torch.Generator().manual_seed(7)  # the loader's own RNG (its shuffle order)
@@ -116,12 +120,12 @@ def main() -> int:
             self.last = -1
 
         def on_train_start(self, trainer, module):  # type: ignore[no-untyped-def]
-            if flash is not None:  # where each run of the command started
+            if flash is not None and RANK == 0:  # where each run of the command started
                 with open(os.path.join(a.out, "starts.txt"), "a") as f:
                     f.write(f"{flash.restored_step} {flash.restored_from}\n")
 
         def on_train_batch_end(self, trainer, module, outputs, batch, i):  # type: ignore[no-untyped-def]
-            if trainer.global_step != self.last:
+            if trainer.global_step != self.last and RANK == 0:
                 self.last = trainer.global_step
                 data = float(batch[0].sum()).hex()  # which samples the step trained on
                 with open(a.log, "a") as f:
@@ -163,7 +167,8 @@ def main() -> int:
     trainer = pl.Trainer(
         max_steps=a.steps,
         accelerator="cpu",
-        devices=1,
+        devices=WORLD,
+        strategy="ddp" if WORLD > 1 else "auto",
         accumulate_grad_batches=a.accum,
         callbacks=callbacks,
         logger=False,
@@ -174,6 +179,8 @@ def main() -> int:
     )
     trainer.fit(model, loader, ckpt_path=ckpt_path, weights_only=False if ckpt_path else None)
     opt = trainer.optimizers[0]
+    if RANK != 0:  # data parallel: every rank ends with the same state
+        return 0
     safetensors.torch.save_file(final_tensors(model, opt), os.path.join(a.out, "final.safetensors"))
     report = {
         "global_step": trainer.global_step,

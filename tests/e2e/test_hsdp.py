@@ -20,7 +20,11 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv
-from test_sharded import HERE, _assert_same_state, _losses, _reference, _run
+from shardruns import HERE
+from shardruns import assert_same_state as _assert_same_state
+from shardruns import losses as _losses
+from shardruns import reference as _reference
+from shardruns import run as _run
 
 import flashckpt
 from flashckpt.offline.reading import load_full

@@ -16,61 +16,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
-from fchelpers import FcEnv, agent_process, run_ranks
+from fchelpers import FcEnv, agent_process
+from shardruns import assert_same_state as _assert_same_state
+from shardruns import losses as _losses
+from shardruns import reference as _reference
+from shardruns import run as _run
 
 from flashckpt.state.sharded import ShardedPiece, assemble
 
 HERE = Path(__file__).resolve().parents[1] / "support"
-
-
-def _run(
-    env: FcEnv, tmp: Path, tag: str, world: int, steps: int, *extra: str, code: int = 0
-) -> None:
-    """Runs ``world`` ranks of shardtrain.py (forked from one launcher process) to the end; they
-    must all exit with ``code``."""
-    run_ranks(
-        "shardtrain.py", env, tmp, tag, "--world", str(world), "--steps", str(steps), *extra,
-        code=code,
-    )  # fmt: skip
-
-
-def _losses(path: Path) -> dict[int, float]:
-    return {
-        int(a): float.fromhex(b)
-        for a, b in (ln.split() for ln in path.read_text().split("\n") if ln)
-    }
-
-
-def _reference(steps: int) -> list[float]:
-    """The same training, unsharded, in one process."""
-    sys.path.insert(0, str(HERE))
-    from shardtrain import batch, make_model, make_optim
-
-    model = make_model()
-    opt, sched = make_optim(model)
-    out = []
-    for step in range(steps):
-        x, y = batch(step)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        out.append(loss.item())
-    return out
-
-
-def _assert_same_state(saved: Path, restored: Path) -> None:
-    a = safetensors.torch.load_file(str(saved))
-    b = safetensors.torch.load_file(str(restored))
-    assert sorted(a) == sorted(b)
-    # Model and Adam moments of every parameter, and the step counts.
-    assert sum(k.startswith("model/") for k in a) == 4
-    assert sum(k.endswith("/exp_avg_sq") for k in a) == 4
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 @pytest.mark.slow

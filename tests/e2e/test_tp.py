@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 from fchelpers import FcEnv, run_ranks
-from test_sharded import _assert_same_state, _losses, _reference
-from test_sharded import _run as _run_fsdp
+from shardruns import assert_same_state as _assert_same_state
+from shardruns import losses as _losses
+from shardruns import reference as _reference
+from shardruns import run as _run_fsdp
 
 import flashckpt
 from flashckpt.state.sharded import walk_pieces

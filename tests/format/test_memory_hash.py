@@ -215,7 +215,7 @@ def test_a_slot_with_a_bad_header_is_discarded_by_the_next_agent(fc_env_private:
 def test_a_scribbled_piece_is_not_resharded_from_memory(tmp_path: Path, fc_env: FcEnv) -> None:
     """The memory-reshard path (a sharded job changed size) checks the data hash too: the slot
     of a local rank no trainer uses now is verified by the rank that reads it for cleanup."""
-    from test_sharded import _run
+    from shardruns import run as _run
 
     _run(fc_env, tmp_path, "w2", 2, 8, "--every", "2", "--exit-at", "3", code=3)
     rank1 = sorted(Path(fc_env.shm_dir).glob(f"fc.{fc_env.job}.{fc_env.node}.r00001.s?"))

@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv, RunningAgent
-from test_sharded import _run
+from shardruns import run as _run
 from tinytrain import make, train_step
 
 import flashckpt

@@ -13,7 +13,11 @@ from pathlib import Path
 import psutil
 import pytest
 from fchelpers import FcEnv
-from test_sharded import _assert_same_state, _losses, _reference, _run
+from shardruns import assert_same_state as _assert_same_state
+from shardruns import losses as _losses
+from shardruns import node_agents
+from shardruns import reference as _reference
+from shardruns import run as _run
 
 
 @pytest.mark.slow
@@ -28,10 +32,11 @@ def test_fsdp2_shrinks_and_grows_from_memory(tmp_path: Path, fc_env: FcEnv) -> N
     # there (their slots are too small for the new layout, but they are not replaced until a
     # newer snapshot exists), and 2 ranks come back from them again.
     chain = [("w4", 4, "4", 3), ("w3", 3, "2", 5), ("w2a", 2, "1", 6), ("w2", 2, "1", None)]
-    for tag, world, per_node, exit_at in chain:
-        extra = ["--every", "2", "--per-node", per_node]
-        extra += ["--exit-at", str(exit_at)] if exit_at is not None else []
-        _run(fc_env, tmp_path, tag, world, 8, *extra, code=3 if exit_at is not None else 0)
+    with node_agents(fc_env, f"{fc_env.node}-0", f"{fc_env.node}-1"):
+        for tag, world, per_node, exit_at in chain:
+            extra = ["--every", "2", "--per-node", per_node]
+            extra += ["--exit-at", str(exit_at)] if exit_at is not None else []
+            _run(fc_env, tmp_path, tag, world, 8, *extra, code=3 if exit_at is not None else 0)
 
     report = sorted((tmp_path / "report.txt").read_text().splitlines())
     assert report == sorted(
@@ -80,18 +85,23 @@ def test_hsdp_survivors_rebuild_the_state_of_a_lost_replica_machine(
     # 4 ranks, HSDP on a (2, 2) mesh, two machines of 2 ranks: machine n0-0 holds replica 0
     # (shards 0 and 1), machine n0-1 replica 1. All die after the snapshot of step 4, and
     # machine n0-1 is lost with its node agent and shared memory.
-    _run(fc_env, tmp_path, "w4", 4, 8, "--mesh", "2,2", "--per-node", "2", "--every", "2",
-         "--exit-at", "3", code=3)  # fmt: skip
-    lost = f"--node {fc_env.node}-1"
-    for p in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error, TypeError):
-            if fc_env.job in " ".join(p.info["cmdline"]) and lost in " ".join(p.info["cmdline"]):
-                p.kill()
-    for name in fc_env.segments():
-        if f".{fc_env.node}-1." in name:
-            os.unlink(os.path.join(fc_env.shm_dir, name))
-    # The survivors go on as one replica of 2 shards, from their machine's memory.
-    _run(fc_env, tmp_path, "w2", 2, 8, "--mesh", "1,2", "--per-node", "2", "--every", "2")
+    # The surviving machine n0-0 keeps a hand-started agent (see node_agents); n0-1's is
+    # the one its ranks start, and the test kills it.
+    with node_agents(fc_env, f"{fc_env.node}-0"):
+        _run(fc_env, tmp_path, "w4", 4, 8, "--mesh", "2,2", "--per-node", "2", "--every", "2",
+             "--exit-at", "3", code=3)  # fmt: skip
+        lost = f"--node {fc_env.node}-1"
+        for p in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error, TypeError):
+                if fc_env.job in " ".join(p.info["cmdline"]) and lost in " ".join(
+                    p.info["cmdline"]
+                ):
+                    p.kill()
+        for name in fc_env.segments():
+            if f".{fc_env.node}-1." in name:
+                os.unlink(os.path.join(fc_env.shm_dir, name))
+        # The survivors go on as one replica of 2 shards, from their machine's memory.
+        _run(fc_env, tmp_path, "w2", 2, 8, "--mesh", "1,2", "--per-node", "2", "--every", "2")
     report = sorted((tmp_path / "report.txt").read_text().splitlines())
     assert report == sorted(
         [f"{r} 0 None" for r in range(4)] + [f"{r} 4 memory-reshard" for r in range(2)]
@@ -117,10 +127,11 @@ def test_a_crash_before_the_first_snapshot_of_a_new_layout_keeps_the_old_one(
     # resume from it and die before their first snapshot: the slot that held step 4 must not
     # have been replaced (only the older one is, for the next snapshot). 2 ranks resume again.
     args = ["--every", "2", "--per-node", "4", "--hidden", "50000"]
-    _run(fc_env, tmp_path, "w4", 4, 6, *args, "--exit-at", "3", code=3)
-    args[3] = "2"
-    _run(fc_env, tmp_path, "w2a", 2, 6, *args, "--exit-at", "4", code=3)
-    _run(fc_env, tmp_path, "w2", 2, 6, *args)
+    with node_agents(fc_env, f"{fc_env.node}-0"):
+        _run(fc_env, tmp_path, "w4", 4, 6, *args, "--exit-at", "3", code=3)
+        args[3] = "2"
+        _run(fc_env, tmp_path, "w2a", 2, 6, *args, "--exit-at", "4", code=3)
+        _run(fc_env, tmp_path, "w2", 2, 6, *args)
     report = sorted((tmp_path / "report.txt").read_text().splitlines())
     assert report == sorted(
         [f"{r} 0 None" for r in range(4)] + [f"{r} 4 memory-reshard" for r in range(2)] * 2

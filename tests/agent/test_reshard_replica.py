@@ -253,8 +253,8 @@ def two_machines(fc_env: Any, tmp_path: Path) -> Iterator[tuple[Any, Any, Machin
 def _lose_machine_1(m0: Any, m1: Any, m: Machines, tmp_path: Path, *, storage: bool) -> None:
     """4 ranks of shardtrain.py, 2 on each machine (machine 1 replicating to machine 0), die
     after the snapshot of step 4; machine 1 is then lost (agent SIGKILLed, memory gone)."""
+    from shardruns import run as _run
     from test_peer_memory import _listen, _status, _wait
-    from test_sharded import _run
 
     m.agent(m0, "--replica-listen", "127.0.0.1:0", storage=storage)
     p1 = m.agent(m1, "--replica-peers", f"{m0.node}={_listen(m0)}", storage=storage)
@@ -281,7 +281,8 @@ def test_two_ranks_per_machine_reshard_from_the_machines_slots_and_replicas(
     """4 ranks on 2 machines shrink to the 2 ranks of machine 0: each reads old ranks 0 and 1
     from the machine's slots and old ranks 2 and 3 from the replicas in its agent (each replica
     hash-checked by one of the two)."""
-    from test_sharded import _assert_same_state, _run
+    from shardruns import assert_same_state as _assert_same_state
+    from shardruns import run as _run
 
     m0, m1, m = two_machines
     _lose_machine_1(m0, m1, m, tmp_path, storage=False)
@@ -304,7 +305,8 @@ def test_a_replica_failing_its_hash_on_one_local_rank_is_used_by_none(
 ) -> None:
     """Old rank 3's replica is hash-checked by local rank 1 only (3 % 2); when it fails, local
     rank 0, which maps the same file, must not use it either: the step comes from storage."""
-    from test_sharded import _assert_same_state, _run
+    from shardruns import assert_same_state as _assert_same_state
+    from shardruns import run as _run
 
     from flashckpt import names
     from flashckpt.format.shm import Slot

@@ -1,0 +1,300 @@
+"""Flash checkpoints for a torchtitan job: a drop-in for its ``CheckpointManager``.
+
+Usage (in torchtitan's ``Trainer.__init__``, right after it builds its checkpointer)::
+
+    from flashckpt.integrations.torchtitan import FlashCheckpointManager
+
+    self.checkpointer = FlashCheckpointManager(self.checkpointer,
+                                               storage="file:///ckpt/run1", every=50)
+
+The trainer's loop is unchanged: it calls ``checkpointer.load(step=...)`` once before training,
+``checkpointer.save(curr_step, last_step=...)`` after every step and ``checkpointer.close()`` at
+the end. :class:`FlashCheckpointManager` takes the same ``states`` torchtitan's manager holds (the
+model parts, the optimizers, the LR schedulers, the data loader, ``train_state`` and anything
+else the trainer registered) and snapshots them into flashckpt's shared memory every ``every``
+steps; its node agent persists them to ``storage``. ``load()`` restores the newest snapshot any
+rank can get (memory first, then storage), RNGs included; when flashckpt holds none, torchtitan's
+own ``load()`` runs (its folder, a seed checkpoint, ``initial_load_path``), which must then leave
+the step at 0. At the last step torchtitan's own manager still writes its final export
+(``last_save_model_only``, ``last_save_in_hf``) unless ``export_last_step=False``.
+
+Refused, naming the fix: ``async_mode`` other than ``"disabled"`` (flashckpt's snapshot is
+already off the training path), ``exclude_from_loading``, ``load_only``, ``load(step=N)`` for a
+given N (flashckpt resumes the newest step), and ``save()`` calls whose ``curr_step`` is not one
+more than the steps already counted (a step skipped, or a ``train_state`` that disagrees with the
+restored step).
+
+torchtitan is never imported here: the adapter works on the manager object it is given, so this
+module (and its tests) import without torchtitan installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from flashckpt.trainer.checkpointer import Checkpointer
+from flashckpt.trainer.config import CheckpointConfig, unknown_options
+
+__all__ = ["FlashCheckpointManager"]
+
+log = logging.getLogger("flashckpt")
+
+MODEL = "model"  # torchtitan.components.checkpoint.MODEL
+TRAIN_STATE = "train_state"  # torchtitan.components.checkpoint.TRAIN_STATE
+_BYTES = "flashckpt_bytes"  # marks a bytes value carried as a uint8 tensor
+
+
+class FlashCheckpointManager:
+    """torchtitan's ``CheckpointManager`` interface, backed by flashckpt.
+
+    Args:
+        manager: torchtitan's ``CheckpointManager`` as the trainer built it (``checkpoint.enable``
+            true, so that it holds ``states``); kept for its fallback load and final export.
+        storage: the checkpoint root URL (any fsspec URL), as in :func:`flashckpt.checkpointing`;
+            None keeps snapshots in memory only.
+        every: snapshot every N steps, or ``"auto"``.
+        export_last_step: at ``save(..., last_step=True)`` also run torchtitan's own save, for
+            its final export (model-only / Hugging Face weights, as configured).
+        **options: any other field of :class:`flashckpt.CheckpointConfig`.
+
+    Attributes:
+        ckpt: the :class:`flashckpt.Checkpointer` once ``load()`` or the first ``save()`` ran.
+        restored_step, restored_from: the step resumed from and where it came from (``memory``,
+            ``storage``, ...), None on a fresh start.
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        storage: str | None = None,
+        *,
+        every: int | str = "auto",
+        export_last_step: bool = True,
+        **options: Any,
+    ) -> None:
+        unknown = sorted(set(options) - set(CheckpointConfig.__dataclass_fields__))
+        if unknown:
+            msg = unknown_options(unknown)
+            raise TypeError(msg.replace("checkpointing()", "FlashCheckpointManager()"))
+        if not getattr(manager, "enable", False) or not isinstance(
+            getattr(manager, "states", None), Mapping
+        ):
+            raise ValueError(
+                "FlashCheckpointManager needs torchtitan's CheckpointManager built with "
+                "checkpoint.enable=true (a disabled one holds no states): set "
+                "--checkpoint.enable (or Config(checkpoint=...enable=True))"
+            )
+        mode = getattr(manager, "async_mode", "disabled")
+        mode = str(getattr(mode, "value", mode))  # torchtitan's AsyncMode is a str enum
+        if mode != "disabled":
+            raise ValueError(
+                f"checkpoint.async_mode={mode!r} with FlashCheckpointManager: flashckpt's "
+                "snapshot is already copied off the training path and persisted by its node "
+                "agent; set checkpoint.async_mode='disabled'"
+            )
+        if getattr(manager, "exclude_from_loading", None):
+            raise NotImplementedError(
+                f"checkpoint.exclude_from_loading={list(manager.exclude_from_loading)!r}: "
+                "FlashCheckpointManager restores every state it saved. Drop "
+                "exclude_from_loading, or use torchtitan's own CheckpointManager for this run"
+            )
+        if getattr(manager, "load_only", False):
+            raise ValueError(
+                "checkpoint.load_only=true with FlashCheckpointManager (which saves): use "
+                "torchtitan's own CheckpointManager to load without saving"
+            )
+        states = manager.states
+        wrapper = states.get(MODEL)
+        parts = getattr(wrapper, "model", None)
+        if isinstance(parts, torch.nn.Module):
+            parts = [parts]
+        if not parts or not all(isinstance(p, torch.nn.Module) for p in parts):
+            raise TypeError(
+                f"states[{MODEL!r}] is a {type(wrapper).__name__} without a list of model parts "
+                "in .model (torchtitan's ModelWrapper has one)"
+            )
+        if TRAIN_STATE not in states:
+            raise ValueError(
+                f"states has no {TRAIN_STATE!r} (the trainer's step): FlashCheckpointManager "
+                "checks the restored step against it; register the trainer in states"
+            )
+        options.update(storage=storage, every=every)
+        self.config = CheckpointConfig(**options)
+        self.manager = manager
+        self.export_last_step = export_last_step
+        self.enable = True
+        self.save_future = None  # torchtitan's loop reads it; flashckpt has no save future
+        self._model = torch.nn.ModuleList(parts)
+        self._stateful: dict[str, Any] = {}
+        for key, obj in states.items():
+            if key == MODEL or obj is None:
+                continue
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"states[{key!r}] is a {type(obj).__name__}, not Stateful")
+            # Optimizers go as they are: the Checkpointer counts their steps.
+            wrap = not isinstance(obj, torch.optim.Optimizer)
+            self._stateful[key] = _BytesAsTensors(obj) if wrap else obj
+        self.ckpt: Checkpointer | None = None
+        self.restored_step: int | None = None
+        self.restored_from: str | None = None
+        self._hook: Any = None
+        self._closed = False
+
+    # -- torchtitan's CheckpointManager interface ---------------------------------------------
+    def load(self, step: int = -1) -> bool:
+        """Restores the newest snapshot (memory first, then storage); True when one was.
+
+        With none in flashckpt, torchtitan's own ``load(step)`` runs (its folder, a seed
+        checkpoint, ``initial_load_path``): it must leave ``train_state`` at step 0.
+        """
+        if step != -1:
+            raise NotImplementedError(
+                f"load(step={step}): FlashCheckpointManager resumes the newest snapshot in "
+                "memory or storage. Set checkpoint.load_step=-1, or use torchtitan's own "
+                "CheckpointManager to load a given step"
+            )
+        if self.ckpt is not None:
+            raise RuntimeError(
+                "FlashCheckpointManager.load() after load() or save(): call it once, before "
+                "the first training step"
+            )
+        ckpt = self._open()
+        if ckpt.restored_from is not None:
+            self.restored_step, self.restored_from = ckpt.start_step, ckpt.restored_from
+            got = self._train_step()
+            if got != ckpt.start_step:
+                raise RuntimeError(
+                    f"restored flashckpt step {ckpt.start_step}, but train_state.step is {got} "
+                    "after the restore: the trainer's step does not travel in states['"
+                    f"{TRAIN_STATE}'] (its state_dict must hold 'step')"
+                )
+            log.info("flashckpt: torchtitan resumes at step %d from %s", got, self.restored_from)
+            return True
+        loaded = bool(self.manager.load(step))
+        got = self._train_step()
+        if got != 0:
+            raise RuntimeError(
+                f"torchtitan's own load() resumed step {got} from "
+                f"{getattr(self.manager, 'folder', '?')!r} while "
+                "flashckpt holds no snapshot of this job: two resume sources. Resume that run "
+                "with torchtitan's CheckpointManager, or move its checkpoint folder away to "
+                "start afresh with flashckpt"
+            )
+        return loaded
+
+    def save(self, curr_step: int, last_step: bool = False) -> bool:
+        """Counts step ``curr_step`` done (steps done, 1-based, as torchtitan passes it) and
+        snapshots when due; at the last step it snapshots whatever the interval. Returns whether
+        a snapshot was taken."""
+        ckpt = self.ckpt if self.ckpt is not None else self._open()
+        if curr_step != ckpt.steps_done + 1:
+            raise ValueError(
+                f"save(curr_step={curr_step}) after {ckpt.steps_done} steps counted: "
+                "FlashCheckpointManager must see save() once per training step, after the "
+                "step, with the steps done (torchtitan's train_state.step). Call it every step "
+                "(not only at the checkpoint interval)"
+            )
+        handle = ckpt.step(curr_step)
+        if last_step:
+            if handle is None:
+                handle = ckpt.save(mode="sync", when_busy="wait")
+            if self.export_last_step:
+                self.manager.save(curr_step, last_step=True)
+        return handle is not None
+
+    def maybe_wait_for_staging(self) -> None:
+        """Waits for the copy of the last snapshot into memory."""
+        if self.ckpt is not None:
+            self.ckpt.wait()
+
+    def maybe_wait_for_saving(self) -> None:
+        """Waits until the newest snapshot is in storage (a no-op without storage)."""
+        if self.ckpt is not None and self.config.storage:
+            self.ckpt.flush()
+
+    def close(self) -> None:
+        """Leaves the flashckpt block (its final snapshot is persisted) and closes torchtitan's
+        manager."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.ckpt is not None:
+                if self._hook is not None:
+                    self._hook.remove()
+                self.ckpt.__exit__(None, None, None)
+        finally:
+            self.manager.close()
+
+    def __enter__(self) -> FlashCheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _open(self) -> Checkpointer:
+        if self._closed:
+            raise RuntimeError("FlashCheckpointManager is closed: build a new one for a new run")
+        ckpt = Checkpointer(self._model, None, stateful=self._stateful, config=self.config)
+        ckpt.__enter__()
+        self.ckpt = ckpt
+        # A snapshot's copy may run in the background (overlap mode): any optimizer's next
+        # step (torchtitan's OptimizersContainer or the optimizers in it) waits for it first.
+        self._hook = register_optimizer_step_pre_hook(lambda opt, args, kwargs: ckpt.wait())
+        return ckpt
+
+    def _train_step(self) -> int:
+        sd = self.manager.states[TRAIN_STATE].state_dict()
+        step = sd.get("step") if isinstance(sd, Mapping) else None
+        if step is None:
+            raise TypeError(
+                f"states[{TRAIN_STATE!r}].state_dict() has no 'step': FlashCheckpointManager "
+                "checks the restored step against it"
+            )
+        return int(step.item() if isinstance(step, torch.Tensor) else step)
+
+
+class _BytesAsTensors:
+    """A Stateful whose ``bytes`` values (torchtitan's data loader keeps its state pickled,
+    ``{"dp_rank_0": pickle.dumps(...)}``) travel as uint8 tensors: flashckpt's codec holds
+    tensors and JSON values only. flashckpt unpickles nothing; the loader's own
+    ``load_state_dict`` does, as it does under torchtitan's checkpoints."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def state_dict(self) -> Any:
+        return _to_tensors(self.obj.state_dict())
+
+    def load_state_dict(self, sd: Any) -> None:
+        self.obj.load_state_dict(_to_bytes(sd))
+
+
+def _to_tensors(o: Any) -> Any:
+    if isinstance(o, (bytes, bytearray)):
+        return {
+            _BYTES: torch.frombuffer(bytearray(o), dtype=torch.uint8)
+            if o
+            else torch.empty(0, dtype=torch.uint8)
+        }
+    if isinstance(o, dict):
+        return {k: _to_tensors(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_to_tensors(v) for v in o]
+    return o
+
+
+def _to_bytes(o: Any) -> Any:
+    if isinstance(o, dict):
+        if len(o) == 1 and _BYTES in o:
+            return o[_BYTES].numpy().tobytes()
+        return {k: _to_bytes(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_to_bytes(v) for v in o]
+    return o

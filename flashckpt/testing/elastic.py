@@ -14,18 +14,15 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import psutil
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from flashckpt.elastic.etcd.server import EtcdV3ServerError, TlsFiles
 
 __all__ = [
-    "InMemoryRendezvousBackend",
     "job_processes",
     "kill_job",
     "kill_processes",
@@ -64,46 +61,6 @@ def make_test_certificates(directory: str | os.PathLike[str]) -> TlsFiles:
         if done.returncode != 0:
             raise EtcdV3ServerError(f"{' '.join(map(str, command))} failed: {done.stderr}")
     return TlsFiles(ca_file=str(ca), cert_file=str(cert), key_file=str(key))
-
-
-class InMemoryRendezvousBackend(RendezvousBackend):
-    """A thread-safe in-memory :class:`RendezvousBackend` with the same contract as etcd's.
-
-    For tests of code above the backend, and as the reference the contract tests hold every
-    backend to. Tokens are integers that grow with every successful write.
-
-    Args:
-        name: The backend name reported to torch.
-    """
-
-    def __init__(self, name: str = "in-memory") -> None:
-        self._name = name
-        self._lock = threading.Lock()
-        self._state: bytes | None = None
-        self._revision = 0
-
-    @property
-    def name(self) -> str:
-        """See base class."""
-        return self._name
-
-    def get_state(self) -> tuple[bytes, Token] | None:
-        """See base class."""
-        with self._lock:
-            return None if self._state is None else (self._state, self._revision)
-
-    def set_state(
-        self, state: bytes, token: Token | None = None
-    ) -> tuple[bytes, Token, bool] | None:
-        """See base class."""
-        with self._lock:
-            current = 0 if self._state is None else self._revision
-            expected = 0 if token is None else token
-            if type(expected) is not int or expected != current:
-                return None if self._state is None else (self._state, self._revision, False)
-            self._revision += 1
-            self._state = state
-            return state, self._revision, True
 
 
 # -- simulated machines: one process tree each, on this host ------------------------------------

@@ -60,7 +60,6 @@ __all__ = [
     "NodeAgentConfig",
     "NodeAgentError",
     "NodeAgentProcess",
-    "round_participants",
     "world_replica_peers",
 ]
 
@@ -611,13 +610,3 @@ def world_replica_peers(world: Iterable[str], records: Iterable[Any], me: str) -
         for r in records
         if r.rdzv_node in wanted and r.node_id != me and getattr(r, "replica", "")
     }
-
-
-def round_participants(handler: Any) -> set[str] | None:
-    """torch's node descriptors (``repr``, as :attr:`NodeRecord.rdzv_node`) of the machines of
-    the round the rendezvous ``handler`` last completed; ``None`` if its internals differ."""
-    state = getattr(getattr(handler, "_state_holder", None), "state", None)
-    participants = getattr(state, "participants", None)
-    if not isinstance(participants, dict) or not participants:
-        return None
-    return {repr(n) for n in participants}

@@ -15,10 +15,10 @@ It is torchrun's elastic agent (``LocalElasticAgent``, same flags where they exi
 - standby machines: start more launchers than ``MAX`` with the same ``--rdzv-id``; they wait in
   the rendezvous and take the place of a machine that dies;
 - liveness by etcd leases plus a probe of the peers when workers fail
-  (:mod:`flashckpt.elastic.membership.nodes`): a dead machine is dropped from torch's rendezvous
-  state as soon as it is known dead, instead of after torch's heartbeat timeout (15 s by default);
-- a fast recovery path: peers are probed when workers fail, torch's rendezvous wakes on etcd
-  watches instead of polling (:mod:`flashckpt.elastic.rendezvous.watch`), the node agent and its
+  (:mod:`flashckpt.elastic.membership.nodes`): a dead machine leaves the rendezvous as soon as
+  it is known dead (its rendezvous lease is revoked), instead of after a heartbeat timeout;
+- a fast recovery path: peers are probed when workers fail, the rendezvous learns everything
+  from etcd watches (:mod:`flashckpt.elastic.rendezvous.handler`), the node agent and its
   snapshots stay across rounds (:mod:`flashckpt.elastic.launch.agent_runner`), so survivors reload
   from memory, and workers are forked from a process that has already imported torch
   (:mod:`flashckpt.elastic.launch.prewarm`, ``--no-prewarm`` to turn off);

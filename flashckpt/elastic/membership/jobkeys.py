@@ -4,9 +4,10 @@ While a job runs its keys are bounded: node keys and machine summaries are bound
 machines' leases, the rendezvous store keeps the current and the previous round
 (:mod:`flashckpt.elastic.etcd.store`). When the job is over, the last launcher to leave removes the
 keys that only a running job reads (:data:`FINISHED_JOB_PREFIXES`): the rendezvous store's last
-rounds and the stable-rank records. What stays is what a machine arriving late must find, and what
-an operator may want to read: the closed rendezvous (``rdzv/``, which tells a late standby that
-the job is over; torch's state key expires with its ``state_ttl``) and the health check's
+rounds (and ``ranks/``, where a job of an older version kept stable-rank records). What stays is
+what a machine arriving late must find, and what an operator may want to read: the closed
+rendezvous (``rdzv/closed``, which tells a late standby that the job is over, on a lease of its
+own) and the health check's
 verdicts (``unhealthy/``, one key per machine found faulty).
 
 "Last to leave": a launcher whose run ended with exit code 0 (its workers finished, or the job

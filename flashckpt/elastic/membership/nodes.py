@@ -16,9 +16,9 @@ deletes its key just as the lease's expiry would. A probe that merely times out 
 (a slow network, a busy host), so it is left to the lease. Healthy machines are therefore never
 declared dead by a probe, only by their lease.
 
-What the job does with a death is up to the ``on_lost`` callback (the launcher expires the node
-in torch's rendezvous state, see :func:`expire_rendezvous_nodes`, so the next round forms
-without waiting for torch's own heartbeat timeout).
+What the job does with a death is up to the ``on_lost`` callback (the launcher revokes the dead
+machine's rendezvous lease, so its join key goes and the next round forms without it at once,
+see :mod:`flashckpt.elastic.rendezvous.handler`).
 
 *Fencing* is the other side of the lease: a machine that is cut off (a network partition) is
 alive, its workers may still write, while the others, once its lease lapses, form a new world
@@ -41,7 +41,6 @@ import enum
 import json
 import logging
 import os
-import pickle
 import random
 import selectors
 import socket
@@ -82,7 +81,6 @@ __all__ = [
     "NodeRecord",
     "NodeRegistry",
     "ProbeResult",
-    "expire_rendezvous_nodes",
     "fence_deadline",
     "lease_expiry",
     "nodes_prefix",
@@ -1292,52 +1290,3 @@ def _remaining(deadline: Deadline) -> timedelta:
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-
-
-def expire_rendezvous_nodes(
-    backend: Any, rdzv_nodes: Collection[str], *, attempts: int = 10
-) -> int:
-    """Marks nodes of torch's rendezvous state as dead, so the next sync drops them.
-
-    torch's ``DynamicRendezvousHandler`` drops a node from the state (participants, wait list,
-    standby list) when its heartbeat in the state is older than ``keep_alive_interval *
-    keep_alive_max_attempt`` (15 s by default). Setting the heartbeat of a node we *know* is
-    dead to the epoch makes every handler drop it at its next read, by torch's own rules, with
-    no other change to the state. One compare-and-set; retried when another node wrote first.
-
-    Args:
-        backend: The rendezvous backend (``get_state``/``set_state``).
-        rdzv_nodes: torch node descriptors (``addr_pid_localid``, see
-            :attr:`NodeRecord.rdzv_node`).
-        attempts: Compare-and-set attempts before giving up (torch's timeout still applies).
-
-    Returns:
-        How many nodes were marked (0 if none is in the state).
-    """
-    wanted = set(rdzv_nodes)
-    if not wanted:
-        return 0
-    for _ in range(attempts):
-        found = backend.get_state()
-        if found is None:
-            return 0
-        bits, token = found
-        # The state is torch's own pickle in our own etcd, written by torch's handlers.
-        state = pickle.loads(bits)
-        heartbeats = getattr(state, "last_heartbeats", None)
-        if not isinstance(heartbeats, dict):
-            logger.warning("unexpected rendezvous state layout; leaving dead nodes to torch")
-            return 0
-        marked = [n for n in heartbeats if repr(n) in wanted and heartbeats[n] != _EPOCH]
-        if not marked:
-            return 0
-        for node in marked:
-            heartbeats[node] = _EPOCH
-        result = backend.set_state(pickle.dumps(state), token)
-        if result is not None and result[2]:
-            return len(marked)
-        time.sleep(0.01)
-    logger.warning(
-        "could not mark %s dead in the rendezvous state; torch's timeout applies", wanted
-    )
-    return 0

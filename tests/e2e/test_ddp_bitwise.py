@@ -11,6 +11,8 @@ construction and the resumed run ends bitwise equal."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,28 +96,46 @@ def test_three_rank_ddp_resume_with_torchs_wrapper_is_off_by_rounding(
     assert diff > 0 and loss_diff < 1e-6, (loss_diff, diff)
 
 
+_FRESH_WRAPPER = """
+import os, sys
+import pytest, torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from flashckpt.trainer.ddp import distributed_data_parallel, fix_bucket_order
+
+static_graph = sys.argv[2] == "1"
+with pytest.raises(TypeError, match="takes a DistributedDataParallel"):
+    fix_bucket_order(torch.nn.Linear(2, 1))
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+ddp = distributed_data_parallel(model, static_graph=static_graph)
+assert fix_bucket_order(ddp) is ddp  # a second call is a no-op
+for _ in range(3):
+    ddp(torch.ones(2, 4)).sum().backward()
+    assert not ddp.reducer._rebuild_buckets()  # rebuilt once, at construction
+used = DistributedDataParallel(torch.nn.Linear(4, 1))
+used(torch.ones(2, 4)).sum().backward()
+with pytest.raises(RuntimeError, match="before the wrapper's first backward pass"):
+    fix_bucket_order(used)
+print("checked", flush=True)
+# Not torch's teardown: dropping the last reference to a gloo group from a DDP reducer joins the
+# group's threads while holding the GIL, and one of them may need the GIL to finish a work item
+# (seen: the suite hung 20 min in ProcessGroupGloo::~ProcessGroupGloo under Reducer::~Reducer).
+os._exit(0)
+"""
+
+
 @pytest.mark.parametrize("static_graph", [False, True])
 def test_fix_bucket_order_needs_a_fresh_ddp_wrapper(tmp_path: Path, static_graph: bool) -> None:
-    """One rank, in this process: a wrapper with its buckets fixed trains, and neither torch's
-    nor flashckpt's rebuild runs again; a wrapper that already ran a step is refused by name."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from flashckpt.trainer.ddp import distributed_data_parallel, fix_bucket_order
-
-    with pytest.raises(TypeError, match="takes a DistributedDataParallel"):
-        fix_bucket_order(torch.nn.Linear(2, 1))  # type: ignore[arg-type]
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
-    try:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
-        ddp = distributed_data_parallel(model, static_graph=static_graph)
-        assert fix_bucket_order(ddp) is ddp  # a second call is a no-op
-        for _ in range(3):
-            ddp(torch.ones(2, 4)).sum().backward()
-            assert not ddp.reducer._rebuild_buckets()  # rebuilt once, at construction
-        used = DistributedDataParallel(torch.nn.Linear(4, 1))
-        used(torch.ones(2, 4)).sum().backward()
-        with pytest.raises(RuntimeError, match="before the wrapper's first backward pass"):
-            fix_bucket_order(used)
-    finally:
-        dist.destroy_process_group()
+    """One rank, in a process of its own: a wrapper with its buckets fixed trains, and neither
+    torch's nor flashckpt's rebuild runs again; a wrapper that already ran a step is refused by
+    name. (A process of its own: torch's teardown of a DDP wrapper's gloo group can deadlock,
+    see the script.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_WRAPPER, str(tmp_path / "init"), str(int(static_graph))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "checked", done.stderr[-4000:]

@@ -22,15 +22,6 @@ class AgentConfig:
     """Node (machine) id; several simulated machines on one host need distinct ids."""
     storage: str | None = field(default=None, metadata=flag(help="checkpoint root URL (fsspec)"))
     """Checkpoint root URL; None keeps snapshots in memory only (a trainer may supply it)."""
-    takeover: bool = field(
-        default=False,
-        metadata=flag(
-            help="use a --storage root that belongs to another job (its committed steps or its "
-            "owner file name that job)"
-        ),
-    )
-    """Take over a ``storage`` root another job owns; without it the agent refuses to start there
-    (:mod:`flashckpt.format.storage_owner`)."""
     shm_dir: str = "/dev/shm"
     """The tmpfs holding the slots."""
     run_dir: str = field(default_factory=default_run_dir)

@@ -142,27 +142,6 @@ class NodeAgent:
         return self.st.io_lock
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def _check_storage_owner(self) -> None:
-        """An agent given ``--storage`` (by hand, a deploy kit's DaemonSet or systemd unit) refuses
-        a root that belongs to another job, as the trainer's entry and the launcher do: persisting
-        this job's steps there would mix two jobs' states. A root it cannot read is left to the
-        persist path, which reports it."""
-        cfg, st = self.st.cfg, self.st.storage
-        if st is None or cfg.takeover:
-            return
-        from flashckpt.format.storage_owner import foreign_owner
-
-        try:
-            found = foreign_owner(st, cfg.job)
-        except OSError as e:
-            log.warning("could not check who owns the storage root %s: %s", cfg.storage, e)
-            return
-        if found is not None:
-            refusal = found.refusal(
-                "--storage", str(cfg.storage), cfg.job, "--takeover", "--job {!r}"
-            )
-            raise AgentError(f"node agent: {refusal}")
-
     def start(self, lock_wait: float = 0.0) -> None:
         """Takes the job's lock, cleans and adopts segments, and listens. Returns at once.
 
@@ -178,7 +157,6 @@ class NodeAgent:
                 f"the shared-memory directory {cfg.shm_dir!r} (--shm-dir) does not exist or is "
                 f"not a directory; create it (a tmpfs mount, e.g. /dev/shm) or pass an existing one"
             )
-        self._check_storage_owner()
         lock_path = names.lock_path(cfg.run_dir, cfg.job, cfg.node)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         # A previous agent may be finishing its shutdown (final persist): give it a moment.

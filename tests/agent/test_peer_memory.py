@@ -43,6 +43,8 @@ def worker(a: argparse.Namespace) -> int:
     import safetensors.torch
     import torch
     import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # run as a script
     from shardtrain import batch, full_state, make_model, make_optim
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,8 +38,21 @@ CONTAINER = "/mnt/flashckpt"
 """Where the pods mount the host directories (the manifests' /flashckpt; /mnt exists on every
 Debian root file system, and a pod's tmpfs over it leaves the host's untouched)."""
 
-UID = 4242
-"""The pods' user and group id (``runAsUser``/``runAsGroup``): not root, no passwd entry."""
+
+def _pod_uid(uid: int = 4242) -> int:
+    """``uid``, or 0 where that user cannot import the package with this interpreter (a CI
+    clone in a temp directory only root may enter: seen, 'No module named flashckpt')."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        return uid
+    ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    argv = ["setpriv", *ids, "--", sys.executable, "-c", "import flashckpt"]
+    done = subprocess.run(argv, capture_output=True, cwd="/", timeout=120)
+    return uid if done.returncode == 0 else 0
+
+
+UID = _pod_uid()
+"""The pods' user and group id (``runAsUser``/``runAsGroup``): 4242, not root, no passwd entry;
+root only where that user cannot read this tree (see :func:`_pod_uid`)."""
 
 # $1: host dir; $2: container dir; the rest: the pod's command (exec'ed as UID: it is pid 1).
 _POD_INIT = r"""

@@ -12,28 +12,18 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.elastic.launch.restore_report import job_summary
 from flashckpt.monitor.goodput import read_events, steps_span
 from flashckpt.monitor.step_monitor import MonitorConfig
-
-
-def _wait_for(what: str, cond: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _events_path(env: FcEnv) -> str:
@@ -53,8 +43,10 @@ def _train(env: FcEnv, steps: int) -> RunningAgent:
                 train_step(model, opt, sched, step)
                 ck.step()
                 time.sleep(0.02)  # several batches
-        _wait_for(
-            "the exit", lambda: agent.agent.status()["monitor"]["ranks"]["0"]["state"] == "exit"
+        wait_until(
+            lambda: agent.agent.status()["monitor"]["ranks"].get("0", {}).get("state") == "exit",
+            "the exit (the monitor may not have seen the rank yet)",
+            timeout=30.0,
         )
     finally:
         agent.stop()

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import pytest
 
+from flashckpt.elastic.etcd import client as client_module
 from flashckpt.elastic.etcd.client import (
     EtcdClient,
     EtcdError,
@@ -278,8 +282,11 @@ def test_calls_ride_out_an_etcd_restart(etcd_instance: EtcdV3Server) -> None:
     etcd_instance.start()
     reader.join(timeout=15)
     assert results == [(b"before", revision)]
+    # The pooled connection of the put died with etcd: found closed, replaced, no error.
+    assert client.connection_stats().replaced >= 1
     ok, _ = client.compare_and_set("k", b"after", mod_revision=revision)
     assert ok, "revisions survive a restart, so tokens read before it stay valid"
+    assert client.connection_stats().reused >= 1
 
 
 @pytest.mark.etcd
@@ -297,3 +304,219 @@ def test_keep_alive_survives_an_etcd_outage(etcd_instance: EtcdV3Server) -> None
         # The keeper kept running through the outage: it sees the revocation at once.
         assert keeper.wait_lost(timedelta(seconds=3))
     assert client.get("held") is None
+
+
+# --------------------------------------------------------------------------- connection pool
+
+
+class _Relay:
+    """A TCP relay in front of etcd that counts the connections clients open through it and
+    closes them on demand, as etcd (or a proxy) closing an idle keep-alive connection would."""
+
+    def __init__(self, upstream: str) -> None:
+        parts = urlsplit(upstream)
+        self._upstream = (parts.hostname or "127.0.0.1", parts.port or 2379)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._threads: list[threading.Thread] = []
+        self.accepted = 0
+        self.lose_answers = False  # close a client's connection instead of relaying an answer
+        self._start(self._accept_loop)
+
+    def _start(self, target: object, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                down, _ = self._listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self._upstream)
+            with self._lock:
+                self.accepted += 1
+                self._pairs.append((down, up))
+            self._start(self._pump, down, up, False)
+            self._start(self._pump, up, down, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if answers and self.lose_answers:
+                    dst.shutdown(socket.SHUT_RDWR)
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def drop_all(self, *, reset: bool = False) -> None:
+        """Closes every client connection: with a FIN, or with ``reset`` an RST alone."""
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for down, up in pairs:
+            if reset:
+                down.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            for sock in (down, up):
+                try:
+                    sock.shutdown(socket.SHUT_RD if reset and sock is down else socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+    def close(self) -> None:
+        self.drop_all()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        except OSError:
+            pass
+        self._listener.close()
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+
+@pytest.fixture
+def relay(etcd_server: str) -> Iterator[_Relay]:
+    proxy = _Relay(etcd_server)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.etcd
+def test_requests_share_one_kept_alive_connection(relay: _Relay, etcd_prefix: str) -> None:
+    client = EtcdClient(relay.url, timeout=timedelta(seconds=5))
+    key = etcd_prefix + "k"
+    lease = client.grant_lease(timedelta(seconds=5))
+    rev = client.put(key, b"0", lease=lease)
+    for i in range(10):
+        ok, kv = client.compare_and_set(key, str(i + 1), mod_revision=rev, lease=lease)
+        assert ok and kv is not None
+        rev = kv.mod_revision
+        assert client.get(key) == (str(i + 1).encode(), rev)
+        client.refresh_lease(lease)
+    assert relay.accepted == 1, "every request after the first went on the same connection"
+    stats = client.connection_stats()
+    assert (stats.opened, stats.reused, stats.idle) == (1, 31, 1)
+    # A watch has a connection of its own and leaves the pooled one alone.
+    assert client.wait_for_change(key, after_revision=rev - 1, timeout=SHORT)
+    assert relay.accepted == 2 and client.connection_stats().idle == 1
+    client.close()
+    assert client.connection_stats().idle == 0
+
+
+@pytest.mark.etcd
+def test_idle_connection_past_the_idle_timeout_is_not_reused(
+    relay: _Relay, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = EtcdClient(relay.url, timeout=timedelta(seconds=5))
+    client.put(etcd_prefix + "k", b"x")
+    monkeypatch.setattr(client_module, "_IDLE_TIMEOUT_S", 0.0)
+    client.put(etcd_prefix + "k", b"y")
+    stats = client.connection_stats()
+    assert (stats.opened, stats.reused, stats.expired) == (2, 0, 1)
+    assert relay.accepted == 2
+    client.close()
+
+
+@pytest.mark.etcd
+def test_connection_closed_by_the_server_is_replaced(
+    relay: _Relay, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = EtcdClient(relay.url, timeout=timedelta(seconds=5))
+    key = etcd_prefix + "cas"
+    ok, kv = client.compare_and_set(key, b"1", mod_revision=0)
+    assert ok and kv is not None
+    # Closed with a FIN while idle: the poll before reuse sees it; the transaction (not
+    # idempotent) goes out once, on a new connection, with no error.
+    relay.drop_all()
+    ok, kv = client.compare_and_set(key, b"2", mod_revision=kv.mod_revision)
+    assert ok and kv is not None and kv.value == b"2"
+    assert client.connection_stats().replaced == 1 and relay.accepted == 2
+
+    # The peer closed it between the poll and the send (poll made blind here): an RST makes
+    # the send fail, so etcd never had the request and it is sent again on a new connection.
+    monkeypatch.setattr(client_module, "_peer_closed", lambda conn: False)
+    relay.drop_all(reset=True)
+    ok, kv = client.compare_and_set(key, b"3", mod_revision=kv.mod_revision)
+    assert ok and kv is not None and kv.value == b"3"
+    assert client.connection_stats().replaced == 2 and relay.accepted == 3
+
+    # Closed after etcd took the request on a reused connection, the answer lost: the
+    # transaction was applied, so it is not sent again; the caller is told to re-read.
+    relay.lose_answers = True
+    with pytest.raises(EtcdOutcomeUnknown, match="re-read"):
+        client.compare_and_set(key, b"4", mod_revision=kv.mod_revision)
+    relay.lose_answers = False
+    current = client.get_kv(key)
+    assert current is not None and current.value == b"4"
+    assert current.version == kv.version + 1, "applied exactly once"
+    client.close()
+
+
+@pytest.mark.etcd
+def test_many_threads_share_the_pool_and_close_leaks_nothing(etcd_server: str) -> None:
+    before = _open_fds()
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=20))
+    threads, rounds = 24, 8
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            key = f"/test/pool-threads/{i}"
+            for r in range(rounds):
+                client.put(key, f"{i}-{r}")
+                # A mixed-up answer (another thread's response on a shared socket) shows here.
+                assert client.get(key) == (f"{i}-{r}".encode(), client.get_kv(key).mod_revision)  # type: ignore[union-attr]
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert not errors, errors
+    stats = client.connection_stats()
+    requests = threads * rounds * 3
+    assert stats.opened + stats.reused == requests and stats.reused > 0, stats
+    assert stats.idle <= client_module._MAX_IDLE_PER_ENDPOINT
+    assert client.delete_prefix("/test/pool-threads/") == threads
+    client.close()
+    assert _open_fds() == before, "close() left connections open"
+
+
+@pytest.mark.etcd
+def test_a_forked_child_does_not_share_the_pool(etcd_server: str, etcd_prefix: str) -> None:
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=5))
+    client.put(etcd_prefix + "k", b"parent")
+    assert client.connection_stats().idle == 1
+    pid = os.fork()
+    if pid == 0:  # the child: its own empty pool, the parent's socket left alone
+        code = 1
+        try:
+            fresh = client.connection_stats()
+            client.put(etcd_prefix + "k", b"child")
+            if (fresh.opened, fresh.idle) == (0, 0) and client.connection_stats().opened == 1:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's pooled connection still works and carries the parent's next request.
+    assert client.get(etcd_prefix + "k") is not None
+    stats = client.connection_stats()
+    assert (stats.opened, stats.reused, stats.replaced) == (1, 1, 0)
+    client.close()

@@ -25,12 +25,27 @@ package (evaluated for flashckpt; tested against etcd 3.5.1 and 3.4.23):
   endpoints, and an exact mapping of failures to :class:`EtcdUnavailable`, :class:`EtcdTimeout`
   and :class:`EtcdOutcomeUnknown`.
 
-Every request opens a fresh HTTP connection. That costs one loopback/LAN TCP handshake, and it
-buys an unambiguous retry rule: a request whose connection could not be opened was never seen
-by etcd and is always retried; a request that was sent but got no answer is retried only when
-repeating it is harmless (reads, puts, deletes, lease calls). A compare-and-set whose outcome
-is unknown is never blindly repeated: it raises :class:`EtcdOutcomeUnknown` so that the caller
-re-reads, since a repeated increment would count twice.
+Requests travel on persistent HTTP/1.1 (keep-alive) connections, a few per endpoint, kept by
+the client in a small pool: a machine renewing its leases every second sends each renewal on
+an open connection instead of a new TCP handshake (with a new connection per request, 512
+simulated machines on one host overran etcd's accept queue: ``benchmarks/README.md``,
+"Rendezvous at scale"). The retry rule stays unambiguous:
+
+- a request whose connection could not be opened was never seen by etcd and is always retried;
+- a pooled connection is reused only after a non-blocking poll finds it quiet (a peer that
+  closed it, etcd restarting, leaves it readable) and only if it has been idle less than
+  ``_IDLE_TIMEOUT_S``, well under any proxy's or NAT's idle timeout; one whose ``send`` still
+  fails (the peer closed it in between) did not carry a complete request, so the request goes
+  out again on a fresh connection;
+- a request that was sent but got no answer is retried only when repeating it is harmless
+  (reads, puts, deletes, lease calls). A compare-and-set whose outcome is unknown is never
+  blindly repeated: it raises :class:`EtcdOutcomeUnknown` so that the caller re-reads, since a
+  repeated increment would count twice.
+
+A connection goes back to the pool only after its response was read to the end, and never
+when etcd said it would close it. Watches use connections of their own, never pooled. A pool
+belongs to the process that filled it: a child forked with a client open starts with an empty
+one. :meth:`EtcdClient.close` closes the idle connections.
 
 Keys are ``str`` (UTF-8 encoded) or ``bytes``; values are ``bytes`` (``str`` is UTF-8 encoded).
 """
@@ -41,8 +56,11 @@ import base64
 import http.client
 import json
 import logging
+import os
+import select
 import ssl
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,6 +72,7 @@ from flashckpt.elastic.deadline import Deadline
 from flashckpt.errors import FlashckptError
 
 __all__ = [
+    "ConnectionStats",
     "EtcdClient",
     "EtcdError",
     "EtcdLeaseNotFound",
@@ -76,6 +95,13 @@ Value = str | bytes
 _DEFAULT_PORT = 2379
 _INITIAL_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 1.0
+# Idle connections kept per endpoint; more concurrent requests open more, closed after use.
+_MAX_IDLE_PER_ENDPOINT = 4
+# A connection idle longer than this is closed, never reused: well under the idle timeouts of
+# proxies and NATs (AWS ELB 60 s) that drop a connection without telling either end.
+_IDLE_TIMEOUT_S = 20.0
+# Errors of a send on a pooled connection that mean the peer had closed it.
+_PEER_CLOSED_ERRORS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 # gRPC status codes that etcd reports in the gateway's error body.
 _GRPC_DEADLINE_EXCEEDED = 4
@@ -194,6 +220,122 @@ class _AttemptFailed(FlashckptError):
         super().__init__(message)
         self.sent = sent
         self.timed_out = timed_out
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionStats:
+    """What a client's connection pool did so far (diagnostics and tests; watches not
+    counted)."""
+
+    opened: int
+    """Connections opened for requests."""
+    reused: int
+    """Requests sent on a connection an earlier request had used."""
+    replaced: int
+    """Pooled connections found closed by the peer (by the poll before reuse, or by a ``send``
+    that failed) and replaced by another before the request went out."""
+    expired: int
+    """Pooled connections closed because they had been idle longer than the idle timeout."""
+    idle: int
+    """Connections idle in the pool now."""
+
+
+class _Pool:
+    """Idle keep-alive connections per endpoint, for one process (``pid``)."""
+
+    def __init__(self, *, closed: bool = False) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.closed = closed
+        # Per endpoint, oldest first: (connection, monotonic time it went idle).
+        self.idle: dict[_Endpoint, list[tuple[http.client.HTTPConnection, float]]] = {}
+        self.opened = self.reused = self.replaced = self.expired = 0
+
+    def take(self, endpoint: _Endpoint) -> http.client.HTTPConnection | None:
+        """The most recently used idle connection to ``endpoint`` that is still usable, or
+        None; closes the ones that are not."""
+        drop: list[http.client.HTTPConnection] = []
+        found = None
+        with self.lock:
+            conns = self.idle.get(endpoint, [])
+            cutoff = time.monotonic() - _IDLE_TIMEOUT_S
+            while conns and conns[0][1] < cutoff:
+                drop.append(conns.pop(0)[0])
+                self.expired += 1
+            while conns:
+                conn = conns.pop()[0]
+                if _peer_closed(conn):
+                    drop.append(conn)
+                    self.replaced += 1
+                    continue
+                found = conn
+                self.reused += 1
+                break
+        for conn in drop:
+            conn.close()
+        return found
+
+    def give(self, endpoint: _Endpoint, conn: http.client.HTTPConnection) -> None:
+        """Keeps ``conn`` (its last response read to the end) for the next request, or closes
+        it when the pool is full or closed."""
+        with self.lock:
+            conns = self.idle.setdefault(endpoint, [])
+            keep = not self.closed and self.pid == os.getpid()
+            keep = keep and len(conns) < _MAX_IDLE_PER_ENDPOINT
+            if keep:
+                conns.append((conn, time.monotonic()))
+        if not keep:
+            conn.close()
+
+    def count(self, *, opened: int = 0, replaced: int = 0) -> None:
+        with self.lock:
+            self.opened += opened
+            self.replaced += replaced
+
+    def stats(self) -> ConnectionStats:
+        with self.lock:
+            return ConnectionStats(
+                opened=self.opened,
+                reused=self.reused,
+                replaced=self.replaced,
+                expired=self.expired,
+                idle=sum(len(c) for c in self.idle.values()),
+            )
+
+    def close(self) -> None:
+        """Closes the idle connections; connections in use are closed when given back."""
+        with self.lock:
+            self.closed = True
+            conns = [c for per in self.idle.values() for c, _ in per]
+            self.idle.clear()
+        for conn in conns:
+            conn.close()
+
+    def abandon(self) -> None:
+        """In a forked child: closes this process's copies of the parent's sockets, without
+        the lock (a parent thread may have held it at the fork) and without touching the
+        connections' state, which is the parent's (closing a descriptor here sends nothing)."""
+        for per in list(self.idle.values()):
+            for conn, _ in list(per):
+                if conn.sock is not None:
+                    conn.sock.close()
+
+
+def _peer_closed(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle keep-alive connection is unusable: readable (the peer's FIN or RST, or
+    bytes nobody asked for) or closed. ``poll``, not ``select``: a process may hold more than
+    1,024 descriptors."""
+    sock = conn.sock
+    if sock is None:
+        return True
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
@@ -356,6 +498,7 @@ class EtcdClient:
         self._ssl_context = ssl_context
         self._lock = threading.Lock()
         self._preferred = 0  # index of the endpoint that answered last
+        self._pool = _Pool()
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -369,6 +512,42 @@ class EtcdClient:
 
     def __repr__(self) -> str:
         return f"EtcdClient({','.join(self.endpoints)!r}, timeout={self._timeout!r})"
+
+    def close(self) -> None:
+        """Closes the pooled connections (a request in flight closes its own when done).
+
+        Calls made after it still work, each on a connection of its own; watches and
+        :class:`LeaseKeepAlive` threads are not stopped (close those first).
+        """
+        self._pool_here().close()
+
+    def __enter__(self) -> EtcdClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def connection_stats(self) -> ConnectionStats:
+        """What the connection pool of this process did so far: connections opened, requests
+        that reused one, stale ones replaced, idle ones now."""
+        return self._pool_here().stats()
+
+    def _pool_here(self) -> _Pool:
+        """This process's pool: a child forked from a process with open connections must not
+        share them (two processes' requests and answers would interleave on one socket)."""
+        pool = self._pool
+        if pool.pid != os.getpid():
+            with self._lock:
+                pool = self._pool
+                if pool.pid != os.getpid():
+                    pool.abandon()
+                    pool = self._pool = _Pool(closed=pool.closed)
+        return pool
 
     # ----------------------------------------------------------------------------- key-value
 
@@ -948,20 +1127,58 @@ class EtcdClient:
     def _post_once(
         self, endpoint: _Endpoint, path: str, payload: bytes, deadline: Deadline
     ) -> dict[str, Any]:
-        conn = self._connect(endpoint, deadline)
-        try:
+        pool = self._pool_here()
+        while True:
+            conn = pool.take(endpoint)
+            reused = conn is not None
+            if conn is None:
+                conn = self._connect(endpoint, deadline)
+                pool.count(opened=1)
             try:
+                assert conn.sock is not None
+                conn.sock.settimeout(max(0.001, deadline.remaining()))
                 conn.request("POST", path, body=payload, headers=_HEADERS)
-                response = conn.getresponse()
-                data = response.read()
+            except _PEER_CLOSED_ERRORS as exc:
+                conn.close()
+                if reused:
+                    # The peer closed the pooled connection after the poll: sendall failed, so
+                    # etcd never received the whole request. Send it on another connection.
+                    pool.count(replaced=1)
+                    logger.debug("pooled connection to %s was closed: %r", endpoint.url, exc)
+                    continue
+                raise _AttemptFailed(
+                    f"{endpoint.url}{path} failed after the request was sent: {exc!r}",
+                    sent=True,
+                    timed_out=False,
+                ) from exc
             except (OSError, http.client.HTTPException) as exc:
+                conn.close()
                 raise _AttemptFailed(
                     f"{endpoint.url}{path} failed after the request was sent: {exc!r}",
                     sent=True,
                     timed_out=isinstance(exc, TimeoutError),
                 ) from exc
-        finally:
+            except BaseException:
+                conn.close()
+                raise
+            break
+        try:
+            response = conn.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException) as exc:
             conn.close()
+            raise _AttemptFailed(
+                f"{endpoint.url}{path} failed after the request was sent: {exc!r}",
+                sent=True,
+                timed_out=isinstance(exc, TimeoutError),
+            ) from exc
+        except BaseException:
+            conn.close()
+            raise
+        if response.will_close:
+            conn.close()
+        else:
+            pool.give(endpoint, conn)  # its response was read to the end
         if response.status == 200:
             return _parse_json(data, endpoint, path)
         raise _error_from_response(response.status, data, endpoint, path)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from flashckpt.state.rng import capture_rng, restore_rng
 from flashckpt.trainer.checkpointer import Checkpointer
 from flashckpt.trainer.config import CheckpointConfig, unknown_options
 
@@ -143,6 +144,7 @@ class FlashCheckpointManager:
         self.restored_step: int | None = None
         self.restored_from: str | None = None
         self._hook: Any = None
+        self._rng_hooks: list[Any] = []
         self._closed = False
 
     # -- torchtitan's CheckpointManager interface ---------------------------------------------
@@ -173,6 +175,14 @@ class FlashCheckpointManager:
                     "after the restore: the trainer's step does not travel in states['"
                     f"{TRAIN_STATE}'] (its state_dict must hold 'step')"
                 )
+            # The RNGs as the snapshot had them go back again at the next forward: between
+            # load() and it the trainer draws from them where the uninterrupted run did not
+            # (its data loader's iterator, made after load(), draws a seed from torch's RNG).
+            rng = capture_rng()
+            self._rng_hooks = [
+                part.register_forward_pre_hook(lambda mod, args: self._apply_rng(rng))
+                for part in self._model
+            ]
             log.info("flashckpt: torchtitan resumes at step %d from %s", got, self.restored_from)
             return True
         loaded = bool(self.manager.load(step))
@@ -227,6 +237,8 @@ class FlashCheckpointManager:
             if self.ckpt is not None:
                 if self._hook is not None:
                     self._hook.remove()
+                for h in self._rng_hooks:
+                    h.remove()
                 self.ckpt.__exit__(None, None, None)
         finally:
             self.manager.close()
@@ -248,6 +260,13 @@ class FlashCheckpointManager:
         # step (torchtitan's OptimizersContainer or the optimizers in it) waits for it first.
         self._hook = register_optimizer_step_pre_hook(lambda opt, args, kwargs: ckpt.wait())
         return ckpt
+
+    def _apply_rng(self, rng: dict[str, Any]) -> None:
+        hooks, self._rng_hooks = self._rng_hooks, []
+        for h in hooks:
+            h.remove()
+        if hooks:
+            restore_rng(rng)
 
     def _train_step(self) -> int:
         sd = self.manager.states[TRAIN_STATE].state_dict()

@@ -1,0 +1,91 @@
+"""The kill/resume harness of the framework adapters' tests (``tests/integrations``): a training
+script run as a subprocess (``hftrain.py``, ``pltrain.py``, ``tttrain.py``) that appends one line
+per step to ``<out>.log`` and writes ``final.safetensors`` and ``final.json`` into ``<out>``; it
+is SIGKILLed once enough steps are logged and started again with the same command."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from fchelpers import FcEnv, kill_job_processes
+from waiting import wait_until
+
+
+def run(cmd: list[str], code: int = 0) -> str:
+    """Runs the command to its end; it must exit with ``code``. Returns its stderr."""
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == code, p.stderr[-4000:]
+    return p.stderr
+
+
+def log_lines(out: Path) -> list[str]:
+    """The lines of ``<out>.log`` (one per step, from every run of the command)."""
+    with contextlib.suppress(FileNotFoundError):
+        return Path(str(out) + ".log").read_text().splitlines()
+    return []
+
+
+def kill_at(cmd: list[str], out: Path, step: int) -> None:
+    """Starts the run and SIGKILLs it once ``step`` steps are logged."""
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: len(log_lines(out)) >= step or p.poll() is not None, f"step {step}", 240)
+        assert p.poll() is None, p.stderr.read().decode()[-4000:] if p.stderr else ""
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == -signal.SIGKILL
+
+
+def lose_machine(env: FcEnv) -> None:
+    """The machine is lost: every process of the job (its node agent too) is SIGKILLed and its
+    shared memory is gone; a restart can resume from storage only."""
+    kill_job_processes(env.job)
+    for name in os.listdir(env.shm_dir):
+        if name.startswith(f"fc.{env.job}."):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(env.shm_dir, name))
+
+
+def final(out: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The run's ``final.safetensors`` and ``final.json``."""
+    tensors = safetensors.torch.load_file(str(out / "final.safetensors"))
+    return tensors, json.loads((out / "final.json").read_text())
+
+
+def different(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensors are not ``torch.equal`` (the names must be the same)."""
+    assert a.keys() == b.keys()
+    return sorted(k for k in a if not torch.equal(a[k], b[k]))
+
+
+@contextlib.contextmanager
+def reference_job(tmp: Path) -> Iterator[FcEnv]:
+    """A job of its own for the uninterrupted runs (a module fixture's, so not ``fc_env``);
+    its processes, shared memory and run directory are removed afterwards."""
+    job = "t" + uuid.uuid4().hex[:12] + "ref"
+    env = FcEnv(
+        job=job,
+        node="n0",
+        run_dir=f"/tmp/fct-{job}",
+        storage=f"file://{tmp}/ckpt",
+        storage_path=tmp / "ckpt",
+    )
+    try:
+        yield env
+    finally:
+        lose_machine(env)
+        shutil.rmtree(env.run_dir, ignore_errors=True)

@@ -158,6 +158,9 @@ class _GatedClient(EtcdClient):
     def watch_events(self, *args: Any, **kwargs: Any) -> WatchBatch:
         if not self.open.is_set():
             self.waiting.set()
+            # Falling behind: the watch stream kept open between calls goes, so the next call
+            # watches again from its old revision (and every later call opens its own).
+            self.close()
             self.open.wait()
         return super().watch_events(*args, **kwargs)
 

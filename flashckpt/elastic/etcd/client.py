@@ -43,7 +43,10 @@ simulated machines on one host overran etcd's accept queue: ``benchmarks/README.
   repeated increment would count twice.
 
 A connection goes back to the pool only after its response was read to the end, and never
-when etcd said it would close it. Watches use connections of their own, never pooled. A pool
+when etcd said it would close it. Watches (:class:`WatchStream`, also under
+:meth:`EtcdClient.watch_events` and :meth:`EtcdClient.wait_for_change`) use connections of their
+own, never pooled; a watch stays open across quiet timeouts, and ``watch_events`` goes on with the
+stream of the caller's previous call, so a watch loop holds one connection, not one per call. A pool
 belongs to the process that filled it: a child forked with a client open starts with an empty
 one. :meth:`EtcdClient.close` closes the idle connections.
 
@@ -53,11 +56,13 @@ Keys are ``str`` (UTF-8 encoded) or ``bytes``; values are ``bytes`` (``str`` is 
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import logging
 import os
 import select
+import socket
 import ssl
 import threading
 import time
@@ -83,7 +88,10 @@ __all__ = [
     "Lease",
     "LeaseKeepAlive",
     "WatchBatch",
+    "WatchClosed",
+    "WatchCompacted",
     "WatchEvent",
+    "WatchStream",
     "prefix_end",
 ]
 
@@ -100,6 +108,10 @@ _MAX_IDLE_PER_ENDPOINT = 4
 # A connection idle longer than this is closed, never reused: well under the idle timeouts of
 # proxies and NATs (AWS ELB 60 s) that drop a connection without telling either end.
 _IDLE_TIMEOUT_S = 20.0
+# watch_events keeps a caller's stream open this long between two calls (a watch loop calls
+# again at once), and at most this many per client.
+_WATCH_KEEP_S = 60.0
+_MAX_KEPT_WATCHES = 32
 # Errors of a send on a pooled connection that mean the peer had closed it.
 _PEER_CLOSED_ERRORS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
@@ -142,6 +154,18 @@ class EtcdOutcomeUnknown(EtcdUnavailable):
     """
 
 
+class WatchCompacted(EtcdError):
+    """etcd compacted the history a watch needs: re-read, then watch from that read."""
+
+    def __init__(self, message: str, compact_revision: int) -> None:
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
+class WatchClosed(EtcdError):
+    """The watch was closed (:meth:`WatchStream.close`)."""
+
+
 class EtcdLeaseNotFound(EtcdError):
     """The lease does not exist: it expired, was revoked, or was never granted on this cluster."""
 
@@ -176,15 +200,15 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class WatchEvent:
-    """One change delivered by :meth:`EtcdClient.watch_events`."""
+    """One change of one key, from :meth:`EtcdClient.watch_events` or a :class:`WatchStream`."""
 
     deleted: bool
     """``True`` for a delete (or a lease's expiry or revocation), ``False`` for a put."""
     kv: KeyValue
     """The key as written (for a delete: the key and the delete's revision, no value)."""
     prev: KeyValue | None
-    """The key just before this change; ``None`` when it did not exist (or etcd no longer had
-    it)."""
+    """The key just before this change; ``None`` when it did not exist, etcd no longer had
+    it, or the watch did not ask for previous values."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +274,8 @@ class _Pool:
         # Per endpoint, oldest first: (connection, monotonic time it went idle).
         self.idle: dict[_Endpoint, list[tuple[http.client.HTTPConnection, float]]] = {}
         self.opened = self.reused = self.replaced = self.expired = 0
+        # watch_events' open streams, per (thread, key, range end): (stream, time given back).
+        self.watches: dict[tuple[int, bytes, bytes | None], tuple[WatchStream, float]] = {}
 
     def take(self, endpoint: _Endpoint) -> http.client.HTTPConnection | None:
         """The most recently used idle connection to ``endpoint`` that is still usable, or
@@ -287,6 +313,41 @@ class _Pool:
         if not keep:
             conn.close()
 
+    def take_watch(
+        self, slot: tuple[int, bytes, bytes | None], next_revision: int
+    ) -> WatchStream | None:
+        """The open stream of ``slot`` if it goes on at ``next_revision``; closes streams
+        nobody came back for within ``_WATCH_KEEP_S`` (their thread stopped watching)."""
+        drop: list[WatchStream] = []
+        with self.lock:
+            found = self.watches.pop(slot, None)
+            cutoff = time.monotonic() - _WATCH_KEEP_S
+            for other, (stream, since) in list(self.watches.items()):
+                if since < cutoff:
+                    del self.watches[other]
+                    drop.append(stream)
+        if found is not None and found[0].next_revision != next_revision:
+            drop.append(found[0])
+            found = None
+        for stream in drop:
+            stream.close()
+        return None if found is None else found[0]
+
+    def give_watch(self, slot: tuple[int, bytes, bytes | None], stream: WatchStream) -> None:
+        """Keeps ``stream`` open for the next call of ``slot``'s thread."""
+        with self.lock:
+            keep = not self.closed and self.pid == os.getpid()
+            if keep:
+                self.watches[slot] = (stream, time.monotonic())
+                while len(self.watches) > _MAX_KEPT_WATCHES:
+                    oldest = min(self.watches, key=lambda k: self.watches[k][1])
+                    if oldest == slot:
+                        break
+                    other = self.watches.pop(oldest)[0]
+                    other.close()
+        if not keep:
+            stream.close()
+
     def count(self, *, opened: int = 0, replaced: int = 0) -> None:
         with self.lock:
             self.opened += opened
@@ -308,8 +369,12 @@ class _Pool:
             self.closed = True
             conns = [c for per in self.idle.values() for c, _ in per]
             self.idle.clear()
+            streams = [stream for stream, _ in self.watches.values()]
+            self.watches.clear()
         for conn in conns:
             conn.close()
+        for stream in streams:
+            stream.close()
 
     def abandon(self) -> None:
         """In a forked child: closes this process's copies of the parent's sockets, without
@@ -319,6 +384,8 @@ class _Pool:
             for conn, _ in list(per):
                 if conn.sock is not None:
                     conn.sock.close()
+        for stream, _ in list(self.watches.values()):
+            stream._abandon()
 
 
 def _peer_closed(conn: http.client.HTTPConnection) -> bool:
@@ -870,27 +937,15 @@ class EtcdClient:
         Raises:
             EtcdUnavailable: If no endpoint could be reached during the whole timeout.
         """
-        key_bytes = _to_bytes(key, "key")
-        request: dict[str, Any] = (
-            _prefix_range(key_bytes) if prefix else {"key": _b64(key_bytes or b"\x00")}
-        )
-        request["start_revision"] = str(after_revision + 1)
-        payload = json.dumps({"create_request": request}).encode()
-        deadline = Deadline.after(timeout)
-        for endpoint in self._attempts(deadline):
-            try:
-                return self._watch_once(endpoint, payload, deadline) is not None
-            except _AttemptFailed as exc:
-                if deadline.expired():
-                    if exc.sent:
-                        return False  # connected; the stream just stayed quiet
-                    raise EtcdUnavailable(
-                        f"no etcd endpoint of {list(self.endpoints)} accepted a watch within "
-                        f"{timeout.total_seconds():g} s: {exc}. Check that etcd is running and "
-                        "reachable from this machine."
-                    ) from exc
-                logger.debug("watch on %s failed, retrying: %s", endpoint.url, exc)
-        raise AssertionError("unreachable: _attempts never ends")
+        key_bytes = _to_bytes(key, "key") or b"\x00"
+        range_end = _prefix_range_end(key_bytes) if prefix else None
+        stream = WatchStream(self, key_bytes, range_end, after_revision + 1)
+        try:
+            return bool(stream.next_events(timeout))
+        except WatchCompacted:
+            return True  # a change cannot be ruled out
+        finally:
+            stream.close()
 
     def watch_events(
         self,
@@ -912,59 +967,37 @@ class EtcdClient:
             timeout: How long to wait for a change.
             prefix: Watch every key that starts with ``key``.
 
+        The watch stays open between calls: a call from the same thread for the same keys
+        whose ``after_revision`` is the previous batch's ``revision`` goes on reading the same
+        stream (no new connection, nothing missed in between); any other call opens a new one.
+
         Returns:
             The changes of one or more revisions (several when catching up), or none when the
-            timeout passed first or the stream broke (call again with the same revision: etcd
-            keeps the history until it is compacted); ``compacted`` set when that history is
-            gone.
+            timeout passed first; ``compacted`` set when the history after ``after_revision``
+            is gone.
 
         Raises:
             EtcdUnavailable: If no endpoint could be reached during the whole timeout.
         """
-        key_bytes = _to_bytes(key, "key")
-        request: dict[str, Any] = (
-            _prefix_range(key_bytes) if prefix else {"key": _b64(key_bytes or b"\x00")}
-        )
-        request["start_revision"] = str(after_revision + 1)
-        request["prev_kv"] = True
-        payload = json.dumps({"create_request": request}).encode()
-        deadline = Deadline.after(timeout)
-        nothing = WatchBatch([], after_revision)
-        for endpoint in self._attempts(deadline):
-            try:
-                message = self._watch_once(endpoint, payload, deadline)
-            except _AttemptFailed as exc:
-                if deadline.expired():
-                    if exc.sent:
-                        return nothing
-                    raise EtcdUnavailable(
-                        f"no etcd endpoint of {list(self.endpoints)} accepted a watch within "
-                        f"{timeout.total_seconds():g} s: {exc}. Check that etcd is running and "
-                        "reachable from this machine."
-                    ) from exc
-                logger.debug("watch on %s failed, retrying: %s", endpoint.url, exc)
-                continue
-            if message is None:
-                return nothing
-            result = message.get("result") or {}
-            if int(result.get("compact_revision") or 0) > 0:
-                return WatchBatch([], after_revision, int(result["compact_revision"]))
-            raw_events = result.get("events") or []
-            if raw_events:
-                events = [
-                    WatchEvent(
-                        deleted=raw.get("type") == "DELETE",
-                        kv=_kv_from_json(raw.get("kv") or {}),
-                        prev=_kv_from_json(raw["prev_kv"]) if raw.get("prev_kv") else None,
-                    )
-                    for raw in raw_events
-                ]
-                return WatchBatch(events, max(e.kv.mod_revision for e in events))
-            # The stream ended, broke or was cancelled without a compaction (etcd shutting
-            # down, a leader change): watch again from the same revision, on the next endpoint.
-            if deadline.expired():
-                return nothing
-        raise AssertionError("unreachable: _attempts never ends")
+        key_bytes = _to_bytes(key, "key") or b"\x00"
+        range_end = _prefix_range_end(key_bytes) if prefix else None
+        slot = (threading.get_ident(), key_bytes, range_end)
+        pool = self._pool_here()
+        stream = pool.take_watch(slot, after_revision + 1)
+        if stream is None:
+            stream = WatchStream(self, key_bytes, range_end, after_revision + 1, prev_kv=True)
+        try:
+            events = stream.next_events(timeout)
+        except WatchCompacted as exc:
+            stream.close()
+            return WatchBatch([], after_revision, exc.compact_revision)
+        except BaseException:
+            stream.close()
+            raise
+        pool.give_watch(slot, stream)  # the next call goes on from its next revision
+        if not events:
+            return WatchBatch([], after_revision)
+        return WatchBatch(events, stream.next_revision - 1)
 
     # ----------------------------------------------------------------------------- leases
 
@@ -1183,48 +1216,6 @@ class EtcdClient:
             return _parse_json(data, endpoint, path)
         raise _error_from_response(response.status, data, endpoint, path)
 
-    def _watch_once(
-        self, endpoint: _Endpoint, payload: bytes, deadline: Deadline
-    ) -> dict[str, Any] | None:
-        """The first message of a watch stream that says something (events, a cancel, an
-        error; ``{}`` when the stream ended), or None when the deadline passed first."""
-        conn = self._connect(endpoint, deadline)
-        try:
-            try:
-                conn.request("POST", "/v3/watch", body=payload, headers=_HEADERS)
-                response = conn.getresponse()
-                if response.status != 200:
-                    raise _error_from_response(
-                        response.status, response.read(), endpoint, "/v3/watch"
-                    )
-                while True:
-                    remaining = deadline.remaining()
-                    if remaining <= 0:
-                        return None
-                    assert conn.sock is not None
-                    conn.sock.settimeout(remaining)
-                    line = response.readline()
-                    if not line:
-                        # The stream ended (etcd shutting down): let the caller re-read.
-                        return {}
-                    message = json.loads(line)
-                    if not isinstance(message, dict):
-                        raise ValueError(f"unexpected watch message {line[:200]!r}")
-                    if "error" in message:
-                        # A broken watch (for example after a leader change): re-read.
-                        return message
-                    result = message.get("result") or {}
-                    if result.get("canceled") or result.get("events"):
-                        return message
-            except TimeoutError:
-                return None
-            except (OSError, http.client.HTTPException, ValueError) as exc:
-                raise _AttemptFailed(
-                    f"watch on {endpoint.url} broke: {exc!r}", sent=True, timed_out=False
-                ) from exc
-        finally:
-            conn.close()
-
 
 _HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
 
@@ -1364,3 +1355,326 @@ class LeaseKeepAlive:
                 logger.warning(
                     "refreshing etcd lease %x failed (will retry): %s", self._lease.id, exc
                 )
+
+
+class WatchStream:
+    """A long-lived etcd watch: the events of the keys in ``[key, range_end)`` from
+    ``start_revision`` on, each with the key's new value (and its previous one, with
+    ``prev_kv``), so a follower applies each change in O(1) instead of re-reading the keys.
+
+    - :meth:`next_events` blocks until events arrive or its timeout passes; the stream stays
+      open across quiet timeouts (one connection for as long as the watch lives);
+    - a broken stream (etcd restarted, a leader change, a proxy) is opened again from the
+      revision after the last event returned, on any endpoint of the client, so no event is
+      lost or repeated;
+    - when etcd compacted the revisions the stream still needs, :class:`WatchCompacted` is
+      raised: re-read the keys and open a new stream from the revision of that read;
+    - :meth:`close` may be called from another thread and wakes a blocked reader.
+
+    It speaks the JSON gateway's ``/v3/watch`` (a chunked HTTP/1.1 response, one JSON message
+    per line) on a connection of its own, never a pooled one, with the client's endpoints, TLS
+    settings and back-off. It reads the socket itself: a socket file that timed out once cannot
+    be read again, which would cost a new connection per quiet timeout.
+
+    Args:
+        client: The etcd client (its endpoints and TLS settings are used).
+        key: First key of the range.
+        range_end: End of the range (exclusive); ``None``: the single key ``key``.
+        start_revision: First revision to report.
+        prev_kv: Also report each key's previous value (a delete then says what was deleted).
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        key: bytes,
+        range_end: bytes | None,
+        start_revision: int,
+        *,
+        prev_kv: bool = False,
+    ) -> None:
+        if start_revision < 1:
+            raise ValueError(f"start_revision must be >= 1, got {start_revision}")
+        self._client = client
+        self._key = key
+        self._range_end = range_end
+        self._next = start_revision
+        self._prev_kv = prev_kv
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._endpoint: _Endpoint | None = None
+        self._raw = bytearray()  # received, not yet de-chunked
+        self._body = bytearray()  # de-chunked, not yet a whole line
+        self._chunk_left = 0  # bytes of the current chunk still to come (+2 for its CRLF)
+        self._closed = False
+        self._reading = False  # a thread is in next_events
+        self.connections = 0
+        """Connections this stream opened (diagnostics and tests)."""
+
+    @property
+    def next_revision(self) -> int:
+        """The first revision not reported yet."""
+        return self._next
+
+    def close(self) -> None:
+        """Ends the stream; a reader blocked in :meth:`next_events` gets :class:`WatchClosed`."""
+        with self._lock:
+            self._closed = True
+            sock = self._sock
+            if not self._reading:
+                self._sock = None
+        if sock is not None:
+            # shutdown wakes a blocked reader, which then closes the socket itself (closing a
+            # descriptor another thread is reading could hand its number to a new socket).
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            if self._sock is None:
+                sock.close()
+
+    def next_events(self, timeout: timedelta) -> list[WatchEvent]:
+        """The next events, in revision order; ``[]`` when ``timeout`` passed without any.
+
+        Raises:
+            WatchCompacted: The revisions still to report were compacted.
+            WatchClosed: :meth:`close` was called.
+            EtcdUnavailable: No endpoint accepted the watch for the whole ``timeout``.
+            EtcdError: etcd refused the watch (a request retrying cannot fix).
+        """
+        with self._lock:
+            if self._reading:
+                raise RuntimeError("WatchStream.next_events is already running in another thread")
+            self._reading = True
+        try:
+            return self._next_events(timeout)
+        except EtcdError:
+            self._drop()
+            raise
+        finally:
+            with self._lock:
+                self._reading = False
+            if self._closed:
+                self._drop()
+
+    def _next_events(self, timeout: timedelta) -> list[WatchEvent]:
+        deadline = Deadline.after(timeout)
+        failures = 0
+        while True:
+            if self._closed:
+                raise WatchClosed("the watch was closed")
+            try:
+                if self._sock is None:
+                    self._open(deadline)
+                events = self._read(deadline)
+            except _AttemptFailed as exc:
+                self._drop()
+                if self._closed:
+                    raise WatchClosed("the watch was closed") from None
+                failures += 1
+                if deadline.expired():
+                    if exc.sent:
+                        return []  # it was connected; the stream just stayed quiet
+                    raise EtcdUnavailable(
+                        f"no etcd endpoint of {list(self._client.endpoints)} accepted a watch "
+                        f"within {timeout.total_seconds():g} s: {exc}. Check that etcd is "
+                        "running and reachable from this machine."
+                    ) from exc
+                logger.debug("etcd watch failed, reconnecting: %s", exc)
+                deadline.sleep(min(_MAX_BACKOFF_S, _INITIAL_BACKOFF_S * 2 ** min(failures, 5)))
+                continue
+            if events is None:
+                return []  # the deadline passed; the stream stays open
+            if events:
+                return events
+
+    # ------------------------------------------------------------------------ transport
+
+    def _open(self, deadline: Deadline) -> None:
+        request: dict[str, Any] = {"key": _b64(self._key), "start_revision": str(self._next)}
+        if self._range_end is not None:
+            request["range_end"] = _b64(self._range_end)
+        if self._prev_kv:
+            request["prev_kv"] = True
+        payload = json.dumps({"create_request": request}).encode()
+        client = self._client
+        endpoint = client._endpoint_for(0)  # the one that answered last
+        try:
+            conn = client._connect(endpoint, deadline)
+        except _AttemptFailed:
+            client._prefer(client._endpoint_for(1))  # try the next one next time
+            raise
+        sock = conn.sock
+        assert sock is not None
+        conn.sock = None  # this stream owns the socket from here
+        with self._lock:
+            if self._closed:
+                sock.close()
+                raise _AttemptFailed("closed", sent=False, timed_out=False)
+            self._sock, self._endpoint = sock, endpoint
+            self.connections += 1
+        self._raw.clear()
+        self._body.clear()
+        self._chunk_left = 0
+        host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+        head = (
+            f"POST /v3/watch HTTP/1.1\r\nHost: {host}:{endpoint.port}\r\n"
+            "Content-Type: application/json\r\nAccept: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n"
+        )
+        try:
+            sock.settimeout(max(0.001, deadline.remaining()))
+            sock.sendall(head.encode() + payload)
+            status, headers = self._read_head(deadline)
+        except (OSError, ValueError) as exc:
+            raise _AttemptFailed(
+                f"watch on {endpoint.url} failed: {exc!r}", sent=False, timed_out=False
+            ) from exc
+        if status != 200:
+            body = self._read_error_body(headers, deadline)
+            error = _error_from_response(status, body, endpoint, "/v3/watch")
+            if isinstance(error, _AttemptFailed):
+                error.sent = False  # a refused watch changed nothing: try again
+            raise error
+        if "chunked" not in headers.get("transfer-encoding", ""):
+            raise EtcdError(
+                f"{endpoint.url}/v3/watch answered without a chunked stream ({headers}); is "
+                "this an etcd v3.4+ client URL, with no proxy that buffers responses?"
+            )
+
+    def _recv(self, deadline: Deadline) -> bool:
+        """Receives more bytes into ``_raw``: False when the deadline passed first."""
+        sock = self._sock
+        if sock is None:
+            raise OSError("the watch connection was closed")
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            return False
+        sock.settimeout(remaining)
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            return False
+        if not data:
+            raise ConnectionError("etcd ended the watch stream")
+        self._raw += data
+        return True
+
+    def _read_head(self, deadline: Deadline) -> tuple[int, dict[str, str]]:
+        while b"\r\n\r\n" not in self._raw:
+            if len(self._raw) > 65536:
+                raise ValueError("an HTTP head of more than 64 KiB")
+            if not self._recv(deadline):
+                raise TimeoutError("no answer to the watch request")
+        end = self._raw.index(b"\r\n\r\n")
+        lines = bytes(self._raw[:end]).decode("latin-1").split("\r\n")
+        del self._raw[: end + 4]
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/"):
+            raise ValueError(f"not an HTTP answer: {lines[0][:100]!r}")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip().lower()
+        return int(parts[1]), headers
+
+    def _read_error_body(self, headers: dict[str, str], deadline: Deadline) -> bytes:
+        """The body of an error answer (best effort: a few KiB at most)."""
+        with contextlib.suppress(OSError, ValueError):
+            want = min(int(headers.get("content-length", "0")), 8192)
+            while len(self._raw) < want and self._recv(deadline):
+                pass
+        return bytes(self._raw[:8192])
+
+    def _next_line(self) -> bytes | None:
+        """De-chunks what ``_raw`` holds into ``_body``; returns one whole line, if any."""
+        while True:
+            newline = self._body.find(b"\n")
+            if newline >= 0:
+                line = bytes(self._body[: newline + 1])
+                del self._body[: newline + 1]
+                return line
+            if self._chunk_left > 0:
+                if not self._raw:
+                    return None
+                take = min(len(self._raw), self._chunk_left)
+                data = self._raw[:take]
+                del self._raw[:take]
+                self._chunk_left -= take
+                # The chunk's trailing CRLF (the last 2 bytes counted) is not data.
+                keep = len(data) - max(0, 2 - self._chunk_left)
+                self._body += data[: max(0, keep)]
+                continue
+            end = self._raw.find(b"\r\n")
+            if end < 0:
+                if len(self._raw) > 1024:
+                    raise ValueError("a chunk header of more than 1 KiB")
+                return None
+            size = int(bytes(self._raw[:end]).split(b";")[0].strip() or b"0", 16)
+            del self._raw[: end + 2]
+            if size == 0:
+                raise ConnectionError("etcd ended the watch stream")
+            self._chunk_left = size + 2
+
+    def _read(self, deadline: Deadline) -> list[WatchEvent] | None:
+        endpoint = self._endpoint.url if self._endpoint is not None else "etcd"
+        while True:
+            try:
+                line = self._next_line()
+                if line is None:
+                    if not self._recv(deadline):
+                        return None
+                    continue
+                message = json.loads(line)
+            except (OSError, ValueError) as exc:
+                raise _AttemptFailed(
+                    f"watch stream from {endpoint} broke: {exc!r}", sent=True, timed_out=False
+                ) from exc
+            if not isinstance(message, dict):
+                raise _AttemptFailed(
+                    f"unexpected watch message {line[:200]!r}", sent=True, timed_out=False
+                )
+            if "error" in message:
+                # A broken watch (for example after a leader change): open it again.
+                raise _AttemptFailed(
+                    f"watch error from {endpoint}: {message['error']}", sent=True, timed_out=False
+                )
+            result = message.get("result") or {}
+            compact = int(result.get("compact_revision", 0) or 0)
+            if compact > 0:
+                self._drop()
+                raise WatchCompacted(
+                    f"etcd compacted revisions up to {compact}; the watch needed "
+                    f"{self._next} on: re-read the keys",
+                    compact,
+                )
+            if result.get("canceled"):
+                raise _AttemptFailed(
+                    f"etcd canceled the watch: {result}", sent=True, timed_out=False
+                )
+            events: list[WatchEvent] = []
+            for raw in result.get("events") or []:
+                kv = _kv_from_json(raw.get("kv") or {})
+                if kv.mod_revision < self._next:
+                    continue  # already reported before a reconnect
+                prev = raw.get("prev_kv")
+                events.append(
+                    WatchEvent(
+                        deleted=raw.get("type") == "DELETE",
+                        kv=kv,
+                        prev=_kv_from_json(prev) if prev else None,
+                    )
+                )
+            if events:
+                self._next = max(e.kv.mod_revision for e in events) + 1
+                return events
+
+    def _drop(self) -> None:
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _abandon(self) -> None:
+        """In a forked child: closes this process's copy of the socket, nothing else."""
+        sock = self._sock
+        if sock is not None:
+            sock.close()

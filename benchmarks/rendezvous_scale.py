@@ -205,6 +205,7 @@ class _Host:
                 links=0,
             )
             registry.start(timedelta(seconds=60))
+            handler.share_lease(registry)  # one lease per machine, as flashckpt run
             self.cleanups.append(registry.close)
             registry.update(rdzv_node=handler.node, state="waiting")
         else:

@@ -29,6 +29,7 @@ from waiting import wait_until
 
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdOutcomeUnknown
 from flashckpt.elastic.etcd.store import EtcdV3Store
+from flashckpt.elastic.membership.nodes import NodeRegistry
 from flashckpt.elastic.rendezvous.handler import (
     RdzvHandler,
     RdzvSettings,
@@ -169,7 +170,8 @@ def test_a_round_forms_with_unique_ranks_and_a_small_result(job: Callable[..., J
 def test_standby_takes_the_dead_machines_rank_survivors_keep_theirs(
     job: Callable[..., Job],
 ) -> None:
-    j = job(min_nodes=3, max_nodes=3)
+    # A long lease: a waiter re-reads the round's control keys only after a quiet lease_ttl.
+    j = job(min_nodes=3, max_nodes=3, lease_ttl=timedelta(seconds=30))
     hs = [j.machine() for _ in range(3)]
     infos = j.rounds(hs)
     before = {h.node: i.rank for h, i in zip(hs, infos, strict=True)}
@@ -185,8 +187,15 @@ def test_standby_takes_the_dead_machines_rank_survivors_keep_theirs(
     wait_until(
         lambda: all(h.num_nodes_waiting() > 0 for h in survivors), "standby counted", timeout=30.0
     )
+    txns = [h.stats.snapshot()["txns"] for h in survivors]
     after = j.rounds(survivors)
     info = done(waiting)
+    # A member's join of the round after its own is one request (it knows the round key from
+    # its result), and the result comes in its watch's event: the standby leads this round.
+    assert [h.stats.snapshot()["txns"] - t for h, t in zip(survivors, txns, strict=True)] == [
+        1,
+        1,
+    ]
     assert [i.rank for i in after] == [before[h.node] for h in survivors]
     assert info.rank == 1 and info.world_size == 3
     assert {i.world_size for i in after} == {3}
@@ -407,6 +416,11 @@ def test_a_round_of_128_machines(job: Callable[..., Job]) -> None:
     assert result is not None and len(result[0]) < 1024
     failed = sum(h.stats.snapshot()["txns_failed"] for h in hs)
     assert failed < n  # lead races only: no compare-and-set storm
+    # A join is one request: no read of the round key first (the join's compare checks what
+    # the machine knows, none yet), no read of the result after (its watch event carries it);
+    # the lead adds a read of the joins and the close. Before: 3 per machine (384).
+    txns = sum(h.stats.snapshot()["txns"] for h in hs)
+    assert txns < 2 * n, txns
 
 
 def test_an_etcd_restart_is_waited_out_by_members_and_standby(etcd_instance: Any) -> None:
@@ -450,3 +464,61 @@ def test_a_machine_wrongly_found_dead_joins_again_and_the_round_forms(
     assert a.num_nodes_waiting() == 0
     c.expire_nodes([a.node])
     wait_until(lambda: a.num_nodes_waiting() > 0, what="a learns it was dropped")
+
+
+def test_the_rendezvous_keys_share_the_node_lease(
+    etcd_server: str, job: Callable[..., Job]
+) -> None:
+    # flashckpt run: one lease per machine (NodeRegistry's), renewed by the registry alone. Its
+    # end (lapsed, or revoked by a peer that found the machine dead) ends the machine's join
+    # keys at once, and the handler joins again with the registry's next lease.
+    j = job(min_nodes=2, max_nodes=2)
+    ttl = timedelta(seconds=3)
+    regs = []
+    for name in ("a", "b"):
+        reg = NodeRegistry(
+            EtcdClient(etcd_server, timeout=timedelta(seconds=10)),
+            j.prefix,
+            name,
+            ttl=ttl,
+            advertise_host="127.0.0.1",
+            bind_host="127.0.0.1",
+            links=0,
+        )
+        reg.start(timedelta(seconds=10))
+        regs.append(reg)
+    try:
+        a, b = j.machine(lease_ttl=ttl), j.machine(lease_ttl=ttl)
+        assert a.share_lease(regs[0]) and b.share_lease(regs[1])
+        assert not j.machine(lease_ttl=timedelta(seconds=4)).share_lease(regs[0])  # other TTL
+        j.rounds([a, b])
+        a_join = j.prefix + "rdzv/r/000000000000/a/" + a.node
+        kv, lease = j.client.get_kv(a_join), regs[0].shared_lease()
+        assert kv is not None and lease is not None and kv.lease == lease.id
+        assert a._keepalive is None and b._keepalive is None, "no lease of the handlers' own"
+
+        old = regs[0].shared_lease()
+        assert old is not None
+        j.client.revoke_lease(old)  # a peer found a dead (wrongly)
+        assert j.client.get_kv(a_join) is None, "its join key went with the node lease"
+        wait_until(lambda: a.num_nodes_waiting() > 0, "a learns it was dropped", timeout=30.0)
+        wait_until(
+            lambda: regs[0].shared_lease() not in (None, old),
+            "a registered again with a new lease",
+            timeout=30.0,
+        )
+        new = regs[0].shared_lease()
+        assert new is not None
+        infos = j.rounds([a, b])
+        assert {i.world_size for i in infos} == {2}
+        kv = j.client.get_kv(j.prefix + "rdzv/r/000000000001/a/" + a.node)
+        assert kv is not None and kv.lease == new.id
+
+        # Leaving the rendezvous gives up a's join keys, not the machine's node key (it says
+        # how the machine left, after the rendezvous: the launcher's teardown).
+        a.leave()
+        assert j.client.get_kv(j.prefix + "rdzv/r/000000000001/a/" + a.node) is None
+        assert j.client.get_kv(regs[0].key) is not None
+    finally:
+        for reg in regs:
+            reg.close()

@@ -24,8 +24,11 @@ What happens when a machine dies mid-training (machines A, B active; C standby):
    collectives; with no standby waiting, torch's agent alone would leave them there). Workers
    that fail with their world are a membership change, not a failure of theirs: the restart
    does not use up ``--max-restarts`` (:meth:`_WorkerSupervisor._monitor_workers`).
-3. Each launcher deletes B's keys in the rendezvous (:meth:`RdzvHandler.expire_nodes`), so the
-   next round does not wait for B's rendezvous lease to lapse, and A and the standby C form it.
+3. B's rendezvous keys live on its node lease (:meth:`RdzvHandler.share_lease`: one lease per
+   machine), so they went with it in step 1 and A and the standby C form the next round without
+   waiting for B. (Where the rendezvous keeps a lease of its own, a ``lease_ttl`` in
+   ``--rdzv-conf`` other than ``--lease-ttl``, the launcher that found B dead ends B's rendezvous
+   lease too: :meth:`RdzvHandler.expire_nodes`.)
 4. A replaces its node agent by a fresh one (a membership change leaves the old agent with
    rank records and half-committed steps of the previous world), then starts its workers; they
    restore the newest step every rank can obtain (committed storage, since C has no memory).
@@ -382,6 +385,9 @@ class LaunchSession:
 
         threading.Thread(target=self._report_warm, name="flashckpt-warm", daemon=True).start()
         self._handler = handler
+        # One lease per machine: the rendezvous keys live on the node lease (one renewal, and a
+        # peer that revokes it as dead ends both at once).
+        handler.share_lease(self._registry)
         self._registry.update(rdzv_node=handler.node, state="waiting")
         self._start_job_view(client)
 

@@ -36,6 +36,7 @@ registers the machine afresh (new lease, new token, next generation), as a stand
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import enum
 import json
@@ -61,7 +62,10 @@ from flashckpt.elastic.etcd.client import (
     EtcdOutcomeUnknown,
     KeyValue,
     Lease,
+    WatchClosed,
+    WatchCompacted,
     WatchEvent,
+    WatchStream,
     prefix_end,
 )
 from flashckpt.elastic.membership.peerlinks import (
@@ -493,6 +497,10 @@ class NodeRegistry:
         self._departed: dict[str, NodeRecord] = {}  # the last record of each peer gone
         self._reaping: set[str] = set()  # tokens of peers found dead here, being revoked
         self._lease: Lease | None = None
+        self._lease_listeners: list[Callable[[Lease], None]] = []
+        self._renew_wake = threading.Event()  # renew now (a user of the lease saw it gone)
+        self._seed: int | None = None  # the revision of the view registration read, if any
+        self._stream: WatchStream | None = None  # the node keys' watch
         self._threads: list[threading.Thread] = []
         self._probe_server: _ProbeServer | None = None
         self._bind_host = bind_host
@@ -563,6 +571,7 @@ class NodeRegistry:
         self._register(Deadline.after(timeout))
         if self._fanout:
             self._links = PeerLinks(self._on_link_broken)
+            self._update_links()  # the peers registration read, if it did
         for target, name in ((self._renew_loop, "renew"), (self._watch_loop, "watch")):
             self._start_thread(target, name)
         if self._compact_every is not None:
@@ -610,6 +619,38 @@ class NodeRegistry:
             generation,
         )
         return generation
+
+    def shared_lease(self) -> Lease | None:
+        """This machine's lease, for other keys that live and die with the machine (the
+        rendezvous handler's, :meth:`RdzvHandler.share_lease
+        <flashckpt.elastic.rendezvous.handler.RdzvHandler.share_lease>`); None while it holds
+        none (not registered yet, fenced, closed)."""
+        with self._lock:
+            return None if self._fenced else self._lease
+
+    def lease_failed(self, lease: Lease) -> None:
+        """A user of the lease was told by etcd that it is gone: renew now (the renewal finds
+        out, and registers again or fences) instead of at the next interval."""
+        with self._lock:
+            current = self._lease
+        if current is not None and current.id == lease.id:
+            self._renew_wake.set()
+
+    def on_lease_ended(self, callback: Callable[[Lease], None]) -> None:
+        """Calls ``callback(lease)`` (from the renew thread) when etcd says the lease is gone,
+        before this machine registers again or is fenced. A fence for a lease etcd may still
+        hold is ``on_fenced``'s business, not this callback's."""
+        with self._lock:
+            self._lease_listeners.append(callback)
+
+    def _lease_ended(self, lease: Lease) -> None:
+        with self._lock:
+            listeners = list(self._lease_listeners)
+        for callback in listeners:
+            try:
+                callback(lease)
+            except Exception:
+                logger.exception("telling a user of this node's lease that it ended failed")
 
     def update(self, *, timeout: timedelta | None = None, **fields: Any) -> None:
         """Changes fields of the published record (``state``, ``group_rank``, ``rdzv_node``).
@@ -810,6 +851,11 @@ class NodeRegistry:
             revoke: ``False`` when etcd is known to be unreachable: the lease lapses.
         """
         self._stop.set()
+        self._renew_wake.set()
+        with self._lock:
+            stream = self._stream
+        if stream is not None:
+            stream.close()  # wakes the watch thread
         if self._links is not None:
             self._links.close()
         with self._lock:
@@ -834,10 +880,9 @@ class NodeRegistry:
             lease = self._client.grant_lease(self._ttl, timeout=_remaining(deadline))
             with self._lock:
                 value = self._record.to_json()
+                first = not self._view_loaded
             try:
-                done, current = self._client.compare_and_set(
-                    self._key, value, mod_revision=0, lease=lease, timeout=_remaining(deadline)
-                )
+                done, current = self._create_key(value, lease, deadline, read_peers=first)
             except EtcdOutcomeUnknown:
                 found = self._client.get_kv(self._key, timeout=_remaining(deadline))
                 done, current = (found is not None and found.lease == lease.id), found
@@ -873,6 +918,47 @@ class NodeRegistry:
             # The holder may be a launcher that died on another host: its lease will lapse.
             deadline.sleep(0.5)
 
+    def _create_key(
+        self, value: bytes, lease: Lease, deadline: Deadline, *, read_peers: bool
+    ) -> tuple[bool, KeyValue | None]:
+        """Creates the node key if absent, in one transaction that also reads the peers' keys
+        when the view was never loaded (the watch starts from that read's revision: a
+        registration is a lease grant and this one request). Returns whether it was created,
+        and the key as it is now."""
+        key, prefix = _b64(self._key.encode()), self._prefix.encode()
+        get = {"request_range": {"key": key}}
+        success: list[dict[str, Any]] = [
+            {"request_put": {"key": key, "value": _b64(value), "lease": str(lease.id)}},
+            get,
+        ]
+        if read_peers:
+            peers = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+            success.append({"request_range": peers})
+        body = {
+            "compare": [{"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": "0"}],
+            "success": success,
+            "failure": [get],
+        }
+        response = self._client._call(
+            "/v3/kv/txn", body, timeout=_remaining(deadline), idempotent=False
+        )
+        responses = response.get("responses") or []
+        kvs = [_txn_kvs(r) for r in responses]
+        current = kvs[1][0] if response.get("succeeded") and len(kvs) > 1 and kvs[1] else None
+        if not response.get("succeeded"):
+            return False, kvs[0][0] if kvs and kvs[0] else None
+        if current is None:
+            raise EtcdError(
+                f"etcd reported the creation of {self._key!r} as applied but returned no entry; "
+                "the server or a proxy in between mangled the transaction"
+            )
+        if read_peers and len(kvs) > 2:
+            revision = int(response.get("header", {}).get("revision", 0))
+            self._load_view(kvs[2])
+            with self._lock:
+                self._seed = self._view_revision = revision
+        return True, current
+
     def _renew_loop(self) -> None:
         interval = self._ttl.total_seconds() / 5
         ttl_s = self._ttl.total_seconds()
@@ -887,8 +973,12 @@ class NodeRegistry:
             now = time.monotonic()
             # Wake for the next renewal, or at the fence deadline if that comes first.
             wake = min(next_at, deadline) if fencing and now < deadline else next_at
-            if self._stop.wait(max(0.0, wake - now)):
+            nudged = self._renew_wake.wait(max(0.0, wake - now))
+            self._renew_wake.clear()
+            if self._stop.is_set():
                 return
+            if nudged:
+                next_at = time.monotonic()  # a user of the lease saw it gone: renew now
             with self._lock:
                 lease, last_ok, fenced = self._lease, self._last_ok, self._fenced
             if lease is None or fenced:
@@ -916,6 +1006,7 @@ class NodeRegistry:
             except EtcdLeaseNotFound:
                 if self._stop.is_set():
                     return
+                self._lease_ended(lease)
                 if self._on_fenced is not None:
                     # The job dropped this machine: its workers must stop, and it may come back
                     # only as a new member, never under the old token.
@@ -930,6 +1021,9 @@ class NodeRegistry:
                     "registering again",
                     ttl_s,
                 )
+                with self._lock:
+                    if self._lease is not None and self._lease.id == lease.id:
+                        self._lease = None  # nobody uses it meanwhile (shared_lease)
                 try:
                     self._register(Deadline.after(self._ttl * 4))
                 except Exception as exc:  # keep renewing; the next round retries
@@ -1064,48 +1158,71 @@ class NodeRegistry:
     def _watch_loop(self) -> None:
         """Keeps :meth:`peers` up to date from the watched changes of the node keys.
 
-        The keys are read once when the watch starts, and again only when etcd compacted the
-        history the watch needs; every other change arrives as an event with the key's
-        previous value (a put, or a delete with what the key held), applied to the view as
-        it is: one change costs every launcher O(1), not a read of every node key.
+        The keys are read once (by the registration's transaction, or when the watch starts),
+        and again only when etcd compacted the history the watch needs; every other change
+        arrives on one long-lived stream (:class:`WatchStream`) as an event with the key's
+        previous value (a put, or a delete with what the key held), applied to the view as it
+        is: one change costs every launcher O(1), not a read of every node key, nor a new
+        watch (a job of N machines starting is N^2 events, not N^2 watch requests).
         """
-        revision: int | None = None
+        with self._lock:
+            revision, self._seed = self._seed, None  # registration read the keys (or not)
         quiet_since = time.monotonic()
-        while not self._stop.is_set():
-            if revision is None:
-                revision = self._read_peers()
+        stream: WatchStream | None = None
+        try:
+            while not self._stop.is_set():
                 if revision is None:
+                    revision = self._read_peers()
+                    if revision is None:
+                        self._stop.wait(0.5)
+                        continue
+                with self._lock:
+                    self._view_revision = revision  # the view holds every change up to it
+                if stream is None:
+                    key = self._prefix.encode()
+                    stream = WatchStream(
+                        self._client, key, prefix_end(key), revision + 1, prev_kv=True
+                    )
+                    with self._lock:
+                        self._stream = stream
+                    if self._stop.is_set():
+                        return
+                try:
+                    events = stream.next_events(_WATCH_SLICE)
+                except WatchClosed:
+                    return
+                except WatchCompacted as exc:
+                    logger.info(
+                        "the node keys' history up to revision %d was compacted; reading the keys",
+                        exc.compact_revision,
+                    )
+                    stream.close()
+                    stream, revision = None, None
+                    continue
+                except Exception as exc:
+                    logger.warning("watching the job's node keys failed (will retry): %s", exc)
+                    stream.close()
+                    stream = None  # again from the same revision
                     self._stop.wait(0.5)
                     continue
-            with self._lock:
-                self._view_revision = revision  # the view holds every change up to it
-            try:
-                batch = self._client.watch_events(
-                    self._prefix, after_revision=revision, timeout=_WATCH_SLICE, prefix=True
-                )
-            except Exception as exc:
-                logger.warning("watching the job's node keys failed (will retry): %s", exc)
-                self._stop.wait(0.5)
-                continue
-            self.watch_slices += 1
-            if batch.compacted:
-                logger.info(
-                    "the node keys' history up to revision %d was compacted; reading the keys",
-                    batch.compacted,
-                )
-                revision = None
-                continue
-            if batch.events:
-                self._apply_events(batch.events)
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since >= _QUIET_CHECK_S:
-                quiet_since = time.monotonic()
-                moved = self._quiet_revision(batch.revision)
-                if moved > batch.revision:
-                    self.quiet_moves += 1
-                    revision = moved
-                    continue
-            revision = batch.revision
+                self.watch_slices += 1
+                if events:
+                    self._apply_events(events)
+                    revision = stream.next_revision - 1
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since >= _QUIET_CHECK_S:
+                    quiet_since = time.monotonic()
+                    moved = self._quiet_revision(revision)
+                    if moved > revision:
+                        # Reopened from there: a stream that breaks later (an etcd restart)
+                        # resumes from a revision etcd still has.
+                        self.quiet_moves += 1
+                        revision = moved
+                        stream.close()
+                        stream = None
+        finally:
+            if stream is not None:
+                stream.close()
 
     def _quiet_revision(self, revision: int) -> int:
         """The revision a quiet watch can go on from: etcd's current one when the node keys
@@ -1141,6 +1258,12 @@ class NodeRegistry:
         except Exception as exc:
             logger.warning("reading the job's node keys failed (will retry): %s", exc)
             return None
+        self._load_view(kvs)
+        return revision
+
+    def _load_view(self, kvs: list[KeyValue]) -> None:
+        """Replaces the view with every node key as read; reports the peers gone since the
+        last read (none on the first)."""
         self.watch_reads += 1
         current: dict[str, NodeRecord] = {}
         for kv in kvs:
@@ -1159,7 +1282,6 @@ class NodeRegistry:
         if not first:
             for record in vanished:
                 self._report_lost(record, "watch")
-        return revision
 
     def _apply_events(self, events: list[WatchEvent]) -> None:
         """Applies watched changes of node keys to the view; reports deleted peers."""
@@ -1279,6 +1401,26 @@ class NodeRegistry:
                 self._on_lost(record, via)
             except Exception:
                 logger.exception("handling the loss of node %s failed", record.node_id)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _txn_kvs(response: dict[str, Any]) -> list[KeyValue]:
+    """The entries of one range answer of a transaction."""
+    raw = response.get("response_range", {}).get("kvs") or []
+    return [
+        KeyValue(
+            key=base64.b64decode(r.get("key") or ""),
+            value=base64.b64decode(r.get("value") or ""),
+            mod_revision=int(r.get("mod_revision", 0)),
+            create_revision=int(r.get("create_revision", 0)),
+            version=int(r.get("version", 0)),
+            lease=int(r.get("lease", 0)),
+        )
+        for r in raw
+    ]
 
 
 def _record_or_none(kv: KeyValue | None) -> NodeRecord | None:

@@ -8,26 +8,30 @@ retries (``benchmarks/README.md``, issue 31). Here:
 
 Keys (under the job's prefix ``<key_prefix>/<run_id>/rdzv/``; ``<R>`` is a round, 12 digits):
 
-- ``r/<R>/a/<node>``: machine ``<node>`` joined round ``R``. Bound to the machine's own lease
-  (renewed every ``lease_ttl / 3``: the keep-alive is the heartbeat, nothing is rewritten), so
-  it disappears with the machine. Value: a small JSON object (node, its last group rank and the
-  round of it: its *claim*).
+- ``r/<R>/a/<node>``: machine ``<node>`` joined round ``R``. Bound to the machine's lease (the
+  launcher's node lease, :meth:`RdzvHandler.share_lease`, renewed every ``lease_ttl / 5``; under
+  torchrun a lease of the handler's own, renewed every ``lease_ttl / 3``: the keep-alive is the
+  heartbeat, nothing is rewritten), so it disappears with the machine. Value: a small JSON
+  object (node, its last group rank and the round of it: its *claim*).
 - ``r/<R>/c/lead``: the machine that decides when round ``R`` closes (its *lead*), bound to its
   lease: created if absent by a waiting machine; when the lead dies, another takes over.
 - ``r/<R>/c/result``: the round's outcome, written once by the lead in one transaction that
   creates it only if absent: round number, world size and the members in rank order, as the
   ``create_revision`` of their join keys, varint-packed (about 2.7 KiB for 1,024 machines).
 - ``round``: the newest closed round. Every join is a transaction that compares this key's
-  revision with the one the machine read, so no machine can join a round that closed meanwhile
-  (a stale round number is refused and the machine re-reads, never joins a world it is not in).
+  revision with the one the machine last read, so no machine can join a round that closed
+  meanwhile (a stale round number is refused, and the refusal carries the key: the machine joins
+  again from it, never joins a world it is not in). A join is one request when the machine's
+  knowledge is current (round 1; a member's join of the round after its own).
 - ``closed``: the rendezvous is closed (the job finished); on a lease of ``state_ttl``.
 
 A round ``R`` closes when every live member of round ``R - 1`` joined it (a dead member's key
 went with its lease, or was deleted by a peer that found it dead: :meth:`expire_nodes`) and
 ``max_nodes`` machines joined, or ``min_nodes`` did and ``last_call_timeout`` passed since. The
 lead follows the joins with one watch (O(1) work per join); the others wait on a watch of the
-round's two control keys and read the result once. The lead of ``R`` deletes the keys of round
-``R - 2`` and its store keys, so a job holds at most three rounds of keys at any time.
+round's two control keys, whose event carries the result (no read). The lead of ``R`` deletes
+the keys of round ``R - 2`` and its store keys, so a job holds at most three rounds of keys at
+any time.
 
 Group ranks are stable: a member of the previous round keeps its rank if it is below the new
 world size (:func:`flashckpt.elastic.rendezvous.stable_ranks.assign_ranks`); standbys and new
@@ -54,10 +58,10 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
@@ -95,6 +99,7 @@ from flashckpt.elastic.rendezvous.stable_ranks import RankClaim, assign_ranks
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
+    "LeaseSource",
     "RdzvHandler",
     "RdzvSettings",
     "decode_members",
@@ -296,6 +301,15 @@ def _revision(response: dict[str, Any]) -> int:
     return int(response.get("header", {}).get("revision", 0))
 
 
+def _result_event(events: list[WatchEvent], result_key: bytes) -> KeyValue | None:
+    """The round's result, when a watched change wrote it; None otherwise (a delete, another
+    key: the waiter reads the control keys again)."""
+    for ev in events:
+        if ev.kv.key == result_key and not ev.deleted:
+            return ev.kv
+    return None
+
+
 # ------------------------------------------------------------------------------ handler
 @dataclass(frozen=True, slots=True)
 class RdzvSettings:
@@ -321,6 +335,31 @@ class RdzvSettings:
             raise ValueError(f"lease_ttl must be at least 2 s, got {self.lease_ttl}")
         if not self.job_prefix.endswith("/"):
             raise ValueError(f"the job prefix must end with '/', got {self.job_prefix!r}")
+
+
+class LeaseSource(Protocol):
+    """Another owner of this machine's etcd lease that the handler's keys can share
+    (:meth:`RdzvHandler.share_lease`; the launcher's
+    :class:`~flashckpt.elastic.membership.nodes.NodeRegistry`): it grants and renews the
+    lease, and says when it ended."""
+
+    @property
+    def ttl(self) -> timedelta:
+        """The lease's TTL."""
+        ...
+
+    def shared_lease(self) -> Lease | None:
+        """The lease now; None while there is none (not registered, fenced, closed)."""
+        ...
+
+    def lease_failed(self, lease: Lease) -> None:
+        """etcd told a user of ``lease`` that it is gone: check it now."""
+        ...
+
+    def on_lease_ended(self, callback: Callable[[Lease], None]) -> None:
+        """Calls ``callback(lease)`` whenever a lease it handed out ended (lapsed, revoked,
+        fenced, closed)."""
+        ...
 
 
 class _Stats:
@@ -361,6 +400,7 @@ class RdzvHandler(RendezvousHandler):
         self._p = settings.job_prefix + "rdzv/"
         self._lock = threading.Lock()
         self._lease: Lease | None = None
+        self._source: LeaseSource | None = None  # the lease's owner, when shared
         self._keepalive: threading.Thread | None = None
         self._keepalive_stop = threading.Event()
         self._lease_lost = threading.Event()
@@ -385,6 +425,9 @@ class RdzvHandler(RendezvousHandler):
         ``joined`` (its join transaction answered), ``result`` (it read the round's result),
         ``done`` (rank 0's ``MASTER_ADDR``/``MASTER_PORT`` read): for the scale benchmark."""
         self._newest_seen = -1  # the newest closed round this machine read
+        # The newest closed round this machine knows of: (round, the round key's mod_revision,
+        # its lease); (-1, 0, 0): none. A join compares it (see _attempt).
+        self._known: tuple[int, int, int] = (-1, 0, 0)
         self._joined = False  # joined a round since it was last admitted to one
         self.stats = _Stats()
 
@@ -591,11 +634,77 @@ class RdzvHandler(RendezvousHandler):
         self._keepalive_stop.set()
         with self._lock:
             lease, self._lease = self._lease, None
-        if lease is not None:
+        if lease is not None and self._source is not None:
+            # The lease is the machine's (its node key lives on it, and says how it left):
+            # only this handler's keys go.
+            self._delete_own_keys()
+        elif lease is not None:
             try:
                 self._client.revoke_lease(lease, timeout=self._timeout() or timedelta(seconds=2))
             except EtcdError as exc:
                 logger.info("could not revoke the rendezvous lease (it lapses): %s", exc)
+
+    def share_lease(self, source: LeaseSource) -> bool:
+        """Binds this machine's rendezvous keys to ``source``'s lease (the launcher's node
+        lease) instead of a lease of the handler's own: one lease and one renewal per machine
+        (issue 31). The keys still go with the machine: its node lease lapsing, or being
+        revoked by a peer that found it dead, is its rendezvous lease lapsing; the handler
+        then joins again with the source's next lease. Call before the first
+        ``next_rendezvous``.
+
+        Returns:
+            False (nothing shared) when the source's TTL is not this handler's ``lease_ttl``:
+            the rendezvous keys keep their own lease and TTL.
+        """
+        if source.ttl != self._s.lease_ttl:
+            logger.info(
+                "the rendezvous keeps a lease of its own: its lease_ttl %g s is not the node "
+                "lease's %g s",
+                self._s.lease_ttl.total_seconds(),
+                source.ttl.total_seconds(),
+            )
+            return False
+        with self._lock:
+            if self._lease is not None:
+                raise RuntimeError("share_lease must be called before the first next_rendezvous")
+            self._source = source
+        source.on_lease_ended(self._shared_lease_ended)
+        return True
+
+    def _shared_lease_ended(self, lease: Lease) -> None:
+        """The source's lease ended: a wait in ``next_rendezvous`` joins again, and a member
+        counts as waiting (its workers restart), as when a lease of its own lapses."""
+        with self._lock:
+            current = self._lease
+        if current is None or current.id != lease.id:
+            return
+        logger.warning(
+            "this machine's lease is gone (it lapsed, or a peer found this machine dead); it "
+            "joins the rendezvous again with its next one"
+        )
+        self._lease_lost.set()
+        self._wake_waits()
+
+    def _delete_own_keys(self) -> None:
+        """Deletes this machine's join keys of the rounds it may be in, and the lead key of
+        such a round while it holds it (a shared lease is not revoked on leave)."""
+        rounds = {self._round, self._waiting_in, self._known[0], self._known[0] + 1}
+        ops: list[dict[str, Any]] = []
+        for rnd in sorted(r for r in rounds if r is not None and 0 <= r <= _MAX_ROUND):
+            ops.append(_delete(self._rp(rnd) + "a/" + self._qnode))
+            lead = self._rp(rnd) + "c/lead"
+            ops.append(
+                {
+                    "request_txn": {
+                        "compare": [_cmp(lead, "VALUE", self._node.encode())],
+                        "success": [_delete(lead)],
+                    }
+                }
+            )
+        try:
+            self._txn([], ops, [])
+        except EtcdError as exc:
+            logger.info("could not delete this machine's rendezvous keys (they lapse): %s", exc)
 
     def suspend(self) -> None:
         """Stops renewing this machine's lease (a fenced machine: its keys lapse with it); the
@@ -618,17 +727,15 @@ class RdzvHandler(RendezvousHandler):
             )
 
     def _attempt(self, deadline: Deadline) -> RendezvousInfo | None:
+        """One join: a single transaction on the round this machine believes is the newest
+        closed one (``_known``: none at first, then the last result it read). Its compare
+        (the round key's revision, no ``closed`` key) refuses a stale belief, and the refusal
+        carries the round key and ``closed``: the next attempt joins from them. A round-1 join,
+        or a member's join of the round after its own, is one request."""
         self._check_left()
         lease = self._ensure_lease()
-        head = self._txn([], [_range(self._p + "round"), _range(self._p + "closed")], [])
-        self._reached = True
-        if _kvs(head, 1):
-            self._raise_closed()
-        round_kvs = _kvs(head, 0)
-        newest = self._parse_round(round_kvs[0]) if round_kvs else -1
-        round_rev = round_kvs[0].mod_revision if round_kvs else 0
-        self._round_lease = round_kvs[0].lease if round_kvs else 0
-        self._newest_seen = max(self._newest_seen, newest)
+        newest, round_rev, round_lease = self._known
+        self._round_lease = round_lease
         rnd = newest + 1
         if rnd > _MAX_ROUND:
             raise RendezvousStateError(f"the rendezvous ran out of round numbers ({rnd})")
@@ -661,15 +768,29 @@ class RdzvHandler(RendezvousHandler):
             },
             _range(self._rp(rnd) + "c/", prefix=True),
         ]
+        failure = [_range(self._p + "round"), _range(self._p + "closed")]
         try:
-            response = self._txn(compare, success, [], write=len(value))
+            response = self._txn(compare, success, failure, write=len(value))
         except EtcdLeaseNotFound:
-            self._lease_lost.set()
+            self._lease_failed(lease)
             return None
         except EtcdOutcomeUnknown:
-            return None  # re-read: the join is a put, repeating it is harmless
+            return None  # again: the join is a put, repeating it is harmless
+        self._reached = True
         if not response.get("succeeded"):
-            return None  # a round closed meanwhile (or the job did): read again
+            # A round closed meanwhile, or this machine's belief was stale, or the job closed:
+            # the refusal says which; join again from what it read.
+            if _kvs(response, 1):
+                self._raise_closed()
+            round_kvs = _kvs(response, 0)
+            if round_kvs:
+                kv = round_kvs[0]
+                self._known = (self._parse_round(kv), kv.mod_revision, kv.lease)
+            else:
+                self._known = (-1, 0, 0)
+            self._newest_seen = max(self._newest_seen, self._known[0])
+            return None
+        self._newest_seen = max(self._newest_seen, newest)
         mine = _kvs(response, 1)
         if not mine:
             return None
@@ -717,9 +838,15 @@ class RdzvHandler(RendezvousHandler):
             elif deadline.expired():
                 return None
             else:
-                self._wait_ctl(
+                events = self._wait_ctl(
                     ctl_prefix, rev, min(deadline.remaining(), _WAIT_SLICE_S, self._lease_ttl_s())
                 )
+                result = _result_event(events, (ctl_prefix + "result").encode())
+                if result is not None:
+                    # The watch carries the result itself: no read (one request less for
+                    # every waiter of the round).
+                    ctl["result"] = result
+                    continue
             self._check_left()
             if self._lease_lost.is_set() or deadline.expired():
                 return None
@@ -734,23 +861,24 @@ class RdzvHandler(RendezvousHandler):
             self._raise_closed()
         return response
 
-    def _wait_ctl(self, ctl_prefix: str, rev: int, seconds: float) -> None:
+    def _wait_ctl(self, ctl_prefix: str, rev: int, seconds: float) -> list[WatchEvent]:
         """Waits for a change of the round's control keys after ``rev``, at most ``seconds``;
-        woken at once when this machine's lease is lost or it leaves."""
+        woken at once when this machine's lease is lost or it leaves. Returns the changes
+        (none when it timed out or was woken)."""
         if seconds <= 0:
-            return
+            return []
         key = ctl_prefix.encode()
         stream = WatchStream(self._client, key, prefix_end(key), rev + 1)
         with self._lock:
             self._streams.add(stream)
         try:
             if self._lease_lost.is_set() or self._left:
-                return
-            stream.next_events(timedelta(seconds=seconds))
+                return []
+            return stream.next_events(timedelta(seconds=seconds))
         except WatchClosed:
-            pass
+            return []
         except WatchCompacted:
-            pass  # the caller reads again
+            return []  # the caller reads again
         finally:
             with self._lock:
                 self._streams.discard(stream)
@@ -777,7 +905,7 @@ class RdzvHandler(RendezvousHandler):
             kv = self._client.get_kv(lead_key)
             return kv is not None and kv.lease == lease.id
         except EtcdLeaseNotFound:
-            self._lease_lost.set()
+            self._lease_failed(lease)
             return False
         return bool(response.get("succeeded"))
 
@@ -952,6 +1080,11 @@ class RdzvHandler(RendezvousHandler):
     # -------------------------------------------------------------------- the outcome
     def _take_result(self, rnd: int, kv: KeyValue, my_create: int) -> RendezvousInfo | None:
         result = _decode_result(kv, rnd)
+        # The result and the round key are written in one transaction (_close_round): the
+        # round key's revision and lease are the result's. The next join compares them.
+        if rnd > self._known[0]:
+            self._known = (rnd, kv.mod_revision, kv.lease)
+        self._newest_seen = max(self._newest_seen, rnd)
         try:
             rank = result.members.index(my_create)
         except ValueError:
@@ -1026,11 +1159,30 @@ class RdzvHandler(RendezvousHandler):
         lease = self._lease
         return lease.id if lease is not None else 0
 
+    def _lease_failed(self, lease: Lease) -> None:
+        """etcd said ``lease`` is gone: join again with a new one (the source's, if shared)."""
+        self._lease_lost.set()
+        source = self._source
+        if source is not None:
+            source.lease_failed(lease)
+
     def _ensure_lease(self) -> Lease:
         self._check_left()
         with self._lock:
             if self._lease is not None and not self._lease_lost.is_set():
                 return self._lease
+            source, lost = self._source, self._lease
+        if source is not None:
+            shared = source.shared_lease()
+            if shared is None or (lost is not None and shared.id == lost.id):
+                raise EtcdLeaseNotFound(
+                    "this machine's node lease is gone and not registered again yet; the "
+                    "rendezvous joins with the next one"
+                )
+            with self._lock:
+                self._lease = shared
+                self._lease_lost.clear()
+            return shared
         lease = self._client.grant_lease(self._s.lease_ttl)
         self._keepalive_stop.set()
         if self._keepalive is not None:

@@ -36,7 +36,6 @@ registers the machine afresh (new lease, new token, next generation), as a stand
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import enum
 import json
@@ -499,7 +498,6 @@ class NodeRegistry:
         self._lease: Lease | None = None
         self._lease_listeners: list[Callable[[Lease], None]] = []
         self._renew_wake = threading.Event()  # renew now (a user of the lease saw it gone)
-        self._seed: int | None = None  # the revision of the view registration read, if any
         self._stream: WatchStream | None = None  # the node keys' watch
         self._threads: list[threading.Thread] = []
         self._probe_server: _ProbeServer | None = None
@@ -571,7 +569,6 @@ class NodeRegistry:
         self._register(Deadline.after(timeout))
         if self._fanout:
             self._links = PeerLinks(self._on_link_broken)
-            self._update_links()  # the peers registration read, if it did
         for target, name in ((self._renew_loop, "renew"), (self._watch_loop, "watch")):
             self._start_thread(target, name)
         if self._compact_every is not None:
@@ -880,9 +877,14 @@ class NodeRegistry:
             lease = self._client.grant_lease(self._ttl, timeout=_remaining(deadline))
             with self._lock:
                 value = self._record.to_json()
-                first = not self._view_loaded
+            # The peers' keys are read by the watch thread, not in this transaction: a range
+            # over N keys inside every registration's write would run in etcd's serial apply
+            # loop (N*N/2 key reads there while a job of N machines starts), where a read of
+            # its own is served beside the writes.
             try:
-                done, current = self._create_key(value, lease, deadline, read_peers=first)
+                done, current = self._client.compare_and_set(
+                    self._key, value, mod_revision=0, lease=lease, timeout=_remaining(deadline)
+                )
             except EtcdOutcomeUnknown:
                 found = self._client.get_kv(self._key, timeout=_remaining(deadline))
                 done, current = (found is not None and found.lease == lease.id), found
@@ -917,47 +919,6 @@ class NodeRegistry:
                 )
             # The holder may be a launcher that died on another host: its lease will lapse.
             deadline.sleep(0.5)
-
-    def _create_key(
-        self, value: bytes, lease: Lease, deadline: Deadline, *, read_peers: bool
-    ) -> tuple[bool, KeyValue | None]:
-        """Creates the node key if absent, in one transaction that also reads the peers' keys
-        when the view was never loaded (the watch starts from that read's revision: a
-        registration is a lease grant and this one request). Returns whether it was created,
-        and the key as it is now."""
-        key, prefix = _b64(self._key.encode()), self._prefix.encode()
-        get = {"request_range": {"key": key}}
-        success: list[dict[str, Any]] = [
-            {"request_put": {"key": key, "value": _b64(value), "lease": str(lease.id)}},
-            get,
-        ]
-        if read_peers:
-            peers = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
-            success.append({"request_range": peers})
-        body = {
-            "compare": [{"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": "0"}],
-            "success": success,
-            "failure": [get],
-        }
-        response = self._client._call(
-            "/v3/kv/txn", body, timeout=_remaining(deadline), idempotent=False
-        )
-        responses = response.get("responses") or []
-        kvs = [_txn_kvs(r) for r in responses]
-        current = kvs[1][0] if response.get("succeeded") and len(kvs) > 1 and kvs[1] else None
-        if not response.get("succeeded"):
-            return False, kvs[0][0] if kvs and kvs[0] else None
-        if current is None:
-            raise EtcdError(
-                f"etcd reported the creation of {self._key!r} as applied but returned no entry; "
-                "the server or a proxy in between mangled the transaction"
-            )
-        if read_peers and len(kvs) > 2:
-            revision = int(response.get("header", {}).get("revision", 0))
-            self._load_view(kvs[2])
-            with self._lock:
-                self._seed = self._view_revision = revision
-        return True, current
 
     def _renew_loop(self) -> None:
         interval = self._ttl.total_seconds() / 5
@@ -1158,15 +1119,14 @@ class NodeRegistry:
     def _watch_loop(self) -> None:
         """Keeps :meth:`peers` up to date from the watched changes of the node keys.
 
-        The keys are read once (by the registration's transaction, or when the watch starts),
-        and again only when etcd compacted the history the watch needs; every other change
-        arrives on one long-lived stream (:class:`WatchStream`) as an event with the key's
-        previous value (a put, or a delete with what the key held), applied to the view as it
-        is: one change costs every launcher O(1), not a read of every node key, nor a new
-        watch (a job of N machines starting is N^2 events, not N^2 watch requests).
+        The keys are read once when the watch starts (one prefix read; the watch goes on from
+        its revision), and again only when etcd compacted the history the watch needs; every
+        other change arrives on one long-lived stream (:class:`WatchStream`) as an event with
+        the key's previous value (a put, or a delete with what the key held), applied to the
+        view as it is: one change costs every launcher O(1), not a read of every node key, nor
+        a new watch (a job of N machines starting is N^2 events, not N^2 watch requests).
         """
-        with self._lock:
-            revision, self._seed = self._seed, None  # registration read the keys (or not)
+        revision: int | None = None
         quiet_since = time.monotonic()
         stream: WatchStream | None = None
         try:
@@ -1401,26 +1361,6 @@ class NodeRegistry:
                 self._on_lost(record, via)
             except Exception:
                 logger.exception("handling the loss of node %s failed", record.node_id)
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _txn_kvs(response: dict[str, Any]) -> list[KeyValue]:
-    """The entries of one range answer of a transaction."""
-    raw = response.get("response_range", {}).get("kvs") or []
-    return [
-        KeyValue(
-            key=base64.b64decode(r.get("key") or ""),
-            value=base64.b64decode(r.get("value") or ""),
-            mod_revision=int(r.get("mod_revision", 0)),
-            create_revision=int(r.get("create_revision", 0)),
-            version=int(r.get("version", 0)),
-            lease=int(r.get("lease", 0)),
-        )
-        for r in raw
-    ]
 
 
 def _record_or_none(kv: KeyValue | None) -> NodeRecord | None:

@@ -473,6 +473,17 @@ class RdzvHandler(RendezvousHandler):
                     )
                 try:
                     info = self._attempt(deadline)
+                except EtcdLeaseNotFound as exc:
+                    # The shared lease ended and its owner has not registered again yet (it
+                    # does within a renewal interval): wait for it, however far we got.
+                    if deadline.expired():
+                        raise RendezvousTimeoutError(
+                            f"this machine ({self._node}) had no lease to join the rendezvous "
+                            f"of job {self._s.run_id!r} with: {exc}"
+                        ) from exc
+                    logger.info("waiting for this machine's next lease: %s", exc)
+                    deadline.sleep(0.2)
+                    continue
                 except EtcdError as exc:
                     # etcd answered before: an outage (a leader election, a restart) is waited
                     # out until join_timeout; one that never answered is a configuration error.

@@ -380,6 +380,16 @@ class AgentMonitor:
         rs.end_reason = None
         rs.last_progress_mono = info["ready_mono"] or time.monotonic()
         if self._first_scan and not ring.alive(info["proc_start"]):
+            known = self._history.get(ring.token)
+            if known is not None and known.end_reason is None:
+                # It died while no agent watched (its agent was gone first): report it now.
+                rs.started, rs.inc = True, known
+                ring.read_idx = max(0, ring.count() - 1)
+                recs, _ = ring.read_new()
+                if recs:
+                    rs.last_step = recs[-1][0]
+                self._end(rs, "died", now_w)
+                return
             # Left by a dead trainer of a previous agent: that agent reported it.
             rs.ended, rs.end_reason = True, "died"
             return

@@ -20,7 +20,7 @@ from waiting import wait_until
 
 from flashckpt.monitor.goodput import read_events
 from flashckpt.monitor.rankview import RingReader
-from flashckpt.monitor.ring import FIXED, FLAG_LOCK, StepRecorder
+from flashckpt.monitor.ring import FIXED, FLAG_LOCK, StepRecorder, ring_path
 from flashckpt.monitor.step_monitor import AgentMonitor, MonitorConfig
 
 # One rank in a PID namespace of its own (it is pid 1 there): steps, waits at a gate, exits.
@@ -181,3 +181,53 @@ def test_the_lock_lives_with_the_writer_not_its_forked_children(tmp_path: Path) 
         assert ring.alive(ring.info()["proc_start"])  # by pid: this process runs
     finally:
         ring.close()
+
+
+def test_a_trainer_that_died_between_two_agents_is_reported_by_the_second(tmp_path: Path) -> None:
+    """The agent watching a trainer is killed, then the trainer dies (kill -9) before a new
+    agent looks: the new agent finds its ring unlocked and reports the death the first one
+    could not (before, no ``end`` event was ever written for it)."""
+    shm, run = tmp_path / "shm", tmp_path / "run"
+    shm.mkdir()
+    run.mkdir()
+    path = ring_path(str(shm), "j", "n", 0)
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the trainer: 3 steps, then waits to be killed
+        try:
+            rec = StepRecorder(path, rank=0, world=1, enter_wall=time.time())
+            rec.ready(resume_step=0, restored_from=None)
+            for s in range(3):
+                rec.step(s)
+            os.write(w, b"x")
+            time.sleep(600)
+        finally:
+            os._exit(1)
+    try:
+        assert os.read(r, 1) == b"x"
+        first = AgentMonitor(
+            job="j", node="n", shm_dir=str(shm), run_dir=str(run), config=MonitorConfig()
+        )
+        first.start()
+        first.poll()
+        assert first.summary()["ranks"]["0"]["state"] == "running"
+        first._stop.set()  # the agent is gone (its events file stays as it was)
+        assert first._thread is not None
+        first._thread.join(timeout=30)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(r)
+        os.close(w)
+    second = AgentMonitor(
+        job="j", node="n", shm_dir=str(shm), run_dir=str(run), config=MonitorConfig()
+    )
+    second.start()
+    try:
+        second.poll()
+        assert second.summary()["ranks"]["0"]["state"] == "died"
+    finally:
+        second.close()
+        first._events.close()
+    ends = [e for e in read_events([second.events_path]) if e["event"] == "end"]
+    assert [(e["reason"], e["last_step"]) for e in ends] == [("died", 3)]

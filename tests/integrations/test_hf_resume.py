@@ -7,23 +7,24 @@ beside it. Misuse that would diverge silently is refused, naming the fix."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import random
-import shutil
-import signal
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
-import psutil
 import pytest
-import safetensors.torch
 import torch
-from fchelpers import FcEnv, kill_job_processes
-from waiting import wait_until
+from fchelpers import FcEnv
+from killresume import (
+    command,
+    different,
+    final,
+    kill_at,
+    kill_torchrun_at,
+    log_lines,
+    lose_machine,
+    reference_job,
+    run,
+    torchrun_command,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -32,50 +33,11 @@ STEPS, EVERY = 24, 4  # 10 steps per epoch: the run crosses two epoch boundaries
 
 
 def _cmd(env: FcEnv, out: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        str(SCRIPT),
-        *env.cli_flags(),
-        "--out",
-        str(out),
-        "--log",
-        str(out) + ".log",
-        "--steps",
-        str(STEPS),
-        *extra,
-    ]
-
-
-def _run(cmd: list[str], code: int = 0) -> str:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert p.returncode == code, p.stderr[-4000:]
-    return p.stderr
-
-
-def _steps_logged(out: Path) -> int:
-    with contextlib.suppress(FileNotFoundError):
-        return len(Path(str(out) + ".log").read_text().split())
-    return 0
-
-
-def _kill_at(cmd: list[str], out: Path, step: int) -> None:
-    """Starts the run and SIGKILLs it once ``step`` steps are logged."""
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        wait_until(lambda: _steps_logged(out) >= step or p.poll() is not None, f"step {step}", 240)
-        assert p.poll() is None, p.stderr.read().decode()[-4000:] if p.stderr else ""
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == -signal.SIGKILL
+    return command(SCRIPT, env, out, STEPS, *extra)
 
 
 def _final(out: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    tensors = safetensors.torch.load_file(str(out / "final.safetensors"))
-    report = json.loads((out / "final.json").read_text())
+    tensors, report = final(out)
     # train_loss is the Trainer's mean over the steps of *this* train() call (its own resume
     # does the same): after a resume it covers the resumed steps only.
     for entry in report["log_history"]:
@@ -83,48 +45,30 @@ def _final(out: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, report
 
 
-def _different(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    assert a.keys() == b.keys()
-    return sorted(k for k in a if not torch.equal(a[k], b[k]))
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """The uninterrupted runs (one per command line), shared by the tests of this module."""
     tmp = tmp_path_factory.mktemp("hfref")
-    job = "t" + uuid.uuid4().hex[:12] + "ref"
-    env = FcEnv(
-        job=job,
-        node="n0",
-        run_dir=f"/tmp/fct-{job}",
-        storage=f"file://{tmp}/ckpt",
-        storage_path=tmp / "ckpt",
-    )
     runs: dict[tuple[str, ...], tuple[dict[str, torch.Tensor], dict]] = {}
+    with reference_job(tmp) as env:
 
-    def get(*extra: str) -> tuple[dict[str, torch.Tensor], dict]:
-        if extra not in runs:
-            out = tmp / f"ref{len(runs)}"
-            # a job (storage root) per command line: each run starts afresh
-            run_env = FcEnv(**{**vars(env), "storage": f"file://{tmp}/ckpt{len(runs)}"})
-            _run(_cmd(run_env, out, *extra))
-            runs[extra] = _final(out)
-            assert runs[extra][1]["global_step"] == STEPS
-            assert runs[extra][1]["restored_from"] is None
-        return runs[extra]
+        def get(*extra: str) -> tuple[dict[str, torch.Tensor], dict]:
+            if extra not in runs:
+                out = tmp / f"ref{len(runs)}"
+                # a job (storage root) per command line: each run starts afresh
+                run_env = FcEnv(**{**vars(env), "storage": f"file://{tmp}/ckpt{len(runs)}"})
+                run(_cmd(run_env, out, *extra))
+                runs[extra] = _final(out)
+                assert runs[extra][1]["global_step"] == STEPS
+                assert runs[extra][1]["restored_from"] is None
+            return runs[extra]
 
-    yield get
-    kill_job_processes(job)
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(f"fc.{job}"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join("/dev/shm", name))
-    shutil.rmtree(env.run_dir, ignore_errors=True)
+        yield get
 
 
 def _assert_same_run(ref: tuple[dict, dict], got: tuple[dict, dict]) -> None:
     (rt, rr), (gt, gr) = ref, got
-    assert _different(rt, gt) == []
+    assert different(rt, gt) == []
     assert any(k.startswith("optim.") and k.endswith("exp_avg_sq") for k in gt)
     assert gr["log_history"] == rr["log_history"]
     assert (gr["global_step"], gr["epoch"], gr["total_flos"]) == (
@@ -144,13 +88,10 @@ def test_kills_at_random_steps_resume_bitwise_from_memory_then_storage(
     rng = random.Random(29)
     out = tmp_path / "run"
     cmd = _cmd(fc_env, out, "--every", "5", "--step-sleep", "0.05")
-    _kill_at(cmd, out, rng.randrange(6, 12))
-    _kill_at(cmd, out, _steps_logged(out) + rng.randrange(4, 8))  # resumed, then killed again
-    kill_job_processes(fc_env.job)  # the node agent too, and the machine's memory with it
-    for name in os.listdir(fc_env.shm_dir):
-        if name.startswith(f"fc.{fc_env.job}."):
-            os.unlink(os.path.join(fc_env.shm_dir, name))
-    _run(cmd)
+    kill_at(cmd, out, rng.randrange(6, 12))
+    kill_at(cmd, out, len(log_lines(out)) + rng.randrange(4, 8))  # resumed, then killed again
+    lose_machine(fc_env)  # the node agent too, and the machine's memory with it
+    run(cmd)
     got = _final(out)
     starts = [line.split() for line in (out / "starts.txt").read_text().splitlines()]
     assert [src for _, src in starts] == ["None", "memory", "storage"], starts
@@ -162,8 +103,8 @@ def test_gradient_accumulation_resumes_bitwise(tmp_path: Path, fc_env: FcEnv, re
     ref = reference("--accum", "2")
     out = tmp_path / "run"
     cmd = _cmd(fc_env, out, "--accum", "2", "--every", "3", "--step-sleep", "0.05")
-    _kill_at(cmd, out, 8)  # 5 optimizer steps per epoch: resumes mid-epoch 1 (step 6)
-    _run(cmd)
+    kill_at(cmd, out, 8)  # 5 optimizer steps per epoch: resumes mid-epoch 1 (step 6)
+    run(cmd)
     got = _final(out)
     assert got[1]["restored_from"] == "memory" and got[1]["restored_step"] in (6, 9), got[1]
     _assert_same_run(ref, got)
@@ -176,8 +117,8 @@ def test_the_trainers_own_resume_on_the_same_run(tmp_path: Path, fc_env: FcEnv, 
     ref = reference()
     out = tmp_path / "native"
     cmd = _cmd(fc_env, out, "--mode", "native", "--every", str(EVERY), "--step-sleep", "0.05")
-    _kill_at(cmd, out, 14)
-    _run(cmd)
+    kill_at(cmd, out, 14)
+    run(cmd)
     got = _final(out)
     assert str(got[1]["restored_step"]).endswith("checkpoint-12"), got[1]
     _assert_same_run(ref, got)
@@ -272,62 +213,21 @@ def test_misuse_is_refused_naming_the_fix(
         trainer.train()
 
 
-def _torchrun(env: FcEnv, out: Path, *extra: str, steps: int = 12) -> list[str]:
-    """The command line of a 2-rank DDP run (gloo) of the same script (no --node or --log:
-    torchrun's own parser would take them for its --node-rank and --log-dir)."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "0",
-        str(SCRIPT),
-        "--storage",
-        env.storage,
-        "--job",
-        env.job,
-        "--run-dir",
-        env.run_dir,
-        "--shm-dir",
-        env.shm_dir,
-        "--out",
-        str(out),
-        "--steps-log",
-        str(out) + ".log",
-        "--steps",
-        str(steps),
-        *extra,
-    ]
+def _torchrun(env: FcEnv, out: Path, *extra: str) -> list[str]:
+    return torchrun_command(SCRIPT, env, out, 12, *extra)
 
 
 def test_two_ranks_ddp_killed_rank_resumes_bitwise(tmp_path: Path, fc_env: FcEnv) -> None:
     ref_env = FcEnv(**{**vars(fc_env), "job": fc_env.job + "r", "storage": fc_env.storage + "-r"})
-    _run(_torchrun(ref_env, tmp_path / "ref", "--every", str(EVERY)))
+    run(_torchrun(ref_env, tmp_path / "ref", "--every", str(EVERY)))
     ref = _final(tmp_path / "ref")
     assert ref[1]["global_step"] == 12 and ref[1]["restored_from"] is None
     out = tmp_path / "run"
     cmd = _torchrun(fc_env, out, "--every", str(EVERY), "--step-sleep", "0.05")
-    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        # 5 steps per epoch (2 ranks x 4 samples, 40 samples): killed in epoch 1
-        wait_until(lambda: _steps_logged(out) >= 6 or launcher.poll() is not None, "step 6", 240)
-        assert launcher.poll() is None, launcher.stderr.read().decode()[-4000:]  # type: ignore[union-attr]
-        ranks = {
-            int(p.environ().get("RANK", -1)): p
-            for p in psutil.Process(launcher.pid).children(recursive=True)
-            if str(SCRIPT) in " ".join(p.cmdline())
-        }
-        ranks[1].send_signal(signal.SIGKILL)  # the real training process of rank 1
-        launcher.wait(timeout=120)  # torchrun stops rank 0 and gives up (no restarts)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode != 0
-    _run(cmd)  # the same command: both ranks resume
+    # 5 steps per epoch (2 ranks x 4 samples, 40 samples): killed in epoch 1. Rank 1's real
+    # training process is SIGKILLed; torchrun stops rank 0 and gives up (no restarts).
+    assert kill_torchrun_at(cmd, out, 6, SCRIPT, ranks=(1,), launcher=False) != 0
+    run(cmd)  # the same command: both ranks resume
     got = _final(out)
     # torchrun --standalone starts a new world (another master port) per launch: the ranks
     # restore the newest step of the old world from storage (persisted at every snapshot here).

@@ -8,23 +8,25 @@ beside it. Misuse that would diverge silently is refused, naming the fix."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import random
-import shutil
 import signal
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
-import psutil
 import pytest
-import safetensors.torch
 import torch
-from fchelpers import FcEnv, kill_job_processes
-from waiting import wait_until
+from fchelpers import FcEnv
+from killresume import (
+    command,
+    different,
+    final,
+    kill_at,
+    kill_torchrun_at,
+    log_lines,
+    lose_machine,
+    reference_job,
+    run,
+    torchrun_command,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -33,93 +35,37 @@ STEPS, EVERY = 24, 4  # 10 steps per epoch: the run crosses two epoch boundaries
 
 
 def _cmd(env: FcEnv, out: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        str(SCRIPT),
-        *env.cli_flags(),
-        "--out",
-        str(out),
-        "--log",
-        str(out) + ".log",
-        "--steps",
-        str(STEPS),
-        *extra,
-    ]
-
-
-def _run(cmd: list[str], code: int = 0) -> str:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert p.returncode == code, p.stderr[-4000:]
-    return p.stderr
+    return command(SCRIPT, env, out, STEPS, *extra)
 
 
 def _steps(out: Path) -> list[tuple[int, str, str]]:
     """Every ``step loss data`` line logged, from every run of the command."""
-    with contextlib.suppress(FileNotFoundError):
-        lines = Path(str(out) + ".log").read_text().splitlines()
-        return [(int(s), loss, data) for s, loss, data in (ln.split() for ln in lines)]
-    return []
-
-
-def _kill_at(cmd: list[str], out: Path, step: int) -> None:
-    """Starts the run and SIGKILLs it once ``step`` steps are logged."""
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        wait_until(lambda: len(_steps(out)) >= step or p.poll() is not None, f"step {step}", 240)
-        assert p.poll() is None, p.stderr.read().decode()[-4000:] if p.stderr else ""
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == -signal.SIGKILL
-
-
-def _final(out: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    tensors = safetensors.torch.load_file(str(out / "final.safetensors"))
-    return tensors, json.loads((out / "final.json").read_text())
+    return [(int(s), loss, data) for s, loss, data in (ln.split() for ln in log_lines(out))]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """The uninterrupted run: final tensors and ``{step: (loss, data)}``."""
     tmp = tmp_path_factory.mktemp("plref")
-    job = "t" + uuid.uuid4().hex[:12] + "ref"
-    env = FcEnv(
-        job=job,
-        node="n0",
-        run_dir=f"/tmp/fct-{job}",
-        storage=f"file://{tmp}/ckpt",
-        storage_path=tmp / "ckpt",
-    )
     out = tmp / "ref"
-    try:
-        _run(_cmd(env, out))
-        tensors, report = _final(out)
+    with reference_job(tmp) as env:
+        run(_cmd(env, out))
+        tensors, report = final(out)
         assert report["global_step"] == STEPS and report["restored_from"] is None
         steps = {s: (loss, data) for s, loss, data in _steps(out)}
         assert sorted(steps) == list(range(1, STEPS + 1))
         yield tensors, steps
-    finally:
-        kill_job_processes(job)
-        for name in os.listdir("/dev/shm"):
-            if name.startswith(f"fc.{job}"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join("/dev/shm", name))
-        shutil.rmtree(env.run_dir, ignore_errors=True)
 
 
 def _assert_same_run(ref, out: Path) -> dict:  # type: ignore[no-untyped-def]
     ref_tensors, ref_steps = ref
-    tensors, report = _final(out)
+    tensors, report = final(out)
     assert report["global_step"] == STEPS
     logged = _steps(out)
     assert {s for s, _, _ in logged} == set(range(1, STEPS + 1))
     for step, loss, data in logged:  # every line, from every run, is the uninterrupted run's
         assert (loss, data) == ref_steps[step], f"step {step}"
-    assert tensors.keys() == ref_tensors.keys()
-    assert sorted(k for k in tensors if not torch.equal(tensors[k], ref_tensors[k])) == []
+    assert different(ref_tensors, tensors) == []
     assert any(k.endswith("exp_avg_sq") for k in tensors)
     return report
 
@@ -133,13 +79,10 @@ def test_kills_at_random_steps_resume_bitwise_from_memory_then_storage(
     rng = random.Random(29)
     out = tmp_path / "run"
     cmd = _cmd(fc_env, out, "--every", "5", "--step-sleep", "0.05")
-    _kill_at(cmd, out, rng.randrange(6, 12))
-    _kill_at(cmd, out, len(_steps(out)) + rng.randrange(4, 8))  # resumed, then killed again
-    kill_job_processes(fc_env.job)  # the node agent too, and the machine's memory with it
-    for name in os.listdir(fc_env.shm_dir):
-        if name.startswith(f"fc.{fc_env.job}."):
-            os.unlink(os.path.join(fc_env.shm_dir, name))
-    _run(cmd)
+    kill_at(cmd, out, rng.randrange(6, 12))
+    kill_at(cmd, out, len(_steps(out)) + rng.randrange(4, 8))  # resumed, then killed again
+    lose_machine(fc_env)  # the node agent too, and the machine's memory with it
+    run(cmd)
     _assert_same_run(reference, out)
     starts = [line.split() for line in (out / "starts.txt").read_text().splitlines()]
     assert [src for _, src in starts] == ["None", "memory", "storage"], starts
@@ -155,13 +98,13 @@ def test_lightnings_own_resume_on_the_same_run(tmp_path: Path, fc_env: FcEnv, re
     ref_tensors, ref_steps = reference
     out = tmp_path / "native"
     cmd = _cmd(fc_env, out, "--mode", "native", "--every", str(EVERY), "--step-sleep", "0.05")
-    _kill_at(cmd, out, 13)
-    _run(cmd)
-    tensors, report = _final(out)
+    kill_at(cmd, out, 13)
+    run(cmd)
+    tensors, report = final(out)
     assert report["restored_step"] == "last" and report["global_step"] == STEPS
     last = {s: (loss, data) for s, loss, data in _steps(out)}  # the resumed run's lines
     assert last[13][0] != ref_steps[13][0]  # the first resumed step: another dropout mask
-    differ = sorted(k for k in tensors if not torch.equal(tensors[k], ref_tensors[k]))
+    differ = different(ref_tensors, tensors)
     assert [k for k in differ if k.startswith("model.")] == sorted(
         k for k in tensors if k.startswith("model.")
     )
@@ -222,35 +165,8 @@ def test_misuse_is_refused_naming_the_fix(tmp_path: Path, fc_env: FcEnv, agent) 
         t.fit(model, loader)
 
 
-def _torchrun(env: FcEnv, out: Path, *extra: str, steps: int = 12) -> list[str]:
-    """The command line of a 2-rank DDP run (gloo) of the same script (no --node or --log:
-    torchrun's own parser would take them for its --node-rank and --log-dir)."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "0",
-        str(SCRIPT),
-        "--storage",
-        env.storage,
-        "--job",
-        env.job,
-        "--run-dir",
-        env.run_dir,
-        "--shm-dir",
-        env.shm_dir,
-        "--out",
-        str(out),
-        "--steps-log",
-        str(out) + ".log",
-        "--steps",
-        str(steps),
-        *extra,
-    ]
+def _torchrun(env: FcEnv, out: Path, *extra: str) -> list[str]:
+    return torchrun_command(SCRIPT, env, out, 12, *extra)
 
 
 def test_two_ranks_ddp_killed_resume_bitwise(tmp_path: Path, fc_env: FcEnv) -> None:
@@ -258,35 +174,20 @@ def test_two_ranks_ddp_killed_resume_bitwise(tmp_path: Path, fc_env: FcEnv) -> N
     mid-run, the same command again: every later step of rank 0 trains the same batch with the same
     loss, and the final state is the uninterrupted 2-rank run's, bitwise."""
     ref_env = FcEnv(**{**vars(fc_env), "job": fc_env.job + "r", "storage": fc_env.storage + "-r"})
-    _run(_torchrun(ref_env, tmp_path / "ref", "--every", str(EVERY)))
-    ref_tensors, _ = _final(tmp_path / "ref")
+    run(_torchrun(ref_env, tmp_path / "ref", "--every", str(EVERY)))
+    ref_tensors, _ = final(tmp_path / "ref")
     ref_steps = {s: (loss, data) for s, loss, data in _steps(tmp_path / "ref")}
     assert sorted(ref_steps) == list(range(1, 13))
     out = tmp_path / "run"
     cmd = _torchrun(fc_env, out, "--every", str(EVERY), "--step-sleep", "0.05")
-    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        # 5 steps per epoch (2 ranks x 8 samples, 80 samples): killed in epoch 1
-        wait_until(lambda: len(_steps(out)) >= 6 or launcher.poll() is not None, "step 6", 240)
-        assert launcher.poll() is None, launcher.stderr.read().decode()[-4000:]  # type: ignore[union-attr]
-        ranks = {
-            int(p.environ().get("RANK", -1)): p
-            for p in psutil.Process(launcher.pid).children(recursive=True)
-            if str(SCRIPT) in " ".join(p.cmdline())
-        }
-        # The machine dies: both training processes and torchrun, SIGKILLed (killing rank 1
-        # alone leaves rank 0 in Lightning's SIGTERM handler, blocked in a collective with the
-        # dead rank until torchrun's shutdown timeout).
-        for proc in (ranks[1], ranks[0], psutil.Process(launcher.pid)):
-            proc.send_signal(signal.SIGKILL)
-        launcher.wait(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode == -signal.SIGKILL
-    _run(cmd)  # the same command: both ranks resume
-    tensors, report = _final(out)
+    # 5 steps per epoch (2 ranks x 8 samples, 80 samples): killed in epoch 1. The machine dies:
+    # both training processes and torchrun, SIGKILLed (killing rank 1 alone leaves rank 0 in
+    # Lightning's SIGTERM handler, blocked in a collective with the dead rank until torchrun's
+    # shutdown timeout).
+    code = kill_torchrun_at(cmd, out, 6, SCRIPT, ranks=(1, 0), launcher=True)
+    assert code == -signal.SIGKILL
+    run(cmd)  # the same command: both ranks resume
+    tensors, report = final(out)
     starts = [line.split() for line in (out / "starts.txt").read_text().splitlines()]
     # torchrun --standalone starts a new world (another master port) per launch: the ranks
     # restore the newest step of the old world from storage (persisted at every snapshot here).
@@ -295,4 +196,4 @@ def test_two_ranks_ddp_killed_resume_bitwise(tmp_path: Path, fc_env: FcEnv) -> N
     for step, loss, data in _steps(out):
         assert (loss, data) == ref_steps[step], f"step {step}"
     assert report["global_step"] == 12
-    assert sorted(k for k in tensors if not torch.equal(tensors[k], ref_tensors[k])) == []
+    assert different(ref_tensors, tensors) == []

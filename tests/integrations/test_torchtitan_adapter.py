@@ -35,12 +35,18 @@ class _ModelWrapper:
 
 
 class _Loader:
-    """A data position kept the way torchtitan's ParallelAwareDataloader keeps it: pickled."""
+    """A data position kept the way torchtitan's ParallelAwareDataloader keeps it: pickled. As
+    torch's DataLoader does, making an iterator draws a seed from torch's RNG (which torchtitan
+    does after load())."""
 
     def __init__(self) -> None:
         self.pos = 0
 
     def __iter__(self):
+        torch.empty((), dtype=torch.int64).random_()  # DataLoader's _base_seed
+        return self._batches()
+
+    def _batches(self):
         while True:  # pos counts the batches handed out, as a StatefulDataLoader does
             self.pos += 1
             yield batch(self.pos - 1)

@@ -11,14 +11,55 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import safetensors.torch
 import torch
 from fchelpers import FcEnv, kill_job_processes
 from waiting import wait_until
+
+
+def command(script: Path, env: FcEnv, out: Path, steps: int, *extra: str) -> list[str]:
+    """The command line of ``script`` as a trainer of ``env``'s job, writing into ``out`` and
+    logging its steps to ``<out>.log``."""
+    cli = [sys.executable, str(script), *env.cli_flags(), "--out", str(out)]
+    return [*cli, "--log", str(out) + ".log", "--steps", str(steps), *extra]
+
+
+def torchrun_command(script: Path, env: FcEnv, out: Path, steps: int, *extra: str) -> list[str]:
+    """The command line of a 2-rank DDP run (gloo) of ``script`` under ``torchrun
+    --standalone`` (no --node or --log: torchrun's own parser would take them for its
+    --node-rank and --log-dir)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        str(script),
+        "--storage",
+        env.storage,
+        "--job",
+        env.job,
+        "--run-dir",
+        env.run_dir,
+        "--shm-dir",
+        env.shm_dir,
+        "--out",
+        str(out),
+        "--steps-log",
+        str(out) + ".log",
+        "--steps",
+        str(steps),
+        *extra,
+    ]
 
 
 def run(cmd: list[str], code: int = 0) -> str:
@@ -48,6 +89,33 @@ def kill_at(cmd: list[str], out: Path, step: int) -> None:
             p.kill()
             p.wait()
     assert p.returncode == -signal.SIGKILL
+
+
+def kill_torchrun_at(
+    cmd: list[str], out: Path, step: int, script: Path, ranks: tuple[int, ...], launcher: bool
+) -> int:
+    """Starts the torchrun command and, once ``step`` steps are logged, SIGKILLs the training
+    processes of ``ranks`` (in that order), then torchrun itself if ``launcher``; returns
+    torchrun's exit status once it has ended."""
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: len(log_lines(out)) >= step or p.poll() is not None, f"step {step}", 240)
+        assert p.poll() is None, p.stderr.read().decode()[-4000:] if p.stderr else ""
+        procs = {
+            int(c.environ().get("RANK", -1)): c
+            for c in psutil.Process(p.pid).children(recursive=True)
+            if str(script) in " ".join(c.cmdline())
+        }
+        for rank in ranks:
+            procs[rank].send_signal(signal.SIGKILL)
+        if launcher:
+            p.send_signal(signal.SIGKILL)
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.returncode
 
 
 def lose_machine(env: FcEnv) -> None:

@@ -20,6 +20,8 @@ import warnings
 
 import safetensors.torch
 import torch
+import trainscript
+from trainscript import final_tensors
 
 RANK = int(os.environ.get("RANK", "0"))  # under torchrun: rank 0 logs and writes the results
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -60,37 +62,14 @@ def build(seed: int = 0, width: int = 64):  # type: ignore[no-untyped-def]
     return model, ds
 
 
-def final_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    out = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    sd = optimizer.state_dict()
-    for idx, st in sd["state"].items():
-        for k, v in st.items():
-            t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-            out[f"optim.{idx}.{k}"] = t.detach().clone().contiguous()
-    for i, g in enumerate(sd["param_groups"]):
-        out[f"optim.group{i}.lr"] = torch.tensor(float(g["lr"]), dtype=torch.float64)
-    return out
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--storage", default=None)
-    p.add_argument("--job", default=None)
-    p.add_argument("--node", default=None)
-    p.add_argument("--run-dir", default=None)
-    p.add_argument("--shm-dir", default=None)
+    trainscript.add_common_args(p)
     p.add_argument("--mode", choices=("flash", "native", "none"), default="flash")
     p.add_argument("--loader", choices=("stateful", "plain"), default="stateful")
-    p.add_argument("--out", required=True)
-    # --steps-log: the spelling torchrun lets through (its parser takes --log for --log-dir)
-    p.add_argument("--log", "--steps-log", dest="log", required=True)
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--every", type=int, default=4)
     p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--step-times", default=None)
     p.add_argument("--width", type=int, default=64, help="hidden width (the state's size)")
-    p.add_argument("--persist-every", default="1", help="snapshots (int) or a duration")
     a = p.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -145,16 +124,7 @@ def main() -> int:
     if a.mode == "flash":
         from flashckpt.integrations.lightning import FlashCheckpoint
 
-        opts = {k: v for k, v in (("job", a.job), ("node", a.node), ("run_dir", a.run_dir)) if v}
-        if a.shm_dir:
-            opts["shm_dir"] = a.shm_dir
-        flash = FlashCheckpoint(
-            storage=a.storage,
-            every=a.every,
-            persist_every=int(a.persist_every) if a.persist_every.isdigit() else a.persist_every,
-            agent_idle_timeout=120,
-            **opts,
-        )
+        flash = FlashCheckpoint(**trainscript.flash_options(a))
         callbacks.append(flash)
     elif a.mode == "native":
         from lightning.pytorch.callbacks import ModelCheckpoint

@@ -26,21 +26,16 @@ from pathlib import Path
 import safetensors.torch
 import torch
 import torch.distributed as dist
+import trainscript
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import torchtitan_train as example
 
 
 def final_tensors(job: example.Job) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v.detach().clone() for k, v in job.model.state_dict().items()}
-    for i, opt in enumerate(job.optimizers.optimizers):
-        sd = opt.state_dict()
-        for idx, st in sd["state"].items():
-            for k, v in st.items():
-                t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-                out[f"optim.{i}.{idx}.{k}"] = t.detach().clone()
-        for j, g in enumerate(sd["param_groups"]):
-            out[f"optim.{i}.group{j}.lr"] = torch.tensor(float(g["lr"]), dtype=torch.float64)
+    out: dict[str, torch.Tensor] = {}
+    for i, opt in enumerate(job.optimizers.optimizers):  # the container's optimizers
+        out.update(trainscript.final_tensors(job.model, opt, prefix=f"optim.{i}."))
     for k, v in job.train_state.state_dict().items():
         out[f"train_state.{k}"] = torch.tensor(v)
     for k, v in job.dataloader.state_dict().items():  # {"dp_rank_0": pickled bytes, ...}
@@ -54,18 +49,9 @@ def final_tensors(job: example.Job) -> dict[str, torch.Tensor]:
 
 def main() -> int:
     p = argparse.ArgumentParser()
+    trainscript.add_common_args(p)
     p.add_argument("--torchtitan-site", required=True)
-    p.add_argument("--storage", default=None)
-    p.add_argument("--job", default=None)
-    p.add_argument("--node", default=None)
-    p.add_argument("--run-dir", default=None)
-    p.add_argument("--shm-dir", default=None)
     p.add_argument("--mode", choices=("flash", "native"), default="flash")
-    p.add_argument("--out", required=True)
-    p.add_argument("--log", required=True)
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--every", type=int, default=4)
-    p.add_argument("--step-sleep", type=float, default=0.0)
     a = p.parse_args()
     sys.path.append(a.torchtitan_site)  # after the venv: torchtitan's own packages only
     torch.set_num_threads(1)
@@ -76,17 +62,8 @@ def main() -> int:
     if a.mode == "flash":
         from flashckpt.integrations.torchtitan import FlashCheckpointManager
 
-        opts = {k: v for k, v in (("job", a.job), ("node", a.node), ("run_dir", a.run_dir)) if v}
-        if a.shm_dir:
-            opts["shm_dir"] = a.shm_dir
-        job.checkpointer = flash = FlashCheckpointManager(
-            job.checkpointer,
-            storage=a.storage,
-            every=a.every,
-            persist_every=1,
-            agent_idle_timeout=120,
-            **opts,
-        )
+        flash = FlashCheckpointManager(job.checkpointer, **trainscript.flash_options(a))
+        job.checkpointer = flash
     started: list[int] = []
 
     def after_step(step: int, loss: float) -> None:

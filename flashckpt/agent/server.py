@@ -22,9 +22,12 @@ from flashckpt.agent.segments import Segments
 from flashckpt.agent.state import AgentState, Conn, RankRecord, header_ok
 from flashckpt.errors import ProtocolError, ShmSpaceError
 from flashckpt.format.storage import MANIFEST, Storage
+from flashckpt.format.storage_owner import delete_steps, foreign_owner, write_owner
 from flashckpt.protocol.channel import LineReader, socket_path
 from flashckpt.protocol.messages import (
     Alloc,
+    ClaimStorage,
+    ClaimStorageReply,
     Done,
     ErrorReply,
     Fence,
@@ -228,6 +231,8 @@ class Server:
                 return self.set_replica_peers(req)
             case PullReplica():
                 return self.puller.pull(conn, req)
+            case ClaimStorage():
+                return self.claim_storage(req)
         raise ProtocolError(f"request {req.op!r} has no handler")  # REQUESTS and this differ
 
     def fence(self, req: Fence) -> Reply:
@@ -278,7 +283,9 @@ class Server:
             elif storage and self.st.storage is not None and storage != self.st.storage.url:
                 raise ValueError(
                     f"this agent persists job {self.st.cfg.job!r} to {self.st.storage.url}, but "
-                    f"rank {rank} asked for {storage}: use one storage URL per job id"
+                    f"rank {rank} asked for {storage}: use one storage URL per job id (pass "
+                    "the agent's as storage=, or none: the trainer then checks the agent's root "
+                    "as this job's at entry)"
                 )
             if world_id != self.st.world_id:
                 if self.st.world_id is not None:
@@ -304,15 +311,74 @@ class Server:
             # A slot whose header fails its check is not served (the trainer would reject it,
             # every time): the trainer's alloc replaces it.
             paths = [s.path if s is not None and header_ok(s) else None for s in rec.slots]
+            committed = list(self.st.committed)
+            root = self.st.storage
+        steps, foreign = (None, None) if storage else self._own_root(root)
         return HelloReply(
             slots=paths,
             pid=os.getpid(),
-            committed=list(self.st.committed),
+            committed=committed,
             shm_dir=self.st.cfg.shm_dir,
             # Started by a trainer (it exits when done): any trainer of the job may start the
             # next one if it dies; an agent without it belongs to a launcher or an operator.
             auto_started=self.st.cfg.exit_when_done,
+            storage=root.url if root is not None else None,
+            storage_steps=steps,
+            storage_foreign=foreign,
         )
+
+    def _own_root(self, root: Storage | None) -> tuple[list[int] | None, str | None]:
+        """What a trainer without ``storage=`` checks of this agent's own root at entry, as it
+        checks its own ``storage=`` (issue 30: a job's state is its own), looked at here because
+        the trainer may not be able to open it (the agent's mount namespace, its credentials):
+        the committed steps there, and the refusal when the root belongs to another job
+        (:func:`~flashckpt.format.storage_owner.foreign_owner`). A root that cannot be looked
+        at is named in the refusal, never taken for free."""
+        if root is None:
+            return None, None
+        job = self.st.cfg.job
+        try:
+            steps = root.committed_steps()
+        except OSError:
+            steps = []  # no root yet (or failing: the persister reports that)
+        try:
+            found = foreign_owner(root, job)
+        except Exception as e:  # any backend's failure reading the owner file
+            return steps, (
+                f"storage {root.url} could not be checked for another job's steps or owner "
+                f"file ({type(e).__name__}: {e}): fix the root, or pass takeover=True if it "
+                "is this job's"
+            )
+        if found is None:
+            return steps, None
+        if found.newest is None:
+            return steps, found.refusal("storage", root.url, job, "takeover=True")
+        take = "takeover=True with overwrite=True"
+        return steps, found.refusal("storage", root.url, job, take, resume=False)
+
+    def claim_storage(self, req: ClaimStorage) -> ClaimStorageReply:
+        """Takes this agent's root for its job (see :class:`ClaimStorage`): with
+        ``delete_steps`` deletes its steps first (no persist in flight meanwhile; the agent then
+        knows of no committed step), then writes the owner file (a failure is reported, not
+        raised: the steps are the root's main evidence)."""
+        root = self.st.storage
+        if root is None:
+            raise ProtocolError("claim_storage: this agent has no storage")
+        deleted: list[int] = []
+        if req.delete_steps:
+            with self.st.io_lock:
+                deleted = delete_steps(root)
+                with self.st.lock:
+                    self.persister.init_storage_state()
+            log.warning(
+                "overwrite=True: deleted steps %s of an earlier run from %s", deleted, root.url
+            )
+        owner_error = None
+        try:
+            write_owner(root, self.st.cfg.job)
+        except Exception as e:  # any backend's failure
+            owner_error = f"{type(e).__name__}: {e}"
+        return ClaimStorageReply(deleted=deleted, owner_error=owner_error)
 
     def set_replica_peers(self, req: ReplicaPeers) -> ReplicaPeersReply:
         """The launcher's peer list of the new world (see :meth:`Replicator.set_peers`)."""

@@ -18,6 +18,7 @@ file that cannot be parsed is named in the error, never guessed at.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from flashckpt.format.storage import Storage
 
-__all__ = ["OWNER_FILE", "Foreign", "foreign_owner", "write_owner"]
+__all__ = ["OWNER_FILE", "Foreign", "delete_steps", "foreign_owner", "write_owner"]
 
 OWNER_FILE = ".flashckpt-owner.json"
 """The owner file's name at a storage root (a format: every version reads it there)."""
@@ -47,13 +48,31 @@ class Foreign:
     """The owner file's details (empty for committed steps)."""
 
     def refusal(
-        self, what: str, url: str, job: str, takeover: str, rename: str = "job={!r}"
+        self,
+        what: str,
+        url: str,
+        job: str,
+        takeover: str,
+        rename: str = "job={!r}",
+        *,
+        resume: bool = True,
     ) -> str:
         """The error refusing ``job`` the root ``url`` (the option ``what`` named), with the
         ways out: ``takeover`` is how the caller's user says take it over, ``rename`` (a format
-        of the other job's name) how to run as that job."""
+        of the other job's name) how to run as that job. ``resume=False``: the caller cannot
+        read the root's steps back (a trainer without ``storage=`` of its own, whose node agent
+        persists to its own root), so a takeover deletes them (``takeover`` says how)."""
         other = self.job
         as_other = rename.format(other)
+        if self.newest is not None and not resume:
+            return (
+                f"{what} {url} holds committed steps of job {other!r} (newest: step "
+                f"{self.newest}), and this is job {job!r}: both jobs would overwrite each "
+                f"other's steps. Give this job a {what} root of its own, run it under "
+                f"{as_other} if it is that job, or pass {takeover} to delete them and start "
+                "this job there (a trainer without storage= of its own restores from memory "
+                "only: it cannot resume from those steps)"
+            )
         if self.newest is not None:
             return (
                 f"{what} {url} holds committed steps of job {other!r} (newest: step "
@@ -103,8 +122,10 @@ def read_owner(st: Storage) -> dict[str, Any] | None:
 
 
 def write_owner(st: Storage, job: str) -> None:
-    """Records ``job`` as the root's owner (this host, this pid, now). Raises what the
-    file system raises."""
+    """Records ``job`` as the root's owner (this host, this pid, now); a local root is created
+    first. Raises what the file system raises."""
+    if st.local:
+        st.fs.makedirs(st.root, exist_ok=True)
     doc = {"job": job, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
     st.fs.pipe_file(owner_path(st), (json.dumps(doc) + "\n").encode())
 
@@ -146,3 +167,17 @@ def foreign_owner(st: Storage, job: str) -> Foreign | None:
         f"its owner file {path} names it (last entered on host {doc.get('host', '?')!s}, "
         f"pid {doc.get('pid', '?')!s}, at {at}; nothing committed yet)",
     )
+
+
+def delete_steps(st: Storage) -> list[int]:
+    """Deletes every step of the root, committed or not, newest first, each one's commit marker
+    before its files (never a half-deleted committed step), then ``latest`` (``overwrite=True``:
+    a run that starts over). Returns the steps deleted."""
+    doomed = st.all_step_dirs()
+    for s in sorted(doomed, reverse=True):
+        st.uncommit(s)
+        with contextlib.suppress(FileNotFoundError):
+            st.fs.rm(st.step_path(s), recursive=True)
+    with contextlib.suppress(FileNotFoundError):
+        st.fs.rm(st.path("latest"))
+    return sorted(doomed)

@@ -29,6 +29,8 @@ from flashckpt.format.snapmeta import MAX_LOCAL_RANKS, MAX_STEP
 __all__ = [
     "Alloc",
     "AllocReply",
+    "ClaimStorage",
+    "ClaimStorageReply",
     "Committed",
     "Done",
     "ErrorReply",
@@ -477,6 +479,14 @@ class HelloReply(Reply):
     """The tmpfs of the slots."""
     auto_started: bool
     """Started by a trainer (it exits when done): any trainer may start the next one."""
+    storage: str | None = None
+    """The checkpoint root the agent persists to (None: memory only)."""
+    storage_steps: list[int] | None = None
+    """To a hello without ``storage`` (the agent's own root, which the trainer may not be able to
+    open): the committed steps listed there now (None: not looked at)."""
+    storage_foreign: str | None = None
+    """To a hello without ``storage``: why the agent's root belongs to another job (its committed
+    steps or its owner file name that job: the refusal, naming job, root and fix), else None."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -781,6 +791,36 @@ class Fence(Request):
 
 REQUESTS[Fence.op] = Fence
 REPLIES[Fence.op] = OkReply
+
+
+# -- the agent's own storage root (issue 30: a job's state is its own) --------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimStorage(Request):
+    """A trainer that brought no ``storage=`` takes the agent's own root for its job (after
+    every rank agreed the root is its job's, or takeover): the agent records the job in the
+    root's owner file and, with ``delete_steps``, first deletes every step there (the trainers'
+    ``overwrite=True``). The agent does it because it may be the only one that can open the root
+    (its own mount namespace, credentials)."""
+
+    op: ClassVar[str] = "claim_storage"
+    delete_steps: bool = False
+    """Delete the root's steps first (committed or not)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimStorageReply(Reply):
+    """The root is claimed."""
+
+    deleted: list[int]
+    """The steps deleted (``delete_steps``)."""
+    owner_error: str | None = None
+    """Why the owner file could not be written (the trainer warns), else None."""
+
+
+REQUESTS[ClaimStorage.op] = ClaimStorage
+REPLIES[ClaimStorage.op] = ClaimStorageReply
 
 
 # -- persisted (issue 14: a marked snapshot is not lost from storage's cadence) ---------------

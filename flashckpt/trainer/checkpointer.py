@@ -56,7 +56,14 @@ from flashckpt.trainer.restore.pipeline import Restorer
 from flashckpt.trainer.restore.reshard import Resharder
 from flashckpt.trainer.restore.saved import RestoreEnv
 from flashckpt.trainer.snapshot import SnapshotHandle, Snapshotter
-from flashckpt.trainer.storageroot import check_owner, probe_storage, start_fresh
+from flashckpt.trainer.storageroot import (
+    AgentRoot,
+    check_agent_root,
+    check_owner,
+    probe_storage,
+    start_fresh,
+    start_fresh_agent,
+)
 
 __all__ = ["CheckpointConfig", "Checkpointer", "SnapshotHandle", "Stats", "checkpointing"]
 
@@ -118,6 +125,7 @@ class Checkpointer:
         agents hold of lost machines' snapshots); None when nothing was restored."""
         self._pg = process_group
         self._storage = Storage(config.storage) if config.storage else None
+        self._agent_root: AgentRoot | None = None  # the agent's own root (no storage= here)
         self._hooks: list[Any] = []
         self._count = 0  # steps completed (the library's step count)
         # Optimizer steps taken inside the block, per optimizer given (see _uncounted_steps).
@@ -223,6 +231,7 @@ class Checkpointer:
         try:
             self._setup()
         except BaseException:
+            self._link.close(done=False)  # refused at entry (e.g. its agent's root): let go
             if self._rank_lock is not None:
                 self._rank_lock.release()
                 self._rank_lock = None
@@ -249,11 +258,13 @@ class Checkpointer:
                     self.start_step = self._last_saved_step = restorer.step
                     self.restored_from = restorer.source
             else:
+                # Refused (storage holds steps, no overwrite=True) before memory is touched.
+                self._start_fresh()
                 # A past timeline's snapshots must never be resumed from after this run's start.
                 self._applier.invalidate_after(self._snap, -1)
             self._entry_phase("restore")
-            if self.restored_from is None:
-                start_fresh(self._storage, ctx, self.config)
+            if self.restored_from is None and self.config.restore:
+                self._start_fresh()
             self._count = self.start_step
             self._timeline_start = self.start_step if self.restored_from else -1
             # Tells the node agent where this run's timeline starts (-1: from scratch): a
@@ -287,6 +298,12 @@ class Checkpointer:
             self._mon.ready(self.start_step, self.restored_from)
         self._log_entry()
         return self
+
+    def _start_fresh(self) -> None:
+        """A run from step 0: refused over committed steps of storage (``storage=``, else the
+        node agent's own root), unless ``overwrite=True``, which deletes them."""
+        start_fresh(self._storage, self._ctx, self.config)
+        start_fresh_agent(self._agent_root, self._link, self._ctx, self.config)
 
     def _entry_phase(self, name: str) -> None:
         """Records the seconds since the previous phase of the entry (``stats.entry_phases_s``)."""
@@ -368,10 +385,14 @@ class Checkpointer:
         """The storage the node agent persists to: ``storage=``, else the launcher's
         (``flashckpt run --storage``, in ``$FLASHCKPT_STORAGE``: its agent persists there even
         when the script passes no ``storage=``, and a final persist that failed there must fail
-        the run as loudly)."""
+        the run as loudly), else the agent's own (``flashckpt agent --storage``, as its hello
+        reply named it: the exit waits for its commit there too)."""
         if self._storage is not None:
             return self._storage.url
-        return envnames.get(envnames.STORAGE)
+        launcher = envnames.get(envnames.STORAGE)
+        if launcher is None and self._agent_root is not None:
+            return self._agent_root.url
+        return launcher
 
     def _lost_work(self, committed: int | None) -> PersistError | None:
         """The error to raise on exit when the newest snapshot is not committed, else None."""
@@ -389,11 +410,12 @@ class Checkpointer:
             return None  # the launcher's agent has no storage (flush said so): nothing lost
         why = f": {errors[-1]['error']}" if errors else ""
         durable = self.stats.last_committed_step
-        tier = (
-            f"storage {url}"
-            if self._storage is not None
-            else f"storage {url} (the launcher's --storage, ${envnames.STORAGE})"
-        )
+        if self._storage is not None:
+            tier = f"storage {url}"
+        elif envnames.get(envnames.STORAGE) is None:
+            tier = f"storage {url} (the node agent's own --storage)"
+        else:
+            tier = f"storage {url} (the launcher's --storage, ${envnames.STORAGE})"
         return PersistError(
             f"step {step} (the final snapshot) was not committed to {tier}{why}. It is in this "
             f"machine's shared memory only (the node "
@@ -858,6 +880,8 @@ class Checkpointer:
                 pid=os.getpid(),
             ),
         )
+        # No storage= of its own: the root its agent persists to is checked (and claimed) here.
+        self._agent_root = check_agent_root(hello, self._link, ctx, cfg)
         self._snap.shm_dir = hello.shm_dir
         self._snap.meta_static = {
             "job": ctx.job,

@@ -25,6 +25,8 @@ from flashckpt.protocol.channel import AgentClient, AgentError
 from flashckpt.protocol.messages import (
     Alloc,
     AllocReply,
+    ClaimStorage,
+    ClaimStorageReply,
     Done,
     Flush,
     FlushReply,
@@ -372,6 +374,22 @@ class AgentLink:
         )
         if not isinstance(reply, PullReplicaReply):
             raise AgentError(f"the node agent answered pull_replica with {type(reply).__name__}")
+        return reply
+
+    def claim_storage(self, *, delete_steps: bool) -> ClaimStorageReply:
+        """Has the agent take its own storage root for this job (owner file; ``delete_steps``:
+        deletes the root's steps first).
+
+        Raises:
+            AgentError: no agent, or it refused or failed.
+        """
+        if self.client is None:
+            raise AgentError("no node agent")
+        reply = self.client.call(
+            ClaimStorage(delete_steps=delete_steps), timeout=max(self.config.agent_timeout, 60)
+        )
+        if not isinstance(reply, ClaimStorageReply):
+            raise AgentError(f"the node agent answered claim_storage with {type(reply).__name__}")
         return reply
 
     def flush(self, step: int, timeout: float) -> int:

@@ -1,23 +1,38 @@
-"""The trainer's checks of its storage root at entry: that it can keep checkpoints at all, and
-that a run starting from step 0 does not take over another run's committed steps."""
+"""The trainer's checks of its storage root at entry: that it can keep checkpoints at all, that
+it is not another job's, and that a run starting from step 0 does not take over another run's
+committed steps. A trainer without ``storage=`` of its own checks the root its node agent persists
+to (``flashckpt agent --storage``: by hand, deploy/'s DaemonSet or systemd unit) the same way,
+through the agent, which looks at the root for it (it may be the only one that can open it)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flashckpt import envnames
 from flashckpt.errors import StorageUnavailableError
-from flashckpt.format.storage_owner import foreign_owner, write_owner
+from flashckpt.format.storage_owner import delete_steps, foreign_owner, write_owner
+from flashckpt.protocol.channel import AgentError
 from flashckpt.trainer.restore.reshard import listed_steps
 
 if TYPE_CHECKING:
     from flashckpt.format.storage import Storage
+    from flashckpt.protocol.messages import HelloReply
     from flashckpt.trainer.config import CheckpointConfig
+    from flashckpt.trainer.link import AgentLink
     from flashckpt.trainer.rankctx import RankContext
 
-__all__ = ["check_owner", "probe_storage", "start_fresh"]
+__all__ = [
+    "AgentRoot",
+    "check_agent_root",
+    "check_owner",
+    "probe_storage",
+    "start_fresh",
+    "start_fresh_agent",
+]
 
 log = logging.getLogger("flashckpt")
 
@@ -140,13 +155,7 @@ def _start_fresh(st: Storage, ctx: RankContext, config: CheckpointConfig, what: 
             f"{what} root" + (", or drop restore=False to resume" if not config.restore else "")
         )
     if ctx.rank == 0:
-        doomed = st.all_step_dirs()
-        for s in sorted(doomed, reverse=True):
-            st.uncommit(s)  # the commit marker first: never a half-deleted committed step
-            with contextlib.suppress(FileNotFoundError):
-                st.fs.rm(st.step_path(s), recursive=True)
-        with contextlib.suppress(FileNotFoundError):
-            st.fs.rm(st.path("latest"))
+        doomed = delete_steps(st)
         log.warning(
             "flashckpt: overwrite=True: deleted steps %s of an earlier run from %s (%s)",
             doomed,
@@ -173,3 +182,124 @@ def probe_round_trip(st: Storage, path: str) -> str | None:
             st.fs.rm(path)
         return f"{type(e).__name__}: {e}"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRoot:
+    """The node agent's own storage root, as a trainer without ``storage=`` saw it at hello."""
+
+    url: str
+    """The root's URL (as the agent names it: a path in the agent's view)."""
+    steps: list[int]
+    """The committed steps there at hello."""
+
+
+def check_agent_root(
+    reply: HelloReply, link: AgentLink, ctx: RankContext, config: CheckpointConfig
+) -> AgentRoot | None:
+    """For a trainer without ``storage=``: the root its node agent persists to (the hello reply
+    names it) is checked as :func:`check_owner` checks ``storage=``, with this trainer's
+    ``takeover=`` (or ``overwrite=True`` with ``restore=False``), every rank agreeing; then
+    rank 0 has its agent record this job in the root's owner file. The agent looked at the root
+    (its steps' manifests, its owner file) for the trainer, which may not be able to open it (a
+    path in the agent's mount namespace, credentials only the agent has): one code path for
+    every root. A root the launcher passed (``flashckpt run --storage``, the same URL in
+    ``$FLASHCKPT_STORAGE``) was checked and claimed by the launcher, with its ``--takeover``.
+
+    Returns:
+        The agent's root (for :func:`start_fresh_agent`), or None: this trainer has
+        ``storage=`` (checked itself; an agent on another root refused the hello), or the agent
+        persists nowhere.
+
+    Raises:
+        ValueError: the root belongs to another job (the agent's refusal: the job, the
+            evidence, the root and the fix).
+    """
+    if config.storage:
+        return None
+    url = reply.storage
+    checked = url is not None and _launchers(url)
+    foreign = reply.storage_foreign if url is not None and not checked else None
+    take = config.takeover or (config.overwrite and not config.restore)
+    if not take and ctx.all_max(1 if foreign else 0):
+        if foreign is not None:
+            raise ValueError(
+                f"this rank passed no storage=: its node agent (pid {reply.pid}) persists this "
+                f"job to the agent's own --storage, and {foreign}"
+            )
+        raise ValueError(
+            "the storage root another rank's node agent persists to belongs to another job "
+            "(that rank's error names it): give the agents a root of this job's own, or pass "
+            "takeover=True"
+        )
+    if ctx.rank == 0 and url is not None and not checked:
+        try:
+            owner_error = link.claim_storage(delete_steps=False).owner_error
+        except AgentError as e:
+            owner_error = str(e)
+        if owner_error is not None:
+            log.warning(
+                "flashckpt: the node agent cannot record job %r as the owner of its storage %s "
+                "(%s): another job with nothing committed there would not be refused",
+                ctx.job,
+                url,
+                owner_error,
+            )
+    return AgentRoot(url, list(reply.storage_steps or [])) if url is not None else None
+
+
+def _launchers(url: str) -> bool:
+    """Whether ``url`` is the launcher's ``--storage`` (``$FLASHCKPT_STORAGE``)."""
+    given = envnames.get(envnames.STORAGE)
+    if not given:
+        return False
+    if given == url:
+        return True
+    from flashckpt.format.storage import Storage
+
+    try:
+        return Storage(given).url == url
+    except (ValueError, ImportError):
+        return False
+
+
+def start_fresh_agent(
+    root: AgentRoot | None, link: AgentLink, ctx: RankContext, config: CheckpointConfig
+) -> None:
+    """:func:`start_fresh` for a trainer without ``storage=``: a run that starts from step 0
+    while its node agent's own root holds committed steps (this job's from an earlier run, or a
+    job's taken over) is refused unless ``overwrite=True``, which has rank 0's agent delete
+    them (every rank agrees first). Such a trainer cannot read them back (it restores from
+    memory only), and the agent would otherwise write this run's steps among them and its
+    retention delete them, silently.
+
+    Raises:
+        ValueError: the agent's root holds committed steps and ``overwrite`` is False.
+    """
+    if config.storage:
+        return
+    steps = root.steps if root is not None else []
+    if not ctx.all_max(1 if steps else 0):
+        return
+    url = root.url if root is not None else "(another rank's agent's)"
+    if not config.overwrite:
+        held = f"committed steps {steps}" if steps else "committed steps (seen by a rank)"
+        why = "restore=False" if not config.restore else "memory held no snapshot to restore"
+        raise ValueError(
+            f"storage {url}, where this job's node agent persists (its own --storage: this "
+            f"rank passed no storage=), holds {held} of an earlier run, and this run starts "
+            f"from step 0 ({why}): without storage= of its own a trainer cannot read them "
+            "back, and its steps would be mixed with those. Pass storage= with that root (where "
+            "this process can read it) to resume from them, overwrite=True to delete them and "
+            "start over, or give the node agent a new --storage root"
+        )
+    if ctx.rank == 0 and root is not None:
+        deleted = link.claim_storage(delete_steps=True).deleted
+        log.warning(
+            "flashckpt: overwrite=True: the node agent deleted steps %s of an earlier run from "
+            "its storage %s (%s)",
+            deleted,
+            url,
+            "restore=False" if not config.restore else "nothing restored",
+        )
+    ctx.all_max(0)  # nobody writes before the old steps are gone

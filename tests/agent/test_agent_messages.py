@@ -68,6 +68,7 @@ WIRE: list[dict[str, Any]] = [
     {"id": 8, "op": "status"},
     {"id": 9, "op": "ping"},
     {"id": 10, "op": "done", "rank": 0},  # an older client: the rank alone keys the position
+    {"id": 11, "op": "claim_storage", "delete_steps": False},
 ]
 
 
@@ -85,6 +86,11 @@ def test_replies_and_events_keep_their_json() -> None:
     hello |= {"shm_dir": "/dev/shm", "auto_started": False}
     rep = parse_reply("hello", hello)
     assert isinstance(rep, HelloReply) and rep.to_json(1) == hello
+    # To a trainer without storage=: the agent's own root, its steps and whose it is.
+    own = hello | {"storage": "file:///r", "storage_steps": [3], "storage_foreign": "job 'a'"}
+    rep = parse_reply("hello", own)
+    assert isinstance(rep, HelloReply) and rep.to_json(1) == own
+    assert rep.storage_steps == [3] and rep.storage_foreign == "job 'a'"
     err = {"id": 2, "ok": False, "error": "no", "kind": "ShmSpaceError"}
     assert parse_reply("alloc", err).to_json(2) == err
     assert ErrorReply(error="x").to_json(3) == {"id": 3, "ok": False, "error": "x"}

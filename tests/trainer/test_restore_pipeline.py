@@ -177,11 +177,20 @@ def test_a_new_source_is_one_class_in_one_list(
 
 
 def test_a_slot_whose_description_fails_its_checks_is_ignored(
-    fc_env: FcEnv, agent: RunningAgent, caplog: pytest.LogCaptureFixture
+    fc_env: FcEnv, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Nothing read from shared memory is trusted: a complete snapshot whose description lacks
     a field (here its private state) is skipped by the memory source, not read (a KeyError at
-    entry before)."""
+    entry before). Memory only: an agent with storage would hold the step there, and a start
+    from step 0 over it is refused without overwrite=True."""
+    agent = RunningAgent(fc_env.agent_config(storage=None))
+    try:
+        _a_bad_description_is_ignored(fc_env, caplog)
+    finally:
+        agent.stop()
+
+
+def _a_bad_description_is_ignored(fc_env: FcEnv, caplog: pytest.LogCaptureFixture) -> None:
     model, opt, sched = make(0)
     kw = fc_env.ckpt_kwargs(agent="connect", storage=None)
     with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:

@@ -204,7 +204,8 @@ def check_agent_root(
     (its steps' manifests, its owner file) for the trainer, which may not be able to open it (a
     path in the agent's mount namespace, credentials only the agent has): one code path for
     every root. A root the launcher passed (``flashckpt run --storage``, the same URL in
-    ``$FLASHCKPT_STORAGE``) was checked and claimed by the launcher, with its ``--takeover``.
+    ``$FLASHCKPT_STORAGE`` of its workers) was checked and claimed by the launcher, with its
+    ``--takeover``.
 
     Returns:
         The agent's root (for :func:`start_fresh_agent`), or None: this trainer has
@@ -249,9 +250,11 @@ def check_agent_root(
 
 
 def _launchers(url: str) -> bool:
-    """Whether ``url`` is the launcher's ``--storage`` (``$FLASHCKPT_STORAGE``)."""
+    """Whether ``url`` is the launcher's ``--storage`` (``$FLASHCKPT_STORAGE`` in a worker of
+    ``flashckpt run``, which sets ``$FLASHCKPT_LAUNCHER_PID``: deploy/'s JobSet sets
+    ``$FLASHCKPT_STORAGE`` for torchrun's workers too, and nothing checked that root)."""
     given = envnames.get(envnames.STORAGE)
-    if not given:
+    if not given or not envnames.get(envnames.LAUNCHER_PID):
         return False
     if given == url:
         return True

@@ -80,8 +80,11 @@ def _namespaced_agent(fc_env: FcEnv, hidden: Path) -> subprocess.Popen[bytes] | 
 
 
 def test_a_root_another_live_job_owns_is_refused_until_taken_over(
-    fc_env: FcEnv, tmp_path: Path
+    fc_env: FcEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # As deploy/'s JobSet sets it for torchrun's workers (no launcher checked that root).
+    monkeypatch.setenv("FLASHCKPT_STORAGE", fc_env.storage)
+    monkeypatch.delenv("FLASHCKPT_LAUNCHER_PID", raising=False)
     # The agent's root: a directory only the agent sees at that path, where job A's owner file
     # says it runs there (nothing committed yet). The trainer's view of the path is empty.
     hidden = tmp_path / "agent-view"

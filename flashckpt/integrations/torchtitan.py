@@ -24,6 +24,17 @@ given N (flashckpt resumes the newest step), and ``save()`` calls whose ``curr_s
 more than the steps already counted (a step skipped, or a ``train_state`` that disagrees with the
 restored step).
 
+No pickle on the load path: torchtitan's data loader keeps its position pickled
+(``{"dp_rank_N": pickle.dumps(StatefulDataLoader state), "world_size": n}``) and its
+``load_state_dict`` unpickles what it is handed. A snapshot carries that state as plain data
+(dicts, lists, tuples, str/int/float/bool/None, tensors, through flashckpt's codec): the pickled
+bytes are decoded at save time, where they are the bytes the loader has just made in this
+process, and a loader state that is not plain data is refused there, naming the value. On
+restore the plain data read from memory or storage is pickled again here and those bytes are
+what the loader unpickles, so no byte read from a snapshot reaches ``pickle.loads``. Bytes in
+any other state are handed back as they were saved, with a warning at the first snapshot (that
+state's ``load_state_dict`` decides what it does with them).
+
 torchtitan is never imported here: the adapter works on the manager object it is given, so this
 module (and its tests) import without torchtitan installed.
 """
@@ -31,6 +42,7 @@ module (and its tests) import without torchtitan installed.
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,7 +59,10 @@ log = logging.getLogger("flashckpt")
 
 MODEL = "model"  # torchtitan.components.checkpoint.MODEL
 TRAIN_STATE = "train_state"  # torchtitan.components.checkpoint.TRAIN_STATE
+DATALOADER = "dataloader"  # torchtitan.components.checkpoint.DATALOADER
 _BYTES = "flashckpt_bytes"  # marks a bytes value carried as a uint8 tensor
+_PLAIN = "flashckpt_unpickled"  # marks a loader's pickled state carried as plain data
+_LOADER_RANK = "dp_rank_"  # ParallelAwareDataloader's key of its pickled state
 
 
 class FlashCheckpointManager:
@@ -138,8 +153,12 @@ class FlashCheckpointManager:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"states[{key!r}] is a {type(obj).__name__}, not Stateful")
             # Optimizers go as they are: the Checkpointer counts their steps.
-            wrap = not isinstance(obj, torch.optim.Optimizer)
-            self._stateful[key] = _BytesAsTensors(obj) if wrap else obj
+            if isinstance(obj, torch.optim.Optimizer):
+                self._stateful[key] = obj
+            elif key == DATALOADER:
+                self._stateful[key] = _LoaderState(obj, key)
+            else:
+                self._stateful[key] = _BytesAsTensors(obj, key)
         self.ckpt: Checkpointer | None = None
         self.restored_step: int | None = None
         self.restored_from: str | None = None
@@ -280,32 +299,135 @@ class FlashCheckpointManager:
 
 
 class _BytesAsTensors:
-    """A Stateful whose ``bytes`` values (torchtitan's data loader keeps its state pickled,
-    ``{"dp_rank_0": pickle.dumps(...)}``) travel as uint8 tensors: flashckpt's codec holds
-    tensors and JSON values only. flashckpt unpickles nothing; the loader's own
-    ``load_state_dict`` does, as it does under torchtitan's checkpoints."""
+    """A Stateful whose ``bytes`` values travel as uint8 tensors (flashckpt's codec holds tensors
+    and JSON values only) and come back as the same bytes. What they mean is the object's
+    business: the first snapshot that holds some warns, naming them, since an object that
+    unpickles them would unpickle bytes read from a snapshot."""
 
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: Any, key: str) -> None:
         self.obj = obj
+        self.key = key
+        self._warned = False
 
     def state_dict(self) -> Any:
-        return _to_tensors(self.obj.state_dict())
+        found: list[str] = []
+        out = _to_tensors(self.obj.state_dict(), f"states[{self.key!r}]", found)
+        if found and not self._warned:
+            self._warned = True
+            log.warning(
+                "flashckpt: %s holds bytes (%s): a snapshot keeps them as they are and "
+                "load_state_dict gets them back as read from memory or storage; if %s "
+                "unpickles them, return plain data (dicts, lists, numbers, str, tensors) "
+                "from its state_dict instead",
+                f"states[{self.key!r}]",
+                ", ".join(found[:3]),
+                type(self.obj).__name__,
+            )
+        return out
 
     def load_state_dict(self, sd: Any) -> None:
         self.obj.load_state_dict(_to_bytes(sd))
 
 
-def _to_tensors(o: Any) -> Any:
+class _LoaderState:
+    """torchtitan's data loader, whose ``state_dict`` pickles its StatefulDataLoader state
+    under ``dp_rank_N``: that value travels as the plain data it pickles (decoded from the bytes
+    the loader has just made, in this process) and is pickled again here on restore, so the
+    loader's ``pickle.loads`` only ever sees bytes made from plain values, never bytes read from
+    a snapshot."""
+
+    def __init__(self, obj: Any, key: str) -> None:
+        self.obj = obj
+        self.inner = _BytesAsTensors(obj, key)
+        self.key = key
+
+    def state_dict(self) -> Any:
+        sd = self.obj.state_dict()
+        if not isinstance(sd, dict):
+            return self.inner.state_dict()
+        out: dict[Any, Any] = {}
+        rest: dict[Any, Any] = {}
+        for k, v in sd.items():
+            if isinstance(k, str) and k.startswith(_LOADER_RANK) and isinstance(v, bytes):
+                where = f"states[{self.key!r}][{k!r}]"
+                # The bytes this loader's state_dict() returned a moment ago, in this process:
+                # not bytes read from anywhere.
+                state = pickle.loads(v)
+                _check_plain(state, f"{where} (unpickled)")
+                out[k] = {_PLAIN: state}
+            else:
+                rest[k] = v
+        out.update(_to_tensors(rest, f"states[{self.key!r}]", []) if rest else {})
+        return out
+
+    def load_state_dict(self, sd: Any) -> None:
+        if not isinstance(sd, dict):
+            self.obj.load_state_dict(_to_bytes(sd))
+            return
+        back: dict[Any, Any] = {}
+        for k, v in sd.items():
+            where = f"states[{self.key!r}][{k!r}]"
+            if isinstance(v, dict) and set(v) == {_PLAIN}:
+                _check_plain(v[_PLAIN], where)  # what the codec rebuilt: plain data only
+                back[k] = pickle.dumps(v[_PLAIN])
+            elif (
+                isinstance(k, str)
+                and k.startswith(_LOADER_RANK)
+                and (isinstance(v, dict) and set(v) == {_BYTES})
+            ):
+                raise ValueError(
+                    f"the snapshot holds {where} as pickled bytes (written by a flashckpt "
+                    "before the loader's state was kept as plain data): flashckpt does not "
+                    "hand bytes read from a snapshot to pickle.loads. Start this job afresh "
+                    "(a new job name or storage root), or resume it with torchtitan's own "
+                    "checkpoint"
+                )
+            else:
+                back[k] = _to_bytes(v)
+        self.obj.load_state_dict(back)
+
+
+_PLAIN_SCALARS = (bool, int, float, str, type(None))
+
+
+def _check_plain(o: Any, where: str) -> None:
+    """Raises unless ``o`` is dicts (str/int keys), lists, tuples, JSON scalars and tensors."""
+    if type(o) in _PLAIN_SCALARS or type(o) is torch.Tensor:
+        return
+    if type(o) in (list, tuple):
+        for i, v in enumerate(o):
+            _check_plain(v, f"{where}[{i}]")
+        return
+    if type(o) is dict:
+        for k, v in o.items():
+            if type(k) not in (str, int):
+                raise TypeError(
+                    f"{where} has a key of type {type(k).__name__} ({k!r}): flashckpt keeps "
+                    "the data loader's state as plain data (str or int keys); make the "
+                    "dataset's state_dict use str keys"
+                )
+            _check_plain(v, f"{where}[{k!r}]")
+        return
+    raise TypeError(
+        f"{where} is a {type(o).__module__}.{type(o).__qualname__}: flashckpt keeps torchtitan's "
+        "data loader state as plain data (dicts, lists, tuples, str, int, float, bool, None, "
+        "tensors), so that nothing read from a snapshot is unpickled. Make the dataset's (or "
+        "sampler's) state_dict return plain data, or use torchtitan's own CheckpointManager"
+    )
+
+
+def _to_tensors(o: Any, where: str, found: list[str]) -> Any:
     if isinstance(o, (bytes, bytearray)):
+        found.append(where)
         return {
             _BYTES: torch.frombuffer(bytearray(o), dtype=torch.uint8)
             if o
             else torch.empty(0, dtype=torch.uint8)
         }
     if isinstance(o, dict):
-        return {k: _to_tensors(v) for k, v in o.items()}
+        return {k: _to_tensors(v, f"{where}[{k!r}]", found) for k, v in o.items()}
     if isinstance(o, list):
-        return [_to_tensors(v) for v in o]
+        return [_to_tensors(v, f"{where}[{i}]", found) for i, v in enumerate(o)]
     return o
 
 

@@ -198,3 +198,42 @@ def test_settings_it_cannot_honour_are_refused(fc_env: FcEnv, agent: RunningAgen
             ck.save(3)  # step 2 skipped: snapshots would be labelled off by one
     finally:
         ck.close()
+
+
+class _Opaque:
+    """A dataset position kept as an object: pickled, it names a class to import and build."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+
+
+def test_loader_state_travels_as_plain_data_so_nothing_read_back_is_unpickled() -> None:
+    """The loader's pickled ``dp_rank_0`` goes into the snapshot as the plain data it pickles;
+    restored, the loader unpickles bytes the adapter made from plain values. A loader state
+    that is not plain data is refused at save; a snapshot holding the pickled bytes (an older
+    adapter's form) is refused at load, never unpickled."""
+    loader = _Loader()
+    loader.pos = 3
+    parts = (*make(0), loader, _TrainState())
+    ck = FlashCheckpointManager(_StandInManager(*parts), every=2)  # nothing started yet
+    wrapped = ck._stateful["dataloader"]
+    sd = wrapped.state_dict()
+    assert sd == {"dp_rank_0": {"flashckpt_unpickled": {"pos": 3}}, "world_size": 1}
+    loader.pos = 0
+    got: list[bytes] = []
+    loader.load_state_dict = lambda s: got.append(s["dp_rank_0"])  # type: ignore[method-assign]
+    wrapped.load_state_dict(sd)
+    assert pickle.loads(got[0]) == {"pos": 3} and got[0] == pickle.dumps({"pos": 3})
+
+    # A loader state that is no plain data: refused at save, naming where it is.
+    opaque = pickle.dumps({"pos": _Opaque(3)})
+    loader.state_dict = lambda: {"dp_rank_0": opaque}  # type: ignore[method-assign]
+    with pytest.raises(TypeError, match=r"\['dp_rank_0'\] \(unpickled\)\['pos'\] is a .*_Opaque"):
+        wrapped.state_dict()
+    # Bytes read from a snapshot (the older form, a uint8 tensor) never reach pickle.loads.
+    blob = torch.frombuffer(bytearray(opaque), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="does not hand bytes read from a snapshot"):
+        wrapped.load_state_dict({"dp_rank_0": {"flashckpt_bytes": blob}, "world_size": 1})
+    with pytest.raises(TypeError, match="plain data"):  # a rebuilt tree with a foreign value
+        wrapped.load_state_dict({"dp_rank_0": {"flashckpt_unpickled": {"pos": object()}}})
+    assert len(got) == 1

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,7 @@ class AgentLink:
         # What reconnecting to a (restarted) node agent needs: the socket and the hello fields.
         self.path: str | None = None
         self.hello_msg: Hello | None = None
+        self.root: str | None = None  # the storage root of the agent at entry (checked then)
         self.next_reconnect = 0.0
         self.auto = False  # the agent was started by a trainer (not by its launcher)
         self.log_from = 0
@@ -136,6 +138,7 @@ class AgentLink:
                 self.client.close()
                 continue
             self.auto = reply.auto_started
+            self.root = reply.storage
             return reply
         raise AssertionError("unreachable")
 
@@ -252,6 +255,8 @@ class AgentLink:
         self.client = client
         self.auto = reply.auto_started
         self.restarts += 1
+        if self.hello_msg.storage is None and reply.storage != self.root:
+            self._root_changed(reply)
         self.stats.persisting_step = None  # the lost agent's persist in flight went with it
         self._adopt_slots(reply.slots)
         timeline_start = self._timeline_start()
@@ -271,6 +276,21 @@ class AgentLink:
             reply.pid,
         )
         return True
+
+    def _root_changed(self, reply: HelloReply) -> None:
+        """The agent found again persists to another root than the one checked at entry (a
+        trainer without ``storage=``): said loudly, once per change; training goes on."""
+        seen = reply.storage_foreign or "its owner and steps are not checked mid-run"
+        msg = (
+            f"flashckpt: rank {self.ctx.rank}: the node agent found again (pid {reply.pid}) "
+            f"persists this job to {reply.storage or 'no storage'}, not to "
+            f"{self.root or 'no storage'} as the agent checked at entry did: this run's steps "
+            f"now go where entry checked nothing ({seen}). Give the agent its --storage back, "
+            "or restart the job so that entry checks the new root"
+        )
+        self.root = reply.storage
+        log.error("%s", msg)
+        warnings.warn(msg, stacklevel=2)
 
     def may_restart(self) -> bool:
         """Whether this rank starts the next agent after losing one: with agent='auto', when

@@ -60,9 +60,11 @@ def _resumes(kw: dict[str, Any], step: int, want: dict[str, torch.Tensor]) -> No
             assert torch.equal(v, want[k]), k
 
 
-def _stop(agent: subprocess.Popen[bytes]) -> None:
-    agent.terminate()
+def _stop(agent: subprocess.Popen[bytes], kill: bool = False) -> None:
+    agent.kill() if kill else agent.terminate()
     agent.wait(timeout=120)
+    if agent.stderr is not None:
+        agent.stderr.close()
 
 
 def _namespaced_agent(fc_env: FcEnv, hidden: Path) -> subprocess.Popen[bytes] | None:
@@ -160,5 +162,29 @@ def test_a_root_with_another_jobs_steps_is_refused_and_overwritten_only_when_tol
         assert f"holds committed steps {ours} of an earlier run" in text, text
         assert "(restore=False)" in text, text
         _resumes(kw, 2, want)
+        # Mid-run, the agent dies and another is started on another root: said loudly (entry
+        # checked the first one only).
+        elsewhere = f"file://{fc_env.storage_path.parent}/elsewhere"
+        model, opt, sched = make(1)
+        with (
+            pytest.warns(UserWarning, match="the node agent found again") as seen,
+            flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck,
+        ):
+            assert ck.start_step == 2
+            _stop(agent, kill=True)
+            agent = _agent_on(fc_env, elsewhere)
+            train_steps(ck, model, opt, sched, 2, 3)
+        text = next(str(w.message) for w in seen if "found again" in str(w.message))
+        assert f"persists this job to {elsewhere}, not to {fc_env.storage}" in text, text
     finally:
         _stop(agent)
+
+
+def _agent_on(fc_env: FcEnv, storage: str) -> subprocess.Popen[bytes]:
+    """The job's agent, by hand, on ``storage``."""
+    flags = fc_env.cli_flags()
+    flags[flags.index("--storage") + 1] = storage
+    cmd = [sys.executable, "-m", "flashckpt", "agent", *flags, "--idle-timeout", "120"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_agent(fc_env, p.pid, p)
+    return p

@@ -61,8 +61,21 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-BACKENDS = ("flashckpt", "c10d", "floor")
+BACKENDS = ("flashckpt", "c10d", "floor", "handler")
+DEFAULT_BACKENDS = ("flashckpt", "c10d", "floor")
+# etcd's gRPC calls (the JSON gateway forwards each HTTP request as one), counted per method.
+_RPCS = (
+    "Range",
+    "Txn",
+    "Put",
+    "DeleteRange",
+    "LeaseGrant",
+    "LeaseKeepAlive",
+    "LeaseRevoke",
+    "Watch",
+)
 _METRICS = (
+    "process_cpu_seconds_total",
     "etcd_mvcc_put_total",
     "etcd_mvcc_txn_total",
     "etcd_mvcc_range_total",
@@ -176,7 +189,7 @@ class _Host:
             return
         registry = None
         lost = threading.Event()
-        if a.backend == "flashckpt":
+        if a.backend in ("flashckpt", "handler"):
             from flashckpt.elastic.membership.nodes import NodeRegistry
             from flashckpt.elastic.rendezvous.backend import create_handler, job_prefix
             from flashckpt.elastic.rendezvous.name import BACKEND_NAME
@@ -193,21 +206,22 @@ class _Host:
                 if record.rdzv_node and via != "watch":  # as flashckpt run's session does
                     handler.expire_nodes([record.rdzv_node])
 
-            registry = NodeRegistry(
-                handler.client,
-                job_prefix(a.run_id),
-                f"m{index}",
-                ttl=timedelta(seconds=a.lease_ttl),
-                advertise_host="127.0.0.1",
-                bind_host="127.0.0.1",
-                on_lost=on_lost,
-                on_fenced=None,
-                links=0,
-            )
-            registry.start(timedelta(seconds=60))
-            handler.share_lease(registry)  # one lease per machine, as flashckpt run
-            self.cleanups.append(registry.close)
-            registry.update(rdzv_node=handler.node, state="waiting")
+            if a.backend == "flashckpt":
+                registry = NodeRegistry(
+                    handler.client,
+                    job_prefix(a.run_id),
+                    f"m{index}",
+                    ttl=timedelta(seconds=a.lease_ttl),
+                    advertise_host="127.0.0.1",
+                    bind_host="127.0.0.1",
+                    on_lost=on_lost,
+                    on_fenced=None,
+                    links=0,
+                )
+                registry.start(timedelta(seconds=60))
+                handler.share_lease(registry)  # one lease per machine, as flashckpt run
+                self.cleanups.append(registry.close)
+                registry.update(rdzv_node=handler.node, state="waiting")
         else:
             from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
             from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
@@ -220,7 +234,7 @@ class _Host:
         # every machine but the last (closing it would end the job for the others).
         # flashckpt: machine 1 closes the rendezvous (the job is over), the others leave it, as
         # launchers do when a job ends; the keys left behind are then a finished job's.
-        if a.backend == "flashckpt" and index != 1:
+        if a.backend in ("flashckpt", "handler") and index != 1:
             self.cleanups.append(handler.leave)
         else:
             self.cleanups.append(handler.shutdown)
@@ -274,7 +288,7 @@ class _Host:
             self.stop.wait(self.a.monitor_interval)
 
     def _report_standby(self, backend: Any, handler: Any) -> None:
-        if self.a.backend == "flashckpt":
+        if self.a.backend in ("flashckpt", "handler"):
             while not self.stop.is_set():
                 if handler.waiting_in is not None:  # its join key of the next round is there
                     self.emit(ev="standby_waiting", m=-1)
@@ -310,7 +324,7 @@ class _Host:
         first, count = (int(x) for x in a.machines.split(":"))
         import torch.distributed.elastic.rendezvous  # noqa: F401  (imports done before "go")
 
-        if a.backend == "flashckpt":
+        if a.backend in ("flashckpt", "handler"):
             import flashckpt.elastic.membership.nodes
             import flashckpt.elastic.rendezvous.backend  # noqa: F401
         self.emit(ev="ready", pid=os.getpid())
@@ -359,6 +373,44 @@ def _metrics(url: str) -> dict[str, float]:
         m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
         if m and m.group(1) in _METRICS:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+        elif m and m.group(1) in ("grpc_server_started_total", "grpc_server_msg_sent_total"):
+            method = re.search(r'grpc_method="([A-Za-z]+)"', m.group(2) or "")
+            if method and method.group(1) in _RPCS:
+                name = f"{m.group(1)}:{method.group(1)}"
+                out[name] = out.get(name, 0.0) + float(m.group(3))
+    return out
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (Linux ``/proc``)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cost(a: dict[str, Any], b: dict[str, Any], n: int) -> dict[str, Any]:
+    """Between two snapshots: CPU seconds of etcd and of the simulated machines, and etcd's
+    gRPC calls per machine by method (``Watch``: streams opened; ``Watch sent``: messages
+    sent on watches)."""
+    ea, eb = a.get("etcd", {}), b.get("etcd", {})
+    out: dict[str, Any] = {"seconds": round(b["t"] - a["t"], 2)}
+    if "process_cpu_seconds_total" in ea and "process_cpu_seconds_total" in eb:
+        out["etcd_cpu_s"] = round(
+            eb["process_cpu_seconds_total"] - ea["process_cpu_seconds_total"], 2
+        )
+    ha, hb = a.get("hosts_cpu", {}), b.get("hosts_cpu", {})
+    out["machines_cpu_s"] = round(sum(v - ha.get(k, 0.0) for k, v in hb.items()), 2)
+    calls = {}
+    for method in _RPCS:
+        key = f"grpc_server_started_total:{method}"
+        if key in eb:
+            calls[method] = round((eb[key] - ea.get(key, 0.0)) / n, 2)
+    key = "grpc_server_msg_sent_total:Watch"
+    if key in eb:
+        calls["Watch sent"] = round((eb[key] - ea.get(key, 0.0)) / n, 2)
+    out["etcd_calls_per_machine"] = calls
     return out
 
 
@@ -380,10 +432,11 @@ class _Trial:
         self.url = ""
         self.keys_left: int | None = None
         self.key_kinds_left: dict[str, int] = {}
+        self.cpu_seen: dict[str, float] = {}
 
     # -- processes
     def start_infra(self) -> None:
-        if self.backend in ("flashckpt", "floor"):
+        if self.backend in ("flashckpt", "floor", "handler"):
             from flashckpt.elastic.etcd.client import EtcdClient
             from flashckpt.elastic.etcd.server import EtcdV3Server
 
@@ -458,11 +511,20 @@ class _Trial:
             "errors": [x for s in snaps for x in s["errors"]][:5],
             "t": time.time(),
         }
+        out["hosts_cpu"] = self.hosts_cpu()
         if self.etcd is not None:
             out["etcd"] = _metrics(self.url)
             with contextlib.suppress(Exception):
                 out["job_keys"], out["job_key_kinds"] = self.job_keys()
         return out
+
+    def hosts_cpu(self) -> dict[str, float]:
+        """CPU seconds of each host process so far (a dead one keeps its last reading)."""
+        for p in self.procs:
+            cpu = _cpu_seconds(p.pid)
+            if cpu is not None:
+                self.cpu_seen[str(p.pid)] = cpu
+        return dict(self.cpu_seen)
 
     def job_keys(self) -> tuple[int, dict[str, int]]:
         """How many keys the job has in etcd, and how many of each kind (digits as ``#``)."""
@@ -543,7 +605,11 @@ def run_trial(backend: str, n: int, a: argparse.Namespace, work: Path) -> dict[s
                 trial.spawn(f"{first}:{min(per, n - first)}")
         hosts = len(trial.procs)
         trial.wait(lambda ev: sum(e["ev"] == "ready" for e in ev) >= hosts, 120)
-        at_go = {"t": time.time(), "etcd": _metrics(trial.url) if trial.etcd else {}}
+        at_go = {
+            "t": time.time(),
+            "etcd": _metrics(trial.url) if trial.etcd else {},
+            "hosts_cpu": trial.hosts_cpu(),
+        }
         t_go = at_go["t"]
         (trial.ctl / "go").touch()
         if backend == "floor":
@@ -571,12 +637,13 @@ def run_trial(backend: str, n: int, a: argparse.Namespace, work: Path) -> dict[s
             else None,
             "ranks": [r1[m] for m in sorted(r1)],
         }
-        if backend == "flashckpt":
+        if backend in ("flashckpt", "handler"):
             res["round1"]["phases"] = _where_the_time_goes(ev, 1, t_go)
         res["errors"] = [e["error"] for e in ev if e["ev"] == "error"][:5]
+        res["after_round1"] = after1 = trial.snap("round1")
+        res["cost_round1"] = _cost(at_go, after1, n)
         if backend == "floor":
             return res
-        res["after_round1"] = after1 = trial.snap("round1")
         if formed:
             res["per_join_round1"] = {
                 "set_state_per_machine": after1["set_state"] / n,
@@ -625,10 +692,11 @@ def run_trial(backend: str, n: int, a: argparse.Namespace, work: Path) -> dict[s
             "ranks": {str(m): r2[m] for m in sorted(r2)},
             "standby_rank": r2.get(n),
         }
-        if backend == "flashckpt":
+        if backend in ("flashckpt", "handler"):
             res["round2"]["phases"] = _where_the_time_goes(ev, 2, t_kill)
         after2 = trial.snap("round2")
         res["before_kill"], res["after_round2"] = before_kill, after2
+        res["cost_kill_to_round2"] = _cost(before_kill, after2, n)
         res["cas_round1"] = {k: res["after_round1"][k] for k in ("set_state", "cas_failed")}
         res["cas_kill_to_round2"] = {
             k: after2[k] - before_kill[k] for k in ("set_state", "cas_failed")
@@ -638,6 +706,7 @@ def run_trial(backend: str, n: int, a: argparse.Namespace, work: Path) -> dict[s
             return res
         time.sleep(a.steady)  # the steady period: heartbeats, renewals, num_nodes_waiting polls
         steady = trial.snap("steady")
+        res["cost_steady"] = _cost(after2, steady, n)
         dt = steady["t"] - after2["t"]
         res["steady"] = {
             "seconds": dt,
@@ -717,6 +786,17 @@ def _summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "kill_flashckpt_over_c10d": ratio(f2, c2),
             }
         )
+        h = by.get(("handler", n))
+        if h is not None:
+            rows[-1]["handler_round1_s"] = sec(h, "round1", "seconds")
+            rows[-1]["handler_kill_to_round2_s"] = sec(h, "round2", "seconds_from_kill")
+        for name, r in (("flashckpt", f), ("handler", h or {}), ("floor", fl)):
+            cost = r.get("cost_round1") or {}
+            if cost:
+                rows[-1][f"{name}_round1_cpu_s_etcd_machines"] = [
+                    cost.get("etcd_cpu_s"),
+                    cost.get("machines_cpu_s"),
+                ]
     return rows
 
 
@@ -736,7 +816,12 @@ def main() -> int:
     p.add_argument(
         "--sizes", default="8,32", help="comma-separated N (the issue: 8,32,128,512,1024)"
     )
-    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument(
+        "--backends",
+        default=",".join(DEFAULT_BACKENDS),
+        help=f"of {', '.join(BACKENDS)} ('handler': flashckpt's rendezvous without the liveness "
+        "layer, to split the cost)",
+    )
     p.add_argument("--procs", type=int, default=2, help="host processes the machines share")
     p.add_argument("--round-timeout", type=float, default=180.0)
     p.add_argument("--steady", type=float, default=20.0, help="steady period in s (issue: 300)")

@@ -85,6 +85,16 @@ def test_tiny_run_of_both_backends_writes_sane_json(tmp_path: Path) -> None:
     assert keys["after_job_left"] is not None and keys["after_job_left"] >= 0
     # Stable ranks: a surviving machine keeps its round-1 rank; the standby takes the dead one's.
     assert flash["round2"]["standby_rank"] == flash["round1"]["ranks"][0]
+    # Where the time went: CPU of etcd and of the machines, etcd's calls per machine by kind.
+    for name, r in by.items():
+        for phase in ("cost_round1",) if name == "floor" else ("cost_round1", "cost_steady"):
+            cost = r[phase]
+            assert cost["seconds"] > 0 and cost["machines_cpu_s"] >= 0
+            if name != "c10d":
+                assert cost["etcd_cpu_s"] >= 0
+    calls = flash["cost_round1"]["etcd_calls_per_machine"]
+    assert calls["Txn"] >= 1 and calls["LeaseGrant"] >= 1 and calls["Watch"] >= 1
+    assert flash["cost_steady"]["etcd_calls_per_machine"]["LeaseKeepAlive"] > 0
     row = doc["summary"][0]
     assert row["n"] == N and row["round1_flashckpt_over_c10d"] > 0
     assert row["round1_flashckpt_over_floor"] > 0 and row["kill_flashckpt_over_c10d"] > 0

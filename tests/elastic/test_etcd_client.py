@@ -618,6 +618,26 @@ def test_a_broken_watch_resumes_without_losing_or_repeating_events(
         client.close()
 
 
+def test_a_watch_request_not_answered_yet_is_waited_on_then_given_up(
+    silent_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An overloaded etcd answers a watch late: the request stays pending across calls instead
+    # of being sent again on a new connection (each would cost etcd a new watch and a replay).
+    client = EtcdClient(silent_endpoint, timeout=SHORT)
+    stream = WatchStream(client, b"k", None, 1)
+    try:
+        for _ in range(3):
+            assert stream.next_events(timedelta(seconds=0.1)) == []
+        assert stream.connections == 1
+        # Past the patience, the endpoint counts as failed: new requests, then unavailable.
+        monkeypatch.setattr(client_module, "_WATCH_OPEN_PATIENCE_S", 0.0)
+        with pytest.raises(EtcdUnavailable, match="no answer to the watch request"):
+            stream.next_events(timedelta(seconds=0.3))
+        assert stream.connections >= 2
+    finally:
+        stream.close()
+
+
 def test_the_watch_reader_reassembles_lines_split_anywhere_across_chunks() -> None:
     messages = [
         json.dumps({"result": {"n": i, "pad": "x" * (i * 7)}}).encode() + b"\n" for i in range(6)

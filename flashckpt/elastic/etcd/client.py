@@ -112,6 +112,9 @@ _IDLE_TIMEOUT_S = 20.0
 # again at once), and at most this many per client.
 _WATCH_KEEP_S = 60.0
 _MAX_KEPT_WATCHES = 32
+# A watch request etcd has not answered is waited for across calls this long, then the next
+# endpoint is tried (an overloaded etcd answers late; reconnecting would add to its load).
+_WATCH_OPEN_PATIENCE_S = 30.0
 # Errors of a send on a pooled connection that mean the peer had closed it.
 _PEER_CLOSED_ERRORS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
@@ -1408,6 +1411,7 @@ class WatchStream:
         self._chunk_left = 0  # bytes of the current chunk still to come (+2 for its CRLF)
         self._closed = False
         self._reading = False  # a thread is in next_events
+        self._opened_at: float | None = None  # when the pending watch request was sent
         self.connections = 0
         """Connections this stream opened (diagnostics and tests)."""
 
@@ -1464,6 +1468,8 @@ class WatchStream:
             try:
                 if self._sock is None:
                     self._open(deadline)
+                if not self._answered(deadline):
+                    return []  # etcd has not answered yet; the request stays pending
                 events = self._read(deadline)
             except _AttemptFailed as exc:
                 self._drop()
@@ -1523,11 +1529,39 @@ class WatchStream:
         try:
             sock.settimeout(max(0.001, deadline.remaining()))
             sock.sendall(head.encode() + payload)
-            status, headers = self._read_head(deadline)
+        except OSError as exc:
+            raise _AttemptFailed(
+                f"watch on {endpoint.url} failed: {exc!r}", sent=False, timed_out=False
+            ) from exc
+        self._opened_at = time.monotonic()  # its answer is awaited (_answered)
+
+    def _answered(self, deadline: Deadline) -> bool:
+        """Reads etcd's answer to the watch request: False when the deadline passed first (the
+        request stays pending, and the next call waits on: an overloaded etcd answers late, and
+        a new request would only add to its load); after ``_WATCH_OPEN_PATIENCE_S`` without an
+        answer, the endpoint counts as failed and the next one is tried."""
+        if self._opened_at is None:
+            return True
+        endpoint = self._endpoint
+        assert endpoint is not None
+        if time.monotonic() - self._opened_at > _WATCH_OPEN_PATIENCE_S:
+            self._client._prefer(self._client._endpoint_for(1))
+            raise _AttemptFailed(
+                f"watch on {endpoint.url}: no answer to the watch request in "
+                f"{_WATCH_OPEN_PATIENCE_S:g} s",
+                sent=False,
+                timed_out=True,
+            )
+        try:
+            head = self._read_head(deadline)
         except (OSError, ValueError) as exc:
             raise _AttemptFailed(
                 f"watch on {endpoint.url} failed: {exc!r}", sent=False, timed_out=False
             ) from exc
+        if head is None:
+            return False
+        self._opened_at = None
+        status, headers = head
         if status != 200:
             body = self._read_error_body(headers, deadline)
             error = _error_from_response(status, body, endpoint, "/v3/watch")
@@ -1539,6 +1573,7 @@ class WatchStream:
                 f"{endpoint.url}/v3/watch answered without a chunked stream ({headers}); is "
                 "this an etcd v3.4+ client URL, with no proxy that buffers responses?"
             )
+        return True
 
     def _recv(self, deadline: Deadline) -> bool:
         """Receives more bytes into ``_raw``: False when the deadline passed first."""
@@ -1558,12 +1593,12 @@ class WatchStream:
         self._raw += data
         return True
 
-    def _read_head(self, deadline: Deadline) -> tuple[int, dict[str, str]]:
+    def _read_head(self, deadline: Deadline) -> tuple[int, dict[str, str]] | None:
         while b"\r\n\r\n" not in self._raw:
             if len(self._raw) > 65536:
                 raise ValueError("an HTTP head of more than 64 KiB")
             if not self._recv(deadline):
-                raise TimeoutError("no answer to the watch request")
+                return None
         end = self._raw.index(b"\r\n\r\n")
         lines = bytes(self._raw[:end]).decode("latin-1").split("\r\n")
         del self._raw[: end + 4]

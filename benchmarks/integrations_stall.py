@@ -1,16 +1,24 @@
 """Training time lost per checkpoint inside each framework's own loop: flashckpt's adapter
 against the framework's own checkpointing, side by side in one run (issue 29).
 
-For each framework (the Hugging Face ``Trainer``, a Lightning ``Trainer``), the same training
-command (``tests/support/hftrain.py`` / ``pltrain.py``) runs three ways, one after the
+For each framework (the Hugging Face ``Trainer``, a Lightning ``Trainer``, torchtitan's
+components in the loop of its ``Trainer.train``), the same training command
+(``tests/support/hftrain.py`` / ``pltrain.py`` / ``tttrain.py``) runs three ways, one after the
 other, several rounds interleaved: without checkpoints (``none``), with
 ``flashckpt.integrations.<framework>.FlashCheckpoint(every=N, persist_every=1)`` (every snapshot
 also persisted to storage by the node agent, as the framework's own checkpoint is written every
 time), and with the framework's own checkpoint every N steps (HF ``save_steps=N``; Lightning
-``ModelCheckpoint(every_n_train_steps=N)``), to the same local disk. Each run logs every
+``ModelCheckpoint(every_n_train_steps=N)``; torchtitan's ``CheckpointManager`` with
+``interval=N``, its DCP save, and also in its ``async_mode="async"`` (``native-async``) and
+``"async_with_pinned_mem"`` (``native-pinned``)), to the same local disk. torchtitan runs from
+``.venv/torchtitan-site`` (``scripts/setup.sh`` installs it there; ``--torchtitan-site``
+elsewhere): without it, torchtitan is skipped with a line saying so, or refused when
+``--frameworks`` names it. Each run logs every
 step's wall time; the time lost per checkpoint is the mean of the step intervals that hold a
 checkpoint less the median of the others (``none``, measured on the same intervals, is the noise
-floor), the median over the rounds.
+floor), the median over the rounds. A save in the background also slows the steps after it:
+``loop_lost_per_checkpoint_s`` is the whole loop's time (the steps after the warm-up) less that
+of ``none`` in the same round, per checkpoint, the median over the rounds.
 
     python benchmarks/integrations_stall.py --out benchmarks/runs/integrations.json
 
@@ -35,7 +43,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {
     "huggingface": ROOT / "tests" / "support" / "hftrain.py",
     "lightning": ROOT / "tests" / "support" / "pltrain.py",
+    "torchtitan": ROOT / "tests" / "support" / "tttrain.py",
 }
+MODES = {
+    "huggingface": ("none", "flash", "native"),
+    "lightning": ("none", "flash", "native"),
+    "torchtitan": ("none", "flash", "native", "native-async", "native-pinned"),
+}
+WIDTH = {"huggingface": "hf_width", "lightning": "pl_width", "torchtitan": "tt_width"}
 
 
 def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict:
@@ -56,7 +71,7 @@ def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict
         "--every",
         str(a.every),
         "--width",
-        str(a.hf_width if framework == "huggingface" else a.pl_width),
+        str(getattr(a, WIDTH[framework])),
         "--step-times",
         str(times),
         "--storage",
@@ -66,6 +81,8 @@ def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict
         "--run-dir",
         f"/tmp/fcb-{job}",
     ]
+    if framework == "torchtitan":
+        cmd += ["--torchtitan-site", a.torchtitan_site]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     wall = time.perf_counter() - t0
@@ -77,8 +94,9 @@ def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict
     }
     # The step interval that holds the checkpoint of step s: HF logs the interval from step s's
     # start to step s+1's start (its checkpoint comes between); Lightning logs when a batch
-    # ends, before the checkpoint callbacks, so the checkpoint of step s is in interval s + 1.
-    shift = 0 if framework == "huggingface" else 1
+    # ends, before the checkpoint callbacks, so the checkpoint of step s is in interval s + 1;
+    # torchtitan's run logs the interval that ends after step s's save(), which holds it.
+    shift = 1 if framework == "lightning" else 0
     held = {s + shift for s in range(a.every, a.steps, a.every)}
     warm = 2  # the first steps warm up (allocator, lazy optimizer state)
     at_ckpt = [t for s, t in times_by_step.items() if s in held and s > warm]
@@ -91,31 +109,59 @@ def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict
         "median_step_s": med,
         "lost_per_checkpoint_s": lost,
         "checkpoints": ckpts,
+        "loop_s": sum(t for s, t in times_by_step.items() if s > warm),
     }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--frameworks", default="huggingface,lightning")
+    p.add_argument("--frameworks", default=None, help="default: all (torchtitan if installed)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--hf-width", type=int, default=512, help="GPT-2 n_embd (~75 MB of state)")
     p.add_argument("--pl-width", type=int, default=2048, help="MLP width (~50 MB of state)")
+    p.add_argument("--tt-width", type=int, default=768, help="TinyLM dim (~57 MB of state)")
+    p.add_argument("--torchtitan-site", default=str(ROOT / ".venv" / "torchtitan-site"))
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    frameworks = (a.frameworks or ",".join(SCRIPTS)).split(",")
+    skipped: dict[str, str] = {}
+    if "torchtitan" in frameworks and not (Path(a.torchtitan_site) / "torchtitan").is_dir():
+        why = (
+            f"no torchtitan in {a.torchtitan_site} (scripts/setup.sh installs torchtitan 0.3.0 "
+            "there; or pass --torchtitan-site DIR, a pip --target install of it)"
+        )
+        if a.frameworks:  # asked for by name: refused
+            print(f"torchtitan: {why}", file=sys.stderr)
+            return 2
+        print(f"torchtitan: skipped: {why}")
+        frameworks.remove("torchtitan")
+        skipped["torchtitan"] = why
     tmp = Path(tempfile.mkdtemp(prefix="fc-integ-bench-"))
     results: dict = {
         "args": vars(a),
         "load_avg_start": os.getloadavg(),
         "frameworks": {},
+        "skipped": skipped,
+        "unavailable": {},
     }
     try:
-        for fw in a.frameworks.split(","):
-            runs: dict[str, list[dict]] = {"none": [], "flash": [], "native": []}
+        for fw in frameworks:
+            runs: dict[str, list[dict]] = {m: [] for m in MODES[fw]}
             for _ in range(a.rounds):
-                for mode in runs:  # interleaved: a load change hits every mode alike
-                    runs[mode].append(one_run(fw, mode, a, tmp))
+                for mode in list(runs):  # interleaved: a load change hits every mode alike
+                    try:
+                        runs[mode].append(one_run(fw, mode, a, tmp))
+                    except RuntimeError as e:
+                        if mode in ("none", "flash"):
+                            raise
+                        # a mode of the framework's own that does not run here (torchtitan's
+                        # pinned-memory async needs an accelerator): recorded with its error
+                        last = str(e).strip().splitlines()[-1]
+                        print(f"{fw} {mode}: does not run here: {last}", file=sys.stderr)
+                        results["unavailable"].setdefault(fw, {})[mode] = last
+                        del runs[mode]
             summary: dict = {}
             for mode, rs in runs.items():
                 lost = statistics.median(r["lost_per_checkpoint_s"] for r in rs)
@@ -124,28 +170,43 @@ def main() -> int:
                     "median_step_s": statistics.median(r["median_step_s"] for r in rs),
                     "rounds": rs,
                 }
-            f, n = (
-                summary["flash"]["lost_per_checkpoint_s"],
-                summary["native"]["lost_per_checkpoint_s"],
-            )
-            summary["native_over_flash"] = n / f if f > 0 else None
+                if mode != "none":  # whole loop against none's in the same round, per ckpt:
+                    # what a background save costs the steps after the checkpoint too
+                    summary[mode]["loop_lost_per_checkpoint_s"] = statistics.median(
+                        (r["loop_s"] - n["loop_s"]) / r["checkpoints"]
+                        for r, n in zip(rs, runs["none"], strict=False)
+                    )
+            f = summary["flash"]["lost_per_checkpoint_s"]
+            for mode in runs:
+                if mode.startswith("native"):
+                    n = summary[mode]["lost_per_checkpoint_s"]
+                    summary[f"{mode}_over_flash"] = n / f if f > 0 else None
             results["frameworks"][fw] = summary
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     results["load_avg_end"] = os.getloadavg()
-    print(f"{'framework':12} {'mode':7} {'median step':>12} {'lost/ckpt':>10}  rounds")
+    print(
+        f"{'framework':12} {'mode':13} {'median step':>12} {'lost/ckpt':>10} "
+        f"{'loop-none/ckpt':>14}  rounds"
+    )
     for fw, s in results["frameworks"].items():
-        for mode in ("none", "flash", "native"):
+        for mode in MODES[fw]:
+            if mode not in s:
+                print(f"{fw:12} {mode:13} does not run here: {results['unavailable'][fw][mode]}")
+                continue
             r = s[mode]
             rounds = " ".join(f"{x['lost_per_checkpoint_s']:.3f}" for x in r["rounds"])
+            whole = r.get("loop_lost_per_checkpoint_s")
             print(
-                f"{fw:12} {mode:7} {r['median_step_s']:12.4f} "
-                f"{r['lost_per_checkpoint_s']:10.4f}  {rounds}"
+                f"{fw:12} {mode:13} {r['median_step_s']:12.4f} "
+                f"{r['lost_per_checkpoint_s']:10.4f} "
+                f"{'-' if whole is None else f'{whole:.4f}':>14}  {rounds}"
             )
-        ratio = s["native_over_flash"]
-        print(
-            f"{fw:12} native/flash lost per checkpoint: {'-' if ratio is None else f'{ratio:.1f}x'}"
-        )
+        for mode in MODES[fw]:
+            if mode.startswith("native") and mode in s:
+                ratio = s[f"{mode}_over_flash"]
+                shown = "-" if ratio is None else f"{ratio:.1f}x"
+                print(f"{fw:12} {mode}/flash lost per checkpoint: {shown}")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(results, indent=2))

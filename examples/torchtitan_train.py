@@ -118,10 +118,12 @@ class Job:
     checkpointer: Any  # its CheckpointManager, or FlashCheckpointManager around it
 
 
-def build(steps: int, every: int, folder: str) -> Job:
+def build(
+    steps: int, every: int, folder: str, *, dim: int = 32, async_mode: str = "disabled"
+) -> Job:
     """torchtitan's components as its ``Trainer.__init__`` builds them (one rank, no
     parallelism), its ``CheckpointManager`` saving into ``folder``/checkpoint every ``every``
-    steps."""
+    steps (``async_mode`` as its ``checkpoint.async_mode``); ``dim``: the model's width."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import OptimizersContainer
@@ -129,7 +131,7 @@ def build(steps: int, every: int, folder: str) -> Job:
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
     torch.manual_seed(42)  # its Trainer seeds once at the start
-    model = TinyLM(TinyLMConfig())
+    model = TinyLM(TinyLMConfig(dim=dim))
     adamw = {"lr": 3e-3, "weight_decay": 0.01, "eps": 1e-8}
     optimizers = OptimizersContainer.Config(
         param_groups=[
@@ -143,7 +145,7 @@ def build(steps: int, every: int, folder: str) -> Job:
     dataloader = ParallelAwareDataloader(TokenStream(), dp_rank=0, dp_world_size=1, batch_size=4)
     train_state = TrainState()
     checkpointer = CheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=every, async_mode="disabled"
+        enable=True, folder="checkpoint", interval=every, async_mode=async_mode
     ).build(
         dataloader=dataloader,
         model_parts=[model],

@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from waiting import wait_until
 
-from flashckpt.elastic.etcd.client import EtcdClient, EtcdOutcomeUnknown
+from flashckpt.elastic.etcd.client import EtcdClient, EtcdOutcomeUnknown, EtcdUnavailable
 from flashckpt.elastic.etcd.store import EtcdV3Store
 from flashckpt.elastic.membership.nodes import NodeRegistry
 from flashckpt.elastic.rendezvous.handler import (
@@ -324,6 +324,46 @@ def test_a_join_with_a_stale_round_is_refused_and_lands_in_the_open_round(
     assert raced
     assert info.rank == 0 and h.round == 1
     assert not [k for k in j.key_list() if k.startswith("rdzv/r/000000000000/a/")]
+
+
+@pytest.mark.parametrize("failure", ["etcd_error", "lease_lapsed"])
+def test_a_member_whose_wait_failed_takes_its_rank_not_the_next_round(
+    job: Callable[..., Job], failure: str
+) -> None:
+    # Issue 31 (benchmark at 512 machines under load: 108 leases lapsed between the kill and
+    # round 2, 24 members never took their rank): a machine joined round 0, its wait for the
+    # result ended without it (its watch could not reach etcd, or its lease lapsed) and the
+    # round closed with it meanwhile. Its next join is refused (the round key moved): it must
+    # take its rank in round 0 from the refusal, not join round 1, where it would wait forever
+    # while its group waits for it.
+    j = job(min_nodes=2, max_nodes=2)
+    lead, late = j.machine(), j.machine(join_timeout=timedelta(seconds=10))
+    out_lead = j.join(lead)
+    wait_until(lambda: lead.waiting_in == 0, "the first machine leads round 0", timeout=30.0)
+    result_key = j.prefix + "rdzv/r/000000000000/c/result"
+    failed: list[bool] = []
+    real_wait = late._wait_ctl
+
+    def watch_fails_once(ctl_prefix: str, rev: int, seconds: float) -> Any:
+        if not failed:
+            wait_until(lambda: j.client.get(result_key) is not None, "round 0 closed", 30.0)
+            failed.append(True)
+            if failure == "etcd_error":
+                raise EtcdUnavailable("no etcd endpoint accepted the watch (test)")
+            lease = late._lease
+            assert lease is not None
+            j.client.revoke_lease(lease)  # lapsed: what its renewal then finds
+            late._lease_lost.set()
+            return []
+        return real_wait(ctl_prefix, rev, seconds)
+
+    late._wait_ctl = watch_fails_once  # type: ignore[method-assign]
+    out_late = j.join(late)
+    infos = [done(out_lead), done(out_late)]
+    assert failed
+    assert sorted(ranks(infos)) == [0, 1] and {i.world_size for i in infos} == {2}
+    assert late.round == 0
+    assert not [k for k in j.key_list() if k.startswith("rdzv/r/000000000001/")]
 
 
 def test_a_result_of_another_round_is_a_clear_error(job: Callable[..., Job]) -> None:

@@ -429,6 +429,9 @@ class RdzvHandler(RendezvousHandler):
         # its lease); (-1, 0, 0): none. A join compares it (see _attempt).
         self._known: tuple[int, int, int] = (-1, 0, 0)
         self._joined = False  # joined a round since it was last admitted to one
+        # The round this machine joined and has not read the result of yet, and its join key's
+        # create_revision (how a result names it): (-1, 0) when none.
+        self._pending: tuple[int, int] = (-1, 0)
         self.stats = _Stats()
 
     # -------------------------------------------------------------------- torch's interface
@@ -742,7 +745,9 @@ class RdzvHandler(RendezvousHandler):
         closed one (``_known``: none at first, then the last result it read). Its compare
         (the round key's revision, no ``closed`` key) refuses a stale belief, and the refusal
         carries the round key and ``closed``: the next attempt joins from them. A round-1 join,
-        or a member's join of the round after its own, is one request."""
+        or a member's join of the round after its own, is one request. A machine that joined
+        this round before and stopped waiting (an etcd error, its lease lapsed) also gets the
+        round's result in the refusal, and takes its rank from it if the round took it."""
         self._check_left()
         lease = self._ensure_lease()
         newest, round_rev, round_lease = self._known
@@ -780,6 +785,12 @@ class RdzvHandler(RendezvousHandler):
             _range(self._rp(rnd) + "c/", prefix=True),
         ]
         failure = [_range(self._p + "round"), _range(self._p + "closed")]
+        pending_round, pending_create = self._pending
+        if pending_round == rnd:
+            # This machine joined round rnd before and stopped waiting for its result (an etcd
+            # error, its lease lost): if rnd closed meanwhile, the refusal carries the result,
+            # which may name this machine (see below).
+            failure.append(_range(self._rp(rnd) + "c/result"))
         try:
             response = self._txn(compare, success, failure, write=len(value))
         except EtcdLeaseNotFound:
@@ -800,12 +811,20 @@ class RdzvHandler(RendezvousHandler):
             else:
                 self._known = (-1, 0, 0)
             self._newest_seen = max(self._newest_seen, self._known[0])
+            result_kvs = _kvs(response, 2) if pending_round == rnd else []
+            if result_kvs and self._known[0] == rnd:
+                # The round this machine joined closed while it was not waiting, and it is still
+                # the newest: its result decides. A member takes its rank (joining the next
+                # round instead would leave its group waiting for it forever, issue 31); a
+                # machine the round did not take stands by for the next one.
+                return self._take_result(rnd, result_kvs[0], pending_create)
             return None
         self._newest_seen = max(self._newest_seen, newest)
         mine = _kvs(response, 1)
         if not mine:
             return None
         my_create = mine[0].create_revision
+        self._pending = (rnd, my_create)
         ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 3)}
         self._waiting_in = rnd
         self._joined = True
@@ -1091,6 +1110,7 @@ class RdzvHandler(RendezvousHandler):
     # -------------------------------------------------------------------- the outcome
     def _take_result(self, rnd: int, kv: KeyValue, my_create: int) -> RendezvousInfo | None:
         result = _decode_result(kv, rnd)
+        self._pending = (-1, 0)
         # The result and the round key are written in one transaction (_close_round): the
         # round key's revision and lease are the result's. The next join compares them.
         if rnd > self._known[0]:

@@ -410,6 +410,38 @@ class _ProbeServer:
             self._selector.close()
 
 
+class _Renewal:
+    """One lease renewal, sent from a thread of its own; sets ``wake`` when answered."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        lease: Lease,
+        sent: float,
+        timeout: float,
+        interval: float,
+        wake: threading.Event,
+    ) -> None:
+        self.lease = lease
+        self.sent = sent
+        """Monotonic time it was sent."""
+        self.probe_at = sent + interval
+        """When the renew loop probes the peers if it is still unanswered."""
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._client, self._timeout, self._wake = client, timeout, wake
+        threading.Thread(target=self._run, name="flashckpt-node-renewal", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._client.refresh_lease(self.lease, timeout=timedelta(seconds=self._timeout))
+        except Exception as exc:  # taken by the renew loop
+            self.error = exc
+        finally:
+            self.done.set()
+            self._wake.set()
+
+
 class NodeRegistry:
     """This launcher's node key, its lease, its probe port, and a watch on its peers' keys.
 
@@ -519,6 +551,8 @@ class NodeRegistry:
         self._compact_every = compact_every
         self.compactions = 0
         """How often this launcher compacted etcd's history."""
+        self.failed_renewals = 0
+        """How often a lease renewal failed (etcd did not answer in time, or with an error)."""
 
     @property
     def key(self) -> str:
@@ -921,10 +955,21 @@ class NodeRegistry:
             deadline.sleep(0.5)
 
     def _renew_loop(self) -> None:
+        """Renews the lease every ``ttl / 5``, one renewal in flight at a time.
+
+        A renewal's request may take as long as the lease has left (less a margin), not just
+        one interval: under load etcd answers late, and a renewal abandoned after one interval
+        is one the lease needed (and the next one only adds to the load). It runs in a thread
+        of its own, so this loop still wakes on time to probe the peers while it is late and
+        to decide at the fence deadline. A failed renewal is retried at once while the lease
+        has time left.
+        """
         interval = self._ttl.total_seconds() / 5
         ttl_s = self._ttl.total_seconds()
         fencing = self._on_fenced is not None
         next_at = time.monotonic() + interval  # the next renewal
+        inflight: _Renewal | None = None
+        failed_sent = float("-inf")  # when the last renewal that failed was sent
         while True:
             with self._lock:
                 lease, last_ok, fenced = self._lease, self._last_ok, self._fenced
@@ -932,67 +977,104 @@ class NodeRegistry:
                 return
             deadline = fence_deadline(last_ok, ttl_s)
             now = time.monotonic()
-            # Wake for the next renewal, or at the fence deadline if that comes first.
-            wake = min(next_at, deadline) if fencing and now < deadline else next_at
+            # Wake for the next renewal (or, while one is late, to probe the peers), or at the
+            # fence deadline if that comes first; an answer wakes the loop at once.
+            wake = next_at if inflight is None else inflight.probe_at
+            if fencing and now < deadline:
+                wake = min(wake, deadline)
             nudged = self._renew_wake.wait(max(0.0, wake - now))
             self._renew_wake.clear()
             if self._stop.is_set():
                 return
-            if nudged:
-                next_at = time.monotonic()  # a user of the lease saw it gone: renew now
             with self._lock:
                 lease, last_ok, fenced = self._lease, self._last_ok, self._fenced
             if lease is None or fenced:
                 return
+            if inflight is not None and inflight.done.is_set():
+                answered, inflight = inflight, None
+                if answered.lease.id != lease.id:
+                    continue  # a renewal of a lease given up meanwhile
+                if not self._renewal_answered(answered, fencing):
+                    return
+                if answered.error is not None:
+                    failed_sent = max(failed_sent, answered.sent)
+                # The next renewal an interval after this one was sent; after a failure, at
+                # once (a short pause: a final error must not spin).
+                ok = answered.error is None
+                next_at = answered.sent + interval if ok else time.monotonic() + interval / 10
+                continue
+            if nudged and inflight is None:
+                next_at = time.monotonic()  # a user of the lease saw it gone: renew now
             now = time.monotonic()
             deadline = fence_deadline(last_ok, ttl_s)
             if fencing and now >= deadline:
-                reason = self._cut_off(last_ok)
+                # A peer's renewal shows that this machine alone is cut off from etcd when one
+                # of this machine's renewals was sent after it and failed, or has gone unanswered
+                # for an interval while the peer's went through; not when the only one that
+                # failed was sent before it (etcd came back for those sent later).
+                unanswered = float("inf") if inflight is None else inflight.sent + interval
+                reason = self._cut_off(last_ok, (failed_sent, unanswered))
                 if reason is not None:
                     self._fence(reason, last_ok)
                     return
+            if inflight is not None:
+                if now >= inflight.probe_at:
+                    # Late by an interval: as a failed renewal did, find out in the background
+                    # whether the peers answer (for the fence deadline).
+                    inflight.probe_at = now + interval
+                    if fencing:
+                        self._probe_in_background()
+                continue
             if now < next_at:
                 continue  # woke for the fence deadline only
-            next_at = now + interval
-            sent = now
-            timeout = interval
-            if fencing and deadline > sent:
-                # A renewal that answers after the fence deadline comes too late: fence then.
-                timeout = min(interval, max(0.05, deadline - sent))
-            try:
-                self._client.refresh_lease(lease, timeout=timedelta(seconds=timeout))
-                with self._lock:
-                    self._last_ok = max(self._last_ok, sent)
-                    self._warned_cut_off = False
-            except EtcdLeaseNotFound:
-                if self._stop.is_set():
-                    return
-                self._lease_ended(lease)
-                if self._on_fenced is not None:
-                    # The job dropped this machine: its workers must stop, and it may come back
-                    # only as a new member, never under the old token.
-                    self._fence(
-                        f"this node's etcd lease lapsed (etcd was unreachable for more than "
-                        f"{ttl_s:g} s)",
-                        last_ok,
-                    )
-                    return
-                logger.warning(
-                    "this node's etcd lease lapsed (etcd was unreachable for more than %g s?); "
-                    "registering again",
-                    ttl_s,
+            # The request may take what the lease has left, less a margin (etcd must receive it
+            # before the lease lapses); with nothing left, an interval (etcd's answer tells).
+            left = lease_expiry(last_ok, ttl_s) - now - interval / 2
+            timeout = left if left >= interval else interval
+            inflight = _Renewal(self._client, lease, now, timeout, interval, self._renew_wake)
+
+    def _renewal_answered(self, renewal: _Renewal, fencing: bool) -> bool:
+        """Takes a renewal's answer; False when the renew loop must end (fenced, stopped)."""
+        lease, error, ttl_s = renewal.lease, renewal.error, self._ttl.total_seconds()
+        if error is None:
+            with self._lock:
+                self._last_ok = max(self._last_ok, renewal.sent)
+                self._warned_cut_off = False
+            return True
+        if isinstance(error, EtcdLeaseNotFound):
+            if self._stop.is_set():
+                return False
+            with self._lock:
+                last_ok = self._last_ok
+            self._lease_ended(lease)
+            if self._on_fenced is not None:
+                # The job dropped this machine: its workers must stop, and it may come back
+                # only as a new member, never under the old token.
+                self._fence(
+                    f"this node's etcd lease lapsed (etcd was unreachable for more than "
+                    f"{ttl_s:g} s)",
+                    last_ok,
                 )
-                with self._lock:
-                    if self._lease is not None and self._lease.id == lease.id:
-                        self._lease = None  # nobody uses it meanwhile (shared_lease)
-                try:
-                    self._register(Deadline.after(self._ttl * 4))
-                except Exception as exc:  # keep renewing; the next round retries
-                    logger.error("registering this node again failed: %s", exc)
-            except Exception as exc:  # one failed renewal must not stop the thread
-                logger.warning("renewing this node's etcd lease failed (will retry): %s", exc)
-                if fencing:
-                    self._probe_in_background()
+                return False
+            logger.warning(
+                "this node's etcd lease lapsed (etcd was unreachable for more than %g s?); "
+                "registering again",
+                ttl_s,
+            )
+            with self._lock:
+                if self._lease is not None and self._lease.id == lease.id:
+                    self._lease = None  # nobody uses it meanwhile (shared_lease)
+            try:
+                self._register(Deadline.after(self._ttl * 4))
+            except Exception as exc:  # keep renewing; the next round retries
+                logger.error("registering this node again failed: %s", exc)
+            return True
+        # One failed renewal must not stop the thread: the next one goes at once.
+        self.failed_renewals += 1
+        logger.warning("renewing this node's etcd lease failed (will retry): %s", error)
+        if fencing:
+            self._probe_in_background()
+        return True
 
     def _etcd_age(self) -> float | None:
         """Seconds since the last lease renewal that succeeded was sent (what this launcher
@@ -1047,7 +1129,9 @@ class NodeRegistry:
             answers = list(ex.map(ask, peers))
         return {r.node_id: renewed for r, (ok, renewed) in zip(peers, answers, strict=True) if ok}
 
-    def _cut_off(self, last_ok: float) -> str | None:
+    def _cut_off(
+        self, last_ok: float, tried: tuple[float, float] = (float("inf"), float("inf"))
+    ) -> str | None:
         """Why this machine is cut off from the job (from the others too, or from etcd alone
         while they reach it), or None when it is not.
 
@@ -1058,7 +1142,8 @@ class NodeRegistry:
         are probed in the background after each failed renewal (a loaded peer gets 1 s to
         answer); at the deadline, if none answered in the last two renewal intervals, once
         more, briefly. (A partition that follows an etcd outage is thus fenced up to two
-        intervals late.)
+        intervals late.) A peer's renewal (monotonic time here) shows that this machine alone
+        is cut off from etcd only before ``tried[0]`` or after ``tried[1]`` (default: any).
         """
         with self._lock:
             # Answers of the last two renewal intervals count (the background probes).
@@ -1078,7 +1163,11 @@ class NodeRegistry:
         # Its lease will lapse and a new world will form without it, so it fences as if cut off
         # from everyone.
         margin = 1.5 * ttl_s / 5
-        reaching = {n: t for n, t in alive.items() if t is not None and t > last_ok + margin}
+        reaching = {
+            n: t
+            for n, t in alive.items()
+            if t is not None and t > last_ok + margin and not tried[0] <= t <= tried[1]
+        }
         if reaching:
             return (
                 f"no etcd lease renewal for {time.monotonic() - last_ok:.1f} s, while node(s) "

@@ -1,0 +1,184 @@
+"""Node-lease renewals under a slow etcd (issue 31): a renewal may take what the lease has left.
+
+At 512 simulated machines etcd answered keep-alives later than the renewal interval; each was
+abandoned after one interval, the next one added to the load, and healthy machines were fenced
+or registered again. Here one machine reaches etcd through a TCP relay that holds every answer
+for longer than the renewal interval (well within the TTL), while a peer reaches etcd directly
+and so renews on time: the slow machine must stay in the job with one renewal in flight at a
+time. When the relay stops passing anything, the machine is still fenced at its deadline.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from urllib.parse import urlsplit
+
+import pytest
+from waiting import wait_until
+
+from flashckpt.elastic.etcd.client import EtcdClient
+from flashckpt.elastic.membership.nodes import FenceNotice, NodeRegistry, fence_deadline
+
+TTL = timedelta(seconds=4)  # renewals every 0.8 s, fence deadline 3.2 s after the last one
+DELAY_S = 1.2  # each keep-alive answer: 1.5 renewal intervals late, 2 s before the fence deadline
+
+
+class _SlowRelay:
+    """A TCP relay in front of etcd that counts lease keep-alive requests (and the most in
+    flight at once), holds each keep-alive's answer ``delay`` seconds, or passes nothing at all."""
+
+    def __init__(self, upstream: str) -> None:
+        parts = urlsplit(upstream)
+        self._upstream = (parts.hostname or "127.0.0.1", parts.port or 2379)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._pending: dict[int, int] = {}  # keep-alives unanswered, per connection
+        self.delay = 0.0
+        self.blackhole = False  # pass nothing either way
+        self.keepalives = 0
+        self.answered = 0
+        self.most_in_flight = 0
+        self._start(self._accept_loop)
+
+    def _start(self, target: Callable[..., None], *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept_loop(self) -> None:
+        conn = 0
+        while True:
+            try:
+                down, _ = self._listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self._upstream)
+            conn += 1
+            with self._lock:
+                self._socks += [down, up]
+                self._pending[conn] = 0
+            self._start(self._pump, down, up, conn, False)
+            self._start(self._pump, up, down, conn, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, conn: int, answers: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if self.blackhole:
+                    continue
+                if answers and self._pending[conn]:
+                    time.sleep(self.delay)  # a keep-alive's answer (its first bytes)
+                elif not answers and b"/v3/lease/keepalive" in data:
+                    with self._lock:
+                        self.keepalives += 1
+                        self._pending[conn] += 1
+                        self.most_in_flight = max(self.most_in_flight, sum(self._pending.values()))
+                dst.sendall(data)
+                if answers:
+                    with self._lock:
+                        if self._pending[conn]:
+                            self._pending[conn] -= 1
+                            self.answered += 1
+        except OSError:
+            pass
+        with self._lock:
+            self._pending[conn] = 0  # the client gave up on this connection's request
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        except OSError:
+            pass
+        self._listener.close()
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+
+@pytest.fixture
+def slow_relay(etcd_server: str) -> Iterator[_SlowRelay]:
+    relay = _SlowRelay(etcd_server)
+    try:
+        yield relay
+    finally:
+        relay.close()
+
+
+@pytest.fixture
+def slow_machine(
+    slow_relay: _SlowRelay,
+    etcd_prefix: str,
+    registries: Callable[..., NodeRegistry],
+) -> Iterator[tuple[NodeRegistry, list[tuple[float, FenceNotice]]]]:
+    """A fencing registry through the relay, with a peer (reaching etcd directly) that renews
+    on time and answers its probe port; yields it and its fences (monotonic time, notice)."""
+    registries(etcd_prefix, "peer", ttl=TTL)
+    fences: list[tuple[float, FenceNotice]] = []
+    client = EtcdClient(slow_relay.url, timeout=timedelta(seconds=5))
+    reg = NodeRegistry(
+        client,
+        etcd_prefix,
+        "slow",
+        ttl=TTL,
+        advertise_host="127.0.0.1",
+        bind_host="127.0.0.1",
+        on_fenced=lambda notice: fences.append((time.monotonic(), notice)),
+    )
+    try:
+        reg.start(timedelta(seconds=10))
+        wait_until(lambda: "peer" in reg.peers(), "the slow machine sees its peer", 30)
+        yield reg, fences
+    finally:
+        slow_relay.blackhole, slow_relay.delay = False, 0.0
+        reg.close(timeout=timedelta(seconds=2))
+        client.close()
+
+
+@pytest.mark.etcd
+def test_answers_later_than_the_interval_keep_the_lease_one_renewal_at_a_time(
+    slow_relay: _SlowRelay, slow_machine: tuple[NodeRegistry, list[tuple[float, FenceNotice]]]
+) -> None:
+    reg, fences = slow_machine
+    slow_relay.delay = DELAY_S
+    # Four answers take 4.8 s: past the 3.2 s fence deadline had any renewal been abandoned.
+    wait_until(
+        lambda: slow_relay.answered >= 4 or bool(fences),
+        "four slow keep-alive answers (or a fence)",
+        60,
+    )
+    assert not fences, f"a machine whose renewals are slow but answered was fenced: {fences}"
+    assert reg.failed_renewals == 0
+    assert slow_relay.most_in_flight == 1, "a second renewal went out while one was in flight"
+    assert slow_relay.keepalives <= slow_relay.answered + 1
+
+
+@pytest.mark.etcd
+def test_a_machine_whose_renewals_get_no_answer_is_fenced_at_its_deadline(
+    slow_relay: _SlowRelay, slow_machine: tuple[NodeRegistry, list[tuple[float, FenceNotice]]]
+) -> None:
+    reg, fences = slow_machine
+    answered = slow_relay.answered
+    wait_until(lambda: slow_relay.answered > answered, "one more renewal answered", 30)
+    slow_relay.blackhole = True
+    wait_until(lambda: bool(fences), "the cut-off machine is fenced", 60)
+    (at, notice), *more = fences
+    assert not more and reg.fenced
+    assert at >= fence_deadline(notice.last_ok, TTL.total_seconds())

@@ -41,6 +41,7 @@ import enum
 import json
 import logging
 import os
+import queue
 import random
 import selectors
 import socket
@@ -411,7 +412,8 @@ class _ProbeServer:
 
 
 class _Renewal:
-    """One lease renewal, sent from a thread of its own; sets ``wake`` when answered."""
+    """One lease renewal, sent by the registry's renewer thread (:meth:`run`); sets ``wake``
+    when answered."""
 
     def __init__(
         self,
@@ -430,9 +432,8 @@ class _Renewal:
         self.error: BaseException | None = None
         self.done = threading.Event()
         self._client, self._timeout, self._wake = client, timeout, wake
-        threading.Thread(target=self._run, name="flashckpt-node-renewal", daemon=True).start()
 
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
             self._client.refresh_lease(self.lease, timeout=timedelta(seconds=self._timeout))
         except Exception as exc:  # taken by the renew loop
@@ -530,6 +531,10 @@ class NodeRegistry:
         self._lease: Lease | None = None
         self._lease_listeners: list[Callable[[Lease], None]] = []
         self._renew_wake = threading.Event()  # renew now (a user of the lease saw it gone)
+        # The renewer thread sends what the renew loop puts here (None: stop), one at a time;
+        # one thread for the registry's life, not one per renewal (1,000 machines per host).
+        self._renewals: queue.SimpleQueue[_Renewal | None] = queue.SimpleQueue()
+        self._renewer: threading.Thread | None = None
         self._stream: WatchStream | None = None  # the node keys' watch
         self._threads: list[threading.Thread] = []
         self._probe_server: _ProbeServer | None = None
@@ -883,6 +888,7 @@ class NodeRegistry:
         """
         self._stop.set()
         self._renew_wake.set()
+        self._renewals.put(None)  # stops the renewer thread once it is idle
         with self._lock:
             stream = self._stream
         if stream is not None:
@@ -1032,6 +1038,16 @@ class NodeRegistry:
             left = lease_expiry(last_ok, ttl_s) - now - interval / 2
             timeout = left if left >= interval else interval
             inflight = _Renewal(self._client, lease, now, timeout, interval, self._renew_wake)
+            if self._renewer is None:
+                self._renewer = threading.Thread(
+                    target=self._renewer_loop, name="flashckpt-node-renewer", daemon=True
+                )
+                self._renewer.start()
+            self._renewals.put(inflight)
+
+    def _renewer_loop(self) -> None:
+        while (renewal := self._renewals.get()) is not None:
+            renewal.run()
 
     def _renewal_answered(self, renewal: _Renewal, fencing: bool) -> bool:
         """Takes a renewal's answer; False when the renew loop must end (fenced, stopped)."""

@@ -15,7 +15,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from flashckpt.elastic.etcd import client as client_module
+from flashckpt.elastic.etcd import _gateway as gateway_module
+from flashckpt.elastic.etcd import watchstream as watch_module
 from flashckpt.elastic.etcd.client import (
     EtcdClient,
     EtcdError,
@@ -434,7 +435,7 @@ def test_idle_connection_past_the_idle_timeout_is_not_reused(
 ) -> None:
     client = EtcdClient(relay.url, timeout=timedelta(seconds=5))
     client.put(etcd_prefix + "k", b"x")
-    monkeypatch.setattr(client_module, "_IDLE_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(gateway_module, "_IDLE_TIMEOUT_S", 0.0)
     client.put(etcd_prefix + "k", b"y")
     stats = client.connection_stats()
     assert (stats.opened, stats.reused, stats.expired) == (2, 0, 1)
@@ -459,7 +460,7 @@ def test_connection_closed_by_the_server_is_replaced(
 
     # The peer closed it between the poll and the send (poll made blind here): an RST makes
     # the send fail, so etcd never had the request and it is sent again on a new connection.
-    monkeypatch.setattr(client_module, "_peer_closed", lambda conn: False)
+    monkeypatch.setattr(gateway_module, "_peer_closed", lambda conn: False)
     relay.drop_all(reset=True)
     ok, kv = client.compare_and_set(key, b"3", mod_revision=kv.mod_revision)
     assert ok and kv is not None and kv.value == b"3"
@@ -503,7 +504,7 @@ def test_many_threads_share_the_pool_and_close_leaks_nothing(etcd_server: str) -
     stats = client.connection_stats()
     requests = threads * rounds * 3
     assert stats.opened + stats.reused == requests and stats.reused > 0, stats
-    assert stats.idle <= client_module._MAX_IDLE_PER_ENDPOINT
+    assert stats.idle <= gateway_module._MAX_IDLE_PER_ENDPOINT
     assert client.delete_prefix("/test/pool-threads/") == threads
     client.close()
     assert _open_fds() <= before, "close() left connections open"
@@ -630,7 +631,7 @@ def test_a_watch_request_not_answered_yet_is_waited_on_then_given_up(
             assert stream.next_events(timedelta(seconds=0.1)) == []
         assert stream.connections == 1
         # Past the patience, the endpoint counts as failed: new requests, then unavailable.
-        monkeypatch.setattr(client_module, "_WATCH_OPEN_PATIENCE_S", 0.0)
+        monkeypatch.setattr(watch_module, "_WATCH_OPEN_PATIENCE_S", 0.0)
         with pytest.raises(EtcdUnavailable, match="no answer to the watch request"):
             stream.next_events(timedelta(seconds=0.3))
         assert stream.connections >= 2

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from flashckpt.elastic.deadline import Deadline
-from flashckpt.elastic.etcd.client import EtcdClient, EtcdError, EtcdOutcomeUnknown, KeyValue
+from flashckpt.elastic.etcd.client import EtcdClient, KeyValue
+from flashckpt.elastic.etcd.errors import EtcdError, EtcdOutcomeUnknown
 
 __all__ = ["EtcdV3Store", "round_of"]
 

@@ -1,19 +1,403 @@
-"""A long-lived etcd v3 watch that hands over its events (key, value, previous value).
-
-The implementation is :class:`flashckpt.elastic.etcd.client.WatchStream`, the one watch of the
-client (:meth:`~flashckpt.elastic.etcd.client.EtcdClient.watch_events` and
-:meth:`~flashckpt.elastic.etcd.client.EtcdClient.wait_for_change` run on it too); this module
-keeps the names the rendezvous handler imports (:mod:`flashckpt.elastic.rendezvous.handler`).
-"""
+"""A long-lived etcd v3 watch that hands over its events (key, value, previous value): the one
+watch of the client (:meth:`~flashckpt.elastic.etcd.client.EtcdClient.watch_events` and
+:meth:`~flashckpt.elastic.etcd.client.EtcdClient.wait_for_change` run on it too)."""
 
 from __future__ import annotations
 
-from flashckpt.elastic.etcd.client import (
-    WatchClosed,
-    WatchCompacted,
-    WatchEvent,
-    WatchStream,
-    prefix_end,
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from flashckpt.elastic.deadline import Deadline
+from flashckpt.elastic.etcd._gateway import (
+    INITIAL_BACKOFF_S,
+    MAX_BACKOFF_S,
+    Endpoint,
+    Gateway,
+    _AttemptFailed,
+    error_from_response,
 )
+from flashckpt.elastic.etcd._wire import KeyValue, b64, kv_from_json, prefix_end
+from flashckpt.elastic.etcd.errors import EtcdError, EtcdUnavailable, WatchClosed, WatchCompacted
 
 __all__ = ["WatchClosed", "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
+
+logger = logging.getLogger(__name__)
+
+# A watch request etcd has not answered is waited for across calls this long, then the next
+# endpoint is tried (an overloaded etcd answers late; reconnecting would add to its load).
+_WATCH_OPEN_PATIENCE_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One change of one key, from :meth:`EtcdClient.watch_events` or a :class:`WatchStream`."""
+
+    deleted: bool
+    """``True`` for a delete (or a lease's expiry or revocation), ``False`` for a put."""
+    kv: KeyValue
+    """The key as written (for a delete: the key and the delete's revision, no value)."""
+    prev: KeyValue | None
+    """The key just before this change; ``None`` when it did not exist, etcd no longer had
+    it, or the watch did not ask for previous values."""
+
+
+class WatchStream:
+    """A long-lived etcd watch: the events of the keys in ``[key, range_end)`` from
+    ``start_revision`` on, each with the key's new value (and its previous one, with
+    ``prev_kv``), so a follower applies each change in O(1) instead of re-reading the keys.
+
+    - :meth:`next_events` blocks until events arrive or its timeout passes; the stream stays
+      open across quiet timeouts (one connection for as long as the watch lives);
+    - a broken stream (etcd restarted, a leader change, a proxy) is opened again from the
+      revision after the last event returned, on any endpoint of the client, so no event is
+      lost or repeated;
+    - when etcd compacted the revisions the stream still needs, :class:`WatchCompacted` is
+      raised: re-read the keys and open a new stream from the revision of that read;
+    - :meth:`close` may be called from another thread and wakes a blocked reader.
+
+    It speaks the JSON gateway's ``/v3/watch`` (a chunked HTTP/1.1 response, one JSON message
+    per line) on a connection of its own, never a pooled one, with the client's endpoints, TLS
+    settings and back-off. It reads the socket itself: a socket file that timed out once cannot
+    be read again, which would cost a new connection per quiet timeout.
+
+    Args:
+        client: The etcd client (its endpoints and TLS settings are used).
+        key: First key of the range.
+        range_end: End of the range (exclusive); ``None``: the single key ``key``.
+        start_revision: First revision to report.
+        prev_kv: Also report each key's previous value (a delete then says what was deleted).
+    """
+
+    def __init__(
+        self,
+        client: Gateway,
+        key: bytes,
+        range_end: bytes | None,
+        start_revision: int,
+        *,
+        prev_kv: bool = False,
+    ) -> None:
+        if start_revision < 1:
+            raise ValueError(f"start_revision must be >= 1, got {start_revision}")
+        self._client = client
+        self._key = key
+        self._range_end = range_end
+        self._next = start_revision
+        self._prev_kv = prev_kv
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._endpoint: Endpoint | None = None
+        self._raw = bytearray()  # received, not yet de-chunked
+        self._body = bytearray()  # de-chunked, not yet a whole line
+        self._chunk_left = 0  # bytes of the current chunk still to come (+2 for its CRLF)
+        self._closed = False
+        self._reading = False  # a thread is in next_events
+        self._opened_at: float | None = None  # when the pending watch request was sent
+        self.connections = 0
+        """Connections this stream opened (diagnostics and tests)."""
+
+    @property
+    def next_revision(self) -> int:
+        """The first revision not reported yet."""
+        return self._next
+
+    def close(self) -> None:
+        """Ends the stream; a reader blocked in :meth:`next_events` gets :class:`WatchClosed`."""
+        with self._lock:
+            self._closed = True
+            sock = self._sock
+            if not self._reading:
+                self._sock = None
+        if sock is not None:
+            # shutdown wakes a blocked reader, which then closes the socket itself (closing a
+            # descriptor another thread is reading could hand its number to a new socket).
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            if self._sock is None:
+                sock.close()
+
+    def next_events(self, timeout: timedelta) -> list[WatchEvent]:
+        """The next events, in revision order; ``[]`` when ``timeout`` passed without any.
+
+        Raises:
+            WatchCompacted: The revisions still to report were compacted.
+            WatchClosed: :meth:`close` was called.
+            EtcdUnavailable: No endpoint accepted the watch for the whole ``timeout``.
+            EtcdError: etcd refused the watch (a request retrying cannot fix).
+        """
+        with self._lock:
+            if self._reading:
+                raise RuntimeError("WatchStream.next_events is already running in another thread")
+            self._reading = True
+        try:
+            return self._next_events(timeout)
+        except EtcdError:
+            self._drop()
+            raise
+        finally:
+            with self._lock:
+                self._reading = False
+            if self._closed:
+                self._drop()
+
+    def _next_events(self, timeout: timedelta) -> list[WatchEvent]:
+        deadline = Deadline.after(timeout)
+        failures = 0
+        while True:
+            if self._closed:
+                raise WatchClosed("the watch was closed")
+            try:
+                if self._sock is None:
+                    self._open(deadline)
+                if not self._answered(deadline):
+                    return []  # etcd has not answered yet; the request stays pending
+                events = self._read(deadline)
+            except _AttemptFailed as exc:
+                self._drop()
+                if self._closed:
+                    raise WatchClosed("the watch was closed") from None
+                failures += 1
+                if deadline.expired():
+                    if exc.sent:
+                        return []  # it was connected; the stream just stayed quiet
+                    raise EtcdUnavailable(
+                        f"no etcd endpoint of {list(self._client.endpoints)} accepted a watch "
+                        f"within {timeout.total_seconds():g} s: {exc}. Check that etcd is "
+                        "running and reachable from this machine."
+                    ) from exc
+                logger.debug("etcd watch failed, reconnecting: %s", exc)
+                deadline.sleep(min(MAX_BACKOFF_S, INITIAL_BACKOFF_S * 2 ** min(failures, 5)))
+                continue
+            if events is None:
+                return []  # the deadline passed; the stream stays open
+            if events:
+                return events
+
+    # ------------------------------------------------------------------------ transport
+
+    def _open(self, deadline: Deadline) -> None:
+        request: dict[str, Any] = {"key": b64(self._key), "start_revision": str(self._next)}
+        if self._range_end is not None:
+            request["range_end"] = b64(self._range_end)
+        if self._prev_kv:
+            request["prev_kv"] = True
+        payload = json.dumps({"create_request": request}).encode()
+        client = self._client
+        endpoint = client._endpoint_for(0)  # the one that answered last
+        try:
+            conn = client._connect(endpoint, deadline)
+        except _AttemptFailed:
+            client._prefer(client._endpoint_for(1))  # try the next one next time
+            raise
+        sock = conn.sock
+        assert sock is not None
+        conn.sock = None  # this stream owns the socket from here
+        with self._lock:
+            if self._closed:
+                sock.close()
+                raise _AttemptFailed("closed", sent=False, timed_out=False)
+            self._sock, self._endpoint = sock, endpoint
+            self.connections += 1
+        self._raw.clear()
+        self._body.clear()
+        self._chunk_left = 0
+        host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+        head = (
+            f"POST /v3/watch HTTP/1.1\r\nHost: {host}:{endpoint.port}\r\n"
+            "Content-Type: application/json\r\nAccept: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n"
+        )
+        try:
+            sock.settimeout(max(0.001, deadline.remaining()))
+            sock.sendall(head.encode() + payload)
+        except OSError as exc:
+            raise _AttemptFailed(
+                f"watch on {endpoint.url} failed: {exc!r}", sent=False, timed_out=False
+            ) from exc
+        self._opened_at = time.monotonic()  # its answer is awaited (_answered)
+
+    def _answered(self, deadline: Deadline) -> bool:
+        """Reads etcd's answer to the watch request: False when the deadline passed first (the
+        request stays pending, and the next call waits on: an overloaded etcd answers late, and
+        a new request would only add to its load); after ``_WATCH_OPEN_PATIENCE_S`` without an
+        answer, the endpoint counts as failed and the next one is tried."""
+        if self._opened_at is None:
+            return True
+        endpoint = self._endpoint
+        assert endpoint is not None
+        if time.monotonic() - self._opened_at > _WATCH_OPEN_PATIENCE_S:
+            self._client._prefer(self._client._endpoint_for(1))
+            raise _AttemptFailed(
+                f"watch on {endpoint.url}: no answer to the watch request in "
+                f"{_WATCH_OPEN_PATIENCE_S:g} s",
+                sent=False,
+                timed_out=True,
+            )
+        try:
+            head = self._read_head(deadline)
+        except (OSError, ValueError) as exc:
+            raise _AttemptFailed(
+                f"watch on {endpoint.url} failed: {exc!r}", sent=False, timed_out=False
+            ) from exc
+        if head is None:
+            return False
+        self._opened_at = None
+        status, headers = head
+        if status != 200:
+            body = self._read_error_body(headers, deadline)
+            error = error_from_response(status, body, endpoint, "/v3/watch")
+            if isinstance(error, _AttemptFailed):
+                error.sent = False  # a refused watch changed nothing: try again
+            raise error
+        if "chunked" not in headers.get("transfer-encoding", ""):
+            raise EtcdError(
+                f"{endpoint.url}/v3/watch answered without a chunked stream ({headers}); is "
+                "this an etcd v3.4+ client URL, with no proxy that buffers responses?"
+            )
+        return True
+
+    def _recv(self, deadline: Deadline) -> bool:
+        """Receives more bytes into ``_raw``: False when the deadline passed first."""
+        sock = self._sock
+        if sock is None:
+            raise OSError("the watch connection was closed")
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            return False
+        sock.settimeout(remaining)
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            return False
+        if not data:
+            raise ConnectionError("etcd ended the watch stream")
+        self._raw += data
+        return True
+
+    def _read_head(self, deadline: Deadline) -> tuple[int, dict[str, str]] | None:
+        while b"\r\n\r\n" not in self._raw:
+            if len(self._raw) > 65536:
+                raise ValueError("an HTTP head of more than 64 KiB")
+            if not self._recv(deadline):
+                return None
+        end = self._raw.index(b"\r\n\r\n")
+        lines = bytes(self._raw[:end]).decode("latin-1").split("\r\n")
+        del self._raw[: end + 4]
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/"):
+            raise ValueError(f"not an HTTP answer: {lines[0][:100]!r}")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip().lower()
+        return int(parts[1]), headers
+
+    def _read_error_body(self, headers: dict[str, str], deadline: Deadline) -> bytes:
+        """The body of an error answer (best effort: a few KiB at most)."""
+        with contextlib.suppress(OSError, ValueError):
+            want = min(int(headers.get("content-length", "0")), 8192)
+            while len(self._raw) < want and self._recv(deadline):
+                pass
+        return bytes(self._raw[:8192])
+
+    def _next_line(self) -> bytes | None:
+        """De-chunks what ``_raw`` holds into ``_body``; returns one whole line, if any."""
+        while True:
+            newline = self._body.find(b"\n")
+            if newline >= 0:
+                line = bytes(self._body[: newline + 1])
+                del self._body[: newline + 1]
+                return line
+            if self._chunk_left > 0:
+                if not self._raw:
+                    return None
+                take = min(len(self._raw), self._chunk_left)
+                data = self._raw[:take]
+                del self._raw[:take]
+                self._chunk_left -= take
+                # The chunk's trailing CRLF (the last 2 bytes counted) is not data.
+                keep = len(data) - max(0, 2 - self._chunk_left)
+                self._body += data[: max(0, keep)]
+                continue
+            end = self._raw.find(b"\r\n")
+            if end < 0:
+                if len(self._raw) > 1024:
+                    raise ValueError("a chunk header of more than 1 KiB")
+                return None
+            size = int(bytes(self._raw[:end]).split(b";")[0].strip() or b"0", 16)
+            del self._raw[: end + 2]
+            if size == 0:
+                raise ConnectionError("etcd ended the watch stream")
+            self._chunk_left = size + 2
+
+    def _read(self, deadline: Deadline) -> list[WatchEvent] | None:
+        endpoint = self._endpoint.url if self._endpoint is not None else "etcd"
+        while True:
+            try:
+                line = self._next_line()
+                if line is None:
+                    if not self._recv(deadline):
+                        return None
+                    continue
+                message = json.loads(line)
+            except (OSError, ValueError) as exc:
+                raise _AttemptFailed(
+                    f"watch stream from {endpoint} broke: {exc!r}", sent=True, timed_out=False
+                ) from exc
+            if not isinstance(message, dict):
+                raise _AttemptFailed(
+                    f"unexpected watch message {line[:200]!r}", sent=True, timed_out=False
+                )
+            if "error" in message:
+                # A broken watch (for example after a leader change): open it again.
+                raise _AttemptFailed(
+                    f"watch error from {endpoint}: {message['error']}", sent=True, timed_out=False
+                )
+            result = message.get("result") or {}
+            compact = int(result.get("compact_revision", 0) or 0)
+            if compact > 0:
+                self._drop()
+                raise WatchCompacted(
+                    f"etcd compacted revisions up to {compact}; the watch needed "
+                    f"{self._next} on: re-read the keys",
+                    compact,
+                )
+            if result.get("canceled"):
+                raise _AttemptFailed(
+                    f"etcd canceled the watch: {result}", sent=True, timed_out=False
+                )
+            events: list[WatchEvent] = []
+            for raw in result.get("events") or []:
+                kv = kv_from_json(raw.get("kv") or {})
+                if kv.mod_revision < self._next:
+                    continue  # already reported before a reconnect
+                prev = raw.get("prev_kv")
+                events.append(
+                    WatchEvent(
+                        deleted=raw.get("type") == "DELETE",
+                        kv=kv,
+                        prev=kv_from_json(prev) if prev else None,
+                    )
+                )
+            if events:
+                self._next = max(e.kv.mod_revision for e in events) + 1
+                return events
+
+    def _drop(self) -> None:
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _abandon(self) -> None:
+        """In a forked child: closes this process's copy of the socket, nothing else."""
+        sock = self._sock
+        if sock is not None:
+            sock.close()

@@ -1,0 +1,583 @@
+"""The transport of the etcd client: etcd's v3 JSON gateway over pooled HTTP/1.1 connections,
+with fail-over across endpoints, a deadline on every call and exact retry rules.
+
+Requests travel on persistent HTTP/1.1 (keep-alive) connections, a few per endpoint, kept by
+the client in a small pool: a machine renewing its leases every second sends each renewal on
+an open connection instead of a new TCP handshake (with a new connection per request, 512
+simulated machines on one host overran etcd's accept queue: ``benchmarks/README.md``,
+"Rendezvous at scale"). The retry rule stays unambiguous:
+
+- a request whose connection could not be opened was never seen by etcd and is always retried;
+- a pooled connection is reused only after a non-blocking poll finds it quiet (a peer that
+  closed it, etcd restarting, leaves it readable) and only if it has been idle less than
+  ``_IDLE_TIMEOUT_S``, well under any proxy's or NAT's idle timeout; one whose ``send`` still
+  fails (the peer closed it in between) did not carry a complete request, so the request goes
+  out again on a fresh connection;
+- a request that was sent but got no answer is retried only when repeating it is harmless
+  (reads, puts, deletes, lease calls). A compare-and-set whose outcome is unknown is never
+  blindly repeated: it raises :class:`~flashckpt.elastic.etcd.errors.EtcdOutcomeUnknown` so
+  that the caller re-reads, since a repeated increment would count twice.
+
+A connection goes back to the pool only after its response was read to the end, and never
+when etcd said it would close it. Streams (a watch, the lease keep-alive stream) use connections
+of their own, never pooled; the pool keeps the watch streams of ``EtcdClient.watch_events``
+open between one caller's calls, so a watch loop holds one connection, not one per call. A pool
+belongs to the process that filled it: a child forked with a client open starts with an empty
+one. :meth:`Gateway.close` closes the idle connections.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import select
+import ssl
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from flashckpt.elastic.deadline import Deadline
+from flashckpt.elastic.etcd.errors import (
+    EtcdError,
+    EtcdLeaseNotFound,
+    EtcdOutcomeUnknown,
+    EtcdTimeout,
+    EtcdUnavailable,
+)
+from flashckpt.errors import FlashckptError
+
+__all__ = ["ConnectionStats", "Endpoint", "Gateway", "parse_endpoints"]
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_PORT = 2379
+INITIAL_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 1.0
+# Idle connections kept per endpoint; more concurrent requests open more, closed after use.
+_MAX_IDLE_PER_ENDPOINT = 4
+# A connection idle longer than this is closed, never reused: well under the idle timeouts of
+# proxies and NATs (AWS ELB 60 s) that drop a connection without telling either end.
+_IDLE_TIMEOUT_S = 20.0
+# EtcdClient.watch_events keeps a caller's stream open this long between two calls (a watch
+# loop calls again at once), and at most this many per client.
+_WATCH_KEEP_S = 60.0
+_MAX_KEPT_WATCHES = 32
+# Errors of a send on a pooled connection that mean the peer had closed it.
+_PEER_CLOSED_ERRORS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+
+# gRPC status codes that etcd reports in the gateway's error body.
+_GRPC_DEADLINE_EXCEEDED = 4
+_GRPC_NOT_FOUND = 5
+_GRPC_RESOURCE_EXHAUSTED = 8
+_GRPC_UNAVAILABLE = 14
+# Rejected before being applied ("too many requests"): safe to repeat.
+_RETRY_NOT_APPLIED = frozenset({_GRPC_RESOURCE_EXHAUSTED})
+# "no leader", "leader changed", "request timed out": the request may or may not have been applied.
+_RETRY_MAYBE_APPLIED = frozenset({_GRPC_DEADLINE_EXCEEDED, _GRPC_UNAVAILABLE})
+
+
+class KeptStream(Protocol):
+    """A watch stream the pool keeps open between two calls of one caller."""
+
+    @property
+    def next_revision(self) -> int: ...
+
+    def close(self) -> None: ...
+
+    def _abandon(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    scheme: str
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+
+class _AttemptFailed(FlashckptError):
+    """One request to one endpoint failed in a way that another attempt may fix."""
+
+    def __init__(self, message: str, *, sent: bool, timed_out: bool) -> None:
+        super().__init__(message)
+        self.sent = sent
+        self.timed_out = timed_out
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionStats:
+    """What a client's connection pool did so far (diagnostics and tests; watches not
+    counted)."""
+
+    opened: int
+    """Connections opened for requests."""
+    reused: int
+    """Requests sent on a connection an earlier request had used."""
+    replaced: int
+    """Pooled connections found closed by the peer (by the poll before reuse, or by a ``send``
+    that failed) and replaced by another before the request went out."""
+    expired: int
+    """Pooled connections closed because they had been idle longer than the idle timeout."""
+    idle: int
+    """Connections idle in the pool now."""
+
+
+class _Pool:
+    """Idle keep-alive connections per endpoint, for one process (``pid``)."""
+
+    def __init__(self, *, closed: bool = False) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.closed = closed
+        # Per endpoint, oldest first: (connection, monotonic time it went idle).
+        self.idle: dict[Endpoint, list[tuple[http.client.HTTPConnection, float]]] = {}
+        self.opened = self.reused = self.replaced = self.expired = 0
+        # watch_events' open streams, per (thread, key, range end): (stream, time given back).
+        self.watches: dict[tuple[int, bytes, bytes | None], tuple[KeptStream, float]] = {}
+
+    def take(self, endpoint: Endpoint) -> http.client.HTTPConnection | None:
+        """The most recently used idle connection to ``endpoint`` that is still usable, or
+        None; closes the ones that are not."""
+        drop: list[http.client.HTTPConnection] = []
+        found = None
+        with self.lock:
+            conns = self.idle.get(endpoint, [])
+            cutoff = time.monotonic() - _IDLE_TIMEOUT_S
+            while conns and conns[0][1] < cutoff:
+                drop.append(conns.pop(0)[0])
+                self.expired += 1
+            while conns:
+                conn = conns.pop()[0]
+                if _peer_closed(conn):
+                    drop.append(conn)
+                    self.replaced += 1
+                    continue
+                found = conn
+                self.reused += 1
+                break
+        for conn in drop:
+            conn.close()
+        return found
+
+    def give(self, endpoint: Endpoint, conn: http.client.HTTPConnection) -> None:
+        """Keeps ``conn`` (its last response read to the end) for the next request, or closes
+        it when the pool is full or closed."""
+        with self.lock:
+            conns = self.idle.setdefault(endpoint, [])
+            keep = not self.closed and self.pid == os.getpid()
+            keep = keep and len(conns) < _MAX_IDLE_PER_ENDPOINT
+            if keep:
+                conns.append((conn, time.monotonic()))
+        if not keep:
+            conn.close()
+
+    def take_watch(
+        self, slot: tuple[int, bytes, bytes | None], next_revision: int
+    ) -> KeptStream | None:
+        """The open stream of ``slot`` if it goes on at ``next_revision``; closes streams
+        nobody came back for within ``_WATCH_KEEP_S`` (their thread stopped watching)."""
+        drop: list[KeptStream] = []
+        with self.lock:
+            found = self.watches.pop(slot, None)
+            cutoff = time.monotonic() - _WATCH_KEEP_S
+            for other, (stream, since) in list(self.watches.items()):
+                if since < cutoff:
+                    del self.watches[other]
+                    drop.append(stream)
+        if found is not None and found[0].next_revision != next_revision:
+            drop.append(found[0])
+            found = None
+        for stream in drop:
+            stream.close()
+        return None if found is None else found[0]
+
+    def give_watch(self, slot: tuple[int, bytes, bytes | None], stream: KeptStream) -> None:
+        """Keeps ``stream`` open for the next call of ``slot``'s thread."""
+        with self.lock:
+            keep = not self.closed and self.pid == os.getpid()
+            if keep:
+                self.watches[slot] = (stream, time.monotonic())
+                while len(self.watches) > _MAX_KEPT_WATCHES:
+                    oldest = min(self.watches, key=lambda k: self.watches[k][1])
+                    if oldest == slot:
+                        break
+                    other = self.watches.pop(oldest)[0]
+                    other.close()
+        if not keep:
+            stream.close()
+
+    def count(self, *, opened: int = 0, replaced: int = 0) -> None:
+        with self.lock:
+            self.opened += opened
+            self.replaced += replaced
+
+    def stats(self) -> ConnectionStats:
+        with self.lock:
+            return ConnectionStats(
+                opened=self.opened,
+                reused=self.reused,
+                replaced=self.replaced,
+                expired=self.expired,
+                idle=sum(len(c) for c in self.idle.values()),
+            )
+
+    def close(self) -> None:
+        """Closes the idle connections; connections in use are closed when given back."""
+        with self.lock:
+            self.closed = True
+            conns = [c for per in self.idle.values() for c, _ in per]
+            self.idle.clear()
+            streams = [stream for stream, _ in self.watches.values()]
+            self.watches.clear()
+        for conn in conns:
+            conn.close()
+        for stream in streams:
+            stream.close()
+
+    def abandon(self) -> None:
+        """In a forked child: closes this process's copies of the parent's sockets, without
+        the lock (a parent thread may have held it at the fork) and without touching the
+        connections' state, which is the parent's (closing a descriptor here sends nothing)."""
+        for per in list(self.idle.values()):
+            for conn, _ in list(per):
+                if conn.sock is not None:
+                    conn.sock.close()
+        for stream, _ in list(self.watches.values()):
+            stream._abandon()
+
+
+def _peer_closed(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle keep-alive connection is unusable: readable (the peer's FIN or RST, or
+    bytes nobody asked for) or closed. ``poll``, not ``select``: a process may hold more than
+    1,024 descriptors."""
+    sock = conn.sock
+    if sock is None:
+        return True
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
+    """Normalizes etcd endpoints to a list of ``scheme://host:port`` URLs.
+
+    Args:
+        endpoints: One endpoint, several separated by commas, or a sequence of them. Each is
+            ``host``, ``host:port``, ``[v6addr]:port`` or ``http(s)://host:port``; the default
+            port is 2379 and the default scheme ``http``.
+
+    Returns:
+        The endpoints as URLs, in the given order.
+
+    Raises:
+        ValueError: If there is no endpoint, or one is not a valid ``host:port``/URL.
+    """
+    return [e.url for e in parse_endpoint_list(endpoints)]
+
+
+def parse_endpoint_list(endpoints: str | Sequence[str]) -> list[Endpoint]:
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    parsed: list[Endpoint] = []
+    for raw in items:
+        text = raw.strip()
+        if not text:
+            continue
+        url = text if "://" in text else f"http://{text}"
+        try:
+            parts = urlsplit(url)
+            port = parts.port or _DEFAULT_PORT
+        except ValueError as exc:
+            raise ValueError(
+                f"invalid etcd endpoint {raw!r}: {exc}; use host:port or http://host:port"
+            ) from exc
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"invalid etcd endpoint {raw!r}: expected host:port, http://host:port or "
+                "https://host:port"
+            )
+        if parts.path not in ("", "/"):
+            raise ValueError(
+                f"invalid etcd endpoint {raw!r}: it must not have a path ({parts.path!r}); "
+                "give the client URL only, e.g. http://127.0.0.1:2379"
+            )
+        parsed.append(Endpoint(parts.scheme, parts.hostname, port))
+    if not parsed:
+        raise ValueError(
+            f"no etcd endpoint given ({endpoints!r}); pass e.g. 'http://127.0.0.1:2379' or "
+            "'host1:2379,host2:2379'"
+        )
+    return parsed
+
+
+class Gateway:
+    """etcd's v3 JSON gateway at a list of endpoints: the transport of
+    :class:`~flashckpt.elastic.etcd.client.EtcdClient` (see its arguments), shared with the
+    watch and lease-keep-alive streams that take a client."""
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        timeout: timedelta,
+        connect_timeout: timedelta = timedelta(seconds=2),
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        if timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        if connect_timeout.total_seconds() <= 0:
+            raise ValueError(f"connect_timeout must be positive, got {connect_timeout!r}")
+        self._endpoints = parse_endpoint_list(endpoints)
+        self._timeout = timeout
+        self._connect_timeout_s = connect_timeout.total_seconds()
+        self._ssl_context = ssl_context
+        self._lock = threading.Lock()
+        self._preferred = 0  # index of the endpoint that answered last
+        self._pool = _Pool()
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The endpoints, as URLs."""
+        return tuple(e.url for e in self._endpoints)
+
+    @property
+    def timeout(self) -> timedelta:
+        """The default deadline of each call."""
+        return self._timeout
+
+    def close(self) -> None:
+        """Closes the pooled connections (a request in flight closes its own when done).
+
+        Calls made after it still work, each on a connection of its own; watches and
+        :class:`~flashckpt.elastic.etcd.client.LeaseKeepAlive` threads are not stopped (close
+        those first).
+        """
+        self._pool_here().close()
+
+    def connection_stats(self) -> ConnectionStats:
+        """What the connection pool of this process did so far: connections opened, requests
+        that reused one, stale ones replaced, idle ones now."""
+        return self._pool_here().stats()
+
+    def _pool_here(self) -> _Pool:
+        """This process's pool: a child forked from a process with open connections must not
+        share them (two processes' requests and answers would interleave on one socket)."""
+        pool = self._pool
+        if pool.pid != os.getpid():
+            with self._lock:
+                pool = self._pool
+                if pool.pid != os.getpid():
+                    pool.abandon()
+                    pool = self._pool = _Pool(closed=pool.closed)
+        return pool
+
+    def _attempts(self, deadline: Deadline) -> Iterator[Endpoint]:
+        """The endpoint of each attempt of one call, endlessly: every endpoint in turn from the
+        preferred one, and after each round a pause that doubles up to ``MAX_BACKOFF_S``. The
+        caller stops when an attempt succeeds or its deadline has passed."""
+        backoff = INITIAL_BACKOFF_S
+        attempt = 0
+        while True:
+            yield self._endpoint_for(attempt)
+            attempt += 1
+            if attempt % len(self._endpoints) == 0:
+                deadline.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def _endpoint_for(self, attempt: int) -> Endpoint:
+        with self._lock:
+            preferred = self._preferred
+        return self._endpoints[(preferred + attempt) % len(self._endpoints)]
+
+    def _prefer(self, endpoint: Endpoint) -> None:
+        with self._lock:
+            self._preferred = self._endpoints.index(endpoint)
+
+    def _call(
+        self,
+        path: str,
+        body: dict[str, Any],
+        *,
+        timeout: timedelta | None,
+        idempotent: bool,
+    ) -> dict[str, Any]:
+        """POSTs ``body`` to ``path``, retrying across endpoints until the deadline."""
+        budget = timeout if timeout is not None else self._timeout
+        deadline = Deadline.after(budget)
+        payload = json.dumps(body).encode()
+        for endpoint in self._attempts(deadline):
+            try:
+                response = self._post_once(endpoint, path, payload, deadline)
+            except _AttemptFailed as exc:
+                if exc.sent and not idempotent:
+                    raise EtcdOutcomeUnknown(
+                        f"etcd at {endpoint.url} took {path} but its answer was lost ({exc}); "
+                        "the write may or may not have been applied: re-read the key before "
+                        "retrying"
+                    ) from exc
+                if deadline.expired():
+                    error = EtcdTimeout if exc.timed_out else EtcdUnavailable
+                    raise error(
+                        f"etcd did not complete {path} within {budget.total_seconds():g} s; "
+                        f"tried {list(self.endpoints)}, last error: {exc}. Check that etcd is "
+                        "running and reachable from this machine, or raise the timeout."
+                    ) from exc
+                logger.debug("etcd %s on %s failed, retrying: %s", path, endpoint.url, exc)
+            else:
+                self._prefer(endpoint)
+                return response
+        raise AssertionError("unreachable: _attempts never ends")
+
+    def _connect(self, endpoint: Endpoint, deadline: Deadline) -> http.client.HTTPConnection:
+        connect_timeout = max(0.001, min(self._connect_timeout_s, deadline.remaining()))
+        conn: http.client.HTTPConnection
+        if endpoint.scheme == "https":
+            conn = http.client.HTTPSConnection(
+                endpoint.host, endpoint.port, timeout=connect_timeout, context=self._ssl_context
+            )
+        else:
+            conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=connect_timeout)
+        try:
+            conn.connect()
+        except ssl.SSLCertVerificationError as exc:
+            conn.close()
+            # Retrying cannot fix a certificate etcd's CA did not sign: fail now, not at the
+            # deadline.
+            raise EtcdError(
+                f"TLS verification of {endpoint.url} failed: {exc.verify_message}; pass the CA "
+                "that signed etcd's certificate (rendezvous option ca_cert, or an ssl_context "
+                "loaded with it)"
+            ) from exc
+        except OSError as exc:
+            conn.close()
+            raise _AttemptFailed(
+                f"cannot connect to {endpoint.url}: {exc!r}",
+                sent=False,
+                timed_out=isinstance(exc, TimeoutError),
+            ) from exc
+        assert conn.sock is not None
+        conn.sock.settimeout(max(0.001, deadline.remaining()))
+        return conn
+
+    def _post_once(
+        self, endpoint: Endpoint, path: str, payload: bytes, deadline: Deadline
+    ) -> dict[str, Any]:
+        pool = self._pool_here()
+        while True:
+            conn = pool.take(endpoint)
+            reused = conn is not None
+            if conn is None:
+                conn = self._connect(endpoint, deadline)
+                pool.count(opened=1)
+            try:
+                assert conn.sock is not None
+                conn.sock.settimeout(max(0.001, deadline.remaining()))
+                conn.request("POST", path, body=payload, headers=HEADERS)
+            except _PEER_CLOSED_ERRORS as exc:
+                conn.close()
+                if reused:
+                    # The peer closed the pooled connection after the poll: sendall failed, so
+                    # etcd never received the whole request. Send it on another connection.
+                    pool.count(replaced=1)
+                    logger.debug("pooled connection to %s was closed: %r", endpoint.url, exc)
+                    continue
+                raise _AttemptFailed(
+                    f"{endpoint.url}{path} failed after the request was sent: {exc!r}",
+                    sent=True,
+                    timed_out=False,
+                ) from exc
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                raise _AttemptFailed(
+                    f"{endpoint.url}{path} failed after the request was sent: {exc!r}",
+                    sent=True,
+                    timed_out=isinstance(exc, TimeoutError),
+                ) from exc
+            except BaseException:
+                conn.close()
+                raise
+            break
+        try:
+            response = conn.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise _AttemptFailed(
+                f"{endpoint.url}{path} failed after the request was sent: {exc!r}",
+                sent=True,
+                timed_out=isinstance(exc, TimeoutError),
+            ) from exc
+        except BaseException:
+            conn.close()
+            raise
+        if response.will_close:
+            conn.close()
+        else:
+            pool.give(endpoint, conn)  # its response was read to the end
+        if response.status == 200:
+            return parse_json(data, endpoint, path)
+        raise error_from_response(response.status, data, endpoint, path)
+
+
+HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
+
+
+def parse_json(data: bytes, endpoint: Endpoint, path: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(data)
+    except ValueError as exc:
+        raise EtcdError(
+            f"{endpoint.url}{path} answered something that is not JSON ({data[:200]!r}); is "
+            "this endpoint an etcd v3.4+ client URL?"
+        ) from exc
+    if not isinstance(parsed, dict):
+        raise EtcdError(f"{endpoint.url}{path} answered unexpected JSON: {data[:200]!r}")
+    return parsed
+
+
+def error_from_response(status: int, data: bytes, endpoint: Endpoint, path: str) -> Exception:
+    """Maps an HTTP error answer to a final :class:`EtcdError` or a retryable failure."""
+    code: int | None = None
+    message = data[:500].decode(errors="replace")
+    try:
+        parsed = json.loads(data)
+        if isinstance(parsed, dict):
+            code = int(parsed["code"]) if "code" in parsed else None
+            message = str(parsed.get("message") or parsed.get("error") or message)
+    except ValueError:
+        pass
+    where = f"{endpoint.url}{path}"
+    if code in _RETRY_NOT_APPLIED:
+        return _AttemptFailed(f"{where}: {message}", sent=False, timed_out=False)
+    if code in _RETRY_MAYBE_APPLIED or (code is None and status >= 500):
+        return _AttemptFailed(
+            f"{where}: HTTP {status}: {message}",
+            sent=True,
+            timed_out=code == _GRPC_DEADLINE_EXCEEDED or "timed out" in message,
+        )
+    if code == _GRPC_NOT_FOUND and "lease" in message:
+        return EtcdLeaseNotFound(
+            f"{where}: {message}; the lease expired or was revoked: grant a new one"
+        )
+    if status == 404 and code is None:
+        return EtcdError(
+            f"{where} does not exist (HTTP 404); this client needs etcd >= 3.4 with its v3 "
+            "JSON gateway on the client URL"
+        )
+    return EtcdError(
+        f"etcd rejected {path} at {endpoint.url}: HTTP {status}, code {code}: {message}"
+    )

@@ -461,6 +461,24 @@ def test_a_round_of_128_machines(job: Callable[..., Job]) -> None:
     # the lead adds a read of the joins and the close. Before: 3 per machine (384).
     txns = sum(h.stats.snapshot()["txns"] for h in hs)
     assert txns < 2 * n, txns
+    # What the launcher asks each round (who is in it, this machine's id there) comes from the
+    # result each machine holds: no request (participants() read the round's N join keys on
+    # every machine, N*N for the job); whether a member went is one count.
+    calls: list[str] = []
+    real = j.client._call
+
+    def counting(path: str, *args: Any, **kw: Any) -> Any:
+        calls.append(path)
+        return real(path, *args, **kw)
+
+    j.client._call = counting  # type: ignore[method-assign]
+    members = {h.members() for h in hs}
+    ids = [h.member_id for h in hs]
+    assert calls == []
+    assert len(members) == 1 and set(ids) == next(iter(members)) and len(set(ids)) == n
+    assert hs[0].members_gone() == 0 and calls == ["/v3/kv/txn"]
+    kill(hs[5])
+    assert hs[0].members_gone() == 1 and calls.count("/v3/kv/txn") == 2
 
 
 def test_an_etcd_restart_is_waited_out_by_members_and_standby(etcd_instance: Any) -> None:

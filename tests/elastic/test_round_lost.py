@@ -20,8 +20,12 @@ from flashckpt.elastic.launch.config import EventLog, LauncherConfig
 from flashckpt.elastic.launch.session import LaunchSession
 from flashckpt.elastic.membership.nodes import NodeRecord
 
-OWN = NodeRecord("n0", "h0", 1, "t0", "127.0.0.1:1", state="active", rdzv_node="d0")
-PEER = NodeRecord("n1", "h1", 2, "t1", "127.0.0.1:2", state="active", rdzv_node="d1")
+OWN = NodeRecord(
+    "n0", "h0", 1, "t0", "127.0.0.1:1", state="active", rdzv_node="d0", rdzv_member=100
+)
+PEER = NodeRecord(
+    "n1", "h1", 2, "t1", "127.0.0.1:2", state="active", rdzv_node="d1", rdzv_member=101
+)
 
 
 class Registry:
@@ -38,13 +42,32 @@ class Registry:
         return dict(self.table)
 
     def records(self, timeout: timedelta | None = None) -> list[NodeRecord]:
-        if self.etcd_down:
-            raise EtcdError("etcd did not answer")
-        return [OWN, *self.keys]
+        raise AssertionError("round_lost reads no node record: a round of N would read N")
 
     def reap_dead_peers(self, candidates: set[str], *, via: str = "probe") -> list[NodeRecord]:
         self.probed.append(set(candidates))
         return []
+
+
+class Handler:
+    """What ``round_lost`` asks the rendezvous: the round's members (from its result) and how
+    many of them hold no join key in etcd (one count), played from the registry's etcd keys."""
+
+    round = 3
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.counted = 0
+
+    def members(self) -> frozenset[int]:
+        return frozenset({100, 101})
+
+    def members_gone(self, timeout: timedelta | None = None) -> int:
+        self.counted += 1
+        if self.registry.etcd_down:
+            raise EtcdError("etcd did not answer")
+        held = {r.rdzv_member for r in [OWN, *self.registry.keys]}
+        return len(self.members() - held)
 
 
 def _session(registry: Registry, tmp_path: Any) -> LaunchSession:
@@ -57,7 +80,8 @@ def _session(registry: Registry, tmp_path: Any) -> LaunchSession:
     )
     s = LaunchSession(config, EventLog(str(tmp_path / "events.jsonl"), "n0"))
     s._registry = registry  # type: ignore[assignment]
-    s._round_nodes = {"d0", "d1"}
+    s._handler = Handler(registry)  # type: ignore[assignment]
+    s._round_members = frozenset({100, 101})
     return s
 
 
@@ -65,7 +89,7 @@ def test_a_peer_revoked_but_not_yet_reported_makes_the_failure_the_worlds(tmp_pa
     # Gone from the table and from etcd, no report yet: etcd says it.
     registry = Registry(table=[], keys=[])
     s = _session(registry, tmp_path)
-    assert s.round_lost(failed=True) == "d1"
+    assert s.round_lost(failed=True) == "1 of round 3"
     # Workers that still run restart only on a report.
     assert s.round_lost(failed=False) is None
 
@@ -119,4 +143,15 @@ def test_etcd_down_counts_the_failure_as_the_workers(
     registry.etcd_down = True
     s = _session(registry, tmp_path)
     assert s.round_lost(failed=True) is None
-    assert "cannot read the job's nodes from etcd" in caplog.text
+    assert "cannot count the round's machines in etcd" in caplog.text
+
+
+def test_a_lost_peer_is_of_the_round_when_its_last_record_says_so(tmp_path: Any) -> None:
+    # The record carries the peer's id in its round (RdzvHandler.member_id): no read of the
+    # round's join keys to know that a peer that went was in it.
+    s = _session(Registry(table=[PEER], keys=[PEER]), tmp_path)
+    s._on_peer_lost(replace(PEER, rdzv_member=99), "watch")  # a member of another round
+    s._on_peer_lost(replace(PEER, token="t2", rdzv_member=None), "watch")  # of none yet
+    assert s.round_lost(failed=False) is None
+    s._on_peer_lost(PEER, "watch")
+    assert s.round_lost(failed=False) == "n1"

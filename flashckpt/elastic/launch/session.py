@@ -186,7 +186,7 @@ class LaunchSession:
         self._lost_active = 0
         # torch's node descriptors of the machines of the round the workers run in, and those
         # of them gone since it formed (the workers' failure is then the world's).
-        self._round_nodes: set[str] = set()
+        self._round_members: frozenset[int] = frozenset()  # RdzvHandler.members()
         self._round_lost: list[NodeRecord] = []
         self._workers_done = False  # this machine's workers finished the job (published on leaving)
         self._last_view: tuple[tuple[int, ...], int] | None = None
@@ -567,7 +567,7 @@ class LaunchSession:
         with self._lock:
             if record.state == "active":
                 self._lost_active += 1
-            if record.rdzv_node in self._round_nodes:
+            if record.rdzv_member is not None and record.rdzv_member in self._round_members:
                 self._round_lost.append(record)
         # The machine that found it dead (a probe, a broken link: it revoked the node lease
         # early) ends its rendezvous lease too; one whose node lease lapsed ("watch") lost its
@@ -738,16 +738,24 @@ class LaunchSession:
             group_rank=worker_group.group_rank,
             group_world_size=worker_group.group_world_size,
         )
-        self._registry.update(state="active", group_rank=worker_group.group_rank)
+        # The round's members come from its result, which the handler holds (no read of the
+        # round's N join keys); this machine's id among them goes in its record, where a peer
+        # that sees it go finds whether it was in its round (_on_peer_lost).
+        handler = self._handler
+        members = handler.members() if handler is not None else frozenset()
+        member_id = handler.member_id if handler is not None else None
         with self._lock:
-            self._round_nodes = (self._handler.participants() if self._handler else None) or set()
+            self._round_members = members
             self._round_lost = []
+        self._registry.update(
+            state="active", group_rank=worker_group.group_rank, rdzv_member=member_id
+        )
         if self.config.health_check:
             self._health_check(worker_group)
 
     def round_lost(self, *, failed: bool) -> str | None:
         """A machine of the workers' round gone since the round formed, if any (its node id,
-        or its rendezvous descriptor when only etcd knows it yet).
+        or how many of the round are gone when only etcd knows it yet).
 
         Args:
             failed: The workers failed: a dead machine of the round is likely why, and its
@@ -761,23 +769,33 @@ class LaunchSession:
         """
         assert self._registry is not None
         with self._lock:
-            nodes = set(self._round_nodes)
+            members = self._round_members
             gone = [r for r in self._round_lost if failed or not r.left_done]
         if gone:
             return gone[0].node_id
-        if not failed or not nodes:
+        handler = self._handler
+        if not failed or not members or handler is None:
             return None
         if self.config.probe:
-            peers = {n for n, r in self._registry.peers().items() if r.rdzv_node in nodes}
+            # The round's machines this one watches (its ring neighbours, a bounded set): one
+            # found dead here is reported (_on_peer_lost) and its leases revoked at once.
+            peers = {n for n, r in self._registry.peers().items() if r.rdzv_member in members}
             if peers:
                 self._registry.reap_dead_peers(peers)
+            with self._lock:
+                gone = list(self._round_lost)
+            if gone:
+                return gone[0].node_id
+        # Whether every member still holds its join key (on its node lease: a machine found
+        # dead anywhere, or whose lease lapsed, holds none): one count, not a read of N keys.
         try:
-            records = self._registry.records(timeout=_PROBE_ETCD_TIMEOUT)
+            missing = handler.members_gone(timeout=_PROBE_ETCD_TIMEOUT)
         except EtcdError as exc:
-            logger.warning("cannot read the job's nodes from etcd after the failure: %s", exc)
+            logger.warning("cannot count the round's machines in etcd after the failure: %s", exc)
             return None
-        missing = sorted(nodes - {r.rdzv_node for r in records} - {self._registry.record.rdzv_node})
-        return missing[0] if missing else None
+        if missing:
+            return f"{missing} of round {handler.round}"
+        return None
 
     def before_start_workers(self, worker_group: WorkerGroup) -> None:
         """Called before workers start: makes sure a node agent fit for this world answers."""
@@ -824,6 +842,8 @@ class LaunchSession:
                 "cannot read the job's nodes from etcd: replica peers unchanged: %s", exc
             )
             return
+        # The members' descriptors: a read of the round's join keys, on this path only (the
+        # replica ring needs every member's record; without --replicas nothing reads them).
         world = self._handler.participants() if self._handler is not None else None
         if world is None:  # etcd did not answer: every live machine but those leaving
             world = {r.rdzv_node for r in records if r.rdzv_node and r.state != "leaving"}

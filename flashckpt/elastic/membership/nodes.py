@@ -179,6 +179,11 @@ class NodeRecord:
     """Set as it leaves (``leaving``): its workers finished the job. A machine that left done
     broke nothing for workers still running elsewhere; one that left otherwise (signalled,
     preempted, retired for a standby, failed) took its workers out of their round."""
+    rdzv_member: int | None = None
+    """While ``active``: its id among the members of its rendezvous round (its join key's
+    ``create_revision``, :attr:`RdzvHandler.member_id
+    <flashckpt.elastic.rendezvous.handler.RdzvHandler.member_id>`): whether a peer that went
+    was in this machine's round is read from its last record, not from the round's join keys."""
 
     @property
     def left_done(self) -> bool:
@@ -199,6 +204,8 @@ class NodeRecord:
             fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data and k != "lease"}
             # Only a true JSON boolean says done: anything else is the safer "not done".
             fields["done"] = fields.get("done") is True
+            if type(fields.get("rdzv_member")) is not int:
+                fields["rdzv_member"] = None
             return cls(**fields, lease=kv.lease)
         except (ValueError, TypeError, KeyError):
             return None
@@ -636,7 +643,11 @@ class NodeRegistry:
                 return self._generation
             stale, self._stale_lease = self._stale_lease, None
             self._record = replace(
-                self._record, token=uuid.uuid4().hex, state="waiting", group_rank=None
+                self._record,
+                token=uuid.uuid4().hex,
+                state="waiting",
+                group_rank=None,
+                rdzv_member=None,
             )
             token = self._record.token
         if stale is not None:

@@ -596,9 +596,49 @@ class RdzvHandler(RendezvousHandler):
         """The round this machine waits in right now (inside ``next_rendezvous``), if any."""
         return self._waiting_in
 
+    def members(self) -> frozenset[int]:
+        """The members of this machine's round, from its result (no etcd call): the
+        ``create_revision`` of each member's join key, which identifies the member in this round
+        only (a machine that joins again gets another). Empty before the first round."""
+        with self._lock:
+            return frozenset(self._members)
+
+    @property
+    def member_id(self) -> int | None:
+        """This machine's id among :meth:`members` (its join key's ``create_revision`` in its
+        round); ``None`` before the first round. The launcher publishes it in its node record
+        (:attr:`~flashckpt.elastic.membership.nodes.NodeRecord.rdzv_member`), so a peer's record
+        says whether it was in this machine's round without reading the round's N join keys."""
+        with self._lock:
+            if self._rank is None or not 0 <= self._rank < len(self._members):
+                return None
+            return self._members[self._rank]
+
+    def members_gone(self, timeout: timedelta | None = None) -> int:
+        """How many members of this machine's round hold no join key now (dead, found dead, or
+        left): one count of the round's join keys, O(1) bytes whatever the size of the round.
+        A machine the round did not take holds its key only until it read the result, so
+        while one does, a gone member may be missed (never the other way round).
+
+        Raises:
+            EtcdError: etcd did not answer.
+        """
+        with self._lock:
+            rnd, world = self._round, len(self._members)
+        if rnd is None:
+            return 0
+        with self.call_timeout(timeout) if timeout is not None else contextlib.nullcontext():
+            count = _range(self._rp(rnd) + "a/", prefix=True, count_only=True)
+            response = self._txn([], [count], [])
+        responses = response.get("responses") or []
+        held = int(responses[0].get("response_range", {}).get("count", 0)) if responses else 0
+        return max(0, world - held)
+
     def participants(self) -> set[str] | None:
-        """The descriptors of the members of this machine's round (one etcd read of the
-        round's join keys, cached); ``None`` before the first round or when etcd fails."""
+        """The descriptors of the members of this machine's round: one etcd read of the round's
+        N join keys (cached), so not for every machine of a large job every round (the launcher
+        identifies members by :meth:`members` and :attr:`member_id` instead, from the result it
+        holds); ``None`` before the first round or when etcd fails."""
         with self._lock:
             if self._participants is not None or self._round is None:
                 return self._participants

@@ -4,11 +4,14 @@ restart the workers) and stragglers, judged on the ranks of :mod:`flashckpt.moni
 - a hang: a running rank made no progress for ``max(hang_factor x p50, hang_floor_s)``: the
   Python stacks of every local rank are dumped (``SIGUSR1``) into the agent's log, then, when
   enabled (by default under an elastic launcher), the hung workers are killed with ``SIGKILL`` so
-  the launcher restarts them and they resume from memory;
+  the launcher restarts them and they resume from memory. A trainer in another PID namespace than
+  the agent (a DaemonSet agent and its trainer pods) is never signalled: its pid is not one of
+  the agent's; the hang is reported, and a due kill is a ``hang_kill_refused`` event and an error
+  in the log naming why;
 - a straggler: a rank whose median iteration part (``straggler_metric``) over the last
   ``straggler_window`` steps exceeds ``straggler_factor`` times the median of the other ranks.
 
-Each alert is an event (``hang``, ``hang_kill``, ``stacks``, ``straggler``,
+Each alert is an event (``hang``, ``hang_kill``, ``hang_kill_refused``, ``stacks``, ``straggler``,
 ``straggler_cleared``) and stays on its rank (``RankState.hang``, ``.straggler``) while active.
 """
 
@@ -134,7 +137,12 @@ class Alerts:
                 offset = os.path.getsize(ring.stacks_path)
             except OSError:
                 offset = 0
-            if not ring.alive(rs.info.get("proc_start", 0.0)):
+            proc_start = rs.info.get("proc_start", 0.0)
+            if not ring.alive(proc_start):
+                continue
+            why = ring.signal_refusal(proc_start)
+            if why is not None:
+                log.warning("monitor: no stack dump of rank %d: not signalled: %s", rs.rank, why)
                 continue
             try:
                 os.kill(ring.pid, signal.SIGUSR1)
@@ -163,7 +171,22 @@ class Alerts:
                 continue
             rs.kill_at = None
             ring = rs.ring
-            if ring is None or rs.ended or not ring.alive(rs.info.get("proc_start", 0.0)):
+            proc_start = rs.info.get("proc_start", 0.0)
+            if ring is None or rs.ended or not ring.alive(proc_start):
+                continue
+            why = ring.signal_refusal(proc_start)
+            if why is not None:
+                # Never a pid that may be another process's: the hang stays reported, unkilled.
+                log.error(
+                    "monitor: NOT killing hung rank %d (pid %d): %s; restart it yourself (or "
+                    "let its launcher's timeout do it)",
+                    rs.rank,
+                    ring.pid,
+                    why,
+                )
+                self._emit(
+                    {"event": "hang_kill_refused", "rank": rs.rank, "pid": ring.pid, "why": why}
+                )
                 continue
             try:
                 os.kill(ring.pid, signal.SIGKILL)

@@ -23,12 +23,23 @@ when it entered ``checkpointing()`` and when its first step began (the restore t
 it resumed at, its phase (entering, running, paused in a flush, finishing, exited), and whether
 a ``SIGUSR1`` stack dump handler is installed (``faulthandler`` writes every thread's Python
 stack to ``<run_dir>/<job>.<node>.r<rank>.stacks.log``).
+
+Liveness across PID namespaces: the writer holds a Linux open-file-description write lock
+(``F_OFD_SETLK``) on its ring file for as long as it lives (:data:`FLAG_LOCK`), and the ring
+records the writer's PID namespace (:data:`PIDNS_OFF`). The agent asks ``F_OFD_GETLK`` on a
+read-only descriptor (it never takes a lock): the lock is released when the process ends, kill -9
+included, and the question works on a shared tmpfs from any PID namespace, where the ring's pid
+means nothing (a node agent DaemonSet and its trainer pods). Forked children (data loader
+workers) drop their copy of the descriptor (``os.register_at_fork``), so a lock held means the
+writer itself runs. A ring without :data:`FLAG_LOCK` (a trainer of an earlier version, or a
+platform without OFD locks) is judged by its pid and start time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import fcntl
 import logging
 import mmap
 import os
@@ -72,11 +83,15 @@ COUNT_OFF = 64
 # restored_from
 INFO = struct.Struct("<dddddqi16s")
 INFO_OFF = 128
+# the inode of the writer's PID namespace (/proc/self/ns/pid); 0: unknown (an earlier writer)
+PIDNS = struct.Struct("<Q")
+PIDNS_OFF = 48
 STACKS_OFF = 512
 STACKS_LEN = 512
 
 FLAG_ELASTIC = 1  # runs under an elastic launcher (torchelastic): a killed worker is restarted
 FLAG_STACKS = 2  # SIGUSR1 dumps the Python stacks (faulthandler)
+FLAG_LOCK = 4  # the writer holds an OFD write lock on the ring file while it lives
 REC_SNAPSHOT = 1  # a snapshot was taken at the end of this iteration
 
 ENTERING, RUNNING, PAUSED, FINISHING, EXITED = range(5)
@@ -113,6 +128,65 @@ def _proc_start_time() -> float:
     raise OSError("/proc/stat has no btime line")
 
 
+def pid_namespace() -> int:
+    """The inode of this process's PID namespace (``/proc/self/ns/pid``); 0 when it cannot be
+    read (then nobody can compare it: see :func:`flashckpt.monitor.rankview.RingReader`)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+# struct flock: l_type, l_whence, l_start, l_len, l_pid (+ padding), as Linux x86-64/arm64 lay it
+_FLOCK = struct.Struct("hhqqi4x")
+_OFD_SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
+_OFD_GETLK: int | None = getattr(fcntl, "F_OFD_GETLK", None)
+_LOCK_FDS: set[int] = set()
+"""The descriptors holding this process's ring locks (a forked child closes its copies)."""
+
+
+def _drop_inherited_locks() -> None:
+    # In a forked child: its copies of the lock descriptors would keep the parent's locks held
+    # after the parent died (an OFD lock lives while any descriptor of it is open).
+    for fd in _LOCK_FDS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
+def _take_lock(fd: int) -> bool:
+    """Takes an OFD write lock on the whole file open at ``fd``; False where the platform or
+    the file system has none (the ring is then judged by its pid)."""
+    if _OFD_SETLK is None:
+        return False
+    try:
+        fcntl.fcntl(fd, _OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    except OSError as e:
+        log.warning(
+            "flashckpt: no lock on the monitor ring (%s): the node agent judges this rank alive "
+            "by its pid, which is wrong when it runs in another PID namespace",
+            e,
+        )
+        return False
+    return True
+
+
+def lock_held(fd: int) -> bool:
+    """Whether some open file description holds a lock on the file open at ``fd`` (any mode:
+    ``F_OFD_GETLK`` only asks, it never takes a lock).
+
+    Raises:
+        OSError: the platform has no OFD locks or the query failed.
+    """
+    if _OFD_GETLK is None:
+        raise OSError("this platform has no open-file-description locks (F_OFD_GETLK)")
+    got = fcntl.fcntl(fd, _OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    return int(_FLOCK.unpack(got)[0]) != fcntl.F_UNLCK
+
+
 # -- trainer side ------------------------------------------------------------------------------
 class StepRecorder:
     """A rank's writer end of its monitor ring. Single-threaded: the training loop's thread.
@@ -136,6 +210,7 @@ class StepRecorder:
         "_count",
         "_flags",
         "_fwd",
+        "_lock_fd",
         "_mask",
         "_mm",
         "_opt",
@@ -185,17 +260,34 @@ class StepRecorder:
             # Reserve every page now: a full tmpfs is an error here, never a SIGBUS mid-run.
             os.posix_fallocate(fd, 0, size)
             self._mm = mmap.mmap(fd, size)
+            proc_start = _proc_start_time()
         except BaseException:
+            if hasattr(self, "_mm"):
+                self._mm.close()
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             self._remove_stack_dump()
             raise
         os.close(fd)
-        proc_start = _proc_start_time()
+        # An open file description of its own holds the lock for the process's lifetime (the
+        # mapping keeps a duplicate of ``fd``, which a forked child would inherit).
+        self._lock_fd: int | None = None
+        try:
+            lock_fd = os.open(tmp, os.O_RDWR)
+        except OSError as e:
+            log.warning("flashckpt: no lock on the monitor ring: cannot open %s: %s", tmp, e)
+        else:
+            if _take_lock(lock_fd):
+                self._lock_fd = lock_fd
+                _LOCK_FDS.add(lock_fd)
+                flags |= FLAG_LOCK
+            else:
+                os.close(lock_fd)
         FIXED.pack_into(
             self._mm, 0, MAGIC, VERSION, REC_SIZE, capacity, rank, world, os.getpid(), flags
         )
+        PIDNS.pack_into(self._mm, PIDNS_OFF, pid_namespace())
         PHASE.pack_into(self._mm, PHASE_OFF, ENTERING)
         TOKEN.pack_into(self._mm, TOKEN_OFF, uuid.uuid4().int & (2**64 - 1))
         INFO.pack_into(self._mm, INFO_OFF, proc_start, enter_wall, 0.0, 0.0, 0.0, -1, 0, b"")
@@ -206,10 +298,18 @@ class StepRecorder:
             os.replace(tmp, path)
         except BaseException:
             self._mm.close()
+            self._release_lock()
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             self._remove_stack_dump()
             raise
+
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None and fd in _LOCK_FDS:  # not in a forked child, which closed its copy
+            _LOCK_FDS.discard(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _install_stack_dump(self, stacks_path: str) -> bool:
         try:
@@ -353,6 +453,8 @@ class StepRecorder:
         self._remove_stack_dump()
         with contextlib.suppress(BufferError):
             self._mm.close()
+        # After EXITED is written: an agent that finds the lock gone reads EXITED, not a death.
+        self._release_lock()
 
 
 def open_recorder(

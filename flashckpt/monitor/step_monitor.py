@@ -7,7 +7,7 @@ read are counted as lost, never misread, :mod:`flashckpt.monitor.rankview`), and
 
 - keeps per-rank windows for p50/p99 step times and the other parts;
 - appends JSON lines to ``<events_dir>/<job>.<node>.events.jsonl`` (``start``, ``steps`` batches,
-  ``end``, ``hang``, ``hang_kill``, ``straggler``, ``goodput``; see
+  ``end``, ``hang``, ``hang_kill``, ``hang_kill_refused``, ``straggler``, ``goodput``; see
   :mod:`flashckpt.monitor.goodput`);
 - serves Prometheus metrics on ``metrics_port`` (:mod:`flashckpt.monitor.metrics`);
 - flags hangs (stack dumps, then the kill under an elastic launcher) and stragglers
@@ -361,7 +361,13 @@ class AgentMonitor:
             self._read(rs, off)
             if not rs.ended:
                 alive = rs.ring.alive(rs.info.get("proc_start", 0.0))
-                self._end(rs, "killed" if rs.killed else ("replaced" if alive else "died"), now_w)
+                if rs.ring.phase() == EXITED:  # it ended before this poll saw it
+                    old = rs.ring.info()
+                    reason = "exit" if old["exit_code"] == 0 else "error"
+                    self._end(rs, reason, old["exit"] or now_w)
+                else:
+                    reason = "killed" if rs.killed else ("replaced" if alive else "died")
+                    self._end(rs, reason, now_w)
             rs.ring.close()
         info = ring.info()
         rs.ring, rs.info = ring, info
@@ -374,6 +380,16 @@ class AgentMonitor:
         rs.end_reason = None
         rs.last_progress_mono = info["ready_mono"] or time.monotonic()
         if self._first_scan and not ring.alive(info["proc_start"]):
+            known = self._history.get(ring.token)
+            if known is not None and known.end_reason is None:
+                # It died while no agent watched (its agent was gone first): report it now.
+                rs.started, rs.inc = True, known
+                ring.read_idx = max(0, ring.count() - 1)
+                recs, _ = ring.read_new()
+                if recs:
+                    rs.last_step = recs[-1][0]
+                self._end(rs, "died", now_w)
+                return
             # Left by a dead trainer of a previous agent: that agent reported it.
             rs.ended, rs.end_reason = True, "died"
             return
@@ -482,6 +498,8 @@ class AgentMonitor:
                 "resume_step": info["resume_step"],
                 "restored_from": info["restored_from"],
                 "elastic": bool(ring.flags & FLAG_ELASTIC),
+                # Its pid is its own PID namespace's: never signalled (hangs are reported).
+                "other_pid_ns": ring.other_pid_ns,
                 "stacks": ring.stacks_path,
             }
         )
@@ -490,12 +508,15 @@ class AgentMonitor:
         ring = rs.ring
         if ring is None or rs.ended:
             return
+        # Liveness first, then the phase: a writer releases its lock after writing EXITED, so
+        # one seen gone is read as exited if it did (not as a death).
+        alive = ring.alive(rs.info.get("proc_start", 0.0))
         if ring.phase() == EXITED:
             self._read(rs, off)
             info = ring.info()
             reason = "exit" if info["exit_code"] == 0 else "error"
             self._end(rs, reason, info["exit"] or now_w)
-        elif not ring.alive(rs.info.get("proc_start", 0.0)):
+        elif not alive:
             self._read(rs, off)
             self._end(rs, "killed" if rs.killed else "died", now_w)
 

@@ -34,6 +34,8 @@ from podns import CONTAINER, UID, Pod, PodSim, unavailable
 from waiting import wait_until
 
 from flashckpt import envnames
+from flashckpt.monitor.goodput import read_events
+from flashckpt.names import events_path
 from flashckpt.protocol.channel import socket_path
 
 pytestmark = pytest.mark.slow
@@ -117,6 +119,16 @@ class Job:
         argv = [sys.executable, "-m", "flashckpt", "agent", *args]
         return self.sim.start(name, argv, self.env)
 
+    def events_file(self) -> Path:
+        """The agents' events file (in their run directory) as the host sees it."""
+        return Path(events_path(str(self.sim.host / "run"), self.id, self.node))
+
+    def started(self) -> set[int]:
+        """The ranks with a ``start`` event in the events file."""
+        if not self.events_file().exists():
+            return set()
+        return {e["rank"] for e in read_events([str(self.events_file())]) if e["event"] == "start"}
+
     def socket_file(self) -> Path:
         """The agent's socket as the host sees it."""
         return Path(socket_path(str(self.sim.host / "run"), self.id, self.node))
@@ -174,6 +186,8 @@ def test_daemonset_layout_survives_agent_and_trainer_pod_restarts(sim: PodSim) -
     assert {p.stat().st_uid for p in (sim.host / "shm").iterdir()} == {UID}
     assert job.socket_file().is_socket()
 
+    # The agent's monitor has seen both ranks start (it reads the rings every second or so).
+    wait_pods(lambda: job.started() == {0, 1}, "agent 1's start events", [agent1, *first])
     agent1.kill()  # the agent pod dies with everything in it
     agent2 = job.agent("agent-2")
     wait_pods(lambda: _listening(agent2), "new agent", [agent2, *first])
@@ -186,6 +200,25 @@ def test_daemonset_layout_survives_agent_and_trainer_pod_restarts(sim: PodSim) -
     for pod in second:
         assert pod.wait(timeout=240) == 0, pod.output()
     assert agent2.proc.poll() is None, f"the agent pod died:\n{agent2.output()}"
+    # The agents' step monitor followed the trainers in their own PID namespaces by the locks on
+    # their step rings: the killed pods' ranks died, the recreated ones ran to the end (with the
+    # pids of the rings, every rank was 'died' at once).
+    events = job.events_file()  # (both agents': the second one read the first one's)
+
+    def ends() -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {0: [], 1: []}
+        for e in read_events([str(events)]):
+            if e["event"] == "end":
+                out[e["rank"]].append(e["reason"])
+        return out
+
+    try:
+        wait_pods(lambda: all(len(v) >= 2 for v in ends().values()), "the ranks' ends", [agent2])
+    except pytest.fail.Exception as e:
+        pytest.fail(f"{e}\nends: {ends()}\n{events}:\n{events.read_text()[-6000:]}")
+    assert ends() == {0: ["died", "exit"], 1: ["died", "exit"]}, ends()
+    starts = [e for e in read_events([str(events)]) if e["event"] == "start"]
+    assert len(starts) == 4 and all(e["other_pid_ns"] for e in starts), starts
 
     vol = sim.vol
     reports = [ln.split() for ln in (vol / "run-report.txt").read_text().splitlines()]

@@ -200,6 +200,7 @@ class AgentMonitor:
         self._first_scan = True
         self._seen_ring = False
         self._born_mono = time.monotonic()
+        self._born_wall = time.time()
         self._next_flush = 0.0
         self._alerts = Alerts(config, self._emit)
         self._closed = False
@@ -380,19 +381,32 @@ class AgentMonitor:
         rs.end_reason = None
         rs.last_progress_mono = info["ready_mono"] or time.monotonic()
         if self._first_scan and not ring.alive(info["proc_start"]):
+            # Over before this agent's first look: how it ended is in the ring (EXITED: its exit
+            # code; else it died), whoever reports it.
+            exited = ring.phase() == EXITED
+            reason = ("exit" if info["exit_code"] == 0 else "error") if exited else "died"
             known = self._history.get(ring.token)
-            if known is not None and known.end_reason is None:
-                # It died while no agent watched (its agent was gone first): report it now.
+            if known is not None and known.end_reason is not None:
+                # A previous agent reported its end.
+                rs.ended, rs.end_reason = True, known.end_reason
+                return
+            if known is not None:
+                # It ended while no agent watched (its agent was gone first): report it now.
                 rs.started, rs.inc = True, known
                 ring.read_idx = max(0, ring.count() - 1)
                 recs, _ = ring.read_new()
                 if recs:
                     rs.last_step = recs[-1][0]
-                self._end(rs, "died", now_w)
+                self._end(rs, reason, (info["exit"] or now_w) if exited else now_w)
                 return
-            # Left by a dead trainer of a previous agent: that agent reported it.
-            rs.ended, rs.end_reason = True, "died"
-            return
+            if info["enter"] < self._born_wall:
+                # Unknown to the events and older than this agent: a previous agent's to report.
+                rs.ended, rs.end_reason = True, reason
+                return
+            # It entered after this agent started and ended before its first poll (a short run,
+            # one killed at once): this agent's to report, read like any new ring (its start,
+            # steps and end follow in this poll). Its liveness must not decide that: a ring's
+            # lock is gone once its trainer ends, however it ended.
         if ring.token in self._history:
             # Known from the events file: a trainer that outlived the previous agent.
             ring.read_idx = ring.count()

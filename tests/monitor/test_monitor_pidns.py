@@ -231,3 +231,60 @@ def test_a_trainer_that_died_between_two_agents_is_reported_by_the_second(tmp_pa
         first._events.close()
     ends = [e for e in read_events([second.events_path]) if e["event"] == "end"]
     assert [(e["reason"], e["last_step"]) for e in ends] == [("died", 3)]
+
+
+def test_a_trainer_over_before_the_agents_first_look_is_reported(tmp_path: Path) -> None:
+    """A trainer that starts after its agent and ends before the agent's first poll (1 s when
+    idle: a short run, one killed at once) is the agent's to report: its ring's lock is gone by
+    then, however it ended. Before, the first scan took every unlocked ring for one a previous
+    agent had reported: state ``died`` and no event at all, for a trainer that exited cleanly
+    too (the full suite's ``test_steps_batches_count_steps_completed`` after a warm-up)."""
+    shm, run = tmp_path / "shm", tmp_path / "run"
+    shm.mkdir()
+    run.mkdir()
+    # Rank 2: ended before the agent started, unknown to the events: not this agent's to report.
+    old = StepRecorder(
+        ring_path(str(shm), "j", "n", 2), rank=2, world=3, enter_wall=time.time() - 1
+    )
+    old.ready(resume_step=0, restored_from=None)
+    old.step(0)
+    old.close(exit_code=0)
+    mon = AgentMonitor(
+        job="j", node="n", shm_dir=str(shm), run_dir=str(run), config=MonitorConfig()
+    )
+    # Rank 0 exits cleanly (this process), rank 1 dies (a forked child, no close): both before
+    # the agent's first poll.
+    rec = StepRecorder(ring_path(str(shm), "j", "n", 0), rank=0, world=3, enter_wall=time.time())
+    rec.ready(resume_step=0, restored_from=None)
+    for s in range(3):
+        rec.step(s)
+    rec.finishing()
+    rec.close(exit_code=0)
+    child = os.fork()
+    if child == 0:
+        try:
+            dying = StepRecorder(
+                ring_path(str(shm), "j", "n", 1), rank=1, world=3, enter_wall=time.time()
+            )
+            dying.ready(resume_step=0, restored_from=None)
+            for s in range(2):
+                dying.step(s)
+        finally:
+            os._exit(0)  # no close: the ring stays RUNNING, the lock goes with the process
+    os.waitpid(child, 0)
+    mon.start()
+    try:
+        mon.poll()
+        ranks = mon.summary()["ranks"]
+        got = {r: (v["state"], v["steps"]) for r, v in ranks.items()}
+        assert got == {"0": ("exit", 3), "1": ("died", 2), "2": ("exit", 0)}, got
+    finally:
+        mon.close()
+    events = read_events([mon.events_path])
+    ends = [(e["rank"], e["reason"], e["last_step"]) for e in events if e["event"] == "end"]
+    assert sorted(ends) == [(0, "exit", 3), (1, "died", 2)]
+    assert sorted(e["rank"] for e in events if e["event"] == "start") == [0, 1]
+    steps = {
+        r: sum(e["n"] for e in events if e["event"] == "steps" and e["rank"] == r) for r in (0, 1)
+    }
+    assert steps == {0: 3, 1: 2}

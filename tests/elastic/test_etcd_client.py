@@ -6,14 +6,14 @@ import contextlib
 import json
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from urllib.parse import urlsplit
 
 import pytest
+from tcprelay import TcpRelay
+from waiting import wait_until
 
 from flashckpt.elastic.etcd import _gateway as gateway_module
 from flashckpt.elastic.etcd import watchstream as watch_module
@@ -282,6 +282,7 @@ def test_calls_ride_out_an_etcd_restart(etcd_instance: EtcdV3Server) -> None:
     client = EtcdClient(etcd_instance.client_url, timeout=timedelta(seconds=10))
     revision = client.put("k", b"before")
     etcd_instance.kill()
+    _await_pooled_closed(client)
     results: list[tuple[bytes, int] | None] = []
     reader = threading.Thread(target=lambda: results.append(client.get("k")))
     reader.start()  # retries against the dead server until it is back
@@ -316,86 +317,31 @@ def test_keep_alive_survives_an_etcd_outage(etcd_instance: EtcdV3Server) -> None
 # --------------------------------------------------------------------------- connection pool
 
 
-class _Relay:
-    """A TCP relay in front of etcd that counts the connections clients open through it and
-    closes them on demand, as etcd (or a proxy) closing an idle keep-alive connection would."""
-
-    def __init__(self, upstream: str) -> None:
-        parts = urlsplit(upstream)
-        self._upstream = (parts.hostname or "127.0.0.1", parts.port or 2379)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        self._lock = threading.Lock()
-        self._pairs: list[tuple[socket.socket, socket.socket]] = []
-        self._threads: list[threading.Thread] = []
-        self.accepted = 0
-        self.lose_answers = False  # close a client's connection instead of relaying an answer
-        self._start(self._accept_loop)
-
-    def _start(self, target: object, *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
-        self._threads.append(thread)
-        thread.start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                down, _ = self._listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(self._upstream)
-            with self._lock:
-                self.accepted += 1
-                self._pairs.append((down, up))
-            self._start(self._pump, down, up, False)
-            self._start(self._pump, up, down, True)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if answers and self.lose_answers:
-                    dst.shutdown(socket.SHUT_RDWR)
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        try:
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def drop_all(self, *, reset: bool = False) -> None:
-        """Closes every client connection: with a FIN, or with ``reset`` an RST alone."""
-        with self._lock:
-            pairs, self._pairs = self._pairs, []
-        for down, up in pairs:
-            if reset:
-                down.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            for sock in (down, up):
-                try:
-                    sock.shutdown(socket.SHUT_RD if reset and sock is down else socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                sock.close()
-
-    def close(self) -> None:
-        self.drop_all()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
-        except OSError:
-            pass
-        self._listener.close()
-        for thread in self._threads:
-            thread.join(timeout=10)
-
-
 @pytest.fixture
-def relay(etcd_server: str) -> Iterator[_Relay]:
-    proxy = _Relay(etcd_server)
+def relay(etcd_server: str) -> Iterator[TcpRelay]:
+    proxy = TcpRelay(etcd_server)
     try:
         yield proxy
     finally:
         proxy.close()
+
+
+_PEER_CLOSED = client_module._peer_closed  # the real poll, even where a test blinds it
+
+
+def _await_pooled_closed(client: EtcdClient) -> None:
+    """Waits until the client's kernel has seen the peer close every pooled connection (its
+    FIN or RST arrived): on a loaded machine that can come after the closer's ``close``
+    returned, and a request sent before it would go out on the dead connection."""
+    pool = client._pool_here()
+    with pool.lock:
+        conns = [conn for per in pool.idle.values() for conn, _ in per]
+    assert conns, "no pooled connection to watch"
+    wait_until(
+        lambda: all(_PEER_CLOSED(conn) for conn in conns),
+        "the client to see its pooled connection closed",
+        30,
+    )
 
 
 def _open_fds() -> set[str]:
@@ -408,7 +354,7 @@ def _open_fds() -> set[str]:
 
 
 @pytest.mark.etcd
-def test_requests_share_one_kept_alive_connection(relay: _Relay, etcd_prefix: str) -> None:
+def test_requests_share_one_kept_alive_connection(relay: TcpRelay, etcd_prefix: str) -> None:
     client = EtcdClient(relay.url, timeout=timedelta(seconds=5))
     key = etcd_prefix + "k"
     lease = client.grant_lease(timedelta(seconds=5))
@@ -431,7 +377,7 @@ def test_requests_share_one_kept_alive_connection(relay: _Relay, etcd_prefix: st
 
 @pytest.mark.etcd
 def test_idle_connection_past_the_idle_timeout_is_not_reused(
-    relay: _Relay, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+    relay: TcpRelay, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = EtcdClient(relay.url, timeout=timedelta(seconds=5))
     client.put(etcd_prefix + "k", b"x")
@@ -445,7 +391,7 @@ def test_idle_connection_past_the_idle_timeout_is_not_reused(
 
 @pytest.mark.etcd
 def test_connection_closed_by_the_server_is_replaced(
-    relay: _Relay, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+    relay: TcpRelay, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = EtcdClient(relay.url, timeout=timedelta(seconds=5))
     key = etcd_prefix + "cas"
@@ -454,6 +400,7 @@ def test_connection_closed_by_the_server_is_replaced(
     # Closed with a FIN while idle: the poll before reuse sees it; the transaction (not
     # idempotent) goes out once, on a new connection, with no error.
     relay.drop_all()
+    _await_pooled_closed(client)
     ok, kv = client.compare_and_set(key, b"2", mod_revision=kv.mod_revision)
     assert ok and kv is not None and kv.value == b"2"
     assert client.connection_stats().replaced == 1 and relay.accepted == 2
@@ -462,6 +409,7 @@ def test_connection_closed_by_the_server_is_replaced(
     # the send fail, so etcd never had the request and it is sent again on a new connection.
     monkeypatch.setattr(gateway_module, "_peer_closed", lambda conn: False)
     relay.drop_all(reset=True)
+    _await_pooled_closed(client)  # the RST arrived, so the send fails
     ok, kv = client.compare_and_set(key, b"3", mod_revision=kv.mod_revision)
     assert ok and kv is not None and kv.value == b"3"
     assert client.connection_stats().replaced == 2 and relay.accepted == 3
@@ -539,7 +487,7 @@ def test_a_forked_child_does_not_share_the_pool(etcd_server: str, etcd_prefix: s
 
 @pytest.mark.etcd
 def test_a_watch_stays_on_one_connection_through_quiet_timeouts(
-    relay: _Relay, etcd_prefix: str
+    relay: TcpRelay, etcd_prefix: str
 ) -> None:
     client = EtcdClient(relay.url, timeout=timedelta(seconds=5))
     key = (etcd_prefix + "w").encode()
@@ -579,7 +527,7 @@ def test_a_watch_stays_on_one_connection_through_quiet_timeouts(
 
 @pytest.mark.etcd
 def test_a_broken_watch_resumes_without_losing_or_repeating_events(
-    relay: _Relay, etcd_client: EtcdClient, etcd_prefix: str
+    relay: TcpRelay, etcd_client: EtcdClient, etcd_prefix: str
 ) -> None:
     key = (etcd_prefix + "r").encode()
     client = EtcdClient(relay.url, timeout=timedelta(seconds=5))

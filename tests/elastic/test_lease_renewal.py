@@ -10,14 +10,12 @@ time. When the relay stops passing anything, the machine is still fenced at its 
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from urllib.parse import urlsplit
 
 import pytest
+from tcprelay import TcpRelay
 from waiting import wait_until
 
 from flashckpt.elastic.etcd.client import EtcdClient
@@ -27,95 +25,10 @@ TTL = timedelta(seconds=4)  # renewals every 0.8 s, fence deadline 3.2 s after t
 DELAY_S = 1.2  # each keep-alive answer: 1.5 renewal intervals late, 2 s before the fence deadline
 
 
-class _SlowRelay:
-    """A TCP relay in front of etcd that counts lease keep-alive requests (and the most in
-    flight at once), holds each keep-alive's answer ``delay`` seconds, or passes nothing at all."""
-
-    def __init__(self, upstream: str) -> None:
-        parts = urlsplit(upstream)
-        self._upstream = (parts.hostname or "127.0.0.1", parts.port or 2379)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        self._threads: list[threading.Thread] = []
-        self._pending: dict[int, int] = {}  # keep-alives unanswered, per connection
-        self.delay = 0.0
-        self.blackhole = False  # pass nothing either way
-        self.keepalives = 0
-        self.answered = 0
-        self.most_in_flight = 0
-        self._start(self._accept_loop)
-
-    def _start(self, target: Callable[..., None], *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True)
-        self._threads.append(thread)
-        thread.start()
-
-    def _accept_loop(self) -> None:
-        conn = 0
-        while True:
-            try:
-                down, _ = self._listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(self._upstream)
-            conn += 1
-            with self._lock:
-                self._socks += [down, up]
-                self._pending[conn] = 0
-            self._start(self._pump, down, up, conn, False)
-            self._start(self._pump, up, down, conn, True)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, conn: int, answers: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if self.blackhole:
-                    continue
-                if answers and self._pending[conn]:
-                    time.sleep(self.delay)  # a keep-alive's answer (its first bytes)
-                elif not answers and b"/v3/lease/keepalive" in data:
-                    with self._lock:
-                        self.keepalives += 1
-                        self._pending[conn] += 1
-                        self.most_in_flight = max(self.most_in_flight, sum(self._pending.values()))
-                dst.sendall(data)
-                if answers:
-                    with self._lock:
-                        if self._pending[conn]:
-                            self._pending[conn] -= 1
-                            self.answered += 1
-        except OSError:
-            pass
-        with self._lock:
-            self._pending[conn] = 0  # the client gave up on this connection's request
-        for sock in (src, dst):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        with self._lock:
-            socks, self._socks = self._socks, []
-        for sock in socks:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
-        except OSError:
-            pass
-        self._listener.close()
-        for thread in self._threads:
-            thread.join(timeout=10)
-
-
 @pytest.fixture
-def slow_relay(etcd_server: str) -> Iterator[_SlowRelay]:
-    relay = _SlowRelay(etcd_server)
+def slow_relay(etcd_server: str) -> Iterator[TcpRelay]:
+    """A relay that tracks lease keep-alive requests (and holds their answers when told)."""
+    relay = TcpRelay(etcd_server, track=b"/v3/lease/keepalive")
     try:
         yield relay
     finally:
@@ -124,7 +37,7 @@ def slow_relay(etcd_server: str) -> Iterator[_SlowRelay]:
 
 @pytest.fixture
 def slow_machine(
-    slow_relay: _SlowRelay,
+    slow_relay: TcpRelay,
     etcd_prefix: str,
     registries: Callable[..., NodeRegistry],
 ) -> Iterator[tuple[NodeRegistry, list[tuple[float, FenceNotice]]]]:
@@ -154,7 +67,7 @@ def slow_machine(
 
 @pytest.mark.etcd
 def test_answers_later_than_the_interval_keep_the_lease_one_renewal_at_a_time(
-    slow_relay: _SlowRelay, slow_machine: tuple[NodeRegistry, list[tuple[float, FenceNotice]]]
+    slow_relay: TcpRelay, slow_machine: tuple[NodeRegistry, list[tuple[float, FenceNotice]]]
 ) -> None:
     reg, fences = slow_machine
     slow_relay.delay = DELAY_S
@@ -167,12 +80,12 @@ def test_answers_later_than_the_interval_keep_the_lease_one_renewal_at_a_time(
     assert not fences, f"a machine whose renewals are slow but answered was fenced: {fences}"
     assert reg.failed_renewals == 0
     assert slow_relay.most_in_flight == 1, "a second renewal went out while one was in flight"
-    assert slow_relay.keepalives <= slow_relay.answered + 1
+    assert slow_relay.tracked <= slow_relay.answered + 1
 
 
 @pytest.mark.etcd
 def test_a_machine_whose_renewals_get_no_answer_is_fenced_at_its_deadline(
-    slow_relay: _SlowRelay, slow_machine: tuple[NodeRegistry, list[tuple[float, FenceNotice]]]
+    slow_relay: TcpRelay, slow_machine: tuple[NodeRegistry, list[tuple[float, FenceNotice]]]
 ) -> None:
     reg, fences = slow_machine
     answered = slow_relay.answered

@@ -571,9 +571,11 @@ class Persister:
                     self.st.persisted_high = max(self.st.persisted_high, step)
                 return
             except _Scribbled as e:
+                # The error is on record before the step counts as passed: whoever waits for
+                # the persister to pass it finds why it was not committed.
+                self.st.record_error(step, str(e))
                 with self.st.lock:
                     self.st.persisted_high = max(self.st.persisted_high, step)
-                self.st.record_error(step, str(e))
                 return
             finally:
                 for s, _ in slots.values():

@@ -326,7 +326,7 @@ def relay(etcd_server: str) -> Iterator[TcpRelay]:
         proxy.close()
 
 
-_PEER_CLOSED = client_module._peer_closed  # the real poll, even where a test blinds it
+_PEER_CLOSED = gateway_module._peer_closed  # the real poll, even where a test blinds it
 
 
 def _await_pooled_closed(client: EtcdClient) -> None:

@@ -14,26 +14,22 @@ import pytest
 import torch
 from fchelpers import FcEnv
 from killresume import (
-    command,
+    TrainScript,
     different,
     final,
     kill_at,
-    kill_torchrun_at,
     log_lines,
     lose_machine,
+    reference_env,
     reference_job,
     run,
-    torchrun_command,
+    starts,
 )
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[1] / "support" / "hftrain.py"
-STEPS, EVERY = 24, 4  # 10 steps per epoch: the run crosses two epoch boundaries
-
-
-def _cmd(env: FcEnv, out: Path, *extra: str) -> list[str]:
-    return command(SCRIPT, env, out, STEPS, *extra)
+SCRIPT = TrainScript("hftrain.py", steps=24)  # 10 steps per epoch: crosses two epochs' ends
+STEPS, EVERY = SCRIPT.steps, 4
 
 
 def _final(out: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -57,7 +53,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
                 out = tmp / f"ref{len(runs)}"
                 # a job (storage root) per command line: each run starts afresh
                 run_env = FcEnv(**{**vars(env), "storage": f"file://{tmp}/ckpt{len(runs)}"})
-                run(_cmd(run_env, out, *extra))
+                run(SCRIPT.command(run_env, out, *extra))
                 runs[extra] = _final(out)
                 assert runs[extra][1]["global_step"] == STEPS
                 assert runs[extra][1]["restored_from"] is None
@@ -87,22 +83,22 @@ def test_kills_at_random_steps_resume_bitwise_from_memory_then_storage(
     ref = reference()
     rng = random.Random(29)
     out = tmp_path / "run"
-    cmd = _cmd(fc_env, out, "--every", "5", "--step-sleep", "0.05")
+    cmd = SCRIPT.command(fc_env, out, "--every", "5", "--step-sleep", "0.05")
     kill_at(cmd, out, rng.randrange(6, 12))
     kill_at(cmd, out, len(log_lines(out)) + rng.randrange(4, 8))  # resumed, then killed again
     lose_machine(fc_env)  # the node agent too, and the machine's memory with it
     run(cmd)
     got = _final(out)
-    starts = [line.split() for line in (out / "starts.txt").read_text().splitlines()]
-    assert [src for _, src in starts] == ["None", "memory", "storage"], starts
-    assert all(int(step) % 5 == 0 for step, _ in starts[1:]), starts
+    started = starts(out)
+    assert [src for _, src in started] == ["None", "memory", "storage"], started
+    assert all(int(step) % 5 == 0 for step, _ in started[1:]), started
     _assert_same_run(ref, got)
 
 
 def test_gradient_accumulation_resumes_bitwise(tmp_path: Path, fc_env: FcEnv, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference("--accum", "2")
     out = tmp_path / "run"
-    cmd = _cmd(fc_env, out, "--accum", "2", "--every", "3", "--step-sleep", "0.05")
+    cmd = SCRIPT.command(fc_env, out, "--accum", "2", "--every", "3", "--step-sleep", "0.05")
     kill_at(cmd, out, 8)  # 5 optimizer steps per epoch: resumes mid-epoch 1 (step 6)
     run(cmd)
     got = _final(out)
@@ -116,7 +112,9 @@ def test_the_trainers_own_resume_on_the_same_run(tmp_path: Path, fc_env: FcEnv, 
     the default seedable sampler); the adapter must be at least as exact."""
     ref = reference()
     out = tmp_path / "native"
-    cmd = _cmd(fc_env, out, "--mode", "native", "--every", str(EVERY), "--step-sleep", "0.05")
+    cmd = SCRIPT.command(
+        fc_env, out, "--mode", "native", "--every", str(EVERY), "--step-sleep", "0.05"
+    )
     kill_at(cmd, out, 14)
     run(cmd)
     got = _final(out)
@@ -213,20 +211,16 @@ def test_misuse_is_refused_naming_the_fix(
         trainer.train()
 
 
-def _torchrun(env: FcEnv, out: Path, *extra: str) -> list[str]:
-    return torchrun_command(SCRIPT, env, out, 12, *extra)
-
-
 def test_two_ranks_ddp_killed_rank_resumes_bitwise(tmp_path: Path, fc_env: FcEnv) -> None:
-    ref_env = FcEnv(**{**vars(fc_env), "job": fc_env.job + "r", "storage": fc_env.storage + "-r"})
-    run(_torchrun(ref_env, tmp_path / "ref", "--every", str(EVERY)))
+    ref_env = reference_env(fc_env)
+    run(SCRIPT.torchrun_command(ref_env, tmp_path / "ref", "--every", str(EVERY)))
     ref = _final(tmp_path / "ref")
     assert ref[1]["global_step"] == 12 and ref[1]["restored_from"] is None
     out = tmp_path / "run"
-    cmd = _torchrun(fc_env, out, "--every", str(EVERY), "--step-sleep", "0.05")
+    cmd = SCRIPT.torchrun_command(fc_env, out, "--every", str(EVERY), "--step-sleep", "0.05")
     # 5 steps per epoch (2 ranks x 4 samples, 40 samples): killed in epoch 1. Rank 1's real
     # training process is SIGKILLed; torchrun stops rank 0 and gives up (no restarts).
-    assert kill_torchrun_at(cmd, out, 6, SCRIPT, ranks=(1,), launcher=False) != 0
+    assert SCRIPT.kill_torchrun_at(cmd, out, 6, ranks=(1,), launcher=False) != 0
     run(cmd)  # the same command: both ranks resume
     got = _final(out)
     # torchrun --standalone starts a new world (another master port) per launch: the ranks

@@ -16,26 +16,22 @@ import pytest
 import torch
 from fchelpers import FcEnv
 from killresume import (
-    command,
+    TrainScript,
     different,
     final,
     kill_at,
-    kill_torchrun_at,
     log_lines,
     lose_machine,
+    reference_env,
     reference_job,
     run,
-    torchrun_command,
+    starts,
 )
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[1] / "support" / "pltrain.py"
-STEPS, EVERY = 24, 4  # 10 steps per epoch: the run crosses two epoch boundaries
-
-
-def _cmd(env: FcEnv, out: Path, *extra: str) -> list[str]:
-    return command(SCRIPT, env, out, STEPS, *extra)
+SCRIPT = TrainScript("pltrain.py", steps=24)  # 10 steps per epoch: crosses two epochs' ends
+STEPS, EVERY = SCRIPT.steps, 4
 
 
 def _steps(out: Path) -> list[tuple[int, str, str]]:
@@ -49,7 +45,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
     tmp = tmp_path_factory.mktemp("plref")
     out = tmp / "ref"
     with reference_job(tmp) as env:
-        run(_cmd(env, out))
+        run(SCRIPT.command(env, out))
         tensors, report = final(out)
         assert report["global_step"] == STEPS and report["restored_from"] is None
         steps = {s: (loss, data) for s, loss, data in _steps(out)}
@@ -78,15 +74,15 @@ def test_kills_at_random_steps_resume_bitwise_from_memory_then_storage(
     snapshot of step 10 is taken at an epoch's end."""
     rng = random.Random(29)
     out = tmp_path / "run"
-    cmd = _cmd(fc_env, out, "--every", "5", "--step-sleep", "0.05")
+    cmd = SCRIPT.command(fc_env, out, "--every", "5", "--step-sleep", "0.05")
     kill_at(cmd, out, rng.randrange(6, 12))
     kill_at(cmd, out, len(_steps(out)) + rng.randrange(4, 8))  # resumed, then killed again
     lose_machine(fc_env)  # the node agent too, and the machine's memory with it
     run(cmd)
     _assert_same_run(reference, out)
-    starts = [line.split() for line in (out / "starts.txt").read_text().splitlines()]
-    assert [src for _, src in starts] == ["None", "memory", "storage"], starts
-    assert all(int(step) % 5 == 0 for step, _ in starts[1:]), starts
+    started = starts(out)
+    assert [src for _, src in started] == ["None", "memory", "storage"], started
+    assert all(int(step) % 5 == 0 for step, _ in started[1:]), started
 
 
 def test_lightnings_own_resume_on_the_same_run(tmp_path: Path, fc_env: FcEnv, reference) -> None:  # type: ignore[no-untyped-def]
@@ -97,7 +93,9 @@ def test_lightnings_own_resume_on_the_same_run(tmp_path: Path, fc_env: FcEnv, re
     FlashCheckpoint's resume is bitwise."""
     ref_tensors, ref_steps = reference
     out = tmp_path / "native"
-    cmd = _cmd(fc_env, out, "--mode", "native", "--every", str(EVERY), "--step-sleep", "0.05")
+    cmd = SCRIPT.command(
+        fc_env, out, "--mode", "native", "--every", str(EVERY), "--step-sleep", "0.05"
+    )
     kill_at(cmd, out, 13)
     run(cmd)
     tensors, report = final(out)
@@ -165,34 +163,30 @@ def test_misuse_is_refused_naming_the_fix(tmp_path: Path, fc_env: FcEnv, agent) 
         t.fit(model, loader)
 
 
-def _torchrun(env: FcEnv, out: Path, *extra: str) -> list[str]:
-    return torchrun_command(SCRIPT, env, out, 12, *extra)
-
-
 def test_two_ranks_ddp_killed_resume_bitwise(tmp_path: Path, fc_env: FcEnv) -> None:
     """2 ranks (DDP, gloo, under torchrun: each rank its part of the data), both SIGKILLed
     mid-run, the same command again: every later step of rank 0 trains the same batch with the same
     loss, and the final state is the uninterrupted 2-rank run's, bitwise."""
-    ref_env = FcEnv(**{**vars(fc_env), "job": fc_env.job + "r", "storage": fc_env.storage + "-r"})
-    run(_torchrun(ref_env, tmp_path / "ref", "--every", str(EVERY)))
+    ref_env = reference_env(fc_env)
+    run(SCRIPT.torchrun_command(ref_env, tmp_path / "ref", "--every", str(EVERY)))
     ref_tensors, _ = final(tmp_path / "ref")
     ref_steps = {s: (loss, data) for s, loss, data in _steps(tmp_path / "ref")}
     assert sorted(ref_steps) == list(range(1, 13))
     out = tmp_path / "run"
-    cmd = _torchrun(fc_env, out, "--every", str(EVERY), "--step-sleep", "0.05")
+    cmd = SCRIPT.torchrun_command(fc_env, out, "--every", str(EVERY), "--step-sleep", "0.05")
     # 5 steps per epoch (2 ranks x 8 samples, 80 samples): killed in epoch 1. The machine dies:
     # both training processes and torchrun, SIGKILLed (killing rank 1 alone leaves rank 0 in
     # Lightning's SIGTERM handler, blocked in a collective with the dead rank until torchrun's
     # shutdown timeout).
-    code = kill_torchrun_at(cmd, out, 6, SCRIPT, ranks=(1, 0), launcher=True)
+    code = SCRIPT.kill_torchrun_at(cmd, out, 6, ranks=(1, 0), launcher=True)
     assert code == -signal.SIGKILL
     run(cmd)  # the same command: both ranks resume
     tensors, report = final(out)
-    starts = [line.split() for line in (out / "starts.txt").read_text().splitlines()]
+    started = starts(out)
     # torchrun --standalone starts a new world (another master port) per launch: the ranks
     # restore the newest step of the old world from storage (persisted at every snapshot here).
-    assert starts[0] == ["None", "None"] and starts[-1][1] in ("memory", "storage"), starts
-    assert starts[-1][0] in ("4", "8"), starts
+    assert started[0] == ["None", "None"] and started[-1][1] in ("memory", "storage"), started
+    assert started[-1][0] in ("4", "8"), started
     for step, loss, data in _steps(out):
         assert (loss, data) == ref_steps[step], f"step {step}"
     assert report["global_step"] == 12

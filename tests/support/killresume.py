@@ -14,6 +14,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -60,6 +61,46 @@ def torchrun_command(script: Path, env: FcEnv, out: Path, steps: int, *extra: st
         str(steps),
         *extra,
     ]
+
+
+@dataclass(frozen=True)
+class TrainScript:
+    """A training script of ``tests/support`` as a test module kills and resumes it: ``steps``
+    steps in one process, ``ddp_steps`` under ``torchrun`` (2 ranks)."""
+
+    name: str
+    steps: int
+    ddp_steps: int = 12
+
+    @property
+    def path(self) -> Path:
+        return Path(__file__).resolve().parent / self.name
+
+    def command(self, env: FcEnv, out: Path, *extra: str) -> list[str]:
+        """The one-process command line (see :func:`command`)."""
+        return command(self.path, env, out, self.steps, *extra)
+
+    def torchrun_command(self, env: FcEnv, out: Path, *extra: str) -> list[str]:
+        """The 2-rank torchrun command line (see :func:`torchrun_command`)."""
+        return torchrun_command(self.path, env, out, self.ddp_steps, *extra)
+
+    def kill_torchrun_at(
+        self, cmd: list[str], out: Path, step: int, ranks: tuple[int, ...], launcher: bool
+    ) -> int:
+        """:func:`kill_torchrun_at` for this script's training processes."""
+        return kill_torchrun_at(cmd, out, step, self.path, ranks, launcher)
+
+
+def reference_env(env: FcEnv) -> FcEnv:
+    """``env``'s machine with a job and a storage root of their own, for an uninterrupted run
+    beside the test's."""
+    return FcEnv(**{**vars(env), "job": env.job + "r", "storage": env.storage + "-r"})
+
+
+def starts(out: Path) -> list[list[str]]:
+    """The lines of ``<out>/starts.txt``, split: one per start of the command (rank 0's), the
+    step restored and where from (``memory``, ``storage``; ``None None`` for a fresh start)."""
+    return [line.split() for line in (out / "starts.txt").read_text().splitlines()]
 
 
 def run(cmd: list[str], code: int = 0) -> str:

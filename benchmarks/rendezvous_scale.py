@@ -251,8 +251,8 @@ class _Host:
             world=info.world_size,
             phases=dict(getattr(handler, "phases", {})),
         )
-        if registry is not None:
-            registry.update(state="active", group_rank=info.rank)
+        if registry is not None:  # as flashckpt run's session does
+            registry.update(state="active", group_rank=info.rank, rdzv_member=handler.member_id)
         if a.standby:
             self._monitor(handler, None, None)
             return
@@ -275,7 +275,7 @@ class _Host:
             phases=dict(getattr(handler, "phases", {})),
         )
         if registry is not None:
-            registry.update(state="active", group_rank=info.rank)
+            registry.update(state="active", group_rank=info.rank, rdzv_member=handler.member_id)
         self._monitor(handler, None, None)
 
     def _monitor(self, handler: Any, lost: threading.Event | None, registry: Any) -> None:

@@ -398,6 +398,24 @@ def test_closed_rendezvous(job: Callable[..., Job]) -> None:
     assert not [k for k in j.key_list() if k.startswith("rdzv/r/")]
 
 
+@pytest.mark.parametrize("done", [True, False], ids=["workers-done", "workers-failed"])
+def test_a_standby_learns_whether_the_job_succeeded_from_one_job_level_key(
+    job: Callable[..., Job], done: bool
+) -> None:
+    # The machines that close the rendezvous at the end say in the same write whether their
+    # workers finished (what a standby's exit code depends on): one key read by whoever asks,
+    # where every machine used to watch every peer's record to see the leavers' "done".
+    j = job(min_nodes=2, max_nodes=2)
+    a, b = j.machine(), j.machine()
+    j.rounds([a, b])
+    standby = j.machine()
+    assert not standby.finished_done() and not standby.is_closed()
+    a.shutdown(done=done)
+    assert standby.is_closed() and standby.finished_done() is done
+    b.shutdown()  # a later close that does not say done takes nothing back
+    assert standby.finished_done() is done
+
+
 def test_keys_stay_bounded_over_many_rounds(job: Callable[..., Job]) -> None:
     j = job(min_nodes=2, max_nodes=2)
     a, b = j.machine(), j.machine()

@@ -81,7 +81,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from flashckpt import envnames, names
-from flashckpt.elastic.etcd.client import EtcdClient, EtcdError
+from flashckpt.elastic.etcd.client import EtcdClient, EtcdError, prefix_end
 from flashckpt.elastic.etcd.standalone import StandaloneEtcd, StandaloneEtcdError
 from flashckpt.elastic.launch.agent_runner import (
     EXIT_KEPT,
@@ -103,6 +103,7 @@ from flashckpt.elastic.membership.nodes import (
     NodeIdInUse,
     NodeRecord,
     NodeRegistry,
+    nodes_prefix,
 )
 from flashckpt.elastic.rendezvous.backend import (
     DEFAULT_KEY_PREFIX,
@@ -498,7 +499,7 @@ class LaunchSession:
             # outage dropped it from torch's standby list): it was not needed if the job's
             # workers finished (issue 31).
             registry = self._registry
-            if registry is not None and registry.workers_finished_elsewhere(
+            if registry is not None and self._finished_elsewhere(
                 registry.ttl + _PEERS_LEAVE_TIMEOUT
             ):
                 logger.info("the job finished without needing this standby machine")
@@ -538,6 +539,38 @@ class LaunchSession:
         self._workers_done = True
         self.events("succeeded")
         return 0
+
+    def _finished_elsewhere(self, timeout: timedelta) -> bool:
+        """Whether a machine of the job closed the rendezvous with its workers done (the job's
+        training finished: :meth:`RdzvHandler.finished_done`), waiting up to ``timeout`` while
+        another machine of the job is still registered (it may yet close it so).
+
+        For a machine that finds the rendezvous closed while it waits (a standby). One read of
+        the job-level key, and one count of the node keys, every quarter second: O(1)
+        whatever the size of the job (the watch of every peer's record it replaced cost N
+        messages per machine per change). A job whose machines all left without it (failed,
+        signalled), or whose mark is not seen in time (etcd unreachable), did not finish.
+        """
+        handler, client, registry = self._handler, self._client, self._registry
+        if handler is None or client is None or registry is None:
+            return False
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            try:
+                if handler.finished_done(timeout=_PROBE_ETCD_TIMEOUT):
+                    return True
+                prefix = nodes_prefix(self._job_prefix)
+                (total, own), _ = client.counts(
+                    [(prefix, prefix_end(prefix), 0), (registry.key, None, 0)],
+                    timeout=_PROBE_ETCD_TIMEOUT,
+                )
+                others = total - own
+            except EtcdError as exc:
+                logger.info("cannot read whether the job finished: %s", exc)
+                others = 1
+            if others <= 0 or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.25)
 
     def exit_code(self, code: int) -> int:
         """The launcher's exit code once everything is released: ``code`` (from :meth:`run`),
@@ -1010,7 +1043,9 @@ class LaunchSession:
         assert handler is not None
         with handler.call_timeout(_TEARDOWN_ETCD_TIMEOUT):
             if close and etcd_up:
-                handler.shutdown()  # logs and returns False when etcd fails; leaves either way
+                # Logs and returns False when etcd fails; leaves either way. A machine whose
+                # workers finished says so in the same write (a standby's exit code).
+                handler.shutdown(done=self._workers_done)
                 return
             if etcd_up:
                 handler.leave()

@@ -6,8 +6,9 @@ machines' leases, the rendezvous store keeps the current and the previous round
 keys that only a running job reads (:data:`FINISHED_JOB_PREFIXES`): the rendezvous store's last
 rounds (and ``ranks/``, where a job of an older version kept stable-rank records). What stays is
 what a machine arriving late must find, and what an operator may want to read: the closed
-rendezvous (``rdzv/closed``, which tells a late standby that the job is over, on a lease of its
-own) and the health check's
+rendezvous (``rdzv/closed``, which tells a late standby that the job is over, and ``rdzv/done``
+when a machine's workers finished, which tells it the job succeeded; on a lease of their own)
+and the health check's
 verdicts (``unhealthy/``, one key per machine found faulty).
 
 "Last to leave": a launcher whose run ended with exit code 0 (its workers finished, or the job

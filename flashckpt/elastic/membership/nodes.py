@@ -2,9 +2,12 @@
 
 Every launcher of a job registers itself under ``<key_prefix>/<run_id>/nodes/<node_id>`` with a
 key bound to an etcd lease that it renews every ``ttl / 5``. When a machine dies, nobody renews
-its lease, etcd deletes its key after at most ``ttl``, and every other launcher's watch sees the
-deletion at once. That is the authority on liveness, and it works whatever killed the machine
-(power, kernel panic, network partition).
+its lease, etcd deletes its key after at most ``ttl``, and the watches of its ring neighbours
+(:data:`_WINDOW` on each side in the ring of node ids: each machine watches those keys only, so
+a change costs O(1) per machine whatever the job's size) see the deletion at once; its join keys
+of the rendezvous, on the same lease, go with it, which is how every other machine learns it
+(:mod:`flashckpt.elastic.rendezvous.handler`). That is the authority on liveness, and it works
+whatever killed the machine (power, kernel panic, network partition).
 
 It is also slow compared with what a survivor already knows: when a peer's *processes* die and
 its host stays up (OOM kill, segfault, ``kill -9``, a crashed launcher), the survivor's
@@ -36,8 +39,10 @@ registers the machine afresh (new lease, new token, next generation), as a stand
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import enum
+import itertools
 import json
 import logging
 import os
@@ -98,6 +103,14 @@ _PROBE_TIMEOUT_S = 0.5
 _PROBE_ATTEMPTS = 3
 _PROBE_RETRY_S = 0.1
 _WATCH_SLICE = timedelta(seconds=5)
+_WINDOW = 4
+"""Peers a machine watches on each side of it in the ring of node ids (at least ``links + 1``):
+its node-key watch covers those keys only, so a change costs O(1) watch messages per machine
+whatever the job's size, and every machine is watched by this many on each side. The outage
+probes ask the watched peers (:data:`_OUTAGE_SAMPLE`, ring successors first)."""
+_SEGMENT_SLICE = timedelta(seconds=0.05)
+"""How long the watch waits on each of its two streams in turn when its window wraps around the
+end of the ring (the first and last few machines of the job only)."""
 _QUIET_CHECK_S = 60.0
 """A node-key watch quiet this long moves its revision on (:meth:`NodeRegistry._quiet_revision`)."""
 # Probing the peers while renewals fail: one try each (a cut-off host fails at once with "network
@@ -521,11 +534,21 @@ class NodeRegistry:
         self._generation = 1
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._peers: dict[str, NodeRecord] = {}
+        self._peers: dict[str, NodeRecord] = {}  # the window's peers (see _read_window)
         self._view_loaded = False  # the watch read the node keys at least once
         self._view_revision = 0  # the view holds every change of the node keys up to it
+        self._window_k = max(_WINDOW, links + 1)
+        # The watched window: every node key (a job of at most 2k + 1 machines: _whole), or the
+        # ring from the k-th predecessor (_lo) to the k-th successor (_hi) of this machine.
+        self._whole = True
+        self._lo = self._hi = ""
         self.watch_reads = 0
-        """How often the watch read every node key (its start, and each compaction)."""
+        """How often the watch read its window's keys (its start, a neighbour gone, each
+        compaction)."""
+        self.watch_events = 0
+        """Changes of node keys the watch received (its own key's included)."""
+        self.window_moves = 0
+        """How often the watched window narrowed to nearer neighbours without a read."""
         self.view_answers = 0
         """How often :meth:`records` was answered from the watch's view."""
         self.watch_slices = 0
@@ -533,7 +556,6 @@ class NodeRegistry:
         self.quiet_moves = 0
         """How often the quiet watch moved its revision on (:meth:`_quiet_revision`)."""
         self._seen_lost: set[str] = set()
-        self._departed: dict[str, NodeRecord] = {}  # the last record of each peer gone
         self._reaping: set[str] = set()  # tokens of peers found dead here, being revoked
         self._lease: Lease | None = None
         self._lease_listeners: list[Callable[[Lease], None]] = []
@@ -542,7 +564,7 @@ class NodeRegistry:
         # one thread for the registry's life, not one per renewal (1,000 machines per host).
         self._renewals: queue.SimpleQueue[_Renewal | None] = queue.SimpleQueue()
         self._renewer: threading.Thread | None = None
-        self._stream: WatchStream | None = None  # the node keys' watch
+        self._streams: list[WatchStream] = []  # the node keys' watch (two: a wrapped window)
         self._threads: list[threading.Thread] = []
         self._probe_server: _ProbeServer | None = None
         self._bind_host = bind_host
@@ -740,23 +762,33 @@ class NodeRegistry:
         return True
 
     def peers(self) -> dict[str, NodeRecord]:
-        """The other live nodes of the job, as last seen by the watch."""
+        """The live peers this machine watches, as last seen by the watch: its ring neighbours
+        (:data:`_WINDOW` on each side of it in the ring of node ids; every peer in a job of at
+        most ``2 * _WINDOW + 1`` machines). The whole job is :meth:`records`."""
         with self._lock:
             return dict(self._peers)
+
+    @property
+    def watches_whole_job(self) -> bool:
+        """Whether the watch follows every node key (a small job), not the neighbours only."""
+        with self._lock:
+            return self._whole
 
     def records(self, timeout: timedelta | None = None) -> list[NodeRecord]:
         """Every live node record of the job (this one's too), as etcd holds them now.
 
-        The watch's view answers when etcd confirms it is current (one transaction of three
-        counts: as many node keys as the view holds, none written after the view's revision;
-        the view may lag a record written just before a rendezvous completed): a round of N
-        machines then costs each O(1), not a read of N records. Otherwise, the keys are read.
+        In a small job, whose every key the watch follows, the watch's view answers when etcd
+        confirms it is current (one transaction of counts: as many node keys as the view
+        holds, none written after the view's revision; the view may lag a record written just
+        before a rendezvous completed). Otherwise (a larger job, whose watch follows the
+        neighbours only), the keys are read: a read of N records, for what needs the whole job
+        (status, the replica ring), never on a round's path.
 
         Raises:
             EtcdError: etcd did not answer.
         """
         with self._lock:
-            loaded, revision = self._view_loaded, self._view_revision
+            loaded, revision = self._view_loaded and self._whole, self._view_revision
             peers, own, lease = list(self._peers.values()), self._record, self._lease
         if loaded and lease is not None:
             # This machine's own key is not in the view (its own writes are not the view's
@@ -776,26 +808,6 @@ class NodeRegistry:
                 return [*peers, replace(own, lease=lease.id)]
         kvs = self._client.get_prefix(self._prefix, timeout=timeout)
         return [r for r in (NodeRecord.from_kv(kv) for kv in kvs) if r is not None]
-
-    def workers_finished_elsewhere(self, timeout: timedelta) -> bool:
-        """Whether another machine of the job left with its workers done (the job's training
-        finished: :attr:`NodeRecord.left_done`), waiting up to ``timeout`` while a machine
-        that is not a waiting standby in the watch's view may yet leave.
-
-        For a machine that finds the rendezvous closed while it waits (a standby): the
-        machines that close it at the end of a successful job publish ``done`` as they leave,
-        just after closing it. A job whose active machines all left without ``done`` (failed,
-        signalled), or whose leaving is not seen in time (etcd unreachable), did not finish.
-        """
-        deadline = time.monotonic() + timeout.total_seconds()
-        while True:
-            with self._lock:
-                done = any(r.left_done for r in self._departed.values())
-                active = any(r.state != "waiting" for r in self._peers.values())
-            if done or not active or time.monotonic() >= deadline:
-                return done
-            if self._stop.wait(0.05):
-                return False
 
     def linked(self) -> set[str]:
         """The peers this launcher holds a link to now
@@ -826,6 +838,8 @@ class NodeRegistry:
         own = self._record.node_id
         with self._lock:
             loaded, known = self._view_loaded, list(self._peers.values())
+            if not self._whole:  # the window's successor side: the ring walk goes that way
+                known = [r for r in known if self._on_successor_side(r.node_id)]
         try:
             if candidates is not None:
                 # The named peers' keys only: a broken link costs one key, not every one.
@@ -844,7 +858,23 @@ class NodeRegistry:
         if not records:
             return []
         if candidates is None and loaded:
-            probed = self._walk_ring(records)
+            probed = self._walk_ring(records, max(2, self._fanout))
+            missing = max(2, self._fanout) - sum(r is not ProbeResult.DEAD for _, r in probed)
+            if missing > 0 and not self.watches_whole_job:
+                # More dead successors in a row than the watched window holds: the ring beyond
+                # it is read (rare: a rack of consecutive node ids lost at once).
+                seen = {r.node_id for r, _ in probed}
+                try:
+                    kvs = self._client.get_prefix(self._prefix)
+                except EtcdError as exc:
+                    logger.warning("cannot list the job's nodes to probe them: %s", exc)
+                    kvs = []
+                rest = [
+                    r
+                    for r in map(NodeRecord.from_kv, kvs)
+                    if r is not None and r.node_id != own and r.node_id not in seen
+                ]
+                probed += self._walk_ring(rest, missing)
         else:
             workers = min(32, len(records))
             with ThreadPoolExecutor(workers, thread_name_prefix="flashckpt-probe") as ex:
@@ -871,12 +901,13 @@ class NodeRegistry:
             self._report_lost(record, via)
         return dead
 
-    def _walk_ring(self, records: list[NodeRecord]) -> list[tuple[NodeRecord, ProbeResult]]:
+    def _walk_ring(
+        self, records: list[NodeRecord], wanted: int
+    ) -> list[tuple[NodeRecord, ProbeResult]]:
         """Probes ``records`` in ring order after this machine, :data:`_SWEEP_BATCH` at a
-        time, until ``max(2, links)`` of them are not dead (see :meth:`reap_dead_peers`)."""
+        time, until ``wanted`` of them are not dead (see :meth:`reap_dead_peers`)."""
         by_id = {r.node_id: r for r in records}
         order = ring_successors(self._record.node_id, by_id, len(by_id))
-        wanted = max(2, self._fanout)
         probed: list[tuple[NodeRecord, ProbeResult]] = []
         not_dead = 0
         with ThreadPoolExecutor(_SWEEP_BATCH, thread_name_prefix="flashckpt-probe") as ex:
@@ -901,8 +932,8 @@ class NodeRegistry:
         self._renew_wake.set()
         self._renewals.put(None)  # stops the renewer thread once it is idle
         with self._lock:
-            stream = self._stream
-        if stream is not None:
+            streams = list(self._streams)
+        for stream in streams:
             stream.close()  # wakes the watch thread
         if self._links is not None:
             self._links.close()
@@ -1233,38 +1264,55 @@ class NodeRegistry:
             logger.exception("fencing this machine failed")
 
     def _watch_loop(self) -> None:
-        """Keeps :meth:`peers` up to date from the watched changes of the node keys.
+        """Keeps :meth:`peers` up to date from the watched changes of the neighbours' keys.
 
-        The keys are read once when the watch starts (one prefix read; the watch goes on from
-        its revision), and again only when etcd compacted the history the watch needs; every
-        other change arrives on one long-lived stream (:class:`WatchStream`) as an event with
-        the key's previous value (a put, or a delete with what the key held), applied to the
-        view as it is: one change costs every launcher O(1), not a read of every node key, nor
-        a new watch (a job of N machines starting is N^2 events, not N^2 watch requests).
+        The watch follows a *window* of the ring of node ids: this machine's ``k`` successors
+        and ``k`` predecessors (:data:`_WINDOW`; every key in a job of at most ``2k + 1``), so
+        a change anywhere in the job costs O(1) watch messages per machine, not one per peer
+        (N*N for the job). The window is read once when the watch starts (one transaction of
+        four ranges of at most ``k`` keys: O(k), whatever the job's size), again when a
+        neighbour went (the window is widened to the next one) and when etcd compacted the
+        history the watch needs; every other change arrives on a long-lived stream
+        (:class:`WatchStream`) as an event with the key's previous value, applied to the view as
+        it is. A machine registering inside the window narrows it, without a read (a new
+        stream from the same revision). A window that wraps around the end of the ring is two
+        key ranges, two streams read in turn. Each machine being in the window of ``k``
+        machines on each side, its key going is seen by ``2k`` of them.
         """
         revision: int | None = None
         quiet_since = time.monotonic()
-        stream: WatchStream | None = None
+        streams: list[WatchStream] = []
+
+        def drop_streams() -> None:
+            for old in streams:
+                old.close()
+            streams.clear()
+
         try:
             while not self._stop.is_set():
                 if revision is None:
-                    revision = self._read_peers()
+                    drop_streams()
+                    revision = self._read_window()
                     if revision is None:
                         self._stop.wait(0.5)
                         continue
                 with self._lock:
                     self._view_revision = revision  # the view holds every change up to it
-                if stream is None:
-                    key = self._prefix.encode()
-                    stream = WatchStream(
-                        self._client, key, prefix_end(key), revision + 1, prev_kv=True
+                    ranges = self._ranges()
+                if not streams:
+                    streams.extend(
+                        WatchStream(self._client, a, b, revision + 1, prev_kv=True)
+                        for a, b in ranges
                     )
                     with self._lock:
-                        self._stream = stream
+                        self._streams = list(streams)
                     if self._stop.is_set():
                         return
+                slice_ = _WATCH_SLICE if len(streams) == 1 else _SEGMENT_SLICE
+                events: list[WatchEvent] = []
                 try:
-                    events = stream.next_events(_WATCH_SLICE)
+                    for stream in streams:
+                        events += stream.next_events(slice_)
                 except WatchClosed:
                     return
                 except WatchCompacted as exc:
@@ -1272,85 +1320,181 @@ class NodeRegistry:
                         "the node keys' history up to revision %d was compacted; reading the keys",
                         exc.compact_revision,
                     )
-                    stream.close()
-                    stream, revision = None, None
+                    revision = None
                     continue
                 except Exception as exc:
                     logger.warning("watching the job's node keys failed (will retry): %s", exc)
-                    stream.close()
-                    stream = None  # again from the same revision
+                    # Again from where every stream is (a stream read further re-applies the
+                    # same changes, which is harmless).
+                    revision = min(s.next_revision for s in streams) - 1
+                    drop_streams()
                     self._stop.wait(0.5)
                     continue
                 self.watch_slices += 1
                 if events:
+                    self.watch_events += len(events)
                     self._apply_events(events)
-                    revision = stream.next_revision - 1
+                    revision = min(s.next_revision for s in streams) - 1
                     quiet_since = time.monotonic()
+                    moved = self._move_window()
+                    if moved is None:
+                        revision = None  # a neighbour went: read the window again
+                    elif moved:
+                        drop_streams()  # narrowed: new streams from the same revision
                 elif time.monotonic() - quiet_since >= _QUIET_CHECK_S:
                     quiet_since = time.monotonic()
-                    moved = self._quiet_revision(revision)
-                    if moved > revision:
+                    moved_to = self._quiet_revision(revision)
+                    if moved_to > revision:
                         # Reopened from there: a stream that breaks later (an etcd restart)
                         # resumes from a revision etcd still has.
                         self.quiet_moves += 1
-                        revision = moved
-                        stream.close()
-                        stream = None
+                        revision = moved_to
+                        drop_streams()
         finally:
-            if stream is not None:
-                stream.close()
+            drop_streams()
+
+    # ---------------------------------------------------------------- the watched window
+
+    def _ring_key(self, node_id: str) -> tuple[bool, str]:
+        """Sorts node ids in ring order starting after this machine's."""
+        return (node_id < self._record.node_id, node_id)
+
+    def _on_successor_side(self, node_id: str) -> bool:
+        """Whether ``node_id`` is between this machine and its window's last successor (the
+        lock held; window mode)."""
+        return self._ring_key(node_id) <= self._ring_key(self._hi)
+
+    def _ranges(self) -> list[tuple[bytes, bytes]]:
+        """The key ranges the window covers (the lock held)."""
+        start, end = self._prefix.encode(), prefix_end(self._prefix)
+        if self._whole:
+            return [(start, end)]
+        lo = (self._prefix + self._lo).encode()
+        hi = (self._prefix + self._hi).encode() + b"\x00"
+        if self._lo < self._hi:
+            return [(lo, hi)]
+        return [(lo, end), (start, hi)]  # it wraps around the end of the ring
+
+    def _read_window(self) -> int | None:
+        """Reads the window's keys into the view (the watch's start, a neighbour gone, or
+        after a compaction): one transaction of four ranges of at most ``k`` keys each (the
+        ``k`` after this key and before it, from both ends of the ring). Reports the peers of
+        the window gone since the last read (none on the first). Returns the read's revision,
+        None if etcd did not answer."""
+        k = self._window_k
+        start, end = self._prefix.encode(), prefix_end(self._prefix)
+        own = self._key.encode()
+        after, before = (own + b"\x00", end), (start, own)
+        try:
+            response = self._client._call(
+                "/v3/kv/txn",
+                {
+                    "success": [
+                        _limited_range(*after, k, descend=False),
+                        _limited_range(*before, k, descend=False),
+                        _limited_range(*before, k, descend=True),
+                        _limited_range(*after, k, descend=True),
+                    ]
+                },
+                timeout=None,
+                idempotent=True,
+            )
+            answers = [r.get("response_range", {}) for r in response.get("responses") or []]
+            if len(answers) != 4:
+                raise EtcdError(f"etcd answered {len(answers)} of 4 ranges")
+            lists = [[_kv_of(raw) for raw in a.get("kvs") or []] for a in answers]
+            others = int(answers[0].get("count", 0)) + int(answers[1].get("count", 0))
+            revision = int(response.get("header", {}).get("revision", 0))
+        except Exception as exc:
+            logger.warning("reading the job's node keys failed (will retry): %s", exc)
+            return None
+        if others <= 2 * k:
+            # A small job: every key is in the four lists (k from each end of each side).
+            kvs = list({kv.key: kv for kv in itertools.chain(*lists)}.values())
+            window: tuple[bool, str, str] = (True, "", "")
+        else:
+            successors, predecessors = (lists[0] + lists[1])[:k], (lists[2] + lists[3])[:k]
+            kvs = successors + predecessors
+            n = len(self._prefix)
+            window = (False, predecessors[-1].key[n:].decode(), successors[-1].key[n:].decode())
+        self._load_view(kvs, window)
+        return revision
+
+    def _move_window(self) -> bool | None:
+        """After changes were applied: whether the window narrowed to nearer neighbours (a
+        machine registered inside it: from the view alone, which holds every key in it), or
+        None when it must be read again (it holds fewer than ``k`` on a side: a neighbour
+        went). The peers left outside are dropped from the view (their own neighbours watch
+        them)."""
+        k = self._window_k
+        with self._lock:
+            order = sorted(self._peers, key=self._ring_key)
+            if self._whole:
+                if len(order) <= 2 * k + 2:  # a margin: no back and forth at the threshold
+                    return False
+                successors, predecessors = order[:k], order[-k:]
+            else:
+                successors = [n for n in order if self._on_successor_side(n)]
+                predecessors = [n for n in order if not self._on_successor_side(n)]
+                if len(successors) < k or len(predecessors) < k:
+                    return None
+                successors, predecessors = successors[:k], predecessors[-k:]
+                if (predecessors[0], successors[-1]) == (self._lo, self._hi):
+                    return False
+            self._whole, self._lo, self._hi = False, predecessors[0], successors[-1]
+            keep = set(successors) | set(predecessors)
+            self._peers = {n: r for n, r in self._peers.items() if n in keep}
+            self.window_moves += 1
+        self._update_links()
+        return True
 
     def _quiet_revision(self, revision: int) -> int:
-        """The revision a quiet watch can go on from: etcd's current one when the node keys
+        """The revision a quiet watch can go on from: etcd's current one when the window's keys
         provably did not change since ``revision`` (as many keys as the view holds, none
         written after it: a delete lowers the count, a put or a re-creation is newer), else
         ``revision``. A watch that stayed on an old revision while the rest of the job moved
-        etcd's revision on would find its history compacted, and read every node key again;
-        this costs one small transaction of three counts instead."""
+        etcd's revision on would find its history compacted, and read its keys again; this
+        costs one small transaction of counts instead."""
         own = self._key
+        with self._lock:
+            ranges = self._ranges()
         try:
-            (total, newer, own_count), current = self._client.counts(
-                [
-                    (self._prefix, prefix_end(self._prefix), 0),
-                    (self._prefix, prefix_end(self._prefix), revision + 1),
-                    (own, None, 0),
-                ]
+            counted, current = self._client.counts(
+                [(a, b, 0) for a, b in ranges]
+                + [(a, b, revision + 1) for a, b in ranges]
+                + [(own, None, 0)]
             )
         except EtcdError as exc:
             logger.debug("could not check the node keys' revision: %s", exc)
             return revision
+        total, newer = sum(counted[: len(ranges)]), sum(counted[len(ranges) : -1])
         with self._lock:
-            expected = len(self._peers) + own_count
+            expected = len(self._peers) + counted[-1]
         if newer == 0 and total == expected and current > revision:
             return current
         return revision
 
-    def _read_peers(self) -> int | None:
-        """Reads every node key into the view (the watch's start, or after a compaction);
-        reports the peers gone since the last read (none on the first). Returns the read's
-        revision, None if etcd did not answer."""
-        try:
-            kvs, revision = self._client.get_prefix_with_revision(self._prefix)
-        except Exception as exc:
-            logger.warning("reading the job's node keys failed (will retry): %s", exc)
-            return None
-        self._load_view(kvs)
-        return revision
-
-    def _load_view(self, kvs: list[KeyValue]) -> None:
-        """Replaces the view with every node key as read; reports the peers gone since the
-        last read (none on the first)."""
+    def _load_view(self, kvs: list[KeyValue], window: tuple[bool, str, str]) -> None:
+        """Replaces the view with the window's keys as read; reports the peers of the window
+        gone since the last read (none on the first)."""
         self.watch_reads += 1
         current: dict[str, NodeRecord] = {}
         for kv in kvs:
             record = NodeRecord.from_kv(kv)
-            if record is not None and record.node_id != self._record.node_id:
-                current[record.node_id] = record
+            node_id = kv.key[len(self._prefix) :].decode(errors="replace")
+            if record is not None and record.node_id == node_id != self._record.node_id:
+                current[node_id] = record
         with self._lock:
             first = not self._view_loaded
-            # A node id whose token changed was registered again: its old instance is gone.
+            self._whole, self._lo, self._hi = window
+            # A peer that should be in the window and is not is gone; one that is outside it
+            # now is no longer a neighbour (its own neighbours watch it). A node id whose token
+            # changed was registered again: its old instance is gone.
             vanished = [
-                r for n, r in self._peers.items() if n not in current or current[n].token != r.token
+                r
+                for n, r in self._peers.items()
+                if (n not in current and (self._whole or self._in_window(n)))
+                or (n in current and current[n].token != r.token)
             ]
             self._peers = current
             self._view_loaded = True
@@ -1358,6 +1502,11 @@ class NodeRegistry:
         if not first:
             for record in vanished:
                 self._report_lost(record, "watch")
+
+    def _in_window(self, node_id: str) -> bool:
+        """Whether ``node_id`` is inside the window (the lock held; window mode)."""
+        ring = self._ring_key(node_id)
+        return ring <= self._ring_key(self._hi) or ring >= self._ring_key(self._lo)
 
     def _apply_events(self, events: list[WatchEvent]) -> None:
         """Applies watched changes of node keys to the view; reports deleted peers."""
@@ -1457,7 +1606,6 @@ class NodeRegistry:
                 return  # found dead here, its lease being revoked: reported by the reaper
             self._reaping.discard(record.token)
             self._seen_lost.add(record.token)
-            self._departed[record.node_id] = record
             known = self._peers.get(record.node_id)
             if known is not None and known.token == record.token:
                 del self._peers[record.node_id]  # not a newer instance of the same node id
@@ -1477,6 +1625,31 @@ class NodeRegistry:
                 self._on_lost(record, via)
             except Exception:
                 logger.exception("handling the loss of node %s failed", record.node_id)
+
+
+def _limited_range(start: bytes, end: bytes, limit: int, *, descend: bool) -> dict[str, Any]:
+    """A transaction's read of at most ``limit`` keys of ``[start, end)``, nearest ``start``
+    first (``descend``: nearest ``end`` first); its ``count`` is every key of the range."""
+    request: dict[str, Any] = {
+        "key": base64.b64encode(start).decode("ascii"),
+        "range_end": base64.b64encode(end).decode("ascii"),
+        "limit": str(limit),
+    }
+    if descend:
+        request["sort_order"] = "DESCEND"
+        request["sort_target"] = "KEY"
+    return {"request_range": request}
+
+
+def _kv_of(raw: dict[str, Any]) -> KeyValue:
+    return KeyValue(
+        key=base64.b64decode(raw.get("key") or ""),
+        value=base64.b64decode(raw.get("value") or ""),
+        mod_revision=int(raw.get("mod_revision", 0)),
+        create_revision=int(raw.get("create_revision", 0)),
+        version=int(raw.get("version", 0)),
+        lease=int(raw.get("lease", 0)),
+    )
 
 
 def _record_or_none(kv: KeyValue | None) -> NodeRecord | None:

@@ -514,14 +514,22 @@ class RdzvHandler(RendezvousHandler):
         except EtcdError as exc:
             raise RendezvousConnectionError(f"cannot read {self._p}closed: {exc}") from exc
 
-    def set_closed(self) -> None:
-        """See base class: closes the rendezvous for every machine; deletes the rounds' keys."""
+    def set_closed(self, *, done: bool = False) -> None:
+        """See base class: closes the rendezvous for every machine; deletes the rounds' keys.
+
+        Args:
+            done: This machine's workers finished the job: the job-level ``done`` key is
+                written in the same transaction (:meth:`finished_done`: a standby that finds
+                the rendezvous closed learns from it that it was not needed).
+        """
         lease = self._new_state_lease()
         ops = [
             _put(self._p + "closed", json.dumps({"by": self._node}).encode(), lease),
             _delete(self._p + "r/", prefix=True),
             _delete(self._p + "round"),
         ]
+        if done:
+            ops.append(_put(self._p + "done", json.dumps({"by": self._node}).encode(), lease))
         try:
             self._txn([], ops, [])
         except EtcdError as exc:
@@ -538,10 +546,20 @@ class RdzvHandler(RendezvousHandler):
             return max(1, watch.waiting())  # dropped from its round: the workers restart
         return watch.waiting()
 
-    def shutdown(self) -> bool:
-        """See base class: closes the rendezvous and gives up this machine's keys."""
+    def finished_done(self, timeout: timedelta | None = None) -> bool:
+        """Whether a machine closed the rendezvous with its workers done (the job succeeded):
+        one read of the job-level ``done`` key, whatever the size of the job.
+
+        Raises:
+            EtcdError: etcd did not answer.
+        """
+        return self._client.get(self._p + "done", timeout=timeout) is not None
+
+    def shutdown(self, *, done: bool = False) -> bool:
+        """See base class: closes the rendezvous (``done``: see :meth:`set_closed`) and gives
+        up this machine's keys."""
         try:
-            self.set_closed()
+            self.set_closed(done=done)
         except RendezvousError as exc:
             logger.warning("could not close the rendezvous %r: %s", self._s.run_id, exc)
             self.leave()

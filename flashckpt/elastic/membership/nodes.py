@@ -1282,12 +1282,28 @@ class NodeRegistry:
         revision: int | None = None
         quiet_since = time.monotonic()
         streams: list[WatchStream] = []
+        # Where the streams given up last were: (range start, range end, next revision). A new
+        # stream whose range lies inside one of them goes on from there: nothing is lost, and
+        # nothing is received twice (a window only narrows without a read).
+        resume: list[tuple[bytes, bytes, int]] = []
 
-        def drop_streams() -> None:
+        def drop_streams(*, keep_positions: bool = False) -> None:
+            resume[:] = (
+                [(a, b, s.next_revision) for (a, b), s in zip(ranges, streams, strict=True)]
+                if keep_positions
+                else []
+            )
             for old in streams:
                 old.close()
             streams.clear()
 
+        def start_of(a: bytes, b: bytes, revision: int) -> int:
+            for a0, b0, next_revision in resume:
+                if a0 <= a and b <= b0:
+                    return next_revision
+            return revision + 1
+
+        ranges: list[tuple[bytes, bytes]] = []
         try:
             while not self._stop.is_set():
                 if revision is None:
@@ -1298,10 +1314,11 @@ class NodeRegistry:
                         continue
                 with self._lock:
                     self._view_revision = revision  # the view holds every change up to it
-                    ranges = self._ranges()
                 if not streams:
+                    with self._lock:
+                        ranges = self._ranges()
                     streams.extend(
-                        WatchStream(self._client, a, b, revision + 1, prev_kv=True)
+                        WatchStream(self._client, a, b, start_of(a, b, revision), prev_kv=True)
                         for a, b in ranges
                     )
                     with self._lock:
@@ -1324,10 +1341,7 @@ class NodeRegistry:
                     continue
                 except Exception as exc:
                     logger.warning("watching the job's node keys failed (will retry): %s", exc)
-                    # Again from where every stream is (a stream read further re-applies the
-                    # same changes, which is harmless).
-                    revision = min(s.next_revision for s in streams) - 1
-                    drop_streams()
+                    drop_streams(keep_positions=True)  # again from where each stream was
                     self._stop.wait(0.5)
                     continue
                 self.watch_slices += 1
@@ -1340,7 +1354,7 @@ class NodeRegistry:
                     if moved is None:
                         revision = None  # a neighbour went: read the window again
                     elif moved:
-                        drop_streams()  # narrowed: new streams from the same revision
+                        drop_streams(keep_positions=True)  # narrowed: new streams go on
                 elif time.monotonic() - quiet_since >= _QUIET_CHECK_S:
                     quiet_since = time.monotonic()
                     moved_to = self._quiet_revision(revision)

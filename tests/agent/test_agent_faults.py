@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent, agent_process
+from interrupts import SimulatedInterrupt
 from tinytrain import make, train_steps
 
 import flashckpt
@@ -138,14 +139,14 @@ def test_auto_agent_leaves_after_a_failed_entry(fc_env: FcEnv) -> None:
         # The first trainer leaves without "done" (a clean exit would let the agent leave at
         # once, before the next trainer connects): the agent waits unused_timeout for it.
         with (
-            pytest.raises(KeyboardInterrupt),
+            pytest.raises(SimulatedInterrupt),
             flashckpt.checkpointing(
                 model, opt, scheduler=sched, every=1, **fc_env.ckpt_kwargs(agent="connect")
             ) as ck,
         ):
             ck.step()  # every=1: snapshots step 1
             assert ck.flush() == 1
-            raise KeyboardInterrupt
+            raise SimulatedInterrupt
         # The next trainer fails at entry (restore): it leaves without "done".
         model, opt, sched = make(0)
         with (
@@ -177,12 +178,12 @@ def test_auto_agent_leaves_after_its_trainer_died_once_everything_is_persisted(
         # As a SIGTERM turned into an exception would: the trainer leaves without "done".
         kw = fc_env.ckpt_kwargs(agent="connect")
         with (
-            pytest.raises(KeyboardInterrupt),
+            pytest.raises(SimulatedInterrupt),
             flashckpt.checkpointing(model, opt, scheduler=sched, every=2, **kw) as ck,
         ):
             train_steps(ck, model, opt, sched, 0, 4)
             assert ck.flush() == 4
-            raise KeyboardInterrupt
+            raise SimulatedInterrupt
         assert _wait_dead(ra, 60), "the agent lingers after its trainer died"
         assert Storage(fc_env.storage).committed_steps()[-1] == 4
     finally:
@@ -198,14 +199,14 @@ def test_memory_only_agent_keeps_snapshots_its_dead_trainer_left(fc_env: FcEnv) 
     try:
         model, opt, sched = make(0)
         with (
-            pytest.raises(KeyboardInterrupt),
+            pytest.raises(SimulatedInterrupt),
             flashckpt.checkpointing(
                 model, opt, scheduler=sched, **fc_env.ckpt_kwargs(agent="connect", storage=None)
             ) as ck,
         ):
             ck.step()
             ck.save(mode="sync")
-            raise KeyboardInterrupt
+            raise SimulatedInterrupt
         assert not _wait_dead(ra, 3), "the agent left with the only copy of a snapshot"
     finally:
         ra.stop()

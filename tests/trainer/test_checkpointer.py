@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent
+from interrupts import SimulatedInterrupt
 from tinytrain import batch, make, train_step
 
 import flashckpt
@@ -36,11 +37,11 @@ def _run(env: FcEnv, steps: int, every: int = 3, stop_with_error_at: int | None 
         with ck as ckpt:
             for step in range(ckpt.start_step, steps):
                 if step == stop_with_error_at:
-                    raise KeyboardInterrupt
+                    raise SimulatedInterrupt
                 losses[step] = train_step(model, opt, sched, step)
                 extras["pos"] = step + 1
                 ckpt.step()
-    except KeyboardInterrupt:
+    except SimulatedInterrupt:
         pass
     return model, opt, sched, extras, losses, ck
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent
+from interrupts import SimulatedInterrupt
 from tinytrain import make, train_step
 
 import flashckpt
@@ -44,10 +45,10 @@ def _train(env: FcEnv, steps: int, *, stop_at: int | None = None, seed: int = 0,
         with ck:
             for i in range(ck.start_step, steps):
                 if i == stop_at:
-                    raise KeyboardInterrupt
+                    raise SimulatedInterrupt
                 train_step(model, opt, sched, i)
                 ck.step(i + 1)  # global_step: steps completed
-    except KeyboardInterrupt:
+    except SimulatedInterrupt:
         pass
     return model, ck
 
@@ -369,7 +370,7 @@ def _data_run(env: FcEnv, pattern: str, total: int, stop_at: int | None = None, 
                 for x, y in batches:
                     i = ck.steps_done
                     if i == stop_at:
-                        raise KeyboardInterrupt
+                        raise SimulatedInterrupt
                     loss = torch.nn.functional.mse_loss(model(x), y)
                     opt.zero_grad()
                     loss.backward()
@@ -382,7 +383,7 @@ def _data_run(env: FcEnv, pattern: str, total: int, stop_at: int | None = None, 
                 else:
                     extras["epoch"] += 1
                     extras["batch"] = 0
-    except KeyboardInterrupt:
+    except SimulatedInterrupt:
         pass
     finally:
         # Stopped here, not by the garbage collector: ``ck`` keeps the loader (and a torchdata

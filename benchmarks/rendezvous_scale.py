@@ -393,7 +393,8 @@ def _cpu_seconds(pid: int) -> float | None:
 def _cost(a: dict[str, Any], b: dict[str, Any], n: int) -> dict[str, Any]:
     """Between two snapshots: CPU seconds of etcd and of the simulated machines, and etcd's
     gRPC calls per machine by method (``Watch``: streams opened; ``Watch sent``: messages
-    sent on watches)."""
+    sent on watches; ``LeaseKeepAlive``: keep-alives answered, whether each came as a gateway
+    request of its own or on the client's keep-alive stream)."""
     ea, eb = a.get("etcd", {}), b.get("etcd", {})
     out: dict[str, Any] = {"seconds": round(b["t"] - a["t"], 2)}
     if "process_cpu_seconds_total" in ea and "process_cpu_seconds_total" in eb:
@@ -404,7 +405,8 @@ def _cost(a: dict[str, Any], b: dict[str, Any], n: int) -> dict[str, Any]:
     out["machines_cpu_s"] = round(sum(v - ha.get(k, 0.0) for k, v in hb.items()), 2)
     calls = {}
     for method in _RPCS:
-        key = f"grpc_server_started_total:{method}"
+        kind = "msg_sent" if method == "LeaseKeepAlive" else "started"
+        key = f"grpc_server_{kind}_total:{method}"
         if key in eb:
             calls[method] = round((eb[key] - ea.get(key, 0.0)) / n, 2)
     key = "grpc_server_msg_sent_total:Watch"

@@ -28,7 +28,9 @@ DELAY_S = 1.2  # each keep-alive answer: 1.5 renewal intervals late, 2 s before 
 @pytest.fixture
 def slow_relay(etcd_server: str) -> Iterator[TcpRelay]:
     """A relay that tracks lease keep-alive requests (and holds their answers when told)."""
-    relay = TcpRelay(etcd_server, track=b"/v3/lease/keepalive")
+    # A keep-alive on the client's keep-alive stream: an HTTP/2 DATA frame (type 0, no flags)
+    # of stream 1 holding one uncompressed gRPC message (flag 0, a length under 256).
+    relay = TcpRelay(etcd_server, track=b"\x00\x00\x00\x00\x01\x00\x00\x00\x00")
     try:
         yield relay
     finally:

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from flashckpt.elastic.deadline import Deadline
+from flashckpt.elastic.etcd._leasestream import KeepAliveStream, _StreamBroken
 from flashckpt.elastic.etcd.errors import (
     EtcdError,
     EtcdLeaseNotFound,
@@ -130,6 +131,8 @@ class ConnectionStats:
     """Pooled connections closed because they had been idle longer than the idle timeout."""
     idle: int
     """Connections idle in the pool now."""
+    keepalive_streams: int
+    """Lease keep-alive streams opened (one per process while none breaks)."""
 
 
 class _Pool:
@@ -144,6 +147,12 @@ class _Pool:
         self.opened = self.reused = self.replaced = self.expired = 0
         # watch_events' open streams, per (thread, key, range end): (stream, time given back).
         self.watches: dict[tuple[int, bytes, bytes | None], tuple[KeptStream, float]] = {}
+        # The lease keep-alive stream and its endpoint; keepalive_lock: one thread opens it.
+        self.keepalive: tuple[KeepAliveStream, Endpoint] | None = None
+        self.keepalive_lock = threading.Lock()
+        self.keepalive_streams = 0
+        # An endpoint answered the stream with something other than HTTP/2: requests instead.
+        self.keepalive_by_request = False
 
     def take(self, endpoint: Endpoint) -> http.client.HTTPConnection | None:
         """The most recently used idle connection to ``endpoint`` that is still usable, or
@@ -229,6 +238,7 @@ class _Pool:
                 replaced=self.replaced,
                 expired=self.expired,
                 idle=sum(len(c) for c in self.idle.values()),
+                keepalive_streams=self.keepalive_streams,
             )
 
     def close(self) -> None:
@@ -237,8 +247,11 @@ class _Pool:
             self.closed = True
             conns = [c for per in self.idle.values() for c, _ in per]
             self.idle.clear()
-            streams = [stream for stream, _ in self.watches.values()]
+            streams: list[KeptStream | KeepAliveStream] = [s for s, _ in self.watches.values()]
             self.watches.clear()
+            if self.keepalive is not None:
+                streams.append(self.keepalive[0])
+                self.keepalive = None
         for conn in conns:
             conn.close()
         for stream in streams:
@@ -254,6 +267,8 @@ class _Pool:
                     conn.sock.close()
         for stream, _ in list(self.watches.values()):
             stream._abandon()
+        if self.keepalive is not None:
+            self.keepalive[0]._abandon()
 
 
 def _peer_closed(conn: http.client.HTTPConnection) -> bool:
@@ -348,6 +363,7 @@ class Gateway:
         self._lock = threading.Lock()
         self._preferred = 0  # index of the endpoint that answered last
         self._pool = _Pool()
+        self._tls = any(e.scheme == "https" for e in self._endpoints)
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -430,17 +446,108 @@ class Gateway:
                         "retrying"
                     ) from exc
                 if deadline.expired():
-                    error = EtcdTimeout if exc.timed_out else EtcdUnavailable
-                    raise error(
-                        f"etcd did not complete {path} within {budget.total_seconds():g} s; "
-                        f"tried {list(self.endpoints)}, last error: {exc}. Check that etcd is "
-                        "running and reachable from this machine, or raise the timeout."
-                    ) from exc
+                    raise self._gave_up(path, budget, exc) from exc
                 logger.debug("etcd %s on %s failed, retrying: %s", path, endpoint.url, exc)
             else:
                 self._prefer(endpoint)
                 return response
         raise AssertionError("unreachable: _attempts never ends")
+
+    def _gave_up(self, what: str, budget: timedelta, exc: _AttemptFailed) -> EtcdUnavailable:
+        error = EtcdTimeout if exc.timed_out else EtcdUnavailable
+        return error(
+            f"etcd did not complete {what} within {budget.total_seconds():g} s; "
+            f"tried {list(self.endpoints)}, last error: {exc}. Check that etcd is "
+            "running and reachable from this machine, or raise the timeout."
+        )
+
+    def _keep_alive(self, lease_id: int, timeout: timedelta | None) -> int:
+        """One keep-alive of lease ``lease_id``; returns the TTL etcd answered (0: the lease
+        does not exist), with the retry rules and errors of a lease request (:meth:`_call`).
+
+        It goes on the client's keep-alive stream (one per process, opened on first use and
+        again after it breaks: :mod:`flashckpt.elastic.etcd._leasestream`), or as a gateway
+        request where a stream cannot be used: ``https://`` endpoints, an endpoint that does
+        not speak HTTP/2, a closed client.
+        """
+        budget = timeout if timeout is not None else self._timeout
+        deadline = Deadline.after(budget)
+        for endpoint in self._attempts(deadline):
+            pool = self._pool_here()
+            if pool.closed or pool.keepalive_by_request or self._tls:
+                return self._keep_alive_by_request(lease_id, deadline)
+            stream: KeepAliveStream | None = None
+            try:
+                stream, at = self._keepalive_stream(pool, endpoint, deadline)
+                ttl = stream.renew(lease_id, deadline)
+                if ttl is None:
+                    raise _AttemptFailed(
+                        f"{at.url}: no answer to a lease keep-alive before the deadline",
+                        sent=True,
+                        timed_out=True,
+                    )
+            except (_StreamBroken, _AttemptFailed) as exc:
+                if stream is not None and stream.not_http2:
+                    logger.warning("%s; lease keep-alives go as gateway requests", exc)
+                    pool.keepalive_by_request = True
+                    continue
+                failed = (
+                    exc
+                    if isinstance(exc, _AttemptFailed)
+                    else _AttemptFailed(str(exc), sent=True, timed_out=False)
+                )
+                if deadline.expired():
+                    raise self._gave_up("a lease keep-alive", budget, failed) from exc
+                logger.debug("etcd lease keep-alive failed, retrying: %s", exc)
+            else:
+                self._prefer(at)
+                return ttl
+        raise AssertionError("unreachable: _attempts never ends")
+
+    def _keep_alive_by_request(self, lease_id: int, deadline: Deadline) -> int:
+        timeout = timedelta(seconds=deadline.remaining())
+        response = self._call(
+            "/v3/lease/keepalive", {"ID": str(lease_id)}, timeout=timeout, idempotent=True
+        )
+        if "error" in response:
+            raise EtcdError(f"etcd failed to refresh lease {lease_id:x}: {response['error']}")
+        return int((response.get("result") or {}).get("TTL", 0))
+
+    def _keepalive_stream(
+        self, pool: _Pool, endpoint: Endpoint, deadline: Deadline
+    ) -> tuple[KeepAliveStream, Endpoint]:
+        """The process's keep-alive stream if it is alive, else a new one to ``endpoint``."""
+        kept = pool.keepalive
+        if kept is not None and not kept[0].broken:
+            return kept
+        if not pool.keepalive_lock.acquire(timeout=max(0.001, deadline.remaining())):
+            raise _AttemptFailed(
+                "another thread is still opening the lease keep-alive stream",
+                sent=False,
+                timed_out=True,
+            )
+        try:
+            kept = pool.keepalive
+            if kept is not None and not kept[0].broken:
+                return kept  # opened by the thread that held the lock
+            conn = self._connect(endpoint, deadline)
+            sock = conn.sock
+            assert sock is not None
+            conn.sock = None  # the stream owns the socket from here
+            host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+            try:
+                stream = KeepAliveStream(sock, f"{host}:{endpoint.port}", endpoint.url, deadline)
+            except _StreamBroken as exc:
+                raise _AttemptFailed(str(exc), sent=False, timed_out=False) from exc
+            with pool.lock:
+                if pool.closed:
+                    stream.close()
+                    raise _AttemptFailed("the client was closed", sent=False, timed_out=False)
+                pool.keepalive = (stream, endpoint)
+                pool.keepalive_streams += 1
+            return stream, endpoint
+        finally:
+            pool.keepalive_lock.release()
 
     def _connect(self, endpoint: Endpoint, deadline: Deadline) -> http.client.HTTPConnection:
         connect_timeout = max(0.001, min(self._connect_timeout_s, deadline.remaining()))

@@ -27,6 +27,9 @@ package (evaluated for flashckpt; tested against etcd 3.5.1 and 3.4.23):
 
 The transport (pooled keep-alive connections, fail-over, the retry rules) is
 :mod:`flashckpt.elastic.etcd._gateway`; the watch is :mod:`flashckpt.elastic.etcd.watchstream`.
+Lease keep-alives are the one call not made through the gateway: they go on one gRPC
+``LeaseKeepAlive`` stream per client and process (:mod:`flashckpt.elastic.etcd._leasestream`,
+which says why), with the same deadlines and errors as a request.
 
 Keys are ``str`` (UTF-8 encoded) or ``bytes``; values are ``bytes`` (``str`` is UTF-8 encoded).
 """
@@ -554,13 +557,7 @@ class EtcdClient(Gateway):
                 attached to it are gone and the lease cannot be revived.
         """
         ident = lease_id(lease)
-        response = self._call(
-            "/v3/lease/keepalive", {"ID": str(ident)}, timeout=timeout, idempotent=True
-        )
-        result = response.get("result") or {}
-        if "error" in response:
-            raise EtcdError(f"etcd failed to refresh lease {ident:x}: {response['error']}")
-        ttl = int(result.get("TTL", 0))
+        ttl = self._keep_alive(ident, timeout)
         if ttl <= 0:
             raise EtcdLeaseNotFound(
                 f"lease {ident:x} has expired or was revoked; grant a new lease and put the "

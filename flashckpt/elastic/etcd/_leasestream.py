@@ -1,0 +1,504 @@
+"""Lease keep-alives on one long-lived etcd ``LeaseKeepAlive`` stream per client and process.
+
+Over the JSON gateway every keep-alive is an HTTP request of its own, which costs etcd far more
+CPU than the renewal itself (the request, its JSON, a gRPC stream opened and closed inside
+etcd for it). The gateway cannot carry a stream of them either: etcd's HTTP/1.1 server (Go's
+``net/http``, etcd 3.5) sends no answer before the whole request body has arrived, so keep-alives
+written one by one into one chunked request are all answered only when the body ends (tried
+with etcd 3.5.1). etcd's client port also serves gRPC, over HTTP/2 without TLS (what etcd's own
+Go client uses); there one ``LeaseKeepAlive`` stream carries every renewal as one small message
+each way. Measured on one etcd 3.5.1 (``benchmarks/README.md``, "Lease keep-alive stream"): about
+30 µs of etcd CPU per renewal on the stream against 130-200 µs per gateway request.
+
+This module speaks only what that one stream needs: HTTP/2 (RFC 9113) with prior knowledge, one
+stream (id 1), header blocks written as literals (HPACK, RFC 7541) and never decoded (the
+stream's end is all we need of etcd's headers and trailers), flow control, and the two protobuf
+messages (``LeaseKeepAliveRequest {int64 ID = 1}``, ``LeaseKeepAliveResponse {ResponseHeader
+header = 1; int64 ID = 2; int64 TTL = 3}``).
+
+etcd answers the requests of one stream one by one, in order (``v3rpc.LeaseServer``: receive,
+renew, send), so the n-th answer is the n-th request's: each answer is matched to its request in
+order and its lease ID checked; an answer whose caller gave up is dropped. One request per lease
+is in flight at a time: a second caller for the same lease waits for the first answer, then
+sends its own. A stream that breaks (etcd ends it, a reset, a GOAWAY, garbage) fails every
+request in flight; the callers retry on a new stream, as they would a failed request. A caller
+whose deadline passes with no answer at all on the stream since its request was sent closes
+the stream (etcd or the connection is stuck; the next call opens a new one, as a timed-out
+request's connection is closed); one whose request waits behind earlier ones that are being
+answered leaves the stream alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import select
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+
+from flashckpt.elastic.deadline import Deadline
+from flashckpt.errors import FlashckptError
+
+__all__ = ["KeepAliveStream"]
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_DATA, _HEADERS, _RST_STREAM, _SETTINGS, _PING, _GOAWAY, _WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
+_END_STREAM = _ACK = 0x1
+_END_HEADERS = 0x4
+_PADDED = 0x8
+_SETTINGS_ENABLE_PUSH = 0x2
+_SETTINGS_INITIAL_WINDOW_SIZE = 0x4
+_STREAM = 1  # the one stream of the connection
+_MAX_WINDOW = 2**31 - 1
+_DEFAULT_WINDOW = 65535
+# Received DATA bytes after which the receive windows are opened again (we advertise 2 GiB).
+_WINDOW_REFILL = 2**30
+# How long the reader may block sending an acknowledgement before the stream counts as broken.
+_CONTROL_SEND = timedelta(seconds=10)
+_PATH = "/etcdserverpb.Lease/LeaseKeepAlive"
+# A request unanswered this long, with no answer at all on the stream since it was sent, makes
+# the stream count as stuck (a healthy etcd answers in milliseconds; a caller whose deadline
+# left it less time than this says nothing about the stream).
+_STUCK_S = 0.25
+
+
+class _StreamBroken(FlashckptError):
+    """The keep-alive stream failed; the request it carried (if any) may or may not have reached
+    etcd (a keep-alive is safe to repeat)."""
+
+
+class _NotHttp2(_StreamBroken):
+    """The endpoint does not speak HTTP/2 (gRPC) without TLS: a proxy in front of etcd that
+    passes HTTP/1.1 only, for example. Keep-alives then go as gateway requests."""
+
+
+class _Pending:
+    """One keep-alive sent on the stream, waiting for its answer."""
+
+    __slots__ = ("done", "error", "lease_id", "sent_at", "ttl")
+
+    def __init__(self, lease_id: int) -> None:
+        self.lease_id = lease_id
+        self.done = threading.Event()
+        self.ttl = 0
+        self.error: str | None = None
+        self.sent_at = 0.0
+
+
+def _hpack_int(value: int, prefix_bits: int) -> bytes:
+    top = (1 << prefix_bits) - 1
+    if value < top:
+        return bytes([value])
+    out = bytearray([top])
+    value -= top
+    while value >= 128:
+        out.append((value & 127) | 128)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _hpack_literal(name: str, value: str) -> bytes:
+    """A header field as a literal without indexing, new name, no Huffman coding."""
+    raw_name, raw_value = name.encode(), value.encode()
+    return (
+        b"\x00"
+        + _hpack_int(len(raw_name), 7)
+        + raw_name
+        + _hpack_int(len(raw_value), 7)
+        + raw_value
+    )
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    head = struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream)
+    return head + payload
+
+
+def _varint(value: int) -> bytes:
+    value &= 2**64 - 1  # int64 on the wire: a negative value takes ten bytes
+    out = bytearray()
+    while True:
+        byte = value & 127
+        value >>= 7
+        if not value:
+            out.append(byte)
+            return bytes(out)
+        out.append(byte | 128)
+
+
+def _read_varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise ValueError("a truncated protobuf varint")
+        byte = data[at]
+        at += 1
+        value |= (byte & 127) << shift
+        shift += 7
+        if not byte & 128:
+            return value, at
+
+
+def keepalive_request(lease_id: int) -> bytes:
+    """The gRPC message (length-prefixed) of ``LeaseKeepAliveRequest{ID: lease_id}``."""
+    message = b"\x08" + _varint(lease_id)
+    return b"\x00" + struct.pack(">I", len(message)) + message
+
+
+def parse_keepalive_response(message: bytes) -> tuple[int, int]:
+    """``(ID, TTL)`` of a ``LeaseKeepAliveResponse`` (absent fields are 0, as in proto3)."""
+    fields = {2: 0, 3: 0}
+    at = 0
+    while at < len(message):
+        tag, at = _read_varint(message, at)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, at = _read_varint(message, at)
+            fields[number] = value - 2**64 if value >= 2**63 else value
+        elif wire == 2:
+            size, at = _read_varint(message, at)
+            at += size
+        elif wire == 1:
+            at += 8
+        elif wire == 5:
+            at += 4
+        else:
+            raise ValueError(f"protobuf wire type {wire} in a keep-alive answer")
+    if at != len(message):
+        raise ValueError("a truncated keep-alive answer")
+    return fields[2], fields[3]
+
+
+class KeepAliveStream:
+    """One ``LeaseKeepAlive`` gRPC stream on an HTTP/2 connection of its own to one etcd.
+
+    Args:
+        sock: A connected TCP socket to etcd's client port (no TLS); the stream owns it.
+        authority: ``host:port`` of the endpoint (the HTTP/2 ``:authority``).
+        where: The endpoint's URL, for messages.
+        deadline: When sending the connection's opening gives up.
+
+    Raises:
+        _StreamBroken: If the connection's opening could not be sent.
+    """
+
+    def __init__(self, sock: socket.socket, authority: str, where: str, deadline: Deadline) -> None:
+        self.where = where
+        self._sock: socket.socket | None = sock
+        self._lock = threading.Lock()  # the state below
+        self._send_lock = threading.Lock()  # the socket's writes, and its close
+        self._window = threading.Condition(self._lock)  # the send windows opened
+        self._fifo: collections.deque[_Pending] = collections.deque()  # sent, in wire order
+        self._busy: dict[int, _Pending] = {}  # lease ID -> its request in flight
+        self._broken: str | None = None
+        self._conn_window = self._stream_window = _DEFAULT_WINDOW
+        self._peer_initial_window = _DEFAULT_WINDOW
+        self._last_answer = time.monotonic()  # when etcd last answered a request
+        self._received = 0  # DATA bytes since the receive windows were last opened
+        self._grpc = bytearray()  # DATA received, not yet whole gRPC messages
+        self._not_http2 = False
+        self.answers = 0
+        """Answers matched to their requests (diagnostics and tests)."""
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Each keep-alive is a small write of its own: do not hold it for the last ACK.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)
+        headers = b"".join(
+            _hpack_literal(name, value)
+            for name, value in (
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", _PATH),
+                (":authority", authority),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            )
+        )
+        settings = struct.pack(
+            ">HIHI", _SETTINGS_ENABLE_PUSH, 0, _SETTINGS_INITIAL_WINDOW_SIZE, _MAX_WINDOW
+        )
+        opening = (
+            _PREFACE
+            + _frame(_SETTINGS, 0, 0, settings)
+            + _frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", _MAX_WINDOW - _DEFAULT_WINDOW))
+            + _frame(_HEADERS, _END_HEADERS, _STREAM, headers)
+        )
+        try:
+            self._send(opening, deadline)
+        except _StreamBroken:
+            sock.close()
+            self._sock = None
+            raise
+        self._reader = threading.Thread(
+            target=self._read_loop, name="etcd-keepalive-stream", daemon=True
+        )
+        self._reader.start()
+
+    @property
+    def not_http2(self) -> bool:
+        """Whether the endpoint answered something other than HTTP/2 (see :class:`_NotHttp2`)."""
+        return self._not_http2
+
+    @property
+    def broken(self) -> bool:
+        """Whether the stream failed or was closed (a new one must be opened)."""
+        return self._broken is not None
+
+    def renew(self, lease_id: int, deadline: Deadline) -> int | None:
+        """Sends one keep-alive of ``lease_id`` and waits for etcd's answer.
+
+        Returns:
+            The TTL etcd answered, in seconds (0: the lease does not exist), or ``None`` when
+            the deadline passed first (the answer, if it comes later, is dropped).
+
+        Raises:
+            _StreamBroken: The stream failed before the answer came.
+        """
+        pending = _Pending(lease_id)
+        request = _frame(_DATA, 0, _STREAM, keepalive_request(lease_id))
+        size = len(request) - 9
+        while True:  # one request per lease in flight: wait for the one before
+            with self._lock:
+                if self._broken is not None:
+                    raise _StreamBroken(self._broken)
+                before = self._busy.get(lease_id)
+                if before is None:
+                    self._busy[lease_id] = pending
+                    break
+            if not before.done.wait(deadline.remaining()):
+                self._fail_if_stuck(before)
+                return None
+        with self._lock:  # room in etcd's receive windows (flow control)
+            while self._broken is None and min(self._conn_window, self._stream_window) < size:
+                if not self._window.wait(deadline.remaining()):
+                    break
+            room = self._broken is None and min(self._conn_window, self._stream_window) >= size
+            if room:
+                self._conn_window -= size
+                self._stream_window -= size
+        if not room:
+            self._forget(pending)
+            if self._broken is not None:
+                raise _StreamBroken(self._broken)
+            return None
+        try:
+            with self._send_lock:
+                with self._lock:
+                    if self._broken is not None:
+                        raise _StreamBroken(self._broken)
+                    pending.sent_at = time.monotonic()
+                    self._fifo.append(pending)  # in the order of the writes
+                self._send(request, deadline)
+        except _StreamBroken:
+            self._forget(pending)
+            raise
+        if not pending.done.wait(deadline.remaining()):
+            self._fail_if_stuck(pending)
+            return None
+        if pending.error is not None:
+            raise _StreamBroken(pending.error)
+        return pending.ttl
+
+    def close(self) -> None:
+        """Ends the stream; requests in flight fail with :class:`_StreamBroken`."""
+        self._fail("the keep-alive stream was closed")
+
+    def _abandon(self) -> None:
+        """In a forked child: closes this process's copy of the socket, nothing else (the
+        reader thread and the locks are the parent's)."""
+        sock = self._sock
+        if sock is not None:
+            sock.close()
+
+    # ------------------------------------------------------------------------ internals
+
+    def _fail_if_stuck(self, pending: _Pending) -> None:
+        """Breaks the stream if ``pending`` (sent, unanswered) got no answer and neither did
+        anything sent after it: answers come in order, so none is coming."""
+        with self._lock:
+            sent = pending.sent_at
+            stuck = sent > 0 and self._last_answer < sent and time.monotonic() - sent >= _STUCK_S
+        if stuck:
+            self._fail(
+                f"no answer from {self.where} on the keep-alive stream since a request sent "
+                f"{time.monotonic() - sent:.1f} s ago"
+            )
+
+    def _forget(self, pending: _Pending) -> None:
+        """Frees the lease's slot of a request that was not sent."""
+        with self._lock:
+            if self._busy.get(pending.lease_id) is pending:
+                del self._busy[pending.lease_id]
+        pending.error = pending.error or "not sent"
+        pending.done.set()
+
+    def _fail(self, why: str) -> None:
+        """Breaks the stream: every request in flight fails; the reader closes the socket."""
+        with self._lock:
+            if self._broken is not None:
+                return
+            self._broken = why
+            failed = list(self._fifo) + list(self._busy.values())
+            self._fifo.clear()
+            self._busy.clear()
+            self._window.notify_all()
+            sock = self._sock
+        for pending in failed:
+            if not pending.done.is_set():
+                pending.error = why
+                pending.done.set()
+        if sock is not None:
+            # Wakes the reader, which closes the socket (never closed under a blocked reader).
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _send(self, data: bytes, deadline: Deadline) -> None:
+        """Writes ``data`` whole before ``deadline`` (a frame half written breaks the stream);
+        the caller holds ``_send_lock``, or owns the socket alone."""
+        sock = self._sock
+        view = memoryview(data)
+        try:
+            if sock is None:
+                raise OSError("the keep-alive connection was closed")
+            poller = select.poll()
+            poller.register(sock, select.POLLOUT)
+            while True:
+                try:
+                    view = view[sock.send(view, socket.MSG_DONTWAIT) :]
+                except BlockingIOError:
+                    pass
+                if not view:
+                    return
+                if deadline.expired():
+                    raise TimeoutError("the connection took no more bytes before the deadline")
+                poller.poll(max(1, int(deadline.remaining() * 1000)))
+        except OSError as exc:
+            why = f"sending on the keep-alive stream to {self.where} failed: {exc!r}"
+            self._fail(why)
+            raise _StreamBroken(why) from exc
+
+    def _recv_exact(self, size: int, buffer: bytearray) -> bytes:
+        sock = self._sock
+        assert sock is not None
+        while len(buffer) < size:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("etcd closed the keep-alive connection")
+            buffer += data
+        out = bytes(buffer[:size])
+        del buffer[:size]
+        return out
+
+    def _read_loop(self) -> None:
+        buffer = bytearray()
+        first = True
+        try:
+            while True:
+                head = self._recv_exact(9, buffer)
+                size = int.from_bytes(head[:3], "big")
+                kind, flags = head[3], head[4]
+                stream = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
+                if first and (kind != _SETTINGS or stream != 0 or head.startswith(b"HTTP/")):
+                    raise _NotHttp2(
+                        f"{self.where} does not speak HTTP/2 (gRPC) without TLS: it answered "
+                        f"{bytes(head + buffer[:40])!r}"
+                    )
+                first = False
+                if size > 2**24:
+                    raise ValueError(f"an HTTP/2 frame of {size} bytes")
+                payload = self._recv_exact(size, buffer)
+                self._on_frame(kind, flags, stream, payload)
+        except _NotHttp2 as exc:
+            self._not_http2 = True  # before the callers wake
+            self._fail(str(exc))
+        except (OSError, ValueError, _StreamBroken) as exc:
+            self._fail(f"the keep-alive stream to {self.where} broke: {exc}")
+        finally:
+            with self._send_lock:
+                sock, self._sock = self._sock, None
+                if sock is not None:
+                    sock.close()
+
+    def _on_frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
+        if kind == _DATA and stream == _STREAM:
+            if flags & _PADDED:
+                payload = payload[1 : len(payload) - payload[0]]
+            self._on_data(payload, len(payload))
+            if flags & _END_STREAM:
+                raise ConnectionError("etcd ended the keep-alive stream")
+        elif kind == _HEADERS and stream == _STREAM and flags & _END_STREAM:
+            # Trailers (or a trailers-only answer): etcd ended the stream, with an error
+            # (no leader, shutting down) or because it refused it.
+            raise ConnectionError("etcd ended the keep-alive stream (gRPC trailers)")
+        elif kind == _RST_STREAM and stream == _STREAM:
+            code = int.from_bytes(payload[:4], "big") if len(payload) >= 4 else -1
+            raise ConnectionError(f"etcd reset the keep-alive stream (HTTP/2 error {code})")
+        elif kind == _GOAWAY:
+            raise ConnectionError("etcd is closing the connection (HTTP/2 GOAWAY)")
+        elif kind == _SETTINGS and not flags & _ACK:
+            self._on_settings(payload)
+            self._send_control(_frame(_SETTINGS, _ACK, 0))
+        elif kind == _PING and not flags & _ACK:
+            self._send_control(_frame(_PING, _ACK, 0, payload))
+        elif kind == _WINDOW_UPDATE and len(payload) >= 4:
+            increment = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
+            with self._lock:
+                if stream == 0:
+                    self._conn_window += increment
+                elif stream == _STREAM:
+                    self._stream_window += increment
+                self._window.notify_all()
+        # Anything else (response headers, priorities, other streams' frames) is not ours.
+
+    def _on_settings(self, payload: bytes) -> None:
+        for at in range(0, len(payload) - 5, 6):
+            ident, value = struct.unpack(">HI", payload[at : at + 6])
+            if ident == _SETTINGS_INITIAL_WINDOW_SIZE:
+                with self._lock:
+                    self._stream_window += value - self._peer_initial_window
+                    self._peer_initial_window = value
+                    self._window.notify_all()
+
+    def _on_data(self, payload: bytes, counted: int) -> None:
+        self._grpc += payload
+        self._received += counted
+        if self._received >= _WINDOW_REFILL:
+            refill = struct.pack(">I", self._received)
+            self._received = 0
+            self._send_control(
+                _frame(_WINDOW_UPDATE, 0, 0, refill) + _frame(_WINDOW_UPDATE, 0, _STREAM, refill)
+            )
+        while len(self._grpc) >= 5:
+            if self._grpc[0] != 0:
+                raise ValueError("a compressed gRPC message (none was asked for)")
+            size = int.from_bytes(self._grpc[1:5], "big")
+            if len(self._grpc) < 5 + size:
+                return
+            message = bytes(self._grpc[5 : 5 + size])
+            del self._grpc[: 5 + size]
+            lease_id, ttl = parse_keepalive_response(message)
+            self._answer(lease_id, ttl)
+
+    def _answer(self, lease_id: int, ttl: int) -> None:
+        with self._lock:
+            if not self._fifo:
+                raise ValueError(f"an answer for lease {lease_id:x} that nobody asked for")
+            pending = self._fifo.popleft()
+            if pending.lease_id != lease_id:
+                raise ValueError(
+                    f"an answer for lease {lease_id:x} where lease {pending.lease_id:x}'s was due"
+                )
+            if self._busy.get(lease_id) is pending:
+                del self._busy[lease_id]
+            self.answers += 1
+            self._last_answer = time.monotonic()
+        pending.ttl = ttl
+        pending.done.set()
+
+    def _send_control(self, data: bytes) -> None:
+        with self._send_lock:
+            self._send(data, Deadline.after(_CONTROL_SEND))

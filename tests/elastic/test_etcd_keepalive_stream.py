@@ -1,0 +1,305 @@
+"""Lease keep-alives on one ``LeaseKeepAlive`` stream per client (issue 31).
+
+``EtcdClient.refresh_lease`` sends every renewal of a process on one long-lived gRPC stream
+instead of one gateway request each; its signature and errors are those of a request: a
+timeout raises ``EtcdTimeout``, a broken stream is opened again by the next attempt, a renewal
+etcd did not confirm is never reported, and TTL 0 (a revoked or expired lease) raises
+``EtcdLeaseNotFound``. Against a real etcd, through a TCP relay that counts connections and
+breaks them; the matching of answers to requests against a fake etcd on a socket pair.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from tcprelay import TcpRelay
+
+from flashckpt.elastic.deadline import Deadline
+from flashckpt.elastic.etcd._leasestream import KeepAliveStream, _StreamBroken
+from flashckpt.elastic.etcd.client import (
+    EtcdClient,
+    EtcdLeaseNotFound,
+    EtcdTimeout,
+    EtcdUnavailable,
+)
+
+TTL = timedelta(seconds=30)
+
+
+@pytest.fixture
+def relay(etcd_server: str) -> Iterator[TcpRelay]:
+    proxy = TcpRelay(etcd_server)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@pytest.fixture
+def relayed(relay: TcpRelay) -> Iterator[EtcdClient]:
+    """A client that reaches etcd through the relay only."""
+    client = EtcdClient(relay.url, timeout=timedelta(seconds=10))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.mark.etcd
+def test_renewals_of_every_lease_share_one_stream_and_a_broken_one_is_opened_again(
+    etcd_client: EtcdClient, relay: TcpRelay, relayed: EtcdClient
+) -> None:
+    leases = [etcd_client.grant_lease(TTL) for _ in range(3)]
+    for _ in range(10):
+        for lease in leases:
+            assert relayed.refresh_lease(lease) == TTL
+    stats = relayed.connection_stats()
+    assert (stats.keepalive_streams, stats.opened, relay.accepted) == (1, 0, 1)
+
+    # Closed by the peer (a FIN, then an RST alone): the next renewal goes on a new stream,
+    # whether or not the client saw the close before it sent.
+    for reset, streams in ((False, 2), (True, 3)):
+        relay.drop_all(reset=reset)
+        assert relayed.refresh_lease(leases[0]) == TTL
+        assert relayed.connection_stats().keepalive_streams == relay.accepted == streams
+    for lease in leases:
+        etcd_client.revoke_lease(lease)
+
+
+@pytest.mark.etcd
+def test_a_renewal_whose_answer_is_lost_fails_and_the_next_one_reconnects(
+    etcd_client: EtcdClient, relay: TcpRelay, relayed: EtcdClient
+) -> None:
+    lease = etcd_client.grant_lease(TTL)
+    assert relayed.refresh_lease(lease) == TTL
+    # Nothing comes back: a timeout, as for a request; and the silent stream is not kept.
+    relay.blackhole = True
+    with pytest.raises(EtcdTimeout, match="keep-alive"):
+        relayed.refresh_lease(lease, timeout=timedelta(seconds=1))
+    relay.blackhole = False
+    assert relayed.refresh_lease(lease) == TTL
+    assert relayed.connection_stats().keepalive_streams == relay.accepted == 2
+    # Every connection closed at etcd's first answer: retried until the deadline, then a
+    # failure, never a renewal reported.
+    relay.lose_answers = True
+    with pytest.raises(EtcdUnavailable):
+        relayed.refresh_lease(lease, timeout=timedelta(seconds=1))
+    relay.lose_answers = False
+    assert relayed.refresh_lease(lease) == TTL
+    etcd_client.revoke_lease(lease)
+
+
+@pytest.mark.etcd
+def test_a_revoked_or_unknown_lease_reports_it_is_gone(
+    etcd_server: str, etcd_client: EtcdClient
+) -> None:
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=10))
+    lease = etcd_client.grant_lease(TTL)
+    assert client.refresh_lease(lease) == TTL
+    etcd_client.revoke_lease(lease)
+    with pytest.raises(EtcdLeaseNotFound, match="expired or was revoked"):
+        client.refresh_lease(lease)
+    with pytest.raises(EtcdLeaseNotFound):
+        client.refresh_lease(12345)
+    assert client.connection_stats().keepalive_streams == 1
+    client.close()
+
+
+@pytest.mark.etcd
+def test_a_forked_child_renews_on_a_stream_of_its_own(
+    etcd_client: EtcdClient, relay: TcpRelay, relayed: EtcdClient
+) -> None:
+    lease = etcd_client.grant_lease(TTL)
+    assert relayed.refresh_lease(lease) == TTL
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's stream is not its to write on
+        code = 1
+        try:
+            if relayed.refresh_lease(lease) == TTL:
+                code = 0 if relayed.connection_stats().keepalive_streams == 1 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's stream was left alone and carries the parent's next renewal.
+    assert relayed.refresh_lease(lease) == TTL
+    assert relayed.connection_stats().keepalive_streams == 1 and relay.accepted == 2
+    etcd_client.revoke_lease(lease)
+
+
+@pytest.mark.etcd
+def test_threads_renewing_different_leases_get_their_own_answers(
+    etcd_server: str, etcd_client: EtcdClient
+) -> None:
+    # Each lease has a TTL of its own, so an answer handed to the wrong thread shows.
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=30))
+    leases = [etcd_client.grant_lease(timedelta(seconds=10 + i)) for i in range(16)]
+    errors: list[BaseException] = []
+    go = threading.Event()
+
+    def renew(i: int) -> None:
+        go.wait()
+        try:
+            for _ in range(20):
+                ttl = client.refresh_lease(leases[i])
+                assert ttl == timedelta(seconds=10 + i), (i, ttl)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=renew, args=(i,)) for i in range(len(leases))]
+    for thread in threads:
+        thread.start()
+    go.set()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors[:3]
+    assert client.connection_stats().keepalive_streams == 1
+    client.close()
+    for lease in leases:
+        etcd_client.revoke_lease(lease)
+
+
+# ------------------------------------------------------------- against a fake etcd
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return (
+        struct.pack(">I", len(payload))[1:]
+        + bytes([kind, flags])
+        + struct.pack(">I", stream)
+        + payload
+    )
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 128:
+        out.append((value & 127) | 128)
+        value >>= 7
+    return bytes([*out, value])
+
+
+def _answer(lease_id: int, ttl: int) -> bytes:
+    """A DATA frame with one ``LeaseKeepAliveResponse`` (with a header, as etcd sends)."""
+    message = b"\x0a\x04\x08\x01\x10\x02" + b"\x10" + _varint(lease_id) + b"\x18" + _varint(ttl)
+    return _frame(0, 0, 1, b"\x00" + struct.pack(">I", len(message)) + message)
+
+
+class _FakeEtcd:
+    """The server end of a socket pair: reads the client's frames, answers by hand."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = bytearray()
+        preface = self._take(24)
+        assert preface.startswith(b"PRI * HTTP/2.0"), preface
+        sock.sendall(_frame(4, 0, 0))  # the server's SETTINGS
+
+    def _take(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            data = self.sock.recv(65536)
+            assert data, "the client closed the connection"
+            self.buffer += data
+        out = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return out
+
+    def next_request(self) -> int:
+        """The lease ID of the next keep-alive the client sent (other frames skipped)."""
+        while True:
+            head = self._take(9)
+            payload = self._take(int.from_bytes(head[:3], "big"))
+            if head[3] == 0:  # DATA: a gRPC message of LeaseKeepAliveRequest{ID}
+                assert payload[5] == 0x08, payload
+                value, shift = 0, 0
+                for byte in payload[6:]:
+                    value |= (byte & 127) << shift
+                    shift += 7
+                return value
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[KeepAliveStream, _FakeEtcd]]:
+    client_end, server_end = socket.socketpair()
+    stream = KeepAliveStream(client_end, "etcd:2379", "fake etcd", Deadline.after(TTL))
+    try:
+        yield stream, _FakeEtcd(server_end)
+    finally:
+        stream.close()
+        server_end.close()
+
+
+def _renew_in_thread(
+    stream: KeepAliveStream, lease: int, seconds: float
+) -> tuple[threading.Thread, list[int | BaseException | None]]:
+    outcome: list[int | BaseException | None] = []
+
+    def renew() -> None:
+        try:
+            outcome.append(stream.renew(lease, Deadline.after(timedelta(seconds=seconds))))
+        except _StreamBroken as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=renew)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_late_answer_is_dropped_and_the_next_call_waits_for_it_then_gets_its_own(
+    fake: tuple[KeepAliveStream, _FakeEtcd],
+) -> None:
+    stream, etcd = fake
+    lease, other = 0x7E57, 0x0BE7
+    earlier, earlier_outcome = _renew_in_thread(stream, other, 30)
+    assert etcd.next_request() == other
+    first, first_outcome = _renew_in_thread(stream, lease, 0.5)
+    assert etcd.next_request() == lease
+    # etcd answers in order: the earlier request's answer comes while the first call waits,
+    # so the stream is slow, not stuck, and stays open.
+    etcd.sock.sendall(_answer(other, 5))
+    earlier.join()
+    first.join()
+    assert earlier_outcome == [5]
+    assert first_outcome == [None], "no answer came: the call reports none"
+    assert not stream.broken
+
+    second, second_outcome = _renew_in_thread(stream, lease, 30)
+    etcd.sock.sendall(_answer(lease, 7))  # the first request's answer, after its caller left
+    assert etcd.next_request() == lease
+    etcd.sock.sendall(_answer(lease, 9))
+    second.join()
+    assert second_outcome == [9], "the late answer (7) was taken for the second call's"
+    assert stream.answers == 3 and not stream.broken
+
+
+def test_a_call_that_gets_no_answer_on_a_stuck_stream_closes_it(
+    fake: tuple[KeepAliveStream, _FakeEtcd],
+) -> None:
+    stream, etcd = fake
+    thread, outcome = _renew_in_thread(stream, 0xA, 0.5)
+    assert etcd.next_request() == 0xA
+    etcd.sock.sendall(_frame(6, 0, 0, b"12345678"))  # a PING is no answer
+    thread.join()
+    assert outcome == [None]
+    assert stream.broken, "a stream that answered nothing since the request was kept"
+    with pytest.raises(_StreamBroken):
+        stream.renew(0xB, Deadline.after(timedelta(seconds=5)))
+
+
+def test_an_answer_for_another_lease_breaks_the_stream_instead_of_renewing(
+    fake: tuple[KeepAliveStream, _FakeEtcd],
+) -> None:
+    stream, etcd = fake
+    thread, outcome = _renew_in_thread(stream, 0xA, 30)
+    assert etcd.next_request() == 0xA
+    etcd.sock.sendall(_answer(0xB, 60))
+    thread.join()
+    assert len(outcome) == 1 and isinstance(outcome[0], _StreamBroken), outcome
+    assert "lease b where lease a's was due" in str(outcome[0])
+    assert stream.broken

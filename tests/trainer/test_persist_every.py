@@ -165,8 +165,12 @@ def test_every_nth_snapshot_goes_to_storage_and_the_exit_commits_the_last(
             if i % 3 == 0:  # saves 1, 4, 7 are marked: each is committed without a flush
                 _wait_committed(st, i + 1)
             else:
-                # An unmarked one is not persisted: the agent holds it in memory only.
-                time.sleep(0.3)
+                # An unmarked one is not persisted: the agent holds it in memory only. The
+                # agent has looked at it once its persister records it as passed over.
+                wait_until(
+                    lambda n=i + 1: agent.agent.st.unmarked_high >= n,
+                    f"the agent passing over unmarked step {i + 1}",
+                )
                 assert i + 1 not in st.committed_steps()
         assert st.committed_steps() == [1, 4, 7]
         assert ck.stats.persist_marked == 3

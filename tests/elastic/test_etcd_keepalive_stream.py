@@ -10,6 +10,7 @@ breaks them; the matching of answers to requests against a fake etcd on a socket
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -163,6 +164,83 @@ def test_threads_renewing_different_leases_get_their_own_answers(
     client.close()
     for lease in leases:
         etcd_client.revoke_lease(lease)
+
+
+class _Http1Proxy:
+    """A proxy in front of etcd that speaks HTTP/1.1 only: it answers an HTTP/2 connection
+    preface with ``400 Bad Request`` and relays everything else."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.split("//")[1].rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.refused = 0
+        self._socks: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self._listener.accept()
+            except OSError:
+                return
+            first = down.recv(65536)
+            if first.startswith(b"PRI * HTTP/2.0"):
+                self.refused += 1
+                down.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                down.close()
+                continue
+            up = socket.create_connection(self._upstream)
+            up.sendall(first)
+            self._socks += [down, up]
+            for src, dst in ((down, up), (up, down)):
+                thread = threading.Thread(target=self._pump, args=(src, dst), daemon=True)
+                self._threads.append(thread)
+                thread.start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        for sock in self._socks:
+            sock.close()
+
+
+@pytest.mark.etcd
+def test_behind_a_proxy_that_speaks_http1_only_renewals_go_as_gateway_requests(
+    etcd_server: str, etcd_client: EtcdClient
+) -> None:
+    proxy = _Http1Proxy(etcd_server)
+    client = EtcdClient(proxy.url, timeout=timedelta(seconds=10))
+    try:
+        lease = etcd_client.grant_lease(TTL)
+        for _ in range(3):
+            assert client.refresh_lease(lease) == TTL
+        stats = client.connection_stats()
+        # One stream tried and refused, then gateway requests on one pooled connection.
+        assert (proxy.refused, stats.keepalive_streams, stats.opened) == (1, 1, 1)
+        assert stats.reused == 2
+        etcd_client.revoke_lease(lease)
+        with pytest.raises(EtcdLeaseNotFound):
+            client.refresh_lease(lease)
+    finally:
+        client.close()
+        proxy.close()
 
 
 # ------------------------------------------------------------- against a fake etcd

@@ -336,7 +336,8 @@ def test_a_late_answer_is_dropped_and_the_next_call_waits_for_it_then_gets_its_o
     lease, other = 0x7E57, 0x0BE7
     earlier, earlier_outcome = _renew_in_thread(stream, other, 30)
     assert etcd.next_request() == other
-    first, first_outcome = _renew_in_thread(stream, lease, 0.5)
+    # (1.5 s: the earlier answer below must come before this deadline, even on a loaded host.)
+    first, first_outcome = _renew_in_thread(stream, lease, 1.5)
     assert etcd.next_request() == lease
     # etcd answers in order: the earlier request's answer comes while the first call waits,
     # so the stream is slow, not stuck, and stays open.

@@ -111,12 +111,14 @@ class TcpRelay:
                         link.pending += 1
                         in_flight = sum(other.pending for other in self._links)
                         self.most_in_flight = max(self.most_in_flight, in_flight)
-                dst.sendall(data)
                 if answers:
+                    # Counted before it is passed on: the client may send its next request
+                    # as soon as it has the answer, before this thread runs again.
                     with self._lock:
                         if link.pending:
                             link.pending -= 1
                             self.answered += 1
+                dst.sendall(data)
         except OSError:
             pass
         with self._lock:

@@ -242,6 +242,7 @@ class _Host:
             threading.Thread(
                 target=self._report_standby, args=(backend, handler), daemon=True
             ).start()
+        registered = time.time()  # the launcher's registration done (flashckpt)
         info = handler.next_rendezvous()
         self.emit(
             ev="rank",
@@ -249,7 +250,7 @@ class _Host:
             round=1 if not a.standby else 2,
             rank=info.rank,
             world=info.world_size,
-            phases=dict(getattr(handler, "phases", {})),
+            phases={**getattr(handler, "phases", {}), "registered": registered},
         )
         if registry is not None:  # as flashckpt run's session does
             registry.update(state="active", group_rank=info.rank, rdzv_member=handler.member_id)
@@ -261,9 +262,12 @@ class _Host:
             return
         # The round is broken (its workers' collectives failed): the launcher's round_lost.
         self.emit(ev="restart", m=index)
+        told = time.time()
         if registry is not None and a.probe:
             with contextlib.suppress(Exception):
                 registry.reap_dead_peers()
+        reaped = time.time()
+        if registry is not None:
             registry.update(state="waiting", group_rank=None)
         info = handler.next_rendezvous()
         self.emit(
@@ -272,7 +276,7 @@ class _Host:
             round=2,
             rank=info.rank,
             world=info.world_size,
-            phases=dict(getattr(handler, "phases", {})),
+            phases={**getattr(handler, "phases", {}), "told": told, "reaped": reaped},
         )
         if registry is not None:
             registry.update(state="active", group_rank=info.rank, rdzv_member=handler.member_id)
@@ -561,7 +565,8 @@ def _ranks(events: list[dict[str, Any]], rnd: int) -> dict[int, int]:
 
 
 def _where_the_time_goes(events: list[dict[str, Any]], rnd: int, t0: float) -> dict[str, Any]:
-    """flashckpt: from ``t0`` (go, or the kill), the moments the last machine entered the
+    """flashckpt: from ``t0`` (go, or the kill), the moments the last machine was registered
+    (round 1) or told of the kill and done with its pre-round probes (round 2), entered the
     round, the last join was answered, the result was first and last read, the last machine
     had its rank (MASTER_ADDR/PORT read), as seconds after ``t0``."""
     ph = [
@@ -576,6 +581,9 @@ def _where_the_time_goes(events: list[dict[str, Any]], rnd: int, t0: float) -> d
 
     results = [p["result"] for p in ph if "result" in p]
     return {
+        "last_registered_s": last("registered"),
+        "last_told_s": last("told"),
+        "last_reaped_s": last("reaped"),
         "last_start_s": last("start"),
         "last_joined_s": last("joined"),
         "first_result_s": round(min(results) - t0, 3) if results else None,

@@ -14,8 +14,9 @@ What happens when a machine dies mid-training (machines A, B active; C standby):
 
 1. B's launcher dies with the machine, and the links that A and C hold to its probe port
    (:mod:`flashckpt.elastic.membership.peerlinks`) close at once. They probe B: its port refuses
-   (or nothing answers it), so they revoke B's lease. B's key disappears; every launcher's watch
-   reports it. (Without the links, or when B vanished without closing anything, A learns it when its
+   (or nothing answers it), so they revoke B's lease. B's key disappears; the watches of its ring
+   neighbours report it, and every machine's rendezvous sees B's join key go with it. (Without
+   the links, or when B vanished without closing anything, A learns it when its
    workers fail in their next collective, gloo seeing B's sockets close, and A probes its
    peers before the next rendezvous round, :meth:`NodeRegistry.reap_dead_peers`; failing that,
    B's lease lapses after ``--lease-ttl``.)

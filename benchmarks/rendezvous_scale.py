@@ -218,10 +218,10 @@ class _Host:
                     on_fenced=None,
                     links=0,
                 )
-                registry.start(timedelta(seconds=60))
+                # As flashckpt run: the descriptor and state in the registration itself.
+                registry.start(timedelta(seconds=60), rdzv_node=handler.node, state="waiting")
                 handler.share_lease(registry)  # one lease per machine, as flashckpt run
                 self.cleanups.append(registry.close)
-                registry.update(rdzv_node=handler.node, state="waiting")
         else:
             from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
             from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr

@@ -75,12 +75,17 @@ class _Lost:
 
 @pytest.fixture
 def make_registry(etcd_server: str) -> Iterator[Callable[..., NodeRegistry]]:
-    """``make_registry(job_prefix, node, client=None, **kwargs)``: a started registry (TTL 30 s:
-    no lease lapses during a test; no links: only the watch reports). Closed at the end."""
+    """``make_registry(job_prefix, node, client=None, fields=None, **kwargs)``: a started
+    registry (TTL 30 s: no lease lapses during a test; no links: only the watch reports;
+    ``fields`` published with the registration). Closed at the end."""
     made: list[NodeRegistry] = []
 
     def make(
-        job_prefix: str, node: str, client: EtcdClient | None = None, **kwargs: Any
+        job_prefix: str,
+        node: str,
+        client: EtcdClient | None = None,
+        fields: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> NodeRegistry:
         reg = NodeRegistry(
             client or EtcdClient(etcd_server, timeout=timedelta(seconds=10)),
@@ -92,7 +97,7 @@ def make_registry(etcd_server: str) -> Iterator[Callable[..., NodeRegistry]]:
             links=0,
             **kwargs,
         )
-        reg.start(timedelta(seconds=30))
+        reg.start(timedelta(seconds=30), **(fields or {}))
         made.append(reg)
         return reg
 
@@ -225,6 +230,37 @@ def test_registration_and_the_view_cost_three_requests_and_no_read_per_change(
     wait_until(lambda: "a" not in c.peers(), "a's delete seen", timeout=WAIT_S)
     assert c.watch_reads == 1
     assert client.paths == ["/v3/lease/grant", "/v3/kv/txn", "/v3/kv/txn"]
+
+
+@pytest.mark.etcd
+def test_a_launchers_registration_is_one_write_that_each_neighbour_receives_once(
+    etcd_server: str, etcd_prefix: str, make_registry: Callable[..., NodeRegistry]
+) -> None:
+    # What flashckpt run does per machine before its first join: register with its rendezvous
+    # descriptor and state "waiting" (one lease grant, one creation, one read of the window),
+    # then before_rendezvous' update(state="waiting", group_rank=None), which changes nothing
+    # and writes nothing. A neighbour receives one watch message for all of it. Before issue
+    # 31's fold: a separate put of rdzv_node/state and one more of the same state (3 writes,
+    # 3 messages at each of up to 8 neighbours).
+    a = make_registry(etcd_prefix, "a")
+    wait_until(lambda: a.watch_reads == 1, "a's view read", timeout=WAIT_S)
+    client = _PathsClient(etcd_server, timeout=timedelta(seconds=10))
+    b = make_registry(etcd_prefix, "b", client, {"rdzv_node": "10.0.0.2_77_0", "state": "waiting"})
+    b.update(state="waiting", group_rank=None)
+    wait_until(lambda: "b" in a.peers(), "b's registration seen", timeout=WAIT_S)
+    seen = a.peers()["b"]
+    assert (seen.rdzv_node, seen.state, seen.group_rank) == ("10.0.0.2_77_0", "waiting", None)
+    assert client.paths == ["/v3/lease/grant", "/v3/kv/txn", "/v3/kv/txn"]
+    assert a.watch_events == 1
+    # A change is still written, and the same state again after it is too.
+    b.update(state="active", group_rank=0)
+    b.update(state="active", group_rank=0)
+    b.update(state="waiting", group_rank=None)
+    wait_until(lambda: a.watch_events == 3, "b's two changes seen", timeout=WAIT_S)
+    assert client.paths[3:] == ["/v3/kv/put", "/v3/kv/put"]
+    assert a.peers()["b"].state == "waiting"
+    found = client.get_kv(b.key)
+    assert found is not None and found.version == 3, "created, then two changes"
 
 
 class _GatedStream(WatchStream):

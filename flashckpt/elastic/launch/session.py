@@ -336,7 +336,9 @@ class LaunchSession:
             links=_LINKS if cfg.probe else 0,
         )
         try:
-            self._registry.start(read_timeout)
+            # Its rendezvous descriptor and state go in the key's creation: no second write,
+            # which each of its watching neighbours would receive (issue 31).
+            self._registry.start(read_timeout, rdzv_node=handler.node, state="waiting")
         except NodeIdInUse as exc:
             raise LaunchError(str(exc)) from exc
         except EtcdError as exc:
@@ -390,7 +392,6 @@ class LaunchSession:
         # One lease per machine: the rendezvous keys live on the node lease (one renewal, and a
         # peer that revokes it as dead ends both at once).
         handler.share_lease(self._registry)
-        self._registry.update(rdzv_node=handler.node, state="waiting")
         self._start_job_view(client)
 
         entry = ["-u", "-m", "flashckpt.elastic.launch.worker_entry"]
@@ -762,6 +763,7 @@ class LaunchSession:
             # The agent's replica address is in this machine's record before it joins: every
             # machine of the round finds it there (send_replica_peers) once the round formed.
             self._node_agent.wait_ready(_AGENT_READY_TIMEOUT)
+        # Writes nothing in the first round (the registration published it).
         self._registry.update(state="waiting", group_rank=None)
 
     def after_rendezvous(self, worker_group: WorkerGroup) -> None:

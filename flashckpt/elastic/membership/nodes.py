@@ -558,6 +558,11 @@ class NodeRegistry:
         self._seen_lost: set[str] = set()
         self._reaping: set[str] = set()  # tokens of peers found dead here, being revoked
         self._lease: Lease | None = None
+        # (lease id, value) of the node key as this launcher last wrote it, for update() to
+        # skip a write that changes nothing; None when unknown.
+        self._written: tuple[int, bytes] | None = None
+        self._update_seq = 0  # update() writes started
+        self._updates_in_flight = 0
         self._lease_listeners: list[Callable[[Lease], None]] = []
         self._renew_wake = threading.Event()  # renew now (a user of the lease saw it gone)
         # The renewer thread sends what the renew loop puts here (None: stop), one at a time;
@@ -616,7 +621,7 @@ class NodeRegistry:
         with self._lock:
             return self._generation
 
-    def start(self, timeout: timedelta) -> None:
+    def start(self, timeout: timedelta, **fields: Any) -> None:
         """Opens the probe port, registers the node key and starts renewing and watching.
 
         A key left by a dead launcher with the same node id (a machine restarted quickly) is
@@ -624,6 +629,10 @@ class NodeRegistry:
 
         Args:
             timeout: Deadline for the registration, etcd retries included.
+            **fields: Fields of the record to publish with the registration itself (a
+                launcher's ``rdzv_node`` and ``state="waiting"``): the key's creation carries
+                them, instead of an :meth:`update` right after it (one more put per machine,
+                seen by every neighbour watching it).
 
         Raises:
             NodeIdInUse: If a live launcher already holds this node id.
@@ -633,7 +642,9 @@ class NodeRegistry:
         host = self._advertise_host
         host = f"[{host}]" if ":" in host else host
         with self._lock:
-            self._record = replace(self._record, probe=f"{host}:{self._probe_server.port}")
+            self._record = replace(
+                self._record, **fields, probe=f"{host}:{self._probe_server.port}"
+            )
         self._register(Deadline.after(timeout))
         if self._fanout:
             self._links = PeerLinks(self._on_link_broken)
@@ -725,7 +736,8 @@ class NodeRegistry:
         """Changes fields of the published record (``state``, ``group_rank``, ``rdzv_node``).
 
         A failure to publish is logged, not raised: the record is informative, liveness rests
-        on the lease alone.
+        on the lease alone. A change that changes nothing (the record as last written under
+        the current lease) writes nothing: its neighbours would each receive it for nothing.
 
         Args:
             timeout: Deadline of the etcd write (default: the client's).
@@ -734,12 +746,26 @@ class NodeRegistry:
         with self._lock:
             self._record = replace(self._record, **fields)
             record, lease = self._record, self._lease
-        if lease is None:
-            return
+            value = record.to_json()
+            if lease is None or self._written == (lease.id, value):
+                return
+            # Until this write is known to be the last one etcd took, what the key holds is
+            # unknown: two writes in flight at once may land in either order.
+            self._written = None
+            self._update_seq += 1
+            mine, overlapped = self._update_seq, self._updates_in_flight > 0
+            self._updates_in_flight += 1
         try:
-            self._client.put(self._key, record.to_json(), lease=lease, timeout=timeout)
+            self._client.put(self._key, value, lease=lease, timeout=timeout)
         except EtcdError as exc:
             logger.warning("could not publish this node's state %r: %s", fields, exc)
+            return
+        finally:
+            with self._lock:
+                self._updates_in_flight -= 1
+        with self._lock:
+            if self._lease is lease and self._update_seq == mine and not overlapped:
+                self._written = (lease.id, value)
 
     def publish(self, key: str, value: bytes) -> bool:
         """Writes ``key`` bound to this node's lease, so it disappears with the machine.
@@ -974,6 +1000,7 @@ class NodeRegistry:
                 with self._lock:
                     self._lease = lease
                     self._last_ok = sent
+                    self._written = (lease.id, value)
                 return
             with contextlib.suppress(EtcdError):
                 self._client.revoke_lease(lease, timeout=_remaining(deadline))

@@ -302,7 +302,11 @@ class LaunchSession:
         key_prefix = str(params.get("key_prefix", DEFAULT_KEY_PREFIX))
         self._job_prefix = job_prefix(cfg.rdzv_id, key_prefix)
         try:
-            client.revision(timeout=read_timeout)
+            # One read says both: etcd answers, and whether this node failed a health check
+            # earlier in the job (one request per machine, not two).
+            reason = health.is_marked_unhealthy(
+                client, self._job_prefix, cfg.node_id, timeout=read_timeout
+            )
         except EtcdError as exc:
             raise LaunchError(
                 f"cannot reach etcd at {','.join(client.endpoints)} within "
@@ -312,10 +316,6 @@ class LaunchSession:
                 "read_timeout=<seconds>"
             ) from exc
         handler.note_reachable()  # an etcd outage from now on is waited out in the rendezvous
-        try:
-            reason = health.is_marked_unhealthy(client, self._job_prefix, cfg.node_id)
-        except EtcdError as exc:
-            raise LaunchError(f"cannot read this node's health record from etcd: {exc}") from exc
         if reason is not None:
             raise LaunchError(
                 f"node {cfg.node_id!r} failed a health check earlier in job {cfg.rdzv_id!r} "

@@ -58,9 +58,12 @@ def unhealthy_key(job_prefix: str, node_id: str) -> str:
     return f"{job_prefix}unhealthy/{node_id}"
 
 
-def is_marked_unhealthy(client: EtcdClient, job_prefix: str, node_id: str) -> str | None:
-    """The recorded reason if ``node_id`` failed a health check in this job, else ``None``."""
-    found = client.get(unhealthy_key(job_prefix, node_id))
+def is_marked_unhealthy(
+    client: EtcdClient, job_prefix: str, node_id: str, *, timeout: timedelta | None = None
+) -> str | None:
+    """The recorded reason if ``node_id`` failed a health check in this job, else ``None``
+    (``timeout``: of the read; default: the client's)."""
+    found = client.get(unhealthy_key(job_prefix, node_id), timeout=timeout)
     return None if found is None else found[0].decode(errors="replace")
 
 

@@ -232,13 +232,17 @@ def test_the_newest_snapshot_is_persisted_when_the_trainer_dies(
     )
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
-        _wait_committed(st, 2)  # the first snapshot is marked
+        # The first snapshot (step 2) is marked; under load it can be replaced before its
+        # persist began, and then its mark goes on to the next snapshot (by design): the first
+        # committed step is the marked one, whichever it is.
+        first = wait_until(st.committed_steps, "the first marked snapshot committed", 120)[0]
+        assert first % 2 == 0 and first < 1000
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and (
-            not log.exists() or len(log.read_text().splitlines()) < 14
+            not log.exists() or len(log.read_text().splitlines()) < first + 12
         ):
             time.sleep(0.05)
-        assert st.committed_steps() == [2]  # snapshots 4, 6, ... are in memory only
+        assert st.committed_steps() == [first]  # the snapshots after it are in memory only
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -249,11 +253,11 @@ def test_the_newest_snapshot_is_persisted_when_the_trainer_dies(
     with a.st.lock:
         slots = [s for r in a.st.ranks.values() for s in r.slots if s is not None]
     newest = max(h.step for s in slots if (h := s.header()) is not None and h.complete)
-    assert newest >= 12
+    assert newest >= first + 10
     # Its trainer is gone: the agent persists what this machine's memory holds (save at
     # breakpoint), marked or not.
     got = _wait_committed(st, newest)
-    assert got == [2, newest]
+    assert got == [first, newest]
     assert st.check_step(newest).status == "ok"
 
 

@@ -115,6 +115,17 @@ class _AttemptFailed(FlashckptError):
         self.timed_out = timed_out
 
 
+def _sent_but_failed(
+    endpoint: Endpoint, path: str, exc: BaseException, *, timed_out: bool | None = None
+) -> _AttemptFailed:
+    """A request that went out and got no whole answer (its outcome is unknown)."""
+    return _AttemptFailed(
+        f"{endpoint.url}{path} failed after the request was sent: {exc!r}",
+        sent=True,
+        timed_out=isinstance(exc, TimeoutError) if timed_out is None else timed_out,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionStats:
     """What a client's connection pool did so far (diagnostics and tests; watches not
@@ -602,18 +613,10 @@ class Gateway:
                     pool.count(replaced=1)
                     logger.debug("pooled connection to %s was closed: %r", endpoint.url, exc)
                     continue
-                raise _AttemptFailed(
-                    f"{endpoint.url}{path} failed after the request was sent: {exc!r}",
-                    sent=True,
-                    timed_out=False,
-                ) from exc
+                raise _sent_but_failed(endpoint, path, exc, timed_out=False) from exc
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
-                raise _AttemptFailed(
-                    f"{endpoint.url}{path} failed after the request was sent: {exc!r}",
-                    sent=True,
-                    timed_out=isinstance(exc, TimeoutError),
-                ) from exc
+                raise _sent_but_failed(endpoint, path, exc) from exc
             except BaseException:
                 conn.close()
                 raise
@@ -623,11 +626,7 @@ class Gateway:
             data = response.read()
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
-            raise _AttemptFailed(
-                f"{endpoint.url}{path} failed after the request was sent: {exc!r}",
-                sent=True,
-                timed_out=isinstance(exc, TimeoutError),
-            ) from exc
+            raise _sent_but_failed(endpoint, path, exc) from exc
         except BaseException:
             conn.close()
             raise

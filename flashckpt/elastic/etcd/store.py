@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from flashckpt.elastic.deadline import Deadline
+from flashckpt.elastic.etcd._wire import prefix_range_end
 from flashckpt.elastic.etcd.client import EtcdClient, KeyValue
 from flashckpt.elastic.etcd.errors import EtcdError, EtcdOutcomeUnknown
 
@@ -56,16 +57,6 @@ def round_of(key: bytes) -> tuple[bytes, int, bytes] | None:
     if found is None:
         return None
     return found["name"], int(found["round"]), found["rest"]
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    end = bytearray(prefix)
-    while end:
-        if end[-1] < 0xFF:
-            end[-1] += 1
-            return bytes(end)
-        end.pop()
-    return b"\x00"
 
 
 def _as_bytes(value: str | bytes) -> bytes:
@@ -136,7 +127,7 @@ class EtcdV3Store(dist.Store):
             The rounds whose keys were deleted.
         """
         base = self._prefix.encode() + name + b"."
-        end = _prefix_end(base)
+        end = prefix_range_end(base)
         start = base
         earlier: list[int] = []
         removed: list[int] = []
@@ -147,7 +138,7 @@ class EtcdV3Store(dist.Store):
                     break
                 segment, slash, _ = found[0].key[len(base) :].partition(b"/")
                 # Skip to the key after this segment's keys: one read per round present.
-                start = _prefix_end(base + segment + b"/") if slash else found[0].key + b"\x00"
+                start = prefix_range_end(base + segment + b"/") if slash else found[0].key + b"\x00"
                 if slash and segment.isdigit() and int(segment) < current:
                     earlier.append(int(segment))
             for number in sorted(earlier)[:-1]:

@@ -19,11 +19,13 @@ from flashckpt import cli
 from flashckpt.elastic.etcd.client import EtcdClient
 from flashckpt.elastic.membership.jobview import (
     JobViewPublisher,
+    Retirement,
     StragglerSwap,
     agent_status,
     format_job_view,
     machine_summary,
     read_job_view,
+    straggler_key,
 )
 from flashckpt.elastic.membership.nodes import NodeRegistry
 from flashckpt.elastic.rendezvous.backend import job_prefix
@@ -250,48 +252,102 @@ def test_status_from_etcd_shows_the_whole_job(
         agent.stop()
 
 
+class _Counting:
+    """An etcd client that counts one machine's requests and the keys they return."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        self._client = client
+        self.requests = 0
+        self.keys = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = attr(*args, **kwargs)
+            self.requests += 1
+            self.keys += len(out) if isinstance(out, list) else int(hasattr(out, "key"))
+            return out
+
+        return call
+
+
 @pytest.mark.etcd
-def test_a_persistent_straggler_retires_once_a_standby_waits(
+def test_one_judge_reads_the_job_and_a_persistent_straggler_retires_once_a_standby_waits(
     etcd_client: EtcdClient,
     etcd_prefix: str,
     registries: Callable[..., NodeRegistry],
 ) -> None:
     jp = job_prefix("job2", etcd_prefix.rstrip("/"))
-    retired: list[str] = []
+    retired: list[tuple[str, str]] = []
+    clients: dict[str, _Counting] = {}
 
-    def publisher(node: str, reg: NodeRegistry, compute: float, role: str, swap=None):
+    def publisher(node: str, reg: NodeRegistry, compute: float, role: str, rank: int | None):
         st = _status({"0": _rank(7, compute + 2, compute + 5, compute - 1, 1.0)}, {"0": [4, 8]})
+        clients[node] = _Counting(etcd_client)
         return JobViewPublisher(
-            client=etcd_client,
+            client=clients[node],  # type: ignore[arg-type]
             job_prefix=jp,
             node_id=node,
             host=node,
             publish=reg.publish,
             agent_status=lambda: st if role == "active" else None,
-            role=lambda: (role, None),
+            role=lambda: (role, rank),
             restarts=lambda: 0,
-            swap=swap,
-            on_retire=retired.append,
+            swap=StragglerSwap(persist=2),
+            on_retire=lambda reason: retired.append((node, reason)),
             period_s=0.05,
         )
 
-    fast, slow = registries(jp, "fast"), registries(jp, "slow")
-    publisher("fast", fast, 10.0, "active").tick()
-    slow_pub = publisher("slow", slow, 30.0, "active", StragglerSwap(persist=2))
+    # Eight active machines, group rank 0 (m0) judges; "slow" has three times their compute.
+    regs = {f"m{i}": registries(jp, f"m{i}") for i in range(7)} | {"slow": registries(jp, "slow")}
+    pubs = {
+        node: publisher(node, reg, 30.0 if node == "slow" else 10.0, "active", i)
+        for i, (node, reg) in enumerate(regs.items())
+    }
+
+    def check() -> None:  # one check on every machine, the judge first
+        for pub in pubs.values():
+            pub.tick()
+
+    check()  # every summary is in etcd
+    for c in clients.values():
+        c.requests = c.keys = 0
     for _ in range(3):  # flagged every time, but no standby waits: stays
-        slow_pub.tick()
-    assert retired == []
+        check()
+    assert retired == [] and etcd_client.get_kv(straggler_key(jp)) is None
+    # Each machine but the judge reads one key per check, whatever the job's size (each read
+    # the whole job view before: 2 requests, 16 keys here); the judge reads the view.
+    per_check = {n: (c.requests / 3, c.keys / 3) for n, c in clients.items()}
+    assert all(per_check[n] == (1.0, 0.0) for n in pubs if n != "m0"), per_check
+    assert per_check["m0"] == (3.0, 16.0), per_check
+
     spare = registries(jp, "spare")
-    spare_pub = publisher("spare", spare, 0.0, "standby")
-    spare_pub.tick()
-    slow_pub.tick()
-    assert len(retired) == 1
-    assert "machine slow is a straggler: compute_ms 30.0 ms vs 10.0 ms" in retired[0]
-    assert "standby spare waits" in retired[0]
-    slow_pub.tick()
+    publisher("spare", spare, 0.0, "standby", None).tick()
+    pubs["m0"].tick()  # the judge names the straggler ...
+    named = etcd_client.get_kv(straggler_key(jp))
+    assert named is not None and named.lease == etcd_client.get_kv(regs["m0"].key).lease
+    assert retired == []
+    check()  # ... which reads its name and retires; nobody else does
+    assert [n for n, _ in retired] == ["slow"]
+    assert "machine slow is a straggler: compute_ms 30.0 ms vs 10.0 ms" in retired[0][1]
+    assert "standby spare waits" in retired[0][1]
+    check()
     assert len(retired) == 1  # once
+    # The straggler leaves: the judge takes its name away; the key is never left behind.
+    regs["slow"].close()
+    pubs["m0"].tick()
+    assert etcd_client.get_kv(straggler_key(jp)) is None
+
+    # A name about a former launcher of the same node id (an older summary) is not acted on.
+    etcd_client.put(straggler_key(jp), Retirement(node="m3", reason="old", t=1.0).encode())
+    pubs["m3"].tick()
+    assert len(retired) == 1
 
     # The thread publishes on its own and stops on close().
+    spare_pub = publisher("spare", spare, 0.0, "standby", None)
     done = threading.Event()
     spare_pub._publish = lambda k, v: (done.set(), spare.publish(k, v))[1]  # type: ignore[method-assign]
     spare_pub.start()

@@ -12,14 +12,18 @@ reaches etcd) then reads the job with :func:`read_job_view` and prints it with
 
     flashckpt status --etcd etcd-host:2379 --job job7
 
-Straggler swap (``flashckpt run --swap-stragglers``, off by default): the publisher compares its
-machine's median compute time per iteration (forward + optimizer, which data-parallel
-collectives do not equalise; the iteration time when those are not seen) with the median of
-the other active machines. A machine slower than ``factor`` times that median for
-``persist`` consecutive checks in a row, and the slowest of the job, while a standby waits in
-etcd, retires: its launcher stops its workers, its node agent persists what it holds, and it
-leaves the job; the next rendezvous round admits the standby in its place
-(:class:`StragglerSwap`).
+Straggler swap (``flashckpt run --swap-stragglers``, off by default, given to every machine):
+one machine judges, the active machine of group rank 0 (the judge changes with the rounds, no
+election). At each check it reads the job view and compares the slowest active machine's median
+compute time per iteration (forward + optimizer, which data-parallel collectives do not
+equalise; the iteration time when those are not seen) with the median of the other active
+machines. A machine slower than ``factor`` times that median for ``persist`` consecutive checks
+in a row, while a standby waits in etcd, is named in one job-level key
+(:func:`straggler_key`, bound to the judge's node lease, one name at a time); the named machine
+retires: its launcher stops its workers, its node agent persists what it holds, and it leaves
+the job; the next rendezvous round admits the standby in its place (:class:`StragglerSwap`).
+The judge reads the whole view (O(N) keys, one machine); every other machine reads that one key
+per check (O(1)), never the view. The judge deletes the name once the machine is gone.
 """
 
 from __future__ import annotations
@@ -41,11 +45,13 @@ from flashckpt.monitor.statusview import by_global_rank, steps_done_of_ring
 
 __all__ = [
     "JobViewPublisher",
+    "Retirement",
     "StragglerSwap",
     "agent_status",
     "format_job_view",
     "machine_summary",
     "read_job_view",
+    "straggler_key",
     "summaries_prefix",
 ]
 
@@ -58,6 +64,12 @@ _ENDED = frozenset({"exit", "error", "died", "killed", "replaced", "ended"})
 def summaries_prefix(job_prefix: str) -> str:
     """The etcd prefix of a job's per-machine summaries, given the job's prefix (ending in /)."""
     return job_prefix + "monitor/"
+
+
+def straggler_key(job_prefix: str) -> str:
+    """The etcd key that names the machine the straggler judge retires (see the module
+    docstring), given the job's prefix (ending in /); not under :func:`summaries_prefix`."""
+    return job_prefix + "straggler"
 
 
 def _num(v: Any) -> float | None:
@@ -296,12 +308,41 @@ def _f(v: Any, spec: str = "") -> str:
 
 
 # -- straggler swap ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Retirement:
+    """The judge's decision: which machine gives its place to a standby, and why."""
+
+    node: str
+    """The straggler's node id."""
+    reason: str
+    """Why (the figures compared, the standby that waits)."""
+    t: float | None = None
+    """The time of the straggler's summary the decision is based on, by the straggler's own
+    clock (its launcher acts only on a decision about its own summaries, never on one about a
+    former launcher of the same node id)."""
+
+    def encode(self) -> bytes:
+        """The value of :func:`straggler_key`."""
+        doc = {"node": self.node, "reason": self.reason, "t": self.t}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, value: bytes) -> Retirement | None:
+        """Inverse of :meth:`encode`; None (logged) for a value it cannot read."""
+        try:
+            doc = json.loads(value)
+            return cls(node=str(doc["node"]), reason=str(doc["reason"]), t=_num(doc.get("t")))
+        except (ValueError, TypeError, KeyError) as exc:
+            logger.warning("ignoring an unreadable straggler decision %r: %s", value[:200], exc)
+            return None
+
+
 @dataclass(kw_only=True, slots=True)
 class StragglerSwap:
-    """Decides when this machine should give its place to a standby (see the module docstring).
+    """Decides which machine should give its place to a standby (see the module docstring).
 
-    Feed it one job view per check with :meth:`observe`; it answers with the reason to retire,
-    or None.
+    The judge feeds it one job view per check with :meth:`judge`; it answers with the machine
+    to retire, or None.
     """
 
     factor: float = 1.5
@@ -313,7 +354,9 @@ class StragglerSwap:
     max_age_s: float = 30.0
     """Summaries older than this (by the reader's clock) are left out of the comparison."""
     flagged: int = field(default=0, init=False)
-    """Consecutive checks this machine was flagged so far."""
+    """Consecutive checks the current candidate (the slowest machine) was flagged so far."""
+    candidate: str | None = field(default=None, init=False)
+    """The machine flagged at the last check, if any."""
 
     def __post_init__(self) -> None:
         if self.factor <= 1:
@@ -321,54 +364,59 @@ class StragglerSwap:
         if self.persist < 1:
             raise ValueError(f"straggler persist {self.persist}: must be at least 1 check")
 
-    def observe(self, me: str, view: dict[str, Any]) -> str | None:
-        """One check.
+    def judge(self, view: dict[str, Any]) -> Retirement | None:
+        """One check of the whole job.
 
         Args:
-            me: This machine's node id.
             view: The job view (:func:`read_job_view`).
 
         Returns:
-            Why to retire now, or None.
+            The machine to retire now and why, or None.
         """
         ms = view["machines"]
-        mine = next((m for m in ms if m.get("node") == me), None)
-        peers = [
+        active = [
             m
             for m in ms
-            if m.get("node") != me
-            and m.get("role") == "active"
+            if m.get("role") == "active"
             and (m.get("age_s") is None or m["age_s"] <= self.max_age_s)
         ]
-        if mine is None or mine.get("role") != "active" or not peers:
-            self.flagged = 0
+        metric = _metric(active)
+        if metric is None or len(active) < 2:
+            self.flagged, self.candidate = 0, None
             return None
-        metric = "compute_ms"
-        if mine.get(metric) is None or any(p.get(metric) is None for p in peers):
-            metric = "p50_ms"
-        if mine.get(metric) is None or any(p.get(metric) is None for p in peers):
-            self.flagged = 0
+        slowest = max(active, key=lambda m: (float(m[metric]), str(m.get("node"))))
+        node = str(slowest.get("node"))
+        mv = float(slowest[metric])
+        others = statistics.median(float(m[metric]) for m in active if m is not slowest)
+        if not (mv > self.factor * others and mv - others >= self.min_ms):
+            self.flagged, self.candidate = 0, None
             return None
-        mv = float(mine[metric])
-        others = statistics.median(float(p[metric]) for p in peers)
-        slowest = mv >= max(float(p[metric]) for p in peers)
-        if not (mv > self.factor * others and mv - others >= self.min_ms and slowest):
-            self.flagged = 0
-            return None
+        if node != self.candidate:
+            self.flagged, self.candidate = 0, node
         self.flagged += 1
         standbys = [m["node"] for m in ms if m.get("role") == "standby"]
         if self.flagged < self.persist or not standbys:
             return None
-        return (
-            f"machine {me} is a straggler: {metric} {mv:.1f} ms vs {others:.1f} ms median of the "
-            f"other {len(peers)} active machine(s) (x{mv / others if others else float('inf'):.2f}"
-            f" for {self.flagged} checks); standby {', '.join(map(str, standbys))} waits"
+        ratio = mv / others if others else float("inf")
+        reason = (
+            f"machine {node} is a straggler: {metric} {mv:.1f} ms vs {others:.1f} ms median of the "
+            f"other {len(active) - 1} active machine(s) (x{ratio:.2f} for {self.flagged} checks); "
+            f"standby {', '.join(map(str, standbys))} waits"
         )
+        return Retirement(node=node, reason=reason, t=_num(slowest.get("t")))
+
+    def observe(self, me: str, view: dict[str, Any]) -> str | None:
+        """One check, answered for one machine: why ``me`` should retire now, or None."""
+        decision = self.judge(view)
+        return decision.reason if decision is not None and decision.node == me else None
 
 
 # -- the publisher thread ---------------------------------------------------------------------
 class JobViewPublisher:
-    """Publishes this machine's summary to etcd every ``period_s``; runs the swap policy.
+    """Publishes this machine's summary to etcd every ``period_s``; takes part in the swap.
+
+    With ``swap``, each round also reads :func:`straggler_key` (one key); the machine of group
+    rank 0 (the judge) reads the job view too and runs the policy (see the module docstring).
 
     Args:
         client: The launcher's etcd client.
@@ -382,8 +430,10 @@ class JobViewPublisher:
         role: This machine's role and group rank now.
         restarts: Worker-group restarts seen by this launcher.
         period_s: Seconds between summaries.
-        swap: The straggler swap policy (None: never swap).
-        on_retire: Called once, from this thread, with the reason when ``swap`` says retire.
+        swap: The straggler swap policy, used when this machine judges (None: never swap, and
+            never judge).
+        on_retire: Called once, from this thread, with the reason when the judge names this
+            machine.
     """
 
     def __init__(
@@ -416,6 +466,7 @@ class JobViewPublisher:
         self._swap = swap
         self._on_retire = on_retire
         self._retired = False
+        self._first_t: float | None = None  # this publisher's first summary, by this clock
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="flashckpt-jobview", daemon=True)
         self.last: dict[str, Any] | None = None
@@ -465,18 +516,57 @@ class JobViewPublisher:
         except EtcdError as exc:
             logger.warning("cannot publish this machine's summary to etcd: %s", exc)
         self.last = summary
+        if self._first_t is None:
+            self._first_t = float(summary["t"])
         if self._swap is not None and not self._retired and self._on_retire is not None:
             try:
-                view = read_job_view(self._client, self._job_prefix)
+                self._check_swap(role, group_rank)
             except EtcdError as exc:
-                logger.warning("cannot read the job's summaries from etcd: %s", exc)
-                return summary
-            reason = self._swap.observe(self._node, view)
-            if reason is not None:
-                self._retired = True
-                logger.warning("retiring this machine so a standby takes its place: %s", reason)
-                self._on_retire(reason)
+                logger.warning("cannot check the job's stragglers in etcd: %s", exc)
         return summary
+
+    def _check_swap(self, role: str, group_rank: int | None) -> None:
+        """The straggler swap's part of a round: the judge (the active machine of group rank
+        0) reads the job view and names a straggler; every other machine reads the name."""
+        key = straggler_key(self._job_prefix)
+        kv = self._client.get_kv(key)
+        named = Retirement.decode(kv.value) if kv is not None else None
+        if not (role == "active" and group_rank == 0):
+            # A decision about a former launcher of this node id (its summaries are older than
+            # this one's first) is not this launcher's.
+            if named is None or named.node != self._node or role != "active":
+                return
+            if named.t is None or self._first_t is None or named.t >= self._first_t:
+                self._retire(named.reason)
+            return
+        assert self._swap is not None
+        view = read_job_view(self._client, self._job_prefix)
+        if named is not None and kv is not None:
+            m = next((m for m in view["machines"] if m.get("node") == named.node), None)
+            if m is None or m.get("state") is None or m.get("role") != "active":
+                # Gone (or no longer active): a later straggler may be named.
+                self._client.compare_and_delete(key, mod_revision=kv.mod_revision)
+                named = None
+            elif named.node == self._node:  # named by a former judge
+                self._retire(named.reason)
+                return
+            else:
+                return  # one swap at a time: the named machine is on its way out
+        decision = self._swap.judge(view)
+        if decision is None:
+            return
+        if decision.node == self._node:
+            self._retire(decision.reason)
+        elif self._publish(key, decision.encode()):  # bound to this machine's node lease
+            logger.warning("naming machine %s for a standby's place: %s", decision.node,
+                           decision.reason)  # fmt: skip
+            self._swap.flagged, self._swap.candidate = 0, None
+
+    def _retire(self, reason: str) -> None:
+        assert self._on_retire is not None
+        self._retired = True
+        logger.warning("retiring this machine so a standby takes its place: %s", reason)
+        self._on_retire(reason)
 
 
 def agent_status(path: str | None) -> dict[str, Any] | None:

@@ -159,7 +159,20 @@ def test_a_round_forms_with_unique_ranks_and_a_small_result(job: Callable[..., J
     }
     assert len(masters) == 1 and next(iter(masters))[0] == "127.0.0.1", masters
     assert {h.round for h in hs} == {0}
+    # participants() (the --replicas path, when a member's node record lags): one read of the
+    # round's join keys, keys only (their names are the descriptors), then cached.
+    calls: list[tuple[str, Any]] = []
+    real = j.client._call
+
+    def counting(path: str, body: Any, *args: Any, **kw: Any) -> Any:
+        calls.append((path, body))
+        return real(path, body, *args, **kw)
+
+    j.client._call = counting  # type: ignore[method-assign]
     assert hs[0].participants() == {h.node for h in hs}
+    assert hs[0].participants() == {h.node for h in hs}
+    assert [(p, b.get("keys_only")) for p, b in calls] == [("/v3/kv/range", True)]
+    j.client._call = real  # type: ignore[method-assign]
     result = j.client.get_kv(j.prefix + "rdzv/r/000000000000/c/result")
     assert result is not None and len(result.value) < 200
     doc = json.loads(result.value)

@@ -61,6 +61,7 @@ import sys
 import termios
 import threading
 import time
+from collections.abc import Iterable, Set
 from datetime import timedelta
 from types import FrameType, TracebackType
 from typing import Any
@@ -119,7 +120,7 @@ from flashckpt.protocol.channel import AgentClient
 from flashckpt.protocol.messages import Fence
 from flashckpt.trainer.interval import JOB_START_ENV
 
-__all__ = ["LaunchError", "LaunchSession"]
+__all__ = ["LaunchError", "LaunchSession", "round_world"]
 
 logger = logging.getLogger("flashckpt.launcher")
 
@@ -157,6 +158,25 @@ class _LeaveJob(FlashckptError):
 
 # Before the lease's earliest expiry the fence SIGKILLs the workers that are still there.
 _FENCE_KILL_MARGIN_S = 0.1
+
+
+def round_world(records: Iterable[NodeRecord], members: Set[int]) -> set[str] | None:
+    """The rendezvous descriptors of a round's members, from the job's node records alone.
+
+    Args:
+        records: The job's node records.
+        members: The round's member ids (:meth:`RdzvHandler.members`).
+
+    Returns:
+        The members' descriptors when every member's record carries its id in the round
+        (``rdzv_member``, unique across rounds: a join key's create revision); None when some
+        member's record does not say it yet (it is between its rendezvous and its record's
+        update), or there are no members.
+    """
+    found = {r.rdzv_member: r.rdzv_node for r in records if r.rdzv_member in members}
+    if not members or len(found) < len(members) or not all(found.values()):
+        return None
+    return {str(node) for node in found.values()}
 
 
 class LaunchSession:
@@ -878,9 +898,17 @@ class LaunchSession:
                 "cannot read the job's nodes from etcd: replica peers unchanged: %s", exc
             )
             return
-        # The members' descriptors: a read of the round's join keys, on this path only (the
-        # replica ring needs every member's record; without --replicas nothing reads them).
-        world = self._handler.participants() if self._handler is not None else None
+        # The replica ring needs every member's record (its replica server), so this path reads
+        # the job's N node records once a round, and only with --replicas: the agent's peer
+        # list is the world (it sends to the next machine in ring order, drops what it holds
+        # of machines that left, and a restarted agent pulls from the known peers). Who is in
+        # the round comes from those records (each carries its member id in the round, see
+        # after_rendezvous); only when a member has not written its id yet, one read of the
+        # round's join keys (keys only) says it.
+        handler = self._handler
+        world = round_world(records, handler.members()) if handler is not None else None
+        if world is None and handler is not None:
+            world = handler.participants()
         if world is None:  # etcd did not answer: every live machine but those leaving
             world = {r.rdzv_node for r in records if r.rdzv_node and r.state != "leaving"}
         peers = world_replica_peers(world, records, self.config.node_id)

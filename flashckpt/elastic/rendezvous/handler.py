@@ -654,20 +654,28 @@ class RdzvHandler(RendezvousHandler):
 
     def participants(self) -> set[str] | None:
         """The descriptors of the members of this machine's round: one etcd read of the round's
-        N join keys (cached), so not for every machine of a large job every round (the launcher
-        identifies members by :meth:`members` and :attr:`member_id` instead, from the result it
-        holds); ``None`` before the first round or when etcd fails."""
+        N join keys, keys only (a join key's name is its machine's descriptor, its create
+        revision the member id), cached for the round. Not for every machine of a large job
+        every round: the launcher identifies members by :meth:`members` and :attr:`member_id`,
+        from the result it holds, and its replica ring asks this only when a member's node
+        record does not carry its member id yet. ``None`` before the first round or when etcd
+        fails."""
         with self._lock:
             if self._participants is not None or self._round is None:
                 return self._participants
             rnd, members = self._round, set(self._members)
+        joins = self._rp(rnd) + "a/"
         try:
-            kvs = self._client.get_prefix(self._rp(rnd) + "a/")
+            kvs = self._client.get_range(joins, prefix_end(joins), keys_only=True)
         except EtcdError as exc:
             logger.warning("cannot read the members of round %d: %s", rnd, exc)
             return None
-        joins = [j for j in map(_decode_join, kvs) if j is not None]
-        nodes = {j.node for j in joins if j.create_revision in members}
+        start = len(joins.encode())
+        nodes = {
+            urllib.parse.unquote(kv.key[start:].decode())
+            for kv in kvs
+            if kv.create_revision in members
+        }
         with self._lock:
             if self._round == rnd:
                 self._participants = nodes

@@ -151,6 +151,7 @@ class _Host:
         self.broken = threading.Event()
         self.stop = threading.Event()
         self.cleanups: list[Any] = []
+        self.profiles: list[Any] = []
 
     def emit(self, **fields: Any) -> None:
         fields.setdefault("t", time.time())
@@ -326,6 +327,8 @@ class _Host:
     def run(self) -> None:
         a = self.a
         first, count = (int(x) for x in a.machines.split(":"))
+        if a.profile and first == 1:
+            self.profiles = _profile_threads()
         import torch.distributed.elastic.rendezvous  # noqa: F401  (imports done before "go")
 
         if a.backend in ("flashckpt", "handler"):
@@ -348,6 +351,8 @@ class _Host:
             for name in sorted(names - answered):
                 if name.startswith("snap-"):
                     answered.add(name)
+                    if a.profile and name == "snap-round1":
+                        _dump_profile(Path(a.profile), a, first, self.profiles)
                     self.emit(ev="snap", name=name[5:], pid=os.getpid(), **self.counters.snapshot())
             if "stop" in names:
                 break
@@ -363,6 +368,68 @@ class _Host:
         self.emit(ev="left", pid=os.getpid())
         self.out.close()
         os._exit(0)  # torch's keep-alive timers and our watches are daemon threads
+
+
+def _profile_threads() -> list[Any]:
+    """``--profile``: a cProfile of every thread this process starts from now on (cProfile
+    follows one thread; each thread's ``run`` is wrapped), in CPU seconds of the thread."""
+    import cProfile
+
+    profiles: list[Any] = []
+    run = threading.Thread.run
+
+    def profiled(self: threading.Thread) -> None:
+        prof = cProfile.Profile(time.thread_time)  # CPU, not the time blocked or waiting
+        profiles.append(prof)
+        prof.enable()
+        run(self)
+
+    threading.Thread.run = profiled  # type: ignore[method-assign]
+    return profiles
+
+
+def _dump_profile(out: Path, a: argparse.Namespace, first: int, profiles: list[Any]) -> None:
+    """``--profile``: this process's CPU seconds per thread kind (its threads' names, digits
+    dropped; ``/proc``, threads alive now) and, for the cProfiled host, the merged profile
+    (``.prof`` for ``pstats``, and the top functions by own time as text)."""
+    import io
+    import pstats
+
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{a.backend}-n{a.nnodes}-m{first}"
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    kinds: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        cpu = _cpu_seconds_of(task / "stat")
+        name = names.get(int(task.name), "(not a Python thread)")
+        kind = re.sub(r"\d+", "N", re.sub(r" \(.*\)$", "", name))
+        kinds[kind] = round(kinds.get(kind, 0.0) + (cpu or 0.0), 3)
+    total = _cpu_seconds(os.getpid()) or 0.0
+    kinds["(threads ended)"] = round(total - sum(kinds.values()), 3)
+    stem.with_suffix(".threads.json").write_text(
+        json.dumps(dict(sorted(kinds.items(), key=lambda kv: -kv[1])), indent=1) + "\n"
+    )
+    if not profiles:
+        return
+
+    class _Taken:  # the calls each thread completed so far; its pending ones are left out
+        def __init__(self, prof: Any) -> None:
+            prof.snapshot_stats()  # not create_stats: disabling from here would close them
+            self.stats = prof.stats  # with this thread's clock
+
+        def create_stats(self) -> None:
+            pass
+
+    stats = pstats.Stats(_Taken(profiles[0]))
+    for prof in profiles[1:]:
+        stats.add(_Taken(prof))
+    stats.dump_stats(str(stem.with_suffix(".prof")))
+    text = io.StringIO()
+    pstats.Stats(str(stem.with_suffix(".prof")), stream=text).sort_stats("tottime").print_stats(60)
+    pstats.Stats(str(stem.with_suffix(".prof")), stream=text).sort_stats("cumulative").print_stats(
+        120
+    )
+    stem.with_suffix(".txt").write_text(text.getvalue())
 
 
 # ============================================================================== parent side
@@ -387,8 +454,12 @@ def _metrics(url: str) -> dict[str, float]:
 
 def _cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of a live process (Linux ``/proc``)."""
+    return _cpu_seconds_of(Path(f"/proc/{pid}/stat"))
+
+
+def _cpu_seconds_of(stat: Path) -> float | None:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -469,6 +540,8 @@ class _Trial:
         ]  # fmt: skip
         if not a.probe:
             cmd.append("--no-probe")
+        if a.profile:
+            cmd += ["--profile", a.profile]
         cmd += ["--keep-alive-interval", str(a.keep_alive_interval)]
         if standby:
             cmd.append("--standby")
@@ -849,6 +922,14 @@ def main() -> int:
         dest="probe",
         action="store_false",
         help="flashckpt run --no-probe: survivors learn the death from the lease alone",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="write to DIR, at the end of round 1, each host process's CPU seconds per thread "
+        "kind, and a cProfile of every thread of the host of machines 1.. (slows it down: "
+        "not for timings)",
     )
     p.add_argument("--work-dir", default=None, help="logs and etcd data (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON results (default: stdout only)")

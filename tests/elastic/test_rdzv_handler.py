@@ -30,6 +30,7 @@ from waiting import wait_until
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdOutcomeUnknown, EtcdUnavailable
 from flashckpt.elastic.etcd.store import EtcdV3Store
 from flashckpt.elastic.membership.nodes import NodeRegistry
+from flashckpt.elastic.rendezvous import handler as handler_module
 from flashckpt.elastic.rendezvous.handler import (
     RdzvHandler,
     RdzvSettings,
@@ -259,6 +260,29 @@ def test_a_member_restarting_counts_as_waiting(job: Callable[..., Job]) -> None:
     assert {i.world_size for i in [done(j.join(b)), done(out_a)]} == {2}
 
 
+def test_a_waiter_costs_one_join_and_one_watch_however_long_it_waits(
+    job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Short slices: the waiter wakes often (to check its lease), as a slow round of a large job
+    # makes it wake every lease_ttl; each wake-up used to cost a read and a new watch.
+    monkeypatch.setattr(handler_module, "_WAIT_SLICE_S", 0.05)
+    j = job(min_nodes=3, max_nodes=3)
+    lead, waiter = j.machine(), j.machine()
+    out_lead = j.join(lead)
+    wait_until(lambda: lead.waiting_in == 0, "the first machine leads round 0", timeout=30.0)
+    out_waiter = j.join(waiter)
+    wait_until(
+        lambda: waiter.stats.snapshot()["waits"] >= 10, "the waiter woke 10 times", timeout=30.0
+    )
+    out_last = j.join(j.machine())
+    infos = [done(out_lead), done(out_waiter), done(out_last)]
+    assert sorted(ranks(infos)) == [0, 1, 2]
+    stats = waiter.stats.snapshot()
+    # Its join (one transaction) and one watch of the round's control keys, whose event
+    # carried the result: no read, no other watch, whatever the number of wake-ups.
+    assert (stats["txns"], stats["wait_watches"]) == (1, 1), stats
+
+
 def test_lead_dies_another_machine_takes_over(job: Callable[..., Job]) -> None:
     j = job(min_nodes=3, max_nodes=3)
     first, second = j.machine(), j.machine()
@@ -357,7 +381,7 @@ def test_a_member_whose_wait_failed_takes_its_rank_not_the_next_round(
     failed: list[bool] = []
     real_wait = late._wait_ctl
 
-    def watch_fails_once(ctl_prefix: str, rev: int, seconds: float) -> Any:
+    def watch_fails_once(stream: Any, seconds: float) -> Any:
         if not failed:
             wait_until(lambda: j.client.get(result_key) is not None, "round 0 closed", 30.0)
             failed.append(True)
@@ -368,7 +392,7 @@ def test_a_member_whose_wait_failed_takes_its_rank_not_the_next_round(
             j.client.revoke_lease(lease)  # lapsed: what its renewal then finds
             late._lease_lost.set()
             return []
-        return real_wait(ctl_prefix, rev, seconds)
+        return real_wait(stream, seconds)
 
     late._wait_ctl = watch_fails_once  # type: ignore[method-assign]
     out_late = j.join(late)

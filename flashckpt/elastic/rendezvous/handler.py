@@ -114,6 +114,7 @@ _JOIN_VERSION = 1
 _MAX_VALUE_BYTES = 64 << 10  # a result of ~20,000 machines; more is not ours
 _MAX_ROUND = 10**12 - 1
 _WAIT_SLICE_S = 30.0  # a waiter re-checks its lease at least this often
+_QUIET_READ_S = 30.0  # a waiter reads its round's control keys after a watch this quiet
 _node_ids = itertools.count()
 
 
@@ -301,15 +302,6 @@ def _revision(response: dict[str, Any]) -> int:
     return int(response.get("header", {}).get("revision", 0))
 
 
-def _result_event(events: list[WatchEvent], result_key: bytes) -> KeyValue | None:
-    """The round's result, when a watched change wrote it; None otherwise (a delete, another
-    key: the waiter reads the control keys again)."""
-    for ev in events:
-        if ev.kv.key == result_key and not ev.deleted:
-            return ev.kv
-    return None
-
-
 # ------------------------------------------------------------------------------ handler
 @dataclass(frozen=True, slots=True)
 class RdzvSettings:
@@ -369,6 +361,8 @@ class _Stats:
         self.txns_failed = 0
         self.bytes_written = 0
         self.max_value = 0
+        self.waits = 0  # slices a waiter of a round waited on its watch (events or quiet)
+        self.wait_watches = 0  # watches a waiter opened on its round's control keys
 
     def snapshot(self) -> dict[str, int]:
         with self.lock:
@@ -377,6 +371,8 @@ class _Stats:
                 "txns_failed": self.txns_failed,
                 "bytes_written": self.bytes_written,
                 "max_value": self.max_value,
+                "waits": self.waits,
+                "wait_watches": self.wait_watches,
             }
 
 
@@ -907,48 +903,83 @@ class RdzvHandler(RendezvousHandler):
         ctl: dict[str, KeyValue],
         deadline: Deadline,
     ) -> RendezvousInfo | None:
+        """Waits for round ``rnd``'s result (or leads the round), from the control keys as read
+        at ``rev``. One watch of the control keys follows them for the whole wait: a quiet slice
+        changes nothing (no read, no new watch), a change comes with the event and is applied as
+        it is; the keys are read again only when the lead went (every waiter races for it), the
+        watch ended (closed, compacted, failed) or stayed quiet for ``_QUIET_READ_S``."""
         ctl_prefix = self._rp(rnd) + "c/"
-        while True:
-            if "result" in ctl:
-                return self._take_result(rnd, ctl["result"], my_create)
-            mine = "lead" in ctl and ctl["lead"].value == self._node.encode()
-            if "lead" not in ctl and not mine:
-                # The lead died (the first joiner leads, chosen in its join): every waiter sees
-                # it at once. Each first waits a moment for another to take over, so that not
-                # all of them race for it.
-                self._wait_ctl(ctl_prefix, rev, min(deadline.remaining(), random.random() * 0.3))
+        watch: WatchStream | None = None
+        quiet_since = time.monotonic()
+        try:
+            while True:
+                if "result" in ctl:
+                    return self._take_result(rnd, ctl["result"], my_create)
+                mine = "lead" in ctl and ctl["lead"].value == self._node.encode()
+                read = True
+                if "lead" not in ctl and not mine:
+                    # The lead died (the first joiner leads, chosen in its join): every waiter
+                    # sees it at once. Each first waits a moment for another to take over, so
+                    # that not all of them race for it.
+                    self._drop_watch(watch)
+                    watch = None
+                    self._wait_ctl_once(
+                        ctl_prefix, rev, min(deadline.remaining(), random.random() * 0.3)
+                    )
+                    self._check_left()
+                    if self._lease_lost.is_set() or deadline.expired():
+                        return None
+                    response = self._read_ctl(ctl_prefix)
+                    rev = _revision(response)
+                    ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 0)}
+                    if "result" in ctl or "lead" in ctl:
+                        continue
+                if "lead" not in ctl or mine:
+                    self._drop_watch(watch)
+                    watch = None
+                    if self._try_lead(rnd, round_rev, ctl.get("lead")):
+                        result = self._lead(rnd, round_rev, deadline)
+                        if result is not None:
+                            return self._take_result(rnd, result, my_create)
+                    # Lost the race, or stopped leading: read what is there now.
+                elif deadline.expired():
+                    return None
+                else:
+                    if watch is None:
+                        watch = self._open_ctl_watch(ctl_prefix, rev)
+                    events = self._wait_ctl(
+                        watch,
+                        min(deadline.remaining(), _WAIT_SLICE_S, self._lease_ttl_s()),
+                    )
+                    if events:
+                        quiet_since = time.monotonic()
+                    if events is not None and time.monotonic() - quiet_since < _QUIET_READ_S:
+                        # The watch carries every change, the result itself included: no read
+                        # (one request less for every waiter of the round, and none per slice).
+                        for ev in events:
+                            name = ev.kv.key.decode(errors="replace").rsplit("/", 1)[-1]
+                            if ev.deleted:
+                                ctl.pop(name, None)
+                            else:
+                                ctl[name] = ev.kv
+                        rev = max(rev, watch.next_revision - 1)
+                        read = False
+                    else:
+                        # The watch ended (closed, compacted, failed), or stayed quiet for
+                        # _QUIET_READ_S: read the keys, and watch again from that read.
+                        self._drop_watch(watch)
+                        watch = None
+                        quiet_since = time.monotonic()
                 self._check_left()
                 if self._lease_lost.is_set() or deadline.expired():
                     return None
+                if not read:
+                    continue
                 response = self._read_ctl(ctl_prefix)
                 rev = _revision(response)
                 ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 0)}
-                if "result" in ctl or "lead" in ctl:
-                    continue
-            if "lead" not in ctl or mine:
-                if self._try_lead(rnd, round_rev, ctl.get("lead")):
-                    result = self._lead(rnd, round_rev, deadline)
-                    if result is not None:
-                        return self._take_result(rnd, result, my_create)
-                # Lost the race, or stopped leading: read what is there now.
-            elif deadline.expired():
-                return None
-            else:
-                events = self._wait_ctl(
-                    ctl_prefix, rev, min(deadline.remaining(), _WAIT_SLICE_S, self._lease_ttl_s())
-                )
-                result = _result_event(events, (ctl_prefix + "result").encode())
-                if result is not None:
-                    # The watch carries the result itself: no read (one request less for
-                    # every waiter of the round).
-                    ctl["result"] = result
-                    continue
-            self._check_left()
-            if self._lease_lost.is_set() or deadline.expired():
-                return None
-            response = self._read_ctl(ctl_prefix)
-            rev = _revision(response)
-            ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 0)}
+        finally:
+            self._drop_watch(watch)
 
     def _read_ctl(self, ctl_prefix: str) -> dict[str, Any]:
         """The round's control keys; raises if the rendezvous closed."""
@@ -957,28 +988,51 @@ class RdzvHandler(RendezvousHandler):
             self._raise_closed()
         return response
 
-    def _wait_ctl(self, ctl_prefix: str, rev: int, seconds: float) -> list[WatchEvent]:
-        """Waits for a change of the round's control keys after ``rev``, at most ``seconds``;
-        woken at once when this machine's lease is lost or it leaves. Returns the changes
-        (none when it timed out or was woken)."""
-        if seconds <= 0:
-            return []
+    def _open_ctl_watch(self, ctl_prefix: str, rev: int) -> WatchStream:
+        """A watch of the round's control keys after ``rev``, closed by :meth:`_wake_waits`."""
         key = ctl_prefix.encode()
         stream = WatchStream(self._client, key, prefix_end(key), rev + 1)
         with self._lock:
             self._streams.add(stream)
-        try:
-            if self._lease_lost.is_set() or self._left:
-                return []
-            return stream.next_events(timedelta(seconds=seconds))
-        except WatchClosed:
-            return []
-        except WatchCompacted:
-            return []  # the caller reads again
-        finally:
+        with self.stats.lock:
+            self.stats.wait_watches += 1
+        return stream
+
+    def _drop_watch(self, stream: WatchStream | None) -> None:
+        """Closes ``stream``, if any."""
+        if stream is not None:
             with self._lock:
                 self._streams.discard(stream)
             stream.close()
+
+    def _wait_ctl(self, stream: WatchStream, seconds: float) -> list[WatchEvent] | None:
+        """The changes of the round's control keys on ``stream`` within ``seconds`` (``[]``:
+        none, or this machine's lease was lost or it left: the caller checks); None when the
+        stream ended (closed by :meth:`_wake_waits`, compacted, failed): read the keys again."""
+        if self._lease_lost.is_set() or self._left:
+            return []
+        if seconds <= 0:
+            return []
+        with self.stats.lock:
+            self.stats.waits += 1
+        try:
+            return stream.next_events(timedelta(seconds=seconds))
+        except (WatchClosed, WatchCompacted):
+            return None
+        except EtcdError as exc:
+            logger.debug("watching the round's control keys failed (reading them): %s", exc)
+            return None
+
+    def _wait_ctl_once(self, ctl_prefix: str, rev: int, seconds: float) -> None:
+        """Waits for a change of the round's control keys after ``rev``, at most ``seconds``;
+        woken at once when this machine's lease is lost or it leaves."""
+        if seconds <= 0:
+            return
+        stream = self._open_ctl_watch(ctl_prefix, rev)
+        try:
+            self._wait_ctl(stream, seconds)
+        finally:
+            self._drop_watch(stream)
 
     def _wake_waits(self) -> None:
         """Ends this machine's watches in ``next_rendezvous`` (its lease is gone, or it left)."""

@@ -7,8 +7,9 @@ workers:
   (``flashckpt.elastic.rendezvous.backend.create_handler``:
   :mod:`flashckpt.elastic.rendezvous.handler`, per-machine join keys on a lease of ``--lease-ttl``),
   and the launcher's liveness (``flashckpt.elastic.membership.nodes.NodeRegistry``: a lease-bound
-  node key renewed every ``ttl / 5``, a watch on the peers' keys, a probe port; a lost peer's
-  rendezvous keys are deleted with ``handler.expire_nodes``, as ``flashckpt run`` does);
+  node key renewed every ``ttl / 5``, a watch on the peers' keys, a probe port, links to its
+  ``--links`` ring successors' probe ports; a lost peer's rendezvous keys are deleted with
+  ``handler.expire_nodes``, as ``flashckpt run`` does);
 - ``c10d``: torch's ``C10dRendezvousBackend`` on a TCPStore this benchmark hosts, with torch's
   ``DynamicRendezvousHandler`` built by ``dynamic_rendezvous.create_handler``, as torchrun's
   ``--rdzv-backend=c10d`` does;
@@ -217,7 +218,8 @@ class _Host:
                     bind_host="127.0.0.1",
                     on_lost=on_lost,
                     on_fenced=None,
-                    links=0,
+                    # As flashckpt run: links to the ring successors when it probes.
+                    links=a.links if a.probe else 0,
                 )
                 # As flashckpt run: the descriptor and state in the registration itself.
                 registry.start(timedelta(seconds=60), rdzv_node=handler.node, state="waiting")
@@ -268,6 +270,7 @@ class _Host:
             with contextlib.suppress(Exception):
                 registry.reap_dead_peers()
         reaped = time.time()
+        probes = registry.peers_probed if registry is not None else 0
         if registry is not None:
             registry.update(state="waiting", group_rank=None)
         info = handler.next_rendezvous()
@@ -278,6 +281,7 @@ class _Host:
             rank=info.rank,
             world=info.world_size,
             phases={**getattr(handler, "phases", {}), "told": told, "reaped": reaped},
+            probes=probes,
         )
         if registry is not None:
             registry.update(state="active", group_rank=info.rank, rdzv_member=handler.member_id)
@@ -542,6 +546,7 @@ class _Trial:
             cmd.append("--no-probe")
         if a.profile:
             cmd += ["--profile", a.profile]
+        cmd += ["--links", str(a.links)]
         cmd += ["--keep-alive-interval", str(a.keep_alive_interval)]
         if standby:
             cmd.append("--standby")
@@ -777,6 +782,10 @@ def run_trial(backend: str, n: int, a: argparse.Namespace, work: Path) -> dict[s
         }
         if backend in ("flashckpt", "handler"):
             res["round2"]["phases"] = _where_the_time_goes(ev, 2, t_kill)
+            # Peers the survivors probed from the kill to round 2 (reap_dead_peers, any cause).
+            res["round2"]["peers_probed"] = sum(
+                e.get("probes", 0) for e in ev if e["ev"] == "rank" and e["round"] == 2
+            )
         after2 = trial.snap("round2")
         res["before_kill"], res["after_round2"] = before_kill, after2
         res["cost_kill_to_round2"] = _cost(before_kill, after2, n)
@@ -890,6 +899,7 @@ _SETTINGS = (
     "lease_ttl",
     "monitor_interval",
     "probe",
+    "links",
     "keep_alive_interval",
 )
 
@@ -930,6 +940,12 @@ def main() -> int:
         help="write to DIR, at the end of round 1, each host process's CPU seconds per thread "
         "kind, and a cProfile of every thread of the host of machines 1.. (slows it down: "
         "not for timings)",
+    )
+    p.add_argument(
+        "--links",
+        type=int,
+        default=2,
+        help="peer links per machine (flashckpt run's: 2; 0: none); none with --no-probe",
     )
     p.add_argument("--work-dir", default=None, help="logs and etcd data (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON results (default: stdout only)")

@@ -276,3 +276,24 @@ def test_a_peer_that_never_answers_holds_up_only_its_own_link() -> None:
         links.close()
         live.close()
         silent.close()
+
+
+def test_a_held_link_says_at_once_whether_it_is_intact(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sweep before a new round trusts an intact link instead of a probe; a link whose peer
+    # closed it is not intact, even before the link thread read the close.
+    monkeypatch.setattr(
+        PeerLinks, "_readable", lambda self, target, sock: self._selector.unregister(sock)
+    )
+    server = membership._ProbeServer("tok", "127.0.0.1")
+    links = PeerLinks(lambda t, why: None)
+    try:
+        assert not links.intact("tok"), "not held yet"
+        links.set_targets([LinkTarget("b", "tok", f"127.0.0.1:{server.port}")])
+        wait_until(lambda: links.held() == {"b"}, "the link held", timeout=WAIT_S)
+        assert links.intact("tok") and not links.intact("other")
+        server.close()  # its launcher gone; the link thread (patched) does not look
+        wait_until(lambda: not links.intact("tok"), "the closed link seen", timeout=WAIT_S)
+        assert links.held() == {"b"}, "the link thread did not drop it: the look did not wait"
+    finally:
+        links.close()
+        server.close()

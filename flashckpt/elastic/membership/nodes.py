@@ -118,8 +118,6 @@ _QUIET_CHECK_S = 60.0
 # loaded host's patience; at the fence deadline, when none answered lately, once more, short.
 _OUTAGE_PROBE_TIMEOUT_S = 1.0
 _FENCE_PROBE_TIMEOUT_S = 0.25
-_SWEEP_BATCH = 4
-"""Peers probed at once by the ring walk of :meth:`NodeRegistry.reap_dead_peers`."""
 _OUTAGE_SAMPLE = 8
 """Peers probed at most per round of outage probes (whether this machine is cut off)."""
 
@@ -590,6 +588,10 @@ class NodeRegistry:
         self._compact_every = compact_every
         self.compactions = 0
         """How often this launcher compacted etcd's history."""
+        self.peers_probed = 0
+        """Peers :meth:`reap_dead_peers` probed (each probe up to :data:`_PROBE_ATTEMPTS` tries)."""
+        self.links_trusted = 0
+        """Peers :meth:`reap_dead_peers` did not probe: their link was held and intact."""
         self.failed_renewals = 0
         """How often a lease renewal failed (etcd did not answer in time, or with an error)."""
 
@@ -849,10 +851,21 @@ class NodeRegistry:
         as if its lease had lapsed.
 
         Without ``candidates`` (a sweep before a new round), this machine walks the ring of
-        node ids from itself: it probes its successors, a few at a time, until it has met
-        ``max(2, links)`` that are not dead. Every machine sweeping so, each dead machine is
-        probed by its nearest live predecessors, and the sweep costs each machine O(1 + dead)
-        probes instead of one per peer (N*N for the job).
+        node ids from itself: it checks its successors until it has met ``max(2, links)``
+        that are not dead, probing as many at once as it still needs. Every machine sweeping
+        so, each dead machine is checked by its nearest live predecessors (two of them, so one
+        that hangs or was cut off does not hide the dead one after it), and the sweep costs
+        each machine O(1 + dead) probes instead of one per peer (N*N for the job).
+
+        A peer whose link this machine holds (:mod:`flashckpt.elastic.membership.peerlinks`:
+        its ring successors) and finds intact now is not probed: its launcher holds the link's
+        socket open, which says as much as a probe it answers (a probe finds dead only a peer
+        whose port refuses or answers another token, and a launcher that is gone closed its
+        link; a hung or cut-off one keeps both the link and a probe silent). So in a job whose
+        links are held, a sweep probes only the successors past a broken or missing link: the
+        dead machine's nearest live predecessors probe it and the machines after it, the
+        others nothing (at 1,024 machines, a few probes for the job instead of two per
+        machine).
 
         Args:
             candidates: Node ids to probe; default: the ring walk above.
@@ -902,9 +915,7 @@ class NodeRegistry:
                 ]
                 probed += self._walk_ring(rest, missing)
         else:
-            workers = min(32, len(records))
-            with ThreadPoolExecutor(workers, thread_name_prefix="flashckpt-probe") as ex:
-                probed = list(zip(records, ex.map(_probe_patiently, records), strict=True))
+            probed = self._probe_unlinked(records, 32)
         dead = [r for r, result in probed if result is ProbeResult.DEAD]
         for record in dead:
             logger.warning(
@@ -930,21 +941,47 @@ class NodeRegistry:
     def _walk_ring(
         self, records: list[NodeRecord], wanted: int
     ) -> list[tuple[NodeRecord, ProbeResult]]:
-        """Probes ``records`` in ring order after this machine, :data:`_SWEEP_BATCH` at a
-        time, until ``wanted`` of them are not dead (see :meth:`reap_dead_peers`)."""
+        """Checks ``records`` in ring order after this machine until ``wanted`` of them are not
+        dead (see :meth:`reap_dead_peers`): those linked and intact without a probe, the others
+        probed as many at once as are still wanted."""
         by_id = {r.node_id: r for r in records}
         order = ring_successors(self._record.node_id, by_id, len(by_id))
-        probed: list[tuple[NodeRecord, ProbeResult]] = []
-        not_dead = 0
-        with ThreadPoolExecutor(_SWEEP_BATCH, thread_name_prefix="flashckpt-probe") as ex:
-            for start in range(0, len(order), _SWEEP_BATCH):
-                if not_dead >= wanted:
-                    break
-                batch = [by_id[n] for n in order[start : start + _SWEEP_BATCH]]
-                for record, result in zip(batch, ex.map(_probe_patiently, batch), strict=True):
-                    probed.append((record, result))
-                    not_dead += result is not ProbeResult.DEAD
-        return probed
+        checked: list[tuple[NodeRecord, ProbeResult]] = []
+        not_dead = at = 0
+        while not_dead < wanted and at < len(order):
+            batch = [by_id[n] for n in order[at : at + wanted - not_dead]]
+            at += len(batch)
+            for record, result in self._probe_unlinked(batch, len(batch)):
+                checked.append((record, result))
+                not_dead += result is not ProbeResult.DEAD
+        return checked
+
+    def _probe_unlinked(
+        self, records: list[NodeRecord], workers: int
+    ) -> list[tuple[NodeRecord, ProbeResult]]:
+        """Each of ``records`` with what it is found to be: :attr:`ProbeResult.ALIVE` without
+        a probe when this machine holds an intact link to it, else what a patient probe says
+        (up to ``workers`` at once; one alone in this thread)."""
+        links = self._links
+        results: list[ProbeResult | None] = [
+            ProbeResult.ALIVE if links is not None and links.intact(r.token) else None
+            for r in records
+        ]
+        unlinked = [i for i, result in enumerate(results) if result is None]
+        with self._lock:
+            self.links_trusted += len(records) - len(unlinked)
+            self.peers_probed += len(unlinked)
+        if len(unlinked) == 1:
+            results[unlinked[0]] = _probe_patiently(records[unlinked[0]])
+        elif unlinked:
+            count = min(workers, len(unlinked))
+            with ThreadPoolExecutor(count, thread_name_prefix="flashckpt-probe") as ex:
+                found = ex.map(_probe_patiently, [records[i] for i in unlinked])
+                for i, result in zip(unlinked, found, strict=True):
+                    results[i] = result
+        return [
+            (r, result or ProbeResult.UNKNOWN) for r, result in zip(records, results, strict=True)
+        ]
 
     def close(self, timeout: timedelta = timedelta(seconds=2), *, revoke: bool = True) -> None:
         """Stops renewing and revokes the lease, which deletes the node key. Never raises.

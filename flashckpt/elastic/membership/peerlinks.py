@@ -154,6 +154,24 @@ class PeerLinks:
         with self._lock:
             return {self._targets[t].node_id for t in self._conns if t in self._targets}
 
+    def intact(self, token: str) -> bool:
+        """Whether the link to the peer launcher with this token is held and has not closed,
+        checked now (a look at the socket without waiting for the link thread, which may not
+        have read a close that already came): a held link that is intact says the peer's
+        launcher is running as surely as a probe that it answers would. A link not held (not
+        made yet, closed, failed) says nothing: False."""
+        with self._lock:  # the link thread closes a socket only after it left _conns
+            sock = self._conns.get(token)
+            if sock is None:
+                return False
+            try:
+                data = sock.recv(1, socket.MSG_PEEK)  # non-blocking (_take)
+            except BlockingIOError:
+                return True  # open, and quiet as a held link is
+            except OSError:
+                return False  # reset
+            return bool(data)  # b"": the peer closed it
+
     def close(self) -> None:
         """Closes every link and stops the thread. Never raises. A link still being made is
         closed by its thread when it is made."""

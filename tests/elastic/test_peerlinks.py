@@ -297,3 +297,22 @@ def test_a_held_link_says_at_once_whether_it_is_intact(monkeypatch: pytest.Monke
     finally:
         links.close()
         server.close()
+
+
+def test_a_probe_is_answered_while_other_connections_have_not_asked_anything() -> None:
+    # Linkers on a loaded host may take a while to ask after the token: the probe port answers
+    # a probe meanwhile (it waited for each connection's question in turn: 0.5 s each, so a
+    # probe behind a dozen slow linkers timed out and learnt nothing).
+    server = membership._ProbeServer("tok", "127.0.0.1")
+    silent: list[socket.socket] = []
+    try:
+        for _ in range(12):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            silent.append(sock)
+        record = NodeRecord("x", "h", 1, "tok", f"127.0.0.1:{server.port}")
+        assert membership.probe(record, timeout=5.0) is membership.ProbeResult.ALIVE
+        assert all(read_line(sock, 64) == b"tok\n" for sock in silent), "each got the token"
+    finally:
+        server.close()
+        for sock in silent:
+            sock.close()

@@ -289,6 +289,9 @@ _ETCD_ANSWER_MAX = 64
 """Bytes of the answer to the etcd question a prober reads at most (it is one short line)."""
 _MAX_HELD = 256
 """Links a probe port holds at most (a job's ring needs a few; more is somebody's mistake)."""
+_QUESTION_WAIT_S = 1.0
+"""How long a probe port waits for what a connection asks after the token (a plain probe
+asks nothing and closes)."""
 
 
 def peer_etcd_age(record: NodeRecord, timeout: float) -> float | None:
@@ -327,7 +330,13 @@ class _ProbeServer:
     (:data:`~flashckpt.elastic.membership.peerlinks.HOLD_QUESTION`) gets ``held`` and the connection
     stays open, silent, until this launcher exits (:mod:`flashckpt.elastic.membership.peerlinks`):
     its closing is what tells the
-    linker that this launcher is gone. At most :data:`_MAX_HELD` links are held."""
+    linker that this launcher is gone. At most :data:`_MAX_HELD` links are held.
+
+    No connection holds up another: the token is sent as the connection is accepted, and the
+    question is read when it comes (within :data:`_QUESTION_WAIT_S`; a plain probe closes at
+    once). A server that waited for each connection's question in turn would keep every
+    probe behind a slow linker waiting, on a loaded host long enough for the probe to time
+    out and learn nothing."""
 
     def __init__(
         self, token: str, bind_host: str, etcd_age: Callable[[], float | None] | None = None
@@ -344,6 +353,8 @@ class _ProbeServer:
         self._selector.register(self._sock, selectors.EVENT_READ)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._held: set[socket.socket] = set()
+        # Connections that got the token and may ask a question: when they are given up.
+        self._asking: dict[socket.socket, float] = {}
         self._thread = threading.Thread(target=self._serve, name="flashckpt-probe", daemon=True)
         self._thread.start()
 
@@ -354,8 +365,12 @@ class _ProbeServer:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
+            now = time.monotonic()
+            for conn in [c for c, until in self._asking.items() if until <= now]:
+                self._drop(conn)  # no question in time: a probe that went, or a stuck peer
+            wait = min([1.0, *(until - now for until in self._asking.values())])
             try:
-                events = self._selector.select(1.0)
+                events = self._selector.select(max(0.0, wait))
             except OSError:
                 return
             for key, _ in events:
@@ -365,39 +380,54 @@ class _ProbeServer:
                 assert isinstance(sock, socket.socket)
                 if sock is self._sock:
                     self._accept()
+                elif sock in self._asking:
+                    self._question(sock)
                 else:
                     self._held_readable(sock)
 
     def _accept(self) -> None:
-        try:
-            conn, _ = self._sock.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._stop.set()
-            return
-        keep = False
-        try:
-            conn.settimeout(1.0)
-            conn.sendall(self.token.encode() + b"\n")
-            # A plain probe closes now (recv returns at once); one that asks gets a line.
-            conn.settimeout(0.5)
-            question = conn.recv(len(_ETCD_QUESTION))
-            if question == _ETCD_QUESTION:
-                age = self._etcd_age() if self._etcd_age is not None else None
-                conn.sendall(b"etcd none\n" if age is None else f"etcd {age:.3f}\n".encode())
-            elif question == HOLD_QUESTION and len(self._held) < _MAX_HELD:
-                conn.sendall(HOLD_ANSWER)
+        for _ in range(64):  # what is waiting now; the rest at the next turn
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._stop.set()
+                return
+            try:
                 conn.setblocking(False)
+                line = self.token.encode() + b"\n"
+                if conn.send(line) != len(line):  # a fresh connection's buffer takes it
+                    raise OSError("the token did not fit in the socket's buffer")
                 self._selector.register(conn, selectors.EVENT_READ)
-                self._held.add(conn)
-                keep = True
-        except OSError:
-            pass
-        finally:
-            if not keep:
+            except (OSError, ValueError):
                 with contextlib.suppress(OSError):
                     conn.close()
+                continue
+            self._asking[conn] = time.monotonic() + _QUESTION_WAIT_S
+
+    def _question(self, conn: socket.socket) -> None:
+        """What a connection that got the token says next: nothing (a plain probe closed), the
+        etcd question, or a request to hold the link."""
+        del self._asking[conn]
+        try:
+            question = conn.recv(len(_ETCD_QUESTION))
+        except BlockingIOError:
+            self._asking[conn] = time.monotonic() + _QUESTION_WAIT_S
+            return
+        except OSError:
+            question = b""
+        try:
+            if question == _ETCD_QUESTION:
+                age = self._etcd_age() if self._etcd_age is not None else None
+                conn.send(b"etcd none\n" if age is None else f"etcd {age:.3f}\n".encode())
+            elif question == HOLD_QUESTION and len(self._held) < _MAX_HELD:
+                conn.send(HOLD_ANSWER)
+                self._held.add(conn)
+                return
+        except OSError:
+            pass
+        self._drop(conn)
 
     def _held_readable(self, conn: socket.socket) -> None:
         """A held link's holder closed it (or sent something it should not): let it go."""
@@ -408,7 +438,11 @@ class _ProbeServer:
             return
         except OSError:
             pass
+        self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
         self._held.discard(conn)
+        self._asking.pop(conn, None)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn)
         with contextlib.suppress(OSError):
@@ -421,10 +455,11 @@ class _ProbeServer:
         self._thread.join(timeout=2)
         # The held links close here, after the lease was revoked (NodeRegistry.close): a
         # linker that sees them close finds the key gone and declares nothing.
-        for sock in (self._sock, *self._held, self._wake_r, self._wake_w):
+        for sock in (self._sock, *self._held, *self._asking, self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 sock.close()
         self._held.clear()
+        self._asking.clear()
         with contextlib.suppress(OSError):
             self._selector.close()
 

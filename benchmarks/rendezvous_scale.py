@@ -270,7 +270,7 @@ class _Host:
             with contextlib.suppress(Exception):
                 registry.reap_dead_peers()
         reaped = time.time()
-        probes = registry.peers_probed if registry is not None else 0
+        probes = getattr(registry, "peers_probed", None)  # None: code that did not count
         if registry is not None:
             registry.update(state="waiting", group_rank=None)
         info = handler.next_rendezvous()
@@ -783,8 +783,9 @@ def run_trial(backend: str, n: int, a: argparse.Namespace, work: Path) -> dict[s
         if backend in ("flashckpt", "handler"):
             res["round2"]["phases"] = _where_the_time_goes(ev, 2, t_kill)
             # Peers the survivors probed from the kill to round 2 (reap_dead_peers, any cause).
-            res["round2"]["peers_probed"] = sum(
-                e.get("probes", 0) for e in ev if e["ev"] == "rank" and e["round"] == 2
+            probed = [e["probes"] for e in ev if e["ev"] == "rank" and "probes" in e]
+            res["round2"]["peers_probed"] = (
+                None if None in probed else sum(p for p in probed if p is not None)
             )
         after2 = trial.snap("round2")
         res["before_kill"], res["after_round2"] = before_kill, after2

@@ -60,6 +60,8 @@ def main() -> int:
         model=model, args=args, train_dataset=RandomTokens(256, 64, 128), callbacks=[flash]
     )
     trainer.train()  # no resume_from_checkpoint: the callback resumes by itself
+    if torch.distributed.is_initialized():  # under torchrun: end the group before the exit
+        torch.distributed.destroy_process_group()  # (docs/training-loop.md, "Ending ...")
     print(
         f"resumed from step {flash.restored_step} ({flash.restored_from}); ran to step "
         f"{trainer.state.global_step}"

@@ -119,6 +119,7 @@ def main() -> int:
         resume = get_last_checkpoint(native_dir) if os.path.isdir(native_dir) else None
     trainer.train(resume_from_checkpoint=resume)
     assert trainer.optimizer is not None
+    trainscript.end_process_group()
     if RANK != 0:  # data parallel: every rank ends with the same state
         return 0
     safetensors.torch.save_file(

@@ -149,6 +149,7 @@ def main() -> int:
     )
     trainer.fit(model, loader, ckpt_path=ckpt_path, weights_only=False if ckpt_path else None)
     opt = trainer.optimizers[0]
+    trainscript.end_process_group()
     if RANK != 0:  # data parallel: every rank ends with the same state
         return 0
     safetensors.torch.save_file(final_tensors(model, opt), os.path.join(a.out, "final.safetensors"))

@@ -58,3 +58,13 @@ def final_tensors(
     for i, g in enumerate(sd["param_groups"]):
         out[f"{prefix}group{i}.lr"] = torch.tensor(float(g["lr"]), dtype=torch.float64)
     return out
+
+
+def end_process_group() -> None:
+    """Ends the process group the framework started before the exit, as torch asks: a gloo
+    worker thread that drops the last collective's tensors during interpreter shutdown aborts
+    the process (``benchmarks/exit_abort.py``; docs/training-loop.md, "Ending a multi-rank run")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

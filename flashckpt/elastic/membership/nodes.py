@@ -108,6 +108,10 @@ _WINDOW = 4
 its node-key watch covers those keys only, so a change costs O(1) watch messages per machine
 whatever the job's size, and every machine is watched by this many on each side. The outage
 probes ask the watched peers (:data:`_OUTAGE_SAMPLE`, ring successors first)."""
+_SPAN_LIMITS = (16, 128)
+"""Keys read at most of the spans from this node id cut short by one and by two characters up
+to this key, in the registration's read of its window (:meth:`NodeRegistry._registration_ranges`):
+about 10 and 100 keys for decimal ids."""
 _SEGMENT_SLICE = timedelta(seconds=0.05)
 """How long the watch waits on each of its two streams in turn when its window wraps around the
 end of the ring (the first and last few machines of the job only)."""
@@ -570,6 +574,9 @@ class NodeRegistry:
         self._peers: dict[str, NodeRecord] = {}  # the window's peers (see _read_window)
         self._view_loaded = False  # the watch read the node keys at least once
         self._view_revision = 0  # the view holds every change of the node keys up to it
+        # The window's keys as the registration read them, and the read's revision: where the
+        # watch thread starts (taken once, see _first_window).
+        self._registered_window: tuple[list[dict[str, Any]], int] | None = None
         self._window_k = max(_WINDOW, links + 1)
         # The watched window: every node key (a job of at most 2k + 1 machines: _whole), or the
         # ring from the k-th predecessor (_lo) to the k-th successor (_hi) of this machine.
@@ -682,7 +689,7 @@ class NodeRegistry:
             self._record = replace(
                 self._record, **fields, probe=f"{host}:{self._probe_server.port}"
             )
-        self._register(Deadline.after(timeout))
+        self._register(Deadline.after(timeout), read_window=True)
         if self._fanout:
             self._links = PeerLinks(self._on_link_broken)
         for target, name in ((self._renew_loop, "renew"), (self._watch_loop, "watch")):
@@ -1051,28 +1058,53 @@ class NodeRegistry:
 
     # ------------------------------------------------------------------------ internals
 
-    def _register(self, deadline: Deadline) -> None:
+    def _register(self, deadline: Deadline, *, read_window: bool = False) -> None:
+        """Creates the node key on a new lease (taking over a dead launcher's key).
+
+        ``read_window``: the creation's transaction also reads the watched window's keys
+        (:meth:`_registration_ranges`: ascending ranges of a bounded number of keys, no sort:
+        the transaction runs in etcd's serial apply loop, where a sorted range would fetch
+        every key of its span), which the watch thread then starts from (:meth:`_watch_loop`):
+        one request per machine for both, not two (:meth:`_read_window` only when those
+        ranges did not settle the window)."""
         while True:
             sent = time.monotonic()
             lease = self._client.grant_lease(self._ttl, timeout=_remaining(deadline))
             with self._lock:
                 value = self._record.to_json()
-            # The peers' keys are read by the watch thread, not in this transaction: a range
-            # over N keys inside every registration's write would run in etcd's serial apply
-            # loop (N*N/2 key reads there while a job of N machines starts), where a read of
-            # its own is served beside the writes.
+            key_b64 = base64.b64encode(self._key.encode()).decode("ascii")
+            own = {"request_range": {"key": key_b64}}
+            put = {"key": key_b64, "value": base64.b64encode(value).decode("ascii")}
+            window = self._registration_ranges() if read_window else []
+            body = {
+                "compare": [
+                    {"key": key_b64, "target": "MOD", "result": "EQUAL", "mod_revision": "0"}
+                ],
+                "success": [{"request_put": {**put, "lease": str(lease.id)}}, own, *window],
+                "failure": [own],
+            }
+            answers: list[dict[str, Any]] | None = None
             try:
-                done, current = self._client.compare_and_set(
-                    self._key, value, mod_revision=0, lease=lease, timeout=_remaining(deadline)
+                response = self._client._call(
+                    "/v3/kv/txn", body, timeout=_remaining(deadline), idempotent=False
                 )
+                done = bool(response.get("succeeded"))
+                responses = response.get("responses") or []
+                found = responses[-1 - len(window) if done else -1].get("response_range", {})
+                current = _kv_of(found["kvs"][0]) if found.get("kvs") else None
+                if done and window:
+                    answers = [r.get("response_range", {}) for r in responses[2:]]
+                    revision = int(response.get("header", {}).get("revision", 0))
             except EtcdOutcomeUnknown:
-                found = self._client.get_kv(self._key, timeout=_remaining(deadline))
-                done, current = (found is not None and found.lease == lease.id), found
+                found_kv = self._client.get_kv(self._key, timeout=_remaining(deadline))
+                done, current = (found_kv is not None and found_kv.lease == lease.id), found_kv
             if done:
                 with self._lock:
                     self._lease = lease
                     self._last_ok = sent
                     self._written = (lease.id, value)
+                    if answers is not None:
+                        self._registered_window = (answers, revision)
                 return
             with contextlib.suppress(EtcdError):
                 self._client.revoke_lease(lease, timeout=_remaining(deadline))
@@ -1407,7 +1439,7 @@ class NodeRegistry:
             while not self._stop.is_set():
                 if revision is None:
                     drop_streams()
-                    revision = self._read_window()
+                    revision = self._first_window() or self._read_window()
                     if revision is None:
                         self._stop.wait(0.5)
                         continue
@@ -1488,39 +1520,106 @@ class NodeRegistry:
             return [(lo, hi)]
         return [(lo, end), (start, hi)]  # it wraps around the end of the ring
 
-    def _read_window(self) -> int | None:
-        """Reads the window's keys into the view (the watch's start, a neighbour gone, or
-        after a compaction): one transaction of four ranges of at most ``k`` keys each (the
-        ``k`` after this key and before it, from both ends of the ring). Reports the peers of
-        the window gone since the last read (none on the first). Returns the read's revision,
-        None if etcd did not answer."""
+    def _window_ranges(self) -> list[dict[str, Any]]:
+        """A transaction's reads of the window's keys: four ranges of at most ``k`` keys each
+        (the ``k`` after this key and before it, from both ends of the ring)."""
         k = self._window_k
         start, end = self._prefix.encode(), prefix_end(self._prefix)
         own = self._key.encode()
         after, before = (own + b"\x00", end), (start, own)
+        return [
+            _limited_range(*after, k, descend=False),
+            _limited_range(*before, k, descend=False),
+            _limited_range(*before, k, descend=True),
+            _limited_range(*after, k, descend=True),
+        ]
+
+    def _read_window(self) -> int | None:
+        """Reads the window's keys into the view (a neighbour gone, after a compaction, or at
+        the watch's start when the registration did not read them): one transaction of
+        :meth:`_window_ranges`, O(k) keys whatever the job's size. Reports the peers of the
+        window gone since the last read (none on the first). Returns the read's revision,
+        None if etcd did not answer."""
         try:
             response = self._client._call(
                 "/v3/kv/txn",
-                {
-                    "success": [
-                        _limited_range(*after, k, descend=False),
-                        _limited_range(*before, k, descend=False),
-                        _limited_range(*before, k, descend=True),
-                        _limited_range(*after, k, descend=True),
-                    ]
-                },
+                {"success": self._window_ranges()},
                 timeout=None,
                 idempotent=True,
             )
             answers = [r.get("response_range", {}) for r in response.get("responses") or []]
-            if len(answers) != 4:
-                raise EtcdError(f"etcd answered {len(answers)} of 4 ranges")
-            lists = [[_kv_of(raw) for raw in a.get("kvs") or []] for a in answers]
-            others = int(answers[0].get("count", 0)) + int(answers[1].get("count", 0))
             revision = int(response.get("header", {}).get("revision", 0))
+            self._take_window(answers)
         except Exception as exc:
             logger.warning("reading the job's node keys failed (will retry): %s", exc)
             return None
+        return revision
+
+    def _registration_ranges(self) -> list[dict[str, Any]]:
+        """The window's reads folded into the registration's transaction (see
+        :meth:`_register`), none of them sorted (etcd 3.5 fetches every key of a sorted range's
+        span, whatever its limit): the ``2k`` keys after this one and the ``2k`` first of the
+        ring (every key of a small job, the successors), and for the predecessors the spans
+        from this node id cut short by one and by two characters up to this key (``m537``:
+        ``[m53, m537)`` and ``[m5, m537)``), whose last ``k`` keys are the nearest ones before
+        it when the span holds at least ``k`` and the answer holds the whole span."""
+        k = self._window_k
+        start, end = self._prefix.encode(), prefix_end(self._prefix)
+        own = self._key.encode()
+        node = self._record.node_id.encode()
+        ranges = [
+            _limited_range(own + b"\x00", end, 2 * k, descend=False),
+            _limited_range(start, own, 2 * k, descend=False),
+        ]
+        for cut, limit in ((1, _SPAN_LIMITS[0]), (2, _SPAN_LIMITS[1])):
+            if len(node) > cut:
+                ranges.append(_limited_range(start + node[:-cut], own, limit, descend=False))
+        return ranges
+
+    def _first_window(self) -> int | None:
+        """The window as the registration read it (once; see :meth:`_register`), loaded into
+        the view; its revision, or None when the registration did not read it or its ranges
+        did not settle the window (the watch then reads it itself)."""
+        with self._lock:
+            taken, self._registered_window = self._registered_window, None
+        if taken is None:
+            return None
+        answers, revision = taken
+        k = self._window_k
+        try:
+            lists = [[_kv_of(raw) for raw in a.get("kvs") or []] for a in answers]
+            counts = [int(a.get("count", 0)) for a in answers]
+        except Exception as exc:
+            logger.warning("the registration's read of the node keys was unusable: %s", exc)
+            return None
+        (after, before), (n_after, n_before) = lists[:2], counts[:2]
+        if n_after + n_before <= 2 * k:  # a small job: every key is in the two lists
+            self._load_view(after + before, (True, "", ""))
+            return revision
+        successors = (after + before)[:k]
+        predecessors: list[KeyValue] | None = None
+        for span, n in zip(lists[2:], counts[2:], strict=True):
+            if n >= k:
+                if n == len(span):  # the whole span: its last k are the nearest before
+                    predecessors = span[-k:][::-1]
+                break
+        if predecessors is None and n_before < k and n_after == len(after):
+            # Near the start of the ring: the rest wraps around to its end.
+            predecessors = (before[::-1] + after[::-1])[:k]
+        if predecessors is None or len(successors) < k or len(predecessors) < k:
+            return None
+        n = len(self._prefix)
+        window = (False, predecessors[-1].key[n:].decode(), successors[-1].key[n:].decode())
+        self._load_view(successors + predecessors, window)
+        return revision
+
+    def _take_window(self, answers: list[dict[str, Any]]) -> None:
+        """Loads the answers to :meth:`_window_ranges` into the view."""
+        k = self._window_k
+        if len(answers) != 4:
+            raise EtcdError(f"etcd answered {len(answers)} of 4 ranges")
+        lists = [[_kv_of(raw) for raw in a.get("kvs") or []] for a in answers]
+        others = int(answers[0].get("count", 0)) + int(answers[1].get("count", 0))
         if others <= 2 * k:
             # A small job: every key is in the four lists (k from each end of each side).
             kvs = list({kv.key: kv for kv in itertools.chain(*lists)}.values())
@@ -1531,7 +1630,6 @@ class NodeRegistry:
             n = len(self._prefix)
             window = (False, predecessors[-1].key[n:].decode(), successors[-1].key[n:].decode())
         self._load_view(kvs, window)
-        return revision
 
     def _move_window(self) -> bool | None:
         """After changes were applied: whether the window narrowed to nearer neighbours (a

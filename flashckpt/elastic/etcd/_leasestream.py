@@ -22,10 +22,11 @@ order and its lease ID checked; an answer whose caller gave up is dropped. One r
 is in flight at a time: a second caller for the same lease waits for the first answer, then
 sends its own. A stream that breaks (etcd ends it, a reset, a GOAWAY, garbage) fails every
 request in flight; the callers retry on a new stream, as they would a failed request. A caller
-whose deadline passes with no answer at all on the stream since its request was sent closes
-the stream (etcd or the connection is stuck; the next call opens a new one, as a timed-out
-request's connection is closed); one whose request waits behind earlier ones that are being
-answered leaves the stream alone.
+whose deadline passes with no answer at all on the stream since its request was sent, for a
+time that fits the leases renewed on it (``_STUCK_MIN_S``) and with no bytes waiting for the
+reader, closes the stream (etcd or the connection is stuck; the next call opens a new one, as a
+timed-out request's connection is closed); one whose request waits behind earlier ones that are
+being answered leaves the stream alone.
 """
 
 from __future__ import annotations
@@ -59,10 +60,16 @@ _WINDOW_REFILL = 2**30
 # How long the reader may block sending an acknowledgement before the stream counts as broken.
 _CONTROL_SEND = timedelta(seconds=10)
 _PATH = "/etcdserverpb.Lease/LeaseKeepAlive"
-# A request unanswered this long, with no answer at all on the stream since it was sent, makes
-# the stream count as stuck (a healthy etcd answers in milliseconds; a caller whose deadline
-# left it less time than this says nothing about the stream).
-_STUCK_S = 0.25
+# A request whose caller gave up makes the stream count as stuck when nothing was answered on it
+# since the request was sent, for at least a tenth of the shortest lease TTL etcd answered on the
+# stream and at least _STUCK_MIN_S, at most a fifth of it (the renewal interval of
+# NodeRegistry, well under TTL/3, so a dead stream is replaced with most of the lease left),
+# and the reader has no bytes waiting unread. A healthy etcd answers in milliseconds, but a
+# loaded one (1,024 machines on 2 cores) takes hundreds: a fixed 0.25 s broke healthy streams
+# there, and each new connection and reader thread added to the load (801 streams opened for
+# 128 clients in one run; issue 31). A caller whose deadline left it less time than this says
+# nothing about the stream.
+_STUCK_MIN_S = 1.0
 
 
 class _StreamBroken(FlashckptError):
@@ -78,7 +85,7 @@ class _NotHttp2(_StreamBroken):
 class _Pending:
     """One keep-alive sent on the stream, waiting for its answer."""
 
-    __slots__ = ("done", "error", "lease_id", "sent_at", "ttl")
+    __slots__ = ("abandoned", "done", "error", "lease_id", "sent_at", "ttl")
 
     def __init__(self, lease_id: int) -> None:
         self.lease_id = lease_id
@@ -86,6 +93,7 @@ class _Pending:
         self.ttl = 0
         self.error: str | None = None
         self.sent_at = 0.0
+        self.abandoned = False  # its caller's deadline passed first
 
 
 def _hpack_int(value: int, prefix_bits: int) -> bytes:
@@ -198,6 +206,7 @@ class KeepAliveStream:
         self._conn_window = self._stream_window = _DEFAULT_WINDOW
         self._peer_initial_window = _DEFAULT_WINDOW
         self._last_answer = time.monotonic()  # when etcd last answered a request
+        self._shortest_ttl: int | None = None  # the shortest TTL etcd answered (seconds)
         self._received = 0  # DATA bytes since the receive windows were last opened
         self._grpc = bytearray()  # DATA received, not yet whole gRPC messages
         self._not_http2 = False
@@ -269,9 +278,14 @@ class KeepAliveStream:
                 if before is None:
                     self._busy[lease_id] = pending
                     break
-            if not before.done.wait(deadline.remaining()):
-                self._fail_if_stuck(before)
-                return None
+            # The one before, if its caller gave up, may be on a dead stream: look again every
+            # stuck time (a stuck stream is replaced within this call's deadline).
+            while not before.done.wait(min(deadline.remaining(), self.stuck_after())):
+                if before.abandoned:
+                    self._fail_if_stuck(before)
+                if deadline.expired():
+                    self._fail_if_stuck(before)
+                    return None
         with self._lock:  # room in etcd's receive windows (flow control)
             while self._broken is None and min(self._conn_window, self._stream_window) < size:
                 if not self._window.wait(deadline.remaining()):
@@ -297,6 +311,7 @@ class KeepAliveStream:
             self._forget(pending)
             raise
         if not pending.done.wait(deadline.remaining()):
+            pending.abandoned = True
             self._fail_if_stuck(pending)
             return None
         if pending.error is not None:
@@ -321,12 +336,31 @@ class KeepAliveStream:
         anything sent after it: answers come in order, so none is coming."""
         with self._lock:
             sent = pending.sent_at
-            stuck = sent > 0 and self._last_answer < sent and time.monotonic() - sent >= _STUCK_S
+            stuck = (
+                sent > 0
+                and self._last_answer < sent
+                and time.monotonic() - sent >= self.stuck_after()
+            )
+            sock = self._sock
+        if stuck and sock is not None:
+            # Bytes waiting unread: the reader thread is behind (a loaded host), not etcd.
+            with contextlib.suppress(OSError, ValueError):
+                poller = select.poll()
+                poller.register(sock, select.POLLIN)
+                stuck = not poller.poll(0)
         if stuck:
             self._fail(
                 f"no answer from {self.where} on the keep-alive stream since a request sent "
                 f"{time.monotonic() - sent:.1f} s ago"
             )
+
+    def stuck_after(self) -> float:
+        """Seconds without any answer after which a request whose caller gave up breaks the
+        stream (see ``_STUCK_MIN_S``)."""
+        ttl = self._shortest_ttl
+        if ttl is None:
+            return _STUCK_MIN_S
+        return min(max(_STUCK_MIN_S, ttl / 10), ttl / 5)
 
     def _forget(self, pending: _Pending) -> None:
         """Frees the lease's slot of a request that was not sent."""
@@ -496,6 +530,8 @@ class KeepAliveStream:
                 del self._busy[lease_id]
             self.answers += 1
             self._last_answer = time.monotonic()
+            if ttl > 0 and (self._shortest_ttl is None or ttl < self._shortest_ttl):
+                self._shortest_ttl = ttl
         pending.ttl = ttl
         pending.done.set()
 

@@ -18,8 +18,13 @@ import pytest
 from tcprelay import TcpRelay
 from waiting import wait_until
 
-from flashckpt.elastic.etcd.client import EtcdClient
-from flashckpt.elastic.membership.nodes import FenceNotice, NodeRegistry, fence_deadline
+from flashckpt.elastic.etcd.client import EtcdClient, EtcdUnavailable
+from flashckpt.elastic.membership.nodes import (
+    FenceNotice,
+    NodeRegistry,
+    fence_deadline,
+    lease_expiry,
+)
 
 TTL = timedelta(seconds=4)  # renewals every 0.8 s, fence deadline 3.2 s after the last one
 DELAY_S = 1.2  # each keep-alive answer: 1.5 renewal intervals late, 2 s before the fence deadline
@@ -97,3 +102,44 @@ def test_a_machine_whose_renewals_get_no_answer_is_fenced_at_its_deadline(
     (at, notice), *more = fences
     assert not more and reg.fenced
     assert at >= fence_deadline(notice.last_ok, TTL.total_seconds())
+
+
+@pytest.mark.etcd
+def test_failed_renewals_back_off_instead_of_retrying_every_tenth_of_an_interval(
+    etcd_server: str, etcd_prefix: str
+) -> None:
+    """Renewals that fail at once (an etcd refusing them under load) are retried after a pause
+    that doubles, capped by what the lease has left: about 20 requests from the first failure to
+    two intervals after the lease may have lapsed, where a retry every tenth of an interval sent
+    about 60 (issue 31's storm)."""
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=5))
+    reg = NodeRegistry(
+        client,
+        etcd_prefix,
+        "failing",
+        ttl=TTL,
+        advertise_host="127.0.0.1",
+        bind_host="127.0.0.1",
+    )
+    calls: list[float] = []
+
+    def refused(lease: object, timeout: timedelta | None = None) -> timedelta:
+        calls.append(time.monotonic())
+        raise EtcdUnavailable("etcd refused the keep-alive (the test's stand-in)")
+
+    try:
+        reg.start(timedelta(seconds=10))
+        client.refresh_lease = refused  # type: ignore[method-assign]
+        last_ok = reg._last_ok  # when the lease was last renewed (a later one only helps)
+        # Until two intervals after the lease may have lapsed (no fencing: it keeps trying).
+        until = lease_expiry(last_ok, TTL.total_seconds()) + 2 * TTL.total_seconds() / 5
+        wait_until(lambda: bool(calls) and calls[-1] >= until, "renewals tried past it", 60)
+        tried = [at for at in calls if at < until]
+        # Doubling from 0.08 s, capped at a quarter of what is left, then at one interval: ~20
+        # (with jitter) in the 4.8 s from the first failure, most as the lease runs out; every
+        # 0.08 s would be ~60 (52 seen on this loaded host).
+        assert len(tried) <= 32, f"{len(tried)} renewals tried in 6 renewal intervals"
+        assert reg.failed_renewals >= len(tried) > 0
+    finally:
+        reg.close(timeout=timedelta(seconds=2))
+        client.close()

@@ -99,6 +99,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_RENEW_RETRY_FIRST = 0.1
+"""A failed renewal is retried after this share of the renewal interval, doubling with each
+failure in a row (with jitter), up to :data:`_RENEW_RETRY_SHARE` of the time the lease has left
+and at most one interval: N machines on a slow or failing etcd do not multiply its load by
+retrying every tenth of an interval (issue 31: 13,000 failed renewals logged by one host)."""
+_RENEW_RETRY_SHARE = 0.25
 _PROBE_TIMEOUT_S = 0.5
 _PROBE_ATTEMPTS = 3
 _PROBE_RETRY_S = 0.1
@@ -132,6 +138,17 @@ def fence_deadline(last_ok: float, ttl_s: float) -> float:
     lapses on etcd ``ttl`` after etcd *received* that renewal, so no other machine can act on
     its loss before :func:`lease_expiry`: ``ttl/5`` is left to stop the workers."""
     return last_ok + ttl_s - ttl_s / 5
+
+
+def _renew_retry_delay(failures: int, interval: float, left: float) -> float:
+    """Seconds before retrying after ``failures`` failed renewals in a row, with the lease
+    ``left`` seconds before it may lapse: ``interval / 10`` doubled per failure, capped at a
+    quarter of ``left`` and at one interval (never below ``interval / 10``; one interval once the
+    lease may have lapsed: etcd's answer then only says so), jittered down by up to half so
+    machines that failed together do not retry together."""
+    first = interval * _RENEW_RETRY_FIRST
+    cap = interval if left <= 0 else max(first, min(interval, left * _RENEW_RETRY_SHARE))
+    return min(first * 2 ** min(failures - 1, 30), cap) * random.uniform(0.5, 1.0)
 
 
 def lease_expiry(last_ok: float, ttl_s: float) -> float:
@@ -1140,8 +1157,8 @@ class NodeRegistry:
         one interval: under load etcd answers late, and a renewal abandoned after one interval
         is one the lease needed (and the next one only adds to the load). It runs in a thread
         of its own, so this loop still wakes on time to probe the peers while it is late and
-        to decide at the fence deadline. A failed renewal is retried at once while the lease
-        has time left.
+        to decide at the fence deadline. A failed renewal is retried after a pause that doubles
+        with each failure in a row (:func:`_renew_retry_delay`).
         """
         interval = self._ttl.total_seconds() / 5
         ttl_s = self._ttl.total_seconds()
@@ -1149,6 +1166,7 @@ class NodeRegistry:
         next_at = time.monotonic() + interval  # the next renewal
         inflight: _Renewal | None = None
         failed_sent = float("-inf")  # when the last renewal that failed was sent
+        failures = 0  # renewals that failed in a row
         while True:
             with self._lock:
                 lease, last_ok, fenced = self._lease, self._last_ok, self._fenced
@@ -1177,10 +1195,17 @@ class NodeRegistry:
                     return
                 if answered.error is not None:
                     failed_sent = max(failed_sent, answered.sent)
-                # The next renewal an interval after this one was sent; after a failure, at
-                # once (a short pause: a final error must not spin).
-                ok = answered.error is None
-                next_at = answered.sent + interval if ok else time.monotonic() + interval / 10
+                # The next renewal an interval after this one was sent; after a failure, after
+                # a pause that backs off (a final error must not spin, nor N machines flood etcd).
+                if answered.error is None:
+                    failures, next_at = 0, answered.sent + interval
+                else:
+                    failures += 1
+                    with self._lock:
+                        last_ok = self._last_ok
+                    now = time.monotonic()
+                    left = lease_expiry(last_ok, ttl_s) - now
+                    next_at = now + _renew_retry_delay(failures, interval, left)
                 continue
             if nudged and inflight is None:
                 next_at = time.monotonic()  # a user of the lease saw it gone: renew now
@@ -1258,7 +1283,7 @@ class NodeRegistry:
             except Exception as exc:  # keep renewing; the next round retries
                 logger.error("registering this node again failed: %s", exc)
             return True
-        # One failed renewal must not stop the thread: the next one goes at once.
+        # One failed renewal must not stop the thread: the next one goes after a backoff.
         self.failed_renewals += 1
         logger.warning("renewing this node's etcd lease failed (will retry): %s", error)
         if fencing:

@@ -87,6 +87,7 @@ def _fill(shm: str) -> str:
     return path
 
 
+@pytest.mark.timeout(900)  # five training runs and agents: minutes on a loaded machine
 def test_full_shm_at_agent_start_names_it_and_the_job_resumes_once_freed(
     tmp_path: Path, env: FcEnv
 ) -> None:
@@ -119,7 +120,7 @@ def test_full_shm_at_agent_start_names_it_and_the_job_resumes_once_freed(
     filler = _fill(env.shm_dir)
     for _ in range(2):
         b = _agent(env)
-        out, _ = b.communicate(timeout=60)
+        out, _ = b.communicate(timeout=240)
         text = out.decode()
         assert b.returncode == 1, text
         assert f"the shared-memory directory {env.shm_dir} is full (0.0 MiB free" in text, text
@@ -171,7 +172,7 @@ def test_planted_owner_file_is_named_with_its_owner(env: FcEnv) -> None:
     _plant(owner)
     for _ in range(2):
         b = _agent(env, *wrap)
-        out, _ = b.communicate(timeout=60)
+        out, _ = b.communicate(timeout=240)
         text = out.decode()
         assert b.returncode == 1, text
         assert f"{owner} belongs to another user (uid {OTHER_UID}" in text, text

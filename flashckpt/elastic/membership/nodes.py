@@ -916,8 +916,9 @@ class NodeRegistry:
         that hangs or was cut off does not hide the dead one after it), and the sweep costs
         each machine O(1 + dead) probes instead of one per peer (N*N for the job).
 
-        A peer whose link this machine holds (:mod:`flashckpt.elastic.membership.peerlinks`:
-        its ring successors) and finds intact now is not probed: its launcher holds the link's
+        In that sweep, a peer whose link this machine holds
+        (:mod:`flashckpt.elastic.membership.peerlinks`: its ring successors) and finds intact
+        now is not probed (named ``candidates`` always are): its launcher holds the link's
         socket open, which says as much as a probe it answers (a probe finds dead only a peer
         whose port refuses or answers another token, and a launcher that is gone closed its
         link; a hung or cut-off one keeps both the link and a probe silent). So in a job whose
@@ -974,7 +975,15 @@ class NodeRegistry:
                 ]
                 probed += self._walk_ring(rest, missing)
         else:
-            probed = self._probe_unlinked(records, 32)
+            # Named peers (a worker failure or a broken link asks) are probed, never taken for
+            # alive on their link's word: the link of a machine killed this instant may not be
+            # closed yet (its kernel closes it a moment after its processes are gone), and the
+            # workers' failure would then be judged their own.
+            with self._lock:
+                self.peers_probed += len(records)
+            workers = min(32, len(records))
+            with ThreadPoolExecutor(workers, thread_name_prefix="flashckpt-probe") as ex:
+                probed = list(zip(records, ex.map(_probe_patiently, records), strict=True))
         dead = [r for r, result in probed if result is ProbeResult.DEAD]
         for record in dead:
             logger.warning(

@@ -13,6 +13,7 @@ from waiting import wait_until
 
 import flashckpt
 from flashckpt.errors import PersistError
+from flashckpt.format.shm import exchange_files
 from flashckpt.format.storage import Storage
 
 
@@ -47,8 +48,13 @@ def _train_with_a_broken_mirror(
             lambda: ck.stats.persist_errors, "the mirror's error at the trainer", timeout=60.0
         )
         if recover:
-            remote.unlink()
-            away.rename(remote)
+            # One step (the agent retries the mirror meanwhile: between an unlink and a rename
+            # its retry could make a new, non-empty root at the mirror's path).
+            if exchange_files(str(away), str(remote)):
+                away.unlink()  # the file, now at the other name
+            else:
+                remote.unlink()
+                away.rename(remote)
         train_step(model, opt, sched, 3)
         ck.step()
         out.update({k: v.clone() for k, v in model.state_dict().items()})

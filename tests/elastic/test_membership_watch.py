@@ -502,14 +502,7 @@ def test_a_sweep_walks_the_ring_so_every_dead_machine_is_found_by_few_probes_eac
         "every machine's window of neighbours seen",
         timeout=WAIT_S,
     )
-    probes: list[str] = []
-    real = membership._probe_patiently
-
-    def counting(record: NodeRecord) -> membership.ProbeResult:
-        probes.append(record.node_id)
-        return real(record)
-
-    monkeypatch.setattr(membership, "_probe_patiently", counting)
+    probes = _count_probes(monkeypatch)
     found: set[str] = set()
     most = 0
     for reg in regs.values():  # every survivor sweeps, as before a new round
@@ -549,14 +542,7 @@ def test_a_sweep_probes_only_past_a_link_that_is_not_intact(
     dead = {"m03", "m04", "m10"}
     for node in dead:
         regs.pop(node).close(revoke=False)
-    probes: list[str] = []
-    real = membership._probe_patiently
-
-    def counting(record: NodeRecord) -> membership.ProbeResult:
-        probes.append(record.node_id)
-        return real(record)
-
-    monkeypatch.setattr(membership, "_probe_patiently", counting)
+    probes = _count_probes(monkeypatch)
     found: set[str] = set()
     probed: dict[str, list[str]] = {}
     for node, reg in regs.items():  # every survivor sweeps, as before a new round
@@ -570,3 +556,16 @@ def test_a_sweep_probes_only_past_a_link_that_is_not_intact(
     assert {p for n in regs if successors[n] & dead for p in probed[n]} >= dead, probed
     assert sum(r.peers_probed for r in regs.values()) == sum(map(len, probed.values()))
     assert sum(r.links_trusted for r in regs.values()) >= 2 * (len(regs) - 3)
+
+
+def _count_probes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The node ids probed from now on (each patient probe still runs), in order."""
+    probes: list[str] = []
+    real = membership._probe_patiently
+
+    def counting(record: NodeRecord) -> membership.ProbeResult:
+        probes.append(record.node_id)
+        return real(record)
+
+    monkeypatch.setattr(membership, "_probe_patiently", counting)
+    return probes

@@ -979,11 +979,7 @@ class NodeRegistry:
             # alive on their link's word: the link of a machine killed this instant may not be
             # closed yet (its kernel closes it a moment after its processes are gone), and the
             # workers' failure would then be judged their own.
-            with self._lock:
-                self.peers_probed += len(records)
-            workers = min(32, len(records))
-            with ThreadPoolExecutor(workers, thread_name_prefix="flashckpt-probe") as ex:
-                probed = list(zip(records, ex.map(_probe_patiently, records), strict=True))
+            probed = self._probe_unlinked(records, 32, trust_links=False)
         dead = [r for r, result in probed if result is ProbeResult.DEAD]
         for record in dead:
             logger.warning(
@@ -1025,12 +1021,12 @@ class NodeRegistry:
         return checked
 
     def _probe_unlinked(
-        self, records: list[NodeRecord], workers: int
+        self, records: list[NodeRecord], workers: int, *, trust_links: bool = True
     ) -> list[tuple[NodeRecord, ProbeResult]]:
         """Each of ``records`` with what it is found to be: :attr:`ProbeResult.ALIVE` without
-        a probe when this machine holds an intact link to it, else what a patient probe says
-        (up to ``workers`` at once; one alone in this thread)."""
-        links = self._links
+        a probe when this machine holds an intact link to it (unless not ``trust_links``), else
+        what a patient probe says (up to ``workers`` at once; one alone in this thread)."""
+        links = self._links if trust_links else None
         results: list[ProbeResult | None] = [
             ProbeResult.ALIVE if links is not None and links.intact(r.token) else None
             for r in records

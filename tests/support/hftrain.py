@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import safetensors.torch
@@ -143,4 +142,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    trainscript.exit_now(main())  # (see exit_now: no interpreter teardown after gloo)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import warnings
 
@@ -165,4 +164,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    trainscript.exit_now(main())  # (see exit_now: no interpreter teardown after gloo)

@@ -5,7 +5,7 @@ model and optimizer tensors they write for the comparison with ``torch.equal``."
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -61,10 +61,43 @@ def final_tensors(
 
 
 def end_process_group() -> None:
-    """Ends the process group the framework started before the exit, as torch asks: a gloo
-    worker thread that drops the last collective's tensors during interpreter shutdown aborts
-    the process (``benchmarks/exit_abort.py``; docs/training-loop.md, "Ending a multi-rank run")."""
+    """Ends the process group the framework started before the exit, as torch asks (it stops
+    gloo's threads only once nothing else holds the group: see :func:`exit_now`)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends a multi-rank script without the interpreter's teardown: ``atexit`` handlers run,
+    output is flushed, then ``os._exit(code)``.
+
+    torch 2.13's gloo worker thread drops a finished collective's work (and with it the caller's
+    Python tensors, which needs the GIL) a moment after ``wait()`` returned; if the interpreter
+    is being torn down by then, the thread cannot take the GIL and the process aborts (SIGABRT,
+    "terminate called without an active exception") although the run ended well
+    (``benchmarks/exit_abort.py``). ``destroy_process_group()`` does not close that window while
+    a DDP-wrapped model still holds the group, as the HF Trainer's and Lightning's do: an HF
+    reference run aborted so in CI and in 1 of 18 runs beside two CPU burners (core dump: the
+    abort in ``AsyncAllgatherWork``'s destructor on gloo's ``runLoop`` thread, the main thread in
+    ``Py_FinalizeEx``). ``flashckpt run``'s pre-warmed workers end the same way.
+
+    The product's own teardown has ended by then (``train()``/``fit()`` returned: the
+    checkpointer closed); a non-daemon thread still running is reported and fails the exit,
+    so this way out does not hide a thread the interpreter's teardown would have waited for."""
+    import atexit
+    import os
+    import sys
+    import threading
+
+    left = [
+        t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
+    ]
+    if left:
+        print(f"trainscript: non-daemon threads still running at the exit: {left}", file=sys.stderr)
+        code = code or 3
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,4 +1,8 @@
-"""EtcdClient against a real etcd: key-value, compare-and-set, leases, watches, failures."""
+"""EtcdClient against a real etcd: key-value, compare-and-set, leases, watches, failures.
+
+The key-value tests run on both transports of the key-value calls (``transport``): gRPC (the
+default) and the JSON gateway (``grpc_kv=False``); the connection-pool tests are the gateway's.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +39,22 @@ from flashckpt.elastic.etcd.server import EtcdV3Server
 SHORT = timedelta(seconds=1)
 
 
+@pytest.fixture(params=["grpc", "gateway"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """The transport of the key-value calls under test."""
+    return str(request.param)
+
+
+@pytest.fixture
+def etcd_client(etcd_server: str, transport: str) -> Iterator[EtcdClient]:
+    """A client of the shared server on ``transport``; calls fail after 5 s."""
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=5), grpc_kv=transport == "grpc")
+    try:
+        yield client
+    finally:
+        client.close()
+
+
 # --------------------------------------------------------------------------- without a server
 
 
@@ -53,8 +73,10 @@ def test_parse_endpoints_rejects_bad_input_with_a_fix(bad: str) -> None:
         parse_endpoints(bad)
 
 
-def test_unreachable_endpoint_raises_unavailable_within_the_timeout(dead_endpoint: str) -> None:
-    client = EtcdClient(dead_endpoint, timeout=SHORT)
+def test_unreachable_endpoint_raises_unavailable_within_the_timeout(
+    dead_endpoint: str, transport: str
+) -> None:
+    client = EtcdClient(dead_endpoint, timeout=SHORT, grpc_kv=transport == "grpc")
     start = time.monotonic()
     with pytest.raises(EtcdUnavailable, match="did not complete") as info:
         client.get("k")
@@ -76,15 +98,24 @@ def silent_endpoint() -> Iterator[str]:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-def test_server_that_never_answers_raises_timeout(silent_endpoint: str) -> None:
-    client = EtcdClient(silent_endpoint, timeout=timedelta(seconds=0.5))
+def test_server_that_never_answers_raises_timeout(silent_endpoint: str, transport: str) -> None:
+    client = EtcdClient(
+        silent_endpoint, timeout=timedelta(seconds=0.5), grpc_kv=transport == "grpc"
+    )
     start = time.monotonic()
     with pytest.raises(EtcdTimeout):
         client.get("k")
     assert time.monotonic() - start < 1.5
-    # An unanswered transaction may have been applied: it is never blindly repeated.
-    with pytest.raises(EtcdOutcomeUnknown, match="re-read"):
-        client.compare_and_set("k", b"v", mod_revision=0)
+    if transport == "gateway":
+        # An unanswered transaction may have been applied: it is never blindly repeated.
+        with pytest.raises(EtcdOutcomeUnknown, match="re-read"):
+            client.compare_and_set("k", b"v", mod_revision=0)
+    else:
+        # Over gRPC nothing is sent before the server's HTTP/2 SETTINGS came: etcd cannot
+        # have applied the transaction, so it is retried to the deadline like a read.
+        with pytest.raises(EtcdTimeout) as info:
+            client.compare_and_set("k", b"v", mod_revision=0)
+        assert not isinstance(info.value, EtcdOutcomeUnknown)
 
 
 def test_bad_arguments_are_rejected() -> None:
@@ -270,16 +301,18 @@ def test_server_errors_are_etcd_errors(etcd_client: EtcdClient) -> None:
 
 
 @pytest.mark.etcd
-def test_fails_over_to_a_live_endpoint(etcd_server: str, dead_endpoint: str) -> None:
+def test_fails_over_to_a_live_endpoint(
+    etcd_server: str, dead_endpoint: str, transport: str
+) -> None:
     for endpoints in ([dead_endpoint, etcd_server], [etcd_server, dead_endpoint]):
-        client = EtcdClient(endpoints, timeout=timedelta(seconds=5))
+        client = EtcdClient(endpoints, timeout=timedelta(seconds=5), grpc_kv=transport == "grpc")
         client.put("/test/failover", b"ok")
         assert client.get("/test/failover") is not None
 
 
 @pytest.mark.etcd
 def test_calls_ride_out_an_etcd_restart(etcd_instance: EtcdV3Server) -> None:
-    client = EtcdClient(etcd_instance.client_url, timeout=timedelta(seconds=10))
+    client = EtcdClient(etcd_instance.client_url, timeout=timedelta(seconds=10), grpc_kv=False)
     revision = client.put("k", b"before")
     etcd_instance.kill()
     _await_pooled_closed(client)
@@ -355,7 +388,7 @@ def _open_fds() -> set[str]:
 
 @pytest.mark.etcd
 def test_requests_share_one_kept_alive_connection(relay: TcpRelay, etcd_prefix: str) -> None:
-    client = EtcdClient(relay.url, timeout=timedelta(seconds=5))
+    client = EtcdClient(relay.url, timeout=timedelta(seconds=5), grpc_kv=False)
     key = etcd_prefix + "k"
     lease = client.grant_lease(timedelta(seconds=5))
     rev = client.put(key, b"0", lease=lease)
@@ -381,7 +414,7 @@ def test_requests_share_one_kept_alive_connection(relay: TcpRelay, etcd_prefix: 
 def test_idle_connection_past_the_idle_timeout_is_not_reused(
     relay: TcpRelay, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client = EtcdClient(relay.url, timeout=timedelta(seconds=5))
+    client = EtcdClient(relay.url, timeout=timedelta(seconds=5), grpc_kv=False)
     client.put(etcd_prefix + "k", b"x")
     monkeypatch.setattr(gateway_module, "_IDLE_TIMEOUT_S", 0.0)
     client.put(etcd_prefix + "k", b"y")
@@ -395,7 +428,7 @@ def test_idle_connection_past_the_idle_timeout_is_not_reused(
 def test_connection_closed_by_the_server_is_replaced(
     relay: TcpRelay, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client = EtcdClient(relay.url, timeout=timedelta(seconds=5))
+    client = EtcdClient(relay.url, timeout=timedelta(seconds=5), grpc_kv=False)
     key = etcd_prefix + "cas"
     ok, kv = client.compare_and_set(key, b"1", mod_revision=0)
     assert ok and kv is not None
@@ -431,7 +464,7 @@ def test_connection_closed_by_the_server_is_replaced(
 @pytest.mark.etcd
 def test_many_threads_share_the_pool_and_close_leaks_nothing(etcd_server: str) -> None:
     before = _open_fds()
-    client = EtcdClient(etcd_server, timeout=timedelta(seconds=20))
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=20), grpc_kv=False)
     threads, rounds = 24, 8
     errors: list[BaseException] = []
 
@@ -462,7 +495,7 @@ def test_many_threads_share_the_pool_and_close_leaks_nothing(etcd_server: str) -
 
 @pytest.mark.etcd
 def test_a_forked_child_does_not_share_the_pool(etcd_server: str, etcd_prefix: str) -> None:
-    client = EtcdClient(etcd_server, timeout=timedelta(seconds=5))
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=5), grpc_kv=False)
     client.put(etcd_prefix + "k", b"parent")
     assert client.connection_stats().idle == 1
     pid = os.fork()

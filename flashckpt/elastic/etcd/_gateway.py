@@ -43,6 +43,8 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from flashckpt.elastic.deadline import Deadline
+from flashckpt.elastic.etcd import _kvproto
+from flashckpt.elastic.etcd._grpckv import CallFailed, GrpcChannel, GrpcError, NotHttp2
 from flashckpt.elastic.etcd._leasestream import KeepAliveStream, _StreamBroken
 from flashckpt.elastic.etcd.errors import (
     EtcdError,
@@ -69,6 +71,12 @@ _IDLE_TIMEOUT_S = 20.0
 # loop calls again at once), and at most this many per client.
 _WATCH_KEEP_S = 60.0
 _MAX_KEPT_WATCHES = 32
+# After an endpoint closed a gRPC connection's opening without a word (not a definite "not
+# HTTP/2": a restarting etcd does that too), key-value calls go to the gateway this long.
+_GRPC_RETRY_AFTER_S = 30.0
+# Key-value calls go over gRPC (``_grpckv``) unless a client is made with ``grpc_kv=False``;
+# tests flip this default to run whole modules on the gateway path.
+GRPC_KV_DEFAULT = False
 # Errors of a send on a pooled connection that mean the peer had closed it.
 _PEER_CLOSED_ERRORS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
@@ -144,6 +152,11 @@ class ConnectionStats:
     """Connections idle in the pool now."""
     keepalive_streams: int
     """Lease keep-alive streams opened (one per process while none breaks)."""
+    grpc_connections: int = 0
+    """HTTP/2 connections opened for key-value calls over gRPC (one per process and endpoint
+    while none breaks)."""
+    grpc_calls: int = 0
+    """Key-value calls answered over gRPC."""
 
 
 class _Pool:
@@ -164,6 +177,13 @@ class _Pool:
         self.keepalive_streams = 0
         # An endpoint answered the stream with something other than HTTP/2: requests instead.
         self.keepalive_by_request = False
+        # Key-value calls over gRPC: one connection per endpoint; kv_lock: one thread opens it.
+        self.kv: dict[Endpoint, GrpcChannel] = {}
+        self.kv_lock = threading.Lock()
+        self.kv_connections = 0
+        self.kv_calls_before = 0  # calls answered on connections no longer in ``kv``
+        # Key-value calls go to the gateway until this time (monotonic; inf: for good).
+        self.kv_by_gateway_until = 0.0
 
     def take(self, endpoint: Endpoint) -> http.client.HTTPConnection | None:
         """The most recently used idle connection to ``endpoint`` that is still usable, or
@@ -250,6 +270,8 @@ class _Pool:
                 expired=self.expired,
                 idle=sum(len(c) for c in self.idle.values()),
                 keepalive_streams=self.keepalive_streams,
+                grpc_connections=self.kv_connections,
+                grpc_calls=self.kv_calls_before + sum(c.calls for c in self.kv.values()),
             )
 
     def close(self) -> None:
@@ -263,10 +285,15 @@ class _Pool:
             if self.keepalive is not None:
                 streams.append(self.keepalive[0])
                 self.keepalive = None
+            channels = list(self.kv.values())
+            self.kv_calls_before += sum(c.calls for c in channels)
+            self.kv.clear()
         for conn in conns:
             conn.close()
         for stream in streams:
             stream.close()
+        for channel in channels:
+            channel.close()
 
     def abandon(self) -> None:
         """In a forked child: closes this process's copies of the parent's sockets, without
@@ -280,6 +307,8 @@ class _Pool:
             stream._abandon()
         if self.keepalive is not None:
             self.keepalive[0]._abandon()
+        for channel in list(self.kv.values()):
+            channel._abandon()
 
 
 def _peer_closed(conn: http.client.HTTPConnection) -> bool:
@@ -362,6 +391,7 @@ class Gateway:
         timeout: timedelta,
         connect_timeout: timedelta = timedelta(seconds=2),
         ssl_context: ssl.SSLContext | None = None,
+        grpc_kv: bool | None = None,
     ) -> None:
         if timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
@@ -375,6 +405,7 @@ class Gateway:
         self._preferred = 0  # index of the endpoint that answered last
         self._pool = _Pool()
         self._tls = any(e.scheme == "https" for e in self._endpoints)
+        self._grpc_kv = GRPC_KV_DEFAULT if grpc_kv is None else grpc_kv
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -442,9 +473,25 @@ class Gateway:
         timeout: timedelta | None,
         idempotent: bool,
     ) -> dict[str, Any]:
-        """POSTs ``body`` to ``path``, retrying across endpoints until the deadline."""
+        """POSTs ``body`` to ``path``, retrying across endpoints until the deadline.
+
+        The key-value calls (``/v3/kv/range``, ``put``, ``deleterange``, ``txn``) go over gRPC
+        instead (:meth:`_call_grpc`), with the same body and answer, retry rules and errors,
+        where they can: no TLS, a body the protobuf encoder knows, an endpoint that speaks
+        HTTP/2; else, or once an endpoint is found not to speak HTTP/2, to the gateway.
+        """
         budget = timeout if timeout is not None else self._timeout
         deadline = Deadline.after(budget)
+        method = _kvproto.METHODS.get(path) if self._grpc_kv and not self._tls else None
+        if method is not None:
+            try:
+                message = _kvproto.encode(method[1], body)
+            except _kvproto.Untranslatable as exc:
+                logger.debug("etcd %s goes to the gateway: %s", path, exc)
+            else:
+                answer = self._call_grpc(path, method, message, deadline, budget, idempotent)
+                if answer is not None:
+                    return answer
         payload = json.dumps(body).encode()
         for endpoint in self._attempts(deadline):
             try:
@@ -463,6 +510,101 @@ class Gateway:
                 self._prefer(endpoint)
                 return response
         raise AssertionError("unreachable: _attempts never ends")
+
+    def _call_grpc(
+        self,
+        path: str,
+        method: tuple[str, Any, Any],
+        message: bytes,
+        deadline: Deadline,
+        budget: timedelta,
+        idempotent: bool,
+    ) -> dict[str, Any] | None:
+        """One key-value call over gRPC with :meth:`_call`'s retry rules; ``None`` when it
+        must go to the gateway instead (nothing was sent over gRPC then)."""
+        grpc_path, _, answer_schema = method
+        for endpoint in self._attempts(deadline):
+            pool = self._pool_here()
+            if pool.closed or time.monotonic() < pool.kv_by_gateway_until:
+                return None
+            try:
+                channel = self._kv_channel(pool, endpoint, deadline)
+                answer = channel.call(grpc_path, message, deadline)
+            except NotHttp2 as exc:
+                with pool.lock:
+                    pool.kv_by_gateway_until = (
+                        float("inf") if exc.definite else time.monotonic() + _GRPC_RETRY_AFTER_S
+                    )
+                logger.warning("%s; etcd key-value calls go to the JSON gateway", exc)
+                return None
+            except CallFailed as exc:
+                failed = _AttemptFailed(
+                    f"{endpoint.url}{path} over gRPC: {exc}", sent=exc.sent, timed_out=exc.timed_out
+                )
+            except GrpcError as exc:
+                mapped = error_from_grpc(exc, endpoint, path)
+                if not isinstance(mapped, _AttemptFailed):
+                    raise mapped from exc
+                failed = mapped
+            except _AttemptFailed as exc:  # the connection could not be opened
+                failed = exc
+            else:
+                self._prefer(endpoint)
+                try:
+                    return _kvproto.decode(answer_schema, answer)
+                except ValueError as exc:
+                    error = EtcdError if idempotent else EtcdOutcomeUnknown
+                    raise error(
+                        f"etcd at {endpoint.url} answered {path} over gRPC with a malformed "
+                        f"message ({exc}); the server or a proxy in between mangled it"
+                    ) from exc
+            if failed.sent and not idempotent:
+                raise EtcdOutcomeUnknown(
+                    f"etcd at {endpoint.url} took {path} but its answer was lost ({failed}); "
+                    "the write may or may not have been applied: re-read the key before "
+                    "retrying"
+                ) from failed
+            if deadline.expired():
+                raise self._gave_up(path, budget, failed) from failed
+            logger.debug("etcd %s over gRPC on %s failed, retrying: %s", path, endpoint.url, failed)
+        raise AssertionError("unreachable: _attempts never ends")
+
+    def _kv_channel(self, pool: _Pool, endpoint: Endpoint, deadline: Deadline) -> GrpcChannel:
+        """The process's gRPC connection to ``endpoint`` if it is usable, else a new one (one
+        idle longer than ``_IDLE_TIMEOUT_S`` is replaced, as a pooled connection would be)."""
+        channel = pool.kv.get(endpoint)
+        if channel is not None and channel.usable and channel.idle_for() < _IDLE_TIMEOUT_S:
+            return channel
+        if not pool.kv_lock.acquire(timeout=max(0.001, deadline.remaining())):
+            raise _AttemptFailed(
+                "another thread is still opening the gRPC connection",
+                sent=False,
+                timed_out=True,
+            )
+        try:
+            channel = pool.kv.get(endpoint)
+            if channel is not None:
+                if channel.usable and channel.idle_for() < _IDLE_TIMEOUT_S:
+                    return channel  # opened by the thread that held the lock
+                with pool.lock:
+                    pool.kv_calls_before += channel.calls
+                    del pool.kv[endpoint]
+                channel.close()
+            conn = self._connect(endpoint, deadline)
+            sock = conn.sock
+            assert sock is not None
+            conn.sock = None  # the channel owns the socket from here
+            host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+            channel = GrpcChannel(sock, f"{host}:{endpoint.port}", endpoint.url, deadline)
+            with pool.lock:
+                if pool.closed:
+                    channel.close()
+                    raise _AttemptFailed("the client was closed", sent=False, timed_out=False)
+                pool.kv[endpoint] = channel
+                pool.kv_connections += 1
+            return channel
+        finally:
+            pool.kv_lock.release()
 
     def _gave_up(self, what: str, budget: timedelta, exc: _AttemptFailed) -> EtcdUnavailable:
         error = EtcdTimeout if exc.timed_out else EtcdUnavailable
@@ -640,6 +782,26 @@ class Gateway:
 
 
 HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
+
+
+def error_from_grpc(exc: GrpcError, endpoint: Endpoint, path: str) -> Exception:
+    """Maps a non-OK gRPC status to a final :class:`EtcdError` or a retryable failure, by the
+    same codes as :func:`error_from_response` (the gateway reports etcd's gRPC status)."""
+    code, message = exc.code, exc.grpc_message
+    where = f"{endpoint.url}{path} (gRPC)"
+    if code in _RETRY_NOT_APPLIED:
+        return _AttemptFailed(f"{where}: {message}", sent=False, timed_out=False)
+    if code in _RETRY_MAYBE_APPLIED:
+        return _AttemptFailed(
+            f"{where}: {message}",
+            sent=True,
+            timed_out=code == _GRPC_DEADLINE_EXCEEDED or "timed out" in message,
+        )
+    if code == _GRPC_NOT_FOUND and "lease" in message:
+        return EtcdLeaseNotFound(
+            f"{where}: {message}; the lease expired or was revoked: grant a new one"
+        )
+    return EtcdError(f"etcd rejected {path} at {endpoint.url}: gRPC code {code}: {message}")
 
 
 def parse_json(data: bytes, endpoint: Endpoint, path: str) -> dict[str, Any]:

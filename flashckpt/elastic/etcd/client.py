@@ -126,6 +126,10 @@ class EtcdClient(Gateway):
             the whole deadline before the others are tried.
         ssl_context: TLS settings for ``https://`` endpoints (CA, client certificate). ``None``
             uses the system's default trust store.
+        grpc_kv: Send the key-value calls (reads, puts, deletes, transactions) as gRPC calls
+            on one HTTP/2 connection (:mod:`flashckpt.elastic.etcd._grpckv`) instead of
+            JSON-gateway requests; ``None``: the module default. Either way they fall back to
+            the gateway on ``https://`` endpoints and on an endpoint that does not speak HTTP/2.
 
     Raises:
         ValueError: If no endpoint is given or a timeout is not positive.

@@ -221,9 +221,17 @@ class _Host:
                     # flashckpt run: 2 (--links) when it probes.
                     links=a.links if a.probe else 0,
                 )
-                # As flashckpt run: the descriptor and state in the registration itself.
-                registry.start(timedelta(seconds=60), rdzv_node=handler.node, state="waiting")
+                # As flashckpt run: the descriptor and state in the registration itself; the
+                # peers' watch once the machine has its rank, or while it waits as a standby.
+                registry.start(
+                    timedelta(seconds=60),
+                    watch=False,
+                    watch_if=handler.round_key,
+                    rdzv_node=handler.node,
+                    state="waiting",
+                )
                 handler.share_lease(registry)  # one lease per machine, as flashckpt run
+                handler.on_waiting = lambda _round, r=registry: r.watch_peers()
                 self.cleanups.append(registry.close)
         else:
             from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
@@ -257,6 +265,7 @@ class _Host:
         )
         if registry is not None:  # as flashckpt run's session does
             registry.update(state="active", group_rank=info.rank, rdzv_member=handler.member_id)
+            registry.watch_peers()
         if a.standby:
             self._monitor(handler, None, None)
             return

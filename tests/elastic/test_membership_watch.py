@@ -15,14 +15,17 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from waiting import wait_until
 
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdUnavailable
+from flashckpt.elastic.etcd.store import EtcdV3Store
 from flashckpt.elastic.etcd.watchstream import WatchEvent as StreamEvent
 from flashckpt.elastic.etcd.watchstream import WatchStream
 from flashckpt.elastic.membership import nodes as membership
 from flashckpt.elastic.membership.nodes import NodeRecord, NodeRegistry
 from flashckpt.elastic.membership.peerlinks import ring_successors
+from flashckpt.elastic.rendezvous.handler import RdzvHandler, RdzvSettings
 
 WAIT_S = 60.0
 
@@ -569,3 +572,116 @@ def _count_probes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(membership, "_probe_patiently", counting)
     return probes
+
+
+@pytest.mark.etcd
+def test_a_machine_forming_the_first_round_starts_its_peers_watch_once_it_has_its_rank(
+    etcd_server: str,
+    etcd_prefix: str,
+    make_registry: Callable[..., NodeRegistry],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As flashckpt run (issue 31): nothing on the way to the first round needs the peers (the
+    # rendezvous keys are on the node lease), so a machine opens its node watch, its links and
+    # its compaction thread once it has its rank. At 1,024 machines the watches of machines
+    # still registering were most of what the liveness layer added to round 1: each
+    # neighbour's registration an event, each nearer one a narrowed window and a new stream.
+    # A machine that arrives while the job runs (a standby) follows its peers while it waits.
+    opened: list[bytes] = []
+
+    class CountingStream(WatchStream):
+        def __init__(self, client: Any, key: bytes, *args: Any, **kwargs: Any) -> None:
+            opened.append(key)
+            super().__init__(client, key, *args, **kwargs)
+
+    monkeypatch.setattr(membership, "WatchStream", CountingStream)
+    n, ttl = 16, timedelta(seconds=30)  # make_registry's TTL: the handlers share the lease
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=10))
+
+    def machine(node: str, *, running_job_key: bool = True) -> tuple[NodeRegistry, RdzvHandler]:
+        settings = RdzvSettings(
+            run_id="job",
+            job_prefix=etcd_prefix,
+            min_nodes=n,
+            max_nodes=n,
+            join_timeout=timedelta(seconds=60),
+            last_call_timeout=timedelta(seconds=0.5),
+            lease_ttl=ttl,
+            local_addr="127.0.0.1",
+        )
+        h = RdzvHandler(client, EtcdV3Store(client, etcd_prefix + "store/"), settings)
+        fields = {"watch": False, "watch_if": h.round_key if running_job_key else None}
+        reg = make_registry(etcd_prefix, node, client, fields, links=2)
+        assert h.share_lease(reg)
+        h.on_waiting = lambda _round: reg.watch_peers()
+        return reg, h
+
+    names = [f"m{i:02d}" for i in range(n)]
+    machines = [machine(name) for name in names]
+    infos: list[Any] = [None] * n
+
+    def join(i: int) -> None:
+        infos[i] = machines[i][1].next_rendezvous()
+
+    threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert all(i is not None for i in infos), "the round did not form"
+    assert sorted(i.rank for i in infos) == list(range(n))
+    # Before: every machine's node watch was open from its registration (16 or more streams
+    # here, several per machine at 1,024 as windows narrowed).
+    assert opened == [] and not any(reg.watching or reg.watch_reads for reg, _ in machines)
+    assert all(reg.linked() == set() for reg, _ in machines)
+
+    for reg, h in machines:  # the launcher's after_rendezvous
+        reg.update(state="active", group_rank=0, rdzv_member=h.member_id)
+        reg.watch_peers()
+        reg.watch_peers()  # once only
+    successors = {n: set(ring_successors(n, set(names) - {n}, 2)) for n in names}
+    k = membership._WINDOW
+    wait_until(
+        lambda: all(
+            set(reg.peers()) == _window(reg.record.node_id, names, k)
+            and reg.linked() == successors[reg.record.node_id]
+            for reg, _ in machines
+        ),
+        "every machine watching its window and linked to its 2 ring successors",
+        timeout=WAIT_S,
+    )
+    assert all(reg.watch_reads == 1 for reg, _ in machines)
+    assert n <= len(opened) <= 2 * n  # one stream each (two for a window that wraps)
+
+    # A standby arriving at the running job (the round key exists) watches from its
+    # registration; one that registered before the key existed starts when it waits in a
+    # round after the first (on_waiting).
+    standby, standby_h = machine("s1")
+    assert standby.watching
+    late, late_h = machine("s2", running_job_key=False)
+    assert not late.watching
+    ended: list[BaseException] = []
+
+    def wait(h: RdzvHandler) -> None:
+        try:
+            h.next_rendezvous()
+        except RendezvousClosedError as exc:  # it left (below)
+            ended.append(exc)
+
+    waits = [threading.Thread(target=wait, args=(h,), daemon=True) for h in (standby_h, late_h)]
+    for t in waits:
+        t.start()
+    everyone = [*names, "s1", "s2"]
+    wait_until(
+        lambda: all(
+            set(r.peers()) == _window(r.record.node_id, everyone, k) for r in (standby, late)
+        ),
+        "both standbys following their peers while they wait",
+        timeout=WAIT_S,
+    )
+    assert late.watching and standby_h.waiting_in == late_h.waiting_in == 1
+    for h in (standby_h, late_h, *(h for _, h in machines)):
+        h.leave()
+    for t in waits:
+        t.join(WAIT_S)
+    assert len(ended) == 2

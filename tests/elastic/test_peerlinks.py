@@ -9,6 +9,7 @@ SIGKILL, with a lease TTL (30 s) far longer than the tests wait, so only the lin
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from waiting import wait_until
@@ -316,3 +318,43 @@ def test_a_probe_is_answered_while_other_connections_have_not_asked_anything() -
         server.close()
         for sock in silent:
             sock.close()
+
+
+def test_an_idle_probe_port_and_link_thread_sleep_without_a_timer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 31: a host of 1,024 simulated machines woke each one's probe-port thread and link
+    # thread every second for nothing (2,048 wake-ups a second on 2 cores). With nothing to
+    # time out (no connection waiting to ask, no link waiting to be retried), both sleep until
+    # a socket or a wake-up says something happened.
+    waits: dict[str, list[float | None]] = {}
+    base = selectors.DefaultSelector
+
+    class Recording(base):  # type: ignore[valid-type,misc]
+        def select(self, timeout: float | None = None) -> Any:
+            waits.setdefault(threading.current_thread().name, []).append(timeout)
+            return super().select(timeout)
+
+    monkeypatch.setattr(selectors, "DefaultSelector", Recording)
+    server = membership._ProbeServer("tok", "127.0.0.1")
+    links = PeerLinks(lambda t, why: None)
+    try:
+        links.set_targets([LinkTarget("b", "tok", f"127.0.0.1:{server.port}")])
+        wait_until(lambda: links.held() == {"b"}, "the link held", timeout=WAIT_S)
+
+        def last(thread: str) -> object:
+            return (waits.get(thread) or [0.0])[-1]
+
+        wait_until(
+            lambda: last("flashckpt-probe") is None and last("flashckpt-node-links") is None,
+            "both threads asleep without a timeout",
+            timeout=WAIT_S,
+        )
+        # Still awake for what matters: a probe is answered, the link's end is seen.
+        record = NodeRecord("b", "h", 1, "tok", f"127.0.0.1:{server.port}")
+        assert membership.probe(record, timeout=5.0) is membership.ProbeResult.ALIVE
+        server.close()
+        wait_until(lambda: links.held() == set(), "the closed link dropped", timeout=WAIT_S)
+    finally:
+        links.close()
+        server.close()

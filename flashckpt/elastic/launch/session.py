@@ -358,7 +358,19 @@ class LaunchSession:
         try:
             # Its rendezvous descriptor and state go in the key's creation: no second write,
             # which each of its watching neighbours would receive (issue 31).
-            self._registry.start(read_timeout, rdzv_node=handler.node, state="waiting")
+            # The peers' watch, links and compaction start once this machine has its rank
+            # (after_rendezvous): nothing on the way to a round needs them, and at 1,024
+            # machines they were most of the liveness layer's cost in the first round (issue
+            # 31). A machine that joins a running job (its round key exists: a standby) or
+            # waits past its first round starts them at once (on_waiting), to follow its peers
+            # while it waits.
+            self._registry.start(
+                read_timeout,
+                watch=False,
+                watch_if=handler.round_key,
+                rdzv_node=handler.node,
+                state="waiting",
+            )
         except NodeIdInUse as exc:
             raise LaunchError(str(exc)) from exc
         except EtcdError as exc:
@@ -412,6 +424,7 @@ class LaunchSession:
         # One lease per machine: the rendezvous keys live on the node lease (one renewal, and a
         # peer that revokes it as dead ends both at once).
         handler.share_lease(self._registry)
+        handler.on_waiting = lambda _round: registry.watch_peers()
         self._start_job_view(client)
 
         entry = ["-u", "-m", "flashckpt.elastic.launch.worker_entry"]
@@ -806,6 +819,7 @@ class LaunchSession:
         self._registry.update(
             state="active", group_rank=worker_group.group_rank, rdzv_member=member_id
         )
+        self._registry.watch_peers()  # if not yet (see _setup)
         if self.config.health_check:
             self._health_check(worker_group)
 

@@ -7,7 +7,10 @@ its lease, etcd deletes its key after at most ``ttl``, and the watches of its ri
 a change costs O(1) per machine whatever the job's size) see the deletion at once; its join keys
 of the rendezvous, on the same lease, go with it, which is how every other machine learns it
 (:mod:`flashckpt.elastic.rendezvous.handler`). That is the authority on liveness, and it works
-whatever killed the machine (power, kernel panic, network partition).
+whatever killed the machine (power, kernel panic, network partition). A launcher starts its
+watch (and its links, below) once it has its rank, or at once when it joins a job that already
+runs (:meth:`NodeRegistry.watch_peers`): nothing on the way to the first round needs them, and
+a machine that knows no peer yet, with no workers, has nothing to fence.
 
 It is also slow compared with what a survivor already knows: when a peer's *processes* die and
 its host stays up (OOM kill, segfault, ``kill -9``, a crashed launcher), the survivor's
@@ -389,9 +392,11 @@ class _ProbeServer:
             now = time.monotonic()
             for conn in [c for c, until in self._asking.items() if until <= now]:
                 self._drop(conn)  # no question in time: a probe that went, or a stuck peer
-            wait = min([1.0, *(until - now for until in self._asking.values())])
+            # Asleep until a connection comes or one asking runs out of time (close wakes it):
+            # no timer per machine (1,024 wakes a second on a host of 1,024 simulated ones).
+            wait = min((until - now for until in self._asking.values()), default=None)
             try:
-                events = self._selector.select(max(0.0, wait))
+                events = self._selector.select(None if wait is None else max(0.0, wait))
             except OSError:
                 return
             for key, _ in events:
@@ -627,6 +632,7 @@ class NodeRegistry:
         self._renewals: queue.SimpleQueue[_Renewal | None] = queue.SimpleQueue()
         self._renewer: threading.Thread | None = None
         self._streams: list[WatchStream] = []  # the node keys' watch (two: a wrapped window)
+        self._watching = False  # the watch (and links, compaction) started: watch_peers
         self._threads: list[threading.Thread] = []
         self._probe_server: _ProbeServer | None = None
         self._bind_host = bind_host
@@ -682,14 +688,26 @@ class NodeRegistry:
         with self._lock:
             return self._generation
 
-    def start(self, timeout: timedelta, **fields: Any) -> None:
-        """Opens the probe port, registers the node key and starts renewing and watching.
+    def start(
+        self, timeout: timedelta, *, watch: bool = True, watch_if: str | None = None, **fields: Any
+    ) -> None:
+        """Opens the probe port, registers the node key and starts renewing (and watching).
 
         A key left by a dead launcher with the same node id (a machine restarted quickly) is
         taken over once its owner is found dead, or once its lease lapses.
 
         Args:
             timeout: Deadline for the registration, etcd retries included.
+            watch: Start the peers' watch (and the links, the compaction) now; ``False``: only
+                once :meth:`watch_peers` is called. A launcher calls it once it has its rank:
+                nothing on the way to a first round needs the peers (the rendezvous keys are on
+                the lease), and at 1,024 machines the watches of machines still registering
+                (each neighbour's registration an event, each nearer one a new stream) were
+                most of what the liveness layer added to round 1 (issue 31).
+            watch_if: With ``watch=False``: a key whose existence, read in the registration's
+                own transaction, starts the watch at once (the rendezvous' round key: the job
+                is running, and a machine joining it as a standby follows its peers while it
+                waits, as before).
             **fields: Fields of the record to publish with the registration itself (a
                 launcher's ``rdzv_node`` and ``state="waiting"``): the key's creation carries
                 them, instead of an :meth:`update` right after it (one more put per machine,
@@ -706,13 +724,32 @@ class NodeRegistry:
             self._record = replace(
                 self._record, **fields, probe=f"{host}:{self._probe_server.port}"
             )
-        self._register(Deadline.after(timeout), read_window=True)
-        if self._fanout:
-            self._links = PeerLinks(self._on_link_broken)
-        for target, name in ((self._renew_loop, "renew"), (self._watch_loop, "watch")):
-            self._start_thread(target, name)
+        found = self._register(
+            Deadline.after(timeout), read_window=watch, read_key=None if watch else watch_if
+        )
+        self._start_thread(self._renew_loop, "renew")
+        if watch or found:
+            self.watch_peers()
+
+    def watch_peers(self) -> None:
+        """Starts the peers' watch, the links to the ring successors and the compaction, if not
+        started yet (see :meth:`start`). Any thread; returns at once (the watch reads its
+        window in its own thread)."""
+        with self._lock:
+            if self._watching or self._stop.is_set() or self._probe_server is None:
+                return
+            self._watching = True
+            if self._fanout:
+                self._links = PeerLinks(self._on_link_broken)
+        self._start_thread(self._watch_loop, "watch")
         if self._compact_every is not None:
             self._start_thread(self._compact_loop, "compact")
+
+    @property
+    def watching(self) -> bool:
+        """Whether the peers' watch was started (:meth:`watch_peers`)."""
+        with self._lock:
+            return self._watching
 
     def _start_thread(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=f"flashckpt-node-{name}", daemon=True)
@@ -1062,8 +1099,10 @@ class NodeRegistry:
             streams = list(self._streams)
         for stream in streams:
             stream.close()  # wakes the watch thread
-        if self._links is not None:
-            self._links.close()
+        with self._lock:
+            links = self._links
+        if links is not None:
+            links.close()
         with self._lock:
             lease, self._lease = self._lease, None
             lease = lease or self._stale_lease
@@ -1080,8 +1119,11 @@ class NodeRegistry:
 
     # ------------------------------------------------------------------------ internals
 
-    def _register(self, deadline: Deadline, *, read_window: bool = False) -> None:
-        """Creates the node key on a new lease (taking over a dead launcher's key).
+    def _register(
+        self, deadline: Deadline, *, read_window: bool = False, read_key: str | None = None
+    ) -> bool:
+        """Creates the node key on a new lease (taking over a dead launcher's key); returns
+        whether ``read_key`` exists (read in the creation's transaction; False without one).
 
         ``read_window``: the creation's transaction also reads the watched window's keys
         (:meth:`_registration_ranges`: ascending ranges of a bounded number of keys, no sort:
@@ -1098,28 +1140,38 @@ class NodeRegistry:
             own = {"request_range": {"key": key_b64}}
             put = {"key": key_b64, "value": base64.b64encode(value).decode("ascii")}
             window = self._registration_ranges() if read_window else []
+            extra = (
+                [{"request_range": {"key": base64.b64encode(read_key.encode()).decode("ascii")}}]
+                if read_key is not None
+                else []
+            )
             body = {
                 "compare": [
                     {"key": key_b64, "target": "MOD", "result": "EQUAL", "mod_revision": "0"}
                 ],
-                "success": [{"request_put": {**put, "lease": str(lease.id)}}, own, *window],
+                "success": [{"request_put": {**put, "lease": str(lease.id)}}, own, *window, *extra],
                 "failure": [own],
             }
             answers: list[dict[str, Any]] | None = None
+            exists = False
             try:
                 response = self._client._call(
                     "/v3/kv/txn", body, timeout=_remaining(deadline), idempotent=False
                 )
                 done = bool(response.get("succeeded"))
                 responses = response.get("responses") or []
-                found = responses[-1 - len(window) if done else -1].get("response_range", {})
+                found = responses[1 if done else 0].get("response_range", {})
                 current = _kv_of(found["kvs"][0]) if found.get("kvs") else None
                 if done and window:
-                    answers = [r.get("response_range", {}) for r in responses[2:]]
+                    answers = [r.get("response_range", {}) for r in responses[2 : 2 + len(window)]]
                     revision = int(response.get("header", {}).get("revision", 0))
+                if done and extra:
+                    exists = bool(responses[-1].get("response_range", {}).get("kvs"))
             except EtcdOutcomeUnknown:
                 found_kv = self._client.get_kv(self._key, timeout=_remaining(deadline))
                 done, current = (found_kv is not None and found_kv.lease == lease.id), found_kv
+                if done and read_key is not None:
+                    exists = self._client.get_kv(read_key, timeout=_remaining(deadline)) is not None
             if done:
                 with self._lock:
                     self._lease = lease
@@ -1127,7 +1179,7 @@ class NodeRegistry:
                     self._written = (lease.id, value)
                     if answers is not None:
                         self._registered_window = (answers, revision)
-                return
+                return exists
             with contextlib.suppress(EtcdError):
                 self._client.revoke_lease(lease, timeout=_remaining(deadline))
             holder = NodeRecord.from_kv(current) if current is not None else None
@@ -1612,6 +1664,23 @@ class NodeRegistry:
         did not settle the window (the watch then reads it itself)."""
         with self._lock:
             taken, self._registered_window = self._registered_window, None
+            first = not self._view_loaded
+        if taken is None and first:
+            # A watch started after the registration (watch_peers): the same unsorted bounded
+            # ranges in a read of their own (the DESCEND ranges of _read_window make etcd read
+            # every key of their span: at 1,024 machines, all starting at once, 2 ms each).
+            try:
+                response = self._client._call(
+                    "/v3/kv/txn",
+                    {"success": self._registration_ranges()},
+                    timeout=None,
+                    idempotent=True,
+                )
+                answers = [r.get("response_range", {}) for r in response.get("responses") or []]
+                taken = answers, int(response.get("header", {}).get("revision", 0))
+            except Exception as exc:
+                logger.warning("reading the job's node keys failed (will retry): %s", exc)
+                return None
         if taken is None:
             return None
         answers, revision = taken

@@ -429,6 +429,11 @@ class RdzvHandler(RendezvousHandler):
         # create_revision (how a result names it): (-1, 0) when none.
         self._pending: tuple[int, int] = (-1, 0)
         self.stats = _Stats()
+        self.on_waiting: Callable[[int], None] | None = None
+        """Called (from ``next_rendezvous``' thread, exceptions logged) with the round this
+        machine starts to wait in when that is not the job's first round (a standby, or a
+        member joining again): the launcher starts its peers' watch then, if not yet (a machine
+        forming the first round starts it once it has its rank)."""
 
     # -------------------------------------------------------------------- torch's interface
     def get_backend(self) -> str:
@@ -594,6 +599,11 @@ class RdzvHandler(RendezvousHandler):
     def node(self) -> str:
         """This machine's descriptor in the rendezvous (``addr_pid_n``), as in the keys."""
         return self._node
+
+    @property
+    def round_key(self) -> str:
+        """The key of the newest closed round: it exists once the job's first round formed."""
+        return self._p + "round"
 
     @property
     def join_timeout(self) -> timedelta:
@@ -891,6 +901,11 @@ class RdzvHandler(RendezvousHandler):
         self._waiting_in = rnd
         self._joined = True
         self.phases["joined"] = time.time()
+        if rnd > 0 and self.on_waiting is not None:
+            try:
+                self.on_waiting(rnd)
+            except Exception:
+                logger.exception("the rendezvous' on_waiting callback failed")
         logger.debug("joined round %d as %s (revision %d)", rnd, self._node, my_create)
         return self._wait_round(rnd, round_rev, my_create, _revision(response), ctl, deadline)
 

@@ -12,7 +12,9 @@ opened again; an endpoint that does not speak HTTP/2 gets the calls as gateway r
 from __future__ import annotations
 
 import base64
+import gc
 import http.server
+import os
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from typing import Any
 
 import pytest
 from tcprelay import TcpRelay
+from waiting import wait_until
 
 from flashckpt.elastic.etcd import _kvproto
 from flashckpt.elastic.etcd._hpack import HpackDecoder, HpackError, huffman_decode
@@ -340,3 +343,36 @@ def test_an_endpoint_without_http2_gets_the_calls_as_gateway_requests(
         proxy.shutdown()
         proxy.server_close()
         serving.join(timeout=10)
+
+
+@pytest.mark.etcd
+def test_a_forked_child_opens_its_own_connection_and_a_dropped_client_closes_its_own(
+    etcd_server: str, etcd_prefix: str
+) -> None:
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=10), grpc_kv=True)
+    client.put(etcd_prefix + "k", b"parent")
+    channel = client._pool_here().kv[_endpoint(client)]
+    pid = os.fork()
+    if pid == 0:  # the child: a connection of its own, the parent's left alone
+        code = 1
+        try:
+            client.put(etcd_prefix + "k", b"child")
+            stats = client.connection_stats()
+            if (stats.grpc_connections, stats.grpc_calls) == (1, 1):
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert client.get(etcd_prefix + "k") is not None and channel.usable
+    assert client.connection_stats().grpc_connections == 1
+    # Dropped without close(): collected, it closes its connection (socket, reader thread).
+    reader = channel._reader
+    del client
+    gc.collect()
+    wait_until(lambda: not reader.is_alive(), "the dropped client's connection to close", 30)
+    assert not channel.usable
+
+
+def _endpoint(client: EtcdClient) -> Any:
+    return client._endpoints[0]

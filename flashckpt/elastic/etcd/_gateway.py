@@ -36,6 +36,7 @@ import select
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -75,8 +76,8 @@ _MAX_KEPT_WATCHES = 32
 # HTTP/2": a restarting etcd does that too), key-value calls go to the gateway this long.
 _GRPC_RETRY_AFTER_S = 30.0
 # Key-value calls go over gRPC (``_grpckv``) unless a client is made with ``grpc_kv=False``;
-# tests flip this default to run whole modules on the gateway path.
-GRPC_KV_DEFAULT = False
+# a test session may flip this default to run whole modules on the gateway path.
+GRPC_KV_DEFAULT = True
 # Errors of a send on a pooled connection that mean the peer had closed it.
 _PEER_CLOSED_ERRORS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
@@ -184,6 +185,9 @@ class _Pool:
         self.kv_calls_before = 0  # calls answered on connections no longer in ``kv``
         # Key-value calls go to the gateway until this time (monotonic; inf: for good).
         self.kv_by_gateway_until = 0.0
+        # A client dropped without close() closes its gRPC connections when it is collected
+        # (each holds a socket and a reader thread, which do not hold the client).
+        weakref.finalize(self, _close_channels, self.kv, self.pid)
 
     def take(self, endpoint: Endpoint) -> http.client.HTTPConnection | None:
         """The most recently used idle connection to ``endpoint`` that is still usable, or
@@ -309,6 +313,15 @@ class _Pool:
             self.keepalive[0]._abandon()
         for channel in list(self.kv.values()):
             channel._abandon()
+
+
+def _close_channels(channels: dict[Endpoint, GrpcChannel], pid: int) -> None:
+    """Closes a collected pool's gRPC connections, in the process that opened them only (a
+    forked child's copies share the parent's connections: closing them there would break the
+    parent's)."""
+    if os.getpid() == pid:
+        for channel in list(channels.values()):
+            channel.close()
 
 
 def _peer_closed(conn: http.client.HTTPConnection) -> bool:

@@ -27,9 +27,17 @@ package (evaluated for flashckpt; tested against etcd 3.5.1 and 3.4.23):
 
 The transport (pooled keep-alive connections, fail-over, the retry rules) is
 :mod:`flashckpt.elastic.etcd._gateway`; the watch is :mod:`flashckpt.elastic.etcd.watchstream`.
-Lease keep-alives are the one call not made through the gateway: they go on one gRPC
-``LeaseKeepAlive`` stream per client and process (:mod:`flashckpt.elastic.etcd._leasestream`,
-which says why), with the same deadlines and errors as a request.
+The calls made most often skip the gateway, which costs etcd far more CPU than the calls
+themselves (a grpc-gateway proxy inside etcd: HTTP/1.1, JSON, and a loopback gRPC call per
+request), and go to etcd's gRPC service on the same port, with the same deadlines, errors and
+retry rules: lease keep-alives on one ``LeaseKeepAlive`` stream per client and process
+(:mod:`flashckpt.elastic.etcd._leasestream`), and the key-value calls (reads, puts, deletes,
+transactions: the rendezvous's joins and the node keys' registration) as unary calls on one
+HTTP/2 connection per client and process (:mod:`flashckpt.elastic.etcd._grpckv`; the bodies
+and answers stay the gateway's JSON, translated by :mod:`flashckpt.elastic.etcd._kvproto`).
+Both fall back to the gateway on ``https://`` endpoints and on an endpoint that does not speak
+HTTP/2 (``EtcdClient(grpc_kv=False)`` keeps the key-value calls on it). Measured with
+``benchmarks/lease_keepalive.py`` and ``benchmarks/etcd_transport.py``.
 
 Keys are ``str`` (UTF-8 encoded) or ``bytes``; values are ``bytes`` (``str`` is UTF-8 encoded).
 """

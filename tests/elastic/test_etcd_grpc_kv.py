@@ -1,6 +1,6 @@
-"""Key-value calls over gRPC (issue 31): ``EtcdClient``'s range, put, delete-range and txn go as
-unary gRPC calls on one HTTP/2 connection per client instead of JSON-gateway requests, with
-the gateway's answers, errors and retry rules.
+"""Key-value calls over gRPC (issue 31): ``EtcdClient``'s range, put, delete-range and txn (and
+lease grants and revokes) go as unary gRPC calls on one HTTP/2 connection per client instead
+of JSON-gateway requests, with the gateway's answers, errors and retry rules.
 
 Without a server: the HPACK decoder against RFC 7541's examples, and malformed input refused
 (HPACK blocks, protobuf answers). Against a real etcd: both transports answer the same JSON;
@@ -185,10 +185,17 @@ def test_grpc_and_gateway_answer_the_same(
             "/v3/kv/deleterange", {"key": key, "prev_kv": True}, timeout=None, idempotent=True
         )
         assert gone["deleted"] == "1" and gone["prev_kvs"][0]["value"] == _b64("2")
+    # Lease grants and revokes go over gRPC too.
+    for client in (grpc, gateway):
+        other = client.grant_lease(timedelta(seconds=7))
+        assert other.ttl == timedelta(seconds=7) and other.id != lease.id
+        assert client.revoke_lease(other) is True
+        assert client.revoke_lease(other) is False  # etcd: not found
+    assert grpc.revoke_lease(lease) is True
+    assert grpc.get(etcd_prefix + "k1") is None  # its keys went with it
     stats = grpc.connection_stats()
-    assert (stats.grpc_connections, stats.opened) == (1, 1)  # the gateway's: the lease grant
+    assert (stats.grpc_connections, stats.opened) == (1, 0), "no call went to the gateway"
     assert gateway.connection_stats().grpc_connections == 0
-    grpc.revoke_lease(lease)
     grpc.delete_prefix(etcd_prefix)
 
 

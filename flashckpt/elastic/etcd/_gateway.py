@@ -602,7 +602,8 @@ class Gateway:
                 with pool.lock:
                     pool.kv_calls_before += channel.calls
                     del pool.kv[endpoint]
-                channel.close()
+                if not channel.draining:  # a draining one finishes its calls, then closes
+                    channel.close()
             conn = self._connect(endpoint, deadline)
             sock = conn.sock
             assert sock is not None

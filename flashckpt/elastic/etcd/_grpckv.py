@@ -89,6 +89,8 @@ answer can be larger)."""
 _STUCK_S = 1.0
 # How long the reader may block writing an acknowledgement before the connection is broken.
 _CONTROL_SEND = timedelta(seconds=10)
+# How long a caller whose deadline passed may block writing its stream's cancellation.
+_CANCEL_SEND = timedelta(seconds=1)
 _OK = 0
 
 
@@ -262,6 +264,12 @@ class GrpcChannel:
     def usable(self) -> bool:
         """Whether new calls may go on this connection."""
         return self._broken is None and not self._draining
+
+    @property
+    def draining(self) -> bool:
+        """Whether the connection takes no new calls but finishes those in flight (it closes
+        itself after the last)."""
+        return self._broken is None and self._draining
 
     def idle_for(self) -> float:
         """Seconds since the last call ended, 0 while calls are in flight."""
@@ -440,8 +448,13 @@ class GrpcChannel:
             self._fail(f"nothing received from {self.where} for {time.monotonic() - last:.1f} s")
 
     def _cancel(self, stream: int) -> None:
-        with contextlib.suppress(CallFailed):
-            self._send_control(_frame(_RST_STREAM, 0, stream, struct.pack(">I", _CANCEL)))
+        """Tells etcd to drop a call nobody waits for; a connection that cannot take those few
+        bytes within ``_CANCEL_SEND`` is broken."""
+        with contextlib.suppress(CallFailed), self._send_lock:
+            self._send(
+                _frame(_RST_STREAM, 0, stream, struct.pack(">I", _CANCEL)),
+                Deadline.after(_CANCEL_SEND),
+            )
 
     def _end(self, stream: int, error: CallFailed | None) -> None:
         """Ends a call: with ``error``, or with what its stream received."""
@@ -449,11 +462,14 @@ class GrpcChannel:
             call = self._calls.pop(stream, None)
             if not self._calls:
                 self._idle_since = time.monotonic()
+            drained = self._draining and not self._calls and self._broken is None
             self._changed.notify_all()
         if call is not None and not call.done.is_set():
             if error is not None:
                 call.error = error
             call.done.set()
+        if drained:
+            self._fail(f"{self.where}: the connection was drained (GOAWAY or stream ids used up)")
 
     def _fail(self, why: str) -> None:
         """Breaks the connection: every call in flight fails (outcome unknown)."""
@@ -677,11 +693,14 @@ class GrpcChannel:
             with self._lock:
                 self._draining = True
                 refused = [s for s in self._calls if s > last]
+                idle = not self._calls
             for other in refused:  # never processed: safe to send again
                 self._end(
                     other,
                     CallFailed(f"{self.where} is closing the connection (GOAWAY)", sent=False),
                 )
+            if idle:
+                raise ConnectionError(f"{self.where} is closing the connection (GOAWAY)")
         elif kind == _WINDOW_UPDATE:
             if len(payload) != 4:
                 raise ValueError("an HTTP/2 WINDOW_UPDATE of the wrong size")

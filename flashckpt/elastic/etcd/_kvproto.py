@@ -1,5 +1,6 @@
-"""etcd's KV messages (``etcdserverpb`` in etcd's ``rpc.proto``, ``mvccpb.KeyValue``) as
-protobuf, translated from and to the JSON the v3 gateway takes and answers.
+"""etcd's KV messages (``etcdserverpb`` in etcd's ``rpc.proto``, ``mvccpb.KeyValue``) and its
+lease grant and revoke as protobuf, translated from and to the JSON the v3 gateway takes and
+answers.
 
 The client's callers build gateway JSON bodies (``{"key": <base64>, "range_end": ...}``,
 transactions of ``request_range``/``request_put``/... operations with ``compare`` clauses) and
@@ -212,7 +213,7 @@ _TXN_REQUEST: _Schema = {
 
 # ------------------------------------------------------------------------------ answers
 
-_I64, _U64, _BOOL, _BYTES, _MSG = range(5)
+_I64, _U64, _BOOL, _BYTES, _MSG, _STR = range(6)
 # field number -> (JSON name, kind, sub-schema of a message, repeated)
 _Answer = dict[int, tuple[str, int, Any, bool]]
 
@@ -258,6 +259,17 @@ _TXN_RESPONSE: _Answer = {
 _RESPONSE_OP[4] = ("response_txn", _MSG, _TXN_RESPONSE, False)
 
 
+_LEASE_GRANT_REQUEST: _Schema = {"TTL": (1, _enc_int, False), "ID": (2, _enc_int, False)}
+_LEASE_GRANT_RESPONSE: _Answer = {
+    1: ("header", _MSG, _HEADER, False),
+    2: ("ID", _I64, None, False),
+    3: ("TTL", _I64, None, False),
+    4: ("error", _STR, None, False),
+}
+_LEASE_REVOKE_REQUEST: _Schema = {"ID": (1, _enc_int, False)}
+_LEASE_REVOKE_RESPONSE: _Answer = {1: ("header", _MSG, _HEADER, False)}
+
+
 def decode_message(schema: _Answer, data: bytes, at: int, end: int, depth: int) -> dict[str, Any]:
     """The gateway JSON of the message in ``data[at:end]`` (unknown fields skipped)."""
     if depth > _MAX_DEPTH:
@@ -295,6 +307,9 @@ def decode_message(schema: _Answer, data: bytes, at: int, end: int, depth: int) 
             if kind == _BYTES:
                 if size:
                     out[name] = base64.b64encode(data[start:at]).decode("ascii")
+            elif kind == _STR:
+                if size:
+                    out[name] = data[start:at].decode("utf-8", errors="replace")
             elif kind == _MSG and sub is not None:
                 value_msg = decode_message(sub, data, start, at, depth + 1)
                 if repeated:
@@ -334,4 +349,14 @@ METHODS: dict[str, tuple[str, _Schema, _Answer]] = {
         _DELETE_RANGE_RESPONSE,
     ),
     "/v3/kv/txn": ("/etcdserverpb.KV/Txn", _TXN_REQUEST, _TXN_RESPONSE),
+    "/v3/lease/grant": (
+        "/etcdserverpb.Lease/LeaseGrant",
+        _LEASE_GRANT_REQUEST,
+        _LEASE_GRANT_RESPONSE,
+    ),
+    "/v3/lease/revoke": (
+        "/etcdserverpb.Lease/LeaseRevoke",
+        _LEASE_REVOKE_REQUEST,
+        _LEASE_REVOKE_RESPONSE,
+    ),
 }

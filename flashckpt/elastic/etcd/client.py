@@ -32,9 +32,10 @@ themselves (a grpc-gateway proxy inside etcd: HTTP/1.1, JSON, and a loopback gRP
 request), and go to etcd's gRPC service on the same port, with the same deadlines, errors and
 retry rules: lease keep-alives on one ``LeaseKeepAlive`` stream per client and process
 (:mod:`flashckpt.elastic.etcd._leasestream`), and the key-value calls (reads, puts, deletes,
-transactions: the rendezvous's joins and the node keys' registration) as unary calls on one
-HTTP/2 connection per client and process (:mod:`flashckpt.elastic.etcd._grpckv`; the bodies
-and answers stay the gateway's JSON, translated by :mod:`flashckpt.elastic.etcd._kvproto`).
+transactions: the rendezvous's joins and the node keys' registration) and lease grants and
+revokes as unary calls on one HTTP/2 connection per client and process
+(:mod:`flashckpt.elastic.etcd._grpckv`; the bodies and answers stay the gateway's JSON,
+translated by :mod:`flashckpt.elastic.etcd._kvproto`).
 Both fall back to the gateway on ``https://`` endpoints and on an endpoint that does not speak
 HTTP/2 (``EtcdClient(grpc_kv=False)`` keeps the key-value calls on it). Measured with
 ``benchmarks/lease_keepalive.py`` and ``benchmarks/etcd_transport.py``.
@@ -134,9 +135,10 @@ class EtcdClient(Gateway):
             the whole deadline before the others are tried.
         ssl_context: TLS settings for ``https://`` endpoints (CA, client certificate). ``None``
             uses the system's default trust store.
-        grpc_kv: Send the key-value calls (reads, puts, deletes, transactions) as gRPC calls
-            on one HTTP/2 connection (:mod:`flashckpt.elastic.etcd._grpckv`) instead of
-            JSON-gateway requests; ``None``: the module default. Either way they fall back to
+        grpc_kv: Send the key-value calls (reads, puts, deletes, transactions) and lease
+            grants and revokes as gRPC calls on one HTTP/2 connection
+            (:mod:`flashckpt.elastic.etcd._grpckv`) instead of JSON-gateway requests;
+            ``None``: the module default. Either way they fall back to
             the gateway on ``https://`` endpoints and on an endpoint that does not speak HTTP/2.
 
     Raises:

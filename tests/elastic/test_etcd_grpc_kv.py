@@ -15,6 +15,7 @@ import base64
 import gc
 import http.server
 import os
+import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -25,7 +26,9 @@ import pytest
 from tcprelay import TcpRelay
 from waiting import wait_until
 
-from flashckpt.elastic.etcd import _kvproto
+from flashckpt.elastic.deadline import Deadline
+from flashckpt.elastic.etcd import _hpack, _kvproto
+from flashckpt.elastic.etcd._grpckv import CallFailed, GrpcChannel, GrpcError, NotHttp2
 from flashckpt.elastic.etcd._hpack import HpackDecoder, HpackError, huffman_decode
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdOutcomeUnknown
 from flashckpt.elastic.etcd.server import EtcdV3Server
@@ -383,3 +386,141 @@ def test_a_forked_child_opens_its_own_connection_and_a_dropped_client_closes_its
 
 def _endpoint(client: EtcdClient) -> Any:
     return client._endpoints[0]
+
+
+# --------------------------------------------------------------------------- a scripted peer
+
+
+def _huffman(text: str) -> bytes:
+    bits = length = 0
+    for byte in text.encode():
+        bits = (bits << _hpack._HUFFMAN_LENGTHS[byte]) | _hpack.HUFFMAN_CODES[byte]
+        length += _hpack._HUFFMAN_LENGTHS[byte]
+    pad = -length % 8
+    return ((bits << pad) | ((1 << pad) - 1)).to_bytes((length + pad) // 8, "big")
+
+
+def _h2frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return (
+        len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+    )
+
+
+class _ScriptedPeer:
+    """The server end of a socket pair speaking just enough HTTP/2: its SETTINGS first, then for
+    each call (a client HEADERS frame) the frames ``answer(stream)`` returns."""
+
+    def __init__(self, sock: socket.socket, answer: Any, *, first: bytes | None = None) -> None:
+        self.sock = sock
+        self.answer = answer
+        self.first = _h2frame(4, 0, 0) if first is None else first
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _recv(self, size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = self.sock.recv(size - len(data))
+            if not chunk:
+                raise ConnectionError
+            data += chunk
+        return data
+
+    def _run(self) -> None:
+        try:
+            self._recv(24)  # the client preface
+            if not self.first:  # closes without a word
+                self.sock.shutdown(socket.SHUT_RDWR)
+                return
+            self.sock.sendall(self.first)
+            while True:
+                head = self._recv(9)
+                self._recv(int.from_bytes(head[:3], "big"))
+                stream = int.from_bytes(head[5:9], "big")
+                if head[3] == 1:  # a call's HEADERS
+                    self.sock.sendall(self.answer(stream))
+        except OSError:
+            pass
+
+
+def _channel(answer: Any, *, first: bytes | None = None) -> tuple[GrpcChannel, _ScriptedPeer]:
+    ours, theirs = socket.socketpair()
+    peer = _ScriptedPeer(theirs, answer, first=first)
+    return GrpcChannel(ours, "etcd:2379", "fake://etcd", Deadline.after(timedelta(seconds=5))), peer
+
+
+def test_answers_errors_and_refusals_of_a_scripted_peer_are_told_apart() -> None:
+    grpc_status = b"\x40\x0bgrpc-status"  # a literal with incremental indexing, new name
+
+    def answer(stream: int) -> bytes:
+        if stream == 1:  # an answer: headers, the message, trailers (grpc-status 0, indexed next)
+            message = b"\x10\x01"  # TxnResponse{succeeded: true}
+            return (
+                _h2frame(1, 4, stream, b"\x88")
+                + _h2frame(0, 0, stream, b"\x00" + len(message).to_bytes(4, "big") + message)
+                + _h2frame(1, 5, stream, grpc_status + b"\x010")
+            )
+        if stream == 3:  # trailers only: status 5 from the dynamic table's name, message Huffman
+            text = _huffman("etcdserver: requested lease not found")
+            return _h2frame(
+                1,
+                5,
+                stream,
+                b"\x88\x7e\x015" + b"\x00\x0cgrpc-message" + bytes([0x80 | len(text)]) + text,
+            )
+        if stream == 5:
+            return _h2frame(3, 0, stream, (7).to_bytes(4, "big"))  # RST_STREAM REFUSED_STREAM
+        if stream == 7:
+            return _h2frame(3, 0, stream, (2).to_bytes(4, "big"))  # RST_STREAM INTERNAL_ERROR
+        return _h2frame(7, 0, 0, (7).to_bytes(4, "big") + bytes(4))  # GOAWAY, last stream 7
+
+    channel, peer = _channel(answer)
+    deadline = Deadline.after(timedelta(seconds=5))
+    assert channel.call("/etcdserverpb.KV/Txn", b"", deadline) == b"\x10\x01"
+    with pytest.raises(GrpcError) as error:
+        channel.call("/etcdserverpb.KV/Txn", b"", deadline)
+    assert (error.value.code, error.value.grpc_message) == (
+        5,
+        "etcdserver: requested lease not found",
+    )
+    with pytest.raises(CallFailed) as refused:
+        channel.call("/etcdserverpb.KV/Txn", b"", deadline)
+    assert not refused.value.sent  # refused: never processed, safe to send again
+    with pytest.raises(CallFailed) as reset:
+        channel.call("/etcdserverpb.KV/Txn", b"", deadline)
+    assert reset.value.sent  # reset after etcd had it: the outcome is unknown
+    with pytest.raises(CallFailed) as goaway:
+        channel.call("/etcdserverpb.KV/Txn", b"", deadline)
+    assert not goaway.value.sent and not channel.usable  # past GOAWAY's last stream
+    assert channel.calls == 2
+    channel.close()
+    peer.sock.close()
+
+
+@pytest.mark.parametrize(
+    ("first", "kind"),
+    [
+        (b"HTTP/1.1 400 Bad Request\r\n\r\n", NotHttp2),
+        (b"", NotHttp2),  # closed without a word
+        (None, None),
+    ],
+)
+def test_a_peer_that_is_not_http2_or_breaks_the_rules_is_refused(
+    first: bytes | None, kind: type[Exception] | None
+) -> None:
+    if kind is not None:
+        ours, theirs = socket.socketpair()
+        with theirs:
+            peer = _ScriptedPeer(theirs, lambda stream: b"", first=first)
+            with pytest.raises(kind) as info:
+                GrpcChannel(ours, "etcd:2379", "fake://etcd", Deadline.after(timedelta(seconds=5)))
+            assert info.value.definite == bool(first)  # type: ignore[attr-defined]
+        peer.thread.join(timeout=10)
+        return
+    # An oversized frame (16,385 bytes: over the 16,384 this client allows) breaks the
+    # connection; the call in flight fails.
+    channel, peer = _channel(lambda stream: _h2frame(0, 0, stream, bytes(16385)))
+    with pytest.raises(CallFailed):
+        channel.call("/etcdserverpb.KV/Range", b"", Deadline.after(timedelta(seconds=5)))
+    assert not channel.usable
+    peer.sock.close()

@@ -330,13 +330,13 @@ class GrpcChannel:
             else:
                 wire = _frame(_HEADERS, _END_HEADERS, stream, headers)
             call.sent_at = time.monotonic()
+            # Set before the write: etcd may answer before this thread runs again.
+            call.sent = whole
             try:
                 self._send(wire, deadline)
             except CallFailed as exc:
                 # Some bytes of the message may have gone out, never all: etcd cannot apply it.
-                self._end(stream, CallFailed(str(exc), sent=False, timed_out=exc.timed_out))
-                raise call.error or exc from exc
-            call.sent = whole
+                raise self._unsent(stream, call, exc) from exc
         if not whole:
             self._send_data(stream, call, payload, deadline)
         if not call.done.wait(max(0.0, deadline.remaining())):
@@ -414,14 +414,22 @@ class GrpcChannel:
             last = room == len(view)
             chunk = _frame(_DATA, _END_STREAM if last else 0, stream, bytes(view[:room]))
             view = view[room:]
+            call.sent = last  # before the write: etcd may answer before this thread runs again
             try:
                 with self._send_lock:
                     self._send(chunk, deadline)
             except CallFailed as exc:
-                self._end(stream, CallFailed(str(exc), sent=False, timed_out=exc.timed_out))
+                self._unsent(stream, call, exc)
                 return
-            if last:
-                call.sent = True
+
+    def _unsent(self, stream: int, call: _Call, exc: CallFailed) -> CallFailed:
+        """Ends a call whose message could not be written whole (etcd cannot have applied it),
+        whatever the broken connection told its calls."""
+        call.sent = False
+        error = CallFailed(str(exc), sent=False, timed_out=exc.timed_out)
+        call.error = error
+        self._end(stream, error)
+        return error
 
     def _give_up(self, stream: int, call: _Call) -> None:
         """The deadline passed without an answer: cancels the stream, and breaks the connection

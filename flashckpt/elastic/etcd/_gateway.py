@@ -75,9 +75,13 @@ _MAX_KEPT_WATCHES = 32
 # After an endpoint closed a gRPC connection's opening without a word (not a definite "not
 # HTTP/2": a restarting etcd does that too), key-value calls go to the gateway this long.
 _GRPC_RETRY_AFTER_S = 30.0
-# Key-value calls go over gRPC (``_grpckv``) unless a client is made with ``grpc_kv=False``;
-# a test session may flip this default to run whole modules on the gateway path.
-GRPC_KV_DEFAULT = True
+# Key-value calls go over gRPC (``_grpckv``) only for a client made with ``grpc_kv=True``.
+# Off by default: etcd spends half the CPU per call there (benchmarks/etcd_transport.py), but at
+# 1,024 simulated machines on 2 cores (benchmarks/rendezvous_scale.py, two runs each way, same
+# code) round 1 took 7.0-9.5 s over gRPC against 5.2-5.4 s over the gateway, the machines'
+# CPU rose by half (a reader thread per client, a thread hand-off per call) and each machine
+# made one transaction more, not yet explained (issue 31).
+GRPC_KV_DEFAULT = False
 # Errors of a send on a pooled connection that mean the peer had closed it.
 _PEER_CLOSED_ERRORS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 

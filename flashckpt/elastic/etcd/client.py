@@ -33,12 +33,12 @@ request), and go to etcd's gRPC service on the same port, with the same deadline
 retry rules: lease keep-alives on one ``LeaseKeepAlive`` stream per client and process
 (:mod:`flashckpt.elastic.etcd._leasestream`), and the key-value calls (reads, puts, deletes,
 transactions: the rendezvous's joins and the node keys' registration) and lease grants and
-revokes as unary calls on one HTTP/2 connection per client and process
-(:mod:`flashckpt.elastic.etcd._grpckv`; the bodies and answers stay the gateway's JSON,
-translated by :mod:`flashckpt.elastic.etcd._kvproto`).
-Both fall back to the gateway on ``https://`` endpoints and on an endpoint that does not speak
-HTTP/2 (``EtcdClient(grpc_kv=False)`` keeps the key-value calls on it). Measured with
-``benchmarks/lease_keepalive.py`` and ``benchmarks/etcd_transport.py``.
+revokes, with ``EtcdClient(grpc_kv=True)``, as unary calls on one HTTP/2 connection per client
+and process (:mod:`flashckpt.elastic.etcd._grpckv`; the bodies and answers stay the gateway's
+JSON, translated by :mod:`flashckpt.elastic.etcd._kvproto`; off by default, see
+``_gateway.GRPC_KV_DEFAULT`` for why). Both fall back to the gateway on ``https://`` endpoints
+and on an endpoint that does not speak HTTP/2. Measured with ``benchmarks/lease_keepalive.py``
+and ``benchmarks/etcd_transport.py``.
 
 Keys are ``str`` (UTF-8 encoded) or ``bytes``; values are ``bytes`` (``str`` is UTF-8 encoded).
 """

@@ -123,11 +123,14 @@ def read_owner(st: Storage) -> dict[str, Any] | None:
 
 def write_owner(st: Storage, job: str) -> None:
     """Records ``job`` as the root's owner (this host, this pid, now); a local root is created
-    first. Raises what the file system raises."""
+    first. The file is replaced in one step (temp file, then rename): a launcher or trainer of
+    the same job reading it meanwhile sees the old record or the new one, never an empty file
+    (which reads as another job's unreadable claim and refuses the root). Raises what the file
+    system raises."""
     if st.local:
         st.fs.makedirs(st.root, exist_ok=True)
     doc = {"job": job, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
-    st.fs.pipe_file(owner_path(st), (json.dumps(doc) + "\n").encode())
+    st.replace_json(owner_path(st), doc)
 
 
 def foreign_owner(st: Storage, job: str) -> Foreign | None:

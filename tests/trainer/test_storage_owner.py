@@ -74,3 +74,22 @@ def test_an_unreadable_owner_file_is_named_not_guessed(fc_env: FcEnv) -> None:
     assert f"{owner} (7 bytes) is not a flashckpt owner record" in str(err.value), err.value
     _enter(fc_env.ckpt_kwargs(takeover=True))
     assert json.loads(owner.read_text())["job"] == fc_env.job
+
+
+def test_the_owner_file_is_replaced_in_one_step_never_rewritten_in_place(tmp_path) -> None:
+    """Two launchers of one job entering the root together: one read the owner file while the
+    other's write had truncated it to 0 bytes, took it for another job's unreadable claim and
+    refused the root (seen in tests/elastic/test_etcd_outage.py). Each write is a new file
+    renamed over the old one: a reader holds the old record or the new one, never a part."""
+    from flashckpt.format.storage import Storage
+    from flashckpt.format.storage_owner import owner_path, read_owner, write_owner
+
+    st = Storage(f"file://{tmp_path / 'root'}")
+    write_owner(st, "jobA")
+    path = owner_path(st)
+    with open(path, "rb") as held:  # a reader that opened the file before the next write
+        write_owner(st, "jobB")
+        assert os.stat(path).st_ino != os.fstat(held.fileno()).st_ino  # a new file, renamed
+        assert json.loads(held.read())["job"] == "jobA"  # the reader's bytes were not touched
+    assert read_owner(st)["job"] == "jobB"
+    assert sorted(os.listdir(tmp_path / "root")) == [OWNER_FILE]  # no temp file left behind

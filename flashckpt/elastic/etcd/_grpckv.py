@@ -53,6 +53,7 @@ from datetime import timedelta
 
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd._hpack import MAX_HEADER_LIST, HpackDecoder, HpackError
+from flashckpt.elastic.etcd._leasestream import _frame, _hpack_literal
 from flashckpt.errors import FlashckptError
 
 __all__ = ["MAX_MESSAGE", "CallFailed", "GrpcChannel", "GrpcError", "NotHttp2"]
@@ -149,36 +150,6 @@ class _Call:
         self.error: CallFailed | None = None
         self.sent = False  # the request's message was written whole
         self.sent_at = 0.0
-
-
-def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    head = struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream)
-    return head + payload
-
-
-def _hpack_int(value: int, prefix_bits: int) -> bytes:
-    top = (1 << prefix_bits) - 1
-    if value < top:
-        return bytes([value])
-    out = bytearray([top])
-    value -= top
-    while value >= 128:
-        out.append((value & 127) | 128)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _literal(name: str, value: str) -> bytes:
-    """A header field as a literal without indexing, new name, no Huffman coding."""
-    raw_name, raw_value = name.encode(), value.encode()
-    return (
-        b"\x00"
-        + _hpack_int(len(raw_name), 7)
-        + raw_name
-        + _hpack_int(len(raw_value), 7)
-        + raw_value
-    )
 
 
 class GrpcChannel:
@@ -289,7 +260,7 @@ class GrpcChannel:
         headers = self._headers_cache.get(path)
         if headers is None:
             headers = self._headers_cache[path] = b"".join(
-                _literal(name, value)
+                _hpack_literal(name, value)
                 for name, value in (
                     (":method", "POST"),
                     (":scheme", "http"),

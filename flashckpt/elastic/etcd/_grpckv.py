@@ -233,8 +233,30 @@ class GrpcChannel:
 
     @property
     def usable(self) -> bool:
-        """Whether new calls may go on this connection."""
-        return self._broken is None and not self._draining
+        """Whether new calls may go on this connection: not broken, not draining, and, while no
+        call is in flight, not closed by etcd already. A FIN or RST that the reader thread has
+        not acted on yet (a busy host) would otherwise take the next call's request, which then
+        counts as sent with no answer (outcome unknown); an idle connection is checked before
+        reuse, as the gateway's pooled ones are."""
+        if self._broken is not None or self._draining:
+            return False
+        if not self._calls and self._peer_closed():
+            self._fail(f"{self.where}: etcd closed the connection while it was idle")
+            return False
+        return True
+
+    def _peer_closed(self) -> bool:
+        """Whether the socket holds etcd's close (EOF or an error) ahead of any data; a peek,
+        nothing is consumed."""
+        sock = self._sock
+        if sock is None:
+            return True
+        try:
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
 
     @property
     def draining(self) -> bool:

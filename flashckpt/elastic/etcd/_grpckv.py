@@ -53,7 +53,7 @@ from datetime import timedelta
 
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd._hpack import MAX_HEADER_LIST, HpackDecoder, HpackError
-from flashckpt.elastic.etcd._leasestream import _frame, _hpack_literal
+from flashckpt.elastic.etcd._leasestream import _frame, _hpack_literal, recv_exact, send_all
 from flashckpt.errors import FlashckptError
 
 __all__ = ["MAX_MESSAGE", "CallFailed", "GrpcChannel", "GrpcError", "NotHttp2"]
@@ -493,23 +493,8 @@ class GrpcChannel:
     def _send(self, data: bytes, deadline: Deadline) -> None:
         """Writes ``data`` whole before ``deadline``; the caller holds ``_send_lock`` or owns
         the socket alone. A write that fails breaks the connection."""
-        sock = self._sock
-        view = memoryview(data)
         try:
-            if sock is None:
-                raise OSError("the connection was closed")
-            poller = select.poll()
-            poller.register(sock, select.POLLOUT)
-            while True:
-                try:
-                    view = view[sock.send(view, socket.MSG_DONTWAIT) :]
-                except BlockingIOError:
-                    pass
-                if not view:
-                    return
-                if deadline.expired():
-                    raise TimeoutError("the connection took no more bytes before the deadline")
-                poller.poll(max(1, int(deadline.remaining() * 1000)))
+            send_all(self._sock, data, deadline)
         except OSError as exc:
             why = f"sending to {self.where} over gRPC failed: {exc!r}"
             self._fail(why)
@@ -520,16 +505,7 @@ class GrpcChannel:
             self._send(data, Deadline.after(_CONTROL_SEND))
 
     def _recv_exact(self, size: int, buffer: bytearray) -> bytes:
-        sock = self._sock
-        assert sock is not None
-        while len(buffer) < size:
-            data = sock.recv(65536)
-            if not data:
-                raise ConnectionError(f"{self.where} closed the gRPC connection")
-            buffer += data
-        out = bytes(buffer[:size])
-        del buffer[:size]
-        return out
+        return recv_exact(self._sock, size, buffer, f"{self.where} closed the gRPC connection")
 
     def _read_loop(self) -> None:
         buffer = bytearray()

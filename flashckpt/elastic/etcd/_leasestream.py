@@ -151,6 +151,40 @@ def _read_varint(data: bytes, at: int) -> tuple[int, int]:
             return value, at
 
 
+def send_all(sock: socket.socket | None, data: bytes, deadline: Deadline) -> None:
+    """Writes ``data`` whole to ``sock`` before ``deadline`` (a frame half written breaks the
+    connection). Raises ``OSError`` (``TimeoutError`` when the deadline passed first)."""
+    if sock is None:
+        raise OSError("the connection was closed")
+    view = memoryview(data)
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    while True:
+        try:
+            view = view[sock.send(view, socket.MSG_DONTWAIT) :]
+        except BlockingIOError:
+            pass
+        if not view:
+            return
+        if deadline.expired():
+            raise TimeoutError("the connection took no more bytes before the deadline")
+        poller.poll(max(1, int(deadline.remaining() * 1000)))
+
+
+def recv_exact(sock: socket.socket | None, size: int, buffer: bytearray, closed: str) -> bytes:
+    """The next ``size`` bytes of ``sock``, ``buffer`` holding what was read ahead; raises
+    ``ConnectionError(closed)`` at the end of the stream."""
+    assert sock is not None
+    while len(buffer) < size:
+        data = sock.recv(65536)
+        if not data:
+            raise ConnectionError(closed)
+        buffer += data
+    out = bytes(buffer[:size])
+    del buffer[:size]
+    return out
+
+
 def keepalive_request(lease_id: int) -> bytes:
     """The gRPC message (length-prefixed) of ``LeaseKeepAliveRequest{ID: lease_id}``."""
     message = b"\x08" + _varint(lease_id)
@@ -393,39 +427,15 @@ class KeepAliveStream:
     def _send(self, data: bytes, deadline: Deadline) -> None:
         """Writes ``data`` whole before ``deadline`` (a frame half written breaks the stream);
         the caller holds ``_send_lock``, or owns the socket alone."""
-        sock = self._sock
-        view = memoryview(data)
         try:
-            if sock is None:
-                raise OSError("the keep-alive connection was closed")
-            poller = select.poll()
-            poller.register(sock, select.POLLOUT)
-            while True:
-                try:
-                    view = view[sock.send(view, socket.MSG_DONTWAIT) :]
-                except BlockingIOError:
-                    pass
-                if not view:
-                    return
-                if deadline.expired():
-                    raise TimeoutError("the connection took no more bytes before the deadline")
-                poller.poll(max(1, int(deadline.remaining() * 1000)))
+            send_all(self._sock, data, deadline)
         except OSError as exc:
             why = f"sending on the keep-alive stream to {self.where} failed: {exc!r}"
             self._fail(why)
             raise _StreamBroken(why) from exc
 
     def _recv_exact(self, size: int, buffer: bytearray) -> bytes:
-        sock = self._sock
-        assert sock is not None
-        while len(buffer) < size:
-            data = sock.recv(65536)
-            if not data:
-                raise ConnectionError("etcd closed the keep-alive connection")
-            buffer += data
-        out = bytes(buffer[:size])
-        del buffer[:size]
-        return out
+        return recv_exact(self._sock, size, buffer, "etcd closed the keep-alive connection")
 
     def _read_loop(self) -> None:
         buffer = bytearray()

@@ -12,11 +12,13 @@ resumed run continues exactly where the snapshot was taken.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import math
 import os
 import random
+import sys
 
 import safetensors.torch
 import torch
@@ -174,4 +176,13 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # A multi-rank run ends without the interpreter's teardown once its outputs are written: with
+    # torch 2.13's gloo, a DDP wrapper keeps the group (and gloo's worker threads) alive past
+    # destroy_process_group(), and a worker thread freeing tensors during teardown aborts a run
+    # that ended well (docs/training-loop.md#ending-a-multi-rank-run). `flashckpt run`'s
+    # pre-warmed workers end so too.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 from tinytrain import make
+from trainscript import exit_now
 
 import flashckpt
 
@@ -86,4 +87,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # (see trainscript.exit_now: no interpreter teardown after gloo)

@@ -31,6 +31,9 @@ import torch.distributed as dist  # noqa: E402
 
 import flashckpt  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+from trainscript import exit_now  # noqa: E402
+
 
 def _event(out: str, name: str, **fields: object) -> None:
     record = {
@@ -147,4 +150,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # (see trainscript.exit_now: no interpreter teardown after gloo)

@@ -26,6 +26,9 @@ import torch.distributed as dist
 
 import flashckpt
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+from trainscript import exit_now
+
 
 def _event(out: str, name: str, **fields: object) -> None:
     record = {
@@ -106,4 +109,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # (see trainscript.exit_now: no interpreter teardown after gloo)

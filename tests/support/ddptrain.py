@@ -16,6 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 from tinytrain import kill_in_copy, make
+from trainscript import exit_now
 
 import flashckpt
 from flashckpt.trainer.ddp import distributed_data_parallel
@@ -125,4 +126,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # (see trainscript.exit_now: no interpreter teardown after gloo)

@@ -151,7 +151,7 @@ class _Host:
         self.counters = _Counters()
         self.broken = threading.Event()
         self.stop = threading.Event()
-        self.cleanups: list[Any] = []
+        self.cleanups: dict[int, list[Any]] = {}  # per machine, in the order taken
         self.profiles: list[Any] = []
 
     def emit(self, **fields: Any) -> None:
@@ -232,7 +232,7 @@ class _Host:
                 )
                 handler.share_lease(registry)  # one lease per machine, as flashckpt run
                 handler.on_waiting = lambda _round, r=registry: r.watch_peers()
-                self.cleanups.append(registry.close)
+                self.cleanups.setdefault(index, []).append(registry.close)
         else:
             from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
             from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
@@ -246,9 +246,9 @@ class _Host:
         # flashckpt: machine 1 closes the rendezvous (the job is over), the others leave it, as
         # launchers do when a job ends; the keys left behind are then a finished job's.
         if a.backend in ("flashckpt", "handler") and index != 1:
-            self.cleanups.append(handler.leave)
+            self.cleanups.setdefault(index, []).append(handler.leave)
         else:
-            self.cleanups.append(handler.shutdown)
+            self.cleanups.setdefault(index, []).append(handler.shutdown)
         if a.standby:
             threading.Thread(
                 target=self._report_standby, args=(backend, handler), daemon=True
@@ -372,12 +372,26 @@ class _Host:
             time.sleep(0.02)
         self.emit(ev="snap", name="end", pid=os.getpid(), **self.counters.snapshot())
         self.stop.set()
-        deadline = time.monotonic() + 10
-        for cleanup in reversed(self.cleanups):  # the launcher's shutdown: leave, revoke
-            if time.monotonic() > deadline:
-                break
-            with contextlib.suppress(Exception):
-                cleanup()
+
+        # Every machine's launcher leaves at once, each on its own (leave the rendezvous, then
+        # revoke its lease), as the machines of a job that ends do; one after another, 256
+        # machines did not all leave within the time given, and the lease-bound keys of those
+        # that did not were counted as "left behind" until their leases lapsed.
+        def leave(steps: list[Any]) -> None:
+            for cleanup in reversed(steps):
+                with contextlib.suppress(Exception):
+                    cleanup()
+
+        leaving = [
+            threading.Thread(target=leave, args=(steps,), daemon=True)
+            for steps in list(self.cleanups.values())
+        ]
+        for t in leaving:
+            t.start()
+        deadline = time.monotonic() + 30
+        for t in leaving:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.emit(ev="leave", pid=os.getpid(), unfinished=sum(t.is_alive() for t in leaving))
         self.emit(ev="left", pid=os.getpid())
         self.out.close()
         os._exit(0)  # torch's keep-alive timers and our watches are daemon threads
@@ -522,6 +536,8 @@ class _Trial:
         self.url = ""
         self.keys_left: int | None = None
         self.key_kinds_left: dict[str, int] = {}
+        self.keys_left_after_ttl: int | None = None
+        self.key_kinds_left_after_ttl: dict[str, int] = {}
         self.cpu_seen: dict[str, float] = {}
 
     # -- processes
@@ -632,9 +648,10 @@ class _Trial:
     def cleanup(self) -> None:
         with contextlib.suppress(OSError):
             (self.ctl / "stop").touch()
+        deadline = time.monotonic() + 45  # the hosts give their machines 30 s to leave
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=15)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
         for p in self.procs:
             if p.poll() is None:
                 with contextlib.suppress(OSError):
@@ -643,6 +660,11 @@ class _Trial:
         if self.etcd is not None:
             with contextlib.suppress(Exception):  # the machines left: what stays in etcd
                 self.keys_left, self.key_kinds_left = self.job_keys()
+                if self.keys_left:
+                    # What a machine that did not leave (killed, or out of time) still holds
+                    # goes with its lease: count again once every lease of the job lapsed.
+                    time.sleep(self.a.lease_ttl + 1.5)
+                    self.keys_left_after_ttl, self.key_kinds_left_after_ttl = self.job_keys()
             self.etcd.kill()
         self.store = None
 
@@ -850,6 +872,11 @@ def run_trial(backend: str, n: int, a: argparse.Namespace, work: Path) -> dict[s
         if res.get("job_keys") is not None:
             res["job_keys"]["after_job_left"] = trial.keys_left
             res["job_key_kinds_after_job_left"] = trial.key_kinds_left
+            res["job_keys"]["after_leases_lapsed"] = trial.keys_left_after_ttl
+            res["job_key_kinds_after_leases_lapsed"] = trial.key_kinds_left_after_ttl
+            res["machines_not_left"] = sum(
+                e.get("unfinished", 0) for e in trial.read() if e["ev"] == "leave"
+            )
 
 
 def _summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

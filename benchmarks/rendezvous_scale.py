@@ -221,16 +221,20 @@ class _Host:
                     # flashckpt run: 2 (--links) when it probes.
                     links=a.links if a.probe else 0,
                 )
-                # As flashckpt run: the descriptor and state in the registration itself; the
-                # peers' watch once the machine has its rank, or while it waits as a standby.
+                # As flashckpt run: one lease per machine; the descriptor and state in the
+                # registration itself, which the first join carries (the launcher's read of
+                # its health-check key finds its node id free and, but for the standby, no
+                # running job); the peers' watch once the machine has its rank, or while it
+                # waits as a standby.
+                with_join = handler.share_lease(registry) and not a.standby
                 registry.start(
                     timedelta(seconds=60),
                     watch=False,
-                    watch_if=handler.round_key,
+                    watch_if=None if with_join else handler.round_key,
+                    with_join=with_join,
                     rdzv_node=handler.node,
                     state="waiting",
                 )
-                handler.share_lease(registry)  # one lease per machine, as flashckpt run
                 handler.on_waiting = lambda _round, r=registry: r.watch_peers()
                 self.cleanups.setdefault(index, []).append(registry.close)
         else:
@@ -366,7 +370,13 @@ class _Host:
                     answered.add(name)
                     if a.profile and name == "snap-round1":
                         _dump_profile(Path(a.profile), a, first, self.profiles)
-                    self.emit(ev="snap", name=name[5:], pid=os.getpid(), **self.counters.snapshot())
+                    self.emit(
+                        ev="snap",
+                        name=name[5:],
+                        pid=os.getpid(),
+                        threads=threading.active_count(),
+                        **self.counters.snapshot(),
+                    )
             if "stop" in names:
                 break
             time.sleep(0.02)
@@ -618,6 +628,8 @@ class _Trial:
             "bytes_written": sum(s["bytes_written"] for s in snaps),
             "max_value": max((s["max_value"] for s in snaps), default=0),
             "errors": [x for s in snaps for x in s["errors"]][:5],
+            # Python threads of each host process (machine 0's and the standby's hosts last).
+            "threads_per_host": [s.get("threads") for s in snaps],
             "t": time.time(),
         }
         out["hosts_cpu"] = self.hosts_cpu()

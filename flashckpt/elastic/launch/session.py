@@ -321,12 +321,16 @@ class LaunchSession:
         read_timeout = client.timeout
         key_prefix = str(params.get("key_prefix", DEFAULT_KEY_PREFIX))
         self._job_prefix = job_prefix(cfg.rdzv_id, key_prefix)
+        node_key = nodes_prefix(self._job_prefix) + cfg.node_id
         try:
-            # One read says both: etcd answers, and whether this node failed a health check
-            # earlier in the job (one request per machine, not two).
-            reason = health.is_marked_unhealthy(
-                client, self._job_prefix, cfg.node_id, timeout=read_timeout
+            # One read says all: etcd answers, whether this node failed a health check earlier
+            # in the job, whether its node id is held, and whether the job runs (one request
+            # per machine, as the health check's read alone was).
+            (marked, held, running), _ = client.get_many(
+                [health.unhealthy_key(self._job_prefix, cfg.node_id), node_key, handler.round_key],
+                timeout=read_timeout,
             )
+            reason = None if marked is None else marked.value.decode(errors="replace")
         except EtcdError as exc:
             raise LaunchError(
                 f"cannot reach etcd at {','.join(client.endpoints)} within "
@@ -355,6 +359,15 @@ class LaunchSession:
             on_fenced=None if cfg.standalone else self._on_fenced,
             links=_LINKS if cfg.probe else 0,
         )
+        # One lease per machine: the rendezvous keys live on the node lease (one renewal, and a
+        # peer that revokes it as dead ends both at once).
+        shared = handler.share_lease(self._registry)
+        # The node key is created by the first join, in its transaction (one request, not two:
+        # issue 31), unless the id is held: then the registration settles that here, before
+        # anything starts (a live launcher's: NodeIdInUse; a dead one's: taken over); or unless
+        # the job runs: a machine joining it (a standby) follows its peers from its
+        # registration on, as before (its first join would only learn the round it waits for).
+        with_join = shared and held is None and running is None
         try:
             # Its rendezvous descriptor and state go in the key's creation: no second write,
             # which each of its watching neighbours would receive (issue 31).
@@ -367,7 +380,8 @@ class LaunchSession:
             self._registry.start(
                 read_timeout,
                 watch=False,
-                watch_if=handler.round_key,
+                watch_if=None if with_join else handler.round_key,
+                with_join=with_join,
                 rdzv_node=handler.node,
                 state="waiting",
             )
@@ -421,9 +435,6 @@ class LaunchSession:
 
         threading.Thread(target=self._report_warm, name="flashckpt-warm", daemon=True).start()
         self._handler = handler
-        # One lease per machine: the rendezvous keys live on the node lease (one renewal, and a
-        # peer that revokes it as dead ends both at once).
-        handler.share_lease(self._registry)
         handler.on_waiting = lambda _round: registry.watch_peers()
         self._start_job_view(client)
 
@@ -518,6 +529,11 @@ class LaunchSession:
         except _Unhealthy as exc:
             logger.error("%s", exc)
             return 1
+        except NodeIdInUse as exc:
+            # Taken between the launcher's read of the node key and its first join (which
+            # creates the key): the same refusal as at the registration.
+            logger.error("%s", exc)
+            return 2
         except _LeaveJob as exc:
             logger.warning("leaving the job: %s", exc)
             self.events("left", reason=str(exc))

@@ -620,6 +620,10 @@ class NodeRegistry:
         self._seen_lost: set[str] = set()
         self._reaping: set[str] = set()  # tokens of peers found dead here, being revoked
         self._lease: Lease | None = None
+        # start(with_join=True): the node key is not created yet (the rendezvous' first join
+        # creates it, fold_registration); the registration's timeout. None: created.
+        self._unregistered: timedelta | None = None
+        self._fold_value = b""  # the record the last fold_registration created the key with
         # (lease id, value) of the node key as this launcher last wrote it, for update() to
         # skip a write that changes nothing; None when unknown.
         self._written: tuple[int, bytes] | None = None
@@ -689,7 +693,13 @@ class NodeRegistry:
             return self._generation
 
     def start(
-        self, timeout: timedelta, *, watch: bool = True, watch_if: str | None = None, **fields: Any
+        self,
+        timeout: timedelta,
+        *,
+        watch: bool = True,
+        watch_if: str | None = None,
+        with_join: bool = False,
+        **fields: Any,
     ) -> None:
         """Opens the probe port, registers the node key and starts renewing (and watching).
 
@@ -708,6 +718,22 @@ class NodeRegistry:
                 own transaction, starts the watch at once (the rendezvous' round key: the job
                 is running, and a machine joining it as a standby follows its peers while it
                 waits, as before).
+            with_join: The node key is created by the rendezvous' first join, in the join's
+                own transaction (:meth:`fold_registration`; the handler shares this registry's
+                lease: :meth:`RdzvHandler.share_lease
+                <flashckpt.elastic.rendezvous.handler.RdzvHandler.share_lease>` returned True):
+                here only the lease is granted and renewed, and the key does not exist until
+                that join. One transaction per machine on the way to its first round, not two
+                (issue 31: at 1,024 machines the registration's transaction was about 8% of
+                round 1's CPU). Every outcome of the registration stays as it was: a node id
+                held by a live launcher raises :class:`NodeIdInUse` (from that join), a dead
+                launcher's key is taken over, a lost answer is read, never resent. Not with
+                ``watch`` or ``watch_if``: a machine that finds the job running starts its
+                watch when it waits in a later round (the handler's ``on_waiting``). The
+                launcher reads its node key and the round key first (with its health-check
+                key, one request) and registers without ``with_join`` when either exists: a
+                held id is refused before anything starts, and a machine joining a running job
+                follows its peers from its registration on.
             **fields: Fields of the record to publish with the registration itself (a
                 launcher's ``rdzv_node`` and ``state="waiting"``): the key's creation carries
                 them, instead of an :meth:`update` right after it (one more put per machine,
@@ -724,12 +750,108 @@ class NodeRegistry:
             self._record = replace(
                 self._record, **fields, probe=f"{host}:{self._probe_server.port}"
             )
+        if with_join:
+            if watch or watch_if is not None:
+                raise ValueError("with_join registers in the first join: no watch or watch_if")
+            sent = time.monotonic()
+            lease = self._client.grant_lease(self._ttl, timeout=timeout)
+            with self._lock:
+                self._lease = lease
+                self._last_ok = sent
+                self._unregistered = timeout
+            self._start_thread(self._renew_loop, "renew")
+            return
         found = self._register(
             Deadline.after(timeout), read_window=watch, read_key=None if watch else watch_if
         )
         self._start_thread(self._renew_loop, "renew")
         if watch or found:
             self.watch_peers()
+
+    def fold_registration(
+        self,
+        lease: Lease,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]],
+    ) -> dict[str, Any] | None:
+        """The body of one etcd transaction that creates the node key (as :meth:`_register`
+        does: if absent, on ``lease``) and runs the transaction ``compare``/``success``/
+        ``failure`` nested in it (the rendezvous' join, on the same lease): see ``with_join``
+        of :meth:`start`. None when the key needs no creation (registered already, or
+        ``lease`` is not this registry's lease now): the caller sends its own transaction.
+        Its answer goes to :meth:`fold_answered`."""
+        with self._lock:
+            if self._unregistered is None or self._lease is None or self._lease.id != lease.id:
+                return None
+            value = self._record.to_json()
+            self._fold_value = value
+        key_b64 = base64.b64encode(self._key.encode()).decode("ascii")
+        put = {
+            "key": key_b64,
+            "value": base64.b64encode(value).decode("ascii"),
+            "lease": str(lease.id),
+        }
+        nested: dict[str, Any] = {"success": success}
+        if compare:
+            nested["compare"] = compare
+        if failure:
+            nested["failure"] = failure
+        return {
+            "compare": [{"key": key_b64, "target": "MOD", "result": "EQUAL", "mod_revision": "0"}],
+            "success": [{"request_put": put}, {"request_txn": nested}],
+            "failure": [{"request_range": {"key": key_b64}}],
+        }
+
+    def fold_answered(self, lease: Lease, response: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Takes etcd's answer to a :meth:`fold_registration` transaction (``None``: its outcome
+        is unknown). Returns the nested transaction's answer (``succeeded``, ``responses``,
+        the outer ``header``) when the node key was created by it; None when it was not (the
+        key was there, or the outcome was unknown): then the registration is settled here the
+        way :meth:`_register` settles it (a lost answer by reading the key, never by sending it
+        again; a dead launcher's key taken over, our own from before a lost lease adopted), and
+        the caller sends its nested transaction on its own.
+
+        Raises:
+            NodeIdInUse: A live launcher holds this node id.
+            EtcdError: etcd did not take the registration in time.
+        """
+        with self._lock:
+            timeout, value = self._unregistered, self._fold_value
+        if timeout is None:
+            return None  # registered meanwhile (a lapsed lease registered again)
+        if response is not None and response.get("succeeded"):
+            responses = response.get("responses") or []
+            inner = responses[1].get("response_txn", {}) if len(responses) > 1 else {}
+            self._registered(lease, value)
+            return {
+                "header": response.get("header", {}),
+                "succeeded": bool(inner.get("succeeded")),
+                "responses": inner.get("responses") or [],
+            }
+        deadline = Deadline.after(timeout)
+        if response is None:  # the answer was lost: did etcd create the key?
+            found = self._client.get_kv(self._key, timeout=_remaining(deadline))
+            if found is not None and found.lease == lease.id:
+                self._registered(lease, value)
+                return None  # the nested transaction's outcome is unknown: the caller's call
+        # The key is held (a dead launcher's, a live one's, ours from before a lost lease), or
+        # was not created: the registration's own transaction settles it, on this lease.
+        self._register(deadline, lease=lease)
+        return None
+
+    def _registered(self, lease: Lease, value: bytes) -> None:
+        """The node key was created on ``lease`` with ``value`` by a folded registration;
+        writes the record once more if it changed meanwhile (:meth:`update` writes nothing
+        while the key does not exist)."""
+        with self._lock:
+            if self._lease is None or self._lease.id != lease.id:
+                return
+            self._unregistered = None
+            self._written = (lease.id, value)
+            changed = self._record.to_json() != value
+        if changed:
+            self.update()
 
     def watch_peers(self) -> None:
         """Starts the peers' watch, the links to the ring successors and the compaction, if not
@@ -847,6 +969,8 @@ class NodeRegistry:
             value = record.to_json()
             if lease is None or self._written == (lease.id, value):
                 return
+            if self._unregistered is not None:
+                return  # the key's creation (fold_registration) carries the record
             # Until this write is known to be the last one etcd took, what the key holds is
             # unknown: two writes in flight at once may land in either order.
             self._written = None
@@ -1120,7 +1244,12 @@ class NodeRegistry:
     # ------------------------------------------------------------------------ internals
 
     def _register(
-        self, deadline: Deadline, *, read_window: bool = False, read_key: str | None = None
+        self,
+        deadline: Deadline,
+        *,
+        read_window: bool = False,
+        read_key: str | None = None,
+        lease: Lease | None = None,
     ) -> bool:
         """Creates the node key on a new lease (taking over a dead launcher's key); returns
         whether ``read_key`` exists (read in the creation's transaction; False without one).
@@ -1130,10 +1259,21 @@ class NodeRegistry:
         the transaction runs in etcd's serial apply loop, where a sorted range would fetch
         every key of its span), which the watch thread then starts from (:meth:`_watch_loop`):
         one request per machine for both, not two (:meth:`_read_window` only when those
-        ranges did not settle the window)."""
+        ranges did not settle the window).
+
+        ``lease``: the registry's lease, granted already and renewed (a folded registration
+        that found the key held, :meth:`fold_answered`): kept, not revoked, while the key is
+        taken over."""
+        given = lease
         while True:
             sent = time.monotonic()
-            lease = self._client.grant_lease(self._ttl, timeout=_remaining(deadline))
+            if given is None:
+                lease = self._client.grant_lease(self._ttl, timeout=_remaining(deadline))
+            else:
+                lease = given
+                with self._lock:
+                    sent = self._last_ok
+            assert lease is not None
             with self._lock:
                 value = self._record.to_json()
             key_b64 = base64.b64encode(self._key.encode()).decode("ascii")
@@ -1172,16 +1312,23 @@ class NodeRegistry:
                 done, current = (found_kv is not None and found_kv.lease == lease.id), found_kv
                 if done and read_key is not None:
                     exists = self._client.get_kv(read_key, timeout=_remaining(deadline)) is not None
+            if not done and given is not None and current is not None and current.lease == lease.id:
+                done = True  # created on this lease already (a folded registration's lost answer)
             if done:
                 with self._lock:
                     self._lease = lease
-                    self._last_ok = sent
+                    self._last_ok = max(self._last_ok, sent) if given is not None else sent
                     self._written = (lease.id, value)
+                    self._unregistered = None
                     if answers is not None:
                         self._registered_window = (answers, revision)
+                changed = given is not None and self.record.to_json() != value
+                if changed:
+                    self.update()
                 return exists
-            with contextlib.suppress(EtcdError):
-                self._client.revoke_lease(lease, timeout=_remaining(deadline))
+            if given is None:
+                with contextlib.suppress(EtcdError):
+                    self._client.revoke_lease(lease, timeout=_remaining(deadline))
             holder = NodeRecord.from_kv(current) if current is not None else None
             if holder is not None and holder.token == self._record.token:
                 # Our own key from before a lost lease was re-created: adopt it.

@@ -353,6 +353,12 @@ class LeaseSource(Protocol):
         fenced, closed)."""
         ...
 
+    # A source may also create its own key in the handler's first join (one transaction for
+    # both): ``fold_registration(lease, compare, success, failure) -> body | None`` and
+    # ``fold_answered(lease, response | None) -> nested response | None``, as
+    # :class:`~flashckpt.elastic.membership.nodes.NodeRegistry` does (see
+    # :meth:`RdzvHandler._join_txn`).
+
 
 class _Stats:
     def __init__(self) -> None:
@@ -864,13 +870,16 @@ class RdzvHandler(RendezvousHandler):
             # which may name this machine (see below).
             failure.append(_range(self._rp(rnd) + "c/result"))
         try:
-            response = self._txn(compare, success, failure, write=len(value))
+            found = self._join_txn(lease, compare, success, failure, write=len(value))
         except EtcdLeaseNotFound:
             self._lease_failed(lease)
             return None
         except EtcdOutcomeUnknown:
             return None  # again: the join is a put, repeating it is harmless
         self._reached = True
+        if found is None:
+            return None  # the node key's registration was settled apart from it: join again
+        response = found
         if not response.get("succeeded"):
             # A round closed meanwhile, or this machine's belief was stale, or the job closed:
             # the refusal says which; join again from what it read.
@@ -1431,6 +1440,49 @@ class RdzvHandler(RendezvousHandler):
             if compare and not response.get("succeeded"):
                 self.stats.txns_failed += 1
             elif write:
+                self.stats.bytes_written += write
+                self.stats.max_value = max(self.stats.max_value, write)
+        return response
+
+    def _join_txn(
+        self,
+        lease: Lease,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]],
+        *,
+        write: int,
+    ) -> dict[str, Any] | None:
+        """A join's transaction (:meth:`_txn`). While the lease's source has not created its
+        node key yet (``NodeRegistry.start(with_join=True)``), the key's creation and the join
+        go in one transaction (:meth:`NodeRegistry.fold_registration
+        <flashckpt.elastic.membership.nodes.NodeRegistry.fold_registration>`): one request per
+        machine on the way to its first round, not two (issue 31). Returns None when the join
+        was not made because the registration was settled apart from it (the key was held, or
+        the answer was lost: the source reads or takes the key over, never resends blindly;
+        the caller joins again).
+
+        Raises:
+            NodeIdInUse: A live launcher holds this machine's node id (from the source).
+        """
+        fold = getattr(self._source, "fold_registration", None)
+        answered = getattr(self._source, "fold_answered", None)
+        body = fold(lease, compare, success, failure) if fold and answered else None
+        if body is None:
+            return self._txn(compare, success, failure, write=write)
+        assert answered is not None
+        try:
+            outer: dict[str, Any] | None = self._client._call(
+                "/v3/kv/txn", body, timeout=self._timeout(), idempotent=False
+            )
+        except EtcdOutcomeUnknown:
+            outer = None
+        response: dict[str, Any] | None = answered(lease, outer)
+        with self.stats.lock:
+            self.stats.txns += 1
+            if response is not None and not response.get("succeeded"):
+                self.stats.txns_failed += 1
+            elif response is not None:
                 self.stats.bytes_written += write
                 self.stats.max_value = max(self.stats.max_value, write)
         return response

@@ -410,3 +410,54 @@ def test_a_slow_answer_within_the_stuck_time_keeps_the_stream(
     etcd.sock.sendall(_answer(lease, 10))
     thread.join()
     assert outcome == [10] and stream.answers == 3 and not stream.broken
+
+
+def test_the_stream_has_no_thread_a_waiting_caller_reads_its_answer(
+    fake: tuple[KeepAliveStream, _FakeEtcd],
+) -> None:
+    """No reader thread per stream (issue 31: one per simulated machine): the caller waiting
+    for an answer reads the socket; the others get theirs from it or take over the reading."""
+    stream, etcd = fake
+    assert not [t for t in threading.enumerate() if t.name == "etcd-keepalive-stream"]
+    threads = [_renew_in_thread(stream, lease, 30) for lease in (0x1, 0x2, 0x3)]
+    asked = [etcd.next_request() for _ in threads]
+    for lease in asked:  # answered in the order asked, whoever reads them
+        etcd.sock.sendall(_answer(lease, 5))
+    for thread, outcome in threads:
+        thread.join()
+        assert outcome == [5]
+    assert stream.answers == 3 and not stream.broken
+    # What came while nobody waited (a PING) is read by the next caller, and answered.
+    etcd.sock.sendall(_frame(6, 0, 0, b"pingpong"))
+    thread, outcome = _renew_in_thread(stream, 0x4, 30)
+    assert etcd.next_request() == 0x4
+    etcd.sock.sendall(_answer(0x4, 5))
+    thread.join()
+    assert outcome == [5]
+
+
+def test_a_kept_request_is_waited_for_again_not_sent_again(
+    fake: tuple[KeepAliveStream, _FakeEtcd],
+) -> None:
+    """A lease's sole renewer waits for one renewal in slices (``keep``): the request stays
+    on the wire between them and the next call takes its answer and its send time."""
+    stream, etcd = fake
+    lease = 0x6B
+    first = stream.renew_sent(lease, Deadline.after(timedelta(seconds=0.2)), keep=True)
+    assert first is None
+    assert etcd.next_request() == lease
+    assert not stream.broken
+    etcd.sock.sendall(_answer(lease, 8))  # late: nobody waits for it now
+    second = stream.renew_sent(lease, Deadline.after(timedelta(seconds=30)), keep=True)
+    assert second is not None and second[0] == 8
+    etcd.sock.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        etcd.sock.recv(1)  # the second call sent nothing: it took the first one's answer
+    etcd.sock.setblocking(True)
+    # Still in flight when a slice ends, answered during the next one: one request.
+    third = stream.renew_sent(lease, Deadline.after(timedelta(seconds=0.2)), keep=True)
+    assert third is None and etcd.next_request() == lease
+    thread, outcome = _renew_in_thread(stream, lease, 30)  # a plain call adopts it as well
+    etcd.sock.sendall(_answer(lease, 9))
+    thread.join()
+    assert outcome == [9] and stream.answers == 2 and not stream.broken

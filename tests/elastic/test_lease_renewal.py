@@ -10,6 +10,7 @@ time. When the relay stops passing anything, the machine is still fenced at its 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -123,13 +124,13 @@ def test_failed_renewals_back_off_instead_of_retrying_every_tenth_of_an_interval
     )
     calls: list[float] = []
 
-    def refused(lease: object, timeout: timedelta | None = None) -> timedelta:
+    def refused(lease: object, timeout: timedelta | None = None, keep: bool = False) -> object:
         calls.append(time.monotonic())
         raise EtcdUnavailable("etcd refused the keep-alive (the test's stand-in)")
 
     try:
         reg.start(timedelta(seconds=10))
-        client.refresh_lease = refused  # type: ignore[method-assign]
+        client.renew_lease = refused  # type: ignore[method-assign]
         last_ok = reg._last_ok  # when the lease was last renewed (a later one only helps)
         # Until two intervals after the lease may have lapsed (no fencing: it keeps trying).
         until = lease_expiry(last_ok, TTL.total_seconds()) + 2 * TTL.total_seconds() / 5
@@ -140,6 +141,37 @@ def test_failed_renewals_back_off_instead_of_retrying_every_tenth_of_an_interval
         # 0.08 s would be ~60 (52 seen on this loaded host).
         assert len(tried) <= 32, f"{len(tried)} renewals tried in 6 renewal intervals"
         assert reg.failed_renewals >= len(tried) > 0
+    finally:
+        reg.close(timeout=timedelta(seconds=2))
+        client.close()
+
+
+@pytest.mark.etcd
+def test_a_registry_renews_its_lease_from_one_thread(etcd_server: str, etcd_prefix: str) -> None:
+    """One thread per machine for its lease (issue 31: at 1,024 simulated machines a renew
+    loop, a renewer thread and the keep-alive stream's reader thread were three per machine):
+    the renew loop sends each keep-alive on the stream and reads its answer itself."""
+    client = EtcdClient(etcd_server, timeout=timedelta(seconds=5))
+    before = set(threading.enumerate())
+    reg = NodeRegistry(
+        client,
+        etcd_prefix,
+        "one-thread",
+        ttl=timedelta(seconds=2),  # renewals every 0.4 s
+        advertise_host="127.0.0.1",
+        bind_host="127.0.0.1",
+        links=0,
+    )
+    try:
+        reg.start(timedelta(seconds=10), watch=False)
+        first = reg._last_ok
+        wait_until(lambda: reg._last_ok > first + 0.5, "two renewals answered", 30)
+        kept = client._pool.keepalive
+        assert kept is not None and kept[0].answers >= 2, "the renewals went on the stream"
+        started = sorted(t.name for t in set(threading.enumerate()) - before)
+        # The probe port's server, and the renew loop: nothing else for the lease.
+        assert started == ["flashckpt-node-renew", "flashckpt-probe"], started
+        assert reg.failed_renewals == 0
     finally:
         reg.close(timeout=timedelta(seconds=2))
         client.close()

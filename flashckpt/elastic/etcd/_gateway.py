@@ -632,26 +632,30 @@ class Gateway:
             "running and reachable from this machine, or raise the timeout."
         )
 
-    def _keep_alive(self, lease_id: int, timeout: timedelta | None) -> int:
+    def _keep_alive(
+        self, lease_id: int, timeout: timedelta | None, *, keep: bool = False
+    ) -> tuple[int, float]:
         """One keep-alive of lease ``lease_id``; returns the TTL etcd answered (0: the lease
-        does not exist), with the retry rules and errors of a lease request (:meth:`_call`).
+        does not exist) and the monotonic time the answered keep-alive was sent, with the retry
+        rules and errors of a lease request (:meth:`_call`).
 
         It goes on the client's keep-alive stream (one per process, opened on first use and
         again after it breaks: :mod:`flashckpt.elastic.etcd._leasestream`), or as a gateway
         request where a stream cannot be used: ``https://`` endpoints, an endpoint that does
-        not speak HTTP/2, a closed client.
+        not speak HTTP/2, a closed client. ``keep``: see ``KeepAliveStream.renew_sent``.
         """
         budget = timeout if timeout is not None else self._timeout
         deadline = Deadline.after(budget)
         for endpoint in self._attempts(deadline):
             pool = self._pool_here()
             if pool.closed or pool.keepalive_by_request or self._tls:
-                return self._keep_alive_by_request(lease_id, deadline)
+                sent = time.monotonic()
+                return self._keep_alive_by_request(lease_id, deadline), sent
             stream: KeepAliveStream | None = None
             try:
                 stream, at = self._keepalive_stream(pool, endpoint, deadline)
-                ttl = stream.renew(lease_id, deadline)
-                if ttl is None:
+                answered = stream.renew_sent(lease_id, deadline, keep=keep)
+                if answered is None:
                     raise _AttemptFailed(
                         f"{at.url}: no answer to a lease keep-alive before the deadline",
                         sent=True,
@@ -672,7 +676,7 @@ class Gateway:
                 logger.debug("etcd lease keep-alive failed, retrying: %s", exc)
             else:
                 self._prefer(at)
-                return ttl
+                return answered
         raise AssertionError("unreachable: _attempts never ends")
 
     def _keep_alive_by_request(self, lease_id: int, deadline: Deadline) -> int:

@@ -570,14 +570,37 @@ class EtcdClient(Gateway):
             EtcdLeaseNotFound: If the lease has already expired or was revoked: the keys
                 attached to it are gone and the lease cannot be revived.
         """
+        return self.renew_lease(lease, timeout=timeout)[0]
+
+    def renew_lease(
+        self, lease: Lease | int, *, timeout: timedelta | None = None, keep: bool = False
+    ) -> tuple[timedelta, float]:
+        """:meth:`refresh_lease`, with the monotonic time (``time.monotonic()``) the answered
+        keep-alive was sent: etcd counts the lease's TTL from when it received it, later.
+
+        Args:
+            lease: The lease.
+            timeout: Deadline of this call; defaults to the client's.
+            keep: For the lease's only renewer (``NodeRegistry``'s renew loop), which waits for
+                one renewal in slices and comes back after each: a keep-alive still in flight
+                when the deadline passes is neither dropped nor judged stuck, and the next call
+                for the lease takes its answer (with its send time) instead of sending another.
+                One renewal on the wire at a time however late etcd answers, and no thread of
+                its own to wait for it. (A gateway request, where the stream cannot be used, is
+                not kept: each call sends one.)
+
+        Raises:
+            EtcdLeaseNotFound: If the lease has already expired or was revoked.
+            EtcdTimeout: No answer before the deadline (with ``keep``, one may still come).
+        """
         ident = lease_id(lease)
-        ttl = self._keep_alive(ident, timeout)
+        ttl, sent = self._keep_alive(ident, timeout, keep=keep)
         if ttl <= 0:
             raise EtcdLeaseNotFound(
                 f"lease {ident:x} has expired or was revoked; grant a new lease and put the "
                 "keys again"
             )
-        return timedelta(seconds=ttl)
+        return timedelta(seconds=ttl), sent
 
     def revoke_lease(self, lease: Lease | int, *, timeout: timedelta | None = None) -> bool:
         """Revokes a lease, deleting every key attached to it.

@@ -49,7 +49,6 @@ import itertools
 import json
 import logging
 import os
-import queue
 import random
 import selectors
 import socket
@@ -490,38 +489,6 @@ class _ProbeServer:
             self._selector.close()
 
 
-class _Renewal:
-    """One lease renewal, sent by the registry's renewer thread (:meth:`run`); sets ``wake``
-    when answered."""
-
-    def __init__(
-        self,
-        client: EtcdClient,
-        lease: Lease,
-        sent: float,
-        timeout: float,
-        interval: float,
-        wake: threading.Event,
-    ) -> None:
-        self.lease = lease
-        self.sent = sent
-        """Monotonic time it was sent."""
-        self.probe_at = sent + interval
-        """When the renew loop probes the peers if it is still unanswered."""
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self._client, self._timeout, self._wake = client, timeout, wake
-
-    def run(self) -> None:
-        try:
-            self._client.refresh_lease(self.lease, timeout=timedelta(seconds=self._timeout))
-        except Exception as exc:  # taken by the renew loop
-            self.error = exc
-        finally:
-            self.done.set()
-            self._wake.set()
-
-
 class NodeRegistry:
     """This launcher's node key, its lease, its probe port, and a watch on its peers' keys.
 
@@ -631,10 +598,6 @@ class NodeRegistry:
         self._updates_in_flight = 0
         self._lease_listeners: list[Callable[[Lease], None]] = []
         self._renew_wake = threading.Event()  # renew now (a user of the lease saw it gone)
-        # The renewer thread sends what the renew loop puts here (None: stop), one at a time;
-        # one thread for the registry's life, not one per renewal (1,000 machines per host).
-        self._renewals: queue.SimpleQueue[_Renewal | None] = queue.SimpleQueue()
-        self._renewer: threading.Thread | None = None
         self._streams: list[WatchStream] = []  # the node keys' watch (two: a wrapped window)
         self._watching = False  # the watch (and links, compaction) started: watch_peers
         self._threads: list[threading.Thread] = []
@@ -1218,7 +1181,6 @@ class NodeRegistry:
         """
         self._stop.set()
         self._renew_wake.set()
-        self._renewals.put(None)  # stops the renewer thread once it is idle
         with self._lock:
             streams = list(self._streams)
         for stream in streams:
@@ -1359,104 +1321,129 @@ class NodeRegistry:
 
         A renewal's request may take as long as the lease has left (less a margin), not just
         one interval: under load etcd answers late, and a renewal abandoned after one interval
-        is one the lease needed (and the next one only adds to the load). It runs in a thread
-        of its own, so this loop still wakes on time to probe the peers while it is late and
-        to decide at the fence deadline. A failed renewal is retried after a pause that doubles
-        with each failure in a row (:func:`_renew_retry_delay`).
+        is one the lease needed (and the next one only adds to the load). This loop waits for
+        it in slices (``EtcdClient.renew_lease(keep=True)``: the keep-alive stays on the wire
+        between them, and the next slice takes its answer), so it still wakes on time to probe
+        the peers while it is late and to decide at the fence deadline, without a thread of its
+        own for the request (the keep-alive stream has none either: this thread reads its
+        answer; issue 31, one thread per machine for its lease, was three). A failed renewal is
+        retried after a pause that doubles with each failure in a row
+        (:func:`_renew_retry_delay`).
         """
         interval = self._ttl.total_seconds() / 5
         ttl_s = self._ttl.total_seconds()
         fencing = self._on_fenced is not None
         next_at = time.monotonic() + interval  # the next renewal
-        inflight: _Renewal | None = None
+        started: float | None = None  # when the renewal in flight was started, if one is
+        until = probe_at = 0.0  # its deadline, and when to probe the peers while it is late
         failed_sent = float("-inf")  # when the last renewal that failed was sent
         failures = 0  # renewals that failed in a row
         while True:
             with self._lock:
                 lease, last_ok, fenced = self._lease, self._last_ok, self._fenced
-            if lease is None or fenced:
+            if lease is None or fenced or self._stop.is_set():
                 return
             deadline = fence_deadline(last_ok, ttl_s)
             now = time.monotonic()
-            # Wake for the next renewal (or, while one is late, to probe the peers), or at the
-            # fence deadline if that comes first; an answer wakes the loop at once.
-            wake = next_at if inflight is None else inflight.probe_at
+            if started is None:
+                # Wake for the next renewal, or at the fence deadline if that comes first.
+                wake = next_at
+                if fencing and now < deadline:
+                    wake = min(wake, deadline)
+                nudged = self._renew_wake.wait(max(0.0, wake - now))
+                self._renew_wake.clear()
+                if self._stop.is_set():
+                    return
+                if nudged:
+                    next_at = time.monotonic()  # a user of the lease saw it gone: renew now
+                now = time.monotonic()
+                if fencing and now >= deadline:
+                    # A peer's renewal shows that this machine alone is cut off from etcd when
+                    # one of this machine's renewals was sent after it and failed; not when the
+                    # only one that failed was sent before it (etcd came back for those sent
+                    # later).
+                    reason = self._cut_off(last_ok, (failed_sent, float("inf")))
+                    if reason is not None:
+                        self._fence(reason, last_ok)
+                        return
+                if now < next_at:
+                    continue  # woke for the fence deadline only
+                # The request may take what the lease has left, less a margin (etcd must
+                # receive it before the lease lapses); with nothing left, an interval (etcd's
+                # answer tells).
+                left = lease_expiry(last_ok, ttl_s) - now - interval / 2
+                started, until = now, now + (left if left >= interval else interval)
+                probe_at = now + interval
+            # Wait for the answer until the next moment this loop must act: probing the peers
+            # while it is late, the fence deadline, the renewal's own deadline.
+            wake = min(probe_at, until)
             if fencing and now < deadline:
                 wake = min(wake, deadline)
-            nudged = self._renew_wake.wait(max(0.0, wake - now))
-            self._renew_wake.clear()
+            slice_s = max(0.001, wake - now)
+            error: BaseException | None = None
+            sent = started
+            called = time.monotonic()
+            try:
+                # Kept on the wire between slices; its last slice gives it up (and a stream
+                # that answered nothing since is closed).
+                _, sent = self._client.renew_lease(
+                    lease, timeout=timedelta(seconds=slice_s), keep=wake < until
+                )
+            except EtcdLeaseNotFound as exc:
+                error = exc
+            except EtcdError as exc:
+                now = time.monotonic()
+                if now >= called + slice_s and now < until and not self._stop.is_set():
+                    # The slice ended with the renewal still unanswered (it stays on the wire,
+                    # or is sent again on a new stream): act on the time, then wait on.
+                    if now >= probe_at:
+                        probe_at = now + interval
+                        if fencing:  # late by an interval: do the peers answer?
+                            self._probe_in_background()
+                    with self._lock:
+                        last_ok = self._last_ok
+                    if fencing and now >= fence_deadline(last_ok, ttl_s):
+                        # A peer's renewal shows this machine alone is cut off from etcd when
+                        # it came after a renewal of this machine's that failed, or that has
+                        # gone unanswered for an interval while the peer's went through.
+                        reason = self._cut_off(last_ok, (failed_sent, started + interval))
+                        if reason is not None:
+                            self._fence(reason, last_ok)
+                            return
+                    continue
+                error = exc
+            self._renew_wake.clear()  # this answer says what a nudge meanwhile asked
             if self._stop.is_set():
                 return
             with self._lock:
-                lease, last_ok, fenced = self._lease, self._last_ok, self._fenced
-            if lease is None or fenced:
+                current = self._lease
+            if current is None or current.id != lease.id:
+                started = None
+                continue  # a renewal of a lease given up meanwhile
+            if not self._renewal_answered(lease, error, sent, fencing):
                 return
-            if inflight is not None and inflight.done.is_set():
-                answered, inflight = inflight, None
-                if answered.lease.id != lease.id:
-                    continue  # a renewal of a lease given up meanwhile
-                if not self._renewal_answered(answered, fencing):
-                    return
-                if answered.error is not None:
-                    failed_sent = max(failed_sent, answered.sent)
-                # The next renewal an interval after this one was sent; after a failure, after
-                # a pause that backs off (a final error must not spin, nor N machines flood etcd).
-                if answered.error is None:
-                    failures, next_at = 0, answered.sent + interval
-                else:
-                    failures += 1
-                    with self._lock:
-                        last_ok = self._last_ok
-                    now = time.monotonic()
-                    left = lease_expiry(last_ok, ttl_s) - now
-                    next_at = now + _renew_retry_delay(failures, interval, left)
-                continue
-            if nudged and inflight is None:
-                next_at = time.monotonic()  # a user of the lease saw it gone: renew now
-            now = time.monotonic()
-            deadline = fence_deadline(last_ok, ttl_s)
-            if fencing and now >= deadline:
-                # A peer's renewal shows that this machine alone is cut off from etcd when one
-                # of this machine's renewals was sent after it and failed, or has gone unanswered
-                # for an interval while the peer's went through; not when the only one that
-                # failed was sent before it (etcd came back for those sent later).
-                unanswered = float("inf") if inflight is None else inflight.sent + interval
-                reason = self._cut_off(last_ok, (failed_sent, unanswered))
-                if reason is not None:
-                    self._fence(reason, last_ok)
-                    return
-            if inflight is not None:
-                if now >= inflight.probe_at:
-                    # Late by an interval: as a failed renewal did, find out in the background
-                    # whether the peers answer (for the fence deadline).
-                    inflight.probe_at = now + interval
-                    if fencing:
-                        self._probe_in_background()
-                continue
-            if now < next_at:
-                continue  # woke for the fence deadline only
-            # The request may take what the lease has left, less a margin (etcd must receive it
-            # before the lease lapses); with nothing left, an interval (etcd's answer tells).
-            left = lease_expiry(last_ok, ttl_s) - now - interval / 2
-            timeout = left if left >= interval else interval
-            inflight = _Renewal(self._client, lease, now, timeout, interval, self._renew_wake)
-            if self._renewer is None:
-                self._renewer = threading.Thread(
-                    target=self._renewer_loop, name="flashckpt-node-renewer", daemon=True
-                )
-                self._renewer.start()
-            self._renewals.put(inflight)
+            # The next renewal an interval after this one was sent; after a failure, after a
+            # pause that backs off (a final error must not spin, nor N machines flood etcd).
+            if error is None:
+                failures, next_at = 0, sent + interval
+            else:
+                failed_sent = max(failed_sent, sent)
+                failures += 1
+                with self._lock:
+                    last_ok = self._last_ok
+                now = time.monotonic()
+                left = lease_expiry(last_ok, ttl_s) - now
+                next_at = now + _renew_retry_delay(failures, interval, left)
+            started = None
 
-    def _renewer_loop(self) -> None:
-        while (renewal := self._renewals.get()) is not None:
-            renewal.run()
-
-    def _renewal_answered(self, renewal: _Renewal, fencing: bool) -> bool:
+    def _renewal_answered(
+        self, lease: Lease, error: BaseException | None, sent: float, fencing: bool
+    ) -> bool:
         """Takes a renewal's answer; False when the renew loop must end (fenced, stopped)."""
-        lease, error, ttl_s = renewal.lease, renewal.error, self._ttl.total_seconds()
+        ttl_s = self._ttl.total_seconds()
         if error is None:
             with self._lock:
-                self._last_ok = max(self._last_ok, renewal.sent)
+                self._last_ok = max(self._last_ok, sent)
                 self._warned_cut_off = False
             return True
         if isinstance(error, EtcdLeaseNotFound):

@@ -344,7 +344,7 @@ class _Host:
     def run(self) -> None:
         a = self.a
         first, count = (int(x) for x in a.machines.split(":"))
-        if a.profile and first == 1:
+        if a.profile and first == 1 and not a.profile_kinds_only:
             self.profiles = _profile_threads()
         import torch.distributed.elastic.rendezvous  # noqa: F401  (imports done before "go")
 
@@ -368,8 +368,8 @@ class _Host:
             for name in sorted(names - answered):
                 if name.startswith("snap-"):
                     answered.add(name)
-                    if a.profile and name == "snap-round1":
-                        _dump_profile(Path(a.profile), a, first, self.profiles)
+                    if a.profile and name in _PROFILED_SNAPS:
+                        _dump_profile(Path(a.profile), a, first, self.profiles, name[5:])
                     self.emit(
                         ev="snap",
                         name=name[5:],
@@ -425,15 +425,24 @@ def _profile_threads() -> list[Any]:
     return profiles
 
 
-def _dump_profile(out: Path, a: argparse.Namespace, first: int, profiles: list[Any]) -> None:
+_PROFILED_SNAPS = ("snap-round1", "snap-before_kill", "snap-round2")
+"""``--profile`` dumps at these snapshots; the kill path is the difference of the last two
+(``benchmarks/profile_diff.py``)."""
+
+
+def _dump_profile(
+    out: Path, a: argparse.Namespace, first: int, profiles: list[Any], snap: str
+) -> None:
     """``--profile``: this process's CPU seconds per thread kind (its threads' names, digits
     dropped; ``/proc``, threads alive now) and, for the cProfiled host, the merged profile
-    (``.prof`` for ``pstats``, and the top functions by own time as text)."""
+    (``.prof`` for ``pstats``, and the top functions by own time as text), so far: at the end
+    of round 1 (``<backend>-n<N>-m<first>.*``), before the kill and once round 2 formed
+    (``...-before_kill.*``, ``...-round2.*``: the kill path is the difference)."""
     import io
     import pstats
 
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{a.backend}-n{a.nnodes}-m{first}"
+    stem = out / f"{a.backend}-n{a.nnodes}-m{first}{'' if snap == 'round1' else '-' + snap}"
     names = {t.native_id: t.name for t in threading.enumerate()}
     kinds: dict[str, float] = {}
     for task in Path("/proc/self/task").iterdir():
@@ -581,6 +590,8 @@ class _Trial:
             cmd.append("--no-probe")
         if a.profile:
             cmd += ["--profile", a.profile]
+        if a.profile_kinds_only:
+            cmd.append("--profile-kinds-only")
         cmd += ["--links", str(a.links)]
         cmd += ["--keep-alive-interval", str(a.keep_alive_interval)]
         if standby:
@@ -986,9 +997,16 @@ def main() -> int:
         "--profile",
         default=None,
         metavar="DIR",
-        help="write to DIR, at the end of round 1, each host process's CPU seconds per thread "
-        "kind, and a cProfile of every thread of the host of machines 1.. (slows it down: "
-        "not for timings)",
+        help="write to DIR, at the end of round 1, before the kill and after round 2, each host "
+        "process's CPU seconds per thread kind, and a cProfile of every thread of the host of "
+        "machines 1.. (slows it down: not for timings; benchmarks/profile_diff.py gives the "
+        "kill path)",
+    )
+    p.add_argument(
+        "--profile-kinds-only",
+        action="store_true",
+        help="with --profile: the CPU seconds per thread kind only, no cProfile (at 1,024 "
+        "machines on a loaded host the cProfiled host could not form round 1 in 120 s)",
     )
     p.add_argument(
         "--links",

@@ -23,7 +23,7 @@ from flashckpt.elastic.etcd.store import EtcdV3Store
 from flashckpt.elastic.etcd.watchstream import WatchEvent as StreamEvent
 from flashckpt.elastic.etcd.watchstream import WatchStream
 from flashckpt.elastic.membership import nodes as membership
-from flashckpt.elastic.membership.nodes import NodeRecord, NodeRegistry
+from flashckpt.elastic.membership.nodes import NodeRecord, NodeRegistry, nodes_prefix
 from flashckpt.elastic.membership.peerlinks import ring_successors
 from flashckpt.elastic.rendezvous.handler import RdzvHandler, RdzvSettings
 
@@ -685,3 +685,106 @@ def test_a_machine_forming_the_first_round_starts_its_peers_watch_once_it_has_it
     for t in waits:
         t.join(WAIT_S)
     assert len(ended) == 2
+
+
+class _ValuesClient(EtcdClient):
+    """Counts the values etcd returned to this client's range reads (a key read without its
+    value, ``keys_only``, counts as a key only)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.values = 0
+        self.keys = 0
+
+    def _call(self, path: str, body: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        response = super()._call(path, body, **kwargs)
+        if path == "/v3/kv/txn":
+            for item in response.get("responses") or []:
+                for kv in item.get("response_range", {}).get("kvs") or []:
+                    self.keys += 1
+                    self.values += bool(kv.get("value"))
+        return response
+
+
+@pytest.mark.etcd
+def test_the_window_read_after_the_rank_returns_the_windows_values_only(
+    etcd_server: str, etcd_client: EtcdClient, etcd_prefix: str
+) -> None:
+    # Issue 31: the read of the window when the watch starts after the rank (watch_peers) took
+    # the predecessors from the span of this id cut short by two characters when the span cut
+    # by one held fewer than k keys, with every value of that span: at 1,024 machines 81
+    # values per read, 59 of them from that span (1.8 ms of etcd's CPU, 0.7 ms of Python's,
+    # each machine). The span is read keys only; the window's 2k values in one more read.
+    k = membership._WINDOW
+    lease = etcd_client.grant_lease(timedelta(seconds=60))
+    names = [f"m{i}" for i in range(100, 200) if i != 130]
+    for name in names:  # the peers' keys, as their registrations wrote them
+        record = NodeRecord(node_id=name, host="h", pid=1, token=name, probe="")
+        etcd_client.put(nodes_prefix(etcd_prefix) + name, record.to_json(), lease=lease)
+    client = _ValuesClient(etcd_server, timeout=timedelta(seconds=10))
+    reg = NodeRegistry(
+        client, etcd_prefix, "m130", ttl=timedelta(seconds=30), bind_host="127.0.0.1", links=0
+    )
+    try:
+        reg.start(timedelta(seconds=30), watch=False)  # reads its own key only
+        client.values = client.keys = 0
+        reg.watch_peers()
+        expected = _window("m130", [*names, "m130"], k)
+        wait_until(lambda: set(reg.peers()) == expected, "m130's window", timeout=WAIT_S)
+        assert {n: r.token for n, r in reg.peers().items()} == {n: n for n in expected}
+        # [m13, m130) holds no key: the predecessors are the last k of [m1, m130), 30 keys.
+        # Before: 8 + 8 values of the two ranges around this id and those 30 values.
+        assert client.keys >= 30 and client.values <= 2 * k + 2 * k + 2 * k, client.values
+        assert reg.watch_reads == 1 and reg.window_requests == 2
+    finally:
+        reg.close()
+        etcd_client.revoke_lease(lease)
+
+
+@pytest.mark.etcd
+def test_a_peers_new_state_costs_its_watchers_no_link_or_window_work(
+    etcd_server: str,
+    etcd_prefix: str,
+    make_registry: Callable[..., NodeRegistry],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 31, kill -> round 2 at 1,024 machines: every survivor writes its state twice
+    # (waiting, then active), and each write reaches the 2k machines watching it, which each
+    # recomputed their links (waking their link thread) and their window for it. A new state
+    # changes neither: only a peer that comes, goes or is registered again does. The watch
+    # asks etcd for no previous values (the view holds them): a delete still reports the
+    # record as last written.
+    from flashckpt.elastic.membership.peerlinks import PeerLinks
+
+    targets: list[list[str]] = []
+    real = PeerLinks.set_targets
+
+    def counting(self: PeerLinks, wanted: Any) -> None:
+        targets.append([t.node_id for t in wanted])
+        real(self, wanted)
+
+    monkeypatch.setattr(PeerLinks, "set_targets", counting)
+    prev_asked: list[bool] = []
+
+    class Stream(WatchStream):
+        def __init__(self, *args: Any, prev_kv: bool = False, **kwargs: Any) -> None:
+            prev_asked.append(prev_kv)
+            super().__init__(*args, prev_kv=prev_kv, **kwargs)
+
+    monkeypatch.setattr(membership, "WatchStream", Stream)
+    lost = _Lost()
+    a = make_registry(etcd_prefix, "a", links=2, on_lost=lost)
+    b = make_registry(etcd_prefix, "b")
+    make_registry(etcd_prefix, "c")
+    wait_until(lambda: a.linked() == {"b", "c"}, "a linked to b and c", timeout=WAIT_S)
+    before, events = len(targets), a.watch_events
+    for state, rank in (("waiting", None), ("active", 3), ("leaving", None)):
+        b.update(state=state, group_rank=rank)
+    wait_until(lambda: a.peers()["b"].state == "leaving", "b's states seen", timeout=WAIT_S)
+    assert a.watch_events - events == 3 and len(targets) == before
+    assert a.linked() == {"b", "c"}
+    b.close()
+    wait_until(lambda: lost.of("b"), "b's delete seen", timeout=WAIT_S)
+    assert lost.of("b") == [("leaving", "watch")]
+    assert len(targets) > before and targets[-1] == ["c"]
+    assert prev_asked and not any(prev_asked)

@@ -32,8 +32,10 @@ from flashckpt.elastic.etcd.store import EtcdV3Store
 from flashckpt.elastic.membership.nodes import NodeRegistry
 from flashckpt.elastic.rendezvous import handler as handler_module
 from flashckpt.elastic.rendezvous.handler import (
+    PackedMembers,
     RdzvHandler,
     RdzvSettings,
+    _digest,
     decode_members,
     encode_members,
     settings_from_params,
@@ -144,7 +146,36 @@ def test_members_packing_roundtrips() -> None:
     big = list(range(100_000, 103_000, 3))[::-1]
     assert decode_members(encode_members(big)) == big
     with pytest.raises(ValueError):
-        decode_members("gA==")  # a varint that never ends
+        decode_members("gA==")  # no width and base
+    with pytest.raises(ValueError):
+        encode_members([-1])
+
+
+def test_a_waiter_finds_its_rank_in_the_packed_members_without_decoding_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 31: every waiter of a round of 1,024 machines decoded the 1,024 members (varints,
+    # a Python loop) to find its own rank. The packing is of fixed width: one search of the
+    # bytes, and the whole list is decoded only where it is needed (the lead, members()).
+    revs = list(range(5000, 5000 + 1024 * 7, 7))[::-1]
+    packed = encode_members(revs)
+    assert len(packed) <= 2800  # 2 bytes per member, as before
+    members = PackedMembers(packed)
+    monkeypatch.setattr(PackedMembers, "tolist", lambda self: pytest.fail("the list was decoded"))
+    assert len(members) == 1024
+    assert [members.rank_of(r) for r in (revs[0], revs[517], revs[-1])] == [0, 517, 1023]
+    assert members.rank_of(5001) is None and members.rank_of(1) is None
+    assert revs[3] in members and 4999 not in members
+    # An offset whose bytes also occur across two members' boundary is found aligned only.
+    # (00 01 | 00 00 | 01 00: 0x0100 is also at byte 1.)
+    tricky = PackedMembers(encode_members([0x0001, 0x0000, 0x0100]))
+    assert tricky.rank_of(0x0100) == 2 and tricky.rank_of(0x0001) == 0
+    assert 0x0100 not in PackedMembers(encode_members([0x0001, 0x0000]))
+    # A member twice: two ranks for one machine, refused.
+    with pytest.raises(ValueError, match="twice"):
+        PackedMembers(encode_members([7, 9, 7])).rank_of(7)
+    monkeypatch.undo()
+    assert PackedMembers(packed).tolist() == revs
 
 
 def test_a_round_forms_with_unique_ranks_and_a_small_result(job: Callable[..., Job]) -> None:
@@ -405,9 +436,12 @@ def test_a_member_whose_wait_failed_takes_its_rank_not_the_next_round(
 
 def test_a_result_of_another_round_is_a_clear_error(job: Callable[..., Job]) -> None:
     j = job(min_nodes=1, max_nodes=1)
+    packed = encode_members([5])
     j.client.put(
         j.prefix + "rdzv/r/000000000000/c/result",
-        json.dumps({"v": 1, "round": 7, "world": 1, "m": encode_members([5])}).encode(),
+        json.dumps(
+            {"v": 2, "round": 7, "world": 1, "m": packed, "digest": _digest(packed)}
+        ).encode(),
     )
     with pytest.raises(RendezvousStateError, match="says round 7"):
         done(j.join(j.machine()))

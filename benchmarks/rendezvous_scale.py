@@ -344,6 +344,8 @@ class _Host:
     def run(self) -> None:
         a = self.a
         first, count = (int(x) for x in a.machines.split(":"))
+        if a.profile:
+            _tally_ended_threads()
         if a.profile and first == 1 and not a.profile_kinds_only:
             self.profiles = _profile_threads()
         import torch.distributed.elastic.rendezvous  # noqa: F401  (imports done before "go")
@@ -430,28 +432,61 @@ _PROFILED_SNAPS = ("snap-round1", "snap-before_kill", "snap-round2")
 (``benchmarks/profile_diff.py``)."""
 
 
+_ENDED: dict[str, float] = {}
+"""``--profile``: CPU seconds of the threads that ended, by kind (:func:`_tally_ended_threads`)."""
+_ENDED_LOCK = threading.Lock()
+
+
+def _thread_kind(name: str) -> str:
+    return re.sub(r"\d+", "N", re.sub(r" \(.*\)$", "", name))
+
+
+def _tally_ended_threads() -> None:
+    """``--profile``: each thread started from now on adds its own CPU time (its clock, not
+    ``/proc``'s 10 ms ticks, which round a short thread to nothing) to :data:`_ENDED` under its
+    kind as it ends."""
+    run = threading.Thread.run
+
+    def tallied(self: threading.Thread) -> None:
+        try:
+            run(self)
+        finally:
+            cpu = time.thread_time()
+            kind = _thread_kind(self.name)
+            with _ENDED_LOCK:
+                _ENDED[kind] = _ENDED.get(kind, 0.0) + cpu
+
+    threading.Thread.run = tallied  # type: ignore[method-assign]
+
+
 def _dump_profile(
     out: Path, a: argparse.Namespace, first: int, profiles: list[Any], snap: str
 ) -> None:
     """``--profile``: this process's CPU seconds per thread kind (its threads' names, digits
-    dropped; ``/proc``, threads alive now) and, for the cProfiled host, the merged profile
-    (``.prof`` for ``pstats``, and the top functions by own time as text), so far: at the end
-    of round 1 (``<backend>-n<N>-m<first>.*``), before the kill and once round 2 formed
-    (``...-before_kill.*``, ``...-round2.*``: the kill path is the difference)."""
+    dropped; each thread's own clock, those that ended included) and, for the cProfiled
+    host, the merged profile (``.prof`` for ``pstats``, and the top functions by own time as
+    text), so far: at the end of round 1 (``<backend>-n<N>-m<first>.*``), before the kill and
+    once round 2 formed (``...-before_kill.*``, ``...-round2.*``: the kill path is the
+    difference)."""
     import io
     import pstats
 
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{a.backend}-n{a.nnodes}-m{first}{'' if snap == 'round1' else '-' + snap}"
-    names = {t.native_id: t.name for t in threading.enumerate()}
     kinds: dict[str, float] = {}
-    for task in Path("/proc/self/task").iterdir():
-        cpu = _cpu_seconds_of(task / "stat")
-        name = names.get(int(task.name), "(not a Python thread)")
-        kind = re.sub(r"\d+", "N", re.sub(r" \(.*\)$", "", name))
-        kinds[kind] = round(kinds.get(kind, 0.0) + (cpu or 0.0), 3)
+    with _ENDED_LOCK:
+        for kind, cpu in _ENDED.items():  # threads that ended, by their own clocks
+            kinds[kind] = kinds.get(kind, 0.0) + cpu
+    for thread in threading.enumerate():  # the live ones, by theirs
+        try:
+            cpu = time.clock_gettime(time.pthread_getcpuclockid(thread.ident or 0))
+        except (OSError, OverflowError):
+            continue  # ended meanwhile (tallied)
+        kind = _thread_kind(thread.name)
+        kinds[kind] = kinds.get(kind, 0.0) + cpu
     total = _cpu_seconds(os.getpid()) or 0.0
-    kinds["(threads ended)"] = round(total - sum(kinds.values()), 3)
+    kinds = {k: round(v, 3) for k, v in kinds.items()}
+    kinds["(not a Python thread)"] = round(total - sum(kinds.values()), 3)
     stem.with_suffix(".threads.json").write_text(
         json.dumps(dict(sorted(kinds.items(), key=lambda kv: -kv[1])), indent=1) + "\n"
     )

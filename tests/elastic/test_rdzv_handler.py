@@ -176,6 +176,11 @@ def test_a_waiter_finds_its_rank_in_the_packed_members_without_decoding_them(
         PackedMembers(encode_members([7, 9, 7])).rank_of(7)
     monkeypatch.undo()
     assert PackedMembers(packed).tolist() == revs
+    # A standby that joined long before the others: 3 bytes each, searched the same way.
+    wide = [10, *range(300_000, 300_000 + 64 * 5, 5)]
+    three = PackedMembers(encode_members(wide))
+    assert three.tolist() == wide and three.rank_of(wide[40]) == 40 and three.rank_of(10) == 0
+    assert len(encode_members(wide)) == 4 * -(-(9 + 3 * len(wide)) // 3)
 
 
 def test_a_round_forms_with_unique_ranks_and_a_small_result(job: Callable[..., Job]) -> None:

@@ -113,7 +113,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LEASE_TTL = timedelta(seconds=10)
 _RESULT_VERSION = 2  # 1: the members as varints (decoded in full by every waiter)
 _JOIN_VERSION = 1
-_MAX_VALUE_BYTES = 64 << 10  # a result of ~20,000 machines; more is not ours
+_MAX_VALUE_BYTES = 128 << 10  # a result of ~20,000 machines at 4 bytes each; more is not ours
 _MAX_ROUND = 10**12 - 1
 _WAIT_SLICE_S = 30.0  # a waiter re-checks its lease at least this often
 _QUIET_READ_S = 30.0  # a waiter reads its round's control keys after a watch this quiet
@@ -121,16 +121,17 @@ _node_ids = itertools.count()
 
 
 # ------------------------------------------------------------------------------ encodings
-_WIDTH_CODES = {1: "B", 2: "H", 4: "I", 8: "Q"}
+_WIDTH_CODES = {1: "B", 2: "H", 3: "", 4: "I", 8: "Q"}  # "": no struct code (tolist)
 _PACK_HEAD = 9  # the width (1 byte) and the base (8 bytes, big-endian)
 
 
 def encode_members(revisions: Sequence[int]) -> str:
     """The members of a round in rank order (their join keys' ``create_revision``), packed in
-    fixed width: one byte ``w`` (1, 2, 4 or 8), the smallest revision as 8 bytes, then each
-    member's offset from it in ``w`` bytes, big-endian; base64. About 2 bytes per machine for a
-    round whose machines joined within 65,536 revisions: 2.7 KiB for 1,024 machines, as the
-    varints of version 1, but a machine finds its rank with one search of the bytes
+    fixed width: one byte ``w`` (1, 2, 3, 4 or 8), the smallest revision as 8 bytes, then each
+    member's offset from it in ``w`` bytes, big-endian; base64. 2 bytes per machine for a round
+    whose machines joined within 65,536 revisions (2.7 KiB for 1,024 machines, as the varints
+    of version 1), 3 within 16.7 million (a standby that waited long before the others
+    joined), but a machine finds its rank with one search of the bytes
     (:class:`PackedMembers`), without decoding the list (issue 31: every waiter of a round of
     1,024 decoded 1,024 varints in Python).
 
@@ -142,9 +143,14 @@ def encode_members(revisions: Sequence[int]) -> str:
     if base < 0 or top >= 1 << 63:
         raise ValueError(f"revisions must be in [0, 2**63), got {base}..{top}")
     width = next(w for w in _WIDTH_CODES if top - base < 1 << (8 * w))
-    raw = bytes([width]) + base.to_bytes(8, "big")
-    raw += struct.pack(f">{len(revisions)}{_WIDTH_CODES[width]}", *(r - base for r in revisions))
-    return base64.b64encode(raw).decode("ascii")
+    raw = bytearray([width]) + base.to_bytes(8, "big")
+    code = _WIDTH_CODES[width]
+    if code:
+        raw += struct.pack(f">{len(revisions)}{code}", *(r - base for r in revisions))
+    else:
+        for r in revisions:
+            raw += (r - base).to_bytes(width, "big")
+    return base64.b64encode(bytes(raw)).decode("ascii")
 
 
 class PackedMembers:
@@ -204,9 +210,14 @@ class PackedMembers:
 
     def tolist(self) -> list[int]:
         """Every member, in rank order."""
-        base = self._base
-        offsets = struct.unpack_from(f">{self._n}{self._code}", self._raw, _PACK_HEAD)
-        return [base + o for o in offsets]
+        base, raw, width = self._base, self._raw, self._width
+        if self._code:
+            offsets = struct.unpack_from(f">{self._n}{self._code}", raw, _PACK_HEAD)
+            return [base + o for o in offsets]
+        return [
+            base + int.from_bytes(raw[at : at + width], "big")
+            for at in range(_PACK_HEAD, len(raw), width)
+        ]
 
 
 def decode_members(text: str) -> list[int]:

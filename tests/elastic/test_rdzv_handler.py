@@ -678,3 +678,59 @@ def test_the_rendezvous_keys_share_the_node_lease(
     finally:
         for reg in regs:
             reg.close()
+
+
+def test_a_member_opens_no_watch_of_its_own_once_it_has_its_rank(
+    job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 31 (kill -> round 2 at 1,024 machines): a waiter followed its round's control keys
+    # on one watch, closed it once it read the result, and opened another for the member
+    # watch (num_nodes_waiting), over every member's join key: two watches per member per
+    # round, and every member's death a message to every member. The wait's watch also covers
+    # the next round's keys and the member watch goes on with it; that a full round lost a
+    # member comes from the next round's lead, once (r/<R+1>/c/room).
+    from flashckpt.elastic.etcd.watchstream import WatchStream
+
+    opened: list[bytes] = []
+
+    class Counting(WatchStream):
+        def __init__(self, client: Any, key: bytes, *args: Any, **kwargs: Any) -> None:
+            opened.append(key)
+            super().__init__(client, key, *args, **kwargs)
+
+    monkeypatch.setattr(handler_module, "WatchStream", Counting)
+    j = job(min_nodes=4, max_nodes=4, lease_ttl=timedelta(seconds=30))
+    hs = [j.machine() for _ in range(4)]
+    infos = j.rounds(hs)
+    assert sorted(ranks(infos)) == [0, 1, 2, 3]
+    # The lead: its joins' watch and its member watch; each of the 3 waiters: one (was two).
+    assert len(opened) == 2 + 3, opened
+    assert all(h.num_nodes_waiting() == 0 for h in hs)
+    # A standby for the full round: it leads the next one (its joins' watch, over the members'
+    # keys); the members open nothing, and count nobody while every member lives.
+    standby = j.machine()
+    waiting = j.join(standby)
+    wait_until(lambda: standby.waiting_in == 1, "the standby waits in round 1", timeout=30.0)
+    wait_until(lambda: len(opened) == 6, "the standby leading round 1", timeout=30.0)
+    time.sleep(0.3)  # let a (wrong) count arrive, if one were coming
+    assert [h.num_nodes_waiting() for h in hs] == [0, 0, 0, 0] and len(opened) == 6
+    victim = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 2)
+    kill(victim)
+    survivors = [h for h in hs if h is not victim]
+    wait_until(
+        lambda: all(h.num_nodes_waiting() > 0 for h in survivors), "standby counted", timeout=30.0
+    )
+    assert j.client.get(j.prefix + "rdzv/r/000000000001/c/room") is not None
+    after = j.rounds(survivors)
+    info = done(waiting)
+    assert info.rank == 2 and sorted([*ranks(after), info.rank]) == [0, 1, 2, 3]
+    # A member restarting (its join of the next round) is counted by the others' watches, as
+    # they go on with the stream of their wait.
+    restarting = survivors[0]
+    others = [*survivors[1:], standby]
+    out = j.join(restarting)
+    wait_until(
+        lambda: all(h.num_nodes_waiting() > 0 for h in others), "the restart counted", timeout=30.0
+    )
+    j.rounds(others)
+    done(out)

@@ -115,6 +115,9 @@ _RESULT_VERSION = 2  # 1: the members as varints (decoded in full by every waite
 _JOIN_VERSION = 1
 _MAX_VALUE_BYTES = 128 << 10  # a result of ~20,000 machines at 4 bytes each; more is not ours
 _MAX_ROUND = 10**12 - 1
+_ROOM = "room"
+"""``r/<R>/c/room``: written once by round ``R``'s lead when round ``R - 1`` was full and lost
+a member: a machine that is not of round ``R - 1`` now counts as waiting for its members."""
 _WAIT_SLICE_S = 30.0  # a waiter re-checks its lease at least this often
 _QUIET_READ_S = 30.0  # a waiter reads its round's control keys after a watch this quiet
 _node_ids = itertools.count()
@@ -1015,12 +1018,22 @@ class RdzvHandler(RendezvousHandler):
         it is; the keys are read again only when the lead went (every waiter races for it), the
         watch ended (closed, compacted, failed) or stayed quiet for ``_QUIET_READ_S``."""
         ctl_prefix = self._rp(rnd) + "c/"
+        nxt = self._rp(rnd + 1).encode()
         watch: WatchStream | None = None
+        # The next round's keys the watch carried (it follows them too: the member watch goes
+        # on with it once this machine has its rank, see _MemberWatch).
+        spill: list[WatchEvent] = []
         quiet_since = time.monotonic()
         try:
             while True:
                 if "result" in ctl:
-                    return self._take_result(rnd, ctl["result"], my_create)
+                    handed, watch = watch, None
+                    if handed is not None:
+                        with self._lock:
+                            self._streams.discard(handed)
+                    return self._take_result(
+                        rnd, ctl["result"], my_create, handed=handed, pending=spill
+                    )
                 mine = "lead" in ctl and ctl["lead"].value == self._node.encode()
                 read = True
                 if "lead" not in ctl and not mine:
@@ -1029,6 +1042,7 @@ class RdzvHandler(RendezvousHandler):
                     # that not all of them race for it.
                     self._drop_watch(watch)
                     watch = None
+                    spill.clear()
                     self._wait_ctl_once(
                         ctl_prefix, rev, min(deadline.remaining(), random.random() * 0.3)
                     )
@@ -1043,6 +1057,7 @@ class RdzvHandler(RendezvousHandler):
                 if "lead" not in ctl or mine:
                     self._drop_watch(watch)
                     watch = None
+                    spill.clear()
                     if self._try_lead(rnd, round_rev, ctl.get("lead")):
                         result = self._lead(rnd, round_rev, deadline)
                         if result is not None:
@@ -1052,7 +1067,7 @@ class RdzvHandler(RendezvousHandler):
                     return None
                 else:
                     if watch is None:
-                        watch = self._open_ctl_watch(ctl_prefix, rev)
+                        watch = self._open_ctl_watch(ctl_prefix, rev, through=nxt)
                     events = self._wait_ctl(
                         watch,
                         min(deadline.remaining(), _WAIT_SLICE_S, self._lease_ttl_s()),
@@ -1063,6 +1078,9 @@ class RdzvHandler(RendezvousHandler):
                         # The watch carries every change, the result itself included: no read
                         # (one request less for every waiter of the round, and none per slice).
                         for ev in events:
+                            if ev.kv.key.startswith(nxt):
+                                spill.append(ev)
+                                continue
                             name = ev.kv.key.decode(errors="replace").rsplit("/", 1)[-1]
                             if ev.deleted:
                                 ctl.pop(name, None)
@@ -1075,6 +1093,7 @@ class RdzvHandler(RendezvousHandler):
                         # _QUIET_READ_S: read the keys, and watch again from that read.
                         self._drop_watch(watch)
                         watch = None
+                        spill.clear()
                         quiet_since = time.monotonic()
                 self._check_left()
                 if self._lease_lost.is_set() or deadline.expired():
@@ -1094,10 +1113,14 @@ class RdzvHandler(RendezvousHandler):
             self._raise_closed()
         return response
 
-    def _open_ctl_watch(self, ctl_prefix: str, rev: int) -> WatchStream:
-        """A watch of the round's control keys after ``rev``, closed by :meth:`_wake_waits`."""
+    def _open_ctl_watch(
+        self, ctl_prefix: str, rev: int, through: bytes | None = None
+    ) -> WatchStream:
+        """A watch of the round's control keys after ``rev`` (and of the keys under
+        ``through``, the next round's, which come after them), closed by
+        :meth:`_wake_waits`."""
         key = ctl_prefix.encode()
-        stream = WatchStream(self._client, key, prefix_end(key), rev + 1)
+        stream = WatchStream(self._client, key, prefix_end(through or key), rev + 1)
         with self._lock:
             self._streams.add(stream)
         with self.stats.lock:
@@ -1207,12 +1230,17 @@ class RdzvHandler(RendezvousHandler):
         with self._lock:
             self._streams.add(stream)
         last_call_at: float | None = None
+        # The previous round was full: once it lost a member, machines not of it count as
+        # waiting for its members (_MemberWatch); said once, in r/<rnd>/c/room.
+        room_said = _ROOM in ctl or len(prev_members) < self._s.max_nodes
         logger.info(
             "leading round %d: %d joined, %d live members of round %d", rnd, len(joins),
             len(alive_prev), rnd - 1,
         )  # fmt: skip
         try:
             while True:
+                if not room_said and len(alive_prev) < len(prev_members):
+                    room_said = self._say_room(cur, len(prev_members) - len(alive_prev))
                 joined_nodes = {j.node for j in joins.values()}
                 ready = all(node in joined_nodes for node in alive_prev.values())
                 n = len(joins)
@@ -1261,6 +1289,19 @@ class RdzvHandler(RendezvousHandler):
             with self._lock:
                 self._streams.discard(stream)
             stream.close()
+
+    def _say_room(self, cur: str, gone: int) -> bool:
+        """Writes ``cur``'s room key (see :data:`_ROOM`) on this lead's lease; whether it was
+        written (else it is tried again at the lead's next wake-up)."""
+        lease = self._lease
+        if lease is None:
+            return False
+        try:
+            self._client.put(cur + "c/" + _ROOM, str(gone).encode(), lease=lease)
+        except EtcdError as exc:
+            logger.info("could not tell the members that their round lost one: %s", exc)
+            return False
+        return True
 
     def _close_round(
         self, rnd: int, round_rev: int, joins: dict[bytes, _Join], survivors: set[str]
@@ -1331,7 +1372,33 @@ class RdzvHandler(RendezvousHandler):
         return found[0] if found else None
 
     # -------------------------------------------------------------------- the outcome
-    def _take_result(self, rnd: int, kv: KeyValue, my_create: int) -> RendezvousInfo | None:
+    def _take_result(
+        self,
+        rnd: int,
+        kv: KeyValue,
+        my_create: int,
+        *,
+        handed: WatchStream | None = None,
+        pending: Sequence[WatchEvent] = (),
+    ) -> RendezvousInfo | None:
+        """This machine's rank from round ``rnd``'s result ``kv``, or None if the round did not
+        take it. ``handed``: the stream the wait followed (the round's control keys and the
+        next round's keys, ``pending`` the next round's events it carried), which the member
+        watch goes on with (closed here otherwise)."""
+        try:
+            return self._take_result_of(rnd, kv, my_create, handed, pending)
+        finally:
+            if handed is not None and self._member_watch is None:
+                handed.close()  # not taken, or a bad result: nobody goes on with it
+
+    def _take_result_of(
+        self,
+        rnd: int,
+        kv: KeyValue,
+        my_create: int,
+        handed: WatchStream | None,
+        pending: Sequence[WatchEvent],
+    ) -> RendezvousInfo | None:
         result = _decode_result(kv, rnd)
         self._pending = (-1, 0)
         # The result and the round key are written in one transaction (_close_round): the
@@ -1374,7 +1441,9 @@ class RdzvHandler(RendezvousHandler):
         else:  # a closer that did not carry it: torch's exchange through the store
             bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._addr)
         self.phases["done"] = time.time()
-        self._member_watch = _MemberWatch(self, rnd, result.members, kv.mod_revision, rank)
+        self._member_watch = _MemberWatch(
+            self, rnd, result.members, kv.mod_revision, rank, handed, pending
+        )
         logger.info(
             "round %d of %r: group rank %d of %d (result %s)",
             rnd,
@@ -1580,23 +1649,39 @@ class RdzvHandler(RendezvousHandler):
 
 class _MemberWatch:
     """A member's view of who waits for the next round, fed by one watch (see the module
-    docstring); the thread ends once someone counts (torch restarts the workers then)."""
+    docstring); the thread ends once someone counts (torch restarts the workers then).
+
+    It follows the round's control keys and the next round's keys (``[r/R/c/, r/R+1/~)``),
+    going on with the stream its wait for the result followed (``handed``), so a member opens
+    no watch once it has its rank (issue 31: at 1,024 machines one watch opened and one closed
+    per member per round). Whether a full round lost a member, which lets a machine that is
+    not of the round count, comes from the next round's lead (:meth:`RdzvHandler._lead`
+    follows the round's join keys anyway and writes ``r/R+1/c/room`` once), not from every
+    member following every other member's key."""
 
     def __init__(
-        self, handler: RdzvHandler, rnd: int, members: PackedMembers, result_rev: int, rank: int
+        self,
+        handler: RdzvHandler,
+        rnd: int,
+        members: PackedMembers,
+        result_rev: int,
+        rank: int,
+        handed: WatchStream | None = None,
+        pending: Sequence[WatchEvent] = (),
     ) -> None:
         self._h = handler
         self._rnd = rnd
-        self._members = members  # searched per deleted key, never decoded
-        self._gone: set[int] = set()  # members whose join key went
+        self._world = len(members)
+        self._room = False  # the next round's lead said a member of this full round went
         self._rank = rank
         self._lock = threading.Lock()
         self._count = 0
         self._joins: dict[bytes, bool] = {}  # join key -> a member of this round
         self._excluded = False
         self._stop = threading.Event()
-        self._stream: WatchStream | None = None
-        self._start = result_rev + 1
+        self._stream: WatchStream | None = handed
+        self._pending = list(pending)
+        self._start = handed.next_revision if handed is not None else result_rev + 1
         self._thread = threading.Thread(
             target=self._run, name="flashckpt-rdzv-members", daemon=True
         )
@@ -1615,16 +1700,23 @@ class _MemberWatch:
     def _run(self) -> None:
         h = self._h
         cur, nxt = h._rp(self._rnd), h._rp(self._rnd + 1)
-        cur_a, nxt_a = (cur + "a/").encode(), (nxt + "a/").encode()
-        nxt_result = (nxt + "c/result").encode()
+        keys = _MemberKeys(nxt, h._qnode)
         start = self._start
         refresh_every = 60.0
         if h._s.state_ttl is not None:
             refresh_every = min(refresh_every, h._s.state_ttl.total_seconds() / 4)
         last_refresh = time.monotonic()
+        pending, self._pending = self._pending, []
+        if pending and self._apply(pending, keys):
+            self._close_stream()
+            return
         while not self._stop.is_set():
-            stream = WatchStream(h._client, cur_a, prefix_end(nxt.encode()), start, prev_kv=True)
-            self._stream = stream
+            stream = self._stream
+            if stream is None:
+                stream = WatchStream(
+                    h._client, (cur + "c/").encode(), prefix_end(nxt.encode()), start
+                )
+                self._stream = stream
             if self._stop.is_set():
                 stream.close()
                 return
@@ -1634,28 +1726,30 @@ class _MemberWatch:
                     if self._rank == 0 and time.monotonic() - last_refresh >= refresh_every:
                         h._refresh_state_lease()
                         last_refresh = time.monotonic()
-                    if self._apply(events, cur_a, nxt_a, nxt_result):
+                    if self._apply(events, keys):
                         return  # counted: torch restarts the workers, next_rendezvous follows
             except WatchClosed:
                 return
             except WatchCompacted as exc:
-                start = self._resync(exc.compact_revision, cur, nxt)
+                start = self._resync(exc.compact_revision, nxt)
             except EtcdError as exc:
                 logger.debug("the rendezvous watch failed (retrying): %s", exc)
                 start = stream.next_revision
                 self._stop.wait(1.0)
             finally:
                 stream.close()
+                self._stream = None
 
-    def _apply(self, events: list[WatchEvent], cur_a: bytes, nxt_a: bytes, result: bytes) -> bool:
-        me = self._h._qnode.encode()
+    def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+
+    def _apply(self, events: Sequence[WatchEvent], keys: _MemberKeys) -> bool:
         for ev in events:
             key = ev.kv.key
-            if key.startswith(cur_a):
-                if ev.deleted and ev.prev is not None and ev.prev.create_revision in self._members:
-                    self._gone.add(ev.prev.create_revision)
-            elif key.startswith(nxt_a):
-                if key.endswith(b"/" + me):
+            if key.startswith(keys.nxt_a):
+                if key == keys.mine:
                     continue
                 if ev.deleted:
                     self._joins.pop(key, None)
@@ -1663,43 +1757,47 @@ class _MemberWatch:
                     j = _decode_join(ev.kv)
                     member = j is not None and j.claim is not None and j.claim.round == self._rnd
                     self._joins[key] = member
-            elif key == result and not ev.deleted:
+            elif key == keys.nxt_result and not ev.deleted:
                 self._excluded = True  # the next round formed without this machine
+            elif key == keys.nxt_room and not ev.deleted:
+                self._room = True
         members = sum(1 for m in self._joins.values() if m)
         others = len(self._joins) - members
-        alive = len(self._members) - len(self._gone)
-        count = members + (others if alive < self._h._s.max_nodes else 0)
+        room = self._room or self._world < self._h._s.max_nodes
+        count = members + (others if room else 0)
         if self._excluded:
             count = max(count, 1)
         with self._lock:
             self._count = count
         return count > 0
 
-    def _resync(self, compacted: int, cur: str, nxt: str) -> int:
+    def _resync(self, compacted: int, nxt: str) -> int:
         """After a compaction: the state from one read, the watch from after it."""
         h = self._h
         while not self._stop.is_set():
             try:
-                snap = h._txn(
-                    [],
-                    [
-                        _range(cur + "a/", prefix=True),
-                        _range(nxt + "a/", prefix=True),
-                        _range(nxt + "c/result"),
-                    ],
-                    [],
-                )
+                snap = h._txn([], [_range(nxt, prefix=True)], [])
             except EtcdError:
                 self._stop.wait(1.0)
                 continue
-            held = {kv.create_revision for kv in _kvs(snap, 0)}
-            self._gone = set(self._members.tolist()) - held
             self._joins = {}
-            events = [WatchEvent(False, kv, None) for kv in _kvs(snap, 1) + _kvs(snap, 2)]
-            self._apply(events, (cur + "a/").encode(), (nxt + "a/").encode(),
-                        (nxt + "c/result").encode())  # fmt: skip
+            events = [WatchEvent(False, kv, None) for kv in _kvs(snap, 0)]
+            self._apply(events, _MemberKeys(nxt, h._qnode))
             return _revision(snap) + 1
         return compacted + 1
+
+
+class _MemberKeys:
+    """The keys a member watch tells apart (the next round's joins, result and room, this
+    machine's join of it)."""
+
+    __slots__ = ("mine", "nxt_a", "nxt_result", "nxt_room")
+
+    def __init__(self, nxt: str, qnode: str) -> None:
+        self.nxt_a = (nxt + "a/").encode()
+        self.nxt_result = (nxt + "c/result").encode()
+        self.nxt_room = (nxt + "c/" + _ROOM).encode()
+        self.mine = (nxt + "a/" + qnode).encode()
 
 
 # ------------------------------------------------------------------------------ creation

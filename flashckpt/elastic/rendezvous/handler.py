@@ -17,7 +17,10 @@ Keys (under the job's prefix ``<key_prefix>/<run_id>/rdzv/``; ``<R>`` is a round
   lease: created if absent by a waiting machine; when the lead dies, another takes over.
 - ``r/<R>/c/result``: the round's outcome, written once by the lead in one transaction that
   creates it only if absent: round number, world size and the members in rank order, as the
-  ``create_revision`` of their join keys, varint-packed (about 2.7 KiB for 1,024 machines).
+  ``create_revision`` of their join keys, packed in fixed width (about 2.7 KiB for 1,024
+  machines; a machine finds its rank with one search of the bytes, :class:`PackedMembers`).
+- ``r/<R>/c/room``: written once by the lead of ``R`` when round ``R - 1`` was full and lost a
+  member (a machine not of ``R - 1`` now counts as waiting, below).
 - ``round``: the newest closed round. Every join is a transaction that compares this key's
   revision with the one the machine last read, so no machine can join a round that closed
   meanwhile (a stale round number is refused, and the refusal carries the key: the machine joins
@@ -29,7 +32,8 @@ A round ``R`` closes when every live member of round ``R - 1`` joined it (a dead
 went with its lease, or was deleted by a peer that found it dead: :meth:`expire_nodes`) and
 ``max_nodes`` machines joined, or ``min_nodes`` did and ``last_call_timeout`` passed since. The
 lead follows the joins with one watch (O(1) work per join); the others wait on a watch of the
-round's two control keys, whose event carries the result (no read). The lead of ``R`` deletes
+round's control keys (and the next round's keys), whose event carries the result (no read).
+The lead of ``R`` deletes
 the keys of round ``R - 2`` and its store keys, so a job holds at most three rounds of keys at
 any time.
 
@@ -37,11 +41,12 @@ Group ranks are stable: a member of the previous round keeps its rank if it is b
 world size (:func:`flashckpt.elastic.rendezvous.stable_ranks.assign_ranks`); standbys and new
 machines take the free ranks (a standby takes a dead machine's rank). Only the lead computes them.
 
-While its workers train, a member answers ``num_nodes_waiting()`` from a watch of the next
-round's joins and of its own round's join keys (a member's key deleted: it died or left), never
-from an etcd read. A joining member of its round always counts; another machine counts only
-while the round has room (a standby of a full round waits without restarting anybody, as in
-torch's redundancy list).
+While its workers train, a member answers ``num_nodes_waiting()`` from the watch its wait for
+the result followed, which goes on with the next round's joins, result and room key, never
+from an etcd read and without a watch of its own. A joining member of its round always counts;
+another machine counts only while the round has room: it had fewer than ``max_nodes``
+members, or its next round's lead said it lost one (``room``; a standby of a full round waits
+without restarting anybody, as in torch's redundancy list).
 """
 
 from __future__ import annotations

@@ -1763,40 +1763,38 @@ class NodeRegistry:
         of :meth:`_window_ranges`, O(k) keys whatever the job's size. Reports the peers of the
         window gone since the last read (none on the first). Returns the read's revision,
         None if etcd did not answer."""
-        self.window_requests += 1
+        read = self._read_ranges(self._window_ranges())
+        if read is None:
+            return None
+        answers, revision = read
         try:
-            response = self._client._call(
-                "/v3/kv/txn",
-                {"success": self._window_ranges()},
-                timeout=None,
-                idempotent=True,
-            )
-            answers = [r.get("response_range", {}) for r in response.get("responses") or []]
-            revision = int(response.get("header", {}).get("revision", 0))
             self._take_window(answers)
         except Exception as exc:
             logger.warning("reading the job's node keys failed (will retry): %s", exc)
             return None
         return revision
 
-    def _spans_read(self) -> int | None:
-        """Reads the window with :meth:`_registration_ranges` and loads it
-        (:meth:`_settle_window`); its revision, or None if etcd did not answer or the ranges
-        did not settle the window."""
+    def _read_ranges(self, ranges: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int] | None:
+        """One read-only transaction of ``ranges``: each range's answer and the revision, or
+        None (logged) if etcd did not answer."""
         self.window_requests += 1
         try:
             response = self._client._call(
-                "/v3/kv/txn",
-                {"success": self._registration_ranges()},
-                timeout=None,
-                idempotent=True,
+                "/v3/kv/txn", {"success": ranges}, timeout=None, idempotent=True
             )
             answers = [r.get("response_range", {}) for r in response.get("responses") or []]
             revision = int(response.get("header", {}).get("revision", 0))
         except Exception as exc:
             logger.warning("reading the job's node keys failed (will retry): %s", exc)
             return None
-        return self._settle_window(answers, revision)
+        return answers, revision
+
+    def _spans_read(self) -> int | None:
+        """Reads the window with :meth:`_registration_ranges` and loads it
+        (:meth:`_settle_window`); its revision, or None if etcd did not answer or the ranges
+        did not settle the window."""
+        read = self._read_ranges(self._registration_ranges())
+        return None if read is None else self._settle_window(*read)
 
     def _registration_ranges(self) -> list[dict[str, Any]]:
         """The window's reads folded into the registration's transaction (see

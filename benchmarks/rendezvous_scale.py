@@ -284,8 +284,10 @@ class _Host:
                 registry.reap_dead_peers()
         reaped = time.time()
         probes = getattr(registry, "peers_probed", None)  # None: code that did not count
-        if registry is not None:
-            registry.update(state="waiting", group_rank=None)
+        if registry is not None:  # as flashckpt run's session does between two rounds
+            registry.update(
+                state="waiting", group_rank=None, publish_after=timedelta(seconds=a.lease_ttl)
+            )
         info = handler.next_rendezvous()
         self.emit(
             ev="rank",

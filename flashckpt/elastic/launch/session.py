@@ -812,8 +812,16 @@ class LaunchSession:
             # The agent's replica address is in this machine's record before it joins: every
             # machine of the round finds it there (send_replica_peers) once the round formed.
             self._node_agent.wait_ready(_AGENT_READY_TIMEOUT)
-        # Writes nothing in the first round (the registration published it).
-        self._registry.update(state="waiting", group_rank=None)
+        # Writes nothing in the first round (the registration published it). Between two
+        # rounds, etcd gets ``waiting`` only if the next round has not formed within a lease
+        # TTL: a restart that forms it sooner writes only its new rank (after_rendezvous), not
+        # a write and a message to each of its watchers for a state nobody acts on (issue 31).
+        # This machine's own view (the job view's role) says ``waiting`` at once.
+        self._registry.update(
+            state="waiting",
+            group_rank=None,
+            publish_after=timedelta(seconds=self.config.lease_ttl) if self._rounds > 1 else None,
+        )
 
     def after_rendezvous(self, worker_group: WorkerGroup) -> None:
         """Called after a rendezvous round completed; runs the health check if enabled."""

@@ -22,7 +22,13 @@ import pytest
 from tcprelay import TcpRelay
 
 from flashckpt.elastic.deadline import Deadline
-from flashckpt.elastic.etcd._leasestream import KeepAliveStream, _StreamBroken
+from flashckpt.elastic.etcd._leasestream import (
+    _BDP_PING,
+    KeepAliveStream,
+    _StreamBroken,
+    keepalive_frame,
+    keepalive_request,
+)
 from flashckpt.elastic.etcd.client import (
     EtcdClient,
     EtcdLeaseNotFound,
@@ -288,6 +294,11 @@ class _FakeEtcd:
         del self.buffer[:size]
         return out
 
+    def next_frame(self) -> tuple[int, int, bytes]:
+        """The next frame the client sent: ``(type, flags, payload)``."""
+        head = self._take(9)
+        return head[3], head[4], self._take(int.from_bytes(head[:3], "big"))
+
     def next_request(self) -> int:
         """The lease ID of the next keep-alive the client sent (other frames skipped)."""
         while True:
@@ -461,3 +472,77 @@ def test_a_kept_request_is_waited_for_again_not_sent_again(
     etcd.sock.sendall(_answer(lease, 9))
     thread.join()
     assert outcome == [9] and stream.answers == 2 and not stream.broken
+
+
+def test_the_cached_request_frame_is_the_freshly_encoded_one() -> None:
+    """A lease's keep-alive DATA frame is encoded once and reused: the same bytes as one
+    encoded from scratch, for any lease ID (negative ones are ten-byte varints on the wire)."""
+    for lease in (0, 1, 127, 128, 0x7E57, 2**31, 2**63 - 1, -1, -(2**63)):
+        message = keepalive_request(lease)
+        fresh = _frame(0, 0, 1, message)
+        assert keepalive_frame(lease) == fresh
+        assert keepalive_frame(lease) is keepalive_frame(lease)  # from the cache
+        unsigned = lease & (2**64 - 1)
+        assert message[5] == 0x08 and int.from_bytes(message[1:5], "big") == len(message) - 5
+        value, shift = 0, 0
+        for byte in message[6:]:
+            value |= (byte & 127) << shift
+            shift += 7
+        assert value == unsigned
+
+
+def test_a_bdp_ping_is_acked_with_the_next_request_any_other_ping_at_once(
+    fake: tuple[KeepAliveStream, _FakeEtcd],
+) -> None:
+    """grpc-go's BDP ping (after each request etcd receives) is acked in the same write as the
+    next request, not in one of its own; any other PING is acked as soon as it is read."""
+    stream, etcd = fake
+    thread, outcome = _renew_in_thread(stream, 0x5, 30)
+    assert etcd.next_request() == 0x5
+    etcd.sock.sendall(_frame(8, 0, 0, struct.pack(">I", 44)) + _frame(6, 0, 0, _BDP_PING))
+    etcd.sock.sendall(_answer(0x5, 5))
+    thread.join()
+    assert outcome == [5]
+    assert etcd.next_frame() == (4, 1, b""), "the fake's SETTINGS, acked when first read"
+    etcd.sock.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        etcd.sock.recv(1)  # nothing else written since the request: the ack waits
+    etcd.sock.setblocking(True)
+    thread, outcome = _renew_in_thread(stream, 0x5, 30)
+    assert etcd.next_frame() == (6, 1, _BDP_PING), "the BDP ping's ack comes first"
+    assert etcd.next_request() == 0x5
+    # Another PING (a keep-alive probe, any payload) while a request waits: acked at once,
+    # before its answer is sent.
+    etcd.sock.sendall(_frame(6, 0, 0, b"12345678"))
+    assert etcd.next_frame() == (6, 1, b"12345678")
+    etcd.sock.sendall(_answer(0x5, 5))
+    thread.join()
+    assert outcome == [5] and not stream.broken
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        # A LeaseKeepAliveResponse whose TTL varint never ends.
+        (_frame(0, 0, 1, b"\x00\x00\x00\x00\x03\x10\x05\x98"), "truncated"),
+        # A TTL field with no value.
+        (_frame(0, 0, 1, b"\x00\x00\x00\x00\x03\x10\x05\x18"), "truncated"),
+        # A compressed gRPC message (none was asked for).
+        (_frame(0, 0, 1, b"\x01\x00\x00\x00\x02\x10\x05"), "compressed"),
+        # A length field running past the message.
+        (_frame(0, 0, 1, b"\x00\x00\x00\x00\x04\x0a\x09\x08\x01"), "truncated"),
+        # Wire type 7 does not exist.
+        (_frame(0, 0, 1, b"\x00\x00\x00\x00\x02\x0f\x00"), "wire type"),
+    ],
+)
+def test_a_malformed_answer_breaks_the_stream_and_renews_nothing(
+    fake: tuple[KeepAliveStream, _FakeEtcd], data: bytes, why: str
+) -> None:
+    stream, etcd = fake
+    thread, outcome = _renew_in_thread(stream, 0x5, 30)
+    assert etcd.next_request() == 0x5
+    etcd.sock.sendall(data)
+    thread.join()
+    assert len(outcome) == 1 and isinstance(outcome[0], _StreamBroken), outcome
+    assert why in str(outcome[0])
+    assert stream.broken

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import select
 import socket
 import struct
@@ -72,6 +73,15 @@ _PATH = "/etcdserverpb.Lease/LeaseKeepAlive"
 # 128 clients in one run; issue 31). A caller whose deadline left it less time than this says
 # nothing about the stream.
 _STUCK_MIN_S = 1.0
+# The payload of grpc-go's BDP ping (bandwidth-delay product estimation, ``bdpPing`` in
+# grpc-go's ``internal/transport``): etcd sends one, with a connection WINDOW_UPDATE, after the
+# first DATA frame it receives while none is outstanding, so after nearly every keep-alive
+# request. It has no deadline (the estimator only waits for its ack before sending the next),
+# so its ack goes out with the stream's next write instead of a write of its own (a send per
+# renewal saved on both ends; issue 31); every other PING is acked at once.
+_BDP_PING = bytes([2, 4, 16, 16, 9, 14, 7, 7])
+# An HTTP/2 frame header: length (24 bits: a byte and 16 bits), type, flags, stream id.
+_HEAD = struct.Struct(">BHBBI")
 
 
 class _StreamBroken(FlashckptError):
@@ -91,12 +101,17 @@ class _Pending:
 
     def __init__(self, lease_id: int) -> None:
         self.lease_id = lease_id
-        self.done = threading.Event()
+        # Answered or failed; set under the stream's lock, whose condition is then notified
+        # (every wait for it is on that condition: no event of its own per request).
+        self.done = False
         self.ttl = 0
         self.error: str | None = None
         self.sent_at = 0.0
         self.abandoned = False  # its caller's deadline passed first
         self.kept = False  # its caller's deadline passed first, and it comes back for it
+
+    def is_done(self) -> bool:
+        return self.done
 
 
 def _hpack_int(value: int, prefix_bits: int) -> bytes:
@@ -159,19 +174,25 @@ def send_all(sock: socket.socket | None, data: bytes, deadline: Deadline) -> Non
     connection). Raises ``OSError`` (``TimeoutError`` when the deadline passed first)."""
     if sock is None:
         raise OSError("the connection was closed")
-    view = memoryview(data)
+    try:  # the common case: the socket's buffer takes it all at once
+        sent = sock.send(data, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        sent = 0
+    if sent == len(data):
+        return
+    view = memoryview(data)[sent:]
     poller = select.poll()
     poller.register(sock, select.POLLOUT)
     while True:
+        if deadline.expired():
+            raise TimeoutError("the connection took no more bytes before the deadline")
+        poller.poll(max(1, int(deadline.remaining() * 1000)))
         try:
             view = view[sock.send(view, socket.MSG_DONTWAIT) :]
         except BlockingIOError:
             pass
         if not view:
             return
-        if deadline.expired():
-            raise TimeoutError("the connection took no more bytes before the deadline")
-        poller.poll(max(1, int(deadline.remaining() * 1000)))
 
 
 def recv_exact(sock: socket.socket | None, size: int, buffer: bytearray, closed: str) -> bytes:
@@ -192,6 +213,14 @@ def keepalive_request(lease_id: int) -> bytes:
     """The gRPC message (length-prefixed) of ``LeaseKeepAliveRequest{ID: lease_id}``."""
     message = b"\x08" + _varint(lease_id)
     return b"\x00" + struct.pack(">I", len(message)) + message
+
+
+@functools.lru_cache(maxsize=4096)
+def keepalive_frame(lease_id: int) -> bytes:
+    """The HTTP/2 DATA frame (on the stream) carrying :func:`keepalive_request` of
+    ``lease_id``: the same bytes for every renewal of a lease, so encoded once per lease (a
+    machine renews its lease every second; leases per process are few, the cache is bounded)."""
+    return _frame(_DATA, 0, _STREAM, keepalive_request(lease_id))
 
 
 def parse_keepalive_response(message: bytes) -> tuple[int, int]:
@@ -249,6 +278,9 @@ class KeepAliveStream:
         self._change = threading.Condition(self._lock)
         self._reading = False  # a caller reads the socket now
         self._inbox = bytearray()  # bytes read, not yet whole frames
+        # The reading caller's poller (one reader at a time), made once for the socket.
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
         self._first = True  # no frame read yet (etcd's first is its SETTINGS)
         self._fifo: collections.deque[_Pending] = collections.deque()  # sent, in wire order
         self._busy: dict[int, _Pending] = {}  # lease ID -> its request in flight
@@ -262,6 +294,8 @@ class KeepAliveStream:
         self._received = 0  # DATA bytes since the receive windows were last opened
         self._grpc = bytearray()  # DATA received, not yet whole gRPC messages
         self._not_http2 = False
+        # A BDP ping's ack, written before the next request (``_send_lock``; see _BDP_PING).
+        self._deferred_ack = b""
         self.answers = 0
         """Answers matched to their requests (diagnostics and tests)."""
         if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -341,7 +375,7 @@ class KeepAliveStream:
         if before is not None and before.kept:
             return self._answer_of(before, deadline, keep=keep)
         pending = _Pending(lease_id)
-        request = _frame(_DATA, 0, _STREAM, keepalive_request(lease_id))
+        request = keepalive_frame(lease_id)
         size = len(request) - 9
         while True:  # one request per lease in flight: wait for the one before
             with self._lock:
@@ -354,9 +388,8 @@ class KeepAliveStream:
                     break
             # The one before, if its caller gave up, may be on a dead stream: look again every
             # stuck time (a stuck stream is replaced within this call's deadline).
-            answered = before.done.is_set
             while not self._wait(
-                answered,
+                before.is_done,
                 Deadline.after(timedelta(seconds=min(deadline.remaining(), self.stuck_after()))),
             ):
                 if before.abandoned:
@@ -386,7 +419,8 @@ class KeepAliveStream:
                         raise _StreamBroken(self._broken)
                     pending.sent_at = time.monotonic()
                     self._fifo.append(pending)  # in the order of the writes
-                self._send(request, deadline)
+                ack, self._deferred_ack = self._deferred_ack, b""
+                self._send(ack + request if ack else request, deadline)
         except _StreamBroken:
             self._forget(pending)
             raise
@@ -409,14 +443,14 @@ class KeepAliveStream:
         self, pending: _Pending, deadline: Deadline, *, keep: bool
     ) -> tuple[int, float] | None:
         """Waits for ``pending``'s answer (see :meth:`renew_sent`)."""
-        if not self._wait(pending.done.is_set, deadline):
+        if not self._wait(pending.is_done, deadline):
             with self._lock:
-                if not pending.done.is_set():
+                if not pending.done:
                     if keep:
                         pending.kept = True
                     else:
                         pending.abandoned = True
-            if not pending.done.is_set():
+            if not pending.done:
                 if not keep:
                     self._fail_if_stuck(pending)
                 return None
@@ -460,16 +494,14 @@ class KeepAliveStream:
         try:
             if sock is None:
                 raise ConnectionError("the keep-alive connection was closed")
-            poller = select.poll()
-            poller.register(sock, select.POLLIN)
+            poller = self._poller
             while True:
                 while len(inbox) >= 9:
-                    head = bytes(inbox[:9])
-                    size = int.from_bytes(head[:3], "big")
-                    kind, flags = head[3], head[4]
-                    stream = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
+                    high, low, kind, flags, stream = _HEAD.unpack_from(inbox)
+                    size = high << 16 | low
+                    stream &= 0x7FFFFFFF
                     if self._first and (
-                        kind != _SETTINGS or stream != 0 or head.startswith(b"HTTP/")
+                        kind != _SETTINGS or stream != 0 or inbox.startswith(b"HTTP/")
                     ):
                         raise _NotHttp2(
                             f"{self.where} does not speak HTTP/2 (gRPC) without TLS: it "
@@ -547,7 +579,7 @@ class KeepAliveStream:
             if self._busy.get(pending.lease_id) is pending:
                 del self._busy[pending.lease_id]
             pending.error = pending.error or "not sent"
-            pending.done.set()
+            pending.done = True
             self._change.notify_all()
 
     def _fail(self, why: str) -> None:
@@ -562,9 +594,9 @@ class KeepAliveStream:
             self._busy.clear()
             self._late.clear()
             for pending in failed:
-                if not pending.done.is_set():
+                if not pending.done:
                     pending.error = why
-                    pending.done.set()
+                    pending.done = True
             self._change.notify_all()
             reading, sock = self._reading, self._sock
         if reading:
@@ -605,7 +637,13 @@ class KeepAliveStream:
             self._on_settings(payload)
             self._send_control(_frame(_SETTINGS, _ACK, 0))
         elif kind == _PING and not flags & _ACK:
-            self._send_control(_frame(_PING, _ACK, 0, payload))
+            ack = _frame(_PING, _ACK, 0, payload)
+            if payload == _BDP_PING:
+                with self._send_lock:
+                    if not self._deferred_ack:  # at most one waits (else both go now)
+                        self._deferred_ack = ack
+                        return
+            self._send_control(ack)
         elif kind == _WINDOW_UPDATE and len(payload) >= 4:
             increment = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
             with self._lock:
@@ -661,11 +699,12 @@ class KeepAliveStream:
             if ttl > 0 and (self._shortest_ttl is None or ttl < self._shortest_ttl):
                 self._shortest_ttl = ttl
             pending.ttl = ttl
-            pending.done.set()
+            pending.done = True
             if pending.kept:
                 self._late[lease_id] = pending  # its caller comes back for it
             self._change.notify_all()
 
     def _send_control(self, data: bytes) -> None:
         with self._send_lock:
-            self._send(data, Deadline.after(_CONTROL_SEND))
+            ack, self._deferred_ack = self._deferred_ack, b""
+            self._send(ack + data, Deadline.after(_CONTROL_SEND))

@@ -644,3 +644,61 @@ def test_the_watch_reader_reassembles_lines_split_anywhere_across_chunks() -> No
         stream._raw += b"0\r\n\r\n"
         with pytest.raises(ConnectionError, match="ended"):
             stream._next_line()
+
+
+def test_whole_one_line_chunks_and_every_other_framing_give_the_same_lines() -> None:
+    """etcd sends each message as a chunk of its own, which the reader takes as a line without
+    copying it through its buffer; chunks of two lines, a line split over chunks, a chunk that
+    ends inside a line and an empty line give the same lines as ever, fed whole or in pieces."""
+    lines = [json.dumps({"result": {"n": i}}).encode() + b"\n" for i in range(5)] + [b"\n"]
+    pieces = [
+        lines[0],  # one line, one chunk (the fast path)
+        lines[1] + lines[2],  # two lines in one chunk
+        lines[3][:10],  # a line over two chunks
+        lines[3][10:],
+        lines[4],  # one line again
+        lines[5],  # an empty line, alone
+    ]
+    chunked = b"".join(f"{len(p):x}".encode() + b"\r\n" + p + b"\r\n" for p in pieces)
+    for step in (1, 7, 40, len(chunked)):
+        stream = WatchStream(EtcdClient("h:1", timeout=SHORT), b"k", None, 1)
+        got = []
+        for at in range(0, len(chunked), step):
+            stream._raw += chunked[at : at + step]
+            while (line := stream._next_line()) is not None:
+                got.append(line)
+        assert got == lines, step
+        assert not stream._raw and not stream._body
+    stream._raw += b"-5\r\nabc\r\n"
+    with pytest.raises(ValueError, match="a chunk of -5 bytes"):
+        stream._next_line()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"result":{"events":[{"kv":{"key":"aw=="}}]}}\n',
+        b'{"a": 1} \t\r\n',
+        b'{"a": "\\ud800"}\n',  # a lone surrogate, as json.loads keeps it
+        b'{"a": 1} x\n',  # extra data
+        b'{"a": 1}{"b": 2}\n',
+        b'{"a": \xff}\n',  # not UTF-8
+        b'{"a": "\xed\xa0\x80"}\n',  # an encoded surrogate (surrogatepass)
+        b'{"a": 1\n',  # truncated
+        b"{}\n",
+        b' {"a": 1}\n',  # leading whitespace: json.loads itself
+        b"[1, 2]\n",
+        b"\xef\xbb\xbf{}\n",  # a byte-order mark
+        b"\n",
+    ],
+)
+def test_a_watch_line_decodes_exactly_as_json_loads(line: bytes) -> None:
+    try:
+        expected: object = json.loads(line)
+    except ValueError as exc:
+        expected = type(exc)
+    try:
+        got: object = watch_module._json_line(line)
+    except ValueError as exc:
+        got = type(exc)
+    assert got == expected

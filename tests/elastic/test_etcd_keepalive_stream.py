@@ -20,6 +20,7 @@ from datetime import timedelta
 
 import pytest
 from tcprelay import TcpRelay
+from waiting import wait_until
 
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd._leasestream import (
@@ -546,3 +547,30 @@ def test_a_malformed_answer_breaks_the_stream_and_renews_nothing(
     assert len(outcome) == 1 and isinstance(outcome[0], _StreamBroken), outcome
     assert why in str(outcome[0])
     assert stream.broken
+
+
+def test_a_request_without_room_in_etcds_window_waits_for_its_update(
+    fake: tuple[KeepAliveStream, _FakeEtcd],
+) -> None:
+    """Flow control: a request waits while etcd's stream window has no room for it, and is
+    sent when a WINDOW_UPDATE read by another waiting caller opens it."""
+    stream, etcd = fake
+    etcd.sock.sendall(_frame(4, 0, 0, struct.pack(">HI", 0x4, 0)))  # initial window 0
+    reader, reader_outcome = _renew_in_thread(stream, 0x1, 30)  # room before SETTINGS is read
+    assert etcd.next_request() == 0x1
+    assert etcd.next_frame() == (4, 1, b"")  # the first SETTINGS' ack
+    assert etcd.next_frame() == (4, 1, b"")  # the window's: now below 0 on the stream
+    waiter, waiter_outcome = _renew_in_thread(stream, 0x2, 30)  # no room: waits, does not read
+    wait_until(lambda: 0x2 in stream._busy, "the second request to wait for room", 10)
+    etcd.sock.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        etcd.sock.recv(1)
+    etcd.sock.setblocking(True)
+    etcd.sock.sendall(_frame(8, 0, 1, struct.pack(">I", 100)))  # read by the first caller
+    etcd.sock.settimeout(10)  # (the first caller reads until its answer, 30 s)
+    assert etcd.next_request() == 0x2, "the window update did not wake the waiting request"
+    etcd.sock.settimeout(None)
+    etcd.sock.sendall(_answer(0x1, 5) + _answer(0x2, 6))
+    reader.join()
+    waiter.join()
+    assert (reader_outcome, waiter_outcome) == ([5], [6]) and not stream.broken

@@ -80,6 +80,8 @@ _STUCK_MIN_S = 1.0
 # so its ack goes out with the stream's next write instead of a write of its own (a send per
 # renewal saved on both ends; issue 31); every other PING is acked at once.
 _BDP_PING = bytes([2, 4, 16, 16, 9, 14, 7, 7])
+# The largest keep-alive request's DATA payload: a gRPC message of a ten-byte lease ID varint.
+_MAX_REQUEST = 16
 # An HTTP/2 frame header: length (24 bits: a byte and 16 bits), type, flags, stream id.
 _HEAD = struct.Struct(">BHBBI")
 
@@ -157,6 +159,8 @@ def _varint(value: int) -> bytes:
 
 
 def _read_varint(data: bytes, at: int) -> tuple[int, int]:
+    if at < len(data) and data[at] < 128:  # one byte (a field's tag, a small value)
+        return data[at], at + 1
     value = shift = 0
     while True:
         if at >= len(data) or shift > 63:
@@ -385,6 +389,12 @@ class KeepAliveStream:
                 if before is None:
                     self._busy[lease_id] = pending
                     self._late.pop(lease_id, None)
+                    # Room in etcd's receive windows (flow control), taken at once when there
+                    # is (nearly always: etcd reopens them as it reads).
+                    room = min(self._conn_window, self._stream_window) >= size
+                    if room:
+                        self._conn_window -= size
+                        self._stream_window -= size
                     break
             # The one before, if its caller gave up, may be on a dead stream: look again every
             # stuck time (a stuck stream is replaced within this call's deadline).
@@ -397,16 +407,18 @@ class KeepAliveStream:
                 if deadline.expired():
                     self._fail_if_stuck(before)
                     return None
-        # Room in etcd's receive windows (flow control).
-        self._wait(
-            lambda: self._broken is not None or min(self._conn_window, self._stream_window) >= size,
-            deadline,
-        )
-        with self._lock:
-            room = self._broken is None and min(self._conn_window, self._stream_window) >= size
-            if room:
-                self._conn_window -= size
-                self._stream_window -= size
+        if not room:  # wait for etcd to open its windows
+            self._wait(
+                lambda: (
+                    self._broken is not None or min(self._conn_window, self._stream_window) >= size
+                ),
+                deadline,
+            )
+            with self._lock:
+                room = self._broken is None and min(self._conn_window, self._stream_window) >= size
+                if room:
+                    self._conn_window -= size
+                    self._stream_window -= size
         if not room:
             self._forget(pending)
             if self._broken is not None:
@@ -647,11 +659,14 @@ class KeepAliveStream:
         elif kind == _WINDOW_UPDATE and len(payload) >= 4:
             increment = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
             with self._lock:
+                # A request waits for room only while a window is below the largest request.
+                starved = min(self._conn_window, self._stream_window) < _MAX_REQUEST
                 if stream == 0:
                     self._conn_window += increment
                 elif stream == _STREAM:
                     self._stream_window += increment
-                self._change.notify_all()
+                if starved:
+                    self._change.notify_all()
         # Anything else (response headers, priorities, other streams' frames) is not ours.
 
     def _on_settings(self, payload: bytes) -> None:

@@ -29,6 +29,7 @@ from flashckpt.elastic.etcd._leasestream import (
     _StreamBroken,
     keepalive_frame,
     keepalive_request,
+    parse_keepalive_response,
 )
 from flashckpt.elastic.etcd.client import (
     EtcdClient,
@@ -574,3 +575,23 @@ def test_a_request_without_room_in_etcds_window_waits_for_its_update(
     reader.join()
     waiter.join()
     assert (reader_outcome, waiter_outcome) == ([5], [6]) and not stream.broken
+
+
+def test_a_keepalive_answer_is_parsed_field_by_field_and_checked() -> None:
+    header = b"\x0a\x14\x08" + b"\xff" * 8 + b"\x01\x10" + b"\xff" * 8 + b"\x01"
+    ten = b"\xff" * 9 + b"\x01"  # -1 as an int64 varint
+    assert parse_keepalive_response(header + b"\x10\x85\x01\x18\x3c") == (133, 60)
+    assert parse_keepalive_response(b"") == (0, 0)  # proto3: absent fields are 0
+    assert parse_keepalive_response(b"\x10" + ten + b"\x18\x00") == (-1, 0)
+    # Unknown fields of every wire type are skipped; a field number over 3 changes nothing.
+    skipped = b"\x20\x07" + b"\x29" + bytes(8) + b"\x35" + bytes(4) + b"\x3a\x02ab"
+    assert parse_keepalive_response(skipped + b"\x10\x02\x18\x03") == (2, 3)
+    for bad, why in (
+        (b"\x10" + b"\xff" * 10 + b"\x01", "truncated protobuf varint"),  # 11 bytes
+        (b"\x10\xff", "truncated protobuf varint"),
+        (b"\x29" + bytes(7), "truncated keep-alive answer"),
+        (b"\x0a\x05ab", "truncated keep-alive answer"),
+        (b"\x13", "wire type 3"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            parse_keepalive_response(bad)

@@ -159,18 +159,19 @@ def _varint(value: int) -> bytes:
 
 
 def _read_varint(data: bytes, at: int) -> tuple[int, int]:
-    if at < len(data) and data[at] < 128:  # one byte (a field's tag, a small value)
-        return data[at], at + 1
+    """The varint at ``data[at:]`` (at most ten bytes) and the offset after it."""
+    end = len(data)
     value = shift = 0
-    while True:
-        if at >= len(data) or shift > 63:
-            raise ValueError("a truncated protobuf varint")
+    while at < end:
         byte = data[at]
         at += 1
+        if byte < 128:
+            return value | byte << shift, at
         value |= (byte & 127) << shift
         shift += 7
-        if not byte & 128:
-            return value, at
+        if shift > 63:
+            break
+    raise ValueError("a truncated protobuf varint")
 
 
 def send_all(sock: socket.socket | None, data: bytes, deadline: Deadline) -> None:
@@ -229,14 +230,16 @@ def keepalive_frame(lease_id: int) -> bytes:
 
 def parse_keepalive_response(message: bytes) -> tuple[int, int]:
     """``(ID, TTL)`` of a ``LeaseKeepAliveResponse`` (absent fields are 0, as in proto3)."""
-    fields = {2: 0, 3: 0}
+    fields = [0, 0, 0, 0]  # by field number; 2: ID, 3: TTL, others dropped
     at = 0
-    while at < len(message):
+    end = len(message)
+    while at < end:
         tag, at = _read_varint(message, at)
         number, wire = tag >> 3, tag & 7
         if wire == 0:
             value, at = _read_varint(message, at)
-            fields[number] = value - 2**64 if value >= 2**63 else value
+            if number < 4:
+                fields[number] = value - 2**64 if value >= 2**63 else value
         elif wire == 2:
             size, at = _read_varint(message, at)
             at += size
@@ -246,7 +249,7 @@ def parse_keepalive_response(message: bytes) -> tuple[int, int]:
             at += 4
         else:
             raise ValueError(f"protobuf wire type {wire} in a keep-alive answer")
-    if at != len(message):
+    if at != end:
         raise ValueError("a truncated keep-alive answer")
     return fields[2], fields[3]
 

@@ -496,8 +496,9 @@ def test_the_cached_request_frame_is_the_freshly_encoded_one() -> None:
 def test_a_bdp_ping_is_acked_with_the_next_request_any_other_ping_at_once(
     fake: tuple[KeepAliveStream, _FakeEtcd],
 ) -> None:
-    """grpc-go's BDP ping (after each request etcd receives) is acked in the same write as the
-    next request, not in one of its own; any other PING is acked as soon as it is read."""
+    """grpc-go's BDP ping (after a request etcd receives) is acked in the same write as the
+    next request, after it, not in a write of its own; any other PING is acked as soon as it
+    is read."""
     stream, etcd = fake
     thread, outcome = _renew_in_thread(stream, 0x5, 30)
     assert etcd.next_request() == 0x5
@@ -511,8 +512,9 @@ def test_a_bdp_ping_is_acked_with_the_next_request_any_other_ping_at_once(
         etcd.sock.recv(1)  # nothing else written since the request: the ack waits
     etcd.sock.setblocking(True)
     thread, outcome = _renew_in_thread(stream, 0x5, 30)
-    assert etcd.next_frame() == (6, 1, _BDP_PING), "the BDP ping's ack comes first"
-    assert etcd.next_request() == 0x5
+    kind, _, payload = etcd.next_frame()
+    assert (kind, payload[5:]) == (0, b"\x08\x05"), "the request, then (same write) the ack"
+    assert etcd.next_frame() == (6, 1, _BDP_PING)
     # Another PING (a keep-alive probe, any payload) while a request waits: acked at once,
     # before its answer is sent.
     etcd.sock.sendall(_frame(6, 0, 0, b"12345678"))

@@ -78,7 +78,8 @@ _STUCK_MIN_S = 1.0
 # first DATA frame it receives while none is outstanding, so after nearly every keep-alive
 # request. It has no deadline (the estimator only waits for its ack before sending the next),
 # so its ack goes out with the stream's next write instead of a write of its own (a send per
-# renewal saved on both ends; issue 31); every other PING is acked at once.
+# renewal saved on both ends; issue 31); every other PING is acked at once. Written after the
+# request, the ack also halves the BDP pings (and their WINDOW_UPDATEs) etcd sends.
 _BDP_PING = bytes([2, 4, 16, 16, 9, 14, 7, 7])
 # The largest keep-alive request's DATA payload: a gRPC message of a ten-byte lease ID varint.
 _MAX_REQUEST = 16
@@ -434,8 +435,10 @@ class KeepAliveStream:
                         raise _StreamBroken(self._broken)
                     pending.sent_at = time.monotonic()
                     self._fifo.append(pending)  # in the order of the writes
+                # The ack after the request: etcd then reads the request while its BDP ping is
+                # still out, so it sends no new one for it (one per two renewals, not one each).
                 ack, self._deferred_ack = self._deferred_ack, b""
-                self._send(ack + request if ack else request, deadline)
+                self._send(request + ack if ack else request, deadline)
         except _StreamBroken:
             self._forget(pending)
             raise

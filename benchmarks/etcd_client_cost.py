@@ -17,7 +17,9 @@ One real etcd (started here), in one process:
   (the node watch's wake-ups in steady state). CPU per call of the calling thread.
 
 ``--trials`` runs each part that many times, alternating, on the same etcd; the medians are
-reported. etcd's own CPU is reported too (read from ``/proc``), for context only.
+reported. etcd's own CPU is reported too (read from ``/proc``), for context only. To compare two
+versions of the client, run it once per version with ``PYTHONPATH`` set to each source tree
+(``flashckpt_package`` in the JSON says which ran), alternating, close in time.
 
 Usage:
   python benchmarks/etcd_client_cost.py --leases 256 --rounds 20 --events 2000 --trials 3 \
@@ -39,6 +41,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import flashckpt
 from flashckpt.elastic.etcd.client import EtcdClient, Lease
 from flashckpt.elastic.etcd.server import EtcdV3Server, find_etcd_binary
 from flashckpt.elastic.etcd.watchstream import WatchStream, prefix_end
@@ -228,6 +231,7 @@ def main() -> int:
     result = {
         "benchmark": "etcd_client_cost",
         "tag": args.tag,
+        "flashckpt_package": str(Path(flashckpt.__file__).parent),
         "args": vars(args),
         "load_1_5_15_at_start": load0,
         "load_1_5_15_at_end": os.getloadavg(),

@@ -445,10 +445,26 @@ def test_a_result_of_another_round_is_a_clear_error(job: Callable[..., Job]) -> 
     j.client.put(
         j.prefix + "rdzv/r/000000000000/c/result",
         json.dumps(
-            {"v": 2, "round": 7, "world": 1, "m": packed, "digest": _digest(packed)}
+            {
+                "v": handler_module._RESULT_VERSION,
+                "round": 7,
+                "world": 1,
+                "m": packed,
+                "digest": _digest(packed),
+            }
         ).encode(),
     )
     with pytest.raises(RendezvousStateError, match="says round 7"):
+        done(j.join(j.machine()))
+    # A result of the version before (its members' watches followed the next round's joins,
+    # and its joins say nothing in next-* keys): a job mixing the two is refused.
+    j.client.put(
+        j.prefix + "rdzv/r/000000000000/c/result",
+        json.dumps(
+            {"v": 2, "round": 0, "world": 1, "m": packed, "digest": _digest(packed)}
+        ).encode(),
+    )
+    with pytest.raises(RendezvousStateError, match="same flashckpt version"):
         done(j.join(j.machine()))
     j.client.put(j.prefix + "rdzv/round", b"not a round")
     with pytest.raises(RendezvousStateError, match="not a round number"):
@@ -686,9 +702,9 @@ def test_a_member_opens_no_watch_of_its_own_once_it_has_its_rank(
     # Issue 31 (kill -> round 2 at 1,024 machines): a waiter followed its round's control keys
     # on one watch, closed it once it read the result, and opened another for the member
     # watch (num_nodes_waiting), over every member's join key: two watches per member per
-    # round, and every member's death a message to every member. The wait's watch also covers
-    # the next round's keys and the member watch goes on with it; that a full round lost a
-    # member comes from the next round's lead, once (r/<R+1>/c/room).
+    # round, and every member's death a message to every member. The member watch goes on
+    # with the wait's watch (the round's control keys); that a full round lost a member comes
+    # from the next round's lead, once (r/<R>/c/room).
     from flashckpt.elastic.etcd.watchstream import WatchStream
 
     opened: list[bytes] = []
@@ -720,7 +736,7 @@ def test_a_member_opens_no_watch_of_its_own_once_it_has_its_rank(
     wait_until(
         lambda: all(h.num_nodes_waiting() > 0 for h in survivors), "standby counted", timeout=30.0
     )
-    assert j.client.get(j.prefix + "rdzv/r/000000000001/c/room") is not None
+    assert j.client.get(j.prefix + "rdzv/r/000000000000/c/room") is not None
     after = j.rounds(survivors)
     info = done(waiting)
     assert info.rank == 2 and sorted([*ranks(after), info.rank]) == [0, 1, 2, 3]
@@ -734,3 +750,59 @@ def test_a_member_opens_no_watch_of_its_own_once_it_has_its_rank(
     )
     j.rounds(others)
     done(out)
+
+
+def test_a_member_watch_never_receives_the_next_rounds_joins(
+    job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 31 (kill -> round 2 at 1,024 machines): a member's watch followed the next round's
+    # join keys, so until its thread stopped it, it received every join of the next round (9-50
+    # messages per machine after a kill, up to N each). The next round says what a member
+    # counts in one key each under the round's own control keys (next-member, next-other,
+    # next-result, room), created once: however many machines join, a member's watch receives
+    # at most those.
+    from flashckpt.elastic.etcd.watchstream import WatchStream
+
+    ctl0 = b"rdzv/r/000000000000/c/"
+    received: list[bytes] = []  # keys delivered on the round-0 members' watches
+
+    class Counting(WatchStream):
+        def __init__(self, client: Any, key: bytes, *args: Any, **kwargs: Any) -> None:
+            super().__init__(client, key, *args, **kwargs)
+            self._counted = key.endswith(ctl0)
+
+        def next_events(self, *args: Any, **kwargs: Any) -> Any:
+            events = super().next_events(*args, **kwargs)
+            if self._counted:
+                received.extend(ev.kv.key for ev in events)
+            return events
+
+    monkeypatch.setattr(handler_module, "WatchStream", Counting)
+    j = job(min_nodes=6, max_nodes=6, lease_ttl=timedelta(seconds=30))
+    hs = [j.machine() for _ in range(6)]
+    infos = j.rounds(hs)
+    assert sorted(ranks(infos)) == list(range(6))
+    # Five members restart (their joins of round 1); the sixth, still training, counts them
+    # from one key, and its watch (stopped once it counted) never saw a join key.
+    last = hs[5]
+    outs = [j.join(h) for h in hs[:5]]
+    wait_until(lambda: last.num_nodes_waiting() > 0, "the restart counted", timeout=30.0)
+    wait_until(
+        lambda: all(h.waiting_in == 1 for h in hs[:5]), "the five wait in round 1", timeout=30.0
+    )
+    j.rounds([last])
+    for out in outs:
+        done(out)
+    joins = [k for k in received if b"/r/000000000001/a/" in k]
+    assert not joins, joins
+    said = {
+        k.rsplit(b"/", 1)[-1]
+        for k in received
+        if k.endswith(
+            tuple(b"/" + n for n in (b"next-member", b"next-other", b"next-result", b"room"))
+        )
+    }
+    assert b"next-member" in said, received
+    keys = j.key_list()
+    assert "rdzv/r/000000000000/c/next-member" in keys
+    assert "rdzv/r/000000000000/c/next-result" in keys

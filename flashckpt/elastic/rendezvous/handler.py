@@ -19,8 +19,13 @@ Keys (under the job's prefix ``<key_prefix>/<run_id>/rdzv/``; ``<R>`` is a round
   creates it only if absent: round number, world size and the members in rank order, as the
   ``create_revision`` of their join keys, packed in fixed width (about 2.7 KiB for 1,024
   machines; a machine finds its rank with one search of the bytes, :class:`PackedMembers`).
-- ``r/<R>/c/room``: written once by the lead of ``R`` when round ``R - 1`` was full and lost a
-  member (a machine not of ``R - 1`` now counts as waiting, below).
+- ``r/<R>/c/next-member``, ``r/<R>/c/next-other``: a member of round ``R`` (or another
+  machine) joined round ``R + 1``: created by the first such join, inside its transaction (no
+  request of its own), on its lease; ``r/<R>/c/next-result``: round ``R + 1`` formed (written
+  with its result); ``r/<R>/c/room``: written once by the lead of ``R + 1`` when round ``R``
+  was full and lost a member (a machine not of ``R`` now counts as waiting, below). What the
+  next round says to the members of ``R`` is one key each, under ``R``'s control keys: their
+  watch never follows the next round's N join keys.
 - ``round``: the newest closed round. Every join is a transaction that compares this key's
   revision with the one the machine last read, so no machine can join a round that closed
   meanwhile (a stale round number is refused, and the refusal carries the key: the machine joins
@@ -32,7 +37,7 @@ A round ``R`` closes when every live member of round ``R - 1`` joined it (a dead
 went with its lease, or was deleted by a peer that found it dead: :meth:`expire_nodes`) and
 ``max_nodes`` machines joined, or ``min_nodes`` did and ``last_call_timeout`` passed since. The
 lead follows the joins with one watch (O(1) work per join); the others wait on a watch of the
-round's control keys (and the next round's keys), whose event carries the result (no read).
+round's control keys, whose event carries the result (no read).
 The lead of ``R`` deletes
 the keys of round ``R - 2`` and its store keys, so a job holds at most three rounds of keys at
 any time.
@@ -42,7 +47,7 @@ world size (:func:`flashckpt.elastic.rendezvous.stable_ranks.assign_ranks`); sta
 machines take the free ranks (a standby takes a dead machine's rank). Only the lead computes them.
 
 While its workers train, a member answers ``num_nodes_waiting()`` from the watch its wait for
-the result followed, which goes on with the next round's joins, result and room key, never
+the result followed, which goes on with the ``next-*`` and ``room`` keys of its round, never
 from an etcd read and without a watch of its own. A joining member of its round always counts;
 another machine counts only while the round has room: it had fewer than ``max_nodes``
 members, or its next round's lead said it lost one (``room``; a standby of a full round waits
@@ -116,13 +121,27 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL = timedelta(seconds=10)
-_RESULT_VERSION = 2  # 1: the members as varints (decoded in full by every waiter)
+_RESULT_VERSION = 3  # 1: the members as varints (decoded in full by every waiter); 2: as 3,
+# the members' watches followed the next round's joins (no next-* keys: a job mixing 2 and 3 would
+# not count every restart, so it is refused)
 _JOIN_VERSION = 1
 _MAX_VALUE_BYTES = 128 << 10  # a result of ~20,000 machines at 4 bytes each; more is not ours
 _MAX_ROUND = 10**12 - 1
 _ROOM = "room"
-"""``r/<R>/c/room``: written once by round ``R``'s lead when round ``R - 1`` was full and lost
-a member: a machine that is not of round ``R - 1`` now counts as waiting for its members."""
+"""``r/<R>/c/room``: written once by round ``R + 1``'s lead when round ``R`` was full and lost
+a member: a machine that is not of round ``R`` now counts as waiting for its members."""
+_NEXT_MEMBER = "next-member"
+"""``r/<R>/c/next-member``: a member of round ``R`` joined round ``R + 1`` (created by the first
+such join, in its transaction, on its lease; a later one creates it again if it went)."""
+_NEXT_OTHER = "next-other"
+"""``r/<R>/c/next-other``: a machine not of round ``R`` joined round ``R + 1`` (the same way)."""
+_NEXT_RESULT = "next-result"
+"""``r/<R>/c/next-result``: round ``R + 1`` formed (written with its result)."""
+_NEXT_KEYS = frozenset({_ROOM, _NEXT_MEMBER, _NEXT_OTHER, _NEXT_RESULT})
+"""The control keys of a round that its members' watches follow (:class:`_MemberWatch`): what
+the next round's joins, lead and result say to them, one key each, whatever the size of the
+round (the next round's join keys themselves are not watched: a member's watch received every
+join of the next round until it stopped, up to N each, N^2 for the job; issue 31)."""
 _WAIT_SLICE_S = 30.0  # a waiter re-checks its lease at least this often
 _QUIET_READ_S = 30.0  # a waiter reads its round's control keys after a watch this quiet
 _node_ids = itertools.count()
@@ -952,6 +971,19 @@ class RdzvHandler(RendezvousHandler):
             },
             _range(self._rp(rnd) + "c/", prefix=True),
         ]
+        if rnd >= 1:
+            # Tells the previous round's members that one of them (or another machine) joined
+            # this round: one key of theirs, created by the first such join (_NEXT_KEYS).
+            member = claim is not None and claim.round == rnd - 1
+            marker = self._rp(rnd - 1) + "c/" + (_NEXT_MEMBER if member else _NEXT_OTHER)
+            success.append(
+                {
+                    "request_txn": {
+                        "compare": [_cmp(marker, "CREATE", 0)],
+                        "success": [_put(marker, self._node.encode(), lease.id)],
+                    }
+                }
+            )
         failure = [_range(self._p + "round"), _range(self._p + "closed")]
         pending_round, pending_create = self._pending
         if pending_round == rnd:
@@ -1023,11 +1055,7 @@ class RdzvHandler(RendezvousHandler):
         it is; the keys are read again only when the lead went (every waiter races for it), the
         watch ended (closed, compacted, failed) or stayed quiet for ``_QUIET_READ_S``."""
         ctl_prefix = self._rp(rnd) + "c/"
-        nxt = self._rp(rnd + 1).encode()
         watch: WatchStream | None = None
-        # The next round's keys the watch carried (it follows them too: the member watch goes
-        # on with it once this machine has its rank, see _MemberWatch).
-        spill: list[WatchEvent] = []
         quiet_since = time.monotonic()
         try:
             while True:
@@ -1036,8 +1064,11 @@ class RdzvHandler(RendezvousHandler):
                     if handed is not None:
                         with self._lock:
                             self._streams.discard(handed)
+                    # What the next round said so far (the member watch goes on with the
+                    # stream, from after it).
+                    said = [WatchEvent(False, kv, None) for n, kv in ctl.items() if n in _NEXT_KEYS]
                     return self._take_result(
-                        rnd, ctl["result"], my_create, handed=handed, pending=spill
+                        rnd, ctl["result"], my_create, handed=handed, pending=said
                     )
                 mine = "lead" in ctl and ctl["lead"].value == self._node.encode()
                 read = True
@@ -1047,7 +1078,6 @@ class RdzvHandler(RendezvousHandler):
                     # that not all of them race for it.
                     self._drop_watch(watch)
                     watch = None
-                    spill.clear()
                     self._wait_ctl_once(
                         ctl_prefix, rev, min(deadline.remaining(), random.random() * 0.3)
                     )
@@ -1062,7 +1092,6 @@ class RdzvHandler(RendezvousHandler):
                 if "lead" not in ctl or mine:
                     self._drop_watch(watch)
                     watch = None
-                    spill.clear()
                     if self._try_lead(rnd, round_rev, ctl.get("lead")):
                         result = self._lead(rnd, round_rev, deadline)
                         if result is not None:
@@ -1072,7 +1101,7 @@ class RdzvHandler(RendezvousHandler):
                     return None
                 else:
                     if watch is None:
-                        watch = self._open_ctl_watch(ctl_prefix, rev, through=nxt)
+                        watch = self._open_ctl_watch(ctl_prefix, rev)
                     events = self._wait_ctl(
                         watch,
                         min(deadline.remaining(), _WAIT_SLICE_S, self._lease_ttl_s()),
@@ -1083,12 +1112,10 @@ class RdzvHandler(RendezvousHandler):
                         # The watch carries every change, the result itself included: no read
                         # (one request less for every waiter of the round, and none per slice).
                         for ev in events:
-                            if ev.kv.key.startswith(nxt):
-                                spill.append(ev)
-                                continue
                             name = ev.kv.key.decode(errors="replace").rsplit("/", 1)[-1]
                             if ev.deleted:
-                                ctl.pop(name, None)
+                                if name not in _NEXT_KEYS:  # what they said stays said
+                                    ctl.pop(name, None)
                             else:
                                 ctl[name] = ev.kv
                         rev = max(rev, watch.next_revision - 1)
@@ -1098,7 +1125,6 @@ class RdzvHandler(RendezvousHandler):
                         # _QUIET_READ_S: read the keys, and watch again from that read.
                         self._drop_watch(watch)
                         watch = None
-                        spill.clear()
                         quiet_since = time.monotonic()
                 self._check_left()
                 if self._lease_lost.is_set() or deadline.expired():
@@ -1118,14 +1144,11 @@ class RdzvHandler(RendezvousHandler):
             self._raise_closed()
         return response
 
-    def _open_ctl_watch(
-        self, ctl_prefix: str, rev: int, through: bytes | None = None
-    ) -> WatchStream:
-        """A watch of the round's control keys after ``rev`` (and of the keys under
-        ``through``, the next round's, which come after them), closed by
-        :meth:`_wake_waits`."""
+    def _open_ctl_watch(self, ctl_prefix: str, rev: int) -> WatchStream:
+        """A watch of the round's control keys after ``rev`` (the next round's say among them:
+        :data:`_NEXT_KEYS`), closed by :meth:`_wake_waits`."""
         key = ctl_prefix.encode()
-        stream = WatchStream(self._client, key, prefix_end(through or key), rev + 1)
+        stream = WatchStream(self._client, key, prefix_end(key), rev + 1)
         with self._lock:
             self._streams.add(stream)
         with self.stats.lock:
@@ -1205,6 +1228,7 @@ class RdzvHandler(RendezvousHandler):
             _range(prev + "a/", prefix=True, keys_only=True),
             _range(cur + "a/", prefix=True),
             _range(cur + "c/", prefix=True),
+            _range(prev + "c/" + _ROOM),
         ]
         snap = self._txn([], ops, [])
         ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(snap, 3)}
@@ -1236,8 +1260,8 @@ class RdzvHandler(RendezvousHandler):
             self._streams.add(stream)
         last_call_at: float | None = None
         # The previous round was full: once it lost a member, machines not of it count as
-        # waiting for its members (_MemberWatch); said once, in r/<rnd>/c/room.
-        room_said = _ROOM in ctl or len(prev_members) < self._s.max_nodes
+        # waiting for its members (_MemberWatch); said once, in r/<rnd - 1>/c/room.
+        room_said = bool(_kvs(snap, 4)) or len(prev_members) < self._s.max_nodes
         logger.info(
             "leading round %d: %d joined, %d live members of round %d", rnd, len(joins),
             len(alive_prev), rnd - 1,
@@ -1245,7 +1269,7 @@ class RdzvHandler(RendezvousHandler):
         try:
             while True:
                 if not room_said and len(alive_prev) < len(prev_members):
-                    room_said = self._say_room(cur, len(prev_members) - len(alive_prev))
+                    room_said = self._say_room(prev, len(prev_members) - len(alive_prev))
                 joined_nodes = {j.node for j in joins.values()}
                 ready = all(node in joined_nodes for node in alive_prev.values())
                 n = len(joins)
@@ -1295,14 +1319,14 @@ class RdzvHandler(RendezvousHandler):
                 self._streams.discard(stream)
             stream.close()
 
-    def _say_room(self, cur: str, gone: int) -> bool:
-        """Writes ``cur``'s room key (see :data:`_ROOM`) on this lead's lease; whether it was
-        written (else it is tried again at the lead's next wake-up)."""
+    def _say_room(self, prev: str, gone: int) -> bool:
+        """Writes the previous round's room key (see :data:`_ROOM`) on this lead's lease;
+        whether it was written (else it is tried again at the lead's next wake-up)."""
         lease = self._lease
         if lease is None:
             return False
         try:
-            self._client.put(cur + "c/" + _ROOM, str(gone).encode(), lease=lease)
+            self._client.put(prev + "c/" + _ROOM, str(gone).encode(), lease=lease)
         except EtcdError as exc:
             logger.info("could not tell the members that their round lost one: %s", exc)
             return False
@@ -1344,6 +1368,10 @@ class RdzvHandler(RendezvousHandler):
             _put(self._p + "round", str(rnd).encode(), state_lease),
             _range(result_key),
         ]
+        if rnd >= 1:  # the previous round's members that are not in this one learn it here
+            success.append(
+                _put(self._rp(rnd - 1) + "c/" + _NEXT_RESULT, str(rnd).encode(), state_lease)
+            )
         if rnd >= 2:
             success.append(_delete(self._rp(rnd - 2), prefix=True))
             success.append(
@@ -1656,13 +1684,19 @@ class _MemberWatch:
     """A member's view of who waits for the next round, fed by one watch (see the module
     docstring); the thread ends once someone counts (torch restarts the workers then).
 
-    It follows the round's control keys and the next round's keys (``[r/R/c/, r/R+1/~)``),
-    going on with the stream its wait for the result followed (``handed``), so a member opens
-    no watch once it has its rank (issue 31: at 1,024 machines one watch opened and one closed
-    per member per round). Whether a full round lost a member, which lets a machine that is
-    not of the round count, comes from the next round's lead (:meth:`RdzvHandler._lead`
-    follows the round's join keys anyway and writes ``r/R+1/c/room`` once), not from every
-    member following every other member's key."""
+    It follows the round's control keys (``r/R/c/``), going on with the stream its wait for
+    the result followed (``handed``), so a member opens no watch once it has its rank (issue
+    31: at 1,024 machines one watch opened and one closed per member per round). What it
+    counts is said there, one key each (:data:`_NEXT_KEYS`): that a member of the round joined
+    the next one, that another machine did, that the next round formed, and whether a full
+    round lost a member, which lets a machine that is not of the round count (the next round's
+    lead follows the round's join keys anyway and writes ``r/R/c/room`` once). It never
+    follows the next round's join keys: until its thread stopped it, a member's watch received
+    every join of the next round (at 1,024 machines, 9-50 messages per machine after a kill,
+    N^2 for the job at worst). What was said stays said (a ``next-*`` key goes with the lease
+    of the machine that wrote it, a ``room`` key with its lead's): the count never goes back
+    down, as it did when a joined machine's key went, which once counted restarts the workers
+    anyway."""
 
     def __init__(
         self,
@@ -1681,7 +1715,8 @@ class _MemberWatch:
         self._rank = rank
         self._lock = threading.Lock()
         self._count = 0
-        self._joins: dict[bytes, bool] = {}  # join key -> a member of this round
+        self._member_joined = False  # a member of this round joined the next one
+        self._other_joined = False  # a machine not of this round joined the next one
         self._excluded = False
         self._stop = threading.Event()
         self._stream: WatchStream | None = handed
@@ -1704,8 +1739,8 @@ class _MemberWatch:
 
     def _run(self) -> None:
         h = self._h
-        cur, nxt = h._rp(self._rnd), h._rp(self._rnd + 1)
-        keys = _MemberKeys(nxt, h._qnode)
+        ctl = h._rp(self._rnd) + "c/"
+        keys = _MemberKeys(ctl)
         start = self._start
         refresh_every = 60.0
         if h._s.state_ttl is not None:
@@ -1718,9 +1753,7 @@ class _MemberWatch:
         while not self._stop.is_set():
             stream = self._stream
             if stream is None:
-                stream = WatchStream(
-                    h._client, (cur + "c/").encode(), prefix_end(nxt.encode()), start
-                )
+                stream = WatchStream(h._client, ctl.encode(), prefix_end(ctl.encode()), start)
                 self._stream = stream
             if self._stop.is_set():
                 stream.close()
@@ -1736,7 +1769,7 @@ class _MemberWatch:
             except WatchClosed:
                 return
             except WatchCompacted as exc:
-                start = self._resync(exc.compact_revision, nxt)
+                start = self._resync(exc.compact_revision, ctl)
             except EtcdError as exc:
                 logger.debug("the rendezvous watch failed (retrying): %s", exc)
                 start = stream.next_revision
@@ -1751,58 +1784,53 @@ class _MemberWatch:
             stream.close()
 
     def _apply(self, events: Sequence[WatchEvent], keys: _MemberKeys) -> bool:
+        mine = self._h._node.encode()
         for ev in events:
+            if ev.deleted:
+                continue  # what the next round said stays said (a marker goes with its lease)
             key = ev.kv.key
-            if key.startswith(keys.nxt_a):
-                if key == keys.mine:
-                    continue
-                if ev.deleted:
-                    self._joins.pop(key, None)
-                else:
-                    j = _decode_join(ev.kv)
-                    member = j is not None and j.claim is not None and j.claim.round == self._rnd
-                    self._joins[key] = member
-            elif key == keys.nxt_result and not ev.deleted:
+            if key == keys.member:
+                if ev.kv.value != mine:  # not this machine's own join (it stopped watching)
+                    self._member_joined = True
+            elif key == keys.other:
+                self._other_joined = True
+            elif key == keys.result:
                 self._excluded = True  # the next round formed without this machine
-            elif key == keys.nxt_room and not ev.deleted:
+            elif key == keys.room:
                 self._room = True
-        members = sum(1 for m in self._joins.values() if m)
-        others = len(self._joins) - members
         room = self._room or self._world < self._h._s.max_nodes
-        count = members + (others if room else 0)
+        count = int(self._member_joined) + int(self._other_joined and room)
         if self._excluded:
             count = max(count, 1)
         with self._lock:
             self._count = count
         return count > 0
 
-    def _resync(self, compacted: int, nxt: str) -> int:
-        """After a compaction: the state from one read, the watch from after it."""
+    def _resync(self, compacted: int, ctl: str) -> int:
+        """After a compaction: the round's control keys from one read, the watch from after it."""
         h = self._h
         while not self._stop.is_set():
             try:
-                snap = h._txn([], [_range(nxt, prefix=True)], [])
+                snap = h._txn([], [_range(ctl, prefix=True)], [])
             except EtcdError:
                 self._stop.wait(1.0)
                 continue
-            self._joins = {}
             events = [WatchEvent(False, kv, None) for kv in _kvs(snap, 0)]
-            self._apply(events, _MemberKeys(nxt, h._qnode))
+            self._apply(events, _MemberKeys(ctl))
             return _revision(snap) + 1
         return compacted + 1
 
 
 class _MemberKeys:
-    """The keys a member watch tells apart (the next round's joins, result and room, this
-    machine's join of it)."""
+    """The keys of a round a member watch tells apart (:data:`_NEXT_KEYS`)."""
 
-    __slots__ = ("mine", "nxt_a", "nxt_result", "nxt_room")
+    __slots__ = ("member", "other", "result", "room")
 
-    def __init__(self, nxt: str, qnode: str) -> None:
-        self.nxt_a = (nxt + "a/").encode()
-        self.nxt_result = (nxt + "c/result").encode()
-        self.nxt_room = (nxt + "c/" + _ROOM).encode()
-        self.mine = (nxt + "a/" + qnode).encode()
+    def __init__(self, ctl: str) -> None:
+        self.member = (ctl + _NEXT_MEMBER).encode()
+        self.other = (ctl + _NEXT_OTHER).encode()
+        self.result = (ctl + _NEXT_RESULT).encode()
+        self.room = (ctl + _ROOM).encode()
 
 
 # ------------------------------------------------------------------------------ creation

@@ -537,6 +537,15 @@ def test_a_bdp_ping_is_acked_with_the_next_request_any_other_ping_at_once(
         (_frame(0, 0, 1, b"\x00\x00\x00\x00\x04\x0a\x09\x08\x01"), "truncated"),
         # Wire type 7 does not exist.
         (_frame(0, 0, 1, b"\x00\x00\x00\x00\x02\x0f\x00"), "wire type"),
+        # A gRPC message declared 4 GiB long: failed at once, not buffered while it comes.
+        (_frame(0, 0, 1, b"\x00\xff\xff\xff\xff\x08\x05"), "a gRPC message of 4294967295 bytes"),
+        # Just past the bound, MAX_KEEPALIVE_ANSWER (64 KiB; a LeaseKeepAliveResponse is ~70
+        # bytes).
+        (_frame(0, 0, 1, b"\x00" + struct.pack(">I", 65537)), "a gRPC message of 65537 bytes"),
+        # A PING's payload is exactly 8 bytes (RFC 9113 6.7), an ack's too.
+        (_frame(6, 0, 0, b"1234567"), "PING of 7 bytes"),
+        (_frame(6, 0, 0, b"123456789"), "PING of 9 bytes"),
+        (_frame(6, 1, 0, b""), "PING of 0 bytes"),
     ],
 )
 def test_a_malformed_answer_breaks_the_stream_and_renews_nothing(

@@ -83,6 +83,11 @@ _STUCK_MIN_S = 1.0
 _BDP_PING = bytes([2, 4, 16, 16, 9, 14, 7, 7])
 # The largest keep-alive request's DATA payload: a gRPC message of a ten-byte lease ID varint.
 _MAX_REQUEST = 16
+# The largest gRPC message taken as a keep-alive answer: a LeaseKeepAliveResponse is a response
+# header (cluster and member IDs, revision, raft term: four varints, under 50 bytes), a lease
+# ID and a TTL (about 70 bytes in all). A declared length past this fails the stream at once
+# instead of buffering up to the 4 GiB its length field allows.
+MAX_KEEPALIVE_ANSWER = 64 * 1024
 # An HTTP/2 frame header: length (24 bits: a byte and 16 bits), type, flags, stream id.
 _HEAD = struct.Struct(">BHBBI")
 
@@ -253,6 +258,13 @@ def parse_keepalive_response(message: bytes) -> tuple[int, int]:
     if at != end:
         raise ValueError("a truncated keep-alive answer")
     return fields[2], fields[3]
+
+
+def _bad_ping(payload: bytes) -> str:
+    return (
+        f"an HTTP/2 PING of {len(payload)} bytes (RFC 9113 6.7: exactly 8, anything else is a "
+        "FRAME_SIZE_ERROR of the connection)"
+    )
 
 
 class KeepAliveStream:
@@ -655,6 +667,8 @@ class KeepAliveStream:
             self._on_settings(payload)
             self._send_control(_frame(_SETTINGS, _ACK, 0))
         elif kind == _PING and not flags & _ACK:
+            if len(payload) != 8:
+                raise ValueError(_bad_ping(payload))
             ack = _frame(_PING, _ACK, 0, payload)
             if payload == _BDP_PING:
                 with self._send_lock:
@@ -662,6 +676,8 @@ class KeepAliveStream:
                         self._deferred_ack = ack
                         return
             self._send_control(ack)
+        elif kind == _PING and len(payload) != 8:  # (an ack: the same rule)
+            raise ValueError(_bad_ping(payload))
         elif kind == _WINDOW_UPDATE and len(payload) >= 4:
             increment = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
             with self._lock:
@@ -697,6 +713,11 @@ class KeepAliveStream:
             if self._grpc[0] != 0:
                 raise ValueError("a compressed gRPC message (none was asked for)")
             size = int.from_bytes(self._grpc[1:5], "big")
+            if size > MAX_KEEPALIVE_ANSWER:
+                raise ValueError(
+                    f"a gRPC message of {size} bytes declared, where a keep-alive answer is "
+                    f"at most {MAX_KEEPALIVE_ANSWER} (MAX_KEEPALIVE_ANSWER; ~70 bytes from etcd)"
+                )
             if len(self._grpc) < 5 + size:
                 return
             message = bytes(self._grpc[5 : 5 + size])

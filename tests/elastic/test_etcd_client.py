@@ -702,3 +702,189 @@ def test_a_watch_line_decodes_exactly_as_json_loads(line: bytes) -> None:
     except ValueError as exc:
         got = type(exc)
     assert got == expected
+
+
+class _FakeWatchGateway:
+    """A ``/v3/watch`` endpoint that answers the n-th watch request with the n-th list of
+    ``answers`` (each item written as one HTTP chunk), then keeps the connection open: what a
+    broken peer or a proxy could send, which a real etcd never does. ``requests`` holds each
+    watch request received (its ``create_request``)."""
+
+    def __init__(self, answers: list[list[bytes]]) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.requests: list[dict[str, object]] = []
+        self._answers = answers
+        self._socks: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        for chunks in self._answers:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            self._socks.append(sock)
+            with contextlib.suppress(OSError):
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    more = sock.recv(65536)
+                    if not more:
+                        raise ConnectionError("the client went")
+                    data += more
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                while len(body) < length:
+                    body += sock.recv(65536)
+                self.requests.append(json.loads(body)["create_request"])
+                sock.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n"
+                )
+                for chunk in chunks:
+                    sock.sendall(chunk)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        self._thread.join(timeout=10)
+        assert not self._thread.is_alive()
+
+
+def _chunk(line: bytes) -> bytes:
+    return f"{len(line):x}\r\n".encode() + line + b"\r\n"
+
+
+def _watch_message(result: object) -> bytes:
+    return _chunk(json.dumps({"result": result}).encode() + b"\n")
+
+
+_CREATED = _watch_message({"header": {"revision": "4"}, "created": True})
+
+
+def _put_event(revision: int) -> dict[str, object]:
+    return {
+        "kv": {
+            "key": "aw==",  # b"k"
+            "create_revision": "5",
+            "mod_revision": str(revision),
+            "version": str(revision - 4),
+            "value": "dg==",  # b"v"
+        }
+    }
+
+
+def _kv(**fields: object) -> dict[str, object]:
+    kv: dict[str, object] = {"key": "aw==", "mod_revision": "6"}
+    kv.update(fields)
+    return {k: v for k, v in kv.items() if v is not None}
+
+
+@pytest.mark.parametrize(
+    ("result", "problem"),
+    [
+        (5, "result: expected a JSON object"),
+        ({"compact_revision": "x"}, "result.compact_revision: expected an integer"),
+        ({"events": "x"}, "result.events: expected a JSON list"),
+        ({"events": {"kv": {}}}, "result.events: expected a JSON list"),
+        ({"events": [5]}, r"result.events\[0\]: expected a JSON object"),
+        ({"events": [{"type": "DELETE"}]}, r"result.events\[0\].kv: missing"),
+        ({"events": [{"kv": 5}]}, r"result.events\[0\].kv: expected a JSON object"),
+        ({"events": [{"kv": _kv(mod_revision="x")}]}, r"\[0\].kv.mod_revision: expected an int"),
+        ({"events": [{"kv": _kv(mod_revision=None)}]}, r"\[0\].kv.mod_revision: missing"),
+        ({"events": [{"kv": _kv(mod_revision="-3")}]}, r"\[0\].kv.mod_revision: expected a rev"),
+        ({"events": [{"kv": _kv(key=None)}]}, r"\[0\].kv.key: missing"),
+        ({"events": [{"kv": _kv(key="a")}]}, r"\[0\].kv.key: expected base64"),
+        ({"events": [{"kv": _kv(key="a!w==")}]}, r"\[0\].kv.key: expected base64"),
+        ({"events": [{"kv": _kv(value=7)}]}, r"\[0\].kv.value: expected base64"),
+        ({"events": [{"kv": _kv(version=[1])}]}, r"\[0\].kv.version: expected an integer"),
+        ({"events": [{"kv": _kv(), "type": "BOGUS"}]}, r"\[0\].type: expected \"PUT\""),
+        ({"events": [{"kv": _kv(), "prev_kv": "x"}]}, r"\[0\].prev_kv: expected a JSON object"),
+        (
+            {"events": [{"kv": _kv(), "prev_kv": _kv(mod_revision="y")}]},
+            r"\[0\].prev_kv.mod_revision: expected an integer",
+        ),
+        # A good event, then a malformed one: nothing of the message is reported.
+        ({"events": [_put_event(6), {"kv": 5}]}, r"result.events\[1\].kv: expected a JSON"),
+    ],
+)
+def test_a_malformed_watch_message_fails_the_stream_which_resumes_from_the_last_good_event(
+    result: object, problem: str
+) -> None:
+    """A watch message that is not what etcd sends (a wrong-typed or missing field, bad base64)
+    is a stream failure that names the field, never a stray ValueError/KeyError nor an event
+    skipped: the next call opens the stream again from the revision after the last event it
+    returned, so nothing is lost or repeated."""
+    gateway = _FakeWatchGateway(
+        [
+            [_CREATED, _watch_message({"events": [_put_event(5)]}), _watch_message(result)],
+            [_CREATED, _watch_message({"events": [_put_event(6)]})],
+        ]
+    )
+    client = EtcdClient(gateway.url, timeout=timedelta(seconds=5))
+    stream = WatchStream(client, b"k", None, 5)
+    try:
+        got = stream.next_events(timedelta(seconds=5))
+        assert [(e.kv.key, e.kv.value, e.kv.mod_revision) for e in got] == [(b"k", b"v", 5)]
+        with pytest.raises(EtcdUnavailable, match=f"malformed watch message from .*{problem}"):
+            stream.next_events(timedelta(seconds=5))
+        assert stream._sock is None  # dropped
+        got = stream.next_events(timedelta(seconds=5))
+        assert [e.kv.mod_revision for e in got] == [6]
+        assert [r["start_revision"] for r in gateway.requests] == ["5", "6"]
+        assert stream.connections == 2
+    finally:
+        stream.close()
+        client.close()
+        gateway.close()
+
+
+def test_a_watch_message_that_is_not_a_json_object_fails_the_stream() -> None:
+    gateway = _FakeWatchGateway([[_CREATED, _chunk(b"[1, 2]\n")], [_CREATED]])
+    client = EtcdClient(gateway.url, timeout=timedelta(seconds=5))
+    stream = WatchStream(client, b"k", None, 5)
+    try:
+        with pytest.raises(EtcdUnavailable, match=r"malformed watch message .*expected a JSON obj"):
+            stream.next_events(timedelta(seconds=5))
+        assert stream.next_events(timedelta(seconds=0.1)) == []
+        assert [r["start_revision"] for r in gateway.requests] == ["5", "5"]
+    finally:
+        stream.close()
+        client.close()
+        gateway.close()
+
+
+def test_a_watch_line_longer_than_the_bound_fails_the_stream_instead_of_growing() -> None:
+    """A peer that never ends its line: the stream fails once the line passes
+    MAX_WATCH_MESSAGE (64 MiB), then resumes from where it was on a new connection."""
+    block = b"x" * 2**20
+    endless = [b"7fffffff\r\n", *[block] * 65]  # a 2 GiB chunk, 65 MiB of it without a newline
+    gateway = _FakeWatchGateway(
+        [
+            [_CREATED, _watch_message({"events": [_put_event(5)]}), *endless],
+            [_CREATED, _watch_message({"events": [_put_event(6)]})],
+        ]
+    )
+    client = EtcdClient(gateway.url, timeout=timedelta(seconds=5))
+    stream = WatchStream(client, b"k", None, 5)
+    try:
+        assert [e.kv.mod_revision for e in stream.next_events(timedelta(seconds=5))] == [5]
+        with pytest.raises(EtcdUnavailable, match="ran past 64 MiB without ending its line"):
+            stream.next_events(timedelta(seconds=30))
+        assert not stream._body  # freed at once
+        assert [e.kv.mod_revision for e in stream.next_events(timedelta(seconds=5))] == [6]
+        assert [r["start_revision"] for r in gateway.requests] == ["5", "6"]
+    finally:
+        stream.close()
+        client.close()
+        gateway.close()

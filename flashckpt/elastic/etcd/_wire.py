@@ -111,5 +111,22 @@ def kv_from_json(raw: dict[str, Any]) -> KeyValue:
     )
 
 
+def kv_from_event_json(raw: dict[str, Any]) -> KeyValue:
+    """A watch event's ``kv`` (or ``prev_kv``), stricter than :func:`kv_from_json`: its key and
+    ``mod_revision`` must be there (a watch event always has both; a missing revision read as 0
+    would drop the event as one already reported), and base64 is decoded strictly. Raises
+    ``KeyError``, ``TypeError`` or ``ValueError`` (``binascii.Error``) on a malformed entry
+    (the watch names the field: ``watchstream._malformed``)."""
+    value = raw.get("value")
+    return KeyValue(
+        key=binascii.a2b_base64(raw["key"], strict_mode=True),
+        value=binascii.a2b_base64(value, strict_mode=True) if value is not None else b"",
+        mod_revision=int(raw["mod_revision"]),
+        create_revision=int(raw.get("create_revision", 0)),
+        version=int(raw.get("version", 0)),
+        lease=int(raw.get("lease", 0)),
+    )
+
+
 def header_revision(response: dict[str, Any]) -> int:
     return int(response.get("header", {}).get("revision", 0))

@@ -4,6 +4,7 @@ watch of the client (:meth:`~flashckpt.elastic.etcd.client.EtcdClient.watch_even
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import json
 import logging
@@ -26,7 +27,7 @@ from flashckpt.elastic.etcd._gateway import (
     _AttemptFailed,
     error_from_response,
 )
-from flashckpt.elastic.etcd._wire import KeyValue, b64, kv_from_json, prefix_end
+from flashckpt.elastic.etcd._wire import KeyValue, b64, kv_from_event_json, prefix_end
 from flashckpt.elastic.etcd.errors import EtcdError, EtcdUnavailable, WatchClosed, WatchCompacted
 
 __all__ = ["WatchClosed", "WatchCompacted", "WatchEvent", "WatchStream", "prefix_end"]
@@ -36,6 +37,15 @@ logger = logging.getLogger(__name__)
 # A watch request etcd has not answered is waited for across calls this long, then the next
 # endpoint is tried (an overloaded etcd answers late; reconnecting would add to its load).
 _WATCH_OPEN_PATIENCE_S = 30.0
+
+# The longest watch message (one JSON line) read before the stream fails: a peer that never
+# ends its line would otherwise grow the buffer without bound. etcd takes a request of at most
+# 1.5 MiB by default (--max-request-bytes), so one revision's events are about that much, 4/3
+# of it in base64; a response may batch several revisions (catching up after a reconnect), each
+# event with its previous value (prev_kv). This project's keys and values are a few KiB at
+# most (the largest value the rendezvous writes is ~1 KB at 1,024 machines): 64 MiB is ~30
+# maximal requests' worth, far above any message it is sent, and bounds what one stream holds.
+MAX_WATCH_MESSAGE = 64 * 2**20
 
 
 _JSON = json.JSONDecoder()
@@ -52,6 +62,67 @@ def _json_line(line: bytes) -> Any:
     if text[end:].strip(" \t\n\r"):
         raise json.JSONDecodeError("Extra data", text, end)
     return message
+
+
+def _kv_problem(kv: Any, where: str) -> str | None:
+    """What is wrong with a watch event's ``kv`` or ``prev_kv`` (None: nothing found)."""
+    if not isinstance(kv, dict):
+        return f"{where}: expected a JSON object, got {kv!r:.80}"
+    for field in ("key", "mod_revision"):
+        if field not in kv:
+            return f"{where}.{field}: missing (every event's key has one)"
+    for field in ("key", "value"):
+        text: Any = kv.get(field)
+        if text is None and field == "value":
+            continue
+        try:
+            binascii.a2b_base64(text, strict_mode=True)
+        except (TypeError, ValueError) as exc:
+            return f"{where}.{field}: expected base64 text, got {text!r:.80} ({exc})"
+    for field in ("mod_revision", "create_revision", "version", "lease"):
+        number = kv.get(field, 0)
+        try:
+            int(number)
+        except (TypeError, ValueError):
+            return f"{where}.{field}: expected an integer (a string of digits), got {number!r:.80}"
+    if int(kv["mod_revision"]) < 1:
+        return f"{where}.mod_revision: expected a revision >= 1, got {kv['mod_revision']!r:.80}"
+    return None
+
+
+def _problem(message: dict[str, Any], exc: BaseException) -> str:
+    """Names what is wrong in a watch message whose decoding raised ``exc`` (the field, what
+    was expected); found again here, off the hot path, only when decoding failed."""
+    result = message.get("result")
+    if not isinstance(result, dict):
+        return f"result: expected a JSON object, got {result!r:.80}"
+    compact = result.get("compact_revision")
+    if compact is not None:
+        try:
+            int(compact)
+        except (TypeError, ValueError):
+            return f"result.compact_revision: expected an integer, got {compact!r:.80}"
+    events = result.get("events")
+    if events is not None and not isinstance(events, list):
+        return f"result.events: expected a JSON list, got {events!r:.80}"
+    for i, event in enumerate(events or ()):
+        where = f"result.events[{i}]"
+        if not isinstance(event, dict):
+            return f"{where}: expected a JSON object, got {event!r:.80}"
+        if "kv" not in event:
+            return f"{where}.kv: missing (every event has one)"
+        problem = _kv_problem(event["kv"], f"{where}.kv")
+        if problem is not None:
+            return problem
+        kind = event.get("type")
+        if kind not in (None, "PUT", "DELETE"):
+            return f'{where}.type: expected "PUT" or "DELETE", got {kind!r:.80}'
+        prev = event.get("prev_kv")
+        if prev is not None:
+            problem = _kv_problem(prev, f"{where}.prev_kv")
+            if problem is not None:
+                return problem
+    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +189,7 @@ class WatchStream:
         self._raw = bytearray()  # received, not yet de-chunked
         self._body = bytearray()  # de-chunked, not yet a whole line
         self._chunk_left = 0  # bytes of the current chunk still to come (+2 for its CRLF)
+        self._scanned = 0  # bytes at the start of _body known to hold no newline
         self._closed = False
         self._reading = False  # a thread is in next_events
         self._opened_at: float | None = None  # when the pending watch request was sent
@@ -229,6 +301,7 @@ class WatchStream:
         self._raw.clear()
         self._body.clear()
         self._chunk_left = 0
+        self._scanned = 0
         host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
         head = (
             f"POST /v3/watch HTTP/1.1\r\nHost: {host}:{endpoint.port}\r\n"
@@ -348,11 +421,17 @@ class WatchStream:
     def _next_line(self) -> bytes | None:
         """De-chunks what ``_raw`` holds into ``_body``; returns one whole line, if any."""
         while True:
-            newline = self._body.find(b"\n")
+            newline = self._body.find(b"\n", self._scanned)  # (only what came since)
             if newline >= 0:
+                self._scanned = 0
+                if newline >= MAX_WATCH_MESSAGE:
+                    raise self._too_long()
                 line = bytes(self._body[: newline + 1])
                 del self._body[: newline + 1]
                 return line
+            self._scanned = len(self._body)
+            if self._scanned > MAX_WATCH_MESSAGE:
+                raise self._too_long()
             if self._chunk_left > 0:
                 if not self._raw:
                     return None
@@ -391,6 +470,29 @@ class WatchStream:
             del raw[:start]
             self._chunk_left = size + 2
 
+    def _too_long(self) -> EtcdUnavailable:
+        self._body.clear()  # (freed now, not when the stream is opened again)
+        endpoint = self._endpoint.url if self._endpoint is not None else "etcd"
+        return EtcdUnavailable(
+            f"a watch message from {endpoint} ran past {MAX_WATCH_MESSAGE // 2**20} MiB without "
+            f"ending its line (MAX_WATCH_MESSAGE: etcd sends one JSON message per line, far "
+            f"shorter); the stream was dropped, and the next call opens it again from revision "
+            f"{self._next}. Is {endpoint} an etcd v3 client URL, with no proxy that alters "
+            "its answers?"
+        )
+
+    def _malformed(self, line: bytes, problem: str) -> EtcdUnavailable:
+        """The error of a watch message that is not what etcd sends: the stream fails (the
+        caller's "stream failed" path) and is opened again from the revision after the last
+        event returned, so nothing is skipped or repeated."""
+        endpoint = self._endpoint.url if self._endpoint is not None else "etcd"
+        return EtcdUnavailable(
+            f"malformed watch message from {endpoint}: {problem} (message: {line[:200]!r}); "
+            f"the stream was dropped, and the next call opens it again from revision "
+            f"{self._next}. Is {endpoint} an etcd v3 client URL, with no proxy that alters "
+            "its answers?"
+        )
+
     def _read(self, deadline: Deadline) -> list[WatchEvent] | None:
         endpoint = self._endpoint.url if self._endpoint is not None else "etcd"
         while True:
@@ -406,43 +508,64 @@ class WatchStream:
                     f"watch stream from {endpoint} broke: {exc!r}", sent=True, timed_out=False
                 ) from exc
             if not isinstance(message, dict):
-                raise _AttemptFailed(
-                    f"unexpected watch message {line[:200]!r}", sent=True, timed_out=False
-                )
+                raise self._malformed(line, f"expected a JSON object, got {type(message).__name__}")
             if "error" in message:
                 # A broken watch (for example after a leader change): open it again.
                 raise _AttemptFailed(
                     f"watch error from {endpoint}: {message['error']}", sent=True, timed_out=False
                 )
-            result = message.get("result") or {}
-            compact = int(result.get("compact_revision", 0) or 0)
-            if compact > 0:
-                self._drop()
-                raise WatchCompacted(
-                    f"etcd compacted revisions up to {compact}; the watch needed "
-                    f"{self._next} on: re-read the keys",
-                    compact,
-                )
-            if result.get("canceled"):
-                raise _AttemptFailed(
-                    f"etcd canceled the watch: {result}", sent=True, timed_out=False
-                )
-            events: list[WatchEvent] = []
-            for raw in result.get("events") or []:
-                kv = kv_from_json(raw.get("kv") or {})
-                if kv.mod_revision < self._next:
-                    continue  # already reported before a reconnect
-                prev = raw.get("prev_kv")
-                events.append(
-                    WatchEvent(
-                        deleted=raw.get("type") == "DELETE",
-                        kv=kv,
-                        prev=kv_from_json(prev) if prev else None,
-                    )
-                )
+            try:
+                events = self._events(message)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise self._malformed(line, _problem(message, exc)) from exc
             if events:
                 self._next = max(e.kv.mod_revision for e in events) + 1
                 return events
+
+    def _events(self, message: dict[str, Any]) -> list[WatchEvent]:
+        """The new events of one watch message; raises ``KeyError``, ``TypeError``,
+        ``ValueError`` or ``AttributeError`` for a malformed one (:func:`_problem` says what),
+        before anything is reported."""
+        result = message.get("result")
+        if result is None:
+            return []
+        compact = result.get("compact_revision")
+        if compact is not None and int(compact) > 0:
+            compact = int(compact)
+            self._drop()
+            raise WatchCompacted(
+                f"etcd compacted revisions up to {compact}; the watch needed "
+                f"{self._next} on: re-read the keys",
+                compact,
+            )
+        if result.get("canceled"):
+            raise _AttemptFailed(f"etcd canceled the watch: {result}", sent=True, timed_out=False)
+        raws = result.get("events")
+        if raws is None:
+            return []
+        if type(raws) is not list:
+            raise TypeError("events")
+        events: list[WatchEvent] = []
+        after = self._next
+        for raw in raws:
+            kv = kv_from_event_json(raw["kv"])
+            if kv.mod_revision < after:
+                if kv.mod_revision < 1:
+                    raise ValueError("mod_revision")
+                continue  # already reported before a reconnect
+            kind = raw.get("type")
+            deleted = kind == "DELETE"
+            if kind is not None and not deleted and kind != "PUT":
+                raise ValueError("type")
+            prev = raw.get("prev_kv")
+            events.append(
+                WatchEvent(
+                    deleted=deleted,
+                    kv=kv,
+                    prev=kv_from_event_json(prev) if prev is not None else None,
+                )
+            )
+        return events
 
     def _drop(self) -> None:
         with self._lock:

@@ -806,3 +806,61 @@ def test_a_member_watch_never_receives_the_next_rounds_joins(
     keys = j.key_list()
     assert "rdzv/r/000000000000/c/next-member" in keys
     assert "rdzv/r/000000000000/c/next-result" in keys
+
+
+def test_a_large_result_is_written_in_parts_none_larger_than_a_few_kib(
+    job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 31: "no value it writes is larger than a few KiB at any size". The members take 2-3
+    # bytes each (2.9 KB at 1,024 machines, ~28 KB at 10,000): the closer writes them in parts
+    # of _RESULT_PART_CHARS, in its one transaction. Here a part holds 4 characters, so a round
+    # of 6 is written in several; every machine still gets the same ranks, and a standby that
+    # replaces a dead member reads the parts of round 0 (its lead, the previous round's
+    # members) as well.
+    monkeypatch.setattr(handler_module, "_RESULT_PART_CHARS", 4)
+    j = job(min_nodes=6, max_nodes=6, lease_ttl=timedelta(seconds=30))
+    hs = [j.machine() for _ in range(6)]
+    infos = j.rounds(hs)
+    assert sorted(ranks(infos)) == list(range(6))
+    ctl = j.client.get_prefix(j.prefix + "rdzv/r/000000000000/c/result")
+    header = next(kv for kv in ctl if kv.key.endswith(b"/c/result"))
+    doc = json.loads(header.value)
+    parts = [kv for kv in ctl if kv is not header]
+    assert doc["parts"] == len(parts) >= 2, [kv.key for kv in ctl]
+    assert len(doc["m"]) <= 4 and all(len(kv.value) <= 4 for kv in parts)
+    assert len({kv.mod_revision for kv in ctl}) == 1  # one transaction
+    assert len({h.members() for h in hs}) == 1 and len(hs[0].members()) == 6
+    standby = j.machine()
+    waiting = j.join(standby)
+    wait_until(lambda: standby.waiting_in == 1, "the standby waits in round 1", timeout=30.0)
+    victim = next(h for h, i in zip(hs, infos, strict=True) if i.rank == 4)
+    kill(victim)
+    survivors = [h for h in hs if h is not victim]
+    after = j.rounds(survivors)
+    info = done(waiting)
+    assert info.rank == 4 and sorted([*ranks(after), info.rank]) == list(range(6))
+    assert [i.rank for i in after] == [
+        i.rank for h, i in zip(hs, infos, strict=True) if h is not victim
+    ]
+
+
+def test_a_result_missing_a_part_is_refused(job: Callable[..., Job]) -> None:
+    from flashckpt.elastic.etcd.client import KeyValue
+
+    packed = encode_members([5, 6, 7])
+    key = b"/job/rdzv/r/000000000000/c/result"
+    head = {"v": handler_module._RESULT_VERSION, "round": 0, "world": 3, "closer": "x"}
+    value = json.dumps({**head, "m": packed[:2], "parts": 2, "digest": _digest(packed)})
+    kvs = [
+        KeyValue(key, value.encode(), 9, 9, 1, 0),
+        KeyValue(key + b".2", packed[4:].encode(), 9, 9, 1, 0),
+    ]
+    with pytest.raises(RendezvousStateError, match="lacks its part 1 of 2"):
+        handler_module._decode_result(kvs, 0)
+    whole = [*kvs, KeyValue(key + b".1", packed[2:4].encode(), 9, 9, 1, 0)]
+    result, header = handler_module._decode_result(whole, 0)
+    assert result.members.tolist() == [5, 6, 7] and header is kvs[0]
+    # A part that is not ASCII text (so not the packed members) is refused the same way.
+    bad = [*kvs, KeyValue(key + b".1", "é".encode(), 9, 9, 1, 0)]
+    with pytest.raises(RendezvousStateError, match="lacks its part 1 of 2"):
+        handler_module._decode_result(bad, 0)

@@ -17,8 +17,11 @@ Keys (under the job's prefix ``<key_prefix>/<run_id>/rdzv/``; ``<R>`` is a round
   lease: created if absent by a waiting machine; when the lead dies, another takes over.
 - ``r/<R>/c/result``: the round's outcome, written once by the lead in one transaction that
   creates it only if absent: round number, world size and the members in rank order, as the
-  ``create_revision`` of their join keys, packed in fixed width (about 2.7 KiB for 1,024
-  machines; a machine finds its rank with one search of the bytes, :class:`PackedMembers`).
+  ``create_revision`` of their join keys, packed in fixed width (2-3 bytes each; a machine
+  finds its rank with one search of the bytes, :class:`PackedMembers`). The packed members go
+  in parts of at most :data:`_RESULT_PART_CHARS` (~1,000-1,500 machines): ``c/result`` holds
+  the first, ``c/result.1``, ``c/result.2``, ... the others, written in the same transaction,
+  so no value is larger than ~3.3 KiB at any size and a waiter receives them together.
 - ``r/<R>/c/next-member``, ``r/<R>/c/next-other``: a member of round ``R`` (or another
   machine) joined round ``R + 1``: created by the first such join, inside its transaction (no
   request of its own), on its lease; ``r/<R>/c/next-result``: round ``R + 1`` formed (written
@@ -125,7 +128,15 @@ _RESULT_VERSION = 3  # 1: the members as varints (decoded in full by every waite
 # the members' watches followed the next round's joins (no next-* keys: a job mixing 2 and 3 would
 # not count every restart, so it is refused)
 _JOIN_VERSION = 1
-_MAX_VALUE_BYTES = 128 << 10  # a result of ~20,000 machines at 4 bytes each; more is not ours
+_MAX_VALUE_BYTES = 128 << 10  # a value of the rendezvous larger than this is not ours
+_RESULT_PART_CHARS = 3000
+"""A round's members are written in parts of at most this many characters: ``c/result`` carries
+the first (with the round, world, digest, closer, master), ``c/result.1``, ``c/result.2``, ...
+the others, all in the one transaction that closes the round (so a waiter receives them
+together: one revision, one watch message). No value the rendezvous writes is larger than
+~3.3 KiB at any size (issue 31; the members take 2-3 bytes each: ~1,000-1,500 per part)."""
+_MAX_RESULT_PARTS = 64
+"""At most this many parts after the first (~190,000 characters, 60,000+ machines)."""
 _MAX_ROUND = 10**12 - 1
 _ROOM = "room"
 """``r/<R>/c/room``: written once by round ``R + 1``'s lead when round ``R`` was full and lost
@@ -265,7 +276,21 @@ class _Result:
     master: tuple[str, int] | None  # rank 0's address and a port free on it, from its join
 
 
-def _decode_result(kv: KeyValue, expected_round: int) -> _Result:
+def _result_kvs(kvs: Sequence[KeyValue]) -> list[KeyValue]:
+    """The keys of a round's result among ``kvs`` (its ``c/`` keys): ``c/result`` and its parts."""
+    return [kv for kv in kvs if kv.key.rsplit(b"/", 1)[-1].split(b".", 1)[0] == b"result"]
+
+
+def _decode_result(kvs: Sequence[KeyValue], expected_round: int) -> tuple[_Result, KeyValue]:
+    """A round's result from its keys (``c/result`` and its parts, :data:`_RESULT_PART_CHARS`),
+    and the ``c/result`` key itself."""
+    header = next((kv for kv in kvs if kv.key.endswith(b"/c/result")), None)
+    if header is None:
+        raise RendezvousStateError(
+            f"the rendezvous result of round {expected_round} has no c/result key ({len(kvs)} "
+            "parts): the job's keys were changed by something else; use another --rdzv-id"
+        )
+    kv = header
     where = kv.key.decode(errors="replace")
     if len(kv.value) > _MAX_VALUE_BYTES:
         raise RendezvousStateError(f"the rendezvous result {where!r} is {len(kv.value)} bytes")
@@ -273,12 +298,36 @@ def _decode_result(kv: KeyValue, expected_round: int) -> _Result:
         doc = json.loads(kv.value)
         if not isinstance(doc, dict) or doc.get("v") != _RESULT_VERSION:
             raise ValueError(f"version {doc.get('v') if isinstance(doc, dict) else doc!r}")
-        packed = str(doc["m"])
-        members = PackedMembers(packed)
+        parts = doc.get("parts", 0)
+        if type(parts) is not int or not 0 <= parts <= _MAX_RESULT_PARTS:
+            raise ValueError(f"parts {parts!r}")
+        first = doc["m"]
+        if not isinstance(first, str):
+            raise ValueError("m must be a string")
         rnd, world = doc["round"], doc["world"]
         if type(rnd) is not int or type(world) is not int:
             raise ValueError("round and world must be integers")
     except (ValueError, KeyError, TypeError) as exc:
+        raise RendezvousStateError(
+            f"the rendezvous result {where!r} is not one this flashckpt writes ({exc}): every "
+            "machine of a job must run the same flashckpt version; if another program wrote "
+            "it, use another --rdzv-id"
+        ) from None
+    values = {x.key: x.value for x in kvs}
+    chunks = [first]
+    for i in range(1, parts + 1):
+        value = values.get(kv.key + f".{i}".encode())
+        if value is None or len(value) > _MAX_VALUE_BYTES or not value.isascii():
+            raise RendezvousStateError(
+                f"the rendezvous result {where!r} lacks its part {i} of {parts} (or it is not "
+                "one this flashckpt writes): the job's keys were changed by something else; use "
+                "another --rdzv-id"
+            )
+        chunks.append(value.decode("ascii"))
+    try:
+        packed = "".join(chunks)
+        members = PackedMembers(packed)
+    except (ValueError, TypeError) as exc:
         raise RendezvousStateError(
             f"the rendezvous result {where!r} is not one this flashckpt writes ({exc}): every "
             "machine of a job must run the same flashckpt version; if another program wrote "
@@ -307,7 +356,7 @@ def _decode_result(kv: KeyValue, expected_round: int) -> _Result:
         and 0 < master[1] < 65536
     ):
         parsed_master = (master[0], master[1])
-    return _Result(rnd, members, digest, str(doc.get("closer", "")), parsed_master)
+    return _Result(rnd, members, digest, str(doc.get("closer", "")), parsed_master), kv
 
 
 def _digest(packed: str) -> str:
@@ -990,7 +1039,7 @@ class RdzvHandler(RendezvousHandler):
             # This machine joined round rnd before and stopped waiting for its result (an etcd
             # error, its lease lost): if rnd closed meanwhile, the refusal carries the result,
             # which may name this machine (see below).
-            failure.append(_range(self._rp(rnd) + "c/result"))
+            failure.append(_range(self._rp(rnd) + "c/result", prefix=True))
         try:
             found = self._join_txn(lease, compare, success, failure, write=len(value))
         except EtcdLeaseNotFound:
@@ -1020,7 +1069,7 @@ class RdzvHandler(RendezvousHandler):
                 # the newest: its result decides. A member takes its rank (joining the next
                 # round instead would leave its group waiting for it forever, issue 31); a
                 # machine the round did not take stands by for the next one.
-                return self._take_result(rnd, result_kvs[0], pending_create)
+                return self._take_result(rnd, result_kvs, pending_create)
             return None
         self._newest_seen = max(self._newest_seen, newest)
         mine = _kvs(response, 1)
@@ -1068,7 +1117,7 @@ class RdzvHandler(RendezvousHandler):
                     # stream, from after it).
                     said = [WatchEvent(False, kv, None) for n, kv in ctl.items() if n in _NEXT_KEYS]
                     return self._take_result(
-                        rnd, ctl["result"], my_create, handed=handed, pending=said
+                        rnd, _result_kvs(list(ctl.values())), my_create, handed=handed, pending=said
                     )
                 mine = "lead" in ctl and ctl["lead"].value == self._node.encode()
                 read = True
@@ -1217,12 +1266,12 @@ class RdzvHandler(RendezvousHandler):
         return bool(response.get("succeeded"))
 
     # -------------------------------------------------------------------- the lead
-    def _lead(self, rnd: int, round_rev: int, deadline: Deadline) -> KeyValue | None:
-        """Follows the joins of round ``rnd`` and closes it; returns its result, or ``None``
+    def _lead(self, rnd: int, round_rev: int, deadline: Deadline) -> list[KeyValue] | None:
+        """Follows the joins of round ``rnd`` and closes it; returns its result's keys, or ``None``
         when this machine stopped leading (its lease ended, its watch fell too far behind)."""
         prev, cur = self._rp(rnd - 1), self._rp(rnd)
         ops = [
-            _range(prev + "c/result"),
+            _range(prev + "c/result", prefix=True),
             # The previous round's joins: their keys name their machines (no values: N of
             # them, ~150 bytes each, for nothing).
             _range(prev + "a/", prefix=True, keys_only=True),
@@ -1233,7 +1282,7 @@ class RdzvHandler(RendezvousHandler):
         snap = self._txn([], ops, [])
         ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(snap, 3)}
         if "result" in ctl:
-            return ctl["result"]
+            return _result_kvs(_kvs(snap, 3))
         lead_kv = ctl.get("lead")
         if lead_kv is None or self._lease is None or lead_kv.lease != self._lease.id:
             return None
@@ -1241,7 +1290,7 @@ class RdzvHandler(RendezvousHandler):
         if rnd > 0:
             prev_result = _kvs(snap, 0)
             if prev_result:
-                prev_members = set(_decode_result(prev_result[0], rnd - 1).members.tolist())
+                prev_members = set(_decode_result(prev_result, rnd - 1)[0].members.tolist())
         alive_prev: dict[bytes, str] = {}
         prev_a = (prev + "a/").encode()
         for kv in _kvs(snap, 1):
@@ -1313,7 +1362,8 @@ class RdzvHandler(RendezvousHandler):
                         logger.info("no longer leading round %d (its lead key went)", rnd)
                         return None
                     elif key == result_key and not ev.deleted:
-                        return ev.kv
+                        # Another machine closed it: its parts are in the same revision.
+                        return _result_kvs(self._client.get_prefix(result_key.decode()))
         finally:
             with self._lock:
                 self._streams.discard(stream)
@@ -1334,7 +1384,7 @@ class RdzvHandler(RendezvousHandler):
 
     def _close_round(
         self, rnd: int, round_rev: int, joins: dict[bytes, _Join], survivors: set[str]
-    ) -> KeyValue | None:
+    ) -> list[KeyValue] | None:
         # Members: the live members of the previous round (all joined), then the others in
         # the order they joined, up to max_nodes.
         order = sorted(
@@ -1348,12 +1398,22 @@ class RdzvHandler(RendezvousHandler):
         members = [j.create_revision for j in by_rank]
         packed = encode_members(members)
         digest = _digest(packed)
+        parts = [
+            packed[i : i + _RESULT_PART_CHARS] for i in range(0, len(packed), _RESULT_PART_CHARS)
+        ]
+        parts = parts or [""]
+        if len(parts) - 1 > _MAX_RESULT_PARTS:
+            raise RendezvousStateError(
+                f"a round of {len(members)} machines is more than this rendezvous can write "
+                f"({_MAX_RESULT_PARTS + 1} parts of {_RESULT_PART_CHARS} characters)"
+            )
         value = json.dumps(
             {
                 "v": _RESULT_VERSION,
                 "round": rnd,
                 "world": len(members),
-                "m": packed,
+                "m": parts[0],
+                "parts": len(parts) - 1,
                 "digest": digest,
                 "closer": self._node,
                 "master": by_rank[0].master,
@@ -1366,8 +1426,13 @@ class RdzvHandler(RendezvousHandler):
         success = [
             _put(result_key, value, state_lease),
             _put(self._p + "round", str(rnd).encode(), state_lease),
-            _range(result_key),
+            *(
+                _put(f"{result_key}.{i}", part.encode(), state_lease)
+                for i, part in enumerate(parts[1:], 1)
+            ),
         ]
+        read_at = len(success)  # the result as written, its parts included
+        success.append(_range(result_key, prefix=True))
         if rnd >= 1:  # the previous round's members that are not in this one learn it here
             success.append(
                 _put(self._rp(rnd - 1) + "c/" + _NEXT_RESULT, str(rnd).encode(), state_lease)
@@ -1382,11 +1447,17 @@ class RdzvHandler(RendezvousHandler):
             )
         compare = [_cmp(result_key, "CREATE", 0), _cmp(self._p + "round", "MOD", round_rev)]
         try:
-            response = self._txn(compare, success, [_range(result_key)], write=len(value))
+            response = self._txn(
+                compare,
+                success,
+                [_range(result_key, prefix=True)],
+                write=len(value) + sum(len(p) for p in parts[1:]),
+                largest=max([len(value), *(len(p) for p in parts[1:])]),
+            )
         except EtcdOutcomeUnknown:
             # The answer was lost; whether it was applied or not, the key says: never close
             # twice, never guess.
-            return self._client.get_kv(result_key)
+            return _result_kvs(self._client.get_prefix(result_key)) or None
         kept = sum(1 for j in chosen if j.claim is not None and ranks[j.node] == j.claim.rank)
         if response.get("succeeded"):
             logger.info(
@@ -1399,27 +1470,27 @@ class RdzvHandler(RendezvousHandler):
                 digest,
                 len(value),
             )
-            found = _kvs(response, 2)
+            found = _kvs(response, read_at)
         else:
             found = _kvs(response, 0)
-        return found[0] if found else None
+        return _result_kvs(found) or None
 
     # -------------------------------------------------------------------- the outcome
     def _take_result(
         self,
         rnd: int,
-        kv: KeyValue,
+        kvs: list[KeyValue],
         my_create: int,
         *,
         handed: WatchStream | None = None,
         pending: Sequence[WatchEvent] = (),
     ) -> RendezvousInfo | None:
-        """This machine's rank from round ``rnd``'s result ``kv``, or None if the round did not
-        take it. ``handed``: the stream the wait followed (the round's control keys and the
-        next round's keys, ``pending`` the next round's events it carried), which the member
-        watch goes on with (closed here otherwise)."""
+        """This machine's rank from round ``rnd``'s result (``kvs``: ``c/result`` and its
+        parts), or None if the round did not take it. ``handed``: the stream the wait followed
+        (the round's control keys; ``pending``: what the next round said on it so far), which
+        the member watch goes on with (closed here otherwise)."""
         try:
-            return self._take_result_of(rnd, kv, my_create, handed, pending)
+            return self._take_result_of(rnd, kvs, my_create, handed, pending)
         finally:
             if handed is not None and self._member_watch is None:
                 handed.close()  # not taken, or a bad result: nobody goes on with it
@@ -1427,12 +1498,12 @@ class RdzvHandler(RendezvousHandler):
     def _take_result_of(
         self,
         rnd: int,
-        kv: KeyValue,
+        kvs: list[KeyValue],
         my_create: int,
         handed: WatchStream | None,
         pending: Sequence[WatchEvent],
     ) -> RendezvousInfo | None:
-        result = _decode_result(kv, rnd)
+        result, kv = _decode_result(kvs, rnd)
         self._pending = (-1, 0)
         # The result and the round key are written in one transaction (_close_round): the
         # round key's revision and lease are the result's. The next join compares them.
@@ -1612,7 +1683,10 @@ class RdzvHandler(RendezvousHandler):
         failure: list[dict[str, Any]],
         *,
         write: int = 0,
+        largest: int | None = None,
     ) -> dict[str, Any]:
+        """One transaction; ``write``: the bytes of the values it writes (``largest``: the
+        largest of them, when it writes several), for :attr:`stats`."""
         body: dict[str, Any] = {"success": success}
         if compare:
             body["compare"] = compare
@@ -1628,7 +1702,7 @@ class RdzvHandler(RendezvousHandler):
                 self.stats.txns_failed += 1
             elif write:
                 self.stats.bytes_written += write
-                self.stats.max_value = max(self.stats.max_value, write)
+                self.stats.max_value = max(self.stats.max_value, largest or write)
         return response
 
     def _join_txn(

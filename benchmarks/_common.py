@@ -10,6 +10,7 @@ import contextlib
 import glob
 import mmap
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -422,6 +423,20 @@ def _stat_cpu(path: str) -> float | None:
         return None
     rest = raw.rsplit(")", 1)[1].split()  # comm may hold spaces and parentheses
     return (int(rest[11]) + int(rest[12])) / _CLK_TCK
+
+
+def process_cpu(pid: int) -> float:
+    """utime + stime of a live process in seconds (raises if it is gone)."""
+    cpu = _stat_cpu(f"/proc/{pid}/stat")
+    if cpu is None:
+        raise ProcessLookupError(f"process {pid} is gone")
+    return cpu
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process so far, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _status_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,8 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+
+from _common import own_cpu, process_cpu
 
 import flashckpt
 from flashckpt.elastic.etcd.client import EtcdClient, Lease
@@ -67,16 +68,6 @@ client.close()
 """
 
 
-def _cpu_of(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _renewals(
     clients: list[EtcdClient], leases: list[Lease], rounds: int, pace: float, pid: int
 ) -> dict[str, float]:
@@ -99,11 +90,11 @@ def _renewals(
     for thread in threads:
         thread.start()
     time.sleep(0.2)  # every thread waits on go
-    etcd0, own0, wall0 = _cpu_of(pid), _own_cpu(), time.monotonic()
+    etcd0, own0, wall0 = process_cpu(pid), own_cpu(), time.monotonic()
     go.set()
     for thread in threads:
         thread.join()
-    wall, etcd, own = time.monotonic() - wall0, _cpu_of(pid) - etcd0, _own_cpu() - own0
+    wall, etcd, own = time.monotonic() - wall0, process_cpu(pid) - etcd0, own_cpu() - own0
     if errors:
         raise RuntimeError(f"{len(errors)} renewal threads failed, first: {errors[0]!r}")
     total = len(leases) * rounds
@@ -144,7 +135,7 @@ def _watch(
             if writer.stdout.readline().strip() != "ready":
                 raise RuntimeError("the writer process did not start")
             got = messages = 0
-            etcd0, cpu0, wall0 = _cpu_of(pid), time.thread_time(), time.monotonic()
+            etcd0, cpu0, wall0 = process_cpu(pid), time.thread_time(), time.monotonic()
             writer.stdin.write("go\n")
             writer.stdin.flush()
             while got < events:
@@ -154,7 +145,7 @@ def _watch(
                     got += len(batch)
                 elif writer.poll() not in (None, 0):
                     raise RuntimeError(f"the writer exited {writer.returncode}")
-            cpu, wall, etcd = time.thread_time() - cpu0, time.monotonic() - wall0, _cpu_of(pid)
+            cpu, wall, etcd = time.thread_time() - cpu0, time.monotonic() - wall0, process_cpu(pid)
             if writer.wait(timeout=60) != 0:
                 raise RuntimeError(f"the writer exited {writer.returncode}")
             # Quiet slices: the watch's wake-ups when nothing changes.

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -30,18 +29,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from _common import own_cpu, process_cpu
+
 from flashckpt.elastic.etcd.client import EtcdClient, Lease
 from flashckpt.elastic.etcd.server import EtcdV3Server, find_etcd_binary
-
-
-def _cpu_of(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _run(
@@ -66,11 +57,11 @@ def _run(
     ]
     for thread in threads:
         thread.start()
-    etcd0, own0, wall0 = _cpu_of(pid), _own_cpu(), time.monotonic()
+    etcd0, own0, wall0 = process_cpu(pid), own_cpu(), time.monotonic()
     go.set()
     for thread in threads:
         thread.join()
-    wall, etcd, own = time.monotonic() - wall0, _cpu_of(pid) - etcd0, _own_cpu() - own0
+    wall, etcd, own = time.monotonic() - wall0, process_cpu(pid) - etcd0, own_cpu() - own0
     if errors:
         raise RuntimeError(f"{len(errors)} renewals failed, first: {errors[0]!r}")
     total = len(leases) * renewals

@@ -9,6 +9,7 @@ a state nobody acts on. On a real etcd; each test waits on the deferral thread's
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -26,26 +27,35 @@ pytestmark = pytest.mark.etcd
 TTL = timedelta(seconds=5)
 
 
-@pytest.fixture
-def registry(etcd_server: str, etcd_prefix: str) -> Iterator[tuple[NodeRegistry, EtcdClient]]:
+@contextlib.contextmanager
+def _started(
+    etcd_server: str, etcd_prefix: str, node: str, ttl: timedelta, group_rank: int
+) -> Iterator[tuple[NodeRegistry, EtcdClient]]:
+    """A started registry of one node (state ``active``) and a second client to read etcd."""
     client = EtcdClient(etcd_server, timeout=timedelta(seconds=10))
     reader = EtcdClient(etcd_server, timeout=timedelta(seconds=10))
     reg = NodeRegistry(
         client,
         etcd_prefix + uuid.uuid4().hex[:6] + "/",
-        "n0",
-        ttl=TTL,
+        node,
+        ttl=ttl,
         advertise_host="127.0.0.1",
         bind_host="127.0.0.1",
         links=0,
     )
     try:
-        reg.start(timedelta(seconds=10), watch=False, state="active", group_rank=3)
+        reg.start(timedelta(seconds=10), watch=False, state="active", group_rank=group_rank)
         yield reg, reader
     finally:
         reg.close()
         client.close()
         reader.close()
+
+
+@pytest.fixture
+def registry(etcd_server: str, etcd_prefix: str) -> Iterator[tuple[NodeRegistry, EtcdClient]]:
+    with _started(etcd_server, etcd_prefix, "n0", TTL, 3) as started:
+        yield started
 
 
 def _stored(reg: NodeRegistry, reader: EtcdClient) -> tuple[NodeRecord, int]:
@@ -121,31 +131,14 @@ def test_a_rank_back_to_the_written_one_writes_nothing(
 def test_no_deferred_write_after_close(etcd_server: str, etcd_prefix: str) -> None:
     """A registry closed (without revoking: its key stays until its lease lapses, 60 s here)
     before the deferred write is due writes nothing more."""
-    client = EtcdClient(etcd_server, timeout=timedelta(seconds=10))
-    reader = EtcdClient(etcd_server, timeout=timedelta(seconds=10))
-    reg = NodeRegistry(
-        client,
-        etcd_prefix + uuid.uuid4().hex[:6] + "/",
-        "n1",
-        ttl=timedelta(seconds=60),
-        advertise_host="127.0.0.1",
-        bind_host="127.0.0.1",
-        links=0,
-    )
-    lease = 0
-    try:
-        reg.start(timedelta(seconds=10), watch=False, state="active", group_rank=0)
+    with _started(etcd_server, etcd_prefix, "n1", timedelta(seconds=60), 0) as (reg, reader):
         kv = reader.get_kv(reg.key)
         assert kv is not None
-        lease = kv.lease
-        reg.update(state="waiting", group_rank=None, publish_after=timedelta(seconds=0.3))
-        reg.close(revoke=False)
-        _deferred_writes_done(timedelta(seconds=0.3))
-        after, version_after = _stored(reg, reader)
-        assert (after.state, version_after) == ("active", kv.version)
-    finally:
-        reg.close()
-        if lease:
-            reader.revoke_lease(lease)
-        client.close()
-        reader.close()
+        try:
+            reg.update(state="waiting", group_rank=None, publish_after=timedelta(seconds=0.3))
+            reg.close(revoke=False)
+            _deferred_writes_done(timedelta(seconds=0.3))
+            after, version_after = _stored(reg, reader)
+            assert (after.state, version_after) == ("active", kv.version)
+        finally:
+            reader.revoke_lease(kv.lease)

@@ -290,12 +290,11 @@ def _decode_result(kvs: Sequence[KeyValue], expected_round: int) -> tuple[_Resul
             f"the rendezvous result of round {expected_round} has no c/result key ({len(kvs)} "
             "parts): the job's keys were changed by something else; use another --rdzv-id"
         )
-    kv = header
-    where = kv.key.decode(errors="replace")
-    if len(kv.value) > _MAX_VALUE_BYTES:
-        raise RendezvousStateError(f"the rendezvous result {where!r} is {len(kv.value)} bytes")
+    where = header.key.decode(errors="replace")
+    if len(header.value) > _MAX_VALUE_BYTES:
+        raise RendezvousStateError(f"the rendezvous result {where!r} is {len(header.value)} bytes")
     try:
-        doc = json.loads(kv.value)
+        doc = json.loads(header.value)
         if not isinstance(doc, dict) or doc.get("v") != _RESULT_VERSION:
             raise ValueError(f"version {doc.get('v') if isinstance(doc, dict) else doc!r}")
         parts = doc.get("parts", 0)
@@ -308,15 +307,11 @@ def _decode_result(kvs: Sequence[KeyValue], expected_round: int) -> tuple[_Resul
         if type(rnd) is not int or type(world) is not int:
             raise ValueError("round and world must be integers")
     except (ValueError, KeyError, TypeError) as exc:
-        raise RendezvousStateError(
-            f"the rendezvous result {where!r} is not one this flashckpt writes ({exc}): every "
-            "machine of a job must run the same flashckpt version; if another program wrote "
-            "it, use another --rdzv-id"
-        ) from None
+        raise _foreign_result(where, exc) from None
     values = {x.key: x.value for x in kvs}
     chunks = [first]
     for i in range(1, parts + 1):
-        value = values.get(kv.key + f".{i}".encode())
+        value = values.get(header.key + f".{i}".encode())
         if value is None or len(value) > _MAX_VALUE_BYTES or not value.isascii():
             raise RendezvousStateError(
                 f"the rendezvous result {where!r} lacks its part {i} of {parts} (or it is not "
@@ -328,11 +323,7 @@ def _decode_result(kvs: Sequence[KeyValue], expected_round: int) -> tuple[_Resul
         packed = "".join(chunks)
         members = PackedMembers(packed)
     except (ValueError, TypeError) as exc:
-        raise RendezvousStateError(
-            f"the rendezvous result {where!r} is not one this flashckpt writes ({exc}): every "
-            "machine of a job must run the same flashckpt version; if another program wrote "
-            "it, use another --rdzv-id"
-        ) from None
+        raise _foreign_result(where, exc) from None
     if rnd != expected_round:
         raise RendezvousStateError(
             f"the rendezvous result {where!r} says round {rnd}, its key round {expected_round}: "
@@ -356,7 +347,16 @@ def _decode_result(kvs: Sequence[KeyValue], expected_round: int) -> tuple[_Resul
         and 0 < master[1] < 65536
     ):
         parsed_master = (master[0], master[1])
-    return _Result(rnd, members, digest, str(doc.get("closer", "")), parsed_master), kv
+    return _Result(rnd, members, digest, str(doc.get("closer", "")), parsed_master), header
+
+
+def _foreign_result(where: str, exc: Exception) -> RendezvousStateError:
+    """The error for a result another flashckpt version (or another program) wrote."""
+    return RendezvousStateError(
+        f"the rendezvous result {where!r} is not one this flashckpt writes ({exc}): every "
+        "machine of a job must run the same flashckpt version; if another program wrote "
+        "it, use another --rdzv-id"
+    )
 
 
 def _digest(packed: str) -> str:

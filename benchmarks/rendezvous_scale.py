@@ -47,6 +47,7 @@ import pickle
 import platform
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -940,6 +941,13 @@ def run_trial(backend: str, n: int, a: argparse.Namespace, work: Path) -> dict[s
 
 
 def _summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for t in sorted({r.get("trial", 0) for r in results}):
+        rows += _summary_of_trial([r for r in results if r.get("trial", 0) == t], t)
+    return rows
+
+
+def _summary_of_trial(results: list[dict[str, Any]], trial: int) -> list[dict[str, Any]]:
     rows = []
     by = {(r["backend"], r["n"]): r for r in results}
     for n in sorted({r["n"] for r in results}):
@@ -960,6 +968,7 @@ def _summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "n": n,
+                "trial": trial,
                 "flashckpt_round1_s": f1,
                 "flashckpt_kill_to_round2_s": f2,
                 "flashckpt_cas_failed_round1": (f.get("cas_round1") or {}).get("cas_failed"),
@@ -989,7 +998,64 @@ def _summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _after_known(r: dict[str, Any]) -> float | None:
+    """Kill -> round 2 counted from when the last survivor was told of the death."""
+    two = r.get("round2") or {}
+    told = (two.get("phases") or {}).get("last_told_s")
+    total = two.get("seconds_from_kill")
+    return None if total is None or told is None else round(total - told, 3)
+
+
+def _spread(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per N and backend over the trials: median, min and max of round 1, of kill -> round 2
+    (and after the death is known), of round 1 over the same trial's floor; the slowest
+    trial's index (its phases and CPU per phase are in its result)."""
+
+    def stats(xs: list[float | None]) -> dict[str, Any]:
+        vals = [x for x in xs if x is not None]
+        if not vals:
+            return {"median": None, "min": None, "max": None, "n": 0, "missing": len(xs)}
+        return {
+            "median": round(statistics.median(vals), 3),
+            "min": round(min(vals), 3),
+            "max": round(max(vals), 3),
+            "n": len(vals),
+            "missing": len(xs) - len(vals),
+        }
+
+    out = []
+    floors = {
+        (r["n"], r.get("trial", 0)): (r.get("round1") or {}).get("seconds")
+        for r in results
+        if r["backend"] == "floor"
+    }
+    for n in sorted({r["n"] for r in results}):
+        for b in sorted({r["backend"] for r in results if r["n"] == n}):
+            rs = [r for r in results if r["n"] == n and r["backend"] == b]
+            r1 = [(r.get("round1") or {}).get("seconds") for r in rs]
+            over = []
+            for r, x in zip(rs, r1, strict=True):
+                fl = floors.get((n, r.get("trial", 0)))
+                over.append(None if x is None or not fl or b == "floor" else x / fl)
+            row: dict[str, Any] = {
+                "n": n,
+                "backend": b,
+                "trials": len(rs),
+                "round1_s": stats(r1),
+                "round1_over_floor": stats(over),
+            }
+            if b != "floor":
+                k2 = [(r.get("round2") or {}).get("seconds_from_kill") for r in rs]
+                row["kill_to_round2_s"] = stats(k2)
+                row["kill_to_round2_after_known_s"] = stats([_after_known(r) for r in rs])
+            timed = [(x, r.get("trial", 0)) for x, r in zip(r1, rs, strict=True) if x is not None]
+            row["slowest_round1_trial"] = max(timed)[1] if timed else None
+            out.append(row)
+    return out
+
+
 _SETTINGS = (
+    "trials",
     "procs",
     "round_timeout",
     "steady",
@@ -1053,6 +1119,13 @@ def main() -> int:
         "1,024 machines beside two CPU burners, round 2 then did not form, old code and new); "
         "none with --no-probe",
     )
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=1,
+        help="trials per N and backend, interleaved (the issue: at least 5 at 1,024); the "
+        "'spread' of the JSON gives median, min and max of each",
+    )
     p.add_argument("--work-dir", default=None, help="logs and etcd data (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON results (default: stdout only)")
     # The host-process side (internal).
@@ -1070,6 +1143,8 @@ def main() -> int:
     for b in backends:
         if b not in BACKENDS:
             p.error(f"--backends: unknown {b!r}; choose from {', '.join(BACKENDS)}")
+    if a.trials < 1:
+        p.error("--trials: at least 1")
     if any(n < 3 for n in sizes):
         p.error("--sizes: every N must be >= 3 (one machine dies, two survive)")
 
@@ -1082,17 +1157,25 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         tmp = a.work_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="fc-rdzv-"))
         for n in sizes:
-            for b in backends:
-                print(f"[rendezvous_scale] {b} N={n} ...", file=sys.stderr, flush=True)
-                r = run_trial(b, n, a, Path(tmp))
-                results.append(r)
-                print(
-                    json.dumps(
-                        {k: r.get(k) for k in ("backend", "n", "round1", "round2", "failure")}
-                    ),
-                    file=sys.stderr,
-                    flush=True,
-                )
+            # Trials interleaved: trial t of every backend runs before trial t+1 of any, so a
+            # slow spell of the machine lands on all backends alike.
+            for t in range(a.trials):
+                for b in backends:
+                    print(
+                        f"[rendezvous_scale] {b} N={n} trial {t + 1}/{a.trials} ...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    r = run_trial(b, n, a, Path(tmp))
+                    r["trial"] = t
+                    results.append(r)
+                    print(
+                        json.dumps(
+                            {k: r.get(k) for k in ("backend", "n", "round1", "round2", "failure")}
+                        ),
+                        file=sys.stderr,
+                        flush=True,
+                    )
     doc = {
         "benchmark": "rendezvous_scale",
         "argv": sys.argv[1:],
@@ -1105,6 +1188,7 @@ def main() -> int:
         },
         "settings": {k: getattr(a, k) for k in _SETTINGS},
         "summary": _summary(results),
+        "spread": _spread(results),
         "results": results,
     }
     text = json.dumps(doc, indent=1)

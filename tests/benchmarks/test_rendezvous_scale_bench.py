@@ -99,7 +99,12 @@ def test_tiny_run_of_both_backends_writes_sane_json(tmp_path: Path) -> None:
     assert calls["Txn"] >= 1 and calls["LeaseGrant"] >= 1 and calls["Watch"] >= 1
     assert flash["cost_steady"]["etcd_calls_per_machine"]["LeaseKeepAlive"] > 0
     row = doc["summary"][0]
-    assert row["n"] == N and row["round1_flashckpt_over_c10d"] > 0
+    assert row["n"] == N and row["trial"] == 0 and row["round1_flashckpt_over_c10d"] > 0
+    spread = {r["backend"]: r for r in doc["spread"]}
+    assert set(spread) == {"flashckpt", "c10d", "floor"}
+    one = spread["flashckpt"]
+    assert one["trials"] == 1 and one["round1_s"]["median"] == round(flash["round1"]["seconds"], 3)
+    assert one["kill_to_round2_s"]["n"] == 1 and one["round1_over_floor"]["median"] > 0
     assert row["round1_flashckpt_over_floor"] > 0 and row["kill_flashckpt_over_c10d"] > 0
     # Nothing of the run is left: no host process, no etcd (all name the work dir).
     assert list(work.glob("*/events.jsonl")), "the run did not use --work-dir"
@@ -109,3 +114,33 @@ def test_tiny_run_of_both_backends_writes_sane_json(tmp_path: Path) -> None:
         if str(work) in " ".join(p.info["cmdline"] or [])
     ]
     assert leftover == [], [p.info["cmdline"] for p in leftover]
+
+
+def test_spread_over_trials_is_median_min_max_against_the_same_trials_floor() -> None:
+    """The trials' statistics of ``_spread``: each ratio uses the floor of its own trial, a
+    trial that formed no round counts as missing, not as zero."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rendezvous_scale", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def flash(t: int, r1: float | None, k2: float | None, told: float) -> dict[str, Any]:
+        two = {"seconds_from_kill": k2, "phases": {"last_told_s": told}}
+        one = {"seconds": r1}
+        return {"backend": "flashckpt", "n": 8, "trial": t, "round1": one, "round2": two}
+
+    results = [
+        {"backend": "floor", "n": 8, "trial": t, "round1": {"seconds": fl}}
+        for t, fl in enumerate((1.0, 2.0, 1.0))
+    ] + [flash(0, 2.0, 3.0, 0.5), flash(1, 3.0, 2.0, 0.5), flash(2, None, None, 0.5)]
+    rows = {r["backend"]: r for r in mod._spread(results)}
+    f = rows["flashckpt"]
+    assert f["trials"] == 3 and f["round1_s"] == {
+        "median": 2.5, "min": 2.0, "max": 3.0, "n": 2, "missing": 1
+    }  # fmt: skip
+    assert f["round1_over_floor"]["median"] == 1.75  # 2.0/1.0 and 3.0/2.0
+    assert f["kill_to_round2_after_known_s"]["max"] == 2.5
+    assert f["slowest_round1_trial"] == 1
+    assert rows["floor"]["round1_s"]["median"] == 1.0

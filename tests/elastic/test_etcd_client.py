@@ -1,7 +1,8 @@
 """EtcdClient against a real etcd: key-value, compare-and-set, leases, watches, failures.
 
-The key-value tests run on both transports of the key-value calls (``transport``): gRPC (the
-default) and the JSON gateway (``grpc_kv=False``); the connection-pool tests are the gateway's.
+The key-value tests run on both transports of the key-value calls (``transport``): the JSON
+gateway (the default, ``grpc_kv=False``) and gRPC (``grpc_kv=True``, off by default); the
+connection-pool tests are the gateway's.
 """
 
 from __future__ import annotations

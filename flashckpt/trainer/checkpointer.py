@@ -716,13 +716,14 @@ class Checkpointer:
             self._resolve_copy_mode(flat.tensors)
         copy_mode = self.stats.copy_mode if mode is None or mode == "auto" else mode
         assert copy_mode is not None
+        per_rank = self._applier.per_rank_state()  # first: a loader's may draw from the RNGs
         meta_extra = {
             "step": step,
             "private": {
                 "rng": capture_rng(),
                 "extras": _json_copy(self.extras, "extras"),
                 "buffers_xxh": snap.buffers_hash(model_sd),
-                **self._applier.per_rank_state(),
+                **per_rank,
             },
             "persist": (persist := self._mirror_final or self._persist_due()),
         }

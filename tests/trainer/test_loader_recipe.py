@@ -6,10 +6,13 @@ resumes (the workers do not keep its lock)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -17,6 +20,8 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv, agent_process
+
+from flashckpt.testing.elastic import kill_job, loopback_env
 
 pytest.importorskip("torchdata")
 
@@ -129,3 +134,50 @@ def test_loader_recipe_with_dropout_resumes_bitwise_after_sigkill(
     equal, diff = _compare(ref, run)
     print(f"loader recipe {recipe}, {workers} workers: bitwise {equal}, max abs diff {diff:.3g}")
     assert equal, f"the loader recipe diverged after a resume: max abs diff {diff}"
+
+
+@pytest.mark.etcd
+def test_a_rank_whose_loader_workers_outlive_it_resumes_under_flashckpt_run(
+    tmp_path: Path, fc_env: FcEnv
+) -> None:
+    """Issue 41: the rank's loader workers inherited its lock and every restart was refused
+    while they lived. Here they outlive the SIGKILLed rank until the job has ended (blocked on
+    a FIFO), and the restarted rank resumes from memory, bitwise."""
+    ref = _ref(fc_env, tmp_path, "new", 2)
+    tag = f"fclw-{uuid.uuid4().hex[:10]}"
+    run_dir, shm = Path("/tmp") / tag, Path("/dev/shm") / tag  # short: the socket path's limit
+    fifo = tmp_path / f"{tag}.fifo"
+    os.mkfifo(fifo, 0o600)
+    hold = os.open(fifo, os.O_RDWR)  # the orphans' reads block until this closes
+    log, out = tmp_path / f"{tag}.log", tmp_path / "launcher.out"
+    cmd = [
+        sys.executable, "-m", "flashckpt", "run", "--standalone", "--rdzv-id", tag,
+        "--nproc-per-node", "1", "--max-restarts", "3", "--run-dir", str(run_dir),
+        "--shm-dir", str(shm), "--storage", fc_env.storage,
+        *_cmd(None, log, "new", 2, "--hold-at", "13", "--orphan-fifo", str(fifo))[1:],
+    ]  # fmt: skip
+    with open(out, "wb") as f:
+        launcher = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=loopback_env(), start_new_session=True
+        )
+    orphans: list[psutil.Process] = []
+    try:
+        rank = psutil.Process(_wait_held(log, launcher, out))
+        workers = rank.children()
+        assert len(workers) == 2, workers
+        rank.send_signal(signal.SIGKILL)
+        assert launcher.wait(timeout=240) == 0, out.read_text(errors="replace")[-4000:]
+        # The workers outlived the rank, its restart and the whole job: they still live.
+        pids = sorted(int(p) for p in Path(f"{fifo}.orphans").read_text().split())
+        assert pids == sorted(w.pid for w in workers), pids
+        orphans = [w for w in workers if w.is_running()]
+        assert len(orphans) == 2, "a loader worker exited before the job ended"
+    finally:
+        os.close(hold)  # lets the orphans go
+        psutil.wait_procs(orphans, timeout=30)
+        kill_job([launcher], tag)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    equal, diff = _compare(ref, log)
+    print(f"loader workers outliving the rank: bitwise {equal}, max abs diff {diff:.3g}")
+    assert equal, f"the resumed run diverged: max abs diff {diff}"

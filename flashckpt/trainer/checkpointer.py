@@ -104,6 +104,7 @@ class Checkpointer:
             raise TypeError("scheduler has no state_dict()/load_state_dict()")
         if optimizer is not None and scheduler is None and not config.allow_unsaved_scheduler:
             check_scheduler_given(optimizer, {**(stateful or {}), **(per_rank or {})})
+        _warn_unfixed_ddp(model)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -1144,6 +1145,19 @@ def _openers(path: str) -> list[int]:
                         out.append(int(entry.name))
                         break
     return sorted(out)
+
+
+def _warn_unfixed_ddp(model: torch.nn.Module) -> None:
+    """Warns (on the wrapper's rank 0) when ``model`` is a torch DDP wrapper whose resumes will
+    not be bitwise (3+ ranks, buckets not fixed: :func:`flashckpt.trainer.ddp.resume_warning`)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return
+    from flashckpt.trainer.ddp import resume_warning
+
+    msg = resume_warning(model)
+    if msg is not None and model.process_group.rank() == 0:
+        log.warning("%s", msg)
+        warnings.warn(msg, stacklevel=4)
 
 
 def _json_copy(obj: Any, what: str) -> Any:

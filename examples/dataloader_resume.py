@@ -1,13 +1,12 @@
 """A shuffled, multi-worker data loader that resumes mid-epoch exactly (runs on CPU).
 
 torchdata's ``StatefulDataLoader`` keeps its position (shuffle order, worker state); passed in
-``per_rank=`` it is snapshotted with each rank's own RNG states, so a resumed run sees exactly the
-batches (and the dropout masks) an uninterrupted run would have. Give the loader its own
-``generator=``: without one, every ``iter()`` of the loader (the one after a restore included)
-draws its seeds from the global RNG, and the dropout masks after a resume differ from the
-uninterrupted run's. The sampler's shuffle state, taken from that generator, is in the loader's
-``state_dict`` (so in the snapshot). Run it twice: the second run resumes where the first
-stopped (``--stop-at``), and prints the same batch checksums an uninterrupted run prints::
+``per_rank=`` it is snapshotted with each rank's own RNG states and its generator's state, so a
+resumed run sees exactly the batches (and the dropout masks) an uninterrupted run would have, in
+the resumed epoch and the ones after it, with any ``num_workers``. Give the loader its own
+``generator=``, seeded per rank, so each rank shuffles its own way. Run it twice: the second run
+resumes where the first stopped (``--stop-at``), and prints the same batch checksums an
+uninterrupted run prints::
 
     python examples/dataloader_resume.py --storage file:///tmp/dl-ck --stop-at 13
     python examples/dataloader_resume.py --storage file:///tmp/dl-ck

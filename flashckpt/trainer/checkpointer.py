@@ -33,7 +33,7 @@ import torch
 from flashckpt import envnames, names
 from flashckpt.errors import PersistError
 from flashckpt.format.storage import MANIFEST, Storage
-from flashckpt.monitor.ring import StepRecorder, open_recorder
+from flashckpt.monitor.ring import StepRecorder, open_recorder, pid_namespace
 from flashckpt.protocol.channel import AgentError
 from flashckpt.protocol.messages import Done, Hello
 from flashckpt.state.rng import capture_rng
@@ -104,6 +104,7 @@ class Checkpointer:
             raise TypeError("scheduler has no state_dict()/load_state_dict()")
         if optimizer is not None and scheduler is None and not config.allow_unsaved_scheduler:
             check_scheduler_given(optimizer, {**(stateful or {}), **(per_rank or {})})
+        _warn_unfixed_ddp(model)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -716,13 +717,14 @@ class Checkpointer:
             self._resolve_copy_mode(flat.tensors)
         copy_mode = self.stats.copy_mode if mode is None or mode == "auto" else mode
         assert copy_mode is not None
+        per_rank = self._applier.per_rank_state()  # first: a loader's may draw from the RNGs
         meta_extra = {
             "step": step,
             "private": {
                 "rng": capture_rng(),
                 "extras": _json_copy(self.extras, "extras"),
                 "buffers_xxh": snap.buffers_hash(model_sd),
-                **self._applier.per_rank_state(),
+                **per_rank,
             },
             "persist": (persist := self._mirror_final or self._persist_due()),
         }
@@ -995,47 +997,167 @@ class Checkpointer:
             self._rank_lock = None
 
 
+_RANK_LOCK_FDS: set[int] = set()
+"""The descriptors of this process's rank locks (a forked child closes its copies)."""
+
+ORPHAN_WAIT_S = 30.0
+"""How long a rank whose previous process is dead waits for that process's leftover children
+(forked without Python's fork hooks) to let go of its lock before refusing."""
+
+
+def _drop_inherited_rank_locks() -> None:
+    # In a forked child (a data loader worker): its copy of the descriptor would keep this
+    # rank's claim held after the trainer died, for as long as the child lives (an flock lives
+    # while any descriptor of its open file description is open), and every restart of the
+    # rank would be refused until then (issue 41).
+    for fd in _RANK_LOCK_FDS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _RANK_LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_rank_locks)
+
+
 class _RankLock:
     """This process's claim on a (job, node, rank): an ``flock`` on a pid file in the run
     directory, held while the checkpointer is entered. A second live process of the same job,
     node and rank would otherwise restore from the first one's live snapshot and then write the
     same slots and storage steps. The kernel drops the lock with its process (a ``kill -9``
-    frees it for the next run)."""
+    frees it for the next run); a forked child (a data loader worker) closes its copy of the
+    descriptor at once, so a worker that outlives a killed trainer does not hold its claim."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
 
     @staticmethod
-    def take(run_dir: str, job: str, node: str, rank: int) -> _RankLock:
-        """Raises:
-        RuntimeError: another live process holds the claim, naming its pid and the fix."""
+    def take(
+        run_dir: str, job: str, node: str, rank: int, orphan_wait_s: float = ORPHAN_WAIT_S
+    ) -> _RankLock:
+        """Takes the claim; where the process the lock file names is dead but the lock is
+        still held (by its leftover children), waits up to ``orphan_wait_s`` for them.
+
+        Raises:
+            RuntimeError: another live process holds the claim, or the dead one's leftovers
+                hold it still after the wait, naming the pids and the fix."""
         import fcntl
 
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
         path = names.rank_lock_path(run_dir, job, node, rank)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        _RANK_LOCK_FDS.add(fd)  # before the lock: a fork from now on must not keep it
+        waited_for: str | None = None
+        deadline = time.monotonic() + orphan_wait_s
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            other = "unknown"
-            with contextlib.suppress(OSError, ValueError):
-                other = os.pread(fd, 32, 0).decode().strip() or "unknown"
-            os.close(fd)
-            raise RuntimeError(
-                f"job {job!r} rank {rank} on node {node!r} is already running in process "
-                f"{other} (it holds {path}): two processes of one job, node and rank would "
-                "restore from and write over each other's snapshots. Stop that process first, "
-                f"or give this run another job name (job= or ${envnames.JOB})"
-            ) from None
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    holder = _lock_holder(fd)
+                    if holder is None or not holder[1]:  # a live process (or unknown) has it
+                        raise RuntimeError(
+                            f"job {job!r} rank {rank} on node {node!r} is already running in "
+                            f"process {holder[0] if holder else 'unknown'} (it holds {path}): "
+                            "two processes of one job, node and rank would restore from and "
+                            "write over each other's snapshots. Stop that process first, or "
+                            f"give this run another job name (job= or ${envnames.JOB})"
+                        ) from None
+                    # Its process is dead: what holds the lock is a descendant that inherited
+                    # the descriptor without Python's fork hooks; it may be on its way out.
+                    late = time.monotonic() >= deadline
+                    if waited_for is None or late:
+                        others = _openers(path)  # a scan of /proc: at the start and the end
+                    if waited_for is None:
+                        waited_for = ", ".join(map(str, others)) or "unknown"
+                        log.warning(
+                            "flashckpt: rank %d's previous process %d is dead, but processes "
+                            "it left behind (%s) still hold %s; waiting up to %g s for them "
+                            "to exit",
+                            rank,
+                            holder[0],
+                            waited_for,
+                            path,
+                            orphan_wait_s,
+                        )
+                    if late:
+                        raise RuntimeError(
+                            f"job {job!r} rank {rank} on node {node!r}: its previous process "
+                            f"{holder[0]} is dead, but processes it left behind "
+                            f"({', '.join(map(str, others)) or 'unknown'}: children that "
+                            f"inherited its lock, such as data loader workers) still hold "
+                            f"{path} after {orphan_wait_s:g} s. End them (kill "
+                            f"{' '.join(map(str, others)) or '<pid>'}) and run again"
+                        ) from None
+                    time.sleep(0.1)
         except BaseException:
+            _RANK_LOCK_FDS.discard(fd)
             os.close(fd)
             raise
+        if waited_for is not None:
+            log.warning("flashckpt: rank %d's lock is free again (%s exited)", rank, waited_for)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()} {pid_namespace()}\n".encode(), 0)
         return _RankLock(fd)
 
     def release(self) -> None:
+        _RANK_LOCK_FDS.discard(self.fd)
         os.close(self.fd)  # drops the flock
+
+
+def _lock_holder(fd: int) -> tuple[int, bool] | None:
+    """The pid a rank lock file names and whether that process is known to be dead (it ran in
+    this PID namespace and no process has its pid now); None: the file names no pid."""
+    try:
+        fields = os.pread(fd, 64, 0).decode().split()
+        pid = int(fields[0])
+        ns = int(fields[1]) if len(fields) > 1 else None
+    except (OSError, ValueError, IndexError):
+        return None
+    if pid <= 0:
+        return None
+    if ns is None or ns != pid_namespace() or ns == 0:
+        return pid, False  # another namespace (or a file of an earlier version): not judged
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return pid, True
+    except OSError:  # alive (another user's: EPERM)
+        pass
+    return pid, False
+
+
+def _openers(path: str) -> list[int]:
+    """The pids of this user's processes that have ``path`` open (read from ``/proc``)."""
+    try:
+        want = os.stat(path)
+    except OSError:
+        return []
+    out = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                    st = os.stat(fd.path)
+                    if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+                        out.append(int(entry.name))
+                        break
+    return sorted(out)
+
+
+def _warn_unfixed_ddp(model: torch.nn.Module) -> None:
+    """Warns (on the wrapper's rank 0) when ``model`` is a torch DDP wrapper whose resumes will
+    not be bitwise (3+ ranks, buckets not fixed: :func:`flashckpt.trainer.ddp.resume_warning`)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return
+    from flashckpt.trainer.ddp import resume_warning
+
+    msg = resume_warning(model)
+    if msg is not None and model.process_group.rank() == 0:
+        log.warning("%s", msg)
+        warnings.warn(msg, stacklevel=4)
 
 
 def _json_copy(obj: Any, what: str) -> Any:

@@ -60,3 +60,26 @@ def distributed_data_parallel(module: torch.nn.Module, **kwargs: Any) -> Distrib
     """``DistributedDataParallel(module, **kwargs)`` with :func:`fix_bucket_order` applied: its
     resumes stay bitwise equal to an uninterrupted run with any number of ranks."""
     return fix_bucket_order(DistributedDataParallel(module, **kwargs))
+
+
+def resume_warning(ddp: DistributedDataParallel) -> str | None:
+    """The warning ``checkpointing()`` gives for ``ddp`` (None: its resumes are bitwise): a
+    torch wrapper whose buckets were not fixed (see the module's doc), over 3 or more ranks,
+    that rebuilds its buckets after its first step."""
+    if ddp in _fixed or (ddp.find_unused_parameters and not ddp.static_graph):
+        return None
+    group = getattr(ddp, "process_group", None)
+    size = group.size() if group is not None else 0
+    if size < 3:
+        return None
+    return (
+        f"flashckpt: the model is a plain DistributedDataParallel over {size} ranks: a resumed "
+        "run will not be bitwise equal to an uninterrupted one. A wrapper built after a restore "
+        "reduces its first step in DDP's initial gradient-bucket layout where the "
+        "uninterrupted run used the layout DDP rebuilt after its first step; with 3 or more "
+        "ranks that step's gradients differ in their last bits, and the difference grows. Fix: "
+        "build the wrapper with flashckpt.trainer.ddp.distributed_data_parallel(model, ...) "
+        "(or call flashckpt.trainer.ddp.fix_bucket_order(ddp) right after "
+        "DistributedDataParallel(...)), in every run of the job (docs/training-loop.md, "
+        '"Data parallel")'
+    )

@@ -48,6 +48,12 @@ def _killed_resumed_vs_uninterrupted(
     )
     procs = _launch(ref_env, tmp, "ref", STEPS, world=WORLD, extra=extra)
     assert _wait_all(procs) == [0] * WORLD, _stderr(procs)
+    # checkpointing() warns (rank 0 only) of torch's wrapper, naming the fix (issue 41).
+    errs = [p.stderr.read().decode() if p.stderr else "" for p in procs]
+    warned = ["a plain DistributedDataParallel over 3 ranks" in e for e in errs]
+    assert warned == [wrap == "plain", False, False], errs[0][-3000:]
+    if wrap == "plain":
+        assert "flashckpt.trainer.ddp.distributed_data_parallel(model" in errs[0], errs[0]
     agent = agent_process(fc_env)  # by hand: it keeps the memory however slow the rerun starts
     procs = _launch(fc_env, tmp, "run", STEPS, kill={1: 3}, world=WORLD, extra=extra)
     assert _wait_all(procs, timeout=120)[1] == -signal.SIGKILL, _stderr(procs)
@@ -90,7 +96,8 @@ def test_three_rank_ddp_resume_with_torchs_wrapper_is_off_by_rounding(
     tmp_path: Path, fc_env: FcEnv
 ) -> None:
     """What docs/training-loop.md says of torch's own wrapper: not bitwise, the losses off by
-    rounding (the final tensors by what the model makes of it: see that page)."""
+    rounding (the final tensors by what the model makes of it: see that page), and
+    checkpointing() says so at entry, naming the fix."""
     equal, loss_diff, diff = _killed_resumed_vs_uninterrupted(tmp_path, fc_env, "plain")
     assert not equal, "torch's DDP wrapper resumed bitwise: this test no longer shows the cause"
     assert diff > 0 and loss_diff < 1e-6, (loss_diff, diff)

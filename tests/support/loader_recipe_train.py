@@ -1,15 +1,23 @@
 """One rank training a dropout model over the loader recipe of docs/training-loop.md, for
 tests/trainer/test_loader_recipe.py: ``--recipe new`` gives the loader its own generator (the
-recipe), ``--recipe old`` leaves it on the global RNG (the recipe before issue 30). With
-``--hold-at N`` it writes ``<log>.held`` after the Nth step's snapshot and waits there to be
-SIGKILLed. It logs each step's loss (hex) and saves the final model next to ``--log``."""
+recipe), ``--recipe old`` leaves it on the global RNG (the recipe before issue 30), with
+``--num-workers`` workers. It logs each step's loss (hex) to ``--steps-log`` (``LOG``) and saves
+the final model next to it. With ``--hold-at N`` the first run to get there writes its pid to
+``LOG.held`` after the Nth step's snapshot and waits there to be SIGKILLed (a run that finds
+``LOG.held`` trains on: the same command restarted by ``flashckpt run``). With ``--orphan-fifo
+PATH`` every loader worker outlives its trainer: once the trainer is dead, the worker appends
+its pid to ``PATH.orphans`` and blocks until the FIFO's writer closes it. The job's flags
+(``--storage``, ``--job``, ...) may be left out under ``flashckpt run``, which sets them."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import signal
 import sys
 import time
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -17,14 +25,35 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import flashckpt
 
+PR_SET_PDEATHSIG = 1
+
+
+def outlive_the_trainer(fifo: str) -> None:
+    """A loader worker's ``worker_init_fn``: when its trainer dies, the kernel sends it SIGUSR2;
+    it then records its pid and blocks on the FIFO instead of noticing the death and exiting
+    (as a worker stuck in a slow read would)."""
+
+    def orphaned(*_: Any) -> None:
+        with open(fifo + ".orphans", "a") as f:
+            f.write(f"{os.getpid()}\n")
+        os.read(os.open(fifo, os.O_RDONLY), 1)  # until the test closes its end
+        os._exit(0)
+
+    signal.signal(signal.SIGUSR2, orphaned)
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGUSR2) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    for name in ("--storage", "--job", "--node", "--run-dir", "--shm-dir", "--log"):
-        p.add_argument(name, required=True)
+    for name in ("--storage", "--job", "--node", "--run-dir", "--shm-dir"):
+        p.add_argument(name)
+    p.add_argument("--steps-log", dest="log", required=True)
     p.add_argument("--recipe", choices=["new", "old"], required=True)
+    p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--hold-at", type=int, default=0)
+    p.add_argument("--orphan-fifo")
     a = p.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
@@ -32,10 +61,12 @@ def main() -> int:
     x = torch.randn(48, 16, generator=g)
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())  # 12 batches of 4
     torch.manual_seed(0)
-    kw = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    kw: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": a.num_workers}
     if a.recipe == "new":
         kw["generator"] = torch.Generator().manual_seed(1234 + rank)
-    loader = StatefulDataLoader(data, **kw)  # type: ignore[arg-type]
+    if a.orphan_fifo:
+        kw["worker_init_fn"] = lambda _: outlive_the_trainer(a.orphan_fifo)
+    loader = StatefulDataLoader(data, **kw)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 32),
         torch.nn.ReLU(),
@@ -43,19 +74,27 @@ def main() -> int:
         torch.nn.Linear(32, 1),
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    job = {
+        k: v
+        for k, v in (
+            ("storage", a.storage),
+            ("job", a.job),
+            ("node", a.node),
+            ("run_dir", a.run_dir),
+            ("shm_dir", a.shm_dir),
+        )
+        if v is not None
+    }
+    hold = a.hold_at and not os.path.exists(a.log + ".held")
     with (
         flashckpt.checkpointing(
             model,
             opt,
             per_rank={"loader": loader},
-            storage=a.storage,
-            job=a.job,
-            node=a.node,
-            run_dir=a.run_dir,
-            shm_dir=a.shm_dir,
             every=5,
             mode="sync",
             agent_idle_timeout=120,
+            **job,
         ) as ckpt,
         open(a.log, "a") as log,
     ):
@@ -69,8 +108,10 @@ def main() -> int:
                 ckpt.step()
                 log.write(f"{ckpt.steps_done} {float(loss.item()).hex()}\n")
                 log.flush()
-                if ckpt.steps_done == a.hold_at:
-                    open(a.log + ".held", "w").close()
+                if hold and ckpt.steps_done == a.hold_at:
+                    with open(a.log + ".held.tmp", "w") as f:
+                        f.write(f"{os.getpid()}\n")
+                    os.rename(a.log + ".held.tmp", a.log + ".held")
                     while True:  # SIGKILLed here by the test
                         time.sleep(1)
                 if ckpt.steps_done == a.steps:

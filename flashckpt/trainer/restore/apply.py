@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -184,20 +185,34 @@ class Applier:
                 raise ValueError(f"checkpoint has no state for stateful[{name!r}]")
             obj.load_state_dict(clone_tensors(sub))
         if private is not None:
-            restore_rng(private["rng"])
             self.extras.clear()
             self.extras.update(private.get("extras") or {})
         self.apply_per_rank(private)
+        if private is not None:
+            # After the per_rank objects: a data loader's restore may draw from the global RNG
+            # (a StatefulDataLoader without generator= seeds its iterator from it), where the
+            # uninterrupted run's state at the snapshot came after that draw.
+            restore_rng(private["rng"])
 
     def per_rank_state(self) -> dict[str, Any]:
-        """The ``per_rank`` objects' states, for this rank's own JSON part of a snapshot."""
+        """The ``per_rank`` objects' states, for this rank's own JSON part of a snapshot (take
+        it before the RNG states: a loader's ``state_dict()`` may draw from them), with the
+        state of each ``StatefulDataLoader``'s own ``generator=`` (see :func:`_prime_loader`)."""
         if not self.per_rank:
             return {}
-        return {
+        out: dict[str, Any] = {
             "per_rank": {
                 k: encode_state(v.state_dict(), f"per_rank/{k}") for k, v in self.per_rank.items()
             }
         }
+        gens = {  # after state_dict(): it may have drawn from the generator
+            k: encode_state(v.generator.get_state(), f"per_rank/{k}.generator")
+            for k, v in self.per_rank.items()
+            if _stateful_loader(v) and isinstance(v.generator, torch.Generator)
+        }
+        if gens:
+            out["per_rank_generators"] = gens
+        return out
 
     def apply_per_rank(self, private: dict[str, Any] | None) -> None:
         if not self.per_rank:
@@ -218,6 +233,11 @@ class Applier:
                     f"checkpoint has no state of rank {self.ctx.rank} for per_rank[{name!r}]"
                 )
             obj.load_state_dict(decode_state(sub, f"per_rank/{name}"))
+            if _stateful_loader(obj):
+                gens = (private or {}).get("per_rank_generators")
+                gen = gens.get(name) if isinstance(gens, dict) else None
+                where = f"per_rank/{name}.generator"
+                _prime_loader(obj, None if gen is None else decode_state(gen, where), where)
 
     def invalidate_after(self, snap: Snapshotter, step: int) -> None:
         """Drops in-memory snapshots newer than the resume point: they belong to a past timeline.
@@ -232,6 +252,49 @@ class Applier:
                 sm.step = None
             elif info is None or not info.complete:
                 sm.step = None
+
+
+def _stateful_loader(obj: Any) -> bool:
+    """Whether ``obj`` is a torchdata ``StatefulDataLoader`` (without importing torchdata)."""
+    mod = sys.modules.get("torchdata.stateful_dataloader")
+    cls = getattr(mod, "StatefulDataLoader", None)
+    return isinstance(cls, type) and isinstance(obj, cls)
+
+
+def _prime_loader(loader: Any, generator_state: Any, where: str) -> None:
+    """Makes a restored ``StatefulDataLoader`` continue as the uninterrupted run's would.
+
+    ``load_state_dict`` only keeps the state: the next ``iter()`` builds the iterator from it,
+    drawing its seeds from the loader's generator (or the global RNG) first and then setting
+    the sampler's generator back to the epoch's start and replaying the epoch's shuffle. With
+    ``num_workers=0`` that leaves the generator short of the seed draw the uninterrupted run
+    made at the epoch's start, so every later epoch's order (and what follows from it)
+    differed (issue 41). So the iterator is built now (``state_dict()`` builds the one the
+    next ``iter()`` returns), before the global RNG states are restored, and the generator is
+    set to its state at the snapshot."""
+    if not hasattr(loader, "_initial_iter_for_state_dict"):
+        # A torchdata whose state_dict() would take the restored state for an iterator that
+        # iter() then drops: the position would be lost. Left to iter(), as before.
+        warnings.warn(
+            f"flashckpt: {where.removesuffix('.generator')} restored without its generator's "
+            "state (this torchdata cannot build the restored iterator early): with "
+            "num_workers=0 the epochs after this one may be shuffled differently from an "
+            "uninterrupted run's. Fix: pip install -U torchdata",
+            stacklevel=5,
+        )
+        return
+    loader.state_dict()
+    if generator_state is None or not isinstance(loader.generator, torch.Generator):
+        return
+    try:
+        if not isinstance(generator_state, torch.Tensor) or generator_state.dtype != torch.uint8:
+            raise TypeError(f"a {type(generator_state).__name__}, not a uint8 tensor")
+        loader.generator.set_state(generator_state)
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(
+            f"{where}: the saved state does not fit the loader's generator ({e}); was the "
+            "loader given another kind of generator= than the run that saved it?"
+        ) from None
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

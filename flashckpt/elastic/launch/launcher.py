@@ -205,11 +205,20 @@ def main(argv: list[str]) -> int:
             config.rdzv_id,
             config.rdzv_id_origin,
         )
+    from flashckpt.elastic.launch.restore_report import say, silence
+
     try:
         return launch(config)
     except LaunchError as exc:
-        print(f"flashckpt run: error: {exc}", file=sys.stderr)
+        say(f"flashckpt run: error: {exc}", sys.stderr)
         return 2
+    finally:
+        # A stdout that became a closed pipe (``| tee`` gone after a Ctrl-C) must not turn the
+        # exit code into the interpreter's 120 when it flushes at exit.
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            silence(sys.stdout)
 
 
 def launch(config: LauncherConfig) -> int:

@@ -70,8 +70,8 @@ ALL = (
     LAUNCHER_PID,
     PREWARM_SOCKET,
     WORKER_FAST_EXIT,
-    WORKER_ERRORS,
     INJECT_HEALTH_FAULT,
+    WORKER_ERRORS,
 )
 """Every variable of this module."""
 

@@ -9,6 +9,8 @@
   ``PersistError`` text on its terminal, and restarts nothing (row 5); a shared-memory directory
   too small for the snapshots fails once, with the ``ShmSpaceError`` text, and restarts nothing
   (row 12);
+- the same command started again while the job runs on this machine is refused at once (exit
+  code 2, naming the running launcher's pid), touching none of its files (row 12);
 - Ctrl-C of ``flashckpt run ... | tee log``: the pipe is closed when the launcher prints its
   summary; the teardown completes anyway, exit code 130, no etcd data left (row 11).
 """
@@ -162,6 +164,27 @@ def test_ctrl_c_of_the_launcher_piped_to_a_tee_that_died_completes_the_teardown(
         os.close(write_end)
         # stdout is the pipe; the log (stderr) is the terminal.
         cluster.wait_for("4 steps", lambda: len(cluster.steps()) >= 8, 120)
+
+        # The same command again while it runs (row 12): refused at once, nothing touched.
+        def files() -> set[Path]:
+            return {*Path(cluster.run_dir).rglob("*"), *cluster.shm_root.rglob("*")}
+
+        before = files()
+        second = subprocess.run(
+            cluster.command("n0"),
+            env=cluster_env(),
+            cwd=cluster.root,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 2, second.stderr
+        assert "already runs on this machine as node 'n0' (launcher pid " in second.stderr
+        assert f"pid {machine.proc.pid}" in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr and "agent" not in second.stderr.lower()
+        assert before <= files(), before - files()
+        steps = len(cluster.steps())
+        cluster.wait_for("the first job going on", lambda: len(cluster.steps()) > steps + 4, 60)
         os.close(read_end)  # Ctrl-C killed tee: the pipe has no reader
         os.kill(machine.proc.pid, signal.SIGINT)
         code = cluster.wait_exit("n0", 120)

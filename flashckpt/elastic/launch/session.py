@@ -97,6 +97,7 @@ from flashckpt.elastic.launch.agent_runner import (
     world_replica_peers,
 )
 from flashckpt.elastic.launch.config import EventLog, LauncherConfig, LaunchError
+from flashckpt.elastic.launch.launchlock import LaunchLock
 from flashckpt.elastic.launch.prewarm import PREWARM_SOCKET_ENV, Prewarmer
 from flashckpt.elastic.launch.restore_report import (
     RestoreReporter,
@@ -241,6 +242,7 @@ class LaunchSession:
         # that ended the job.
         self._errors_dir: str | None = None
         self._fatal: list[workererrors.WorkerError] = []
+        self._launch_lock: LaunchLock | None = None
 
     # ---------------------------------------------------------------------------- set-up
 
@@ -295,6 +297,10 @@ class LaunchSession:
         cfg = self.config
         run_dir = cfg.run_dir or _default_run_dir()
         self.events("launcher_start", pid=os.getpid())
+        # First of all: a second launch of a job that runs here is refused before it touches
+        # anything (its agent would crash-loop on the first one's lock, then remove the first
+        # one's socket and lock file).
+        self._launch_lock = LaunchLock.acquire(_ensure_dir(run_dir), cfg.rdzv_id, cfg.node_id)
         if cfg.storage:
             problem = check_storage(cfg.storage, cfg.rdzv_id, takeover=cfg.takeover)
             if problem is not None:
@@ -1199,6 +1205,9 @@ class LaunchSession:
             with contextlib.suppress(Exception):
                 signal.signal(sig, handler)
         self._old_handlers.clear()
+        if self._launch_lock is not None:
+            self._launch_lock.release()
+            self._launch_lock = None
         self.events("launcher_exit")
 
     def _print_summary(self) -> None:

@@ -190,9 +190,11 @@ def main(argv: list[str]) -> int:
 
     Returns:
         The exit code: 0 when the job finished (or this standby was not needed), 1 when the
-        workers failed beyond ``--max-restarts`` or the node agent could not write the newest
-        snapshot to storage (it keeps it in memory for the same command run again), 2 on a
-        configuration, storage or etcd error, 128+N when stopped by signal N.
+        workers failed beyond ``--max-restarts`` or with an error no restart can mend (not
+        restarted), or the node agent could not write the newest snapshot to storage (it keeps
+        it in memory for the same command run again), 2 on a configuration, storage or etcd
+        error, a job that already ended (run again with ``--rerun-finished``) or that already
+        runs on this machine, 128+N when stopped by signal N.
     """
     config, verbose = parse_args(argv)
     logging.basicConfig(

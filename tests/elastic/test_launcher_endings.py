@@ -106,6 +106,8 @@ def test_errors_no_restart_can_mend_fail_the_launcher_once_with_their_text(tmp_p
             assert out.count("no restart can mend") == 1, out
             assert "(local rank 0): PersistError: step 400 (the final snapshot)" in out, out
             assert "No space left on device" in out, out
+            # Where the work is: in memory, for the same command once storage has room.
+            assert "the same command run again resumes from them" in out, out
             events = machine.events()
             assert not [e for e in events if e["event"] == "workers_restart"], events
             assert _starts(cluster) == 2, "a worker was restarted"

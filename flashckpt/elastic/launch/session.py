@@ -718,7 +718,9 @@ class LaunchSession:
         or 1 where it was 0 but the node agent's last write failed (storage lacks the newest
         snapshot: the agent kept it in memory; or the final step never reached the mirror).
         A job whose work is not where the user asked it to be never ends with 0."""
-        if code != 0 or self._agent_exit not in (EXIT_KEPT, EXIT_MIRROR_FAILED):
+        # Also after a failure of the workers (an error no restart can mend, the final
+        # commit's included): where the work is, is what the user needs next.
+        if code not in (0, 1) or self._agent_exit not in (EXIT_KEPT, EXIT_MIRROR_FAILED):
             return code
         cfg = self.config
         if self._agent_exit == EXIT_KEPT:

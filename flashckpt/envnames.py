@@ -21,6 +21,7 @@ __all__ = [
     "RUN_DIR",
     "SHM_DIR",
     "STORAGE",
+    "WORKER_ERRORS",
     "WORKER_FAST_EXIT",
     "WORLD_ID",
     "get",
@@ -51,6 +52,10 @@ PREWARM_SOCKET = "FLASHCKPT_PREWARM_SOCKET"
 """Set by the launcher in the workers' environment: the pre-warmed zygote's socket."""
 WORKER_FAST_EXIT = "FLASHCKPT_WORKER_FAST_EXIT"
 """``0`` disables the immediate exit of a worker that failed with an exception."""
+WORKER_ERRORS = "FLASHCKPT_WORKER_ERRORS"
+"""Set by ``flashckpt run`` in the workers' environment: a directory where a worker that fails
+with an error no restart can mend (a ``FlashckptError`` whose ``restartable`` is false) records
+it, so the launcher fails at once with its text instead of restarting the workers."""
 INJECT_HEALTH_FAULT = "FLASHCKPT_INJECT_HEALTH_FAULT"
 """Fault injection for tests: when ``1``, this machine's compute checksum comes out wrong."""
 
@@ -66,6 +71,7 @@ ALL = (
     PREWARM_SOCKET,
     WORKER_FAST_EXIT,
     INJECT_HEALTH_FAULT,
+    WORKER_ERRORS,
 )
 """Every variable of this module."""
 

@@ -23,7 +23,18 @@ __all__ = [
 
 
 class FlashckptError(Exception):
-    """Base class of the errors flashckpt raises on purpose."""
+    """Base class of the errors flashckpt raises on purpose.
+
+    Attributes:
+        restartable: Whether starting the workers again can mend it. ``False`` for errors of
+            the machine or the job's configuration (too little shared memory, storage that
+            cannot be written, a final snapshot storage refused): a worker under ``flashckpt
+            run`` that fails with one records it, and the launcher fails at once with its text
+            instead of spending ``--max-restarts`` on it. A class attribute, which an instance
+            may override.
+    """
+
+    restartable: bool = True
 
 
 class CorruptCheckpointError(FlashckptError, ValueError):
@@ -41,6 +52,8 @@ class CorruptCheckpointError(FlashckptError, ValueError):
 class ShmSpaceError(FlashckptError, RuntimeError):
     """The shared-memory file system has too little room for the snapshot slots."""
 
+    restartable = False
+
 
 class AgentError(FlashckptError, RuntimeError):
     """The node agent refused a request or could not be reached.
@@ -57,6 +70,8 @@ class AgentError(FlashckptError, RuntimeError):
 class StorageUnavailableError(FlashckptError, OSError):
     """The checkpoint storage cannot be written (read-only, full, gone, no permission)."""
 
+    restartable = False
+
 
 class PersistError(FlashckptError, RuntimeError):
     """Work was not made durable: the final snapshot was not committed to storage.
@@ -65,6 +80,8 @@ class PersistError(FlashckptError, RuntimeError):
         step: the snapshot that is not committed (None when unknown).
         errors: the persist failures the agent reported, newest last.
     """
+
+    restartable = False  # the snapshot is in memory; a restart would only fail the same way
 
     def __init__(self, message: str, step: int | None = None, errors: list | None = None) -> None:
         super().__init__(message)
@@ -76,6 +93,8 @@ class UnsafeLocalStateError(FlashckptError, PermissionError):
     """Local state (the run dir, a slot file) could be controlled or read by another user of
     the machine: refused instead of trusted. The message names the path, the problem and the fix.
     """
+
+    restartable = False
 
 
 class ProtocolError(FlashckptError, ValueError):

@@ -462,6 +462,11 @@ class NodeAgent:
             try:
                 if storage.fs.exists(storage.step_path(step, MANIFEST)):
                     return True
+                if max(storage.committed_steps(), default=-1) > step:
+                    # The job went on past it (a machine fenced while the others trained on,
+                    # its world's step since retired by keep=): a rerun restores the newer
+                    # step, so memory holds nothing storage lacks (issue 41).
+                    return True
             except Exception as e:  # storage failing: it does not have it
                 log.warning("cannot look for step %d in storage %s: %s", step, storage.url, e)
                 return False

@@ -107,6 +107,8 @@ class Incarnation:
     node: str | None = None
     resume_step: int | None = None
     n: int = 0
+    lost: int = 0
+    """Iterations whose records were overwritten before the monitor read them (they ran)."""
     recomputed_n: int = 0
     step_s: float = 0.0
     ckpt_s: float = 0.0
@@ -115,6 +117,12 @@ class Incarnation:
     """End of the last recorded iteration (wall clock)."""
     end_reason: str | None = None
     end_t: float | None = None
+
+    @property
+    def records_read(self) -> int:
+        """How many of its ring's records the events account for (read or lost): where a
+        monitor that takes over its ring (an agent started again) goes on reading."""
+        return self.n + self.lost
 
     @property
     def progress_at(self) -> float:
@@ -253,6 +261,7 @@ def incarnations_from_events(events: Iterable[dict[str, Any]]) -> dict[int, list
             continue
         if kind == "steps":
             inc.n += int(ev.get("n", 0))
+            inc.lost += int(ev.get("lost", 0) or 0)
             inc.recomputed_n += int(ev.get("recomputed_n", 0))
             inc.step_s += float(ev.get("step_s", 0.0))
             inc.ckpt_s += float(ev.get("ckpt_s", 0.0))

@@ -199,7 +199,6 @@ class AgentMonitor:
         self._events: Any = None
         self._first_scan = True
         self._seen_ring = False
-        self._born_mono = time.monotonic()
         self._born_wall = time.time()
         self._next_flush = 0.0
         self._alerts = Alerts(config, self._emit)
@@ -391,12 +390,17 @@ class AgentMonitor:
                 rs.ended, rs.end_reason = True, known.end_reason
                 return
             if known is not None:
-                # It ended while no agent watched (its agent was gone first): report it now.
+                # It ended while no agent watched (its agent was gone first): report it now,
+                # with every iteration it ran since the previous agent's last "steps" line
+                # (that agent's unwritten batch died with it: issue 41).
                 rs.started, rs.inc = True, known
-                ring.read_idx = max(0, ring.count() - 1)
-                recs, _ = ring.read_new()
-                if recs:
-                    rs.last_step = recs[-1][0]
+                ring.read_idx = min(ring.count(), known.records_read)
+                self._read(rs, off)  # into its batch and incarnation, as if watched
+                if rs.last_step is None and ring.count():
+                    ring.read_idx = ring.count() - 1  # every record written already: the last
+                    recs, _ = ring.read_new()
+                    if recs:
+                        rs.last_step = recs[-1][0]
                 self._end(rs, reason, (info["exit"] or now_w) if exited else now_w)
                 return
             if info["enter"] < self._born_wall:
@@ -408,15 +412,16 @@ class AgentMonitor:
             # steps and end follow in this poll). Its liveness must not decide that: a ring's
             # lock is gone once its trainer ends, however it ended.
         if ring.token in self._history:
-            # Known from the events file: a trainer that outlived the previous agent.
-            ring.read_idx = ring.count()
-            rs.started = True
+            # Known from the events file: a trainer that outlived the previous agent. Read on
+            # from the record after the last one the events account for: the previous agent's
+            # batch not yet written when it died is read again, not lost (issue 41).
             rs.inc = self._history[ring.token]
+            ring.read_idx = min(ring.count(), rs.inc.records_read)
+            rs.started = True
             return
-        if self._first_scan and 0 < (info["ready_mono"] or 0) < self._born_mono:
-            # A trainer that ran before this agent: only what happens from now on is new to us.
-            # (One that started after us is read from its first record, however late we look.)
-            ring.read_idx = ring.count()
+        # A trainer no events line knows (it entered while no agent of this job ran, or the
+        # previous agent died before its start line) is read from its first record: every
+        # iteration it ran is counted once (issue 41).
         rs.incarnations += 1
 
     def _read(self, rs: RankState, off: float) -> None:

@@ -224,6 +224,18 @@ class LauncherConfig:
     )
     """Take over a ``--storage`` root that belongs to another job (the launcher's check at
     start; a script's own ``storage=`` takes ``takeover=True``)."""
+    rerun_finished: bool = field(
+        default=False,
+        metadata=cliargs.flag(
+            help="run a job whose --rdzv-id finished (its rendezvous is closed in etcd) again: "
+            "the workers resume from its committed state (e.g. to train with more steps); "
+            "without it such a launcher refuses with exit code 2. To start over instead, use "
+            "a new --rdzv-id and an empty --storage"
+        ),
+    )
+    """Reopen a job that finished (its rendezvous closed in etcd, kept ~2 h after the end) and
+    train again from its committed state; without it a launcher that finds its job finished
+    refuses (exit code 2) instead of doing nothing. docs/elastic.md."""
     shm_dir: str = field(
         default="/dev/shm", metadata=cliargs.flag(help="where the node agent keeps snapshots")
     )

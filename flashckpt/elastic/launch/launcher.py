@@ -190,9 +190,11 @@ def main(argv: list[str]) -> int:
 
     Returns:
         The exit code: 0 when the job finished (or this standby was not needed), 1 when the
-        workers failed beyond ``--max-restarts`` or the node agent could not write the newest
-        snapshot to storage (it keeps it in memory for the same command run again), 2 on a
-        configuration, storage or etcd error, 128+N when stopped by signal N.
+        workers failed beyond ``--max-restarts`` or with an error no restart can mend (not
+        restarted), or the node agent could not write the newest snapshot to storage (it keeps
+        it in memory for the same command run again), 2 on a configuration, storage or etcd
+        error, a job that already ended (run again with ``--rerun-finished``) or that already
+        runs on this machine, 128+N when stopped by signal N.
     """
     config, verbose = parse_args(argv)
     logging.basicConfig(
@@ -205,11 +207,20 @@ def main(argv: list[str]) -> int:
             config.rdzv_id,
             config.rdzv_id_origin,
         )
+    from flashckpt.elastic.launch.restore_report import say, silence
+
     try:
         return launch(config)
     except LaunchError as exc:
-        print(f"flashckpt run: error: {exc}", file=sys.stderr)
+        say(f"flashckpt run: error: {exc}", sys.stderr)
         return 2
+    finally:
+        # A stdout that became a closed pipe (``| tee`` gone after a Ctrl-C) must not turn the
+        # exit code into the interpreter's 120 when it flushes at exit.
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            silence(sys.stdout)
 
 
 def launch(config: LauncherConfig) -> int:

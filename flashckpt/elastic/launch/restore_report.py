@@ -20,13 +20,15 @@ restarts, goodput.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from flashckpt import names
 from flashckpt.monitor.goodput import (
@@ -36,7 +38,7 @@ from flashckpt.monitor.goodput import (
     steps_span,
 )
 
-__all__ = ["RestoreReporter", "events_path", "format_restore_line", "job_summary"]
+__all__ = ["RestoreReporter", "events_path", "format_restore_line", "job_summary", "say"]
 
 logger = logging.getLogger("flashckpt.launcher")
 
@@ -44,6 +46,30 @@ _POLL_S = 0.2
 _MAX_WAIT_S = 3600.0  # a trainer may take long to import and restore; the next round ends it
 _MAX_LINE = 1 << 20  # a line longer than this is not the monitor's
 _GRACE_S = 5.0
+
+
+def say(line: str, stream: TextIO | None = None) -> None:
+    """Prints one line of the launcher's report (stdout by default). A stream that refuses the
+    write (EPIPE: ``flashckpt run ... | tee log`` after a Ctrl-C killed ``tee``; EIO: a hung-up
+    terminal) is pointed at ``/dev/null`` from then on: a report never cuts the teardown short,
+    nor leaves unwritten bytes that would fail the interpreter's exit."""
+    out = stream if stream is not None else sys.stdout
+    try:
+        print(line, file=out, flush=True)
+    except (OSError, ValueError):  # ValueError: a closed file object
+        silence(out)
+
+
+def silence(stream: TextIO) -> None:
+    """Points ``stream``'s descriptor at ``/dev/null`` and drops what its buffer holds."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
+    with contextlib.suppress(OSError, ValueError):
+        stream.flush()  # to /dev/null now: the bytes that failed are gone
 
 
 def events_path(run_dir: str, job: str, node: str) -> str:
@@ -112,7 +138,7 @@ class RestoreReporter:
         """Every line printed so far."""
 
     def _print(self, line: str) -> None:
-        print(f"{self._prefix}{line}", file=sys.stdout, flush=True)
+        say(f"{self._prefix}{line}")
 
     def workers_started(self, since: float) -> None:
         """Called when a round's workers start (wall clock ``since``); returns at once."""

@@ -53,8 +53,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -85,6 +87,7 @@ from torch.distributed.elastic.rendezvous import (
 from flashckpt import envnames, names
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdError, prefix_end
 from flashckpt.elastic.etcd.standalone import StandaloneEtcd, StandaloneEtcdError
+from flashckpt.elastic.launch import workererrors
 from flashckpt.elastic.launch.agent_runner import (
     EXIT_KEPT,
     EXIT_MIRROR_FAILED,
@@ -94,8 +97,14 @@ from flashckpt.elastic.launch.agent_runner import (
     world_replica_peers,
 )
 from flashckpt.elastic.launch.config import EventLog, LauncherConfig, LaunchError
+from flashckpt.elastic.launch.launchlock import LaunchLock
 from flashckpt.elastic.launch.prewarm import PREWARM_SOCKET_ENV, Prewarmer
-from flashckpt.elastic.launch.restore_report import RestoreReporter, events_path, job_summary
+from flashckpt.elastic.launch.restore_report import (
+    RestoreReporter,
+    events_path,
+    job_summary,
+    say,
+)
 from flashckpt.elastic.launch.storage_check import check_storage
 from flashckpt.elastic.launch.worker_entry import EXEC_FLAG, LAUNCHER_PID_ENV
 from flashckpt.elastic.membership import health
@@ -229,6 +238,11 @@ class LaunchSession:
         self._healed = threading.Event()
         self._leave_reason: str | None = None
         self._worker_pids: list[int] = []
+        # Where the workers record errors no restart can mend (workererrors), and the ones
+        # that ended the job.
+        self._errors_dir: str | None = None
+        self._fatal: list[workererrors.WorkerError] = []
+        self._launch_lock: LaunchLock | None = None
 
     # ---------------------------------------------------------------------------- set-up
 
@@ -283,6 +297,10 @@ class LaunchSession:
         cfg = self.config
         run_dir = cfg.run_dir or _default_run_dir()
         self.events("launcher_start", pid=os.getpid())
+        # First of all: a second launch of a job that runs here is refused before it touches
+        # anything (its agent would crash-loop on the first one's lock, then remove the first
+        # one's socket and lock file).
+        self._launch_lock = LaunchLock.acquire(_ensure_dir(run_dir), cfg.rdzv_id, cfg.node_id)
         if cfg.storage:
             problem = check_storage(cfg.storage, cfg.rdzv_id, takeover=cfg.takeover)
             if problem is not None:
@@ -326,8 +344,16 @@ class LaunchSession:
             # One read says all: etcd answers, whether this node failed a health check earlier
             # in the job, whether its node id is held, and whether the job runs (one request
             # per machine, as the health check's read alone was).
-            (marked, held, running), _ = client.get_many(
-                [health.unhealthy_key(self._job_prefix, cfg.node_id), node_key, handler.round_key],
+            # The rendezvous' own keys sit beside its round key.
+            rdzv_prefix = handler.round_key.removesuffix("round")
+            (marked, held, running, closed, done), _ = client.get_many(
+                [
+                    health.unhealthy_key(self._job_prefix, cfg.node_id),
+                    node_key,
+                    handler.round_key,
+                    rdzv_prefix + "closed",
+                    rdzv_prefix + "done",
+                ],
                 timeout=read_timeout,
             )
             reason = None if marked is None else marked.value.decode(errors="replace")
@@ -347,6 +373,9 @@ class LaunchSession:
                 f"{health.unhealthy_key(self._job_prefix, cfg.node_id)}, or run it in another "
                 "job"
             )
+
+        if closed is not None:
+            self._arrived_after_end(client, closed, done is not None, read_timeout)
 
         self._registry = NodeRegistry(
             client,
@@ -466,6 +495,51 @@ class LaunchSession:
             start_method=cfg.start_method,
         )
 
+    def _arrived_after_end(
+        self, client: EtcdClient, closed: Any, done: bool, timeout: timedelta
+    ) -> None:
+        """This launcher found its job's rendezvous closed before it registered: it arrived
+        after the job ended (the same command run again), not as a standby of a running job.
+        Without ``--rerun-finished`` that is an error naming the choices (a launcher that did
+        nothing and exited 0 looked like a successful run); with it the rendezvous is reopened
+        (``closed`` and ``done`` deleted, only if ``closed`` is still the one read) and the
+        workers resume from the job's committed state.
+
+        Raises:
+            LaunchError: Without ``--rerun-finished``, or when etcd fails to reopen it.
+        """
+        cfg = self.config
+        by = "another machine"
+        with contextlib.suppress(Exception):  # the closer's id is a detail of the message
+            by = f"machine {json.loads(closed.value)['by']!r}"
+        how = "its workers finished" if done else "it ended without finishing (a machine gave up)"
+        if not cfg.rerun_finished:
+            self.events("job_already_finished", done=done)
+            raise LaunchError(
+                f"job {cfg.rdzv_id!r} already ended ({how}; {by} closed its rendezvous in etcd): "
+                "this launcher has nothing to run, and starts no worker. To train it again from "
+                "its committed state (e.g. with more steps), run the same command with "
+                "--rerun-finished on every machine; to start over, use a new --rdzv-id and an "
+                "empty --storage. (etcd forgets the ended job about 2 h after its end.)"
+            )
+        done_key = bytes(closed.key).removesuffix(b"closed") + b"done"
+        try:
+            reopened = client.compare_and_delete(
+                closed.key, mod_revision=closed.mod_revision, timeout=timeout
+            )
+            if reopened:  # else the launcher of the rerun that reopened it deleted both
+                client.delete(done_key, timeout=timeout)
+        except EtcdError as exc:
+            raise LaunchError(f"cannot reopen job {cfg.rdzv_id!r} in etcd: {exc}") from exc
+        logger.warning(
+            "job %r had ended (%s); --rerun-finished: %s its rendezvous, the workers resume from "
+            "its committed state",
+            cfg.rdzv_id,
+            how,
+            "reopened" if reopened else "another launcher of the rerun reopened",
+        )
+        self.events("job_reopened", done=done, by_us=reopened)
+
     def _set_worker_environment(self) -> None:
         cfg = self.config
         # Worker rank 0 hosts a fresh TCPStore every round (see use_fresh_worker_store).
@@ -541,8 +615,8 @@ class LaunchSession:
         except RendezvousClosedError:
             if self._was_fenced:
                 logger.warning(
-                    "the job finished while this machine was cut off; leaving (nothing of its "
-                    "old world was committed after the fence)"
+                    "this machine was fenced (cut off from etcd and its peers); the job "
+                    "finished without it: leaving with nothing of its old world committed"
                 )
                 self.events("left", reason="the job finished while this machine was cut off")
                 return 0
@@ -577,12 +651,28 @@ class LaunchSession:
             logger.error("%s", exc)
             return 1
         if result is None:
+            if self._was_fenced:
+                logger.warning(
+                    "this machine was fenced (cut off from etcd and its peers); the job "
+                    "finished without it: leaving with nothing of its old world committed"
+                )
+                self.events("left", reason="the job finished while this machine was cut off")
+                return 0
             logger.info("the job finished without needing this standby machine")
             self.events("standby_released")
             return 0
         # A machine that was cut off never ends the job for the others: its workers' failures
         # may be the partition's.
         self._shutdown_rdzv = not (result.is_failed() and self._was_fenced)
+        if result.is_failed() and self._fatal:
+            errors = "\n".join(e.describe() for e in self._fatal)
+            logger.error(
+                "the workers failed with an error no restart can mend (not restarted: a "
+                "restart would fail the same way):\n%s",
+                errors,
+            )
+            self.events("failed", restartable=False, errors=[e.type for e in self._fatal])
+            return 1
         if result.is_failed():
             logger.error("workers failed: %s", _describe_failures(result))
             self.events("failed")
@@ -628,7 +718,9 @@ class LaunchSession:
         or 1 where it was 0 but the node agent's last write failed (storage lacks the newest
         snapshot: the agent kept it in memory; or the final step never reached the mirror).
         A job whose work is not where the user asked it to be never ends with 0."""
-        if code != 0 or self._agent_exit not in (EXIT_KEPT, EXIT_MIRROR_FAILED):
+        # Also after a failure of the workers (an error no restart can mend, the final
+        # commit's included): where the work is, is what the user needs next.
+        if code not in (0, 1) or self._agent_exit not in (EXIT_KEPT, EXIT_MIRROR_FAILED):
             return code
         cfg = self.config
         if self._agent_exit == EXIT_KEPT:
@@ -915,12 +1007,38 @@ class LaunchSession:
         self._use_prewarmer()
         os.environ[envnames.RUN_DIR] = generation.run_dir
         os.environ[envnames.SHM_DIR] = generation.shm_dir
+        self._clear_worker_errors()
         self._last_view = view
         self._starts += 1
         self.events(
             "workers_start", ranks=list(view[0]), world_size=view[1], agent_gen=generation.number
         )
         self._reporter.workers_started(time.time())
+
+    def _clear_worker_errors(self) -> None:
+        """A fresh, empty directory for this start's records of errors no restart can mend."""
+        cfg = self.config
+        if self._errors_dir is None:
+            self._errors_dir = os.path.join(
+                cfg.run_dir or _default_run_dir(), f"{cfg.rdzv_id}.{cfg.node_id}.worker-errors"
+            )
+        try:
+            workererrors.clear(self._errors_dir)
+        except OSError as exc:  # the records are a help: without them failures restart as before
+            logger.warning("cannot prepare %s: %s", self._errors_dir, exc)
+            os.environ.pop(envnames.WORKER_ERRORS, None)
+            return
+        os.environ[envnames.WORKER_ERRORS] = self._errors_dir
+
+    def unrestartable_failure(self) -> list[workererrors.WorkerError]:
+        """The errors no restart can mend that this start's failed workers recorded; once any
+        is found, the launcher fails with them (:meth:`run`)."""
+        if self._errors_dir is None:
+            return []
+        found = workererrors.read(self._errors_dir, list(range(self.config.nproc_per_node)))
+        if found:
+            self._fatal = found
+        return found
 
     def _send_replica_peers(self) -> None:
         """Gives the node agent the replica servers of this round's other machines: it sends
@@ -1080,6 +1198,8 @@ class LaunchSession:
             self._agent_exit = self._node_agent.exit_code
             self._node_agent = None
             self._print_summary()
+        if self._errors_dir is not None:
+            shutil.rmtree(self._errors_dir, ignore_errors=True)
         if self._standalone is not None:
             self._standalone.close()
             self._standalone = None
@@ -1087,6 +1207,9 @@ class LaunchSession:
             with contextlib.suppress(Exception):
                 signal.signal(sig, handler)
         self._old_handlers.clear()
+        if self._launch_lock is not None:
+            self._launch_lock.release()
+            self._launch_lock = None
         self.events("launcher_exit")
 
     def _print_summary(self) -> None:
@@ -1099,7 +1222,7 @@ class LaunchSession:
             logger.exception("summarizing the node agent's events failed")
             return
         if line is not None:
-            print(f"[flashckpt run {self.config.node_id}] {line}", flush=True)
+            say(f"[flashckpt run {self.config.node_id}] {line}")
 
     def _leave_rendezvous(self, *, close: bool, etcd_up: bool) -> None:
         """Closes the rendezvous (the job finished) or gives up this node's place in it.
@@ -1190,6 +1313,12 @@ class _WorkerSupervisor(LocalElasticAgent):
             self._session.wait_for_heal()
             self._restart_workers(worker_group)
         result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED and self._session.unrestartable_failure():
+            # A worker failed with an error no restart can mend (workererrors): the launcher
+            # fails now, with its text (run), instead of spending --max-restarts on it.
+            self._remaining_restarts = 0
+            self._session.workers_started({})
+            return result
         if result.state != WorkerState.SUCCEEDED:
             failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
             lost = self._session.round_lost(failed=failed)

@@ -18,7 +18,7 @@ import sys
 import traceback
 
 from flashckpt import envnames
-from flashckpt.elastic.launch import storewait
+from flashckpt.elastic.launch import storewait, workererrors
 
 __all__ = ["FAST_EXIT_ENV", "run_user_code"]
 
@@ -47,7 +47,10 @@ def run_user_code(args: list[str]) -> None:
             runpy.run_path(script, run_name="__main__")
     except (SystemExit, KeyboardInterrupt):
         raise
-    except BaseException:
+    except BaseException as exc:
+        # An error no restart can mend (the configuration's, the machine's) goes to the
+        # launcher too, which then fails at once with it instead of restarting the workers.
+        workererrors.record(exc)
         if os.environ.get(FAST_EXIT_ENV, "1") == "0":
             raise
         _exit_now()

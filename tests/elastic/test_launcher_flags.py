@@ -40,6 +40,10 @@ def test_parse_torchrun_flags() -> None:
     # torchrun's underscore spellings work too.
     config, _ = parse_args(["--standalone", "--local_ranks_filter", "1", "--no_python", "x"])
     assert config.local_ranks_filter == {1} and config.no_python
+    # The script's own flags are its own, a prefix of a launcher flag included (--log of
+    # --log-dir was an "ambiguous option" error).
+    config, _ = parse_args(["--standalone", "train.py", "--log", "x", "--nnodes", "3"])
+    assert config.entrypoint_args == ["--log", "x", "--nnodes", "3"] and config.log_dir is None
 
 
 @pytest.mark.parametrize(

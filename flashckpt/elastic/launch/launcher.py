@@ -64,7 +64,11 @@ def _build_parser() -> argparse.ArgumentParser:
     the dataclass, see :mod:`flashckpt.elastic.launch.config`), and those computed from several
     flags or
     accepted only for torchrun compatibility, declared here."""
+    # allow_abbrev=False: argparse matches a prefix of a flag anywhere in argv, the training
+    # script's own arguments included ("train.py --log x" was "ambiguous option: --log could
+    # match --log-dir, --log_dir"); the launcher's flags are spelled out in full.
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="flashckpt run",
         description="Launch an elastic training job (torchrun-compatible flags) with etcd v3 "
         "rendezvous, standby machines and flash checkpointing.",

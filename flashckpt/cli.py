@@ -86,10 +86,28 @@ def agent_config(args: argparse.Namespace) -> Any:
     return AgentConfig(**config_kwargs(AgentConfig, args), monitor=monitor)
 
 
+def _agent_pid(path: str) -> int | None:
+    """The pid of the node agent answering on socket ``path``, or None if none answers."""
+    from flashckpt.protocol.channel import AgentClient, AgentError
+    from flashckpt.protocol.messages import Ping, PingReply
+
+    try:
+        client = AgentClient(path, timeout=0.1)
+    except AgentError:
+        return None
+    try:
+        reply = client.call(Ping(), timeout=5)
+    except AgentError:
+        return None
+    finally:
+        client.close()
+    return reply.pid if isinstance(reply, PingReply) else None
+
+
 def _cmd_agent(args: argparse.Namespace) -> int:
     from flashckpt.agent.daemon import run_agent
     from flashckpt.errors import UnsafeLocalStateError
-    from flashckpt.protocol.channel import AgentClient, AgentError, socket_path
+    from flashckpt.protocol.channel import AgentError, socket_path
 
     cfg = agent_config(args)
     if args.detach:
@@ -108,15 +126,27 @@ def _cmd_agent(args: argparse.Namespace) -> int:
             )
         path = socket_path(cfg.run_dir, cfg.job, cfg.node)
         deadline = time.monotonic() + 30
+        other: int | None = None  # the pid of another agent answering on the socket
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                print(f"agent exited with code {proc.returncode}; see {log_path}", file=sys.stderr)
+                why = (
+                    f": another agent (pid {other}) already serves job {cfg.job!r} node "
+                    f"{cfg.node!r} on {path}"
+                    if other is not None
+                    else ""
+                )
+                print(
+                    f"agent exited with code {proc.returncode}{why}; see {log_path}",
+                    file=sys.stderr,
+                )
                 return proc.returncode or 1
-            try:
-                AgentClient(path, timeout=0.1).close()
+            # The socket may be another agent's (a second --detach of a running job): it
+            # counts only when the agent answering is the one started here.
+            answer = _agent_pid(path)
+            if answer == proc.pid:
                 break
-            except AgentError:
-                time.sleep(0.05)
+            other = answer if answer is not None else other
+            time.sleep(0.05)
         else:
             print(f"agent did not start listening on {path}; see {log_path}", file=sys.stderr)
             return 1

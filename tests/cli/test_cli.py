@@ -117,6 +117,11 @@ def test_detached_agent_with_pid_file_and_private_socket(fc_env: FcEnv, tmp_path
     flags = ("--job", fc_env.job, "--node", fc_env.node, "--run-dir", fc_env.run_dir)
     r3 = _cli("agent", *flags, "--lock-wait", "600")
     assert r3.returncode == 3 and "already serves" in r3.stderr, r3.stderr
+    # A second --detach: its agent exits at once; it must not report the first one's socket
+    # as its own ("listening") but fail, naming the agent that serves the job.
+    r4 = _cli("agent", *flags, "--storage", fc_env.storage, "--detach")
+    assert r4.returncode != 0 and "listening" not in r4.stdout, (r4.stdout, r4.stderr)
+    assert f"another agent (pid {pid}) already serves" in r4.stderr, r4.stderr
     assert proc.is_running()
     # Trainers use it (agent="connect" requires it to be there).
     model, opt, sched = make(0)

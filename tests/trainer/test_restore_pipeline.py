@@ -218,16 +218,21 @@ def _a_bad_description_is_ignored(fc_env: FcEnv, caplog: pytest.LogCaptureFixtur
     assert any("ignoring the snapshot in" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("restarts", ["0", "2"])
+@pytest.mark.parametrize(("restarts", "with_storage"), [("0", False), ("2", False), ("2", True)])
 def test_a_restart_that_finds_nothing_to_restore_warns_that_the_work_is_lost(
-    fc_env: FcEnv, agent: RunningAgent, monkeypatch: pytest.MonkeyPatch, restarts: str
+    fc_env: FcEnv,
+    agent: RunningAgent,
+    monkeypatch: pytest.MonkeyPatch,
+    restarts: str,
+    with_storage: bool,
 ) -> None:
     """A restarted job that restores nothing (memory only, the machine holding a step gone)
     starts from step 0: a warning says the work before the failure is lost, not an info line;
-    a first start says nothing of the kind."""
+    a first start says nothing of the kind. The advice fits the job: "give the job storage="
+    only to a job without storage (one with storage is told its storage holds no step)."""
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restarts)
     model, opt, sched = make(0)
-    kw = fc_env.ckpt_kwargs(agent="connect", storage=None)
+    kw = fc_env.ckpt_kwargs(agent="connect", **({} if with_storage else {"storage": None}))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         ck = flashckpt.checkpointing(model, opt, scheduler=sched, **kw)
@@ -239,6 +244,10 @@ def test_a_restart_that_finds_nothing_to_restore_warns_that_the_work_is_lost(
             assert lost == []
         else:
             assert len(lost) == 1 and "restart 2 of the job" in lost[0], lost
-            assert "storage=" in lost[0]
+            if with_storage:
+                assert "give the job storage=" not in lost[0], lost[0]
+                assert "holds no committed step" in lost[0] and fc_env.storage in lost[0]
+            else:
+                assert "give the job storage=" in lost[0], lost[0]
     finally:
         ck.__exit__(None, None, None)

@@ -139,12 +139,20 @@ class Restorer:
                 # says it too, where a survivor of the same failure restarted.
                 restarts = ctx.all_max(_restart_count())
                 if restarts > 0:
+                    # The advice fits what the job has: "give it storage=" to a job that gave
+                    # it sent users after a setting they had (issue 41).
+                    fix = (
+                        f"its storage {env.storage.url!r} holds no committed step every rank "
+                        "can read (the run before ended before its first commit, or storage "
+                        "failed: see the errors above)"
+                        if env.storage is not None
+                        else "give the job storage= (or keep replicas on, more than one "
+                        "machine) to resume after a failure"
+                    )
                     warnings.warn(
                         f"flashckpt: rank {ctx.rank} starts from step 0 on restart {restarts} of "
                         "the job: no step of the run before is in every rank's reach (own "
-                        "memory, a peer's replica, storage), so its work is lost; give the job "
-                        "storage= (or keep replicas on, more than one machine) to resume after a "
-                        "failure",
+                        f"memory, a peer's replica, storage), so its work is lost; {fix}",
                         stacklevel=3,
                     )
                 self.applier.invalidate_after(env.snap, -1)

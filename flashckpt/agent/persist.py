@@ -53,12 +53,12 @@ from flashckpt.format.shm import Slot, SlotInfo
 from flashckpt.format.snapmeta import NodePart, SnapshotMeta
 from flashckpt.format.storage import (
     FORMAT,
-    MANIFEST,
     FileRecord,
     Storage,
     rank_file_name,
     shard_file_name,
 )
+from flashckpt.format.storage_owner import guard_step
 from flashckpt.protocol.messages import PersistAbandoned, Persisted, Persisting
 
 __all__ = ["Persister", "hash_snapshot"]
@@ -302,6 +302,7 @@ class Persister:
                 if meta is None:
                     break
                 try:
+                    guard_step(storage, step, self.st.cfg.job)
                     storage.write_private(step, meta.rank, meta.world_size, meta.private)
                 except Exception as e:  # reported; the big persist path retries later
                     self.st.record_error(step, f"writing rank {rank} state: {e}")
@@ -482,10 +483,12 @@ class Persister:
                 self.st.broadcast(Persisting(step=step))
                 hosts_rank0 = any(m.rank == 0 for m in metas.values())
                 world_id = next(iter(metas.values())).world_id if metas else ""
+                # Never into another job's committed step (raises, issue 41).
+                committed_here = guard_step(storage, step, self.st.cfg.job)
                 if hosts_rank0 and step > self.st.resumed_at:
                     # Only the committing node (it hosts rank 0) hides a step it will rewrite;
                     # the other nodes' parts are rewritten under the hidden step.
-                    if storage.fs.exists(storage.step_path(step, MANIFEST)):
+                    if committed_here:
                         with self.st.lock:
                             self.st.rewrites.add(step)
                     rewriting = step in self.st.rewrites

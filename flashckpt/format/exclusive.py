@@ -35,13 +35,15 @@ import os
 import time
 from typing import Any
 
+from flashckpt.errors import FlashckptError
+
 __all__ = ["ExclusiveCreateUnsupported", "create_exclusive", "supports_exclusive"]
 
 _S3 = ("s3", "s3a")
 _CONFLICT_TRIES = 4
 
 
-class ExclusiveCreateUnsupported(OSError):
+class ExclusiveCreateUnsupported(FlashckptError, OSError):
     """The file system cannot create a file only where none is, in one operation."""
 
 

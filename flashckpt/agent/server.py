@@ -280,6 +280,7 @@ class Server:
             if storage and self.st.storage is None:
                 self.st.storage = Storage(storage, file_mode=self.st.cfg.storage_file_mode)
                 self.persister.init_storage_state()
+                self.persister.owe_adopted()  # before this hello records its (new) world
             elif storage and self.st.storage is not None and storage != self.st.storage.url:
                 raise ValueError(
                     f"this agent persists job {self.st.cfg.job!r} to {self.st.storage.url}, but "

@@ -19,8 +19,9 @@ without the guarantee, or refuses). What each backend relies on:
   ConditionalRequestConflict`` while another conditional write of the key is in flight (tried
   again, then ``FileExistsError``: someone is creating it). A service that ignores the header
   (an old S3-compatible server) overwrites silently: nothing on the client can tell; such a
-  store needs a root per job, or the etcd claim of a launcher. Needs s3fs (its ``call_s3``)
-  and a botocore recent enough to know ``IfNoneMatch`` on ``put_object`` (1.35.16+).
+  store needs a root per job. Needs s3fs (its ``call_s3``; recent s3fs translates the 412
+  to ``FileExistsError`` itself, older ones to an ``OSError`` whose cause carries the code,
+  both handled) and a botocore that knows ``IfNoneMatch`` on ``put_object`` (1.35.16+).
 - **fsspec ``memory://``** (one process's own dictionary): ``open(path, "xb")``.
 - **anything else** (gcsfs, adlfs, hdfs, ...): :class:`ExclusiveCreateUnsupported`. Adding one is
   a branch here: its conditional create (GCS ``ifGenerationMatch=0``, Azure ``If-None-Match:
@@ -145,6 +146,8 @@ def _create_s3(fs: Any, path: str, data: bytes) -> None:
     for attempt in range(_CONFLICT_TRIES):
         try:
             fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        except FileExistsError:
+            raise  # recent s3fs translates an If-None-Match 412 itself
         except Exception as e:  # s3fs translates botocore's errors: read the code back
             code = _s3_code(e)
             if code in ("PreconditionFailed", "412"):

@@ -41,6 +41,7 @@ __all__ = [
     "foreign_owner",
     "guard_step",
     "make_root",
+    "probe_round_trip",
     "write_owner",
 ]
 
@@ -323,3 +324,21 @@ def delete_steps(st: Storage) -> list[int]:
     with contextlib.suppress(FileNotFoundError):
         st.fs.rm(st.path("latest"))
     return sorted(doomed)
+
+
+def probe_round_trip(st: Storage, path: str) -> str | None:
+    """Writes, reads back and deletes a small file at ``path`` (a local root is created first,
+    as the node agent would). Returns None, or what failed."""
+    payload = b"flashckpt storage probe " + os.urandom(16)
+    try:
+        make_root(st)
+        st.fs.pipe_file(path, payload)
+        got = st.fs.cat_file(path)
+        st.fs.rm(path)
+        if got != payload:
+            return f"the file read back differs ({len(got)} bytes, {len(payload)} written)"
+    except Exception as e:  # any backend's failure (OSError, botocore, ...), reported as is
+        with contextlib.suppress(Exception):
+            st.fs.rm(path)
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -6,7 +6,6 @@ through the agent, which looks at the root for it (it may be the only one that c
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -14,7 +13,12 @@ from typing import TYPE_CHECKING
 
 from flashckpt import envnames
 from flashckpt.errors import StorageUnavailableError
-from flashckpt.format.storage_owner import claim_root, delete_steps, foreign_owner, make_root
+from flashckpt.format.storage_owner import (
+    claim_root,
+    delete_steps,
+    foreign_owner,
+    probe_round_trip,
+)
 from flashckpt.protocol.channel import AgentError
 from flashckpt.trainer.restore.reshard import listed_steps
 
@@ -161,24 +165,6 @@ def _start_fresh(st: Storage, ctx: RankContext, config: CheckpointConfig, what: 
             why,
         )
     ctx.all_max(0)  # nobody writes before the old steps are gone
-
-
-def probe_round_trip(st: Storage, path: str) -> str | None:
-    """Writes, reads back and deletes a small file at ``path`` (a local root is created first,
-    as the node agent would). Returns None, or what failed."""
-    payload = b"flashckpt storage probe " + os.urandom(16)
-    try:
-        make_root(st)
-        st.fs.pipe_file(path, payload)
-        got = st.fs.cat_file(path)
-        st.fs.rm(path)
-        if got != payload:
-            return f"the file read back differs ({len(got)} bytes, {len(payload)} written)"
-    except Exception as e:  # any backend's failure (OSError, botocore, ...), reported as is
-        with contextlib.suppress(Exception):
-            st.fs.rm(path)
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ other exits non-zero with the error naming the owner. A writer of the other job 
 inside the winner's committed step too (defence in depth: a step with another job's manifest is
 never written into).
 
-The storage is ``slowfile://`` (:mod:`slowfs`: every mutating call 0.1 s late), seen by the
+The storage is ``slowfile://`` (:mod:`slowfs`: every mutating call 0.05 s late), seen by the
 trainers and by the node agents they start (``sitecustomize`` on ``PYTHONPATH``).
 """
 
@@ -38,7 +38,7 @@ def test_two_trainers_entering_at_the_same_instant_on_slow_storage_one_enters(
     env["PYTHONPATH"] = os.pathsep.join(
         [str(slowfs.site_dir(tmp_path)), *filter(None, [env.get("PYTHONPATH")])]
     )
-    env[slowfs.DELAY_ENV] = "0.1"
+    env[slowfs.DELAY_ENV] = "0.05"
     jobs = {name: f"{fc_env.job}{name}" for name in "ab"}
     procs = {
         name: subprocess.Popen(

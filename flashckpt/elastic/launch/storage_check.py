@@ -21,8 +21,7 @@ def check_storage(url: str, job: str | None = None, *, takeover: bool = False) -
         ``None`` when that worked, else the problem and the fix, for ``flashckpt run: error:``.
     """
     from flashckpt.format.storage import Storage
-    from flashckpt.format.storage_owner import claim_root
-    from flashckpt.trainer.storageroot import probe_round_trip
+    from flashckpt.format.storage_owner import claim_root, probe_round_trip
 
     try:
         st = Storage(url)

@@ -261,7 +261,7 @@ def _cmd_clean(args: argparse.Namespace) -> int:
         print(f"flashckpt clean: cannot read {args.shm_dir}: {e}", file=sys.stderr)
         return 1
     verb = "would remove" if args.dry_run else "removed"
-    total = ngroups = ndirs = 0
+    total = ngroups = ndirs = nkept = 0
     # The slots of a standalone agent lie in --shm-dir itself; those of the agents of
     # `flashckpt run` in a directory per job, node and generation inside it, whatever the job id.
     dirs = [args.shm_dir, *_generation_dirs(args.shm_dir, args.job)]
@@ -271,14 +271,26 @@ def _cmd_clean(args: argparse.Namespace) -> int:
             groups = [g for g in groups if g.key[0] == args.job]
         for g in groups:
             job, node = g.key
+            where = "" if d == args.shm_dir else f" in {d}"
+            if g.only_copy is not None and not args.force:
+                # The only copy of a step (issue 41: clean deleted it without a word).
+                print(
+                    f"kept job {job} node {node}{where}: {len(g.paths)} files, "
+                    f"{_human(g.nbytes)}: the only copy of {g.only_copy}. Fix the storage "
+                    "and run the job's command again (it resumes from these and writes the "
+                    "step), or pass --force to delete them and lose that step"
+                )
+                nkept += 1
+                groups = [x for x in groups if x is not g]
+                continue
             if not args.dry_run:
                 g.remove()
             total += g.nbytes
             ngroups += 1
-            where = "" if d == args.shm_dir else f" in {d}"
+            lost = f"; the only copy of {g.only_copy}, deleted (--force)" if g.only_copy else ""
             print(
                 f"{verb} job {job} node {node}{where}: {len(g.paths)} files, "
-                f"{_human(g.nbytes)} ({g.reason})"
+                f"{_human(g.nbytes)} ({g.reason}{lost})"
             )
             for p in g.paths:
                 print(f"  {p}")
@@ -298,11 +310,11 @@ def _cmd_clean(args: argparse.Namespace) -> int:
         if emptied and (args.dry_run or _rmdir(d)):
             ndirs += 1
             print(f"{verb} directory {d}")
-    if not ngroups and not ndirs:
+    if not ngroups and not ndirs and not nkept:
         print(f"nothing to clean in {args.shm_dir} (segments of live agents are never removed)")
     elif ngroups:
         print(f"{verb} {_human(total)} in {ngroups} segment groups")
-    return 0
+    return 1 if nkept else 0
 
 
 _GENERATION_DIR_RE = re.compile(r"^flashckpt\.([A-Za-z0-9_-]{1,64})\.([A-Za-z0-9_-]{1,64})\.g\d+$")
@@ -528,6 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="only segments unchanged for this many seconds (0: every dead agent's)",
     )
     p.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="also remove snapshots that are the only copy of a step storage lacks",
+    )
     sub.add_parser("plan", help="plan training time, GPU memory and checkpoint interval")
     sub.add_parser("run", help="launch an elastic job (torchrun-compatible flags)")
     p = sub.add_parser("status", help="the live job: ranks, steps, step times, alerts")

@@ -53,12 +53,12 @@ from flashckpt.format.shm import Slot, SlotInfo
 from flashckpt.format.snapmeta import NodePart, SnapshotMeta
 from flashckpt.format.storage import (
     FORMAT,
-    MANIFEST,
     FileRecord,
     Storage,
     rank_file_name,
     shard_file_name,
 )
+from flashckpt.format.storage_owner import guard_step
 from flashckpt.protocol.messages import PersistAbandoned, Persisted, Persisting
 
 __all__ = ["Persister", "hash_snapshot"]
@@ -140,6 +140,9 @@ class Persister:
         # seq): the hash thread leaves it alone (the write hashes it, once).
         self._writing: tuple[str, int] | None = None
         self._retry_after = 0.0  # after a persistence error: no attempt before this time
+        # The adopted snapshots storage lacks, owed to it since a trainer's hello named the
+        # storage (:meth:`owe_adopted`): persisted before anything else, until written.
+        self._owed: tuple[int, dict[int, tuple[int, SlotInfo]]] | None = None
 
     def init_storage_state(self) -> None:
         assert self.st.storage is not None
@@ -150,6 +153,32 @@ class Persister:
             self.st.record_error(None, f"cannot list storage {self.st.storage.url}: {e}")
             return
         self.st.persisted_high = max(self.st.committed, default=-1)
+
+    def owe_adopted(self) -> None:
+        """Called when a trainer's hello names the storage of an agent that had none (the
+        script's ``storage=``, no ``--storage`` on the launcher), before its new world is
+        recorded: the newest step the adopted snapshots of the previous world hold and storage
+        lacks (a run whose storage failed kept them in memory) is owed to storage, as an agent
+        started with ``--storage`` persists it at once. Without this the new world's trainers
+        restored that step from memory and storage never got it (issue 41)."""
+        owed = self.pending_step(force=True)
+        if owed is not None:
+            log.info("step %d of the adopted snapshots is owed to storage: writing it", owed[0])
+        self._owed = owed
+
+    def _still_held(self, picks: dict[int, tuple[int, SlotInfo]]) -> bool:
+        """Whether every slot of ``picks`` still holds the snapshot picked."""
+        with self.st.lock:
+            for r, (idx, info) in picks.items():
+                rec = self.st.ranks.get(r)
+                slot = rec.slots[idx] if rec is not None else None
+                try:
+                    now = slot.header() if slot is not None else None
+                except ValueError:  # closed meanwhile
+                    return False
+                if now is None or now.seq != info.seq or not now.complete:
+                    return False
+        return True
 
     def persist_loop(self) -> None:
         """Persists the pending step whenever ``wake`` says something changed: a snapshot
@@ -302,6 +331,7 @@ class Persister:
                 if meta is None:
                     break
                 try:
+                    guard_step(storage, step, self.st.cfg.job)
                     storage.write_private(step, meta.rank, meta.world_size, meta.private)
                 except Exception as e:  # reported; the big persist path retries later
                     self.st.record_error(step, f"writing rank {rank} state: {e}")
@@ -316,6 +346,10 @@ class Persister:
         it for storage (``persist_every``), as when a trainer died: memory is all there is."""
         if self.st.storage is None:
             return None  # memory only: nothing is ever pending
+        if self._owed is not None:
+            if self._still_held(self._owed[1]):
+                return self._owed
+            self._owed = None  # its snapshots were overwritten since: newer ones are pending
         with self.st.lock:
             # Positions whose trainer belongs to an older world (a rank this node no longer
             # runs after a membership change) are left out: they would stall persistence.
@@ -434,6 +468,8 @@ class Persister:
         ``persist_abandoned``; ``status()['persisting']`` says the same meanwhile."""
         try:
             self._persist(step, picks)
+            if self._owed is not None and self._owed[0] == step:
+                self._owed = None  # written, or its snapshots changed (not owed any more)
         finally:
             with self.st.lock:
                 abandoned = self.st.persisting == step
@@ -482,10 +518,12 @@ class Persister:
                 self.st.broadcast(Persisting(step=step))
                 hosts_rank0 = any(m.rank == 0 for m in metas.values())
                 world_id = next(iter(metas.values())).world_id if metas else ""
+                # Never into another job's committed step (raises, issue 41).
+                committed_here = guard_step(storage, step, self.st.cfg.job)
                 if hosts_rank0 and step > self.st.resumed_at:
                     # Only the committing node (it hosts rank 0) hides a step it will rewrite;
                     # the other nodes' parts are rewritten under the hidden step.
-                    if storage.fs.exists(storage.step_path(step, MANIFEST)):
+                    if committed_here:
                         with self.st.lock:
                             self.st.rewrites.add(step)
                     rewriting = step in self.st.rewrites

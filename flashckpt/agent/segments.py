@@ -56,8 +56,9 @@ class Segments:
         self.owner_path = names.owner_path(cfg.shm_dir, cfg.job, cfg.node)
         """Names this agent's process (pid, start time) for ``abandoned_segments``."""
 
-    def write_owner(self) -> None:
-        """Writes the owner file (this process's pid and start time).
+    def write_owner(self, kept: dict[str, object] | None = None) -> None:
+        """Writes the owner file (this process's pid and start time; ``kept``: what the kept
+        slots hold that storage lacks, for ``flashckpt clean``, see :meth:`mark_kept`).
 
         Raises:
             AgentError: the shared-memory directory is full (its free space and the fix), or a
@@ -66,6 +67,8 @@ class Segments:
         """
         me = psutil.Process()
         owner = {"pid": me.pid, "create_time": me.create_time(), "job": self.st.cfg.job}
+        if kept is not None:
+            owner["kept"] = kept
         tmp = f"{self.owner_path}.tmp{me.pid}"
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -89,6 +92,16 @@ class Segments:
             raise AgentError(
                 f"the node agent cannot write its owner file {self.owner_path}: {e}"
             ) from None
+
+    def mark_kept(self, storage: str, step: int, reason: str) -> None:
+        """Records in the owner file that the kept slots hold ``step``, the only copy of it
+        (``storage`` lacks it, ``reason`` says why): ``flashckpt clean`` then leaves them
+        unless told ``--force`` (issue 41: it deleted the only copy without a word). A failure
+        is logged: the slots stay either way."""
+        try:
+            self.write_owner({"storage": storage, "step": step, "reason": reason})
+        except AgentError as e:
+            log.warning("cannot mark the kept snapshots as the only copy of step %d: %s", step, e)
 
     def full_message(self, e: OSError) -> str:
         """The error of a shared-memory directory too full for the agent's own small files:
@@ -387,6 +400,9 @@ class SegmentGroup:
     """Seconds since the newest of them was modified."""
     reason: str
     """Why the group counts as abandoned."""
+    only_copy: str | None = None
+    """What the group holds that storage lacks (``step N, which storage URL lacks``: its
+    agent kept it there when the final write to storage failed), else None."""
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -449,9 +465,33 @@ def abandoned_segments(
                 nbytes=sum(st.st_size for _, st in files),
                 age_s=age,
                 reason=f"{why}, unchanged for {age / 3600:.1f} h",
+                only_copy=_only_copy(owner),
             )
         )
     return out
+
+
+def _only_copy(owner_path: str) -> str | None:
+    """What a dead agent's kept slots hold that storage lacks (its owner file's ``kept``,
+    :meth:`Segments.mark_kept`), unless storage holds that step by now; None otherwise. A
+    storage that cannot be looked at lacks it."""
+    try:
+        with open(owner_path, "rb") as f:
+            kept = json.loads(f.read(1 << 16)).get("kept")
+        url, step = kept["storage"], kept["step"]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+    if not isinstance(url, str) or isinstance(step, bool) or not isinstance(step, int):
+        return None
+    try:
+        from flashckpt.format.storage import MANIFEST, Storage
+
+        st = Storage(url)
+        if st.fs.exists(st.step_path(step, MANIFEST)):
+            return None
+    except Exception:  # any backend's failure: it does not have it, as far as we can tell
+        pass
+    return f"step {step}, which storage {url} lacks"
 
 
 def _owner_alive(owner_path: str) -> bool:

@@ -22,7 +22,7 @@ from flashckpt.agent.segments import Segments
 from flashckpt.agent.state import AgentState, Conn, RankRecord, header_ok
 from flashckpt.errors import ProtocolError, ShmSpaceError
 from flashckpt.format.storage import MANIFEST, Storage
-from flashckpt.format.storage_owner import delete_steps, foreign_owner, write_owner
+from flashckpt.format.storage_owner import Foreign, claim_root, delete_steps, foreign_owner
 from flashckpt.protocol.channel import LineReader, socket_path
 from flashckpt.protocol.messages import (
     Alloc,
@@ -280,6 +280,7 @@ class Server:
             if storage and self.st.storage is None:
                 self.st.storage = Storage(storage, file_mode=self.st.cfg.storage_file_mode)
                 self.persister.init_storage_state()
+                self.persister.owe_adopted()  # before this hello records its (new) world
             elif storage and self.st.storage is not None and storage != self.st.storage.url:
                 raise ValueError(
                     f"this agent persists job {self.st.cfg.job!r} to {self.st.storage.url}, but "
@@ -349,18 +350,16 @@ class Server:
                 f"file ({type(e).__name__}: {e}): fix the root, or pass takeover=True if it "
                 "is this job's"
             )
-        if found is None:
-            return steps, None
-        if found.newest is None:
-            return steps, found.refusal("storage", root.url, job, "takeover=True")
-        take = "takeover=True with overwrite=True"
-        return steps, found.refusal("storage", root.url, job, take, resume=False)
+        return steps, _refusal(found, root, job)
 
     def claim_storage(self, req: ClaimStorage) -> ClaimStorageReply:
         """Takes this agent's root for its job (see :class:`ClaimStorage`): with
         ``delete_steps`` deletes its steps first (no persist in flight meanwhile; the agent then
-        knows of no committed step), then writes the owner file (a failure is reported, not
-        raised: the steps are the root's main evidence)."""
+        knows of no committed step), then takes the root: with ``takeover`` (or
+        ``delete_steps``) the owner file is rewritten for the job, else created only where none
+        is (:func:`~flashckpt.format.storage_owner.claim_root`, atomic: another job's trainers
+        entering at the same instant through their own agent get the refusal in ``foreign``). A
+        failure to write is reported, not raised."""
         root = self.st.storage
         if root is None:
             raise ProtocolError("claim_storage: this agent has no storage")
@@ -373,12 +372,15 @@ class Server:
             log.warning(
                 "overwrite=True: deleted steps %s of an earlier run from %s", deleted, root.url
             )
-        owner_error = None
+        owner_error = foreign = None
+        job = self.st.cfg.job
         try:
-            write_owner(root, self.st.cfg.job)
+            found = claim_root(root, job, takeover=req.takeover or req.delete_steps)
         except Exception as e:  # any backend's failure
             owner_error = f"{type(e).__name__}: {e}"
-        return ClaimStorageReply(deleted=deleted, owner_error=owner_error)
+        else:
+            foreign = _refusal(found, root, job)
+        return ClaimStorageReply(deleted=deleted, owner_error=owner_error, foreign=foreign)
 
     def set_replica_peers(self, req: ReplicaPeers) -> ReplicaPeersReply:
         """The launcher's peer list of the new world (see :meth:`Replicator.set_peers`)."""
@@ -442,3 +444,15 @@ class Server:
                 ):
                     self.st.progress.wait(max(0.0, wait))
         return ErrorReply(error=f"step {step} was not committed within {timeout:.0f} s")
+
+
+def _refusal(found: Foreign | None, root: Storage, job: str) -> str | None:
+    """The refusal a trainer without ``storage=`` gets for the agent's root (None: it is the
+    job's): its steps cannot be read back by such a trainer, so a takeover over them deletes
+    them (``overwrite=True``)."""
+    if found is None:
+        return None
+    if found.newest is None:
+        return found.refusal("storage", root.url, job, "takeover=True")
+    take = "takeover=True with overwrite=True"
+    return found.refusal("storage", root.url, job, take, resume=False)

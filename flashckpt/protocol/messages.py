@@ -807,6 +807,10 @@ class ClaimStorage(Request):
     op: ClassVar[str] = "claim_storage"
     delete_steps: bool = False
     """Delete the root's steps first (committed or not)."""
+    takeover: bool = True
+    """Rewrite the owner file for the job whoever owned the root (the trainers' takeover);
+    False: take the root only where its owner file is missing or the job's own, atomically
+    (issue 41), else answer with the refusal in ``foreign``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -817,6 +821,9 @@ class ClaimStorageReply(Reply):
     """The steps deleted (``delete_steps``)."""
     owner_error: str | None = None
     """Why the owner file could not be written (the trainer warns), else None."""
+    foreign: str | None = None
+    """Without ``takeover``: the refusal, where the root belongs to another job (nothing was
+    written), else None."""
 
 
 REQUESTS[ClaimStorage.op] = ClaimStorage

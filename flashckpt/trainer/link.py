@@ -396,9 +396,10 @@ class AgentLink:
             raise AgentError(f"the node agent answered pull_replica with {type(reply).__name__}")
         return reply
 
-    def claim_storage(self, *, delete_steps: bool) -> ClaimStorageReply:
+    def claim_storage(self, *, delete_steps: bool, takeover: bool = True) -> ClaimStorageReply:
         """Has the agent take its own storage root for this job (owner file; ``delete_steps``:
-        deletes the root's steps first).
+        deletes the root's steps first; without ``takeover`` only a root no other job owns,
+        atomically: the reply's ``foreign`` is the refusal).
 
         Raises:
             AgentError: no agent, or it refused or failed.
@@ -406,7 +407,8 @@ class AgentLink:
         if self.client is None:
             raise AgentError("no node agent")
         reply = self.client.call(
-            ClaimStorage(delete_steps=delete_steps), timeout=max(self.config.agent_timeout, 60)
+            ClaimStorage(delete_steps=delete_steps, takeover=takeover),
+            timeout=max(self.config.agent_timeout, 60),
         )
         if not isinstance(reply, ClaimStorageReply):
             raise AgentError(f"the node agent answered claim_storage with {type(reply).__name__}")

@@ -6,7 +6,6 @@ through the agent, which looks at the root for it (it may be the only one that c
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -14,7 +13,12 @@ from typing import TYPE_CHECKING
 
 from flashckpt import envnames
 from flashckpt.errors import StorageUnavailableError
-from flashckpt.format.storage_owner import delete_steps, foreign_owner, write_owner
+from flashckpt.format.storage_owner import (
+    claim_root,
+    delete_steps,
+    foreign_owner,
+    probe_round_trip,
+)
 from flashckpt.protocol.channel import AgentError
 from flashckpt.trainer.restore.reshard import listed_steps
 
@@ -70,13 +74,14 @@ def probe_storage(st: Storage, ctx: RankContext, what: str = "storage") -> None:
 
 
 def check_owner(st: Storage | None, ctx: RankContext, config: CheckpointConfig) -> None:
-    """Refuses a storage root (and mirror) that belongs to another job: its newest committed
-    step's manifest names that job, or, with nothing committed yet, the root's owner file does
-    (:mod:`flashckpt.format.storage_owner`), unless ``takeover=True`` (or ``overwrite=True``
-    with ``restore=False``, which deletes those steps): two jobs on one root would resume from
-    each other's steps. Every rank agrees; rank 0 then records this job in the owner file (a
-    takeover rewrites it). A manifest without a job name (older format) or one that cannot be
-    read is left to the restore's checks.
+    """Takes the storage root (and mirror) for this job, or refuses one that belongs to another
+    job: rank 0 claims it atomically (:func:`~flashckpt.format.storage_owner.claim_root`: the
+    owner file is created only where none is, so of two jobs entering at the same instant
+    exactly one gets the root, issue 41), the other ranks look at it too (a rank may see
+    another root under the same URL), and every rank agrees. A root whose owner file (or,
+    without one, newest committed step) names another job is refused unless ``takeover=True``
+    (or ``overwrite=True`` with ``restore=False``, which deletes those steps), which rewrites
+    the owner file for this job: two jobs on one root would resume from each other's steps.
 
     Raises:
         ValueError: the root belongs to another job, naming it, the evidence, the root and the
@@ -91,11 +96,10 @@ def check_owner(st: Storage | None, ctx: RankContext, config: CheckpointConfig) 
         roots.append((Storage(config.mirror), "mirror"))
     take = config.takeover or (config.overwrite and not config.restore)
     for root, what in roots:
-        if not take:
-            _check_owner(root, ctx, what)
+        found = None
         if ctx.rank == 0:
             try:
-                write_owner(root, ctx.job)
+                found = claim_root(root, ctx.job, takeover=take)
             except Exception as e:  # any backend's failure: the probe passed, so rare
                 log.warning(
                     "flashckpt: cannot record job %r as the owner of %s %s (%s): another job "
@@ -105,18 +109,16 @@ def check_owner(st: Storage | None, ctx: RankContext, config: CheckpointConfig) 
                     root.url,
                     e,
                 )
-
-
-def _check_owner(st: Storage, ctx: RankContext, what: str) -> None:
-    found = foreign_owner(st, ctx.job)
-    if not ctx.all_max(1 if found else 0):
-        return
-    if found is not None:
-        raise ValueError(found.refusal(what, st.url, ctx.job, "takeover=True"))
-    raise ValueError(
-        f"{what} {st.url} belongs to another job (seen by another rank, whose error names it): "
-        "give this job a root of its own or pass takeover=True"
-    )
+        elif not take:
+            found = foreign_owner(root, ctx.job)
+        if take or not ctx.all_max(1 if found else 0):
+            continue
+        if found is not None:
+            raise ValueError(found.refusal(what, root.url, ctx.job, "takeover=True"))
+        raise ValueError(
+            f"{what} {root.url} belongs to another job (seen by another rank, whose error names "
+            "it): give this job a root of its own or pass takeover=True"
+        )
 
 
 def start_fresh(st: Storage | None, ctx: RankContext, config: CheckpointConfig) -> None:
@@ -165,25 +167,6 @@ def _start_fresh(st: Storage, ctx: RankContext, config: CheckpointConfig, what: 
     ctx.all_max(0)  # nobody writes before the old steps are gone
 
 
-def probe_round_trip(st: Storage, path: str) -> str | None:
-    """Writes, reads back and deletes a small file at ``path`` (a local root is created first,
-    as the node agent would). Returns None, or what failed."""
-    payload = b"flashckpt storage probe " + os.urandom(16)
-    try:
-        if st.local:
-            st.fs.makedirs(st.root, exist_ok=True)
-        st.fs.pipe_file(path, payload)
-        got = st.fs.cat_file(path)
-        st.fs.rm(path)
-        if got != payload:
-            return f"the file read back differs ({len(got)} bytes, {len(payload)} written)"
-    except Exception as e:  # any backend's failure (OSError, botocore, ...), reported as is
-        with contextlib.suppress(Exception):
-            st.fs.rm(path)
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 @dataclass(frozen=True, slots=True)
 class AgentRoot:
     """The node agent's own storage root, as a trainer without ``storage=`` saw it at hello."""
@@ -199,8 +182,9 @@ def check_agent_root(
 ) -> AgentRoot | None:
     """For a trainer without ``storage=``: the root its node agent persists to (the hello reply
     names it) is checked as :func:`check_owner` checks ``storage=``, with this trainer's
-    ``takeover=`` (or ``overwrite=True`` with ``restore=False``), every rank agreeing; then
-    rank 0 has its agent record this job in the root's owner file. The agent looked at the root
+    ``takeover=`` (or ``overwrite=True`` with ``restore=False``): rank 0 has its agent take the
+    root for this job (atomically: the owner file created only where none is), and every rank
+    agrees. The agent looked at the root
     (its steps' manifests, its owner file) for the trainer, which may not be able to open it (a
     path in the agent's mount namespace, credentials only the agent has): one code path for
     every root. A root the launcher passed (``flashckpt run --storage``, the same URL in
@@ -222,6 +206,22 @@ def check_agent_root(
     checked = url is not None and _launchers(url)
     foreign = reply.storage_foreign if url is not None and not checked else None
     take = config.takeover or (config.overwrite and not config.restore)
+    if ctx.rank == 0 and url is not None and not checked:
+        # Taken atomically by the agent (issue 41): of two jobs whose trainers both saw the
+        # root free at hello, the second gets the refusal here.
+        try:
+            claim = link.claim_storage(delete_steps=False, takeover=take)
+            owner_error, foreign = claim.owner_error, foreign or claim.foreign
+        except AgentError as e:
+            owner_error = str(e)
+        if owner_error is not None:
+            log.warning(
+                "flashckpt: the node agent cannot record job %r as the owner of its storage %s "
+                "(%s): another job with nothing committed there would not be refused",
+                ctx.job,
+                url,
+                owner_error,
+            )
     if not take and ctx.all_max(1 if foreign else 0):
         if foreign is not None:
             raise ValueError(
@@ -233,19 +233,6 @@ def check_agent_root(
             "(that rank's error names it): give the agents a root of this job's own, or pass "
             "takeover=True"
         )
-    if ctx.rank == 0 and url is not None and not checked:
-        try:
-            owner_error = link.claim_storage(delete_steps=False).owner_error
-        except AgentError as e:
-            owner_error = str(e)
-        if owner_error is not None:
-            log.warning(
-                "flashckpt: the node agent cannot record job %r as the owner of its storage %s "
-                "(%s): another job with nothing committed there would not be refused",
-                ctx.job,
-                url,
-                owner_error,
-            )
     return AgentRoot(url, list(reply.storage_steps or [])) if url is not None else None
 
 

@@ -68,7 +68,9 @@ WIRE: list[dict[str, Any]] = [
     {"id": 8, "op": "status"},
     {"id": 9, "op": "ping"},
     {"id": 10, "op": "done", "rank": 0},  # an older client: the rank alone keys the position
-    {"id": 11, "op": "claim_storage", "delete_steps": False},
+    # takeover (issue 41): False takes the root only where no other job owns it, atomically;
+    # a client that sends none gets True (the rewrite it always asked for)
+    {"id": 11, "op": "claim_storage", "delete_steps": False, "takeover": False},
 ]
 
 

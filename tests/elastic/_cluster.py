@@ -116,6 +116,8 @@ class SimCluster:
         self.storage = f"file://{self.storage_path}"
         self.worker_args = list(worker_args)
         self.launcher_args = list(launcher_args)
+        self.launcher_storage = True
+        """Whether the launchers get ``--storage`` (False: the script's ``storage=`` only)."""
         self.machines: dict[str, Machine] = {}
 
     def command(self, node_id: str, *extra: str, worker_args: Iterable[str] = ()) -> list[str]:
@@ -143,8 +145,7 @@ class SimCluster:
             self.run_dir,
             "--shm-dir",
             str(self.shm_root / node_id),
-            "--storage",
-            self.storage,
+            *(["--storage", self.storage] if self.launcher_storage else []),
             "--event-log",
             str(self.root / f"launcher-{node_id}.jsonl"),
             "--log-dir",

@@ -79,6 +79,7 @@ def main() -> int:
     p.add_argument("--quiet", action="store_true", help="ignore warnings (skipped snapshots)")
     p.add_argument("--kill-in-copy", type=int, default=0, help="SIGKILL self mid-copy of save N")
     p.add_argument("--persist-every", default="1", help="snapshots (int) or a duration ('1h')")
+    p.add_argument("--barrier", default=None, help="enter once 2 processes are ready in DIR")
     a = p.parse_args()
     if a.kill_in_copy:
         kill_in_copy(a.kill_in_copy)
@@ -87,6 +88,8 @@ def main() -> int:
         warnings.simplefilter("ignore")  # skipped snapshots while no agent runs are expected
     model, opt, sched = make(0, a.width)
     extras = {"epoch": 0}
+    if a.barrier:
+        barrier(a.barrier, a.job)
     with flashckpt.checkpointing(
         model,
         opt,
@@ -124,6 +127,17 @@ def main() -> int:
                 f"{ckpt.stats.last_committed_step}\n"
             )
     return 0
+
+
+def barrier(d: str, name: str, parties: int = 2) -> None:
+    """Waits until ``parties`` processes (this one included) are ready in ``d``: two trainers
+    then enter ``checkpointing()`` at the same instant."""
+    open(os.path.join(d, f"{name}.ready"), "w").close()
+    deadline = time.monotonic() + 120
+    while len([n for n in os.listdir(d) if n.endswith(".ready")]) < parties:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"barrier {d}: the other process never came")
+        time.sleep(0.001)
 
 
 def kill_in_copy(nth: int) -> None:

@@ -724,8 +724,9 @@ class LaunchSession:
             return code
         cfg = self.config
         if self._agent_exit == EXIT_KEPT:
+            where = cfg.storage or "(the script's storage=)"
             what = (
-                f"the newest snapshot is not in storage {cfg.storage}"
+                f"the newest snapshot is not in storage {where}"
                 " (the node agent's writes there failed; its log says why): it is kept in this "
                 "machine's shared memory. Fix the storage and run the same command again: it "
                 "resumes from memory and writes it"

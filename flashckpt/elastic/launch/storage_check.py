@@ -12,17 +12,16 @@ __all__ = ["check_storage"]
 
 def check_storage(url: str, job: str | None = None, *, takeover: bool = False) -> str | None:
     """Writes, reads back and deletes a small file under the storage root (a local root is
-    created first, as the node agent would); then, given the ``job``, refuses a root that
-    belongs to another job (its committed steps or its owner file name that job, as the
-    trainer's entry checks ``storage=``: :mod:`flashckpt.format.storage_owner`) unless
-    ``takeover``, and records ``job`` as the root's owner.
+    created first, as the node agent would); then, given the ``job``, takes the root for it
+    atomically (:func:`~flashckpt.format.storage_owner.claim_root`, as the trainer's entry
+    takes ``storage=``): a root whose owner file (or, without one, committed steps) names
+    another job is refused unless ``takeover``, which records ``job`` as its owner.
 
     Returns:
         ``None`` when that worked, else the problem and the fix, for ``flashckpt run: error:``.
     """
     from flashckpt.format.storage import Storage
-    from flashckpt.format.storage_owner import foreign_owner, write_owner
-    from flashckpt.trainer.storageroot import probe_round_trip
+    from flashckpt.format.storage_owner import claim_root, probe_round_trip
 
     try:
         st = Storage(url)
@@ -33,14 +32,12 @@ def check_storage(url: str, job: str | None = None, *, takeover: bool = False) -
     if error is None:
         if job is None:
             return None
-        if not takeover:
-            found = foreign_owner(st, job)
-            if found is not None:
-                return found.refusal("--storage", url, job, "--takeover", "--rdzv-id {}")
         try:
-            write_owner(st, job)
+            found = claim_root(st, job, takeover=takeover)
         except Exception as e:  # the probe wrote there a moment ago: rare
             return f"--storage {url}: cannot record job {job!r} as its owner: {e}"
+        if found is not None:
+            return found.refusal("--storage", url, job, "--takeover", "--rdzv-id {}")
         return None
     return (
         f"--storage {url} cannot keep checkpoints: writing, reading back and deleting {path} "

@@ -16,6 +16,7 @@ import json
 import os
 import time
 import warnings
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -26,12 +27,17 @@ RANK = int(os.environ.get("RANK", "0"))  # under torchrun: rank 0 logs and write
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def build(seed: int = 0, width: int = 64):  # type: ignore[no-untyped-def]
+def build(seed: int = 0, width: int = 64, parallel: str = "none"):  # type: ignore[no-untyped-def]
+    """The module and the data set; ``parallel`` ``fsdp2`` or ``fsdp2tp`` gives the module a
+    ``configure_model()`` (for ``ModelParallelStrategy``) that applies ``fully_shard`` on the
+    data-parallel mesh dim, after tensor parallelism (the first Linear column-wise, the second
+    row-wise) on the tensor-parallel dim for ``fsdp2tp``."""
     import lightning.pytorch as pl
 
     class Net(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
+            self.sharded = False
             self.net = torch.nn.Sequential(
                 torch.nn.Linear(16, width),
                 torch.nn.ReLU(),
@@ -48,6 +54,28 @@ def build(seed: int = 0, width: int = 64):  # type: ignore[no-untyped-def]
             self.log("loss", loss)
             return loss
 
+        def configure_model(self) -> None:
+            if parallel == "none" or self.sharded:
+                return
+            self.sharded = True
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh
+            if parallel == "fsdp2tp":
+                from torch.distributed.tensor.parallel import (
+                    ColwiseParallel,
+                    RowwiseParallel,
+                    parallelize_module,
+                )
+
+                plan = {"0": ColwiseParallel(), "3": RowwiseParallel()}
+                parallelize_module(self.net, mesh["tensor_parallel"], plan)
+            dp = mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=dp)
+            fully_shard(self.net, mesh=dp)
+
         def configure_optimizers(self):  # type: ignore[no-untyped-def]
             opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
@@ -61,6 +89,23 @@ def build(seed: int = 0, width: int = 64):  # type: ignore[no-untyped-def]
     return model, ds
 
 
+def local_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """:func:`final_tensors` of a sharded run: each DTensor's local piece on this rank."""
+
+    def local(t: Any) -> Any:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    sd = {k: local(v) for k, v in model.state_dict().items()}
+    out = {f"model.{k}": v.detach().clone().contiguous() for k, v in sd.items()}
+    for idx, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            t = local(v) if isinstance(v, torch.Tensor) else torch.tensor(v)
+            out[f"optim.{idx}.{k}"] = t.detach().clone().contiguous()
+    for i, g in enumerate(opt.param_groups):
+        out[f"optim.group{i}.lr"] = torch.tensor(float(g["lr"]), dtype=torch.float64)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     trainscript.add_common_args(p)
@@ -69,6 +114,18 @@ def main() -> int:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--step-times", default=None)
     p.add_argument("--width", type=int, default=64, help="hidden width (the state's size)")
+    p.add_argument(
+        "--parallel",
+        choices=("none", "fsdp2", "fsdp2tp"),
+        default="none",
+        help="ModelParallelStrategy: FSDP2 on all ranks, or FSDP2 x TP on a (world/2, 2) mesh",
+    )
+    p.add_argument(
+        "--pause-at",
+        type=int,
+        default=0,
+        help="every rank stops (sleeps) once this step is logged: a test kills it there",
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -78,7 +135,9 @@ def main() -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     os.makedirs(a.out, exist_ok=True)
-    model, ds = build(width=a.width)
+    model, ds = build(width=a.width, parallel=a.parallel)
+    tp = 2 if a.parallel == "fsdp2tp" else 1
+    dp_size, dp_rank = WORLD // tp, RANK // tp  # the ranks of a TP group train the same batch
     if a.loader == "stateful":
         from torch.utils.data.distributed import DistributedSampler
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -86,7 +145,7 @@ def main() -> int:
         # The shuffle order a function of (seed, epoch): Lightning calls set_epoch. (With
         # shuffle=True and a generator= instead, torchdata 0.11's loader restored mid-epoch
         # draws the next epoch's order from another generator state than an uninterrupted run.)
-        sampler = DistributedSampler(ds, num_replicas=WORLD, rank=RANK, shuffle=True, seed=7)
+        sampler = DistributedSampler(ds, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=7)
         loader = StatefulDataLoader(ds, batch_size=8, sampler=sampler)
     else:
         gen = torch.Generator().manual_seed(7)  # the loader's own RNG (its shuffle order)
@@ -115,6 +174,8 @@ def main() -> int:
                 if a.step_sleep:
                     time.sleep(a.step_sleep)
                 self.t = time.perf_counter()
+            while a.pause_at and trainer.global_step == a.pause_at:
+                time.sleep(1)  # until SIGKILLed (the test waits for what it needs first)
 
     callbacks: list = [StepLog()]
     flash = None
@@ -133,11 +194,16 @@ def main() -> int:
         )
         if os.path.exists(os.path.join(native_dir, "last.ckpt")):
             ckpt_path = "last"
+    strategy: Any = "ddp" if WORLD > 1 else "auto"
+    if a.parallel != "none":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=dp_size, tensor_parallel_size=tp)
     trainer = pl.Trainer(
         max_steps=a.steps,
         accelerator="cpu",
         devices=WORLD,
-        strategy="ddp" if WORLD > 1 else "auto",
+        strategy=strategy,
         accumulate_grad_batches=a.accum,
         callbacks=callbacks,
         logger=False,
@@ -148,10 +214,15 @@ def main() -> int:
     )
     trainer.fit(model, loader, ckpt_path=ckpt_path, weights_only=False if ckpt_path else None)
     opt = trainer.optimizers[0]
+    if a.parallel != "none":  # every rank its own pieces (DTensors' local shards)
+        name = f"final.rank{RANK}.safetensors"
+        safetensors.torch.save_file(local_tensors(model, opt), os.path.join(a.out, name))
     trainscript.end_process_group()
     if RANK != 0:  # data parallel: every rank ends with the same state
         return 0
-    safetensors.torch.save_file(final_tensors(model, opt), os.path.join(a.out, "final.safetensors"))
+    if a.parallel == "none":
+        tensors = final_tensors(model, opt)
+        safetensors.torch.save_file(tensors, os.path.join(a.out, "final.safetensors"))
     report = {
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,

@@ -89,6 +89,70 @@ def build(seed: int = 0, width: int = 64, parallel: str = "none"):  # type: igno
     return model, ds
 
 
+def _dcp_async_callback():  # type: ignore[no-untyped-def]
+    import lightning.pytorch as pl
+
+    class DcpAsync(pl.Callback):
+        """The benchmark's peer for sharded runs: ``torch.distributed.checkpoint.async_save``
+        of the module's and the optimizer's sharded state every ``every`` steps, through one
+        ``DefaultStager`` kept for the run (its staging buffers cached; async staging; no pinned
+        memory on CPU). The next step waits for the staging, the next save for the write."""
+
+        def __init__(self, root: str, every: int) -> None:
+            self.root, self.every = root, every
+            self.stager: Any = None
+            self.resp: Any = None
+            self.last = -1
+            self.pg: Any = None
+
+        def on_train_start(self, trainer, module):  # type: ignore[no-untyped-def]
+            import torch.distributed as dist
+
+            # A group of its own: the background write's collectives must not interleave with
+            # the training's on the default group (torchtitan does the same).
+            self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+        def on_train_batch_start(self, trainer, module, batch, i):  # type: ignore[no-untyped-def]
+            if self.resp is not None:
+                self.resp.staging_completion.result()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, i):  # type: ignore[no-untyped-def]
+            step = trainer.global_step
+            if step % self.every or step == self.last:
+                return
+            self.last = step
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.state_dict import (
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            if self.resp is not None:
+                self.resp.upload_completion.result()
+            if self.stager is None:
+                self.stager = DefaultStager(StagingOptions(False, False, True, False))
+            sd = {
+                "model": get_model_state_dict(module),
+                "optim": get_optimizer_state_dict(module, trainer.optimizers[0]),
+            }
+            self.resp = dcp.async_save(
+                sd,
+                checkpoint_id=os.path.join(self.root, f"step-{step}"),
+                async_stager=self.stager,
+                process_group=self.pg,
+            )
+
+        def on_train_end(self, trainer, module):  # type: ignore[no-untyped-def]
+            if self.resp is not None:
+                self.resp.staging_completion.result()
+                self.resp.upload_completion.result()
+            if self.stager is not None:
+                self.stager.close()
+
+    return DcpAsync
+
+
 def local_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """:func:`final_tensors` of a sharded run: each DTensor's local piece on this rank."""
 
@@ -109,7 +173,11 @@ def local_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[st
 def main() -> int:
     p = argparse.ArgumentParser()
     trainscript.add_common_args(p)
-    p.add_argument("--mode", choices=("flash", "native", "none"), default="flash")
+    p.add_argument(
+        "--mode",
+        choices=("flash", "native", "native-async", "dcp-async", "none"),
+        default="flash",
+    )
     p.add_argument("--loader", choices=("stateful", "plain"), default="stateful")
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--step-times", default=None)
@@ -155,6 +223,7 @@ def main() -> int:
         def __init__(self) -> None:
             self.t = time.perf_counter()
             self.last = -1
+            self.pg: Any = None
 
         def on_train_start(self, trainer, module):  # type: ignore[no-untyped-def]
             if flash is not None and RANK == 0:  # where each run of the command started
@@ -178,6 +247,7 @@ def main() -> int:
                 time.sleep(1)  # until SIGKILLed (the test waits for what it needs first)
 
     callbacks: list = [StepLog()]
+    plugins: list = []
     flash = None
     ckpt_path = None
     native_dir = os.path.join(a.out, "pl")
@@ -186,7 +256,7 @@ def main() -> int:
 
         flash = FlashCheckpoint(**trainscript.flash_options(a))
         callbacks.append(flash)
-    elif a.mode == "native":
+    elif a.mode in ("native", "native-async"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         callbacks.append(
@@ -194,6 +264,12 @@ def main() -> int:
         )
         if os.path.exists(os.path.join(native_dir, "last.ckpt")):
             ckpt_path = "last"
+        if a.mode == "native-async":  # Lightning's own background writer (a thread)
+            from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+            plugins.append(AsyncCheckpointIO())
+    elif a.mode == "dcp-async":
+        callbacks.append(_dcp_async_callback()(native_dir, a.every))
     strategy: Any = "ddp" if WORLD > 1 else "auto"
     if a.parallel != "none":
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -206,8 +282,9 @@ def main() -> int:
         strategy=strategy,
         accumulate_grad_batches=a.accum,
         callbacks=callbacks,
+        plugins=plugins or None,
         logger=False,
-        enable_checkpointing=a.mode == "native",
+        enable_checkpointing=a.mode in ("native", "native-async"),
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=a.out,

@@ -259,8 +259,11 @@ def main() -> int:
     elif a.mode in ("native", "native-async"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
+        # (save_last="link" links to a file an async save has not written yet: lightning 2.6
+        # fails with FileNotFoundError; the async mode keeps its files only)
+        last: Any = "link" if a.mode == "native" else None
         callbacks.append(
-            ModelCheckpoint(dirpath=native_dir, every_n_train_steps=a.every, save_last="link")
+            ModelCheckpoint(dirpath=native_dir, every_n_train_steps=a.every, save_last=last)
         )
         if os.path.exists(os.path.join(native_dir, "last.ckpt")):
             ckpt_path = "last"

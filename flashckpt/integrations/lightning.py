@@ -119,6 +119,16 @@ class FlashCheckpoint(Callback):
         # in Lightning's checkpoint, as Lightning dumps them.
         opts = list(trainer.optimizers)
         self._direct_opt = opts[0] if len(opts) == 1 else None
+        if len(opts) > 1 and not trainer.strategy.lightning_restore_optimizer:
+            # ModelParallelStrategy loads optimizer states in its own load_checkpoint only:
+            # the states of several optimizers in Lightning's checkpoint would be dropped on
+            # restore, silently.
+            raise NotImplementedError(
+                f"FlashCheckpoint with {type(trainer.strategy).__name__} supports one optimizer "
+                f"(configure_optimizers() returned {len(opts)}): the strategy restores no "
+                "optimizer state from a checkpoint it did not load itself. Use one optimizer "
+                "(several parameter groups are fine), or Lightning's own checkpoints"
+            )
         config = copy.copy(self.config)
         config.allow_unsaved_scheduler = True  # the schedulers are in Lightning's checkpoint
         self.ckpt = Checkpointer(

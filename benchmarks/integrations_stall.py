@@ -10,7 +10,12 @@ also persisted to storage by the node agent, as the framework's own checkpoint i
 time), and with the framework's own checkpoint every N steps (HF ``save_steps=N``; Lightning
 ``ModelCheckpoint(every_n_train_steps=N)``; torchtitan's ``CheckpointManager`` with
 ``interval=N``, its DCP save, and also in its ``async_mode="async"`` (``native-async``) and
-``"async_with_pinned_mem"`` (``native-pinned``)), to the same local disk. torchtitan runs from
+``"async_with_pinned_mem"`` (``native-pinned``)), to the same local disk. Lightning also runs
+with its ``AsyncCheckpointIO`` plugin (``native-async``), and sharded (issue 42:
+``lightning-fsdp2``, ``ModelParallelStrategy`` with FSDP2 on 2 ranks under ``torchrun``), against
+its ``ModelCheckpoint`` (the strategy's DCP save) and DCP ``async_save`` with one cached
+``DefaultStager`` (``dcp-async``); each Lightning entry records the memory copy of the state a
+rank snapshots and the issue's target (``copy_target``). torchtitan runs from
 ``.venv/torchtitan-site`` (``scripts/setup.sh`` installs it there; ``--torchtitan-site``
 elsewhere): without it, torchtitan is skipped with a line saying so, or refused when
 ``--frameworks`` names it. Each run logs every

@@ -10,7 +10,12 @@
 #      registered-memory bandwidth), flashckpt save() sync and overlap (first and steady, and the
 #      wait in optimizer.step() after a forward/backward; overlap is what mode="auto", the
 #      default, uses on a GPU), DCP async_save with pinned-memory staging (its best GPU
-#      configuration) and torch.save + fsync.
+#      configuration) and torch.save + fsync;
+#   3. issue 42's sharded framework paths that need a GPU (benchmarks/gpu_sharded_frameworks.py,
+#      under torchrun on every GPU): Lightning's ModelParallelStrategy (FSDP2) with
+#      FlashCheckpoint resumed and equal (torch.equal, every rank's pieces) to an uninterrupted
+#      fit; Lightning's FSDPStrategy refused by the adapter naming ModelParallelStrategy; the HF
+#      Trainer with accelerate's FSDP2 plugin enabled, refused by the adapter saying why.
 # Every step has its own timeout, and all of them together stay under $GPU_CHECK_BUDGET seconds
 # (default 480): a step that would start with too little time left is skipped and says so.
 #
@@ -64,9 +69,15 @@ for size in $sizes; do
         bad "GPU_CHECK_SIZES: '$size' is no size in GiB (a positive number such as 1 or 0.5)"
 done
 out_dir=${1:-${OUT:-$repo/benchmarks/runs/gpu-$(date -u +%Y%m%dT%H%M%SZ)}}
+sharded_checks="lightning-mp lightning-fsdp1 hf-fsdp2"
 if [ $dry -eq 1 ]; then
     echo "gpu_check.sh: dry run: budget ${budget}s, sizes (GiB): $sizes, results would go to $out_dir"
     echo "gpu_check.sh: would run: ${PYTHON:-<python found>} -m pytest -q tests/test_gpu.py -rs"
+    for check in $sharded_checks; do
+        echo "gpu_check.sh: would run: ${PYTHON:-<python found>} -m torch.distributed.run" \
+            "--standalone --nproc-per-node <GPUs> benchmarks/gpu_sharded_frameworks.py $check" \
+            "(timeout 150s)"
+    done
     for size in $sizes; do
         echo "gpu_check.sh: would run: ${PYTHON:-<python found>} benchmarks/stall.py --device cuda" \
             "--sizes $size --only memcpy,fc,files,dcp --repeats $(reps_of "$size")" \
@@ -172,6 +183,14 @@ run_step() {
 
 run_step test_gpu 120 "$out_dir/test_gpu.log" \
     "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs
+
+# The sharded framework paths (issue 42), on every GPU of the machine.
+ngpu=$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 1)
+for check in $sharded_checks; do
+    run_step "sharded_$check" 150 "$out_dir/sharded-$check.log" \
+        "$py" -m torch.distributed.run --standalone --nproc-per-node "$ngpu" \
+        benchmarks/gpu_sharded_frameworks.py "$check"
+done
 
 # Each size in a process of its own (its memory freed before the next); the biggest gets what
 # the budget has left, and fewer samples (each 16 GiB torch.save writes 16 GiB to disk).

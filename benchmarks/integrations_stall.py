@@ -10,7 +10,12 @@ also persisted to storage by the node agent, as the framework's own checkpoint i
 time), and with the framework's own checkpoint every N steps (HF ``save_steps=N``; Lightning
 ``ModelCheckpoint(every_n_train_steps=N)``; torchtitan's ``CheckpointManager`` with
 ``interval=N``, its DCP save, and also in its ``async_mode="async"`` (``native-async``) and
-``"async_with_pinned_mem"`` (``native-pinned``)), to the same local disk. torchtitan runs from
+``"async_with_pinned_mem"`` (``native-pinned``)), to the same local disk. Lightning also runs
+with its ``AsyncCheckpointIO`` plugin (``native-async``), and sharded (issue 42:
+``lightning-fsdp2``, ``ModelParallelStrategy`` with FSDP2 on 2 ranks under ``torchrun``), against
+its ``ModelCheckpoint`` (the strategy's DCP save) and DCP ``async_save`` with one cached
+``DefaultStager`` (``dcp-async``); each Lightning entry records the memory copy of the state a
+rank snapshots and the issue's target (``copy_target``). torchtitan runs from
 ``.venv/torchtitan-site`` (``scripts/setup.sh`` installs it there; ``--torchtitan-site``
 elsewhere): without it, torchtitan is skipped with a line saying so, or refused when
 ``--frameworks`` names it. Each run logs every
@@ -44,13 +49,24 @@ SCRIPTS = {
     "huggingface": ROOT / "tests" / "support" / "hftrain.py",
     "lightning": ROOT / "tests" / "support" / "pltrain.py",
     "torchtitan": ROOT / "tests" / "support" / "tttrain.py",
+    "lightning-fsdp2": ROOT / "tests" / "support" / "pltrain.py",
 }
 MODES = {
     "huggingface": ("none", "flash", "native"),
-    "lightning": ("none", "flash", "native"),
+    "lightning": ("none", "flash", "native", "native-async"),
+    "lightning-fsdp2": ("none", "flash", "native", "dcp-async"),
     "torchtitan": ("none", "flash", "native", "native-async", "native-pinned"),
 }
-WIDTH = {"huggingface": "hf_width", "lightning": "pl_width", "torchtitan": "tt_width"}
+WIDTH = {
+    "huggingface": "hf_width",
+    "lightning": "pl_width",
+    "torchtitan": "tt_width",
+    "lightning-fsdp2": "pl_width",
+}
+# Lightning's sharded runs (issue 42): pltrain.py under torchrun, ModelParallelStrategy with
+# FSDP2 in configure_model() on 2 CPU ranks (gloo). Their own best modes: ModelCheckpoint (the
+# strategy's DCP save, synchronous) and DCP async_save with one cached DefaultStager.
+SHARDED = {"lightning-fsdp2": (2, "fsdp2")}
 
 
 def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict:
@@ -83,6 +99,8 @@ def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict
     ]
     if framework == "torchtitan":
         cmd += ["--torchtitan-site", a.torchtitan_site]
+    if framework in SHARDED:
+        cmd = _sharded_command(framework, cmd)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     wall = time.perf_counter() - t0
@@ -96,7 +114,7 @@ def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict
     # start to step s+1's start (its checkpoint comes between); Lightning logs when a batch
     # ends, before the checkpoint callbacks, so the checkpoint of step s is in interval s + 1;
     # torchtitan's run logs the interval that ends after step s's save(), which holds it.
-    shift = 1 if framework == "lightning" else 0
+    shift = 1 if framework.startswith("lightning") else 0
     held = {s + shift for s in range(a.every, a.steps, a.every)}
     warm = 2  # the first steps warm up (allocator, lazy optimizer state)
     at_ckpt = [t for s, t in times_by_step.items() if s in held and s > warm]
@@ -110,6 +128,65 @@ def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict
         "lost_per_checkpoint_s": lost,
         "checkpoints": ckpts,
         "loop_s": sum(t for s, t in times_by_step.items() if s > warm),
+    }
+
+
+def _sharded_command(framework: str, cmd: list[str]) -> list[str]:
+    """``cmd`` (one process) as a torchrun launch of ``SHARDED[framework]``'s ranks."""
+    world, parallel = SHARDED[framework]
+    script = cmd.index(str(SCRIPTS[framework]))
+    args = ["--steps-log" if x == "--log" else x for x in cmd[script + 1 :]]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        "--max-restarts",
+        "0",
+        str(SCRIPTS[framework]),
+        *args,
+        "--parallel",
+        parallel,
+    ]
+
+
+def _pl_state_bytes(width: int, ranks: int) -> int:
+    """Bytes of pltrain.py's model and AdamW moments (fp32) per rank (sharded evenly)."""
+    params = 16 * width + width + width * width + width + width + 1
+    return 3 * 4 * params // ranks
+
+
+def _memcpy_s(nbytes: int, reps: int = 15) -> float:
+    """The median time of one copy of ``nbytes`` into memory already faulted in: the floor of
+    any snapshot of that much state."""
+    import torch
+
+    torch.set_num_threads(1)  # as the training processes run (pltrain.py)
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _copy_target(framework: str, a: argparse.Namespace) -> dict | None:
+    """The issue-42 target for a Lightning run: the time lost per checkpoint at most
+    max(1.5x, +20 ms) a memory copy of the state each rank snapshots."""
+    if not framework.startswith("lightning"):
+        return None
+    ranks = SHARDED[framework][0] if framework in SHARDED else 1
+    nbytes = _pl_state_bytes(a.pl_width, ranks)
+    copy = _memcpy_s(nbytes)
+    return {
+        "state_bytes_per_rank": nbytes,
+        "memcpy_s": copy,
+        "target_s": max(1.5 * copy, copy + 0.02),
     }
 
 
@@ -178,13 +255,23 @@ def main() -> int:
                     )
             f = summary["flash"]["lost_per_checkpoint_s"]
             for mode in runs:
-                if mode.startswith("native"):
+                if mode not in ("none", "flash"):  # the framework's own modes
                     n = summary[mode]["lost_per_checkpoint_s"]
                     summary[f"{mode}_over_flash"] = n / f if f > 0 else None
+            target = _copy_target(fw, a)
+            if target is not None:
+                summary["copy_target"] = target
             results["frameworks"][fw] = summary
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     results["load_avg_end"] = os.getloadavg()
+    for fw, s in results["frameworks"].items():
+        if "copy_target" in s:
+            t = s["copy_target"]
+            print(
+                f"{fw:12} memory copy of {t['state_bytes_per_rank'] / 1e6:.0f} MB per rank: "
+                f"{t['memcpy_s'] * 1e3:.1f} ms; target lost/ckpt <= {t['target_s'] * 1e3:.1f} ms"
+            )
     print(
         f"{'framework':12} {'mode':13} {'median step':>12} {'lost/ckpt':>10} "
         f"{'loop-none/ckpt':>14}  rounds"
@@ -203,7 +290,7 @@ def main() -> int:
                 f"{'-' if whole is None else f'{whole:.4f}':>14}  {rounds}"
             )
         for mode in MODES[fw]:
-            if mode.startswith("native") and mode in s:
+            if mode not in ("none", "flash") and mode in s:
                 ratio = s[f"{mode}_over_flash"]
                 shown = "-" if ratio is None else f"{ratio:.1f}x"
                 print(f"{fw:12} {mode}/flash lost per checkpoint: {shown}")

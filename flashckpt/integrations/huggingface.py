@@ -28,7 +28,8 @@ a shuffling sampler without a seed of its own (``accelerator_config={"use_seedab
 False}``: a resumed epoch would draw another order, so the skipped batches would not be the ones
 trained), a resume with another batch geometry (batch size, gradient accumulation, world size:
 the data position is counted in batches), ``train(resume_from_checkpoint=...)`` (two resume
-sources), DeepSpeed, FSDP and ``auto_find_batch_size`` (not supported yet), and
+sources), DeepSpeed, FSDP and ``auto_find_batch_size`` (not supported yet; FSDP asked for on
+CPU, where accelerate silently trains unsharded, is refused saying so), and
 :meth:`FlashCheckpoint.save` in the middle of a gradient accumulation (the accumulated gradients
 are in no snapshot). ``ignore_data_skip=True`` is honoured with a warning: the batches already
 trained in the resumed epoch are trained again, as the Trainer documents.
@@ -126,11 +127,22 @@ class FlashCheckpoint(TrainerCallback):
             )
             if on
         ]
+        if not unsupported:
+            _check_fsdp_asked(trainer)
         if unsupported:
+            why = (
+                " (FSDP: accelerate shards the model in the Trainer's _prepare_for_training, "
+                "after the point where the callback restores its state, so a sharded snapshot "
+                "would be restored into the unsharded model; Lightning's ModelParallelStrategy "
+                "and flashckpt.checkpointing() resume FSDP2 runs bitwise)"
+                if "FSDP" in unsupported
+                else ""
+            )
             raise NotImplementedError(
                 f"FlashCheckpoint does not support {', '.join(unsupported)} yet (the optimizer "
-                "is built or the loop restarted where the callback cannot snapshot it): use the "
-                "Trainer's own checkpoints (save_strategy=, resume_from_checkpoint=) for this run"
+                "is built or the loop restarted where the callback cannot snapshot it)"
+                f"{why}: use the Trainer's own checkpoints (save_strategy=, "
+                "resume_from_checkpoint=) for this run"
             )
         self.trainer = trainer
         for name in (
@@ -463,6 +475,41 @@ def _owning_trainer(cb: FlashCheckpoint) -> Trainer | None:
             return obj
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+def _check_fsdp_asked(trainer: Trainer) -> None:
+    """Refuses a run whose arguments ask for FSDP that accelerate did not enable.
+
+    accelerate turns FSDP on only for a multi-accelerator distributed type (``MULTI_GPU``,
+    ``MULTI_NPU``, ``MULTI_XPU``, ...: ``AcceleratorState.__init__`` in accelerate 1.15); on CPU
+    (``use_cpu=True``, or a machine without a GPU) the type is ``MULTI_CPU`` (or none), the
+    FSDP plugin is dropped and the Trainer trains the whole model on every rank
+    (``is_fsdp_enabled`` is False), without a word. Checkpointing that run as the sharded run
+    its user thinks it is would be a silent divergence of a kind: refused, naming what happened.
+    """
+    args = trainer.args
+    asked = [
+        what
+        for what, on in (
+            (f"fsdp={args.fsdp!r}", bool(getattr(args, "fsdp", None))),
+            (
+                "ACCELERATE_USE_FSDP=true",
+                os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
+            ),
+        )
+        if on
+    ]
+    if asked and not getattr(trainer, "is_fsdp_enabled", False):
+        state = getattr(getattr(trainer, "accelerator", None), "state", None)
+        kind = getattr(getattr(state, "distributed_type", None), "value", "unknown")
+        raise ValueError(
+            f"FlashCheckpoint: the Trainer was asked for FSDP ({', '.join(asked)}) but "
+            f"accelerate did not enable it (distributed type {kind}): accelerate shards only "
+            "on GPU-type devices, so on CPU (use_cpu=True, or no GPU) this run trains the whole "
+            "model on every rank, unsharded. Drop fsdp= to train (and checkpoint) unsharded on "
+            "purpose, or run on GPUs (where FlashCheckpoint refuses FSDP for now: use the "
+            "Trainer's own checkpoints there; docs/integrations/huggingface.md)"
+        )
 
 
 def _check_sampler(loader: Any) -> None:

@@ -24,13 +24,19 @@ the step's batch ends; a resume mid-epoch sets the RNGs back right before the ne
 
 Refused, naming the fix: a resume mid-epoch with a training data loader that has no resumable
 position (Lightning would start the epoch's data over, training batches again: use torchdata's
-``StatefulDataLoader``), ``fit(ckpt_path=...)`` as well (two resume sources), a strategy that
-shards the model (FSDP, DeepSpeed: not supported yet), and :meth:`FlashCheckpoint.save` in the
-middle of a gradient accumulation.
+``StatefulDataLoader``), ``fit(ckpt_path=...)`` as well (two resume sources), the FSDP1
+``FSDPStrategy`` and DeepSpeed (their state is not DTensors: use ``ModelParallelStrategy``), and
+:meth:`FlashCheckpoint.save` in the middle of a gradient accumulation.
+
+Sharded models: ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` and tensor parallelism applied
+in ``LightningModule.configure_model()``) is supported; each rank snapshots its own DTensor
+pieces of the weights and the optimizer state (nothing is gathered), and a resume at the same
+mesh takes each rank's piece back (docs/integrations/lightning.md).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import warnings
@@ -82,6 +88,7 @@ class FlashCheckpoint(Callback):
         self._in_batch = False
         self._accumulating = False
         self._at_epoch_end = False  # a snapshot taken at an epoch's end
+        self._direct_opt: Any = None  # the one optimizer the Checkpointer snapshots itself
 
     @property
     def state_key(self) -> str:
@@ -102,18 +109,33 @@ class FlashCheckpoint(Callback):
                 "sources could disagree. Drop ckpt_path=, or remove FlashCheckpoint to resume "
                 "from Lightning's own checkpoint"
             )
-        name = type(trainer.strategy).__name__
-        if any(s in name for s in ("FSDP", "DeepSpeed", "ModelParallel")):
-            raise NotImplementedError(
-                f"FlashCheckpoint does not support the {name} strategy yet (it shards the "
-                "model): use Lightning's own checkpoints (ModelCheckpoint, ckpt_path=) for this run"
-            )
+        _check_strategy(trainer.strategy)
         self._trainer = trainer
+        # The optimizer goes to the Checkpointer itself when there is one (the usual case): its
+        # state is copied tensor by tensor into the slot (overlapped with the next step where
+        # the copy mode allows), sharded (DTensor) state as each rank's local pieces; Lightning's
+        # own dump (``strategy.optimizer_state``) would gather or copy it synchronously through
+        # the generic path (tests/integrations: the stall benchmark). Several optimizers travel
+        # in Lightning's checkpoint, as Lightning dumps them.
+        opts = list(trainer.optimizers)
+        self._direct_opt = opts[0] if len(opts) == 1 else None
+        if len(opts) > 1 and not trainer.strategy.lightning_restore_optimizer:
+            # ModelParallelStrategy loads optimizer states in its own load_checkpoint only:
+            # the states of several optimizers in Lightning's checkpoint would be dropped on
+            # restore, silently.
+            raise NotImplementedError(
+                f"FlashCheckpoint with {type(trainer.strategy).__name__} supports one optimizer "
+                f"(configure_optimizers() returned {len(opts)}): the strategy restores no "
+                "optimizer state from a checkpoint it did not load itself. Use one optimizer "
+                "(several parameter groups are fine), or Lightning's own checkpoints"
+            )
+        config = copy.copy(self.config)
+        config.allow_unsaved_scheduler = True  # the schedulers are in Lightning's checkpoint
         self.ckpt = Checkpointer(
             pl_module,
-            None,  # the optimizers' states travel in Lightning's own checkpoint
+            self._direct_opt,
             stateful={"lightning": _LightningState(self)},
-            config=self.config,
+            config=config,
         )
         self.ckpt.__enter__()
         self._open = True
@@ -123,17 +145,23 @@ class FlashCheckpoint(Callback):
         self.restored_step, self.restored_from = self.ckpt.start_step, self.ckpt.restored_from
         self._rng = capture_rng()
         checkpoint = dict(self._saved)
-        checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
-        # What fit(ckpt_path=...) does before the strategy is set up (the weights are in place
-        # already); Lightning restores the precision plugin, the loops, the optimizers and the
-        # schedulers from it right after this hook, then drops it.
+        checkpoint["state_dict"] = pl_module.state_dict()  # restored in place already
+        if self._direct_opt is not None and trainer.strategy.lightning_restore_optimizer:
+            # Restored in place already; Lightning loads it again (a no-op on the values).
+            checkpoint["optimizer_states"] = [self._direct_opt.state_dict()]
+        # What fit(ckpt_path=...) does (the weights and the optimizer are in place already);
+        # Lightning restores the precision plugin, the loops and the schedulers (the optimizers
+        # of several) from it right after this hook, then drops it.
         connector._ckpt_path = f"flashckpt step {self.restored_step} ({self.restored_from})"
         connector._loaded_checkpoint = checkpoint
-        from lightning.pytorch.trainer import call
+        if not trainer.strategy.restore_checkpoint_after_setup:
+            # A strategy that restores after setup (ModelParallelStrategy) calls these itself
+            # right after this hook (its load of the module's weights is a no-op).
+            from lightning.pytorch.trainer import call
 
-        call._call_lightning_module_hook(trainer, "on_load_checkpoint", checkpoint)
-        connector.restore_datamodule()
-        connector.restore_callbacks()
+            call._call_lightning_module_hook(trainer, "on_load_checkpoint", checkpoint)
+            connector.restore_datamodule()
+            connector.restore_callbacks()
         _epoch_before_iter(trainer.fit_loop, int(self._saved["flashckpt_data_epoch"]))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -259,8 +287,8 @@ class FlashCheckpoint(Callback):
 
 class _LightningState:
     """The checkpoint Lightning writes at this point (``dump_checkpoint``), less the module's
-    weights (the Checkpointer's model) and its hyper-parameters (not needed to resume, and of
-    any type)."""
+    weights and the one optimizer's state (the Checkpointer's model and optimizer) and the
+    hyper-parameters (not needed to resume, and of any type)."""
 
     def __init__(self, cb: FlashCheckpoint) -> None:
         self.cb = cb
@@ -270,8 +298,7 @@ class _LightningState:
         assert t is not None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "weights_only was not set" and the like
-            ck = t._checkpoint_connector.dump_checkpoint(weights_only=False)
-        ck.pop("state_dict", None)
+            ck = _dump_checkpoint(t, skip=self.cb._direct_opt)
         # The epoch the next batch belongs to: the next one when the snapshot is the epoch's end.
         ck["flashckpt_data_epoch"] = t.current_epoch + (1 if self.cb._at_epoch_end else 0)
         for obj in (t.lightning_module, getattr(t, "datamodule", None)):
@@ -281,11 +308,77 @@ class _LightningState:
                     "CHECKPOINT_HYPER_PARAMS_NAME",
                     "CHECKPOINT_HYPER_PARAMS_TYPE",
                 ):
-                    ck.pop(getattr(obj, attr, None), None)
+                    key = getattr(obj, attr, None)
+                    if isinstance(key, str):
+                        ck.pop(key, None)
         return ck
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.cb._saved = dict(sd)
+
+
+def _dump_checkpoint(trainer: pl.Trainer, skip: Any) -> dict[str, Any]:
+    """``dump_checkpoint(weights_only=False)`` of lightning 2.6 without its two costly parts:
+    the module's state dict (``strategy.lightning_module_state_dict()``: the Checkpointer holds
+    the module) and the state of the optimizer ``skip`` (the Checkpointer's own). Under
+    ``ModelParallelStrategy`` both are ``get_*_state_dict`` calls with a CPU offload, a copy of
+    every shard per snapshot; the profile of the DDP run showed the optimizer's dump and its
+    generic encoding as most of the time lost per snapshot (benchmarks/README.md). The rest is
+    Lightning's own, in its order: loops, callbacks, other optimizers, schedulers, precision
+    plugin, datamodule, then the callbacks' and the module's ``on_save_checkpoint`` hooks."""
+    from lightning.pytorch.trainer import call
+
+    connector = trainer._checkpoint_connector
+    ck: dict[str, Any] = {
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "pytorch-lightning_version": pl.__version__,
+        "loops": connector._get_loops_state_dict(),
+        "callbacks": call._call_callbacks_state_dict(trainer),
+    }
+    if skip is None:
+        ck["optimizer_states"] = [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]
+    ck["lr_schedulers"] = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+    prec = trainer.precision_plugin
+    prec_state = prec.state_dict()
+    if prec_state:
+        ck[prec.__class__.__qualname__] = prec_state
+    prec.on_save_checkpoint(ck)
+    dm = getattr(trainer, "datamodule", None)
+    if dm is not None:
+        dm_state = call._call_lightning_datamodule_hook(trainer, "state_dict")
+        if dm_state:
+            ck[dm.__class__.__qualname__] = dm_state
+    call._call_callbacks_on_save_checkpoint(trainer, ck)
+    call._call_lightning_module_hook(trainer, "on_save_checkpoint", ck)
+    return ck
+
+
+def _check_strategy(strategy: Any) -> None:
+    """Refuses a strategy whose state the snapshot could not hold as the run holds it.
+
+    ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` and tensor parallelism in
+    ``configure_model()``: DTensor parameters and optimizer state) is supported, each rank
+    snapshotting its local pieces. ``FSDPStrategy`` (FSDP1: flat parameters, ``ShardedTensor``
+    state dicts) and DeepSpeed (ZeRO's partitioned flat buffers inside its engine) are not: the
+    fix names the supported way."""
+    name = type(strategy).__name__
+    if "DeepSpeed" in name:
+        raise NotImplementedError(
+            f"FlashCheckpoint does not support the {name} strategy: DeepSpeed keeps the "
+            "weights and the optimizer state in its engine's partitioned flat buffers, which "
+            "no snapshot here holds. Shard with ModelParallelStrategy (fully_shard in "
+            "LightningModule.configure_model(); docs/integrations/lightning.md), or use "
+            "Lightning's own checkpoints (ModelCheckpoint, ckpt_path=) for this run"
+        )
+    if "FSDP" in name:
+        raise NotImplementedError(
+            f"FlashCheckpoint does not support the {name} strategy (FSDP1: flat parameters "
+            "and ShardedTensor state dicts): use ModelParallelStrategy with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard in LightningModule.configure_model(); the "
+            "recipe is in docs/integrations/lightning.md), whose DTensor state each rank "
+            "snapshots as its own pieces, or Lightning's own checkpoints for this run"
+        )
 
 
 def _epoch_before_iter(loop: Any, epoch: int) -> None:

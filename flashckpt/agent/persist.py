@@ -562,7 +562,7 @@ class Persister:
                     finally:
                         self._writing = None
                         if staged is not None:
-                            staged.close()
+                            _free(staged)
                     phase["shard"] += time.monotonic() - t1
                     phase["paused"] += self._paused_s
                     if info.data_len >= 1 << 20:
@@ -830,3 +830,13 @@ class Persister:
         out = (meta.world_id, meta.persist_wanted, meta.mirror)
         self._snap_worlds[slot.path] = (tag, out)
         return out
+
+
+def _free(buf: mmap.mmap) -> None:
+    """Unmaps a staged copy now (not at the garbage collector's leisure). The write released
+    every view of it, even when it failed; were one still alive, the close's ``BufferError``
+    must not replace the write's own error (an EIO is reported as the I/O error it is)."""
+    try:
+        buf.close()
+    except BufferError as e:
+        log.warning("the staged copy of a shard (%d B) is still referenced: %s", len(buf), e)

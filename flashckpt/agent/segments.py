@@ -172,6 +172,11 @@ class Segments:
             rec.slots[idx] = slot
             info = slot.header()
             meta = read_meta(slot, info) if info is not None else None
+            why = slot.meta_problem(info) if info is not None and meta is None else None
+            if why is not None and info is not None:
+                # Kept (the trainer's next save replaces it), never served as a snapshot: the
+                # trainer's restore names it too, with the step it takes instead.
+                log.warning("the snapshot of step %d in %s is not used: %s", info.step, path, why)
             if meta is not None and info is not None:
                 if info.step >= newest:
                     newest, self.st.world_id = info.step, meta.world_id
@@ -244,11 +249,21 @@ class Segments:
                 if name != owner:
                     kept.append(path)
                 continue
+            planted = foreign_file(path)
+            if planted is not None:
+                # Not this agent's (it creates every file as this user): another user's file
+                # under the job's names is left alone, whoever runs the agent (root may
+                # delete it in a sticky directory; it must not).
+                log.info(
+                    "left %s alone: it belongs to another user (uid %d, %s), not to this agent",
+                    *planted,
+                )
+                continue
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-            except OSError as e:  # e.g. another user's file planted under our name
+            except OSError as e:
                 log.warning("cannot remove %s: %s", path, e)
         return kept
 

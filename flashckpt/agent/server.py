@@ -157,6 +157,8 @@ class Server:
                 elif isinstance(reply, ErrorReply):
                     # A one-way message (no id) that failed: nobody to tell but the log.
                     log.warning("message %s refused: %s", str(msg.get("op"))[:64], reply.error)
+        except ProtocolError as e:  # unreadable at the framing level (nested too deeply)
+            log.warning("connection closed: %s", e)
         except (OSError, ValueError) as e:
             log.debug("connection ended: %s", e)
         finally:
@@ -204,6 +206,11 @@ class Server:
                     self.st.private_q.put((req.key, req.step))
                 return None
             case Restored():
+                if not conn.ranks:
+                    raise ValueError(
+                        "restored refused: this connection did not say hello for any position; "
+                        "only a trainer of the job tells where its timeline starts"
+                    )
                 # The trainers' timeline starts at this step (-1: a fresh start, nothing
                 # restored). A committed step after it is an abandoned timeline's or an older
                 # run's: this run's snapshot of that number is not persisted yet, and flush() and
@@ -219,8 +226,15 @@ class Server:
             case Done():
                 with self.st.lock:
                     rec = self.st.ranks.get(req.key)
-                    if rec is not None:
-                        rec.done = True
+                    if req.key not in conn.ranks or rec is None or rec.conn is not conn:
+                        # As alloc: only the trainer holding the position finishes it (a stray
+                        # done would let an auto-started agent exit under a live trainer).
+                        owner = "no trainer" if rec is None or rec.conn is None else "another"
+                        raise ValueError(
+                            f"done for local rank {req.key} refused: this connection did not "
+                            f"say hello for it ({owner} holds it)"
+                        )
+                    rec.done = True
                 self.st.wake.set()
                 return OkReply()
             case Status():
@@ -299,6 +313,24 @@ class Server:
                     )
                 self.st.world_id = world_id
             rec = self.st.ranks.setdefault(key, RankRecord(key))
+            held = rec.conn
+            if (
+                held is not None
+                and held is not conn
+                and held in self.st.conns
+                and not rec.done
+                and rec.world_id == world_id
+                and held.peer_pid != conn.peer_pid
+                and held.peer_alive()
+            ):
+                # A live trainer of this world holds the position on another connection: a
+                # second hello would take its slots from under it (a dead trainer's connection
+                # is gone; a new world's trainer replaces a stale one).
+                raise ValueError(
+                    f"hello for local rank {key} refused: a trainer of world {world_id!r} holds "
+                    "it on another connection; one trainer per position (is a second trainer "
+                    "of the same rank running?)"
+                )
             rec.global_rank = rank
             rec.world_id = world_id
             rec.world_size = world_size

@@ -15,6 +15,7 @@ import os
 import platform
 import queue
 import socket
+import struct
 import sys
 import threading
 import time
@@ -203,10 +204,34 @@ class Conn:
         self.lock = threading.Lock()
         self.ranks: set[int] = set()
         """The positions this connection said hello for."""
+        self.peer_pid = _peer_pid(sock)
+        """The process that connected (``SO_PEERCRED``; None where it cannot be had)."""
+
+    def peer_alive(self) -> bool:
+        """Whether the process that opened this connection still runs (not a zombie): a
+        killed trainer's socket may outlive it a moment, or in children that inherited it."""
+        if self.peer_pid is None:
+            return True
+        try:
+            with open(f"/proc/{self.peer_pid}/stat", "rb") as f:
+                stat_line = f.read()
+        except OSError:
+            return False
+        return stat_line[stat_line.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
 
     def send(self, obj: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
             send_msg(self.sock, obj, self.lock)
+
+
+def _peer_pid(sock: socket.socket) -> int | None:
+    """The pid of a Unix socket's peer at connect time, or None."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return None
+    pid = struct.unpack("3i", raw)[0]
+    return pid if pid > 0 else None
 
 
 @dataclass(slots=True)

@@ -292,17 +292,40 @@ class Slot:
 
     # -- reader ------------------------------------------------------------------------------
     def read_meta(self, info: SlotInfo) -> dict[str, Any] | None:
-        """The snapshot description of a COMPLETE header, or None if torn or corrupt."""
-        if not info.complete or info.meta_len > self.meta_cap or info.data_len > self.data_cap:
-            return None
+        """The snapshot description of a COMPLETE header, or None if torn or corrupt (which
+        of the two, and how, :meth:`meta_problem` says)."""
+        return self._read_meta(info)[0]
+
+    def meta_problem(self, info: SlotInfo) -> str | None:
+        """Why the description of a COMPLETE snapshot cannot be read: its damage, named; None
+        where it reads, or where the slot is being rewritten (a torn read is no damage)."""
+        return self._read_meta(info)[1]
+
+    def _read_meta(self, info: SlotInfo) -> tuple[dict[str, Any] | None, str | None]:
+        if not info.complete:
+            return None, None
+        if info.meta_len > self.meta_cap:
+            return None, (
+                f"its header gives a description of {info.meta_len} B, more than the slot's "
+                f"{self.meta_cap} B"
+            )
+        if info.data_len > self.data_cap:
+            return None, (
+                f"its header gives {info.data_len} B of data, more than the slot's "
+                f"{self.data_cap} B"
+            )
         meta = bytes(self.buf[self.meta_off : self.meta_off + info.meta_len])
-        if zlib.crc32(meta) != info.meta_crc or self.seq() != info.seq:
-            return None
+        if self.seq() != info.seq:
+            return None, None
+        if zlib.crc32(meta) != info.meta_crc:
+            return None, "its description (meta JSON) is damaged (its CRC does not match)"
         try:
             out = json.loads(meta)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return None
-        return out if isinstance(out, dict) else None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            return None, f"its description (meta JSON) does not parse: {e}"
+        if not isinstance(out, dict):
+            return None, f"its description is a JSON {type(out).__name__}, not an object"
+        return out, None
 
     def data(self, length: int) -> memoryview:
         return self.buf[self.data_off : self.data_off + length]

@@ -25,6 +25,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import mmap
 import os
 import re
@@ -61,10 +62,13 @@ __all__ = [
     "shard_file_name",
 ]
 
+log = logging.getLogger("flashckpt")
+
 MANIFEST = "manifest.json"
 MAX_WORLD_ID = 4096
 """Longest world id :meth:`Storage.manifest_world` accepts (the protocol's text bound)."""
 PARTS = "_parts"
+
 CHUNK = 64 << 20
 # O_DIRECT needs buffer address, file offset and length aligned to the logical block size
 # (512 B or 4 KiB); a page satisfies every local disk.
@@ -251,22 +255,36 @@ class Storage:
         # Each chunk is hashed after it is written: a byte that changed in memory before it
         # reached the file shows in the hash.
         size = 0
-        self._makedirs(self.fs._parent(path))
-        if self.local:
-            with open(self._create(path), "wb", buffering=0) as f:
-                size += f.write(head) or 0
-                for c in chunks:
-                    size += f.write(c) or 0
-                    fh.update(c)
-                os.fsync(f.fileno())
-        else:
-            with self.fs.open(path, "wb") as f:
-                f.write(head)
-                size += len(head)
-                for c in chunks:
-                    f.write(c)
-                    fh.update(c)
-                    size += len(c)
+        it = iter(chunks)
+        try:
+            self._makedirs(self.fs._parent(path))
+            if self.local:
+                with open(self._create(path), "wb", buffering=0) as f:
+                    size += f.write(head) or 0
+                    for c in it:
+                        size += f.write(c) or 0
+                        fh.update(c)
+                    os.fsync(f.fileno())
+            else:
+                f = self.fs.open(path, "wb")
+                try:
+                    f.write(head)
+                    size += len(head)
+                    for c in it:
+                        f.write(c)
+                        fh.update(c)
+                        size += len(c)
+                except BaseException:
+                    _abandon(f)
+                    raise
+                f.close()
+        finally:
+            # A generator of views into the caller's buffer (:func:`_chunks`) releases the one
+            # it handed out: a failed write leaves no view alive in its traceback, so the
+            # caller can close its mapping at once (issue 41: an EIO became a BufferError).
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
         return fh.record(size)
 
     def write_buffer(
@@ -821,10 +839,29 @@ class Storage:
 def _chunks(
     data: memoryview, check: Callable[[], None] | None, chunk: int = CHUNK
 ) -> Iterator[bytes | memoryview]:
+    """Views of ``data``, ``chunk`` bytes each; each is released once the next is asked for or
+    the generator is closed (a failed write's traceback then holds no live view of the
+    caller's buffer: its mapping can be closed at once)."""
     for off in range(0, len(data), chunk):
         if check is not None:
             check()
-        yield data[off : off + chunk]
+        view = data[off : off + chunk]
+        try:
+            yield view
+        finally:
+            view.release()
+
+
+def _abandon(f: Any) -> None:
+    """Closes an fsspec file whose write failed, without letting a second failure (the close
+    flushes what it buffered to the storage that just failed) replace the first: the error
+    raised is the storage's own, such as the ``OSError`` of an EIO."""
+    with contextlib.suppress(Exception):
+        f.discard()
+    try:
+        f.close()
+    except Exception as e:  # the write's own error is the one raised
+        log.debug("closing %s after a failed write: %s", getattr(f, "path", f), e)
 
 
 def _write_direct(
@@ -844,34 +881,55 @@ def _write_direct(
     """
     n = len(data)
     body = n - n % DIRECT_ALIGN
-    with mmap.mmap(-1, max(len(head), 1)) as hbuf:
-        hbuf[: len(head)] = head
-        hv = memoryview(hbuf)
-        try:
-            _write_all(fd, hv[: len(head)])
-        finally:
-            hv.release()
-    with ThreadPoolExecutor(1, thread_name_prefix="fc-direct-write") as pool:
-        written: memoryview | None = None  # written, not hashed yet
-        for off in range(0, body, chunk):
-            if check is not None:
-                check()
-            part = data[off : min(off + chunk, body)]
-            done = pool.submit(_write_all, fd, part)
+    # Every view of ``data`` taken here is released before this returns or raises: a failed
+    # write's traceback (this frame, the writer thread's) then keeps no export of the caller's
+    # buffer alive, and the caller closes its mapping at once (issue 41).
+    views: list[memoryview] = []
+
+    def view(lo: int, hi: int) -> memoryview:
+        v = data[lo:hi]
+        views.append(v)
+        return v
+
+    try:
+        with mmap.mmap(-1, max(len(head), 1)) as hbuf:
+            hv = memoryview(hbuf)
+            try:
+                hv[: len(head)] = head
+                hh = hv[: len(head)]
+                try:
+                    _write_all(fd, hh)
+                finally:
+                    hh.release()
+            finally:
+                hv.release()
+        with ThreadPoolExecutor(1, thread_name_prefix="fc-direct-write") as pool:
+            written: memoryview | None = None  # written, not hashed yet
+            for off in range(0, body, chunk):
+                if check is not None:
+                    check()
+                part = view(off, min(off + chunk, body))
+                done = pool.submit(_write_all, fd, part)
+                if written is not None:
+                    fh.update(written)
+                    written.release()
+                done.result()
+                written = part
             if written is not None:
                 fh.update(written)
-            done.result()
-            written = part
-        if written is not None:
-            fh.update(written)
-    # _write_all clears O_DIRECT where the file system refused it for a buffer: then (part of)
-    # the file went through the page cache after all.
-    direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
-    if body < n:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-        _write_all(fd, data[body:])
-        fh.update(data[body:])
-    os.fsync(fd)
+        # _write_all clears O_DIRECT where the file system refused it for a buffer: then (part
+        # of) the file went through the page cache after all.
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        if body < n:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            tail = view(body, n)
+            _write_all(fd, tail)
+            fh.update(tail)
+        os.fsync(fd)
+    finally:
+        # The writer thread is done (the pool was shut down): nothing reads these any more.
+        for v in views:
+            v.release()
     return fh.record(len(head) + n, direct=direct)
 
 
@@ -879,7 +937,8 @@ def _write_all(fd: int, buf: memoryview) -> None:
     done = 0
     while done < len(buf):
         try:
-            done += os.write(fd, buf[done:])
+            with buf[done:] as rest:  # released even when the write fails
+                done += os.write(fd, rest)
         except OSError as e:
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
             if e.errno != errno.EINVAL or not flags & os.O_DIRECT:

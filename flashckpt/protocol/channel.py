@@ -38,6 +38,7 @@ from flashckpt.protocol.messages import Reply, Request, parse_event, parse_reply
 __all__ = [
     "AgentClient",
     "AgentError",
+    "check_depth",
     "check_socket",
     "default_node_id",
     "default_run_dir",
@@ -66,6 +67,32 @@ def send_msg(sock: socket.socket, obj: dict[str, Any], lock: threading.Lock) -> 
         sock.sendall(data, socket.MSG_NOSIGNAL)
 
 
+MAX_DEPTH = 64
+"""Deepest nesting of arrays and objects a message may have (the protocol's own use 3)."""
+
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+def check_depth(line: bytes, limit: int = MAX_DEPTH) -> None:
+    """Refuses a JSON text nested deeper than ``limit`` before it is parsed (a deep one would
+    exhaust the parser's recursion: a ``RecursionError`` from the agent's reader thread).
+
+    Raises:
+        ProtocolError: it is nested deeper, naming the limit.
+    """
+    if line.count(b"[") + line.count(b"{") <= limit:
+        return  # the common case: too few brackets to be nested that deep
+    depth = 0
+    for m in _BRACKETS.finditer(_STRINGS.sub(b'""', line)):
+        depth += 1 if m.group() in (b"[", b"{") else -1
+        if depth > limit:
+            raise ProtocolError(
+                f"message nested deeper than {limit} levels of arrays and objects: refused "
+                "unread (the protocol's messages nest 3 levels)"
+            )
+
+
 class LineReader:
     """Reads newline-delimited JSON objects from a socket."""
 
@@ -82,6 +109,7 @@ class LineReader:
             if len(self.buf) > MAX_LINE:
                 raise ValueError("message too long")
         line, self.buf = self.buf.split(b"\n", 1)
+        check_depth(line)
         obj = json.loads(line)
         if not isinstance(obj, dict):
             raise ValueError("message is not a JSON object")

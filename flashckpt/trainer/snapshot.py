@@ -626,7 +626,13 @@ class Snapshotter:
             )
             raise BadMemory(
                 f"rank {self.ctx.rank}: the snapshot of step {step} in memory ({sm.slot.path}) "
-                f"{why}; not restored from it"
+                f"{why}; not restored from it",
+                why=(
+                    "its data does not match its hash: the shared memory was overwritten since "
+                    "the snapshot"
+                    if ok is False
+                    else "it has no data hash to check it against"
+                ),
             )
 
     # -- a snapshot ----------------------------------------------------------------------------
@@ -750,7 +756,16 @@ class Snapshotter:
 
 class BadMemory(FlashckptError):
     """This rank's snapshot in shared memory fails its data hash: the step may still come from
-    storage or a replica."""
+    storage or a replica.
+
+    Args:
+        message: the whole text (the rank, the snapshot, its damage).
+        why: its damage alone, where the raiser names it apart.
+    """
+
+    def __init__(self, message: str, why: str | None = None) -> None:
+        super().__init__(message)
+        self.why = why
 
 
 class TornSnapshot(FlashckptError):

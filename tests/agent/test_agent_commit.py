@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -201,7 +202,10 @@ def test_flush_on_the_committing_node_waits_for_the_rewrite_of_a_hidden_step(
     assert st.committed_steps() == [3, 5]
     agent.st.world_id = "w1"
     agent.st.ranks[0] = RankRecord(0, global_rank=0, world_id="w1", world_size=1)
-    agent.server.handle(None, Restored(step=3))  # type: ignore[arg-type]
+    # From the connection of the trainer that said hello for local rank 0 (the only one the
+    # agent takes a timeline from).
+    trainer = SimpleNamespace(ranks={0})
+    agent.server.handle(trainer, Restored(step=3))  # type: ignore[arg-type]
     # The persister hides step 5 to rewrite it; a flush comes in meanwhile (or just before).
     reply = agent.server.flush(5, 0.6)
     assert isinstance(reply, ErrorReply), f"flush answered {reply} from the old manifest"

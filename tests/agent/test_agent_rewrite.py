@@ -41,7 +41,10 @@ def test_a_hidden_step_whose_rewrite_yields_is_committed_again(
         try:
             c = AgentClient(a.socket_path)
             try:
-                # A relinked resumed run says its timeline began at 1: step 2 is rewritten.
+                # A relinked resumed run (it says hello for its position first, as a trainer
+                # does) says its timeline began at 1: step 2 is rewritten.
+                world = a.st.world_id
+                c.request("hello", rank=0, world_size=1, local_rank=0, world_id=world, timeout=10)
                 c.request("restored", step=1, timeout=10)
             finally:
                 c.close()

@@ -215,7 +215,10 @@ def _a_bad_description_is_ignored(fc_env: FcEnv, caplog: pytest.LogCaptureFixtur
     ck2 = flashckpt.checkpointing(model2, opt2, scheduler=sched2, **kw)
     with caplog.at_level(logging.WARNING, logger="flashckpt"), ck2:
         assert (ck2.restored_from, ck2.start_step) == (None, 0)
-    assert any("ignoring the snapshot in" in r.getMessage() for r in caplog.records)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"the snapshot of step 1 in {path} is not used: its description is invalid" in text
+    # Nothing else to restore from (no storage): said with the snapshot and its damage.
+    assert "restored nothing and starts from step 0: the snapshot of step 1" in text, text
 
 
 @pytest.mark.parametrize(("restarts", "with_storage"), [("0", False), ("2", False), ("2", True)])

@@ -41,6 +41,7 @@ from flashckpt.trainer.restore.sources import (
     MemorySource,
     ReplicaPullSource,
     StorageSource,
+    discarded_name,
 )
 from flashckpt.trainer.snapshot import BadMemory, TornSnapshot
 
@@ -155,6 +156,14 @@ class Restorer:
                         f"memory, a peer's replica, storage), so its work is lost; {fix}",
                         stacklevel=3,
                     )
+                for path, why, was in getattr(by_name.get("memory"), "discarded", []):
+                    log.warning(
+                        "flashckpt: rank %d restored nothing and starts from step 0: %s was "
+                        "discarded (%s) and no other source holds a step every rank can have",
+                        ctx.rank,
+                        discarded_name(path, was),
+                        why,
+                    )
                 self.applier.invalidate_after(env.snap, -1)
                 self.seconds = time.perf_counter() - t0
                 return
@@ -192,14 +201,13 @@ class Restorer:
                 self.seconds = time.perf_counter() - t0
                 self.info.update(step=step, source=self.source, seconds=self.seconds)
                 self.applier.invalidate_after(env.snap, step)
-                for path, why in getattr(by_name.get("memory"), "discarded", []):
+                for path, why, was in getattr(by_name.get("memory"), "discarded", []):
                     log.warning(
-                        "flashckpt: rank %d restored step %d from %s: the snapshot in %s was "
-                        "discarded (%s)",
+                        "flashckpt: rank %d restored step %d from %s: %s was discarded (%s)",
                         ctx.rank,
                         step,
                         self.source,
-                        path,
+                        discarded_name(path, was),
                         why,
                     )
                 return

@@ -62,6 +62,7 @@ __all__ = [
     "MemorySource",
     "ReplicaPullSource",
     "StorageSource",
+    "discarded_name",
     "world_conflict",
 ]
 
@@ -91,6 +92,11 @@ def _bad_header(raw: bytes) -> str | None:
     return "its header is damaged (its CRC does not match)"
 
 
+def discarded_name(path: str, step: int | None) -> str:
+    """``the snapshot of step N in <path>`` (the step left out where the header is damaged)."""
+    return f"the snapshot in {path}" if step is None else f"the snapshot of step {step} in {path}"
+
+
 class MemorySource:
     """This rank's own snapshots in its shared-memory slots (checked against their data hash
     before use)."""
@@ -100,9 +106,11 @@ class MemorySource:
 
     def __init__(self, env: RestoreEnv) -> None:
         self.env = env
-        self.discarded: list[tuple[str, str]] = []
-        """(slot path, why) of the snapshots in this rank's slots found damaged and not used
-        (the restore names them again with the source it used instead)."""
+        self.discarded: list[tuple[str, str, int | None]] = []
+        """(slot path, why, its step where the header still names it) of the snapshots in this
+        rank's slots found damaged and not used: every part of a slot (header, description,
+        data) is checked, and the restore names each again with the step and source it used
+        instead (issue 41: a damaged description fell back to storage silently)."""
         env.mem = self._scan()
 
     def _scan(self) -> dict[int, tuple[SlotMap, dict[str, Any]]]:
@@ -121,8 +129,21 @@ class MemorySource:
             if not info.complete:
                 continue
             meta = sm.slot.read_meta(info)
-            m = _checked_meta(meta, sm.slot.path) if meta is not None else None
-            if meta is None or m is None:
+            if meta is None:
+                self._discard_damaged(sm.slot.path, info.step, sm.slot.meta_problem(info))
+                continue
+            try:
+                m = SnapshotMeta.from_json(meta, sm.slot.path)
+            except CorruptCheckpointError as e:
+                self._discard_damaged(sm.slot.path, info.step, f"its description is invalid: {e}")
+                continue
+            if m.layout.nbytes > info.data_len:
+                self._discard_damaged(
+                    sm.slot.path,
+                    info.step,
+                    f"its sizes do not match: its description lists {m.layout.nbytes} B of "
+                    f"tensors, its header {info.data_len} B of data",
+                )
                 continue
             own = m.rank == ctx.rank
             replicated = env.config.replicated and m.num_shards == 1
@@ -163,18 +184,25 @@ class MemorySource:
             os.close(fd)
 
     def _discard(self, found: tuple[str, bytes] | None) -> None:
-        """Warns of a snapshot in this rank's slot not used for a damaged header (named again
-        with the source the restore used instead, see
-        :class:`~flashckpt.trainer.restore.pipeline.Restorer`)."""
+        """Warns of a snapshot in this rank's slot not used for a damaged header."""
         why = _bad_header(found[1]) if found is not None else None
         if found is None or why is None:
             return
-        self.discarded.append((found[0], why))
+        self._discard_damaged(found[0], None, why)
+
+    def _discard_damaged(self, path: str, step: int | None, why: str | None) -> None:
+        """Warns of a snapshot in this rank's slot ``path`` not used because ``why`` (None: it
+        was being rewritten, a torn read and no damage: nothing to say). The restore names it
+        again with the step and the source it used instead, see
+        :class:`~flashckpt.trainer.restore.pipeline.Restorer`."""
+        if why is None:
+            return
+        self.discarded.append((path, why, step))
         log.warning(
-            "flashckpt: rank %d: the snapshot in %s is not used: %s; the restore takes the "
-            "newest step from the other sources (storage, mirror, peers)",
+            "flashckpt: rank %d: %s is not used: %s; the restore takes the newest step from "
+            "the other sources (storage, mirror, peers)",
             self.env.ctx.rank,
-            found[0],
+            discarded_name(path, step),
             why,
         )
 
@@ -203,7 +231,12 @@ class MemorySource:
         info = sm.slot.header()
         if info is None or info.step != step or not info.complete:
             raise TornSnapshot(f"slot {sm.slot.path} changed")
-        env.snap.verify(sm, info, step)
+        try:
+            env.snap.verify(sm, info, step)
+        except BadMemory as e:
+            # Named again with the step restored instead once there is one.
+            self._discard_damaged(sm.slot.path, step, e.why or str(e))
+            raise
         layout = Layout.from_json(meta["entries"])
         off = sm.slot.data_off
         views = tensor_views(layout, sm.data[off : off + layout.nbytes])

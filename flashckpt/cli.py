@@ -331,7 +331,7 @@ def _cmd_status_etcd(args: argparse.Namespace) -> int:
     """The whole job from the per-machine summaries its launchers publish to etcd."""
     from datetime import timedelta
 
-    from flashckpt.elastic.etcd.client import EtcdClient, EtcdError
+    from flashckpt.elastic.etcd.client import EtcdClient, EtcdError, EtcdSecurity
     from flashckpt.elastic.membership.jobview import format_job_view, read_job_view
     from flashckpt.elastic.rendezvous.backend import job_prefix
 
@@ -343,7 +343,18 @@ def _cmd_status_etcd(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        client = EtcdClient(args.etcd, timeout=timedelta(seconds=args.timeout))
+        security = EtcdSecurity.from_options(
+            ca_file=args.etcd_ca,
+            cert_file=args.etcd_cert,
+            key_file=args.etcd_key,
+            user=args.etcd_user,
+            password_file=args.etcd_password_file,
+            key_prefix=args.key_prefix,
+        )
+        etcd = args.etcd
+        if security is not None and security.tls and "://" not in etcd:
+            etcd = ",".join(f"https://{e.strip()}" for e in etcd.split(",") if e.strip())
+        client = EtcdClient(etcd, timeout=timedelta(seconds=args.timeout), security=security)
         view = read_job_view(client, job_prefix(job, args.key_prefix))
     except ValueError as e:
         print(f"flashckpt status: {e}", file=sys.stderr)
@@ -516,6 +527,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--key-prefix", default="/flashckpt", help="etcd key prefix (/flashckpt)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for etcd (5)")
+    for name, help_text in (
+        ("--etcd-ca", f"CA certificate that signed etcd's certificate (${envnames.ETCD_CA})"),
+        ("--etcd-cert", f"etcd client certificate (${envnames.ETCD_CERT})"),
+        ("--etcd-key", f"key of --etcd-cert (${envnames.ETCD_KEY})"),
+        (
+            "--etcd-user",
+            f"etcd user; password in ${envnames.ETCD_PASSWORD} (${envnames.ETCD_USER})",
+        ),
+        (
+            "--etcd-password-file",
+            f"file with the etcd user's password (${envnames.ETCD_PASSWORD_FILE})",
+        ),
+    ):
+        p.add_argument(name, default=None, help=help_text)
     sub.add_parser("goodput", help="wall-time breakdown of a run from its events files")
     p = sub.add_parser(
         "export",

@@ -153,6 +153,15 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     from flashckpt.format.storage import CorruptCheckpointError, Storage
 
     st = Storage(args.url)
+    # An object store has no directories: a prefix "exists" once a key is under it, so an empty
+    # bucket prefix is missing too. A mistyped root must not read as "no steps yet" (exit 0).
+    if not st.fs.exists(st.root):
+        print(
+            f"flashckpt ls: {args.url} does not exist (no checkpoint was ever written there); "
+            "check the URL (the --storage of the job)",
+            file=sys.stderr,
+        )
+        return 2
     steps = st.committed_steps()
     rows: list[dict[str, Any]] = []
     for s in steps:

@@ -69,9 +69,14 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
         help="seconds to wait for a previous agent of this job and node to exit",
     )
     p.add_argument("--detach", action="store_true", help="run in the background")
-    p.add_argument("--pid-file", default=None)
-    p.add_argument("--log-file", default=None)
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--pid-file", default=None, help="write the agent's pid to this file")
+    p.add_argument(
+        "--log-file",
+        default=None,
+        help="the agent's log file (default: <run-dir>/<job>.<node>.log with --detach, else "
+        "stderr)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     m = p.add_argument_group("monitoring")
     add_dataclass_args(m, MonitorConfig, flags=_monitor_flags())
 
@@ -498,11 +503,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("agent", help="run the node agent (a daemon per machine)")
     _agent_args(p)
     p = sub.add_parser("ls", help="list committed steps with sizes")
-    p.add_argument("url", type=_url)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("url", type=_url, help="checkpoint root URL")
+    p.add_argument("--json", action="store_true", help="print the steps as a JSON list")
     p = sub.add_parser("verify", help="check the integrity of committed steps")
-    p.add_argument("url", type=_url)
-    p.add_argument("--step", type=int, default=None)
+    p.add_argument("url", type=_url, help="checkpoint root URL")
+    p.add_argument(
+        "--step", type=int, default=None, help="check only this step (default: every committed)"
+    )
     p = sub.add_parser(
         "clean",
         help="remove the shared-memory segments of dead agents",
@@ -525,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-dir", default=None, help=f"agents' run dir (default: ${envnames.RUN_DIR})"
     )
     p.add_argument("--job", default=None, help="only this job (required with --etcd)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--etcd",
         "--rdzv-endpoint",
@@ -559,6 +566,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", type=_url, help="checkpoint root URL")
     p.add_argument("--step", type=int, default=None, help="step (default: newest committed)")
     p.add_argument("--to", required=True, help="output file (safetensors) or directory (dcp)")
-    p.add_argument("--format", choices=("safetensors", "dcp"), default="safetensors")
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "dcp"),
+        default="safetensors",
+        help="one consolidated safetensors file, or a DCP directory (default safetensors)",
+    )
     p.add_argument("--strip-prefix", default=None, help="drop this key prefix (e.g. 'module.')")
     return parser

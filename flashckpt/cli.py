@@ -333,7 +333,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from flashckpt.protocol.channel import default_run_dir
 
     run_dir = args.run_dir or envnames.run_dir() or default_run_dir()
-    agents = collect_status(run_dir, args.job)
+    wait = 0.8 if args.timeout is None else args.timeout
+    agents = collect_status(run_dir, args.job, wait, show_dead=args.all)
     if args.json:
         print(json.dumps(agents, indent=1, default=str))
     else:
@@ -368,7 +369,8 @@ def _cmd_status_etcd(args: argparse.Namespace) -> int:
         etcd = args.etcd
         if security is not None and security.tls and "://" not in etcd:
             etcd = ",".join(f"https://{e.strip()}" for e in etcd.split(",") if e.strip())
-        client = EtcdClient(etcd, timeout=timedelta(seconds=args.timeout), security=security)
+        wait = 5.0 if args.timeout is None else args.timeout
+        client = EtcdClient(etcd, timeout=timedelta(seconds=wait), security=security)
         view = read_job_view(client, job_prefix(job, args.key_prefix))
     except ValueError as e:
         print(f"flashckpt status: {e}", file=sys.stderr)
@@ -542,7 +544,17 @@ def build_parser() -> argparse.ArgumentParser:
         "`flashckpt run` publishes) instead of the agents under --run-dir",
     )
     p.add_argument("--key-prefix", default="/flashckpt", help="etcd key prefix (/flashckpt)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for etcd (5)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the agents (0.8) or for etcd with --etcd (5)",
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="also list the sockets of dead node agents (hidden: no live job has them)",
+    )
     for name, help_text in (
         ("--etcd-ca", f"CA certificate that signed etcd's certificate (${envnames.ETCD_CA})"),
         ("--etcd-cert", f"etcd client certificate (${envnames.ETCD_CERT})"),

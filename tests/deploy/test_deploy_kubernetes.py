@@ -390,3 +390,92 @@ def test_cert_manager_component_makes_the_secrets_the_pods_mount(tmp_path: Path)
             "isCA", "commonName", "secretName", "duration", "renewBefore", "privateKey",
             "usages", "dnsNames", "ipAddresses", "subject", "issuerRef",
         }  # fmt: skip
+
+
+# Pod Security Standards (kubernetes.io/docs/concepts/security/pod-security-standards/), the
+# checks of the baseline and restricted levels that apply to these pods.
+_BASELINE_CAPS = {
+    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+    "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
+}  # fmt: skip
+_RESTRICTED_VOLUMES = {
+    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+    "projected", "secret",
+}  # fmt: skip
+
+
+def pss_violations(pod: Pod, level: str) -> list[str]:
+    """What keeps ``pod`` out of a namespace whose ``enforce`` level is ``level``."""
+    if level == "privileged":
+        return []
+    spec, out = pod.spec, []
+    psc = spec.get("securityContext", {})
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            out.append(key)
+    out += [f"hostPath volume {v['name']}" for v in spec.get("volumes", []) if "hostPath" in v]
+    for c in pod.containers():
+        sc = c.get("securityContext", {})
+        where = f"container {c['name']}"
+        if sc.get("privileged"):
+            out.append(f"{where}: privileged")
+        added = set(sc.get("capabilities", {}).get("add", []))
+        if added - _BASELINE_CAPS:
+            out.append(f"{where}: adds {sorted(added - _BASELINE_CAPS)}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out.append(f"{where}: hostPort")
+        if level != "restricted":
+            continue
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{where}: allowPrivilegeEscalation not false")
+        if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+            out.append(f"{where}: does not drop ALL capabilities")
+        if added - {"NET_BIND_SERVICE"}:
+            out.append(f"{where}: adds {sorted(added)}")
+        if not sc.get("runAsNonRoot", psc.get("runAsNonRoot")):
+            out.append(f"{where}: runAsNonRoot not true")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            out.append(f"{where}: runs as uid 0")
+        seccomp = sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{where}: seccompProfile {seccomp}")
+    if level == "restricted":
+        for v in spec.get("volumes", []):
+            kinds = set(v) - {"name"}
+            if not kinds <= _RESTRICTED_VOLUMES:
+                out.append(f"volume {v['name']}: {sorted(kinds)}")
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_namespace_pod_security_level_admits_every_pod_and_no_less_would(overlay: str) -> None:
+    """The namespace's Pod Security ``enforce`` label admits every pod of the overlay, and is
+    the least privileged level that does: the sidecar overlay meets "restricted"; the others need
+    "privileged" for the host paths (and nothing more: every pod without them is restricted)."""
+    objects = render(overlay)
+    (ns,) = [o for o in objects if o["kind"] == "Namespace"]
+    level = ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+    found = list(pods(objects))
+    for pod in found:
+        assert pss_violations(pod, level) == [], (overlay, pod.name)
+    if overlay == "sidecar":
+        assert level == "restricted"
+        return
+    assert level == "privileged"
+    assert any(pss_violations(pod, "baseline") for pod in found), "baseline would do"
+    for pod in found:
+        if not any("hostPath" in v for v in pod.spec.get("volumes", [])):
+            assert pss_violations(pod, "restricted") == [], (overlay, pod.name)
+        elif pod.owner["kind"] != "DaemonSet":  # only the host paths keep them out
+            assert all("hostPath" in v for v in pss_violations(pod, "restricted")), pod.name
+
+
+def test_pod_security_check_is_not_vacuous() -> None:
+    (sts,) = [o for o in render("sidecar") if o["kind"] == "StatefulSet"]
+    pod = next(pods((sts,)))
+    assert pss_violations(pod, "restricted") == []
+    broken = copy.deepcopy(sts)
+    broken["spec"]["template"]["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+    (bad,) = list(pods((broken,)))
+    assert "container etcd: privileged" in pss_violations(bad, "baseline")
+    assert "container etcd: allowPrivilegeEscalation not false" in pss_violations(bad, "restricted")

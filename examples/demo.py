@@ -96,6 +96,7 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="flashckpt-demo-")
+    os.makedirs(shm_dir(work), mode=0o700)
     job = "demo" + uuid.uuid4().hex[:8]
     ok = False
     try:

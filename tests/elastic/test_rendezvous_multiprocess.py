@@ -147,6 +147,10 @@ def run_failover(etcd_url: str, tmp_path: Path, env: dict[str, str]) -> None:
         newcomer = wait_rounds(outs["p2"], 1)[0]
         for name in (survivor, "p2"):
             assert procs[name].wait(timeout=60) == 0, _log_tails(logs)
+        # The newcomer waited as a standby, and its log says so; the survivor never was one.
+        logs_of = {log.stem: log.read_text(errors="replace") for log in logs}
+        assert "standby: job" in logs_of["p2"], logs_of["p2"][-2000:]
+        assert "standby: job" not in logs_of[survivor]
         assert again["node"] == first[survivor]["node"] != newcomer["node"]
         assert again["rank"] == 1, (first, again, newcomer)
         assert newcomer["rank"] == 0, newcomer

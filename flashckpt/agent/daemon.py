@@ -333,7 +333,8 @@ class NodeAgent:
                 reason = "done"
                 break
             if (
-                not self.st.cfg.exit_when_done
+                self.st.cfg.free_finished
+                and not self.st.cfg.exit_when_done
                 and ranks
                 and not has_clients
                 and self._trainers_finished()

@@ -1,7 +1,7 @@
-"""A long-lived node agent (the DaemonSet's, the systemd unit's: ``flashckpt agent``, which never
-exits for lack of trainers) frees a finished job's snapshot slots once storage holds its newest
-step, and says so (issue 44): the host memory the slots held is returned when the job ends, not
-when someone deletes the agent."""
+"""A long-lived node agent (the DaemonSet's, the systemd unit's: ``flashckpt agent
+--free-finished``, which never exits for lack of trainers) frees a finished job's snapshot slots
+once storage holds its newest step, and says so (issue 44): the host memory the slots held is
+returned when the job ends, not when someone deletes the agent."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_a_daemon_agent_frees_the_slots_of_a_finished_job(fc_env: FcEnv, tmp_pat
     log = tmp_path / "agent.log"
     agent = subprocess.Popen(
         [sys.executable, "-m", "flashckpt", "agent", *env.cli_flags(), "--idle-timeout", "600",
-         "--log-file", str(log)],
+         "--free-finished", "--log-file", str(log)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -28,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def torchrun(
-    out: str, storage: str, job: str, steps: int, every: int, extra: list[str]
+    out: str, storage: str, job: str, steps: int, every: int, extra: list[str], work: str
 ) -> subprocess.Popen:
     cmd = [
         sys.executable,
@@ -57,15 +58,25 @@ def torchrun(
     # A restart must not reuse the rendezvous TCP store (and its port): gloo of the new workers
     # would otherwise try the dead worker's old address and hang or fail (`flashckpt run` sets
     # the same).
+    # The node agent's socket, log and events, and its snapshot slots, go under the demo's work
+    # directory and a /dev/shm directory of its own: removed at the end, nothing left behind.
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        FLASHCKPT_RUN_DIR=os.path.join(work, "agent"),
+        FLASHCKPT_SHM_DIR=shm_dir(work),
     )
+    print("   $ " + shlex.join(["torchrun", *cmd[3:]]), flush=True)
     return subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+
+
+def shm_dir(work: str) -> str:
+    """The demo's own directory of snapshot slots in /dev/shm."""
+    return os.path.join("/dev/shm", os.path.basename(work))
 
 
 def read_progress(path: str) -> list[dict]:
@@ -85,6 +96,7 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="flashckpt-demo-")
+    os.makedirs(shm_dir(work), mode=0o700)
     job = "demo" + uuid.uuid4().hex[:8]
     ok = False
     try:
@@ -98,6 +110,7 @@ def main() -> int:
             a.steps,
             a.every,
             ["--no-checkpoint"],
+            work,
         )
         out, _ = ref.communicate(timeout=900)
         if ref.returncode != 0:
@@ -105,12 +118,12 @@ def main() -> int:
             return 1
 
         print(
-            f"== flashckpt run: snapshot every {a.every} steps, SIGKILL rank 1 after step "
-            f"{a.kill_at}",
+            f"== torchrun with flashckpt (flashckpt.checkpointing in the script): snapshot every "
+            f"{a.every} steps, SIGKILL rank 1 after step {a.kill_at}",
             flush=True,
         )
         run_dir = f"{work}/run"
-        proc = torchrun(run_dir, f"file://{work}/ckpt", job, a.steps, a.every, [])
+        proc = torchrun(run_dir, f"file://{work}/ckpt", job, a.steps, a.every, [], work)
         killed = None
         deadline = time.monotonic() + 900
         while proc.poll() is None and time.monotonic() < deadline:
@@ -166,6 +179,8 @@ def main() -> int:
             print(f"(work directory kept: {work})")
         else:
             shutil.rmtree(work, ignore_errors=True)
+        # The slots' directory goes either way: it is memory.
+        shutil.rmtree(shm_dir(work), ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -69,9 +69,14 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
         help="seconds to wait for a previous agent of this job and node to exit",
     )
     p.add_argument("--detach", action="store_true", help="run in the background")
-    p.add_argument("--pid-file", default=None)
-    p.add_argument("--log-file", default=None)
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--pid-file", default=None, help="write the agent's pid to this file")
+    p.add_argument(
+        "--log-file",
+        default=None,
+        help="the agent's log file (default: <run-dir>/<job>.<node>.log with --detach, else "
+        "stderr)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     m = p.add_argument_group("monitoring")
     add_dataclass_args(m, MonitorConfig, flags=_monitor_flags())
 
@@ -183,6 +188,15 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     from flashckpt.format.storage import CorruptCheckpointError, Storage
 
     st = Storage(args.url)
+    # An object store has no directories: a prefix "exists" once a key is under it, so an empty
+    # bucket prefix is missing too. A mistyped root must not read as "no steps yet" (exit 0).
+    if not st.fs.exists(st.root):
+        print(
+            f"flashckpt ls: {args.url} does not exist (no checkpoint was ever written there); "
+            "check the URL (the --storage of the job)",
+            file=sys.stderr,
+        )
+        return 2
     steps = st.committed_steps()
     rows: list[dict[str, Any]] = []
     for s in steps:
@@ -361,7 +375,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from flashckpt.protocol.channel import default_run_dir
 
     run_dir = args.run_dir or envnames.run_dir() or default_run_dir()
-    agents = collect_status(run_dir, args.job)
+    wait = 0.8 if args.timeout is None else args.timeout
+    agents = collect_status(run_dir, args.job, wait, show_dead=args.all)
     if args.json:
         print(json.dumps(agents, indent=1, default=str))
     else:
@@ -373,7 +388,7 @@ def _cmd_status_etcd(args: argparse.Namespace) -> int:
     """The whole job from the per-machine summaries its launchers publish to etcd."""
     from datetime import timedelta
 
-    from flashckpt.elastic.etcd.client import EtcdClient, EtcdError
+    from flashckpt.elastic.etcd.client import EtcdClient, EtcdError, EtcdSecurity
     from flashckpt.elastic.membership.jobview import format_job_view, read_job_view
     from flashckpt.elastic.rendezvous.backend import job_prefix
 
@@ -385,7 +400,19 @@ def _cmd_status_etcd(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        client = EtcdClient(args.etcd, timeout=timedelta(seconds=args.timeout))
+        security = EtcdSecurity.from_options(
+            ca_file=args.etcd_ca,
+            cert_file=args.etcd_cert,
+            key_file=args.etcd_key,
+            user=args.etcd_user,
+            password_file=args.etcd_password_file,
+            key_prefix=args.key_prefix,
+        )
+        etcd = args.etcd
+        if security is not None and security.tls and "://" not in etcd:
+            etcd = ",".join(f"https://{e.strip()}" for e in etcd.split(",") if e.strip())
+        wait = 5.0 if args.timeout is None else args.timeout
+        client = EtcdClient(etcd, timeout=timedelta(seconds=wait), security=security)
         view = read_job_view(client, job_prefix(job, args.key_prefix))
     except ValueError as e:
         print(f"flashckpt status: {e}", file=sys.stderr)
@@ -520,11 +547,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("agent", help="run the node agent (a daemon per machine)")
     _agent_args(p)
     p = sub.add_parser("ls", help="list committed steps with sizes")
-    p.add_argument("url", type=_url)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("url", type=_url, help="checkpoint root URL")
+    p.add_argument("--json", action="store_true", help="print the steps as a JSON list")
     p = sub.add_parser("verify", help="check the integrity of committed steps")
-    p.add_argument("url", type=_url)
-    p.add_argument("--step", type=int, default=None)
+    p.add_argument("url", type=_url, help="checkpoint root URL")
+    p.add_argument(
+        "--step", type=int, default=None, help="check only this step (default: every committed)"
+    )
     p = sub.add_parser(
         "clean",
         help="remove the shared-memory segments of dead agents",
@@ -552,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-dir", default=None, help=f"agents' run dir (default: ${envnames.RUN_DIR})"
     )
     p.add_argument("--job", default=None, help="only this job (required with --etcd)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--etcd",
         "--rdzv-endpoint",
@@ -562,7 +591,31 @@ def build_parser() -> argparse.ArgumentParser:
         "`flashckpt run` publishes) instead of the agents under --run-dir",
     )
     p.add_argument("--key-prefix", default="/flashckpt", help="etcd key prefix (/flashckpt)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for etcd (5)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the agents (0.8) or for etcd with --etcd (5)",
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="also list the sockets of dead node agents (hidden: no live job has them)",
+    )
+    for name, help_text in (
+        ("--etcd-ca", f"CA certificate that signed etcd's certificate (${envnames.ETCD_CA})"),
+        ("--etcd-cert", f"etcd client certificate (${envnames.ETCD_CERT})"),
+        ("--etcd-key", f"key of --etcd-cert (${envnames.ETCD_KEY})"),
+        (
+            "--etcd-user",
+            f"etcd user; password in ${envnames.ETCD_PASSWORD} (${envnames.ETCD_USER})",
+        ),
+        (
+            "--etcd-password-file",
+            f"file with the etcd user's password (${envnames.ETCD_PASSWORD_FILE})",
+        ),
+    ):
+        p.add_argument(name, default=None, help=help_text)
     sub.add_parser("goodput", help="wall-time breakdown of a run from its events files")
     p = sub.add_parser(
         "export",
@@ -572,6 +625,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", type=_url, help="checkpoint root URL")
     p.add_argument("--step", type=int, default=None, help="step (default: newest committed)")
     p.add_argument("--to", required=True, help="output file (safetensors) or directory (dcp)")
-    p.add_argument("--format", choices=("safetensors", "dcp"), default="safetensors")
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "dcp"),
+        default="safetensors",
+        help="one consolidated safetensors file, or a DCP directory (default safetensors)",
+    )
     p.add_argument("--strip-prefix", default=None, help="drop this key prefix (e.g. 'module.')")
     return parser

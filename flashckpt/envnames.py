@@ -12,6 +12,12 @@ import os
 
 __all__ = [
     "ALL",
+    "ETCD_CA",
+    "ETCD_CERT",
+    "ETCD_KEY",
+    "ETCD_PASSWORD",
+    "ETCD_PASSWORD_FILE",
+    "ETCD_USER",
     "INJECT_HEALTH_FAULT",
     "JOB",
     "JOB_START",
@@ -58,6 +64,21 @@ with an error no restart can mend (a ``FlashckptError`` whose ``restartable`` is
 it, so the launcher fails at once with its text instead of restarting the workers."""
 INJECT_HEALTH_FAULT = "FLASHCKPT_INJECT_HEALTH_FAULT"
 """Fault injection for tests: when ``1``, this machine's compute checksum comes out wrong."""
+ETCD_CA = "FLASHCKPT_ETCD_CA"
+"""CA bundle (PEM) that signed etcd's server certificate; ``flashckpt run``/``status``:
+--etcd-ca, torchrun: ``--rdzv-conf ca_cert=``. Endpoints without a scheme are then https."""
+ETCD_CERT = "FLASHCKPT_ETCD_CERT"
+"""This machine's etcd client certificate (PEM), for an etcd with ``--client-cert-auth``;
+--etcd-cert, torchrun: ``ssl_cert=``."""
+ETCD_KEY = "FLASHCKPT_ETCD_KEY"
+"""The private key of the etcd client certificate; --etcd-key, torchrun: ``ssl_cert_key=``."""
+ETCD_USER = "FLASHCKPT_ETCD_USER"
+"""etcd user (etcd's ``auth enable``); --etcd-user, torchrun: ``user=``."""
+ETCD_PASSWORD = "FLASHCKPT_ETCD_PASSWORD"
+"""The etcd user's password (never a flag: ``ps`` shows arguments)."""
+ETCD_PASSWORD_FILE = "FLASHCKPT_ETCD_PASSWORD_FILE"
+"""A file whose first line is the etcd user's password (a mounted secret); wins over
+``FLASHCKPT_ETCD_PASSWORD``; --etcd-password-file, torchrun: ``password_file=``."""
 
 ALL = (
     JOB,
@@ -72,6 +93,12 @@ ALL = (
     WORKER_FAST_EXIT,
     INJECT_HEALTH_FAULT,
     WORKER_ERRORS,
+    ETCD_CA,
+    ETCD_CERT,
+    ETCD_KEY,
+    ETCD_USER,
+    ETCD_PASSWORD,
+    ETCD_PASSWORD_FILE,
 )
 """Every variable of this module."""
 

@@ -204,9 +204,27 @@ def _volatile_defaults() -> dict[tuple[str, str], tuple[str, str]]:
     return out
 
 
+class UndescribedFlag(ValueError):
+    """A flag without a description: the reference (and ``--help``) would show nothing."""
+
+
+def undescribed() -> list[str]:
+    """``VERB NAME`` of every flag or argument without a help text (must be empty)."""
+    return [
+        f"{verb or 'flashckpt'} {(action.option_strings or [action.dest])[0]}"
+        for verb, parser in parsers()
+        for _, action in _documented(parser)
+        if not (action.help or "").strip()
+    ]
+
+
 def _help(action: argparse.Action, prog: str, volatile: tuple[str, str] | None) -> str:
-    if action.help is None:
-        return ""
+    if not (action.help or "").strip():
+        name = (action.option_strings or [action.dest])[0]
+        raise UndescribedFlag(
+            f"{prog} {name} has no description: give it help=... (or a docstring on its "
+            "config field); every flag's meaning is in the reference"
+        )
     if action.help == argparse.SUPPRESS:
         return "(hidden from `--help`)"
     params = dict(vars(action), prog=prog)

@@ -55,6 +55,11 @@ class AgentConfig:
     that job's next agent. ``flashckpt clean`` removes them on demand."""
     exit_when_done: bool = False
     """Exit once every rank said done and everything is persisted (auto-started agents)."""
+    free_finished: bool = False
+    """Free a finished job's snapshot slots once storage holds its newest step, then exit (a
+    long-lived agent: the DaemonSet's, the systemd unit's; restarted, it holds nothing): the host
+    memory returns when the job ends. Off: the slots (and replicas held for other machines) stay
+    until the agent stops."""
     unused_timeout: float = 30.0
     """With ``exit_when_done``: exit this many seconds after the last trainer left once storage
     holds everything memory does, or when no trainer connected within it and nothing is kept.

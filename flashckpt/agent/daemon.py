@@ -332,6 +332,24 @@ class NodeAgent:
             ):
                 reason = "done"
                 break
+            if (
+                self.st.cfg.free_finished
+                and not self.st.cfg.exit_when_done
+                and ranks
+                and not has_clients
+                and self._trainers_finished()
+                and not self.persister.pending_step()
+                and not self.committer.commits
+                and self.st.storage is not None
+                and self._lacks() is None
+            ):
+                # A long-lived agent (the DaemonSet's, the systemd unit's) of a job that
+                # finished: storage holds its newest step, so its slots (2x the state in host
+                # memory) go now rather than when the agent is deleted (issue 44).
+                newest = self.persister.newest_in_memory()
+                reason = f"the job finished and storage holds its newest step ({newest})"
+                log.info("%s: freeing its snapshot slots", reason)
+                break
             # Only the stop and timeouts of seconds are looked at here: once a second is soon
             # enough for those (an idle agent's threads took ~60-90 wake-ups a second from the
             # training cores when every one polled; this loop took 20, then 4). A stop does

@@ -26,42 +26,75 @@ def by_global_rank(agent_ranks: dict[str, Any]) -> dict[str, Any]:
 
 
 def collect_status(
-    run_dir: str, job: str | None = None, timeout: float = 5.0
+    run_dir: str,
+    job: str | None = None,
+    timeout: float = 0.8,
+    *,
+    show_dead: bool = False,
 ) -> list[dict[str, Any]]:
     """Asks every node agent whose socket is in ``run_dir`` (or one level below it, where a
-    launcher keeps each agent generation) for its status.
+    launcher keeps each agent generation) for its status, all at once, within ``timeout``.
+
+    A socket nobody listens on (its agent is gone: killed, or a finished job's leftover) is
+    found with one connect attempt and left out unless ``show_dead``: it is no machine of a live
+    job, and waiting on each one (the agent client's connect retries) made a run directory full
+    of them take seconds.
 
     Returns:
         One dict per socket: the agent's ``status()``, or ``{"socket", "error"}`` if it did not
-        answer (a stale socket of a dead agent).
+        answer in time or is not this user's (a dead one also has ``"dead": True``).
     """
-    from flashckpt.errors import UnsafeLocalStateError
-    from flashckpt.protocol.channel import AgentClient, AgentError
+    from concurrent.futures import ThreadPoolExecutor
 
     socks = sorted(
         set(glob.glob(os.path.join(run_dir, "*.sock")))
         | set(glob.glob(os.path.join(run_dir, "*", "*.sock")))
     )
-    out = []
-    for path in socks:
-        name = os.path.basename(path)
-        if job is not None and not name.startswith(f"{job}."):
-            continue
-        try:
-            client = AgentClient(path, timeout=min(timeout, 1.0))
-        except (AgentError, UnsafeLocalStateError) as e:  # a foreign socket is not asked
-            out.append({"socket": path, "error": str(e)})
-            continue
-        try:
-            st = client.request("status", timeout=timeout)
-            st.pop("id", None)
-            st.pop("ok", None)
-            out.append({"socket": path, **st})
-        except AgentError as e:
-            out.append({"socket": path, "error": str(e)})
-        finally:
-            client.close()
-    return out
+    if job is not None:
+        socks = [p for p in socks if os.path.basename(p).startswith(f"{job}.")]
+    if not socks:
+        return []
+    deadline = time.monotonic() + timeout
+    with ThreadPoolExecutor(max_workers=min(32, len(socks))) as pool:
+        found = list(pool.map(lambda path: _ask(path, deadline), socks))
+    return [a for a in found if show_dead or not a.get("dead")]
+
+
+def _ask(path: str, deadline: float) -> dict[str, Any]:
+    """One agent's status, or why there is none."""
+    import socket
+
+    from flashckpt.errors import UnsafeLocalStateError
+    from flashckpt.protocol.channel import AgentClient, AgentError, check_socket
+
+    try:
+        check_socket(path)  # a foreign socket is never connected to
+    except UnsafeLocalStateError as e:
+        return {"socket": path, "error": str(e)}
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(max(0.01, deadline - time.monotonic()))
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError) as e:
+        return {"socket": path, "error": f"no node agent listening ({e})", "dead": True}
+    except OSError as e:
+        return {"socket": path, "error": f"cannot connect: {e}"}
+    finally:
+        probe.close()
+    left = max(0.05, deadline - time.monotonic())
+    try:
+        client = AgentClient(path, timeout=left)
+    except (AgentError, UnsafeLocalStateError) as e:
+        return {"socket": path, "error": str(e)}
+    try:
+        st = client.request("status", timeout=max(0.05, deadline - time.monotonic()))
+        st.pop("id", None)
+        st.pop("ok", None)
+        return {"socket": path, **st}
+    except AgentError as e:
+        return {"socket": path, "error": str(e)}
+    finally:
+        client.close()
 
 
 def format_status(agents: list[dict[str, Any]]) -> str:
@@ -71,7 +104,10 @@ def format_status(agents: list[dict[str, Any]]) -> str:
     finished, its newest snapshot in memory, the newest committed."""
     live = [a for a in agents if "error" not in a]
     if not agents:
-        return "no node agent found (is the job running? pass its --run-dir)"
+        return (
+            "no live node agent found (is the job running? pass its --run-dir; --all also "
+            "lists dead agents' sockets)"
+        )
     jobs = sorted({a.get("job", "?") for a in live})
     nranks = sum(len((a.get("monitor") or {}).get("ranks", {})) for a in live)
     lines = [

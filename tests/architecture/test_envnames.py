@@ -27,6 +27,12 @@ def test_the_public_names_are_unchanged() -> None:
         "FLASHCKPT_WORKER_FAST_EXIT",
         "FLASHCKPT_INJECT_HEALTH_FAULT",
         "FLASHCKPT_WORKER_ERRORS",  # added (issue 41): the names above stay
+        "FLASHCKPT_ETCD_CA",
+        "FLASHCKPT_ETCD_CERT",
+        "FLASHCKPT_ETCD_KEY",
+        "FLASHCKPT_ETCD_USER",
+        "FLASHCKPT_ETCD_PASSWORD",
+        "FLASHCKPT_ETCD_PASSWORD_FILE",
     )
 
 

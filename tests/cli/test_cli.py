@@ -402,3 +402,14 @@ def test_agent_with_a_missing_shm_dir_is_a_clear_error(fc_env: FcEnv, tmp_path: 
     assert "Traceback" not in r.stderr
     assert str(missing) in r.stderr and "--shm-dir" in r.stderr and "create it" in r.stderr
     assert not missing.exists()
+
+
+def test_ls_of_a_missing_root_fails(tmp_path: Path) -> None:
+    """A mistyped root is an error (exit 2, naming the URL), not "no committed steps" (exit 0),
+    which an existing empty root still is."""
+    missing = _cli("ls", f"file://{tmp_path}/no-such-root")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr, missing
+    assert f"{tmp_path}/no-such-root" in missing.stderr
+    (tmp_path / "empty").mkdir()
+    empty = _cli("ls", f"file://{tmp_path}/empty")
+    assert empty.returncode == 0 and "no committed steps" in empty.stdout, empty

@@ -8,12 +8,15 @@ and the trainers' host paths, job id and node id agree, and every flag exists.""
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from deployhelpers import (
     K8S_VERSION,
     KUSTOMIZE,
@@ -226,7 +229,7 @@ def test_etcd_has_three_members_a_pdb_and_compaction() -> None:
         (c,) = pod["spec"]["containers"]
         assert c["image"].split(":")[0] == "gcr.io/etcd-development/etcd"
         assert c["image"].split(":")[1].startswith("v3.6.")
-        flags = dict(a.split("=", 1) for a in c["args"])
+        flags = dict(a.split("=", 1) if "=" in a else (a, "") for a in c["args"])
         members = flags["--initial-cluster"].split(",")
         assert [m.split("=")[0] for m in members] == [f"{name}-{i}" for i in range(3)]
         assert flags["--auto-compaction-mode"] == "periodic"
@@ -244,6 +247,60 @@ def test_etcd_has_three_members_a_pdb_and_compaction() -> None:
         assert pdb["spec"]["minAvailable"] == 2
         services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
         assert services[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+
+
+def test_etcd_is_secured_and_fenced_off() -> None:
+    """TLS for clients and members with client certificates required, listening on the pod's
+    address; a NetworkPolicy admitting only the trainers (2379) and the members (2380); every
+    trainer container gets the CA, its certificate and key from the mounted client Secret."""
+    for overlay in ("jobset", "pytorchjob", "sidecar", "byo-etcd"):
+        objects = render(overlay)
+        trainers = 0
+        for pod in pods(objects):
+            for c in pod.containers():
+                if not _is_trainer(c):
+                    continue
+                trainers += 1
+                for name, file in (("CA", "ca.crt"), ("CERT", "tls.crt"), ("KEY", "tls.key")):
+                    path = _env(c, f"FLASHCKPT_ETCD_{name}")["value"]
+                    assert path == f"/etc/flashckpt/etcd-tls/{file}", (overlay, name)
+                    vol = pod.volume_at(c, path)
+                    assert vol["secret"]["secretName"] == "flashckpt-etcd-client-tls", vol
+        assert trainers, overlay
+        if overlay == "byo-etcd":
+            continue
+        (sts,) = [o for o in objects if o["kind"] == "StatefulSet"]
+        (c,) = sts["spec"]["template"]["spec"]["containers"]
+        flags = dict(a.split("=", 1) if "=" in a else (a, "") for a in c["args"])
+        for flag in ("--listen-client-urls", "--listen-peer-urls", "--initial-cluster"):
+            assert "http://" not in flags[flag] and "0.0.0.0" not in flags[flag], flag
+        assert "--client-cert-auth" in flags and "--peer-client-cert-auth" in flags
+        secrets = {
+            v["secret"]["secretName"]
+            for v in sts["spec"]["template"]["spec"]["volumes"]
+            if "secret" in v
+        }
+        assert secrets == {"flashckpt-etcd-server-tls", "flashckpt-etcd-peer-tls"}
+        (policy,) = [
+            o
+            for o in objects
+            if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "flashckpt-etcd"
+        ]
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        admitted = {
+            (rule["from"][0].get("podSelector", {}).get("matchLabels", {}).get(
+                "app.kubernetes.io/name"), port["port"])
+            for rule in policy["spec"]["ingress"]
+            for port in rule["ports"]
+        }  # fmt: skip
+        assert ("flashckpt-train", 2379) in admitted
+        assert ("flashckpt-etcd", 2380) in admitted
+        assert {who for who, port in admitted if port in (2379, 2380)} == {
+            "flashckpt-train",
+            "flashckpt-etcd",
+        }
 
 
 def _host_place(pod: Pod, c: dict[str, Any], path: str) -> tuple[str, str]:
@@ -290,3 +347,135 @@ def test_agent_and_trainers_share_host_paths_job_and_node() -> None:
                 uid = apod.spec["securityContext"]["runAsUser"]
                 (init,) = apod.spec["initContainers"]
                 assert f"chown {uid}:" in init["args"][0] and "chmod 0700" in init["args"][0]
+
+
+def test_cert_manager_component_makes_the_secrets_the_pods_mount(tmp_path: Path) -> None:
+    """components/etcd-certs on the jobset overlay: one Certificate per Secret that etcd and the
+    trainers mount, the server's names cover the endpoint the trainers dial and every member, and
+    the client certificate has no CommonName (etcd would refuse it on its gateway). cert-manager's
+    kinds have no vendored schema here: their fields are checked by name below."""
+    root = os.path.relpath(KUSTOMIZE, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{root}/overlays/jobset]\ncomponents: [{root}/components/etcd-certs]\n"
+    )
+    done = subprocess.run(
+        ["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    objects = [d for d in yaml.safe_load_all(done.stdout) if d]
+    certs = {o["spec"]["secretName"]: o["spec"] for o in objects if o["kind"] == "Certificate"}
+    mounted = {
+        v["secret"]["secretName"]
+        for pod in pods(tuple(objects))
+        for v in pod.spec.get("volumes", [])
+        if "secret" in v
+    }
+    assert mounted == {
+        "flashckpt-etcd-server-tls",
+        "flashckpt-etcd-peer-tls",
+        "flashckpt-etcd-client-tls",
+    }
+    assert mounted < set(certs)
+    namespace = next(o["metadata"]["namespace"] for o in objects if o["kind"] == "StatefulSet")
+    (config,) = [o for o in objects if o["kind"] == "ConfigMap"]
+    dialled = config["data"]["RDZV_ENDPOINT"].split(":")[0]
+    server = certs["flashckpt-etcd-server-tls"]
+    assert dialled in server["dnsNames"]
+    assert f"*.flashckpt-etcd-peer.{namespace}.svc" in server["dnsNames"]
+    client = certs["flashckpt-etcd-client-tls"]
+    assert "commonName" not in client and client["usages"] == ["client auth"]
+    for spec in certs.values():
+        assert set(spec) <= {
+            "isCA", "commonName", "secretName", "duration", "renewBefore", "privateKey",
+            "usages", "dnsNames", "ipAddresses", "subject", "issuerRef",
+        }  # fmt: skip
+
+
+# Pod Security Standards (kubernetes.io/docs/concepts/security/pod-security-standards/), the
+# checks of the baseline and restricted levels that apply to these pods.
+_BASELINE_CAPS = {
+    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+    "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
+}  # fmt: skip
+_RESTRICTED_VOLUMES = {
+    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+    "projected", "secret",
+}  # fmt: skip
+
+
+def pss_violations(pod: Pod, level: str) -> list[str]:
+    """What keeps ``pod`` out of a namespace whose ``enforce`` level is ``level``."""
+    if level == "privileged":
+        return []
+    spec, out = pod.spec, []
+    psc = spec.get("securityContext", {})
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            out.append(key)
+    out += [f"hostPath volume {v['name']}" for v in spec.get("volumes", []) if "hostPath" in v]
+    for c in pod.containers():
+        sc = c.get("securityContext", {})
+        where = f"container {c['name']}"
+        if sc.get("privileged"):
+            out.append(f"{where}: privileged")
+        added = set(sc.get("capabilities", {}).get("add", []))
+        if added - _BASELINE_CAPS:
+            out.append(f"{where}: adds {sorted(added - _BASELINE_CAPS)}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out.append(f"{where}: hostPort")
+        if level != "restricted":
+            continue
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{where}: allowPrivilegeEscalation not false")
+        if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+            out.append(f"{where}: does not drop ALL capabilities")
+        if added - {"NET_BIND_SERVICE"}:
+            out.append(f"{where}: adds {sorted(added)}")
+        if not sc.get("runAsNonRoot", psc.get("runAsNonRoot")):
+            out.append(f"{where}: runAsNonRoot not true")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            out.append(f"{where}: runs as uid 0")
+        seccomp = sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{where}: seccompProfile {seccomp}")
+    if level == "restricted":
+        for v in spec.get("volumes", []):
+            kinds = set(v) - {"name"}
+            if not kinds <= _RESTRICTED_VOLUMES:
+                out.append(f"volume {v['name']}: {sorted(kinds)}")
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_namespace_pod_security_level_admits_every_pod_and_no_less_would(overlay: str) -> None:
+    """The namespace's Pod Security ``enforce`` label admits every pod of the overlay, and is
+    the least privileged level that does: the sidecar overlay meets "restricted"; the others need
+    "privileged" for the host paths (and nothing more: every pod without them is restricted)."""
+    objects = render(overlay)
+    (ns,) = [o for o in objects if o["kind"] == "Namespace"]
+    level = ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+    found = list(pods(objects))
+    for pod in found:
+        assert pss_violations(pod, level) == [], (overlay, pod.name)
+    if overlay == "sidecar":
+        assert level == "restricted"
+        return
+    assert level == "privileged"
+    assert any(pss_violations(pod, "baseline") for pod in found), "baseline would do"
+    for pod in found:
+        if not any("hostPath" in v for v in pod.spec.get("volumes", [])):
+            assert pss_violations(pod, "restricted") == [], (overlay, pod.name)
+        elif pod.owner["kind"] != "DaemonSet":  # only the host paths keep them out
+            assert all("hostPath" in v for v in pss_violations(pod, "restricted")), pod.name
+
+
+def test_pod_security_check_is_not_vacuous() -> None:
+    (sts,) = [o for o in render("sidecar") if o["kind"] == "StatefulSet"]
+    pod = next(pods((sts,)))
+    assert pss_violations(pod, "restricted") == []
+    broken = copy.deepcopy(sts)
+    broken["spec"]["template"]["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+    (bad,) = list(pods((broken,)))
+    assert "container etcd: privileged" in pss_violations(bad, "baseline")
+    assert "container etcd: allowPrivilegeEscalation not false" in pss_violations(bad, "restricted")

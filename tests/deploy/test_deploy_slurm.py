@@ -96,12 +96,17 @@ def test_printed_commands_use_real_flags() -> None:
     done = subprocess.run([find_etcd_binary(), "--help"], capture_output=True, text=True)
     etcd_help = done.stdout + done.stderr
     for cmd in _commands():
-        if cmd[0] != "srun":
+        if cmd[0] == "sbatch":
             continue
-        # srun's own options end at the first word that is not one.
-        i = 1
-        while cmd[i].startswith("--"):
-            i += 1
+        if cmd[0] == "sbcast":  # the job's TLS files, to every machine
+            assert cmd[1:3] == ["--force", "--preserve"] and cmd[3] == cmd[4], cmd
+            continue
+        # srun's own options end at the first word that is not one; etcd runs without srun.
+        i = 0
+        if cmd[0] == "srun":
+            i = 1
+            while cmd[i].startswith("--"):
+                i += 1
         prog, rest = cmd[i:], cmd[i + 1 :]
         if prog[:2] == ["flashckpt", "run"]:
             # "gpu" is resolved while parsing, and this machine has none: parse a count instead.
@@ -119,6 +124,8 @@ def test_printed_commands_use_real_flags() -> None:
                 assert f"{name} " in etcd_help or f"{name}\n" in etcd_help, name
             assert any(f.startswith("--auto-compaction-retention=") for f in rest)
             assert any(f.startswith("--quota-backend-bytes=") for f in rest)
+            # TLS with client certificates, and never every interface.
+            assert "--client-cert-auth" in rest and not any("0.0.0.0" in f for f in rest), rest
             seen["etcd"] += 1
         else:
             pytest.fail(f"unexpected command {cmd}")

@@ -4,6 +4,7 @@ its command line): a flag added, renamed or removed is a deliberate change to th
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -86,3 +87,17 @@ def test_every_verb_has_a_section(gen: ModuleType) -> None:
     assert len(verbs) > 5
     for verb in verbs[1:]:
         assert f"\n## flashckpt {verb}\n" in cli
+
+
+def test_every_flag_has_a_description(gen: ModuleType) -> None:
+    assert gen.undescribed() == [], (
+        "flags without a description (help=...): the reference would show nothing for them"
+    )
+
+
+def test_the_generator_refuses_an_undescribed_flag(gen: ModuleType) -> None:
+    parser = argparse.ArgumentParser(prog="flashckpt demo")
+    parser.add_argument("--quiet-flag", action="store_true")
+    (action,) = [a for a in parser._actions if a.dest == "quiet_flag"]
+    with pytest.raises(gen.UndescribedFlag, match="flashckpt demo --quiet-flag has no description"):
+        gen._help(action, parser.prog, None)

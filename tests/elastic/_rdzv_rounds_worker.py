@@ -13,6 +13,7 @@ when a worker failed).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -40,6 +41,8 @@ def main() -> None:
     url, run_id = sys.argv[1], sys.argv[2]
     nodes, rounds = int(sys.argv[3]), int(sys.argv[4])
     out, go_dir = Path(sys.argv[5]), Path(sys.argv[6])
+    # The handler's info lines (a standby says it is one) go to the node's log.
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     register()  # the entry point may not be installed when running from a source tree
     params = RendezvousParameters(
         backend=BACKEND_NAME,

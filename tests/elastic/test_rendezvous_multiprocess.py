@@ -96,6 +96,12 @@ def test_rank_0_dies_a_new_node_joins_and_the_survivor_keeps_its_rank(
     still rank 1 (torch's numbering would make it rank 0: its node descriptor sorts before the
     newcomer's, a later pid), the newcomer is rank 0, hosts the round's TCPStore at the
     MASTER_ADDR:MASTER_PORT it published, and a gloo all_reduce spans the new world."""
+    run_failover(etcd_server, tmp_path, _env())
+
+
+def run_failover(etcd_url: str, tmp_path: Path, env: dict[str, str]) -> None:
+    """The rounds of :func:`test_rank_0_dies_a_new_node_joins_and_the_survivor_keeps_its_rank`
+    against the etcd at ``etcd_url``, the nodes run with ``env``."""
     run_id = f"mpr-{uuid.uuid4().hex[:8]}"
     go = tmp_path / "go"
     go.mkdir()
@@ -105,13 +111,13 @@ def test_rank_0_dies_a_new_node_joins_and_the_survivor_keeps_its_rank(
     def start(name: str, rounds: int) -> Path:
         out, log = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.log"
         logs.append(log)
-        args = [etcd_server, run_id, "2", str(rounds), str(out), str(go)]
+        args = [etcd_url, run_id, "2", str(rounds), str(out), str(go)]
         with open(log, "wb") as log_file:
             procs[name] = subprocess.Popen(
                 [sys.executable, str(ROUNDS_WORKER), *args],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env=_env(),
+                env=env,
                 start_new_session=True,
             )
         return out
@@ -141,6 +147,10 @@ def test_rank_0_dies_a_new_node_joins_and_the_survivor_keeps_its_rank(
         newcomer = wait_rounds(outs["p2"], 1)[0]
         for name in (survivor, "p2"):
             assert procs[name].wait(timeout=60) == 0, _log_tails(logs)
+        # The newcomer waited as a standby, and its log says so; the survivor never was one.
+        logs_of = {log.stem: log.read_text(errors="replace") for log in logs}
+        assert "standby: job" in logs_of["p2"], logs_of["p2"][-2000:]
+        assert "standby: job" not in logs_of[survivor]
         assert again["node"] == first[survivor]["node"] != newcomer["node"]
         assert again["rank"] == 1, (first, again, newcomer)
         assert newcomer["rank"] == 0, newcomer

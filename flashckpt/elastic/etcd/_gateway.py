@@ -48,12 +48,14 @@ from flashckpt.elastic.etcd import _kvproto
 from flashckpt.elastic.etcd._grpckv import CallFailed, GrpcChannel, GrpcError, NotHttp2
 from flashckpt.elastic.etcd._leasestream import KeepAliveStream, _StreamBroken
 from flashckpt.elastic.etcd.errors import (
+    EtcdAuthError,
     EtcdError,
     EtcdLeaseNotFound,
     EtcdOutcomeUnknown,
     EtcdTimeout,
     EtcdUnavailable,
 )
+from flashckpt.elastic.etcd.security import EtcdSecurity
 from flashckpt.errors import FlashckptError
 
 __all__ = ["ConnectionStats", "Endpoint", "Gateway", "parse_endpoints"]
@@ -96,6 +98,21 @@ _RETRY_NOT_APPLIED = frozenset({_GRPC_RESOURCE_EXHAUSTED})
 _RETRY_MAYBE_APPLIED = frozenset({_GRPC_DEADLINE_EXCEEDED, _GRPC_UNAVAILABLE})
 
 
+HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
+
+# TLS alerts by which etcd refuses this client's certificate (or the lack of one): a retry
+# cannot fix them.
+_CERT_REFUSED = frozenset(
+    {
+        "TLSV13_ALERT_CERTIFICATE_REQUIRED",
+        "SSLV3_ALERT_BAD_CERTIFICATE",
+        "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
+        "TLSV1_ALERT_UNKNOWN_CA",
+        "SSLV3_ALERT_HANDSHAKE_FAILURE",
+    }
+)
+
+
 class KeptStream(Protocol):
     """A watch stream the pool keeps open between two calls of one caller."""
 
@@ -126,6 +143,58 @@ class _AttemptFailed(FlashckptError):
         super().__init__(message)
         self.sent = sent
         self.timed_out = timed_out
+
+
+class _AuthRetry(_AttemptFailed):
+    """etcd rejected the request's auth token (expired, or issued before a change of users or
+    roles) before applying it: authenticate again and repeat it."""
+
+
+def auth_problem(message: str, where: str, path: str) -> Exception | None:
+    """What an etcd error message about authentication means: an :class:`_AuthRetry` (get a
+    new token), an :class:`EtcdAuthError` naming the fix, or ``None`` (not about auth)."""
+    text = message.lower()
+    if "invalid auth token" in text or "auth store is old" in text:
+        return _AuthRetry(f"{where}: {message}", sent=False, timed_out=False)
+    if "user name is empty" in text:
+        return EtcdAuthError(
+            f"etcd at {where} has authentication enabled and this client sent no user: pass "
+            "--etcd-user and set $FLASHCKPT_ETCD_PASSWORD or --etcd-password-file (torchrun: "
+            "--rdzv-conf user=..., $FLASHCKPT_ETCD_PASSWORD)"
+        )
+    if "authentication failed" in text or "invalid user id or password" in text:
+        return EtcdAuthError(
+            f"etcd at {where} refused the user name or password ({message}); check "
+            "--etcd-user and the password in $FLASHCKPT_ETCD_PASSWORD or --etcd-password-file"
+        )
+    if "commonname of client" in text:
+        return EtcdAuthError(
+            f"etcd at {where} refuses JSON-gateway requests (this client's transport) made with "
+            "a client certificate that has a CommonName (etcd would ignore it as a user name "
+            "there); issue the client certificate without a CN (cert-manager: leave commonName "
+            "unset; openssl: -subj /O=flashckpt), and authenticate with --etcd-user"
+        )
+    if "permission denied" in text:
+        return EtcdAuthError(
+            f"etcd at {where} denied {path} to this client's user ({message}); grant its role "
+            "readwrite on the job's key prefix: etcdctl role grant-permission <role> --prefix "
+            "readwrite /flashckpt/ (deploy/README.md)"
+        )
+    return None
+
+
+def cert_refused(exc: BaseException, where: str) -> EtcdAuthError | None:
+    """An :class:`EtcdAuthError` naming the fix when ``exc`` is etcd's TLS alert refusing this
+    client's certificate (or its absence); ``None`` for any other error."""
+    reason = getattr(exc, "reason", None)
+    if not isinstance(exc, ssl.SSLError) or reason not in _CERT_REFUSED:
+        return None
+    return EtcdAuthError(
+        f"etcd at {where} refused this client's TLS certificate ({reason}): it admits only "
+        "clients with a certificate signed by its --trusted-ca-file; pass --etcd-cert and "
+        "--etcd-key ($FLASHCKPT_ETCD_CERT/$FLASHCKPT_ETCD_KEY, torchrun: --rdzv-conf "
+        "ssl_cert=...,ssl_cert_key=...)"
+    )
 
 
 def _sent_but_failed(
@@ -409,6 +478,7 @@ class Gateway:
         connect_timeout: timedelta = timedelta(seconds=2),
         ssl_context: ssl.SSLContext | None = None,
         grpc_kv: bool | None = None,
+        security: EtcdSecurity | None = None,
     ) -> None:
         if timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
@@ -417,11 +487,27 @@ class Gateway:
         self._endpoints = parse_endpoint_list(endpoints)
         self._timeout = timeout
         self._connect_timeout_s = connect_timeout.total_seconds()
+        if security is not None and ssl_context is None and security.tls:
+            ssl_context = security.ssl_context()
         self._ssl_context = ssl_context
+        self._security = security
+        self._token: str | None = None
+        self._authentications = 0
+        self._auth_lock = threading.Lock()
         self._lock = threading.Lock()
         self._preferred = 0  # index of the endpoint that answered last
         self._pool = _Pool()
         self._tls = any(e.scheme == "https" for e in self._endpoints)
+        if security is not None and security.tls and not self._tls:
+            raise ValueError(
+                f"etcd TLS files were given but the endpoints {list(self.endpoints)} are plain "
+                "http://: use https:// endpoints (or host:port, which then means https)"
+            )
+        # The HTTP/2 streams (gRPC key-value calls, the lease keep-alive stream) share one socket
+        # between a reader thread and the callers; a TLS socket must not be read and written
+        # from two threads at once, and they carry no auth token: with TLS or auth every call
+        # goes over the gateway (HTTP/1.1 over TLS, one request per connection at a time).
+        self._streams_ok = not self._tls and not (security is not None and security.auth)
         self._grpc_kv = GRPC_KV_DEFAULT if grpc_kv is None else grpc_kv
 
     @property
@@ -433,6 +519,61 @@ class Gateway:
     def timeout(self) -> timedelta:
         """The default deadline of each call."""
         return self._timeout
+
+    @property
+    def security(self) -> EtcdSecurity | None:
+        """The TLS files and credentials this client was made with."""
+        return self._security
+
+    @property
+    def authentications(self) -> int:
+        """How many auth tokens this client obtained (one, plus one per expired token)."""
+        return self._authentications
+
+    def _headers(self, endpoint: Endpoint, deadline: Deadline) -> tuple[dict[str, str], str]:
+        """The headers of a gateway request: with a user, its auth token (obtained from
+        ``endpoint`` when none is held). Returns the headers and the token (empty: none)."""
+        security = self._security
+        if security is None or not security.auth:
+            return HEADERS, ""
+        token = self._token
+        if token is None:
+            with self._auth_lock:
+                token = self._token
+                if token is None:
+                    token = self._token = self._authenticate(endpoint, deadline)
+        if not token:
+            return HEADERS, ""
+        return {**HEADERS, "Authorization": token}, token
+
+    def _authenticate(self, endpoint: Endpoint, deadline: Deadline) -> str:
+        security = self._security
+        assert security is not None and security.user is not None
+        body = json.dumps({"name": security.user, "password": security.password}).encode()
+        try:
+            answer = self._post_once(endpoint, "/v3/auth/authenticate", body, deadline, HEADERS)
+        except EtcdError as exc:
+            if "authentication is not enabled" in str(exc):
+                logger.warning(
+                    "etcd at %s does not have authentication enabled, yet user %r was given: "
+                    "anyone who reaches it can read and write every job's keys; enable it "
+                    "(deploy/README.md, etcd security)",
+                    endpoint.url,
+                    security.user,
+                )
+                return ""
+            raise
+        token = answer.get("token")
+        if not isinstance(token, str) or not token:
+            raise EtcdError(f"{endpoint.url}/v3/auth/authenticate answered no token: {answer!r}")
+        self._authentications += 1
+        return token
+
+    def _forget_token(self, token: str) -> None:
+        """Drops ``token`` (etcd rejected it) so that the next request authenticates again."""
+        with self._auth_lock:
+            if self._token == token:
+                self._token = None
 
     def close(self) -> None:
         """Closes the pooled connections (a request in flight closes its own when done).
@@ -499,7 +640,7 @@ class Gateway:
         """
         budget = timeout if timeout is not None else self._timeout
         deadline = Deadline.after(budget)
-        method = _kvproto.METHODS.get(path) if self._grpc_kv and not self._tls else None
+        method = _kvproto.METHODS.get(path) if self._grpc_kv and self._streams_ok else None
         if method is not None:
             try:
                 message = _kvproto.encode(method[1], body)
@@ -511,9 +652,14 @@ class Gateway:
                     return answer
         payload = json.dumps(body).encode()
         for endpoint in self._attempts(deadline):
+            token = ""
             try:
-                response = self._post_once(endpoint, path, payload, deadline)
+                headers, token = self._headers(endpoint, deadline)
+                response = self._post_once(endpoint, path, payload, deadline, headers)
             except _AttemptFailed as exc:
+                if isinstance(exc, _AuthRetry):
+                    logger.info("etcd auth token of %s expired; authenticating again", path)
+                    self._forget_token(token)
                 if exc.sent and not idempotent:
                     raise EtcdOutcomeUnknown(
                         f"etcd at {endpoint.url} took {path} but its answer was lost ({exc}); "
@@ -648,7 +794,7 @@ class Gateway:
         deadline = Deadline.after(budget)
         for endpoint in self._attempts(deadline):
             pool = self._pool_here()
-            if pool.closed or pool.keepalive_by_request or self._tls:
+            if pool.closed or pool.keepalive_by_request or not self._streams_ok:
                 sent = time.monotonic()
                 return self._keep_alive_by_request(lease_id, deadline), sent
             stream: KeepAliveStream | None = None
@@ -739,13 +885,16 @@ class Gateway:
             conn.close()
             # Retrying cannot fix a certificate etcd's CA did not sign: fail now, not at the
             # deadline.
-            raise EtcdError(
+            raise EtcdAuthError(
                 f"TLS verification of {endpoint.url} failed: {exc.verify_message}; pass the CA "
-                "that signed etcd's certificate (rendezvous option ca_cert, or an ssl_context "
-                "loaded with it)"
+                "that signed etcd's certificate: --etcd-ca ($FLASHCKPT_ETCD_CA, torchrun: "
+                "--rdzv-conf ca_cert=...)"
             ) from exc
         except OSError as exc:
             conn.close()
+            refused = cert_refused(exc, endpoint.url)
+            if refused is not None:
+                raise refused from exc
             raise _AttemptFailed(
                 f"cannot connect to {endpoint.url}: {exc!r}",
                 sent=False,
@@ -756,7 +905,12 @@ class Gateway:
         return conn
 
     def _post_once(
-        self, endpoint: Endpoint, path: str, payload: bytes, deadline: Deadline
+        self,
+        endpoint: Endpoint,
+        path: str,
+        payload: bytes,
+        deadline: Deadline,
+        headers: dict[str, str] = HEADERS,
     ) -> dict[str, Any]:
         pool = self._pool_here()
         while True:
@@ -768,7 +922,7 @@ class Gateway:
             try:
                 assert conn.sock is not None
                 conn.sock.settimeout(max(0.001, deadline.remaining()))
-                conn.request("POST", path, body=payload, headers=HEADERS)
+                conn.request("POST", path, body=payload, headers=headers)
             except _PEER_CLOSED_ERRORS as exc:
                 conn.close()
                 if reused:
@@ -780,7 +934,9 @@ class Gateway:
                 raise _sent_but_failed(endpoint, path, exc, timed_out=False) from exc
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
-                raise _sent_but_failed(endpoint, path, exc) from exc
+                raise cert_refused(exc, endpoint.url) or _sent_but_failed(
+                    endpoint, path, exc
+                ) from exc
             except BaseException:
                 conn.close()
                 raise
@@ -790,7 +946,9 @@ class Gateway:
             data = response.read()
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
-            raise _sent_but_failed(endpoint, path, exc) from exc
+            # A refused certificate: etcd closed the connection in the handshake, before it
+            # read the request (TLS 1.3 reports it on the first read).
+            raise cert_refused(exc, endpoint.url) or _sent_but_failed(endpoint, path, exc) from exc
         except BaseException:
             conn.close()
             raise
@@ -803,14 +961,14 @@ class Gateway:
         raise error_from_response(response.status, data, endpoint, path)
 
 
-HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
-
-
 def error_from_grpc(exc: GrpcError, endpoint: Endpoint, path: str) -> Exception:
     """Maps a non-OK gRPC status to a final :class:`EtcdError` or a retryable failure, by the
     same codes as :func:`error_from_response` (the gateway reports etcd's gRPC status)."""
     code, message = exc.code, exc.grpc_message
     where = f"{endpoint.url}{path} (gRPC)"
+    auth = auth_problem(message, endpoint.url, path)
+    if auth is not None:
+        return auth
     if code in _RETRY_NOT_APPLIED:
         return _AttemptFailed(f"{where}: {message}", sent=False, timed_out=False)
     if code in _RETRY_MAYBE_APPLIED:
@@ -851,6 +1009,9 @@ def error_from_response(status: int, data: bytes, endpoint: Endpoint, path: str)
     except ValueError:
         pass
     where = f"{endpoint.url}{path}"
+    auth = auth_problem(message, endpoint.url, path)
+    if auth is not None:
+        return auth
     if code in _RETRY_NOT_APPLIED:
         return _AttemptFailed(f"{where}: {message}", sent=False, timed_out=False)
     if code in _RETRY_MAYBE_APPLIED or (code is None and status >= 500):

@@ -71,6 +71,7 @@ from flashckpt.elastic.etcd._wire import (
     ttl_seconds,
 )
 from flashckpt.elastic.etcd.errors import (
+    EtcdAuthError,
     EtcdError,
     EtcdLeaseNotFound,
     EtcdOutcomeUnknown,
@@ -79,15 +80,18 @@ from flashckpt.elastic.etcd.errors import (
     WatchClosed,
     WatchCompacted,
 )
+from flashckpt.elastic.etcd.security import EtcdSecurity
 from flashckpt.elastic.etcd.watchstream import WatchEvent, WatchStream
 
 # The client's public face: what its methods take, return and raise.
 __all__ = [
     "ConnectionStats",
+    "EtcdAuthError",
     "EtcdClient",
     "EtcdError",
     "EtcdLeaseNotFound",
     "EtcdOutcomeUnknown",
+    "EtcdSecurity",
     "EtcdTimeout",
     "EtcdUnavailable",
     "KeyValue",
@@ -140,6 +144,10 @@ class EtcdClient(Gateway):
             (:mod:`flashckpt.elastic.etcd._grpckv`) instead of JSON-gateway requests;
             ``None``: the module default. Either way they fall back to
             the gateway on ``https://`` endpoints and on an endpoint that does not speak HTTP/2.
+        security: TLS files (CA, client certificate) and etcd credentials
+            (:class:`~flashckpt.elastic.etcd.security.EtcdSecurity`). With a user, every request
+            carries an auth token from ``/v3/auth/authenticate``, obtained again when etcd
+            rejects it as expired. With TLS or a user, every call goes over the JSON gateway.
 
     Raises:
         ValueError: If no endpoint is given or a timeout is not positive.
@@ -304,8 +312,11 @@ class EtcdClient(Gateway):
         return int(response.get("count", 0))
 
     def revision(self, *, timeout: timedelta | None = None) -> int:
-        """The current revision of the whole store."""
-        body = {"key": b64(b"\x00"), "count_only": True}
+        """The current revision of the whole store (read from the key
+        :attr:`~flashckpt.elastic.etcd.security.EtcdSecurity.probe_key`: a user whose role may
+        read only the jobs' prefix may read it)."""
+        probe = self._security.probe_key if self._security is not None else b"\x00"
+        body = {"key": b64(probe), "count_only": True}
         return header_revision(self._call("/v3/kv/range", body, timeout=timeout, idempotent=True))
 
     def put(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from flashckpt.errors import FlashckptError
 
 __all__ = [
+    "EtcdAuthError",
     "EtcdError",
     "EtcdLeaseNotFound",
     "EtcdOutcomeUnknown",
@@ -22,6 +23,12 @@ class EtcdError(FlashckptError):
     Raised as such when etcd rejected a request (for example a malformed key), which retrying
     cannot fix.
     """
+
+
+class EtcdAuthError(EtcdError):
+    """etcd refused this client: no or a wrong client certificate, a certificate of a CA this
+    client does not trust, no or wrong credentials, or a user without permission. Retrying cannot
+    fix it; the message names the option to set."""
 
 
 class EtcdUnavailable(EtcdError):

@@ -25,6 +25,9 @@ from flashckpt.elastic.etcd._gateway import (
     Endpoint,
     Gateway,
     _AttemptFailed,
+    _AuthRetry,
+    auth_problem,
+    cert_refused,
     error_from_response,
 )
 from flashckpt.elastic.etcd._wire import KeyValue, b64, kv_from_event_json, prefix_end
@@ -183,6 +186,7 @@ class WatchStream:
         self._prev_kv = prev_kv
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._token = ""  # the auth token the stream was opened with ("": none)
         # The socket's poller when it is a plain one (see _open), else None.
         self._poller: select.poll | None = None
         self._endpoint: Endpoint | None = None
@@ -254,6 +258,8 @@ class WatchStream:
                 events = self._read(deadline)
             except _AttemptFailed as exc:
                 self._drop()
+                if isinstance(exc, _AuthRetry):
+                    self._client._forget_token(self._token)
                 if self._closed:
                     raise WatchClosed("the watch was closed") from None
                 failures += 1
@@ -285,6 +291,7 @@ class WatchStream:
         client = self._client
         endpoint = client._endpoint_for(0)  # the one that answered last
         try:
+            headers, self._token = client._headers(endpoint, deadline)
             conn = client._connect(endpoint, deadline)
         except _AttemptFailed:
             client._prefer(client._endpoint_for(1))  # try the next one next time
@@ -305,8 +312,8 @@ class WatchStream:
         host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
         head = (
             f"POST /v3/watch HTTP/1.1\r\nHost: {host}:{endpoint.port}\r\n"
-            "Content-Type: application/json\r\nAccept: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\n\r\n"
+            + "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+            + f"Content-Length: {len(payload)}\r\n\r\n"
         )
         try:
             sock.settimeout(max(0.001, deadline.remaining()))
@@ -345,6 +352,9 @@ class WatchStream:
         try:
             head = self._read_head(deadline)
         except (OSError, ValueError) as exc:
+            refused = cert_refused(exc, endpoint.url)
+            if refused is not None:
+                raise refused from exc
             raise _AttemptFailed(
                 f"watch on {endpoint.url} failed: {exc!r}", sent=False, timed_out=False
             ) from exc
@@ -510,6 +520,9 @@ class WatchStream:
             if not isinstance(message, dict):
                 raise self._malformed(line, f"expected a JSON object, got {type(message).__name__}")
             if "error" in message:
+                auth = auth_problem(str(message["error"]), endpoint, "/v3/watch")
+                if auth is not None:
+                    raise auth
                 # A broken watch (for example after a leader change): open it again.
                 raise _AttemptFailed(
                     f"watch error from {endpoint}: {message['error']}", sent=True, timed_out=False
@@ -539,6 +552,9 @@ class WatchStream:
                 compact,
             )
         if result.get("canceled"):
+            auth = auth_problem(str(result.get("cancel_reason", "")), "etcd", "/v3/watch")
+            if auth is not None:
+                raise auth
             raise _AttemptFailed(f"etcd canceled the watch: {result}", sent=True, timed_out=False)
         raws = result.get("events")
         if raws is None:

@@ -155,6 +155,43 @@ class LauncherConfig:
     )
     """Extra rendezvous options (torch's ``join_timeout``, ``last_call_timeout``,
     ``keep_alive_interval``..., ours: ``read_timeout``, ``key_prefix``...)."""
+    etcd_ca: str | None = field(
+        default=None,
+        metadata=cliargs.flag(
+            help="CA certificate (PEM) that signed etcd's server certificate; endpoints without "
+            "a scheme are then https (default $FLASHCKPT_ETCD_CA)"
+        ),
+    )
+    """CA bundle that signed etcd's certificate (rendezvous option ``ca_cert``)."""
+    etcd_cert: str | None = field(
+        default=None,
+        metadata=cliargs.flag(
+            help="this machine's etcd client certificate (PEM), for an etcd run with "
+            "--client-cert-auth (default $FLASHCKPT_ETCD_CERT)"
+        ),
+    )
+    """etcd client certificate (rendezvous option ``ssl_cert``)."""
+    etcd_key: str | None = field(
+        default=None,
+        metadata=cliargs.flag(help="the private key of --etcd-cert (default $FLASHCKPT_ETCD_KEY)"),
+    )
+    """Key of the etcd client certificate (rendezvous option ``ssl_cert_key``)."""
+    etcd_user: str | None = field(
+        default=None,
+        metadata=cliargs.flag(
+            help="etcd user, for an etcd with auth enabled; its password in "
+            "$FLASHCKPT_ETCD_PASSWORD or --etcd-password-file (default $FLASHCKPT_ETCD_USER)"
+        ),
+    )
+    """etcd user (rendezvous option ``user``)."""
+    etcd_password_file: str | None = field(
+        default=None,
+        metadata=cliargs.flag(
+            help="file whose first line is the etcd user's password, e.g. a mounted secret "
+            "(default $FLASHCKPT_ETCD_PASSWORD_FILE, then $FLASHCKPT_ETCD_PASSWORD)"
+        ),
+    )
+    """File holding the etcd user's password (rendezvous option ``password_file``)."""
     standalone: bool = field(default=False, metadata=cliargs.flag(derived="--standalone"))
     """Start a private etcd on loopback (single machine)."""
     max_restarts: int = field(
@@ -386,6 +423,19 @@ class LauncherConfig:
         ),
     )
     """Slower than this many times the other machines' median counts as a straggler."""
+
+    def etcd_options(self) -> dict[str, str]:
+        """The rendezvous options of the ``--etcd-*`` flags (``ca_cert``, ``ssl_cert``,
+        ``ssl_cert_key``, ``user``, ``password_file``): given flags only, to lay over
+        ``--rdzv-conf`` (and ``$FLASHCKPT_ETCD_*``, read where the client is made)."""
+        given = (
+            ("ca_cert", self.etcd_ca),
+            ("ssl_cert", self.etcd_cert),
+            ("ssl_cert_key", self.etcd_key),
+            ("user", self.etcd_user),
+            ("password_file", self.etcd_password_file),
+        )
+        return {option: value for option, value in given if value}
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:

@@ -118,7 +118,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add("-v", "--verbose", action="store_true", help="debug logging")
     add("training_script", help="the training script (or module, with -m)")
-    add("training_script_args", nargs=argparse.REMAINDER)
+    add("training_script_args", nargs=argparse.REMAINDER, help="the training script's arguments")
     return p
 
 

@@ -321,6 +321,7 @@ class LaunchSession:
             # A dead machine's rendezvous keys go with their lease, like its node key.
             "lease_ttl": str(cfg.lease_ttl),
             **cfg.rdzv_conf,
+            **cfg.etcd_options(),  # etcd TLS and auth (issue 44)
         }
         try:
             params = RendezvousParameters(

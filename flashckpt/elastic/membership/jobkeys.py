@@ -87,7 +87,7 @@ def remove_after_launch(config: LauncherConfig) -> int | None:
             run_id=config.rdzv_id,
             min_nodes=config.min_nodes,
             max_nodes=config.max_nodes,
-            **{**config.rdzv_conf, "read_timeout": "2"},
+            **{**config.rdzv_conf, **config.etcd_options(), "read_timeout": "2"},
         )
         client = create_client(params)
         prefix = job_prefix(config.rdzv_id, str(params.get("key_prefix", DEFAULT_KEY_PREFIX)))

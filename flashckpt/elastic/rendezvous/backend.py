@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
-import ssl
 from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from flashckpt.elastic.etcd.client import EtcdClient, parse_endpoints
+from flashckpt.elastic.etcd.client import EtcdClient, EtcdSecurity, parse_endpoints
 from flashckpt.elastic.etcd.store import EtcdV3Store
 from flashckpt.elastic.rendezvous.handler import RdzvHandler, settings_from_params
 
@@ -73,9 +72,14 @@ def create_client(params: RendezvousParameters) -> EtcdClient:
     |              | ``host:port`` (default port 2379).                                   |
     | read_timeout | Deadline in seconds of each etcd call, retries included (60).        |
     | protocol     | ``http`` or ``https`` for endpoints given without a scheme (http).   |
-    | ca_cert      | CA bundle that signs etcd's server certificate (https).              |
-    | ssl_cert     | Client certificate for etcd's client-cert auth (https).              |
-    | ssl_cert_key | Key of ``ssl_cert``.                                                 |
+    | ca_cert      | CA bundle that signs etcd's server certificate; endpoints without a  |
+    |              | scheme are then https ($FLASHCKPT_ETCD_CA).                          |
+    | ssl_cert     | Client certificate for etcd's ``--client-cert-auth``                 |
+    |              | ($FLASHCKPT_ETCD_CERT).                                              |
+    | ssl_cert_key | Key of ``ssl_cert`` ($FLASHCKPT_ETCD_KEY).                           |
+    | user         | etcd user, for etcd's auth ($FLASHCKPT_ETCD_USER); its password in   |
+    |              | $FLASHCKPT_ETCD_PASSWORD or the file ``password_file`` (never here:  |
+    |              | ``ps`` shows the command line).                                      |
     +--------------+----------------------------------------------------------------------+
 
     Raises:
@@ -87,7 +91,21 @@ def create_client(params: RendezvousParameters) -> EtcdClient:
             f"rendezvous option read_timeout must be a positive number of seconds, got "
             f"{params.get('read_timeout')!r}"
         )
-    protocol = str(params.get("protocol", "http")).strip().lower()
+    security = EtcdSecurity.from_options(
+        ca_file=_option(params, "ca_cert"),
+        cert_file=_option(params, "ssl_cert"),
+        key_file=_option(params, "ssl_cert_key"),
+        user=_option(params, "user"),
+        password_file=_option(params, "password_file"),
+        key_prefix=str(params.get("key_prefix", DEFAULT_KEY_PREFIX)),
+    )
+    if params.get("password"):
+        raise ValueError(
+            "rendezvous option password: a password on the command line is visible to every "
+            "user of the machine (ps); set $FLASHCKPT_ETCD_PASSWORD or password_file=<file>"
+        )
+    default_protocol = "https" if security is not None and security.tls else "http"
+    protocol = str(params.get("protocol", default_protocol)).strip().lower()
     if protocol not in ("http", "https"):
         raise ValueError(f"rendezvous option protocol must be http or https, got {protocol!r}")
     if not params.endpoint or not params.endpoint.strip():
@@ -101,13 +119,12 @@ def create_client(params: RendezvousParameters) -> EtcdClient:
         if e
     ]
     endpoints = parse_endpoints(endpoints)
-    ssl_context: ssl.SSLContext | None = None
-    if any(e.startswith("https://") for e in endpoints):
-        ssl_context = ssl.create_default_context(cafile=params.get("ca_cert"))
-        cert = params.get("ssl_cert")
-        if cert:
-            ssl_context.load_cert_chain(cert, params.get("ssl_cert_key"))
-    return EtcdClient(endpoints, timeout=timedelta(seconds=read_timeout), ssl_context=ssl_context)
+    return EtcdClient(endpoints, timeout=timedelta(seconds=read_timeout), security=security)
+
+
+def _option(params: RendezvousParameters, name: str) -> str | None:
+    value = params.get(name)
+    return str(value) if value else None
 
 
 def use_fresh_worker_store() -> None:

@@ -562,6 +562,7 @@ class RdzvHandler(RendezvousHandler):
         # The round this machine is a member of, and what it knows of it.
         self._round: int | None = None
         self._rank: int | None = None
+        self._standby_said = -1  # the round this machine last said it stands by in
         self._members: PackedMembers | None = None
         self._member_set: frozenset[int] | None = None  # members(), decoded once asked
         self._member_id: int | None = None
@@ -1086,6 +1087,17 @@ class RdzvHandler(RendezvousHandler):
                 self.on_waiting(rnd)
             except Exception:
                 logger.exception("the rendezvous' on_waiting callback failed")
+        if rnd > 0 and self._rank is None and self._standby_said != rnd:
+            # Never a member of this job: a standby (or a machine joining a running job). Said
+            # once per round it waits in, at info level, so its log says what it is doing.
+            self._standby_said = rnd
+            logger.info(
+                "standby: job %r runs without this machine (%s); it waits in round %d and joins "
+                "when the job takes it (a machine leaves or fails, or the round has room)",
+                self._s.run_id,
+                self._node,
+                rnd,
+            )
         logger.debug("joined round %d as %s (revision %d)", rnd, self._node, my_create)
         return self._wait_round(rnd, round_rev, my_create, _revision(response), ctl, deadline)
 
@@ -1521,7 +1533,8 @@ class RdzvHandler(RendezvousHandler):
             # Not taken (the round was full, or this machine's key lapsed before it closed):
             # a standby for the next round. Its key of this round goes.
             logger.info(
-                "round %d formed with %d machines without this one (%s): waiting for the next",
+                "round %d formed with %d machines without this one (%s): a standby, waiting for "
+                "the next",
                 rnd,
                 len(result.members),
                 self._node,

@@ -18,8 +18,14 @@ own ``load()`` runs (its folder, a seed checkpoint, ``initial_load_path``), whic
 the step at 0. At the last step torchtitan's own manager still writes its final export
 (``last_save_model_only``, ``last_save_in_hf``) unless ``export_last_step=False``.
 
+``checkpoint.exclude_from_loading`` leaves states other than the model and the optimizers out
+of the restore (they are still saved): ``["dataloader"]`` is what a resume at another
+data-parallel degree needs, since torchtitan's data loader cannot reshard its position (a
+restore that would hand it one saved at another degree is refused, naming that key).
+
 Refused, naming the fix: ``async_mode`` other than ``"disabled"`` (flashckpt's snapshot is
-already off the training path), ``exclude_from_loading``, ``load_only``, ``load(step=N)`` for a
+already off the training path), ``exclude_from_loading`` naming the model or the optimizers,
+``load_only``, ``load(step=N)`` for a
 given N (flashckpt resumes the newest step), and ``save()`` calls whose ``curr_step`` is not one
 more than the steps already counted (a step skipped, or a ``train_state`` that disagrees with the
 restored step).
@@ -60,6 +66,7 @@ log = logging.getLogger("flashckpt")
 MODEL = "model"  # torchtitan.components.checkpoint.MODEL
 TRAIN_STATE = "train_state"  # torchtitan.components.checkpoint.TRAIN_STATE
 DATALOADER = "dataloader"  # torchtitan.components.checkpoint.DATALOADER
+OPTIMIZER = "optimizer"  # torchtitan.components.checkpoint.OPTIMIZER
 _BYTES = "flashckpt_bytes"  # marks a bytes value carried as a uint8 tensor
 _PLAIN = "flashckpt_unpickled"  # marks a loader's pickled state carried as plain data
 _LOADER_RANK = "dp_rank_"  # ParallelAwareDataloader's key of its pickled state
@@ -113,11 +120,14 @@ class FlashCheckpointManager:
                 "snapshot is already copied off the training path and persisted by its node "
                 "agent; set checkpoint.async_mode='disabled'"
             )
-        if getattr(manager, "exclude_from_loading", None):
+        excluded = list(getattr(manager, "exclude_from_loading", None) or [])
+        kept = [k for k in excluded if k in (MODEL, OPTIMIZER)]
+        if kept:
             raise NotImplementedError(
-                f"checkpoint.exclude_from_loading={list(manager.exclude_from_loading)!r}: "
-                "FlashCheckpointManager restores every state it saved. Drop "
-                "exclude_from_loading, or use torchtitan's own CheckpointManager for this run"
+                f"checkpoint.exclude_from_loading={excluded!r}: FlashCheckpointManager restores "
+                f"the model and the optimizers it saved together ({kept!r} cannot be left out). "
+                "Drop them from exclude_from_loading, or use torchtitan's own CheckpointManager "
+                "for this run"
             )
         if getattr(manager, "load_only", False):
             raise ValueError(
@@ -125,6 +135,12 @@ class FlashCheckpointManager:
                 "torchtitan's own CheckpointManager to load without saving"
             )
         states = manager.states
+        unknown_keys = sorted(set(excluded) - set(states))
+        if unknown_keys:
+            raise ValueError(
+                f"checkpoint.exclude_from_loading names {unknown_keys!r}, which the manager does "
+                f"not hold (its states: {sorted(states)!r}): fix the key names"
+            )
         wrapper = states.get(MODEL)
         parts = getattr(wrapper, "model", None)
         if isinstance(parts, torch.nn.Module):
@@ -156,9 +172,9 @@ class FlashCheckpointManager:
             if isinstance(obj, torch.optim.Optimizer):
                 self._stateful[key] = obj
             elif key == DATALOADER:
-                self._stateful[key] = _LoaderState(obj, key)
+                self._stateful[key] = _LoaderState(obj, key, key in excluded)
             else:
-                self._stateful[key] = _BytesAsTensors(obj, key)
+                self._stateful[key] = _BytesAsTensors(obj, key, key in excluded)
         self.ckpt: Checkpointer | None = None
         self.restored_step: int | None = None
         self.restored_from: str | None = None
@@ -304,9 +320,10 @@ class _BytesAsTensors:
     business: the first snapshot that holds some warns, naming them, since an object that
     unpickles them would unpickle bytes read from a snapshot."""
 
-    def __init__(self, obj: Any, key: str) -> None:
+    def __init__(self, obj: Any, key: str, excluded: bool = False) -> None:
         self.obj = obj
         self.key = key
+        self.excluded = excluded  # in checkpoint.exclude_from_loading: saved, never restored
         self._warned = False
 
     def state_dict(self) -> Any:
@@ -326,7 +343,8 @@ class _BytesAsTensors:
         return out
 
     def load_state_dict(self, sd: Any) -> None:
-        self.obj.load_state_dict(_to_bytes(sd))
+        if not self.excluded:
+            self.obj.load_state_dict(_to_bytes(sd))
 
 
 class _LoaderState:
@@ -336,10 +354,11 @@ class _LoaderState:
     loader's ``pickle.loads`` only ever sees bytes made from plain values, never bytes read from
     a snapshot."""
 
-    def __init__(self, obj: Any, key: str) -> None:
+    def __init__(self, obj: Any, key: str, excluded: bool = False) -> None:
         self.obj = obj
-        self.inner = _BytesAsTensors(obj, key)
+        self.inner = _BytesAsTensors(obj, key, excluded)
         self.key = key
+        self.excluded = excluded
 
     def state_dict(self) -> Any:
         sd = self.obj.state_dict()
@@ -361,9 +380,21 @@ class _LoaderState:
         return out
 
     def load_state_dict(self, sd: Any) -> None:
+        if self.excluded:
+            return
         if not isinstance(sd, dict):
             self.obj.load_state_dict(_to_bytes(sd))
             return
+        saved, now = sd.get("world_size"), getattr(self.obj, "dp_world_size", None)
+        if isinstance(saved, int) and isinstance(now, int) and saved != now:
+            # torchtitan's loader cannot reshard its position (its own load asserts, and a rank
+            # whose dp_rank_N is missing only warns and starts its data afresh).
+            raise ValueError(
+                f"states[{self.key!r}] was saved at a data-parallel degree of {saved} and this "
+                f"run has {now}: torchtitan's data loader cannot be resharded. Resume at the "
+                "same data-parallel degree, or set checkpoint.exclude_from_loading="
+                "['dataloader'] to restart the data from the beginning of each rank's part"
+            )
         back: dict[Any, Any] = {}
         for k, v in sd.items():
             where = f"states[{self.key!r}][{k!r}]"

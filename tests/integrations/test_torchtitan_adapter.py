@@ -188,7 +188,9 @@ def test_settings_it_cannot_honour_are_refused(fc_env: FcEnv, agent: RunningAgen
     with pytest.raises(ValueError, match="async_mode='disabled'"):
         FlashCheckpointManager(_StandInManager(*parts, async_mode="async"), **kw)
     with pytest.raises(NotImplementedError, match="exclude_from_loading"):
-        FlashCheckpointManager(_StandInManager(*parts, exclude_from_loading=["dataloader"]), **kw)
+        FlashCheckpointManager(_StandInManager(*parts, exclude_from_loading=["model"]), **kw)
+    with pytest.raises(ValueError, match=r"does not hold.*fix the key names"):
+        FlashCheckpointManager(_StandInManager(*parts, exclude_from_loading=["datalaoder"]), **kw)
     ck = FlashCheckpointManager(_StandInManager(*parts), every=2, **kw)
     with pytest.raises(NotImplementedError, match="load_step=-1"):
         ck.load(step=3)

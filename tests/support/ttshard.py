@@ -156,7 +156,7 @@ class Job:
             batch_size=2,
         )
         self.train_state = TrainState()
-        mode = "disabled" if a.mode in ("flash", "native") else a.mode.split(":", 1)[1]
+        mode = a.mode.split(":", 1)[1] if a.mode.startswith("native:") else "disabled"
         self.checkpointer: Any = CheckpointManager.Config(
             enable=True,
             folder="checkpoint",
@@ -216,6 +216,22 @@ def full_tensors(job: Job) -> dict[str, torch.Tensor]:
     }
 
 
+def copy_seconds(tensors: list[torch.Tensor], rounds: int = 5) -> float:
+    """The median time of a memory copy of ``tensors`` into buffers allocated (and touched)
+    beforehand: the floor a snapshot of that state cannot go below, measured in the same run
+    (``benchmarks/integrations_stall.py`` sets each checkpoint's loss against it)."""
+    dst = [torch.empty_like(t) for t in tensors]
+    for d in dst:
+        d.zero_()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for d, t in zip(dst, tensors, strict=True):
+            d.copy_(t)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def dump(job: Job, out: str, tag: str, rank: int) -> None:
     safetensors.torch.save_file(
         local_tensors(job), os.path.join(out, f"{tag}.rank{rank}.safetensors")
@@ -232,6 +248,11 @@ def train(a: argparse.Namespace, rank: int, world: int) -> int:
     torch.set_num_threads(1)
     job = Job(a, world)
     flash = None
+    if a.mode == "none":
+        from tttrain import _NoCheckpoint
+
+        job.checkpointer.close()
+        job.checkpointer = _NoCheckpoint()
     if a.mode == "flash":
         from flashckpt.integrations.torchtitan import FlashCheckpointManager
 
@@ -276,6 +297,10 @@ def train(a: argparse.Namespace, rank: int, world: int) -> int:
         if a.step_sleep:
             time.sleep(a.step_sleep)
         last = time.perf_counter()
+    if a.step_times and rank == 0:  # the state one rank snapshots: its pieces, copied
+        pieces = [t for t in local_tensors(job).values() if t.numel()]
+        with open(a.step_times + ".copy", "w") as f:
+            f.write(f"{copy_seconds(pieces)} {sum(t.nbytes for t in pieces)}\n")
     dump(job, a.out, "final", rank)
     job.checkpointer.close()
     if rank == 0:
@@ -291,10 +316,10 @@ def main() -> int:
     p.add_argument(
         "--mode",
         default="flash",
-        help="flash, native (torchtitan's DCP), native:async (its async_mode), none",
+        help="flash, native (torchtitan's DCP), native:<its async_mode>, none (no checkpoint)",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (FSDP2 on the rest)")
-    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--dim", "--width", type=int, default=64, help="the model's dim")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--fork-world", type=int, default=0, help="fork this many ranks from here")
     p.add_argument("--exclude-dataloader", action="store_true")
@@ -307,8 +332,6 @@ def main() -> int:
     import torchtitan.components.checkpoint
     import torchtitan.models.llama3  # noqa: F401
 
-    if a.mode == "none":
-        raise SystemExit("ttshard.py: --mode none is not implemented")
     if not a.fork_world:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
         code = train(a, dist.get_rank(), dist.get_world_size())

@@ -23,6 +23,10 @@ of the restore (they are still saved): ``["dataloader"]`` is what a resume at an
 data-parallel degree needs, since torchtitan's data loader cannot reshard its position (a
 restore that would hand it one saved at another degree is refused, naming that key).
 
+Each snapshot also keeps the model's parallel layout (``flashckpt_layout``); a restore at
+another layout of a snapshot whose parameters' DTensor metadata does not describe the whole
+split (tensor parallel in torchtitan's ``partial_dtensor`` backend) is refused (see ``_Layout``).
+
 Refused, naming the fix: ``async_mode`` other than ``"disabled"`` (flashckpt's snapshot is
 already off the training path), ``exclude_from_loading`` naming the model or the optimizers,
 ``load_only``, ``load(step=N)`` for a
@@ -70,6 +74,7 @@ OPTIMIZER = "optimizer"  # torchtitan.components.checkpoint.OPTIMIZER
 _BYTES = "flashckpt_bytes"  # marks a bytes value carried as a uint8 tensor
 _PLAIN = "flashckpt_unpickled"  # marks a loader's pickled state carried as plain data
 _LOADER_RANK = "dp_rank_"  # ParallelAwareDataloader's key of its pickled state
+_LAYOUT = "flashckpt_layout"  # the adapter's own state in a snapshot: see _Layout
 
 
 class FlashCheckpointManager:
@@ -175,6 +180,10 @@ class FlashCheckpointManager:
                 self._stateful[key] = _LoaderState(obj, key, key in excluded)
             else:
                 self._stateful[key] = _BytesAsTensors(obj, key, key in excluded)
+        if _LAYOUT in self._stateful:
+            raise ValueError(f"states holds a key {_LAYOUT!r}, which FlashCheckpointManager uses")
+        self._layout = _Layout(self._model)
+        self._stateful[_LAYOUT] = self._layout
         self.ckpt: Checkpointer | None = None
         self.restored_step: int | None = None
         self.restored_from: str | None = None
@@ -203,6 +212,7 @@ class FlashCheckpointManager:
         ckpt = self._open()
         if ckpt.restored_from is not None:
             self.restored_step, self.restored_from = ckpt.start_step, ckpt.restored_from
+            self._layout.check()
             got = self._train_step()
             if got != ckpt.start_step:
                 raise RuntimeError(
@@ -312,6 +322,76 @@ class FlashCheckpointManager:
                 "checks the restored step against it"
             )
         return int(step.item() if isinstance(step, torch.Tensor) else step)
+
+
+class _Layout:
+    """The parallel layout of the model's parameters (the world size, and each DTensor
+    parameter's mesh, mesh dim names and placements), kept in each snapshot under
+    ``flashckpt_layout`` and checked at a restore.
+
+    A resume at another layout rebuilds each piece from the saved pieces by their DTensor
+    metadata. That is exact where the metadata describes the whole split (FSDP2 on the whole
+    world: 4 ranks -> 2). torchtitan 0.3.0's ``partial_dtensor`` backend with tensor parallel
+    keeps each parameter a DTensor on the ``fsdp`` mesh only, the tensor-parallel split outside
+    its metadata: the pieces of the other tensor-parallel ranks claim the same boxes with other
+    data, and a resume at another layout would load a model that is not the saved one. That is
+    refused (raised after the restore, before any step), naming the fix."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.saved: Any = None
+
+    def describe(self) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        params: dict[str, Any] = {}
+        for name, p in self.model.named_parameters():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is None:
+                continue
+            params[name] = [
+                list(mesh.mesh.shape),
+                list(mesh.mesh_dim_names or []),
+                [str(x) for x in p.placements],  # type: ignore[attr-defined]
+            ]
+        return {"world": world, "params": params}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.describe()
+
+    def load_state_dict(self, sd: Any) -> None:
+        self.saved = sd
+
+    def check(self) -> None:
+        saved, now = self.saved, self.describe()
+        if not isinstance(saved, dict) or saved == now:
+            return  # the same layout (or a snapshot from before this check)
+        world = saved.get("world")
+        params = saved.get("params") or {}
+        partial = sorted(
+            name
+            for name, (shape, _, _) in params.items()
+            if isinstance(world, int) and _numel(shape) < world
+        )
+        if partial:
+            raise ValueError(
+                f"the snapshot restored was saved by {world} ranks whose parameters are DTensors "
+                f"on a mesh of fewer ranks ({partial[0]!r}: mesh {params[partial[0]][0]} "
+                f"{params[partial[0]][1]}, {params[partial[0]][2]}), and this run's layout "
+                f"differs ({now['world']} ranks, {partial[0]!r}: "
+                f"{now['params'].get(partial[0])}): the parallelism outside the DTensors (tensor "
+                "parallel in torchtitan's partial_dtensor backend) cannot be resharded from "
+                "their metadata. Resume with the saved parallelism "
+                "(parallelism.tensor_parallel_degree and data_parallel_shard_degree as saved)"
+            )
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 class _BytesAsTensors:

@@ -266,6 +266,10 @@ def train(a: argparse.Namespace, rank: int, world: int) -> int:
         with open(os.path.join(a.out, "starts.txt"), "a") as f:
             src = f"{flash.restored_step} {flash.restored_from}" if flash else f"{ts.step} native"
             f.write(f"{src} {world}\n")
+    if flash is not None and flash.ckpt is not None and flash.restored_from:
+        with open(os.path.join(a.out, "restore.jsonl"), "a") as f:  # why memory or storage
+            f.write(json.dumps({"rank": rank, **flash.ckpt.status()["restore"]}, default=str))
+            f.write("\n")
     if ts.step:
         dump(job, a.out, "restored", rank)
     if a.stop_after_load:

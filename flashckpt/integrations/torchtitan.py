@@ -166,7 +166,7 @@ class FlashCheckpointManager:
         self.export_last_step = export_last_step
         self.enable = True
         self.save_future = None  # torchtitan's loop reads it; flashckpt has no save future
-        self._model = torch.nn.ModuleList(parts)
+        self._model = _Parts(parts)
         self._stateful: dict[str, Any] = {}
         for key, obj in states.items():
             if key == MODEL or obj is None:
@@ -324,6 +324,48 @@ class FlashCheckpointManager:
         return int(step.item() if isinstance(step, torch.Tensor) else step)
 
 
+class _Parts(torch.nn.ModuleList):
+    """The model parts, whose state is their parameters and persistent buffers as they are.
+
+    torchtitan's models convert their state dict on the way out (``FusedQKVLinear`` splits
+    ``wqkv`` into ``wq``/``wk``/``wv``, redistributing the DTensor to ``Replicate``: an all-gather
+    on every rank at every snapshot, and full tensors in place of this rank's shard). A snapshot
+    needs neither: it keeps each parameter's local piece under its own name and copies it back
+    into the same parameter, so the hooks are bypassed both ways."""
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for mod_name, mod in self.named_modules():
+            prefix = f"{mod_name}." if mod_name else ""
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    out[prefix + name] = p
+            for name, b in mod._buffers.items():
+                if b is not None and name not in mod._non_persistent_buffers_set:
+                    out[prefix + name] = b
+        return out
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return {k: t.detach() for k, t in self._tensors().items()}
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        targets = self._tensors()
+        missing = sorted(set(targets) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(targets))
+        if missing or unexpected:
+            raise KeyError(
+                f"the snapshot's model state does not fit these model parts (missing "
+                f"{missing[:5]}, unexpected {unexpected[:5]}): resume with the model it was "
+                "saved with"
+            )
+        with torch.no_grad():
+            for k, t in targets.items():
+                t.copy_(state_dict[k])
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+
 class _Layout:
     """The parallel layout of the model's parameters (the world size, and each DTensor
     parameter's mesh, mesh dim names and placements), kept in each snapshot under
@@ -340,6 +382,7 @@ class _Layout:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.saved: Any = None
+        self._now: dict[str, Any] | None = None
 
     def describe(self) -> dict[str, Any]:
         import torch.distributed as dist
@@ -358,7 +401,9 @@ class _Layout:
         return {"world": world, "params": params}
 
     def state_dict(self) -> dict[str, Any]:
-        return self.describe()
+        if self._now is None:  # the layout does not change during a run
+            self._now = self.describe()
+        return self._now
 
     def load_state_dict(self, sd: Any) -> None:
         self.saved = sd

@@ -275,6 +275,12 @@ def train(a: argparse.Namespace, rank: int, world: int) -> int:
     if a.stop_after_load:
         job.checkpointer.close()
         return 0
+    prof = None
+    if a.profile and rank == 0:  # where a step's time goes (benchmarks: profile first)
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     last = time.perf_counter()
     data = iter(job.dataloader)
     while ts.step < a.steps:
@@ -301,6 +307,9 @@ def train(a: argparse.Namespace, rank: int, world: int) -> int:
         if a.step_sleep:
             time.sleep(a.step_sleep)
         last = time.perf_counter()
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(a.profile)
     if a.step_times and rank == 0:  # the state one rank snapshots: its pieces, copied
         pieces = [t for t in local_tensors(job).values() if t.numel()]
         with open(a.step_times + ".copy", "w") as f:
@@ -330,6 +339,7 @@ def main() -> int:
     p.add_argument("--stop-after-load", action="store_true", help="exit right after load()")
     p.add_argument("--step-times", default=None)
     p.add_argument("--agent-idle-timeout", type=float, default=120)
+    p.add_argument("--profile", default=None, help="rank 0's loop under cProfile, to this file")
     a = p.parse_args()
     sys.path.append(a.torchtitan_site)  # after the venv: torchtitan's own packages only
     os.makedirs(a.out, exist_ok=True)

@@ -20,6 +20,13 @@ floor), the median over the rounds. A save in the background also slows the step
 ``loop_lost_per_checkpoint_s`` is the whole loop's time (the steps after the warm-up) less that
 of ``none`` in the same round, per checkpoint, the median over the rounds.
 
+``torchtitan-sharded`` (issue 42) is torchtitan's Llama 3 model code and ``parallelize_llama``
+with FSDP2 on ``--tts-world`` forked ranks (``tests/support/ttshard.py``, gloo on CPU), against
+its ``CheckpointManager`` in DCP sync, ``async`` (``dcp.async_save``) and
+``async_with_pinned_mem`` (its pinned-memory stager: an accelerator only). torchtitan's runs also
+time a memory copy of the state one rank snapshots (``memcpy_s``): flash's
+``lost_over_memcpy`` and ``within_copy_target`` (max(1.5x, +20 ms)) are set against it.
+
     python benchmarks/integrations_stall.py --out benchmarks/runs/integrations.json
 
 Prints a table and writes JSON (``--out``).

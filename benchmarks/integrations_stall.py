@@ -25,6 +25,13 @@ floor), the median over the rounds. A save in the background also slows the step
 ``loop_lost_per_checkpoint_s`` is the whole loop's time (the steps after the warm-up) less that
 of ``none`` in the same round, per checkpoint, the median over the rounds.
 
+``torchtitan-sharded`` (issue 42) is torchtitan's Llama 3 model code and ``parallelize_llama``
+with FSDP2 on ``--tts-world`` forked ranks (``tests/support/ttshard.py``, gloo on CPU), against
+its ``CheckpointManager`` in DCP sync, ``async`` (``dcp.async_save``) and
+``async_with_pinned_mem`` (its pinned-memory stager: an accelerator only). torchtitan's runs also
+time a memory copy of the state one rank snapshots (``memcpy_s``): flash's
+``lost_over_memcpy`` and ``within_copy_target`` (max(1.5x, +20 ms)) are set against it.
+
     python benchmarks/integrations_stall.py --out benchmarks/runs/integrations.json
 
 Prints a table and writes JSON (``--out``).
@@ -50,23 +57,40 @@ SCRIPTS = {
     "lightning": ROOT / "tests" / "support" / "pltrain.py",
     "torchtitan": ROOT / "tests" / "support" / "tttrain.py",
     "lightning-fsdp2": ROOT / "tests" / "support" / "pltrain.py",
+    "torchtitan-sharded": ROOT / "tests" / "support" / "ttshard.py",
 }
 MODES = {
     "huggingface": ("none", "flash", "native"),
     "lightning": ("none", "flash", "native", "native-async"),
     "lightning-fsdp2": ("none", "flash", "native", "dcp-async"),
     "torchtitan": ("none", "flash", "native", "native-async", "native-pinned"),
+    # torchtitan sharded (issue 42): its Llama 3 code and parallelize_llama, FSDP2 on 2 forked
+    # ranks (gloo, CPU); its CheckpointManager in DCP sync, async (dcp.async_save) and
+    # async_with_pinned_mem (async_save with its pinned-memory stager: an accelerator only)
+    "torchtitan-sharded": (
+        "none",
+        "flash",
+        "native",
+        "native:async",
+        "native:async_with_pinned_mem",
+    ),
 }
 WIDTH = {
     "huggingface": "hf_width",
     "lightning": "pl_width",
     "torchtitan": "tt_width",
     "lightning-fsdp2": "pl_width",
+    "torchtitan-sharded": "tts_width",
 }
 # Lightning's sharded runs (issue 42): pltrain.py under torchrun, ModelParallelStrategy with
 # FSDP2 in configure_model() on 2 CPU ranks (gloo). Their own best modes: ModelCheckpoint (the
 # strategy's DCP save, synchronous) and DCP async_save with one cached DefaultStager.
 SHARDED = {"lightning-fsdp2": (2, "fsdp2")}
+
+
+def torchtitan_sharded_args(a: argparse.Namespace) -> list[str]:
+    """ttshard.py's flags beside the common ones: the ranks, the mesh, the model's depth."""
+    return ["--fork-world", str(a.tts_world), "--tp", str(a.tts_tp), "--layers", str(a.tts_layers)]
 
 
 def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict:
@@ -97,10 +121,12 @@ def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict
         "--run-dir",
         f"/tmp/fcb-{job}",
     ]
-    if framework == "torchtitan":
+    if framework.startswith("torchtitan"):
         cmd += ["--torchtitan-site", a.torchtitan_site]
     if framework in SHARDED:
         cmd = _sharded_command(framework, cmd)
+    if framework == "torchtitan-sharded":
+        cmd += torchtitan_sharded_args(a)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     wall = time.perf_counter() - t0
@@ -122,7 +148,13 @@ def one_run(framework: str, mode: str, a: argparse.Namespace, tmp: Path) -> dict
     med = statistics.median(others)
     lost = statistics.mean(at_ckpt) - med
     ckpts = len(at_ckpt) if mode != "none" else 0
+    extra: dict = {}
+    copy = Path(str(times) + ".copy")  # torchtitan's runs: a memory copy of the snapshot's state
+    if copy.exists():
+        seconds, nbytes = copy.read_text().split()
+        extra = {"memcpy_s": float(seconds), "state_bytes": int(nbytes)}
     return {
+        **extra,
         "wall_s": wall,
         "median_step_s": med,
         "lost_per_checkpoint_s": lost,
@@ -199,22 +231,27 @@ def main() -> int:
     p.add_argument("--hf-width", type=int, default=512, help="GPT-2 n_embd (~75 MB of state)")
     p.add_argument("--pl-width", type=int, default=2048, help="MLP width (~50 MB of state)")
     p.add_argument("--tt-width", type=int, default=768, help="TinyLM dim (~57 MB of state)")
+    p.add_argument("--tts-width", type=int, default=512, help="sharded Llama 3 dim")
+    p.add_argument("--tts-layers", type=int, default=2, help="sharded Llama 3 layers")
+    p.add_argument("--tts-world", type=int, default=2, help="sharded ranks (forked)")
+    p.add_argument("--tts-tp", type=int, default=1, help="sharded tensor-parallel degree")
     p.add_argument("--torchtitan-site", default=str(ROOT / ".venv" / "torchtitan-site"))
     p.add_argument("--out", default=None)
     a = p.parse_args()
     frameworks = (a.frameworks or ",".join(SCRIPTS)).split(",")
     skipped: dict[str, str] = {}
-    if "torchtitan" in frameworks and not (Path(a.torchtitan_site) / "torchtitan").is_dir():
+    tt = [f for f in frameworks if f.startswith("torchtitan")]
+    for fw in tt if not (Path(a.torchtitan_site) / "torchtitan").is_dir() else []:
         why = (
             f"no torchtitan in {a.torchtitan_site} (scripts/setup.sh installs torchtitan 0.3.0 "
             "there; or pass --torchtitan-site DIR, a pip --target install of it)"
         )
         if a.frameworks:  # asked for by name: refused
-            print(f"torchtitan: {why}", file=sys.stderr)
+            print(f"{fw}: {why}", file=sys.stderr)
             return 2
-        print(f"torchtitan: skipped: {why}")
-        frameworks.remove("torchtitan")
-        skipped["torchtitan"] = why
+        print(f"{fw}: skipped: {why}")
+        frameworks.remove(fw)
+        skipped[fw] = why
     tmp = Path(tempfile.mkdtemp(prefix="fc-integ-bench-"))
     results: dict = {
         "args": vars(a),
@@ -253,6 +290,14 @@ def main() -> int:
                         (r["loop_s"] - n["loop_s"]) / r["checkpoints"]
                         for r, n in zip(rs, runs["none"], strict=False)
                     )
+            copies = [r["memcpy_s"] for r in runs["flash"] if "memcpy_s" in r]
+            if copies:  # the target: lost per checkpoint within max(1.5x, +20 ms) of a copy
+                copy_s = statistics.median(copies)
+                lost = summary["flash"]["lost_per_checkpoint_s"]
+                summary["flash"]["memcpy_s"] = copy_s
+                summary["flash"]["state_bytes"] = runs["flash"][0]["state_bytes"]
+                summary["flash"]["lost_over_memcpy"] = lost / copy_s if copy_s > 0 else None
+                summary["flash"]["within_copy_target"] = lost <= max(1.5 * copy_s, copy_s + 0.02)
             f = summary["flash"]["lost_per_checkpoint_s"]
             for mode in runs:
                 if mode not in ("none", "flash"):  # the framework's own modes
@@ -288,6 +333,13 @@ def main() -> int:
                 f"{fw:12} {mode:13} {r['median_step_s']:12.4f} "
                 f"{r['lost_per_checkpoint_s']:10.4f} "
                 f"{'-' if whole is None else f'{whole:.4f}':>14}  {rounds}"
+            )
+        if "memcpy_s" in s.get("flash", {}):
+            fl = s["flash"]
+            print(
+                f"{fw:12} flash: a memory copy of its {fl['state_bytes'] / 1e6:.0f} MB "
+                f"{fl['memcpy_s']:.4f} s, lost/ckpt {fl['lost_over_memcpy']:.2f}x of it "
+                f"(target max(1.5x, +20 ms): {'met' if fl['within_copy_target'] else 'NOT met'})"
             )
         for mode in MODES[fw]:
             if mode not in ("none", "flash") and mode in s:

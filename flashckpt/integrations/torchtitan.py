@@ -18,8 +18,18 @@ own ``load()`` runs (its folder, a seed checkpoint, ``initial_load_path``), whic
 the step at 0. At the last step torchtitan's own manager still writes its final export
 (``last_save_model_only``, ``last_save_in_hf``) unless ``export_last_step=False``.
 
+``checkpoint.exclude_from_loading`` leaves states other than the model and the optimizers out
+of the restore (they are still saved): ``["dataloader"]`` is what a resume at another
+data-parallel degree needs, since torchtitan's data loader cannot reshard its position (a
+restore that would hand it one saved at another degree is refused, naming that key).
+
+Each snapshot also keeps the model's parallel layout (``flashckpt_layout``); a restore at
+another layout of a snapshot whose parameters' DTensor metadata does not describe the whole
+split (tensor parallel in torchtitan's ``partial_dtensor`` backend) is refused (see ``_Layout``).
+
 Refused, naming the fix: ``async_mode`` other than ``"disabled"`` (flashckpt's snapshot is
-already off the training path), ``exclude_from_loading``, ``load_only``, ``load(step=N)`` for a
+already off the training path), ``exclude_from_loading`` naming the model or the optimizers,
+``load_only``, ``load(step=N)`` for a
 given N (flashckpt resumes the newest step), and ``save()`` calls whose ``curr_step`` is not one
 more than the steps already counted (a step skipped, or a ``train_state`` that disagrees with the
 restored step).
@@ -60,9 +70,11 @@ log = logging.getLogger("flashckpt")
 MODEL = "model"  # torchtitan.components.checkpoint.MODEL
 TRAIN_STATE = "train_state"  # torchtitan.components.checkpoint.TRAIN_STATE
 DATALOADER = "dataloader"  # torchtitan.components.checkpoint.DATALOADER
+OPTIMIZER = "optimizer"  # torchtitan.components.checkpoint.OPTIMIZER
 _BYTES = "flashckpt_bytes"  # marks a bytes value carried as a uint8 tensor
 _PLAIN = "flashckpt_unpickled"  # marks a loader's pickled state carried as plain data
 _LOADER_RANK = "dp_rank_"  # ParallelAwareDataloader's key of its pickled state
+_LAYOUT = "flashckpt_layout"  # the adapter's own state in a snapshot: see _Layout
 
 
 class FlashCheckpointManager:
@@ -113,11 +125,14 @@ class FlashCheckpointManager:
                 "snapshot is already copied off the training path and persisted by its node "
                 "agent; set checkpoint.async_mode='disabled'"
             )
-        if getattr(manager, "exclude_from_loading", None):
+        excluded = list(getattr(manager, "exclude_from_loading", None) or [])
+        kept = [k for k in excluded if k in (MODEL, OPTIMIZER)]
+        if kept:
             raise NotImplementedError(
-                f"checkpoint.exclude_from_loading={list(manager.exclude_from_loading)!r}: "
-                "FlashCheckpointManager restores every state it saved. Drop "
-                "exclude_from_loading, or use torchtitan's own CheckpointManager for this run"
+                f"checkpoint.exclude_from_loading={excluded!r}: FlashCheckpointManager restores "
+                f"the model and the optimizers it saved together ({kept!r} cannot be left out). "
+                "Drop them from exclude_from_loading, or use torchtitan's own CheckpointManager "
+                "for this run"
             )
         if getattr(manager, "load_only", False):
             raise ValueError(
@@ -125,6 +140,12 @@ class FlashCheckpointManager:
                 "torchtitan's own CheckpointManager to load without saving"
             )
         states = manager.states
+        unknown_keys = sorted(set(excluded) - set(states))
+        if unknown_keys:
+            raise ValueError(
+                f"checkpoint.exclude_from_loading names {unknown_keys!r}, which the manager does "
+                f"not hold (its states: {sorted(states)!r}): fix the key names"
+            )
         wrapper = states.get(MODEL)
         parts = getattr(wrapper, "model", None)
         if isinstance(parts, torch.nn.Module):
@@ -145,7 +166,7 @@ class FlashCheckpointManager:
         self.export_last_step = export_last_step
         self.enable = True
         self.save_future = None  # torchtitan's loop reads it; flashckpt has no save future
-        self._model = torch.nn.ModuleList(parts)
+        self._model = _Parts(parts)
         self._stateful: dict[str, Any] = {}
         for key, obj in states.items():
             if key == MODEL or obj is None:
@@ -156,9 +177,13 @@ class FlashCheckpointManager:
             if isinstance(obj, torch.optim.Optimizer):
                 self._stateful[key] = obj
             elif key == DATALOADER:
-                self._stateful[key] = _LoaderState(obj, key)
+                self._stateful[key] = _LoaderState(obj, key, key in excluded)
             else:
-                self._stateful[key] = _BytesAsTensors(obj, key)
+                self._stateful[key] = _BytesAsTensors(obj, key, key in excluded)
+        if _LAYOUT in self._stateful:
+            raise ValueError(f"states holds a key {_LAYOUT!r}, which FlashCheckpointManager uses")
+        self._layout = _Layout(self._model)
+        self._stateful[_LAYOUT] = self._layout
         self.ckpt: Checkpointer | None = None
         self.restored_step: int | None = None
         self.restored_from: str | None = None
@@ -187,6 +212,7 @@ class FlashCheckpointManager:
         ckpt = self._open()
         if ckpt.restored_from is not None:
             self.restored_step, self.restored_from = ckpt.start_step, ckpt.restored_from
+            self._layout.check()
             got = self._train_step()
             if got != ckpt.start_step:
                 raise RuntimeError(
@@ -298,15 +324,131 @@ class FlashCheckpointManager:
         return int(step.item() if isinstance(step, torch.Tensor) else step)
 
 
+class _Parts(torch.nn.ModuleList):
+    """The model parts, whose state is their parameters and persistent buffers as they are.
+
+    torchtitan's models convert their state dict on the way out (``FusedQKVLinear`` splits
+    ``wqkv`` into ``wq``/``wk``/``wv``, redistributing the DTensor to ``Replicate``: an all-gather
+    on every rank at every snapshot, and full tensors in place of this rank's shard). A snapshot
+    needs neither: it keeps each parameter's local piece under its own name and copies it back
+    into the same parameter, so the hooks are bypassed both ways."""
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for mod_name, mod in self.named_modules():
+            prefix = f"{mod_name}." if mod_name else ""
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    out[prefix + name] = p
+            for name, b in mod._buffers.items():
+                if b is not None and name not in mod._non_persistent_buffers_set:
+                    out[prefix + name] = b
+        return out
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return {k: t.detach() for k, t in self._tensors().items()}
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        targets = self._tensors()
+        missing = sorted(set(targets) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(targets))
+        if missing or unexpected:
+            raise KeyError(
+                f"the snapshot's model state does not fit these model parts (missing "
+                f"{missing[:5]}, unexpected {unexpected[:5]}): resume with the model it was "
+                "saved with"
+            )
+        with torch.no_grad():
+            for k, t in targets.items():
+                t.copy_(state_dict[k])
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+
+class _Layout:
+    """The parallel layout of the model's parameters (the world size, and each DTensor
+    parameter's mesh, mesh dim names and placements), kept in each snapshot under
+    ``flashckpt_layout`` and checked at a restore.
+
+    A resume at another layout rebuilds each piece from the saved pieces by their DTensor
+    metadata. That is exact where the metadata describes the whole split (FSDP2 on the whole
+    world: 4 ranks -> 2). torchtitan 0.3.0's ``partial_dtensor`` backend with tensor parallel
+    keeps each parameter a DTensor on the ``fsdp`` mesh only, the tensor-parallel split outside
+    its metadata: the pieces of the other tensor-parallel ranks claim the same boxes with other
+    data, and a resume at another layout would load a model that is not the saved one. That is
+    refused (raised after the restore, before any step), naming the fix."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.saved: Any = None
+        self._now: dict[str, Any] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        params: dict[str, Any] = {}
+        for name, p in self.model.named_parameters():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is None:
+                continue
+            params[name] = [
+                list(mesh.mesh.shape),
+                list(mesh.mesh_dim_names or []),
+                [str(x) for x in p.placements],  # type: ignore[attr-defined]
+            ]
+        return {"world": world, "params": params}
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._now is None:  # the layout does not change during a run
+            self._now = self.describe()
+        return self._now
+
+    def load_state_dict(self, sd: Any) -> None:
+        self.saved = sd
+
+    def check(self) -> None:
+        saved, now = self.saved, self.describe()
+        if not isinstance(saved, dict) or saved == now:
+            return  # the same layout (or a snapshot from before this check)
+        world = saved.get("world")
+        params = saved.get("params") or {}
+        partial = sorted(
+            name
+            for name, (shape, _, _) in params.items()
+            if isinstance(world, int) and _numel(shape) < world
+        )
+        if partial:
+            raise ValueError(
+                f"the snapshot restored was saved by {world} ranks whose parameters are DTensors "
+                f"on a mesh of fewer ranks ({partial[0]!r}: mesh {params[partial[0]][0]} "
+                f"{params[partial[0]][1]}, {params[partial[0]][2]}), and this run's layout "
+                f"differs ({now['world']} ranks, {partial[0]!r}: "
+                f"{now['params'].get(partial[0])}): the parallelism outside the DTensors (tensor "
+                "parallel in torchtitan's partial_dtensor backend) cannot be resharded from "
+                "their metadata. Resume with the saved parallelism "
+                "(parallelism.tensor_parallel_degree and data_parallel_shard_degree as saved)"
+            )
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 class _BytesAsTensors:
     """A Stateful whose ``bytes`` values travel as uint8 tensors (flashckpt's codec holds tensors
     and JSON values only) and come back as the same bytes. What they mean is the object's
     business: the first snapshot that holds some warns, naming them, since an object that
     unpickles them would unpickle bytes read from a snapshot."""
 
-    def __init__(self, obj: Any, key: str) -> None:
+    def __init__(self, obj: Any, key: str, excluded: bool = False) -> None:
         self.obj = obj
         self.key = key
+        self.excluded = excluded  # in checkpoint.exclude_from_loading: saved, never restored
         self._warned = False
 
     def state_dict(self) -> Any:
@@ -326,7 +468,8 @@ class _BytesAsTensors:
         return out
 
     def load_state_dict(self, sd: Any) -> None:
-        self.obj.load_state_dict(_to_bytes(sd))
+        if not self.excluded:
+            self.obj.load_state_dict(_to_bytes(sd))
 
 
 class _LoaderState:
@@ -336,10 +479,11 @@ class _LoaderState:
     loader's ``pickle.loads`` only ever sees bytes made from plain values, never bytes read from
     a snapshot."""
 
-    def __init__(self, obj: Any, key: str) -> None:
+    def __init__(self, obj: Any, key: str, excluded: bool = False) -> None:
         self.obj = obj
-        self.inner = _BytesAsTensors(obj, key)
+        self.inner = _BytesAsTensors(obj, key, excluded)
         self.key = key
+        self.excluded = excluded
 
     def state_dict(self) -> Any:
         sd = self.obj.state_dict()
@@ -361,9 +505,21 @@ class _LoaderState:
         return out
 
     def load_state_dict(self, sd: Any) -> None:
+        if self.excluded:
+            return
         if not isinstance(sd, dict):
             self.obj.load_state_dict(_to_bytes(sd))
             return
+        saved, now = sd.get("world_size"), getattr(self.obj, "dp_world_size", None)
+        if isinstance(saved, int) and isinstance(now, int) and saved != now:
+            # torchtitan's loader cannot reshard its position (its own load asserts, and a rank
+            # whose dp_rank_N is missing only warns and starts its data afresh).
+            raise ValueError(
+                f"states[{self.key!r}] was saved at a data-parallel degree of {saved} and this "
+                f"run has {now}: torchtitan's data loader cannot be resharded. Resume at the "
+                "same data-parallel degree, or set checkpoint.exclude_from_loading="
+                "['dataloader'] to restart the data from the beginning of each rank's part"
+            )
         back: dict[Any, Any] = {}
         for k, v in sd.items():
             where = f"states[{self.key!r}][{k!r}]"

@@ -369,7 +369,14 @@ class Snapshotter:
 
     def estimate_bytes(self) -> int:
         tensors = [t for t in self.model.state_dict().values() if isinstance(t, torch.Tensor)]
-        model_bytes = sum(_local_nbytes(t) for t in tensors)
+        # Optimizers handed in stateful= (a framework's container of them: torchtitan's
+        # OptimizersContainer) hold state too: without it the first snapshot outgrows the slots
+        # and reallocates them inside the training step.
+        model_bytes = sum(_local_nbytes(t) for t in tensors) + sum(
+            _stateful_optimizer_bytes(o)
+            for o in (self.stateful or {}).values()
+            if isinstance(o, torch.optim.Optimizer) and o is not self.optimizer
+        )
         opt = self.optimizer
         if opt is None:
             return model_bytes
@@ -811,6 +818,36 @@ def _dry_run_state_bytes(opt: torch.optim.Optimizer) -> int | None:
     except Exception as e:  # the estimate falls back to a guess by optimizer name
         log.debug("flashckpt: cannot dry-run %s on meta tensors: %s", type(opt).__name__, e)
         return None
+
+
+def _stateful_optimizer_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the state an optimizer passed as a ``stateful=`` object holds (or will hold
+    after its first step). A container of optimizers (an ``optimizers`` list, as torchtitan's
+    ``OptimizersContainer`` has) counts those; it is never dry-run itself, since its ``step()``
+    steps the real optimizers inside it."""
+    if opt.state:
+        return sum(
+            _local_nbytes(v)
+            for st in opt.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
+    inner = getattr(opt, "optimizers", None)
+    if isinstance(inner, (list, tuple)):
+        return sum(
+            _stateful_optimizer_bytes(o)
+            for o in inner
+            if isinstance(o, torch.optim.Optimizer) and o is not opt
+        )
+    dry = _dry_run_state_bytes(opt)
+    if dry is not None:
+        return dry
+    params = [p for g in opt.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
+    name = type(opt).__name__.lower()
+    factor = 2 if "adam" in name or "lamb" in name else 1
+    if any(g.get("amsgrad") for g in opt.param_groups):
+        factor += 1
+    return factor * sum(_local_nbytes(p) for p in params) + 64 * len(params)
 
 
 def _local_nbytes(t: torch.Tensor) -> int:

@@ -1,0 +1,146 @@
+"""Checkpoints on a real S3 server (SeaweedFS, tests/support/s3fixtures.py): a training run
+persisting to ``s3://``, its node agent SIGKILLed in the middle of a shard's multipart upload,
+the S3 server SIGKILLed and restarted mid-persist; what restore, ``flashckpt ls``/``verify``/
+``export`` and ``flashckpt.load`` then see, and the uploads left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import safetensors.torch
+import torch
+from fchelpers import FcEnv, kill_job_processes, tinytrain_command
+
+import flashckpt
+from flashckpt.format.storage import Storage
+from flashckpt.testing.s3 import SeaweedS3
+
+pytestmark = pytest.mark.slow
+
+# ~100 MB of state: the shard (> s3fs's 50 MiB part) goes up as a multipart upload, for long
+# enough on a loaded machine to be caught in the middle of it
+WIDTH = 400_000
+
+
+def _trainer(env: FcEnv, tmp: Path, tag: str, *extra: str) -> subprocess.Popen[bytes]:
+    cmd = tinytrain_command(
+        env, tmp / f"{tag}.log", "--width", str(WIDTH), "--report", str(tmp / "report.txt"), *extra
+    )
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flashckpt", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _wait(what: str, cond, proc=None, timeout: float = 180):  # type: ignore[no-untyped-def]
+    """Waits for ``cond()`` to be truthy (the store's own state, polled), failing early if
+    ``proc`` dies."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(
+                f"trainer exited ({proc.returncode}) before {what}: "
+                f"{proc.stderr.read().decode()[-3000:] if proc.stderr else ''}"
+            )
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _agent_pids(job: str) -> list[int]:
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if job in cmd and " agent" in cmd and "tinytrain" not in cmd:
+            out.append(p.info["pid"])
+    return out
+
+
+def test_agent_killed_mid_multipart_upload_commits_nothing_torn(
+    s3_server: SeaweedS3, s3_prefix: str, s3_env: dict, fc_env_private: FcEnv, tmp_path: Path
+) -> None:
+    """The node agent (and its trainer) SIGKILLed while a shard's multipart upload is open: the
+    step has no manifest, so ``ls``, ``verify``, ``load`` and ``latest`` show the step before
+    it; the rerun resumes from S3 (shared memory wiped) and the next retention aborts the
+    orphaned upload. ``export`` and ``flashckpt.load`` read the committed steps from S3."""
+    env = fc_env_private
+    url = f"{s3_prefix}/run"
+    env.storage = url
+    st = Storage(url)
+    bucket, root = "ckpts", url.removeprefix("s3://ckpts/")
+    uploads = lambda: s3_server.multipart_uploads(bucket, root + "/")  # noqa: E731
+
+    p = _trainer(env, tmp_path, "a", "--steps", "60", "--every", "3", "--step-sleep", "0.05")
+    try:
+        first = _wait("a committed step", st.committed_steps, p)[-1]
+        # an upload into a step newer than every committed one, open right now
+        open_up = _wait(
+            "a multipart upload of a later step",
+            lambda: [u for u in uploads() if f"step-{first + 1:09d}" <= u["Key"]],
+            p,
+        )
+        for pid in _agent_pids(env.job):
+            os.kill(pid, 9)
+        kill_job_processes(env.job)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    torn_key = open_up[0]["Key"]
+    torn_step = int(torn_key.split("step-")[1][:9])
+    committed = st.committed_steps()
+    assert torn_step not in committed, (torn_key, committed)
+    assert not st.fs.exists(f"ckpts/{torn_key}")  # the half upload is no object
+    newest = committed[-1]
+    assert json.loads(st.fs.cat_file(st.path("latest")))["step"] == newest
+    ls = _cli("ls", url)
+    assert ls.returncode == 0, ls.stderr
+    listed = [int(line.split()[0]) for line in ls.stdout.splitlines()[1:]]
+    assert listed == committed and torn_step not in listed
+    ver = _cli("verify", url)
+    assert ver.returncode == 0, ver.stdout + ver.stderr
+    assert all(line.endswith(": ok") for line in ver.stdout.splitlines()), ver.stdout
+    loaded = flashckpt.load(url)
+    assert loaded.step == newest
+    assert any(u["Key"] == torn_key for u in uploads())  # still open: nobody completed it
+
+    # export from S3, and it holds what load read
+    out = tmp_path / "export.safetensors"
+    ex = _cli("export", url, "--to", str(out))
+    assert ex.returncode == 0, ex.stderr
+    exported = safetensors.torch.load_file(str(out))
+    model = loaded.state["model"]
+    assert sorted(exported) == sorted(model)
+    assert all(torch.equal(exported[k], model[k]) for k in model)
+
+    # the rerun: shared memory is gone (a new machine), so it resumes from S3
+    for n in os.listdir(env.shm_dir):
+        os.unlink(os.path.join(env.shm_dir, n))
+    (tmp_path / "report.txt").unlink(missing_ok=True)
+    p = _trainer(env, tmp_path, "b", "--steps", str(newest + 3), "--every", "3")
+    _, err = p.communicate(timeout=240)
+    assert p.returncode == 0, err.decode()[-3000:]
+    start, source = (tmp_path / "report.txt").read_text().split()[:2]
+    assert int(start) == newest and source == "storage", (start, source)
+    after = st.committed_steps()
+    assert after[-1] == newest + 3
+    assert json.loads(st.fs.cat_file(st.path("latest")))["step"] == after[-1]
+    # the retention after those commits aborted the orphaned upload (older than the newest)
+    assert [u["Key"] for u in uploads() if int(u["Key"].split("step-")[1][:9]) < after[-1]] == []

@@ -20,13 +20,14 @@ from fchelpers import FcEnv, kill_job_processes, tinytrain_command
 
 import flashckpt
 from flashckpt.format.storage import Storage
+from flashckpt.names import agent_log_path
 from flashckpt.testing.s3 import SeaweedS3
 
 pytestmark = pytest.mark.slow
 
-# ~100 MB of state: the shard (> s3fs's 50 MiB part) goes up as a multipart upload, for long
+# ~75 MB of state: the shard (> s3fs's 50 MiB part) goes up as a multipart upload, for long
 # enough on a loaded machine to be caught in the middle of it
-WIDTH = 400_000
+WIDTH = 300_000
 
 
 def _trainer(env: FcEnv, tmp: Path, tag: str, *extra: str) -> subprocess.Popen[bytes]:
@@ -63,6 +64,10 @@ def _wait(what: str, cond, proc=None, timeout: float = 180):  # type: ignore[no-
         time.sleep(0.05)
 
 
+def _upload_step(upload: dict) -> int:
+    return int(upload["Key"].split("step-")[1][:9])
+
+
 def _agent_pids(job: str) -> list[int]:
     out = []
     for p in psutil.process_iter(["pid", "cmdline"]):
@@ -92,7 +97,7 @@ def test_agent_killed_mid_multipart_upload_commits_nothing_torn(
         # an upload into a step newer than every committed one, open right now
         open_up = _wait(
             "a multipart upload of a later step",
-            lambda: [u for u in uploads() if f"step-{first + 1:09d}" <= u["Key"]],
+            lambda: [u for u in uploads() if _upload_step(u) > first],
             p,
         )
         for pid in _agent_pids(env.job):
@@ -104,7 +109,7 @@ def test_agent_killed_mid_multipart_upload_commits_nothing_torn(
             p.kill()
             p.wait()
     torn_key = open_up[0]["Key"]
-    torn_step = int(torn_key.split("step-")[1][:9])
+    torn_step = _upload_step(open_up[0])
     committed = st.committed_steps()
     assert torn_step not in committed, (torn_key, committed)
     assert not st.fs.exists(f"ckpts/{torn_key}")  # the half upload is no object
@@ -143,4 +148,75 @@ def test_agent_killed_mid_multipart_upload_commits_nothing_torn(
     assert after[-1] == newest + 3
     assert json.loads(st.fs.cat_file(st.path("latest")))["step"] == after[-1]
     # the retention after those commits aborted the orphaned upload (older than the newest)
-    assert [u["Key"] for u in uploads() if int(u["Key"].split("step-")[1][:9]) < after[-1]] == []
+    assert [u["Key"] for u in uploads() if _upload_step(u) < after[-1]] == []
+
+
+def test_store_killed_mid_persist_then_back_loses_nothing(
+    fc_env_private: FcEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The S3 server SIGKILLed while a shard's upload is open, and started again: training goes
+    on meanwhile, the agent reports errors naming the bucket and the cause, retries, and commits
+    again once the store is back; no step is committed torn, ``latest`` never moves backwards,
+    every committed step verifies. The secret key appears in no log or error."""
+    pytest.importorskip("s3fs")
+    env = fc_env_private
+    server = SeaweedS3(tmp_path / "s3")
+    server.start()
+    try:
+        for k, v in server.env().items():
+            monkeypatch.setenv(k, v)
+        url = "s3://ckpts/job/run"
+        env.storage = url
+        st = Storage(url)
+        log = tmp_path / "a.log"
+        p = _trainer(
+            env, tmp_path, "a", "--steps", "100000", "--every", "20", "--step-sleep", "0.05"
+        )
+        try:
+            before = _wait("a committed step", st.committed_steps, p)[-1]
+            _wait(
+                "an open multipart upload",
+                lambda: [
+                    u
+                    for u in server.multipart_uploads("ckpts", "job/run/")
+                    if _upload_step(u) > before
+                ],
+                p,
+            )
+            server.kill()
+            # the trainer does not wait for the store: it goes on stepping
+            steps_then = len(log.read_text().splitlines())
+            _wait(
+                "20 more training steps",
+                lambda: len(log.read_text().splitlines()) > steps_then + 20,
+                p,
+            )
+            agent_log = Path(agent_log_path(env.run_dir, env.job, env.node))
+            _wait(
+                "the agent's error naming the bucket",
+                lambda: "persisting to s3://ckpts/job/run" in agent_log.read_text(),
+                p,
+            )
+            server.restart()
+            latest = json.loads(st.fs.cat_file(st.path("latest")))["step"]
+            assert latest >= before
+            _wait(
+                "a commit after the store came back", lambda: st.committed_steps()[-1] > latest, p
+            )
+        finally:
+            kill_job_processes(env.job)
+            p.wait(timeout=60)
+        committed = st.committed_steps()
+        newest = json.loads(st.fs.cat_file(st.path("latest")))["step"]
+        assert newest == committed[-1] > latest
+        ver = _cli("verify", url)
+        assert ver.returncode == 0, ver.stdout + ver.stderr
+        assert all(line.endswith(": ok") for line in ver.stdout.splitlines()), ver.stdout
+        logs = "".join(f.read_text(errors="replace") for f in Path(env.run_dir).rglob("*.log"))
+        logs += p.stderr.read().decode(errors="replace") if p.stderr else ""
+        assert "persisting to s3://ckpts/job/run" in logs
+        assert server.secret_key not in logs
+        errors = [line for line in logs.splitlines() if "persisting to s3://" in line]
+        print("\n".join(errors[:3]))
+    finally:
+        server.close()

@@ -220,3 +220,34 @@ def test_store_killed_mid_persist_then_back_loses_nothing(
         print("\n".join(errors[:3]))
     finally:
         server.close()
+
+
+def test_bad_credentials_fail_at_entry_naming_the_bucket_never_the_secret(
+    s3_server: SeaweedS3, s3_prefix: str, fc_env: FcEnv, tmp_path: Path
+) -> None:
+    """A wrong secret key fails ``checkpointing(...)`` on entry (before a snapshot), with an
+    error naming the storage URL (the bucket) and the store's answer; the secret is in no output
+    or log."""
+    env = {
+        **os.environ,
+        **s3_server.env(),
+        "AWS_SECRET_ACCESS_KEY": "wrong-" + s3_server.secret_key,
+    }
+    fc_env.storage = f"{s3_prefix}/run"
+    log = tmp_path / "bad.log"
+    r = subprocess.run(
+        tinytrain_command(fc_env, log, "--steps", "3", "--width", "8"),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert r.returncode != 0
+    assert "StorageUnavailableError" in r.stderr
+    assert f"storage {fc_env.storage} cannot keep checkpoints" in r.stderr
+    assert "signature" in r.stderr  # the store's answer: the key does not match
+    assert not log.exists() or not log.read_text()  # not a step ran
+    logs = r.stdout + r.stderr
+    run_files = [f for f in Path(fc_env.run_dir).rglob("*") if f.is_file()]
+    logs += "".join(f.read_text(errors="replace") for f in run_files)
+    assert s3_server.secret_key not in logs

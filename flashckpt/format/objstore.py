@@ -91,3 +91,92 @@ def abort_stale_uploads(fs: Any, root: str, newest_committed: int) -> list[Uploa
     commits only while no newer one is committed, so nobody completes those any more (the same
     rule that deletes partial step directories)."""
     return abort_uploads(fs, root, lambda u: u.step is not None and u.step < newest_committed)
+
+
+PART = 32 << 20
+"""Bytes per part of :func:`put_parallel` (S3 allows 5 MiB to 5 GiB, at most 10,000 parts)."""
+CONCURRENCY = 8
+"""Parts :func:`put_parallel` has in flight at once."""
+MAX_PARTS = 10_000
+
+
+def can_put_parallel(fs: Any) -> bool:
+    """Whether :func:`put_parallel` can write to ``fs`` (an S3 store through s3fs)."""
+    return _is_s3(fs)
+
+
+def put_parallel(
+    fs: Any,
+    path: str,
+    head: bytes,
+    data: memoryview,
+    on_data: Callable[[bytes], None],
+    check: Callable[[], None] | None = None,
+    *,
+    part: int = PART,
+    concurrency: int = CONCURRENCY,
+) -> int:
+    """Writes ``head + data`` to the object ``path`` (``bucket/key``) by one multipart upload,
+    ``concurrency`` parts in flight (a single stream, as s3fs writes, leaves most of a store's
+    bandwidth unused). The object appears whole when the upload completes, or not at all: on any
+    error (or ``check`` raising) the upload is aborted.
+
+    Args:
+        on_data: given each part's bytes of ``data`` in order, once that part is stored (the
+            caller hashes them: what was sent, exactly).
+        check: called before each part (may wait, or raise to abandon the upload).
+
+    Returns:
+        The bytes written.
+    """
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    bucket, _, key = path.strip("/").partition("/")
+    total = len(head) + len(data)
+    part = max(part, -(-total // MAX_PARTS))
+    up = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    uid = up["UploadId"]
+
+    def send(n: int, body: bytes) -> dict[str, Any]:
+        r = fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=uid, PartNumber=n, Body=body)
+        return {"PartNumber": n, "ETag": r["ETag"]}
+
+    try:
+        parts: list[dict[str, Any]] = []
+        inflight: list[tuple[Future[dict[str, Any]], bytes]] = []
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="fc-s3-part") as pool:
+
+            def settle(keep: int) -> None:
+                while len(inflight) > keep:
+                    fut, sent = inflight.pop(0)
+                    parts.append(fut.result())
+                    on_data(sent)
+
+            off, n = 0, 1
+            first = True
+            while first or off < len(data):
+                if check is not None:
+                    check()
+                take = part - len(head) if first else part
+                chunk = bytes(data[off : off + take])
+                body = head + chunk if first else chunk
+                inflight.append((pool.submit(send, n, body), chunk))
+                off += len(chunk)
+                n += 1
+                first = False
+                settle(concurrency)
+            settle(0)
+        fs.call_s3(
+            "complete_multipart_upload",
+            Bucket=bucket,
+            Key=key,
+            UploadId=uid,
+            MultipartUpload={"Parts": parts},
+        )
+    except BaseException:
+        try:
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=uid)
+        except Exception:  # the store is away: the next retention aborts it
+            pass
+        raise
+    return total

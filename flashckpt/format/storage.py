@@ -50,7 +50,7 @@ from flashckpt.format.manifest import (
     rank_file_name,
     shard_file_name,
 )
-from flashckpt.format.objstore import abort_stale_uploads
+from flashckpt.format.objstore import PART, abort_stale_uploads, can_put_parallel, put_parallel
 from flashckpt.format.shm import buffer_address
 
 __all__ = [
@@ -308,6 +308,10 @@ class Storage:
             raise ValueError(f"chunk {chunk} is below {DIRECT_ALIGN} bytes")
         chunk -= chunk % DIRECT_ALIGN
         fh = _FileHash(head, split)
+        if can_put_parallel(self.fs) and len(head) + len(data) > PART:
+            # An S3 store: one multipart upload with parts in parallel, hashing each part's
+            # bytes as sent once the store has them.
+            return fh.record(put_parallel(self.fs, path, head, data, fh.update, check))
         direct = getattr(os, "O_DIRECT", 0)  # Linux
         addr = buffer_address(data) if self.local and direct else None
         if addr is None or addr % DIRECT_ALIGN or len(head) % DIRECT_ALIGN:

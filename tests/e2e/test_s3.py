@@ -114,7 +114,10 @@ def test_agent_killed_mid_multipart_upload_commits_nothing_torn(
     assert torn_step not in committed, (torn_key, committed)
     assert not st.fs.exists(f"ckpts/{torn_key}")  # the half upload is no object
     newest = committed[-1]
-    assert json.loads(st.fs.cat_file(st.path("latest")))["step"] == newest
+    # `latest` names a committed step, never a newer one (it is written after the manifest:
+    # a kill between the two leaves it one commit behind)
+    latest_then = json.loads(st.fs.cat_file(st.path("latest")))["step"]
+    assert latest_then in committed
     ls = _cli("ls", url)
     assert ls.returncode == 0, ls.stderr
     listed = [int(line.split()[0]) for line in ls.stdout.splitlines()[1:]]
@@ -146,7 +149,7 @@ def test_agent_killed_mid_multipart_upload_commits_nothing_torn(
     assert int(start) == newest and source == "storage", (start, source)
     after = st.committed_steps()
     assert after[-1] == newest + 3
-    assert json.loads(st.fs.cat_file(st.path("latest")))["step"] == after[-1]
+    assert json.loads(st.fs.cat_file(st.path("latest")))["step"] == after[-1] > latest_then
     # the retention after those commits aborted the orphaned upload (older than the newest)
     assert [u["Key"] for u in uploads() if _upload_step(u) < after[-1]] == []
 
@@ -208,7 +211,7 @@ def test_store_killed_mid_persist_then_back_loses_nothing(
             p.wait(timeout=60)
         committed = st.committed_steps()
         newest = json.loads(st.fs.cat_file(st.path("latest")))["step"]
-        assert newest == committed[-1] > latest
+        assert newest in committed and newest > latest  # forward, to a committed step
         ver = _cli("verify", url)
         assert ver.returncode == 0, ver.stdout + ver.stderr
         assert all(line.endswith(": ok") for line in ver.stdout.splitlines()), ver.stdout

@@ -37,7 +37,12 @@ def s3_prefix(s3_server: SeaweedS3) -> str:
 def s3_env(s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The AWS environment variables for ``s3_server``, set in this process (and so inherited
     by the agents and trainers it starts)."""
+    import s3fs
+
     env = s3_server.env()
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    # fsspec caches filesystems by their arguments: one made under another server's
+    # environment (another test's) must not be handed out here
+    s3fs.S3FileSystem.clear_instance_cache()
     return env

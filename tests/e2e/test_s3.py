@@ -306,3 +306,38 @@ def test_two_machines_mirror_to_s3_and_load_reads_it_back(
     assert full.step == 7 and sorted(full.ranks) == [0, 1]
     for k, v in local.state["model"].items():
         assert torch.equal(full.state["model"][k], v), k
+
+
+def test_another_job_on_the_same_s3_root_is_refused(
+    s3_server: SeaweedS3, s3_prefix: str, s3_env: dict, fc_env: FcEnv, tmp_path: Path
+) -> None:
+    """The storage-owner check between jobs works on S3: a second job started on a root a first
+    job committed to is refused at entry, naming the root and the fix."""
+    url = f"{s3_prefix}/run"
+    fc_env.storage = url
+    a = subprocess.run(
+        tinytrain_command(fc_env, tmp_path / "a.log", "--steps", "3", "--every", "3"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert Storage(url).committed_steps()
+    other = FcEnv(
+        job=fc_env.job + "b",
+        node=fc_env.node,
+        run_dir=fc_env.run_dir,
+        storage=url,
+        storage_path=fc_env.storage_path,
+    )
+    b = subprocess.run(
+        tinytrain_command(other, tmp_path / "b.log", "--steps", "3", "--every", "3"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    try:
+        assert b.returncode != 0
+        assert url in b.stderr and "takeover=True" in b.stderr, b.stderr[-3000:]
+    finally:
+        kill_job_processes(other.job)

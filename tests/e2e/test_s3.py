@@ -168,6 +168,8 @@ def test_store_killed_mid_persist_then_back_loses_nothing(
     try:
         for k, v in server.env().items():
             monkeypatch.setenv(k, v)
+        # fsspec caches filesystems by their arguments: not the session server's client
+        s3fs.S3FileSystem.clear_instance_cache()
         url = "s3://ckpts/job/run"
         env.storage = url
         st = Storage(url)

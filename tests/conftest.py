@@ -14,5 +14,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from fchelpers import agent, fc_env, fc_env_private
+from s3fixtures import s3_env, s3_prefix, s3_server
 
-__all__ = ["agent", "fc_env", "fc_env_private"]
+__all__ = ["agent", "fc_env", "fc_env_private", "s3_env", "s3_prefix", "s3_server"]

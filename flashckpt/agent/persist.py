@@ -143,6 +143,7 @@ class Persister:
         # The adopted snapshots storage lacks, owed to it since a trainer's hello named the
         # storage (:meth:`owe_adopted`): persisted before anything else, until written.
         self._owed: tuple[int, dict[int, tuple[int, SlotInfo]]] | None = None
+        self._failures = 0  # persistence errors in a row (the backoff)
 
     def init_storage_state(self) -> None:
         assert self.st.storage is not None
@@ -209,9 +210,21 @@ class Persister:
                         timeout = min(timeout, RETRY_SOON_S)
                 self.exit_mirror()
             except Exception as e:  # the daemon lives on; the error is reported
-                self.st.record_error(pending[0] if pending else None, f"{type(e).__name__}: {e}")
-                self._retry_after = time.monotonic() + self.st.cfg.retry_interval
-                timeout = min(timeout, self.st.cfg.retry_interval)
+                # The store's URL names the bucket (an S3 error alone often does not); the
+                # snapshot stays in memory and is persisted again, after a wait that doubles
+                # with each failure in a row (up to 4x retry_interval): a store that throttles
+                # or is away for a minute is not hammered, and is used again once it is back.
+                where = self.st.storage.url if self.st.storage is not None else "storage"
+                self.st.record_error(
+                    pending[0] if pending else None,
+                    f"{type(e).__name__} persisting to {where}: {e}",
+                )
+                pause = self.st.cfg.retry_interval * 2 ** min(self._failures, 2)
+                self._failures += 1
+                self._retry_after = time.monotonic() + pause
+                timeout = min(timeout, pause)
+            else:
+                self._failures = 0
 
     def hash_loop(self) -> None:
         """Hashes the complete snapshots lacking a hash whenever ``hash_wake`` says one may

@@ -51,6 +51,7 @@ from flashckpt.format.manifest import (
     rank_file_name,
     shard_file_name,
 )
+from flashckpt.format.objstore import PART, abort_stale_uploads, can_put_parallel, put_parallel
 from flashckpt.format.shm import buffer_address
 
 __all__ = [
@@ -197,7 +198,11 @@ class Storage:
         # A directory is searchable by whoever may read the files in it.
         self.dir_mode = file_mode | (file_mode & 0o444) >> 2
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(url)
+            # No listing cache: fsspec's object-store backends (s3fs, gcsfs, adlfs) keep every
+            # listing forever by default, so a long-running agent would never see the parts,
+            # manifests and steps that other machines' agents (or a user) wrote after its first
+            # listing; the commit protocol reads the store, never a cache of it.
+            self.fs, self.root = fsspec.core.url_to_fs(url, use_listings_cache=False)
         except (ImportError, ValueError) as e:
             raise ValueError(
                 f"storage URL {url!r} cannot be opened: {e} (install the fsspec backend for its "
@@ -205,6 +210,8 @@ class Storage:
             ) from e
         self.root = self.root.rstrip("/") or "/"
         self.local = "file" in _protocols(self.fs)
+        self.object_store = not self.local and "memory" not in _protocols(self.fs)
+        """Whether a write is an object PUT (S3, GCS, Azure...): atomic, and without renames."""
 
     # -- paths -------------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -319,6 +326,10 @@ class Storage:
             raise ValueError(f"chunk {chunk} is below {DIRECT_ALIGN} bytes")
         chunk -= chunk % DIRECT_ALIGN
         fh = _FileHash(head, split)
+        if can_put_parallel(self.fs) and len(head) + len(data) > PART:
+            # An S3 store: one multipart upload with parts in parallel, hashing each part's
+            # bytes as sent once the store has them.
+            return fh.record(put_parallel(self.fs, path, head, data, fh.update, check))
         direct = getattr(os, "O_DIRECT", 0)  # Linux
         addr = buffer_address(data) if self.local and direct else None
         if addr is None or addr % DIRECT_ALIGN or len(head) % DIRECT_ALIGN:
@@ -340,7 +351,15 @@ class Storage:
         return self.write_stream(path, [json.dumps(obj, indent=1).encode()])
 
     def replace_json(self, path: str, obj: Any) -> None:
-        """Writes ``path`` atomically (temp file, then rename) so readers never see half of it."""
+        """Writes ``path`` atomically (temp file, then rename) so readers never see half of it.
+
+        On an object store a PUT is atomic already (readers see the old object or the new one,
+        never part of one) and a rename is a copy and a delete: the object is written in place,
+        one request, and a writer killed mid-write leaves no temp object behind.
+        """
+        if self.object_store:
+            self.write_json(path, obj)
+            return
         tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
         try:
             self.write_json(tmp, obj)
@@ -435,7 +454,12 @@ class Storage:
             return []
         newest, done = max(committed), set(committed)
         partial = [s for s in self.all_step_dirs() if s < newest and s not in done]
-        return [s for s in partial if self._remove_step(s)]
+        removed = [s for s in partial if self._remove_step(s)]
+        # An object store: the multipart uploads a killed agent left into those steps (its
+        # parts are billed, and invisible to a listing of the step directories).
+        with contextlib.suppress(OSError):
+            abort_stale_uploads(self.fs, self.root, newest)
+        return removed
 
     def _remove_step(self, step: int) -> bool:
         """Removes a step directory, manifest first (a half-deleted step is never visible as
@@ -761,6 +785,8 @@ class Storage:
             # As every other local write (O_NOFOLLOW): a link planted where a checkpoint file
             # goes is an error, not something to replace quietly.
             raise OSError(errno.ELOOP, "a symbolic link is where a checkpoint file goes", path)
+        if self.object_store:
+            return self.write_json(path, doc)  # a PUT replaces the object atomically
         tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
         try:
             rec = self.write_json(tmp, doc)

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 
 from flashckpt.elastic.deadline import Deadline
-from flashckpt.elastic.launch.procutil import die_with_parent
+from flashckpt.elastic.procutil import die_with_parent
 from flashckpt.errors import FlashckptError
 
 __all__ = [

@@ -614,7 +614,7 @@ class _Trial:
             self.endpoint = f"127.0.0.1:{self.store.port}"
 
     def spawn(self, machines: str, *, standby: bool = False) -> None:
-        from flashckpt.elastic.launch.procutil import die_with_parent
+        from flashckpt.elastic.procutil import die_with_parent
 
         a = self.a
         cmd = [

@@ -37,7 +37,7 @@ from typing import Any
 import _common as C
 import torch
 
-from flashckpt.elastic.launch.procutil import set_parent_death_signal
+from flashckpt.elastic.procutil import set_parent_death_signal
 from flashckpt.testing.elastic import kill_job
 
 DIM = 2048

@@ -28,7 +28,7 @@ from flashckpt.elastic.etcd.server import (
     log_tail,
     wait_serving,
 )
-from flashckpt.elastic.launch.procutil import die_with_parent
+from flashckpt.elastic.procutil import die_with_parent
 
 __all__ = ["EtcdCluster"]
 

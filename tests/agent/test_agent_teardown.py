@@ -95,7 +95,7 @@ def test_stop_persists_the_newest_unmarked_snapshot(
         # A stand-in launcher: spawns the agent with PR_SET_PDEATHSIG=SIGTERM, as elastic does.
         code = (
             "import subprocess,sys,time\n"
-            "from flashckpt.elastic.launch.procutil import die_with_parent\n"
+            "from flashckpt.elastic.procutil import die_with_parent\n"
             "import signal\n"
             f"p=subprocess.Popen({_agent_cmd(fc_env)!r},preexec_fn=die_with_parent(signal.SIGTERM))\n"
             "print(p.pid,flush=True)\n"

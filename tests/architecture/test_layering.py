@@ -14,10 +14,14 @@ import. From the bottom:
 - ``testing/``, which only tests and benchmarks use: no product module imports it.
 
 A module may import its own package's modules, and those of packages of its layer or below.
-``flashckpt.elastic`` is imported only by itself, the CLI dispatch and ``testing/``. Nothing under
-``agent/``, ``format/``, ``protocol/``, ``monitor/`` or ``planning/`` imports torch at module level
-(``tests/test_agent_notorch.py`` checks the node agent's processes at run time). A module in a
-folder this file does not know fails the test: a new package says where it belongs.
+``flashckpt.elastic`` is imported only by itself, the CLI dispatch and ``testing/``. Inside it
+(``ELASTIC_LAYERS``), from the bottom: the modules directly under ``elastic/`` (``deadline``,
+``procutil``); ``etcd/``; ``membership/`` and ``rendezvous/``, side by side: neither imports the
+other; ``launch/``. A module there imports its own sub-package and the layers below only.
+Nothing under ``agent/``, ``format/``, ``protocol/``, ``monitor/`` or ``planning/`` imports torch
+at module level (``tests/test_agent_notorch.py`` checks the node agent's processes at run time).
+A module in a folder this file does not know fails the test: a new package says where it
+belongs.
 
 No import cycles: ``tests/test_import_cycles.py``.
 """
@@ -61,6 +65,17 @@ TORCH_FREE = (
 )
 # who may import flashckpt.elastic from outside it
 ELASTIC_IMPORTERS = ("flashckpt.cli", "flashckpt.testing")
+# Inside flashckpt.elastic, bottom first; the modules directly under elastic/ (deadline,
+# procutil) are its base. A module imports its own sub-package and those of the layers below:
+# membership/ and rendezvous/ share a layer and import neither each other (they meet in launch/).
+ELASTIC_BASE, ELASTIC_ETCD, ELASTIC_PARTS, ELASTIC_LAUNCH = range(4)
+ELASTIC_LAYERS: dict[str, int] = {
+    "flashckpt.elastic": ELASTIC_BASE,
+    "flashckpt.elastic.etcd": ELASTIC_ETCD,
+    "flashckpt.elastic.membership": ELASTIC_PARTS,
+    "flashckpt.elastic.rendezvous": ELASTIC_PARTS,
+    "flashckpt.elastic.launch": ELASTIC_LAUNCH,
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -83,6 +98,36 @@ def _package(module: str) -> str | None:
         return "flashckpt"
     found = [p for p in PACKAGE_LAYERS if p != "flashckpt" and _under(module, p)]
     return max(found, key=len) if found else None
+
+
+def _elastic_package(module: str) -> str | None:
+    """The entry of ``ELASTIC_LAYERS`` a module of ``flashckpt.elastic`` belongs to: its
+    sub-package, or ``flashckpt.elastic`` for a module directly under ``elastic/``; None for a
+    module of a sub-package this file does not know."""
+    found = [p for p in ELASTIC_LAYERS if p != "flashckpt.elastic" and _under(module, p)]
+    if found:
+        return max(found, key=len)
+    rest = module.removeprefix("flashckpt.elastic").lstrip(".")
+    return "flashckpt.elastic" if "." not in rest else None
+
+
+def _elastic_upward(graph: dict[str, set[str]]) -> list[str]:
+    """The imports inside ``flashckpt.elastic`` that do not go down its layers."""
+    wrong = []
+    for m, deps in sorted(graph.items()):
+        mine = _elastic_package(m) if _under(m, "flashckpt.elastic") else None
+        if mine is None:
+            continue
+        for d in sorted(deps):
+            theirs = _elastic_package(d) if _under(d, "flashckpt.elastic") else None
+            if theirs is None or theirs == mine:
+                continue
+            if ELASTIC_LAYERS[theirs] >= ELASTIC_LAYERS[mine]:
+                wrong.append(
+                    f"{m} ({mine}, layer {ELASTIC_LAYERS[mine]}) imports {d} "
+                    f"({theirs}, layer {ELASTIC_LAYERS[theirs]})"
+                )
+    return wrong
 
 
 def _imports(name: str, text: str, is_package: bool, known: set[str]) -> set[str]:
@@ -171,6 +216,18 @@ def test_imports_go_down_the_layers() -> None:
     assert not wrong, "imports up the layers:\n" + "\n".join(wrong)
 
 
+def test_elastic_imports_go_down_its_layers() -> None:
+    unknown = sorted(
+        m for m in _modules() if _under(m, "flashckpt.elastic") and _elastic_package(m) is None
+    )
+    assert not unknown, (
+        f"modules of flashckpt.elastic in a sub-package tests/test_layering.py does not know: "
+        f"{unknown}; add it to ELASTIC_LAYERS, with its layer"
+    )
+    wrong = _elastic_upward(_graph())
+    assert not wrong, "imports up (or across) the layers of flashckpt.elastic:\n" + "\n".join(wrong)
+
+
 def test_only_the_cli_dispatch_imports_elastic() -> None:
     wrong = [
         f"{m} imports {d}"
@@ -221,3 +278,37 @@ def test_the_rules_can_fail() -> None:
     assert deps == {"flashckpt.trainer.checkpointer"}
     assert _package("flashckpt.format.planted") == "flashckpt.format"
     assert PACKAGE_LAYERS["flashckpt.trainer"] > PACKAGE_LAYERS["flashckpt.format"]
+    # Inside elastic/: an etcd module importing launch/ (up), a membership module importing
+    # rendezvous/ (across, lazily), both found; a rendezvous module importing etcd/ is not.
+    known = set(_modules())
+    up = _imports(
+        "flashckpt.elastic.etcd.planted",
+        planted.replace("trainer", "elastic.launch").replace("checkpointer", "procutil"),
+        False,
+        known,
+    )
+    across = _imports(
+        "flashckpt.elastic.membership.planted",
+        "def f():\n    from flashckpt.elastic.rendezvous.name import BACKEND_NAME\n",
+        False,
+        known,
+    )
+    down = _imports(
+        "flashckpt.elastic.rendezvous.planted",
+        "from flashckpt.elastic.etcd.client import EtcdClient\n",
+        False,
+        known,
+    )
+    graph = {
+        "flashckpt.elastic.etcd.planted": up,
+        "flashckpt.elastic.membership.planted": across,
+        "flashckpt.elastic.rendezvous.planted": down,
+    }
+    assert up == {"flashckpt.elastic.launch.procutil"}
+    assert down == {"flashckpt.elastic.etcd.client"}
+    wrong = _elastic_upward(graph)
+    assert len(wrong) == 2, wrong
+    assert wrong[0].startswith("flashckpt.elastic.etcd.planted ")
+    assert wrong[1].startswith("flashckpt.elastic.membership.planted ")
+    assert _elastic_package("flashckpt.elastic.newpkg.mod") is None
+    assert _elastic_package("flashckpt.elastic.deadline") == "flashckpt.elastic"

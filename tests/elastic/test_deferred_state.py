@@ -19,7 +19,7 @@ from datetime import timedelta
 import pytest
 
 from flashckpt.elastic.etcd.client import EtcdClient
-from flashckpt.elastic.membership import nodes
+from flashckpt.elastic.membership import leasing
 from flashckpt.elastic.membership.nodes import NodeRecord, NodeRegistry
 
 pytestmark = pytest.mark.etcd
@@ -70,7 +70,7 @@ def _deferred_writes_done(after: timedelta) -> None:
     """Waits until the deferral thread has run everything due up to ``after`` from now (a
     marker queued behind it runs after it, on the same thread)."""
     done = threading.Event()
-    nodes._LATER.call_at(time.monotonic() + after.total_seconds(), done.set)
+    leasing._LATER.call_at(time.monotonic() + after.total_seconds(), done.set)
     assert done.wait(60), "the deferral thread never ran the marker"
 
 

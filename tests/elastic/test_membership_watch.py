@@ -22,7 +22,7 @@ from flashckpt.elastic.etcd.client import EtcdClient, EtcdUnavailable
 from flashckpt.elastic.etcd.store import EtcdV3Store
 from flashckpt.elastic.etcd.watchstream import WatchEvent as StreamEvent
 from flashckpt.elastic.etcd.watchstream import WatchStream
-from flashckpt.elastic.membership import nodes as membership
+from flashckpt.elastic.membership import nodestate, reaping, ringwatch
 from flashckpt.elastic.membership.nodes import NodeRecord, NodeRegistry, nodes_prefix
 from flashckpt.elastic.membership.peerlinks import ring_successors
 from flashckpt.elastic.rendezvous.handler import RdzvHandler, RdzvSettings
@@ -138,7 +138,7 @@ def _cost_per_change(
     delete of a node key: the watch messages the others received for the put, the machines
     that saw it, the range requests, keys read and window re-reads the delete cost them all.
     Every other machine's view is checked not to hold the changed key at all."""
-    k = membership._WINDOW
+    k = nodestate._WINDOW
     client = CountingClient(etcd_server, timeout=timedelta(seconds=10))
     names = [f"m{i:03d}" for i in range(n)]
     regs = [make_registry(prefix, name, client) for name in names]
@@ -188,7 +188,7 @@ def _cost_per_change(
 def test_a_node_change_costs_each_machine_o1_at_any_job_size(
     etcd_server: str, etcd_prefix: str, make_registry: Callable[..., NodeRegistry]
 ) -> None:
-    k = membership._WINDOW
+    k = nodestate._WINDOW
     small = _cost_per_change(4, etcd_server, etcd_prefix + "small/", make_registry)
     large = _cost_per_change(32, etcd_server, etcd_prefix + "large/", make_registry)
     # A small job: every machine watches every key; a put is one message to each of the 3
@@ -244,7 +244,7 @@ def test_a_machine_joining_a_large_job_reads_its_window_in_its_registration(
     # predecessors from the span [m00, m006) of this id cut short. A machine whose spans do
     # not settle it (here: the first of the ring, whose predecessors wrap around to the end of
     # a job too large for the read) reads its window once more, as before.
-    k = membership._WINDOW
+    k = nodestate._WINDOW
     names = [f"m{i:03d}" for i in range(12) if i != 6]
     for name in names:
         make_registry(etcd_prefix, name)
@@ -324,7 +324,7 @@ def test_the_view_follows_puts_and_deletes_and_is_read_again_after_a_compaction(
     monkeypatch.setattr(_GatedStream, "open", threading.Event())
     monkeypatch.setattr(_GatedStream, "waiting", threading.Event())
     _GatedStream.open.set()
-    monkeypatch.setattr(membership, "WatchStream", _GatedStream)
+    monkeypatch.setattr(ringwatch, "WatchStream", _GatedStream)
     watcher = make_registry(etcd_prefix, "a", gated, on_lost=lost)
     b = make_registry(etcd_prefix, "b")
     c = make_registry(etcd_prefix, "c")
@@ -377,8 +377,8 @@ def test_a_quiet_watch_outlives_a_compaction_without_reading_the_keys_again(
     # rendezvous store) moves etcd's revision on and its history is compacted: a quiet watch
     # moves its revision on (three counts, once a while) and no machine reads every node key
     # again.
-    monkeypatch.setattr(membership, "_WATCH_SLICE", timedelta(seconds=0.2))
-    monkeypatch.setattr(membership, "_QUIET_CHECK_S", 0.3)
+    monkeypatch.setattr(ringwatch, "_WATCH_SLICE", timedelta(seconds=0.2))
+    monkeypatch.setattr(ringwatch, "_QUIET_CHECK_S", 0.3)
     watcher = make_registry(etcd_prefix, "a")
     peer = make_registry(etcd_prefix, "b")
     wait_until(lambda: "b" in watcher.peers(), "b seen", timeout=WAIT_S)
@@ -471,18 +471,18 @@ def test_outage_probes_ask_a_bounded_sample_of_the_peers_at_any_job_size(
     me = regs[0]
     # It watches its ring neighbours only (as many as the sample), not the 19 peers.
     wait_until(
-        lambda: len(me.peers()) == 2 * membership._WINDOW, "the neighbours seen", timeout=WAIT_S
+        lambda: len(me.peers()) == 2 * nodestate._WINDOW, "the neighbours seen", timeout=WAIT_S
     )
     probed: list[str] = []
-    real_probe = membership.probe
+    real_probe = reaping.probe
 
-    def counting_probe(record: NodeRecord, timeout: float = 0.5) -> membership.ProbeResult:
+    def counting_probe(record: NodeRecord, timeout: float = 0.5) -> reaping.ProbeResult:
         probed.append(record.node_id)
         return real_probe(record, timeout)
 
-    monkeypatch.setattr(membership, "probe", counting_probe)
+    monkeypatch.setattr(reaping, "probe", counting_probe)
     alive = me._alive_peers(2.0)
-    assert alive is not None and len(alive) == len(probed) == membership._OUTAGE_SAMPLE
+    assert alive is not None and len(alive) == len(probed) == reaping._OUTAGE_SAMPLE
     assert len(set(probed)) == len(probed), "each sampled peer once"
     assert {"m01", "m02", "m03", "m04"} <= set(probed), "its ring successors first"
 
@@ -499,7 +499,7 @@ def test_a_sweep_walks_the_ring_so_every_dead_machine_is_found_by_few_probes_eac
     dead = {"m03", "m04", "m10"}
     for node in dead:
         regs.pop(node).close(revoke=False)  # its launcher gone, its key left to its lease
-    k = membership._WINDOW
+    k = nodestate._WINDOW
     wait_until(
         lambda: all(len(r.peers()) == 2 * k for r in regs.values()),
         "every machine's window of neighbours seen",
@@ -564,13 +564,13 @@ def test_a_sweep_probes_only_past_a_link_that_is_not_intact(
 def _count_probes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The node ids probed from now on (each patient probe still runs), in order."""
     probes: list[str] = []
-    real = membership._probe_patiently
+    real = reaping._probe_patiently
 
-    def counting(record: NodeRecord) -> membership.ProbeResult:
+    def counting(record: NodeRecord) -> reaping.ProbeResult:
         probes.append(record.node_id)
         return real(record)
 
-    monkeypatch.setattr(membership, "_probe_patiently", counting)
+    monkeypatch.setattr(reaping, "_probe_patiently", counting)
     return probes
 
 
@@ -594,7 +594,7 @@ def test_a_machine_forming_the_first_round_starts_its_peers_watch_once_it_has_it
             opened.append(key)
             super().__init__(client, key, *args, **kwargs)
 
-    monkeypatch.setattr(membership, "WatchStream", CountingStream)
+    monkeypatch.setattr(ringwatch, "WatchStream", CountingStream)
     n, ttl = 16, timedelta(seconds=30)  # make_registry's TTL: the handlers share the lease
     client = EtcdClient(etcd_server, timeout=timedelta(seconds=10))
 
@@ -640,7 +640,7 @@ def test_a_machine_forming_the_first_round_starts_its_peers_watch_once_it_has_it
         reg.watch_peers()
         reg.watch_peers()  # once only
     successors = {n: set(ring_successors(n, set(names) - {n}, 2)) for n in names}
-    k = membership._WINDOW
+    k = nodestate._WINDOW
     wait_until(
         lambda: all(
             set(reg.peers()) == _window(reg.record.node_id, names, k)
@@ -715,7 +715,7 @@ def test_the_window_read_after_the_rank_returns_the_windows_values_only(
     # by one held fewer than k keys, with every value of that span: at 1,024 machines 81
     # values per read, 59 of them from that span (1.8 ms of etcd's CPU, 0.7 ms of Python's,
     # each machine). The span is read keys only; the window's 2k values in one more read.
-    k = membership._WINDOW
+    k = nodestate._WINDOW
     lease = etcd_client.grant_lease(timedelta(seconds=60))
     names = [f"m{i}" for i in range(100, 200) if i != 130]
     for name in names:  # the peers' keys, as their registrations wrote them
@@ -771,7 +771,7 @@ def test_a_peers_new_state_costs_its_watchers_no_link_or_window_work(
             prev_asked.append(prev_kv)
             super().__init__(*args, prev_kv=prev_kv, **kwargs)
 
-    monkeypatch.setattr(membership, "WatchStream", Stream)
+    monkeypatch.setattr(ringwatch, "WatchStream", Stream)
     lost = _Lost()
     a = make_registry(etcd_prefix, "a", links=2, on_lost=lost)
     b = make_registry(etcd_prefix, "b")

@@ -26,6 +26,7 @@ from waiting import wait_until
 
 from flashckpt.elastic.etcd.client import EtcdClient
 from flashckpt.elastic.membership import nodes as membership
+from flashckpt.elastic.membership import probes
 from flashckpt.elastic.membership.nodes import NodeRecord, NodeRegistry
 from flashckpt.elastic.membership.peerlinks import (
     HOLD_ANSWER,
@@ -224,8 +225,8 @@ def test_links_follow_the_ring_and_a_restarted_peer_is_linked_afresh(
 def test_the_probe_server_holds_a_bounded_number_of_links(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(membership, "_MAX_HELD", 2)
-    server = membership._ProbeServer("tok", "127.0.0.1")
+    monkeypatch.setattr(probes, "_MAX_HELD", 2)
+    server = probes._ProbeServer("tok", "127.0.0.1")
     socks: list[socket.socket] = []
     try:
 
@@ -259,7 +260,7 @@ def test_a_peer_that_never_answers_holds_up_only_its_own_link() -> None:
     # whose launcher hangs) must not hold up the other links: the live peer is linked while the
     # silent one still waits out its (long) connect timeout, and its kill is seen at once.
     silent = socket.create_server(("127.0.0.1", 0))
-    live = membership._ProbeServer("live", "127.0.0.1")
+    live = probes._ProbeServer("live", "127.0.0.1")
     broken: list[tuple[str, str]] = []
     links = PeerLinks(lambda t, why: broken.append((t.node_id, why)), connect_timeout=60)
     try:
@@ -286,7 +287,7 @@ def test_a_held_link_says_at_once_whether_it_is_intact(monkeypatch: pytest.Monke
     monkeypatch.setattr(
         PeerLinks, "_readable", lambda self, target, sock: self._selector.unregister(sock)
     )
-    server = membership._ProbeServer("tok", "127.0.0.1")
+    server = probes._ProbeServer("tok", "127.0.0.1")
     links = PeerLinks(lambda t, why: None)
     try:
         assert not links.intact("tok"), "not held yet"
@@ -305,7 +306,7 @@ def test_a_probe_is_answered_while_other_connections_have_not_asked_anything() -
     # Linkers on a loaded host may take a while to ask after the token: the probe port answers
     # a probe meanwhile (it waited for each connection's question in turn: 0.5 s each, so a
     # probe behind a dozen slow linkers timed out and learnt nothing).
-    server = membership._ProbeServer("tok", "127.0.0.1")
+    server = probes._ProbeServer("tok", "127.0.0.1")
     silent: list[socket.socket] = []
     try:
         for _ in range(12):
@@ -336,7 +337,7 @@ def test_an_idle_probe_port_and_link_thread_sleep_without_a_timer(
             return super().select(timeout)
 
     monkeypatch.setattr(selectors, "DefaultSelector", Recording)
-    server = membership._ProbeServer("tok", "127.0.0.1")
+    server = probes._ProbeServer("tok", "127.0.0.1")
     links = PeerLinks(lambda t, why: None)
     try:
         links.set_targets([LinkTarget("b", "tok", f"127.0.0.1:{server.port}")])

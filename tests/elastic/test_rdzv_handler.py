@@ -30,16 +30,18 @@ from waiting import wait_until
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdOutcomeUnknown, EtcdUnavailable
 from flashckpt.elastic.etcd.store import EtcdV3Store
 from flashckpt.elastic.membership.nodes import NodeRegistry
-from flashckpt.elastic.rendezvous import handler as handler_module
+from flashckpt.elastic.rendezvous import memberwatch as memberwatch_module
+from flashckpt.elastic.rendezvous import result as result_module
+from flashckpt.elastic.rendezvous import rounds as rounds_module
 from flashckpt.elastic.rendezvous.handler import (
     PackedMembers,
     RdzvHandler,
     RdzvSettings,
-    _digest,
     decode_members,
     encode_members,
     settings_from_params,
 )
+from flashckpt.elastic.rendezvous.result import _digest
 
 pytestmark = pytest.mark.etcd
 
@@ -301,7 +303,7 @@ def test_a_waiter_costs_one_join_and_one_watch_however_long_it_waits(
 ) -> None:
     # Short slices: the waiter wakes often (to check its lease), as a slow round of a large job
     # makes it wake every lease_ttl; each wake-up used to cost a read and a new watch.
-    monkeypatch.setattr(handler_module, "_WAIT_SLICE_S", 0.05)
+    monkeypatch.setattr(rounds_module, "_WAIT_SLICE_S", 0.05)
     j = job(min_nodes=3, max_nodes=3)
     lead, waiter = j.machine(), j.machine()
     out_lead = j.join(lead)
@@ -446,7 +448,7 @@ def test_a_result_of_another_round_is_a_clear_error(job: Callable[..., Job]) -> 
         j.prefix + "rdzv/r/000000000000/c/result",
         json.dumps(
             {
-                "v": handler_module._RESULT_VERSION,
+                "v": result_module._RESULT_VERSION,
                 "round": 7,
                 "world": 1,
                 "m": packed,
@@ -714,7 +716,8 @@ def test_a_member_opens_no_watch_of_its_own_once_it_has_its_rank(
             opened.append(key)
             super().__init__(client, key, *args, **kwargs)
 
-    monkeypatch.setattr(handler_module, "WatchStream", Counting)
+    for module in (rounds_module, memberwatch_module):  # every watch the handler opens
+        monkeypatch.setattr(module, "WatchStream", Counting)
     j = job(min_nodes=4, max_nodes=4, lease_ttl=timedelta(seconds=30))
     hs = [j.machine() for _ in range(4)]
     infos = j.rounds(hs)
@@ -777,7 +780,8 @@ def test_a_member_watch_never_receives_the_next_rounds_joins(
                 received.extend(ev.kv.key for ev in events)
             return events
 
-    monkeypatch.setattr(handler_module, "WatchStream", Counting)
+    for module in (rounds_module, memberwatch_module):  # every watch the handler opens
+        monkeypatch.setattr(module, "WatchStream", Counting)
     j = job(min_nodes=6, max_nodes=6, lease_ttl=timedelta(seconds=30))
     hs = [j.machine() for _ in range(6)]
     infos = j.rounds(hs)
@@ -817,7 +821,7 @@ def test_a_large_result_is_written_in_parts_none_larger_than_a_few_kib(
     # of 6 is written in several; every machine still gets the same ranks, and a standby that
     # replaces a dead member reads the parts of round 0 (its lead, the previous round's
     # members) as well.
-    monkeypatch.setattr(handler_module, "_RESULT_PART_CHARS", 4)
+    monkeypatch.setattr(rounds_module, "_RESULT_PART_CHARS", 4)
     j = job(min_nodes=6, max_nodes=6, lease_ttl=timedelta(seconds=30))
     hs = [j.machine() for _ in range(6)]
     infos = j.rounds(hs)
@@ -849,18 +853,18 @@ def test_a_result_missing_a_part_is_refused(job: Callable[..., Job]) -> None:
 
     packed = encode_members([5, 6, 7])
     key = b"/job/rdzv/r/000000000000/c/result"
-    head = {"v": handler_module._RESULT_VERSION, "round": 0, "world": 3, "closer": "x"}
+    head = {"v": result_module._RESULT_VERSION, "round": 0, "world": 3, "closer": "x"}
     value = json.dumps({**head, "m": packed[:2], "parts": 2, "digest": _digest(packed)})
     kvs = [
         KeyValue(key, value.encode(), 9, 9, 1, 0),
         KeyValue(key + b".2", packed[4:].encode(), 9, 9, 1, 0),
     ]
     with pytest.raises(RendezvousStateError, match="lacks its part 1 of 2"):
-        handler_module._decode_result(kvs, 0)
+        result_module._decode_result(kvs, 0)
     whole = [*kvs, KeyValue(key + b".1", packed[2:4].encode(), 9, 9, 1, 0)]
-    result, header = handler_module._decode_result(whole, 0)
+    result, header = result_module._decode_result(whole, 0)
     assert result.members.tolist() == [5, 6, 7] and header is kvs[0]
     # A part that is not ASCII text (so not the packed members) is refused the same way.
     bad = [*kvs, KeyValue(key + b".1", "é".encode(), 9, 9, 1, 0)]
     with pytest.raises(RendezvousStateError, match="lacks its part 1 of 2"):
-        handler_module._decode_result(bad, 0)
+        result_module._decode_result(bad, 0)

@@ -154,7 +154,7 @@ def fork_ranks(world: int, expected: int, run: Callable[[int], int], name: str) 
     import signal
     import traceback
 
-    from flashckpt.elastic.launch.procutil import set_parent_death_signal
+    from flashckpt.elastic.procutil import set_parent_death_signal
 
     pids: dict[int, int] = {}
     for rank in range(world):

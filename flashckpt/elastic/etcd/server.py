@@ -31,7 +31,7 @@ from types import TracebackType
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd._gateway import Gateway
 from flashckpt.elastic.etcd._wire import b64, prefix_end
-from flashckpt.elastic.launch.procutil import die_with_parent
+from flashckpt.elastic.procutil import die_with_parent
 from flashckpt.errors import FlashckptError
 
 __all__ = [

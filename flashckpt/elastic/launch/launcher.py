@@ -249,7 +249,7 @@ def launch(config: LauncherConfig) -> int:
         with LaunchSession(config, events) as session:
             code = session.run()
         if code == 0:  # the job finished (or went on without this machine): the last one out
-            from flashckpt.elastic.membership.jobkeys import (
+            from flashckpt.elastic.launch.jobcleanup import (
                 remove_after_launch,  # removes its leftover keys
             )
 

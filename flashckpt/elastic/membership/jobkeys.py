@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdError
 from flashckpt.elastic.membership.nodes import nodes_prefix
 
-if TYPE_CHECKING:
-    from flashckpt.elastic.launch.config import LauncherConfig
-
-__all__ = ["FINISHED_JOB_PREFIXES", "remove_after_launch", "remove_finished_job_keys"]
+__all__ = ["FINISHED_JOB_PREFIXES", "remove_finished_job_keys"]
 
 logger = logging.getLogger("flashckpt.launcher")
 
@@ -66,32 +62,3 @@ def remove_finished_job_keys(
     if deleted:
         logger.info("removed %d keys of the finished job from etcd", deleted)
     return deleted
-
-
-def remove_after_launch(config: LauncherConfig) -> int | None:
-    """:func:`remove_finished_job_keys` for the job of a ``flashckpt run`` that ended with exit
-    code 0, on the etcd its flags name (nothing for ``--standalone``: that etcd is gone with
-    the launcher). Never raises."""
-    if config.standalone or not config.rdzv_endpoint:
-        return None
-    # Not at the top: the rendezvous module imports torch.
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-    from flashckpt.elastic.rendezvous.backend import DEFAULT_KEY_PREFIX, create_client, job_prefix
-    from flashckpt.elastic.rendezvous.name import BACKEND_NAME
-
-    try:
-        params = RendezvousParameters(
-            backend=BACKEND_NAME,
-            endpoint=config.rdzv_endpoint,
-            run_id=config.rdzv_id,
-            min_nodes=config.min_nodes,
-            max_nodes=config.max_nodes,
-            **{**config.rdzv_conf, **config.etcd_options(), "read_timeout": "2"},
-        )
-        client = create_client(params)
-        prefix = job_prefix(config.rdzv_id, str(params.get("key_prefix", DEFAULT_KEY_PREFIX)))
-    except Exception as exc:  # the session checked these flags; never a reason to fail
-        logger.info("not removing the finished job's keys: %s", exc)
-        return None
-    return remove_finished_job_keys(client, prefix)

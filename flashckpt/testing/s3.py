@@ -31,7 +31,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from flashckpt.elastic.launch.procutil import die_with_parent
+from flashckpt.elastic.procutil import die_with_parent
+from flashckpt.errors import FlashckptError
 
 __all__ = ["S3ServerError", "SeaweedS3", "find_weed_binary"]
 
@@ -39,7 +40,7 @@ __all__ = ["S3ServerError", "SeaweedS3", "find_weed_binary"]
 _PORTS = 8
 
 
-class S3ServerError(RuntimeError):
+class S3ServerError(FlashckptError, RuntimeError):
     """The S3 server did not start or serve (the message carries the end of its log)."""
 
 

@@ -283,7 +283,7 @@ def test_the_rules_can_fail() -> None:
     known = set(_modules())
     up = _imports(
         "flashckpt.elastic.etcd.planted",
-        planted.replace("trainer", "elastic.launch").replace("checkpointer", "procutil"),
+        planted.replace("trainer", "elastic.launch").replace("checkpointer", "config"),
         False,
         known,
     )
@@ -304,7 +304,7 @@ def test_the_rules_can_fail() -> None:
         "flashckpt.elastic.membership.planted": across,
         "flashckpt.elastic.rendezvous.planted": down,
     }
-    assert up == {"flashckpt.elastic.launch.procutil"}
+    assert up == {"flashckpt.elastic.launch.config"}
     assert down == {"flashckpt.elastic.etcd.client"}
     wrong = _elastic_upward(graph)
     assert len(wrong) == 2, wrong

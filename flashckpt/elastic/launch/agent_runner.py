@@ -43,7 +43,7 @@ from typing import Any
 
 from flashckpt import names
 from flashckpt.elastic.deadline import Deadline
-from flashckpt.elastic.launch.procutil import die_with_parent
+from flashckpt.elastic.procutil import die_with_parent
 from flashckpt.errors import FlashckptError
 
 # The node agent's exit code when it kept its segments (flashckpt.agent.daemon.EXIT_KEPT; not

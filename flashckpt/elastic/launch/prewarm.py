@@ -44,8 +44,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from flashckpt import envnames
-from flashckpt.elastic.launch.procutil import die_with_parent, set_parent_death_signal
 from flashckpt.elastic.launch.usercode import run_user_code
+from flashckpt.elastic.procutil import die_with_parent, set_parent_death_signal
 
 __all__ = [
     "DEFAULT_MODULES",

@@ -31,8 +31,8 @@ import sys
 
 from flashckpt import envnames
 from flashckpt.elastic.launch.prewarm import PREWARM_SOCKET_ENV, exit_with_status, run_prewarmed
-from flashckpt.elastic.launch.procutil import set_parent_death_signal
 from flashckpt.elastic.launch.usercode import FAST_EXIT_ENV, run_user_code
+from flashckpt.elastic.procutil import set_parent_death_signal
 
 __all__ = ["EXEC_FLAG", "FAST_EXIT_ENV", "LAUNCHER_PID_ENV", "main", "run_user_code"]
 

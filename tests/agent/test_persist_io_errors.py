@@ -273,7 +273,9 @@ def test_the_agent_reports_eio_as_the_io_error_on_staged_and_direct_writes_then_
         agent.stop()
     assert EioFileSystem.failed == 3 and len(errors) == 3, errors
     for e in errors:
-        assert e.startswith("OSError: ") and EIO_TEXT in e and "shard-" in e, e
+        # "OSError persisting to <url>: [Errno 5] ...": the error's type, where, the errno
+        assert e.startswith(f"OSError persisting to {eio_root}: "), e
+        assert EIO_TEXT in e and "shard-" in e, e
         assert "BufferError" not in e, e
     assert trainer_errors and all(EIO_TEXT in e for e in trainer_errors), trainer_errors
     # A new agent (the old one's memory went with it): the committed steps restore bitwise.

@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from flashckpt.errors import FlashckptError
+from flashckpt.format.storage import _fsync_dir, _protocols
 
 __all__ = ["ExclusiveCreateUnsupported", "create_exclusive", "supports_exclusive"]
 
@@ -46,11 +47,6 @@ _CONFLICT_TRIES = 4
 
 class ExclusiveCreateUnsupported(FlashckptError, OSError):
     """The file system cannot create a file only where none is, in one operation."""
-
-
-def _protocols(fs: Any) -> tuple[str, ...]:
-    p = fs.protocol
-    return (p,) if isinstance(p, str) else tuple(p)
 
 
 def _kind(fs: Any) -> str:
@@ -182,14 +178,3 @@ def _s3_code(e: BaseException) -> str | None:
                 return code
         seen = seen.__cause__ or seen.__context__
     return None
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import threading
-from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -29,19 +27,9 @@ from flashckpt.elastic.etcd.server import (
     wait_serving,
 )
 from flashckpt.elastic.procutil import die_with_parent
+from flashckpt.testing.ports import free_ports
 
 __all__ = ["EtcdCluster"]
-
-
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct ports the OS reports free (held together while chosen)."""
-    with ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            ports.append(int(sock.getsockname()[1]))
-        return ports
 
 
 class EtcdCluster:
@@ -59,7 +47,7 @@ class EtcdCluster:
         self._root = Path(root)
         self._binary = binary or find_etcd_binary()
         self._size = size
-        ports = _free_ports(2 * size)
+        ports = free_ports(2 * size)
         self._client_ports = ports[:size]
         self._peer_ports = ports[size:]
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * size

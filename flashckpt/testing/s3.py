@@ -19,20 +19,19 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from flashckpt.elastic.procutil import die_with_parent
 from flashckpt.errors import FlashckptError
+from flashckpt.testing.ports import free_ports
 
 __all__ = ["S3ServerError", "SeaweedS3", "find_weed_binary"]
 
@@ -54,16 +53,6 @@ def find_weed_binary() -> str | None:
     if here.is_file() and os.access(here, os.X_OK):
         return str(here)
     return shutil.which("weed")
-
-
-def _free_ports(count: int) -> list[int]:
-    with ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            ports.append(int(sock.getsockname()[1]))
-        return ports
 
 
 class SeaweedS3:
@@ -190,7 +179,7 @@ class SeaweedS3:
         )
         config.chmod(0o600)
         for attempt in range(3):
-            self._ports = _free_ports(_PORTS)
+            self._ports = free_ports(_PORTS)
             try:
                 self._launch()
                 self._wait(timeout)

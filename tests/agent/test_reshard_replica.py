@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 from test_peer_memory import STEPS_BEFORE, Machines, _clean, _lose_b, _report, _same_state, three
 
+from flashckpt.testing.ports import free_ports
+
 pytestmark = pytest.mark.timeout(900)
 
 __all__ = ["three"]  # the fixture, imported for the tests here
@@ -142,20 +144,6 @@ def test_the_restart_line_names_peer_memory_reshard() -> None:
     assert "another machine's replica" in line, line
 
 
-def _free_ports(n: int) -> list[int]:
-    """Ports the OS has free now (the agents' replica servers must know each other's at start)."""
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def test_three_machines_shrink_to_two_with_pieces_in_both_survivors_replica_stores(
     three: tuple[Any, Any, Any, Machines], tmp_path: Path
 ) -> None:
@@ -167,7 +155,7 @@ def test_three_machines_shrink_to_two_with_pieces_in_both_survivors_replica_stor
 
     a, b, c, m = three
     envs = {"a": a, "b": b, "c": c}
-    ports = dict(zip(envs, _free_ports(3), strict=True))
+    ports = dict(zip(envs, free_ports(3), strict=True))
     procs = {}
     for node, env in envs.items():
         peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items() if n != node)

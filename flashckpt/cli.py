@@ -288,11 +288,16 @@ def _cmd_clean(args: argparse.Namespace) -> int:
             where = "" if d == args.shm_dir else f" in {d}"
             if g.only_copy is not None and not args.force:
                 # The only copy of a step (issue 41: clean deleted it without a word).
+                again = (
+                    "Run the job's command again (it resumes from these)"
+                    if g.only_copy.endswith("(the job has no storage)")
+                    else "Fix the storage and run the job's command again (it resumes from "
+                    "these and writes the step)"
+                )
                 print(
                     f"kept job {job} node {node}{where}: {len(g.paths)} files, "
-                    f"{_human(g.nbytes)}: the only copy of {g.only_copy}. Fix the storage "
-                    "and run the job's command again (it resumes from these and writes the "
-                    "step), or pass --force to delete them and lose that step"
+                    f"{_human(g.nbytes)}: the only copy of {g.only_copy}. {again}, or pass "
+                    "--force to delete them and lose that step"
                 )
                 nkept += 1
                 groups = [x for x in groups if x is not g]

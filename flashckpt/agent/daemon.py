@@ -425,13 +425,15 @@ class NodeAgent:
                     with contextlib.suppress(OSError):
                         c.sock.close()
                 newest = None
-                if keep is not None and self.st.storage is not None:
+                if keep is not None:
                     with contextlib.suppress(Exception):  # the slots stay whatever this says
                         newest = self.persister.newest_in_memory()
                 kept = self.segments.remove_segments(keep_slots=keep is not None)
-            if kept and newest is not None and self.st.storage is not None:
-                # The only copy of that step: `flashckpt clean` leaves it without --force.
-                self.segments.mark_kept(self.st.storage.url, newest, keep or "")
+            if kept and newest is not None:
+                # The only copy of that step (storage lacks it, or the job has none):
+                # `flashckpt clean` leaves it without --force.
+                url = self.st.storage.url if self.st.storage is not None else ""
+                self.segments.mark_kept(url, newest, keep or "")
             if kept:
                 log.warning(
                     "kept %d snapshot segment(s) of job %s node %s in %s (%s): the next agent "

@@ -417,7 +417,8 @@ class SegmentGroup:
     """Why the group counts as abandoned."""
     only_copy: str | None = None
     """What the group holds that storage lacks (``step N, which storage URL lacks``: its
-    agent kept it there when the final write to storage failed), else None."""
+    agent kept it there when the final write to storage failed; ``step N (the job has no
+    storage)``: a memory-only job's agent stopped before its trainers finished), else None."""
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -498,6 +499,8 @@ def _only_copy(owner_path: str) -> str | None:
         return None
     if not isinstance(url, str) or isinstance(step, bool) or not isinstance(step, int):
         return None
+    if not url:  # a job without storage: memory is the only copy there is
+        return f"step {step} (the job has no storage)"
     try:
         from flashckpt.format.storage import MANIFEST, Storage
 

@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import os
 import subprocess
+import sys
 import termios
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,6 +182,14 @@ def test_ctrl_c_in_the_terminal_then_the_same_command_resumes_from_the_newest_sn
     assert _etcd_data(cluster) == [], out  # the private etcd's data went with it
     if storage == "memory":  # the agent kept its segments: the only copy
         assert "kept" in out, out
+        # ... and `flashckpt clean` keeps them (exit 1, naming the step) unless --force.
+        shm = cluster.shm_root / "n0"
+        kept = sorted(p for p in shm.rglob("*") if p.is_file())
+        clean = [sys.executable, "-m", "flashckpt", "clean", "--shm-dir", str(shm)]
+        proc = subprocess.run(clean, capture_output=True, text=True, env=cluster_env(), timeout=60)
+        assert proc.returncode == 1, (proc.stdout, proc.stderr)
+        assert "(the job has no storage). Run the job's command again" in proc.stdout, proc.stdout
+        assert sorted(p for p in shm.rglob("*") if p.is_file()) == kept
     _rerun_resumes_from(
         cluster, cmd, done // EVERY * EVERY, max(e["t"] for e in cluster.events()), reference_model
     )

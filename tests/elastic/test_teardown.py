@@ -217,3 +217,7 @@ def test_kill_9_of_the_launcher_alone_then_the_same_command_resumes_from_the_new
         cluster, cmd, done // EVERY * EVERY, max(e["t"] for e in cluster.events()), reference_model
     )
     assert _etcd_data(cluster) == [], cluster.logs()
+    # Nothing of either launcher's agents is left in shared memory: no slot, and no (empty)
+    # generation directory of the killed launcher (issue 41: an empty .g1 stayed).
+    shm = cluster.shm_root / "n0"
+    assert sorted(str(p) for p in shm.rglob("*")) == [], cluster.logs()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -93,15 +94,26 @@ def test_agent_killed_mid_multipart_upload_commits_nothing_torn(
 
     p = _trainer(env, tmp_path, "a", "--steps", "60", "--every", "3", "--step-sleep", "0.05")
     try:
-        first = _wait("a committed step", st.committed_steps, p)[-1]
-        # an upload into a step newer than every committed one, open right now
-        open_up = _wait(
-            "a multipart upload of a later step",
-            lambda: [u for u in uploads() if _upload_step(u) > first],
-            p,
-        )
+        # a committed step that `latest` names already (it is written after the manifest)
+        _wait("a committed step and latest", lambda: st.fs.exists(st.path("latest")), p)
+
+        def open_upload_while_stopped() -> list[dict]:
+            """The agent stopped (SIGSTOP: it can neither finish nor commit meanwhile), an
+            upload into a step newer than every committed one, open right now; else the agent
+            goes on and []. (Looked at while it ran, an upload could finish before the kill.)"""
+            pids = _agent_pids(env.job)
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            newest = max(st.committed_steps(), default=-1)
+            found = [u for u in uploads() if _upload_step(u) > newest]
+            if not found:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+            return found
+
+        open_up = _wait("a multipart upload of a later step", open_upload_while_stopped, p)
         for pid in _agent_pids(env.job):
-            os.kill(pid, 9)
+            os.kill(pid, signal.SIGKILL)
         kill_job_processes(env.job)
         p.wait(timeout=60)
     finally:

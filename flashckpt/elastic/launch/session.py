@@ -235,6 +235,9 @@ class LaunchSession:
         # workers' pids the fence stops, set once the machine registered again (or must leave).
         self._fence: FenceNotice | None = None
         self._was_fenced = False
+        # Registered again after a fence while the job still trained: it then waited as a
+        # standby, and a job that finishes without it releases it as one (not "cut off").
+        self._rejoined_running = False
         self._healed = threading.Event()
         self._leave_reason: str | None = None
         self._worker_pids: list[int] = []
@@ -652,7 +655,7 @@ class LaunchSession:
             logger.error("%s", exc)
             return 1
         if result is None:
-            if self._was_fenced:
+            if self._was_fenced and not self._rejoined_running:
                 logger.warning(
                     "this machine was fenced (cut off from etcd and its peers); the job "
                     "finished without it: leaving with nothing of its old world committed"
@@ -681,6 +684,18 @@ class LaunchSession:
         self._workers_done = True
         self.events("succeeded")
         return 0
+
+    def _job_finished_now(self) -> bool:
+        """Whether the job's training has finished (one read of its job-level key); False when
+        that cannot be read."""
+        handler = self._handler
+        if handler is None:
+            return False
+        try:
+            return bool(handler.finished_done(timeout=_PROBE_ETCD_TIMEOUT))
+        except Exception as exc:  # etcd just came back: unknown counts as still running
+            logger.debug("cannot read whether the job finished: %s", exc)
+            return False
 
     def _finished_elsewhere(self, timeout: timedelta) -> bool:
         """Whether a machine of the job closed the rendezvous with its workers done (the job's
@@ -864,6 +879,7 @@ class LaunchSession:
                         generation,
                     )
                     self.events("rejoined", generation=generation)
+                    self._rejoined_running = not self._job_finished_now()
                     break
             if time.monotonic() > leave_at:
                 reason = f"etcd stayed unreachable for {limit:.0f} s after the fence"

@@ -368,7 +368,7 @@ def run_once(
         time.sleep(rng.uniform(0, args.every * max(args.step_sleep, _step_interval(job.events()))))
         events = job.events()
         # The sharded systems lose the machine of rank 1 (the one whose shards are only in a
-        # peer's replica or in storage; tests/elastic/test_launcher_replica.py kills either).
+        # peer's replica or in storage; tests/elastic/launch/test_launcher_replica.py kills either).
         lost_rank = 1 if job.sharded else 0
         victim = next(
             e["node"] for e in reversed(events) if e["event"] == "start" and e["rank"] == lost_rank

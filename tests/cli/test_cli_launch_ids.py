@@ -2,7 +2,7 @@
 host, the message when etcd is missing, and the steps ``flashckpt status`` prints (issue 30).
 
 The relaunch itself (killed, rerun, resumed from memory) is in
-``tests/elastic/test_relaunch_without_id.py``.
+``tests/elastic/launch/test_relaunch_without_id.py``.
 """
 
 from __future__ import annotations

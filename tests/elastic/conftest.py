@@ -117,7 +117,7 @@ def reference_model(
     launcher, two workers, no pacing (training is deterministic on CPU, pacing changes nothing)."""
     # Imported here: most membership tests need neither torch nor the simulated cluster.
     import safetensors.torch
-    from _cluster import SimCluster
+    from elasticcluster import SimCluster
 
     cluster = SimCluster(
         tmp_path_factory.mktemp("reference"),

@@ -1,7 +1,7 @@
 """The exclusive create that takes a storage root (issue 41): where the backend can, the file is
 created whole or not at all, and a second create of the name fails with FileExistsError; where
 it cannot, the owner claim warns at every entry instead of pretending (the race tests in
-tests/elastic/test_launcher_claim_race.py and tests/trainer/test_storage_claim_race.py take a
+tests/elastic/launch/test_launcher_claim_race.py and tests/trainer/test_storage_claim_race.py take a
 root from two processes at the same instant)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The worker of the storage-claim race (tests/elastic/test_launcher_claim_race.py): a process
-that, for each trial, waits at a barrier shared with the other job's process and then takes the
-trial's root through the launcher's own check (:func:`check_storage`), on the slow file system
-(:mod:`slowfs`)."""
+"""The worker of the storage-claim race (tests/elastic/launch/test_launcher_claim_race.py): a
+process that, for each trial, waits at a barrier shared with the other job's process and then
+takes the trial's root through the launcher's own check (:func:`check_storage`), on the slow file
+system (:mod:`slowfs`)."""
 
 from __future__ import annotations
 

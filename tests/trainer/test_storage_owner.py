@@ -79,7 +79,7 @@ def test_an_unreadable_owner_file_is_named_not_guessed(fc_env: FcEnv) -> None:
 def test_the_owner_file_is_replaced_in_one_step_never_rewritten_in_place(tmp_path) -> None:
     """Two launchers of one job entering the root together: one read the owner file while the
     other's write had truncated it to 0 bytes, took it for another job's unreadable claim and
-    refused the root (seen in tests/elastic/test_etcd_outage.py). Each write is a new file
+    refused the root (seen in tests/elastic/etcd/test_etcd_outage.py). Each write is a new file
     renamed over the old one: a reader holds the old record or the new one, never a part."""
     from flashckpt.format.storage import Storage
     from flashckpt.format.storage_owner import owner_path, read_owner, write_owner

@@ -97,7 +97,7 @@ _STATIC: tuple[tuple[str, str], ...] = (
 
 # Code lengths of the Huffman code (RFC 7541 Appendix B), symbols 0..256 (256: EOS). The code
 # is canonical (codes of one length are consecutive, in symbol order, after the shorter ones),
-# so the lengths determine the codes; tests/elastic/test_etcd_grpc_kv.py checks them against
+# so the lengths determine the codes; tests/elastic/etcd/test_etcd_grpc_kv.py checks them against
 # the RFC's examples.
 # fmt: off
 _HUFFMAN_LENGTHS = (

@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 
 import flashckpt  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from trainscript import exit_now  # noqa: E402
 
 

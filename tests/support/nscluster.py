@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
-from _cluster import Machine, SimCluster, cluster_env
+from elasticcluster import Machine, SimCluster, cluster_env
 
 from flashckpt.testing import netns
 

@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from test_rendezvous_multiprocess import _env, run_failover
+from rdzvprocs import rdzv_env, run_failover
 
 from flashckpt import envnames
 from flashckpt.elastic.etcd.client import EtcdAuthError, EtcdClient, EtcdSecurity
@@ -137,7 +137,7 @@ def test_rendezvous_and_failover_through_tls_and_auth(secured: Secured, tmp_path
     """The failover of ``test_rendezvous_multiprocess`` through the secured etcd: the nodes get
     the CA, their certificate and key, the user and the password from the environment only
     (torchrun's ``--rdzv-endpoint`` is the https URL)."""
-    env = _env()
+    env = rdzv_env()
     env.update(
         {
             envnames.ETCD_CA: secured.ca,
@@ -168,7 +168,7 @@ def test_flashckpt_run_and_status_take_the_etcd_flags(secured: Secured, tmp_path
         *("--etcd-ca", secured.ca, "--etcd-cert", secured.cert, "--etcd-key", secured.key),
         *("--etcd-user", _USER, "--etcd-password-file", str(password)),
     ]
-    env = {k: v for k, v in _env().items() if not k.startswith("FLASHCKPT_ETCD_")}
+    env = {k: v for k, v in rdzv_env().items() if not k.startswith("FLASHCKPT_ETCD_")}
     job = f"sec-{os.getpid()}"
     run = subprocess.run(
         [sys.executable, "-m", "flashckpt", "run", "--nnodes", "1", "--nproc-per-node", "1",

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _cluster import SimCluster
+from elasticcluster import SimCluster
 
 from flashckpt.testing.elastic import process_tree
 

@@ -27,7 +27,7 @@ import pytest
 
 from flashckpt.testing.elastic import kill_job, loopback_env, read_jsonl
 
-WORKER = Path(__file__).with_name("_torchrun_worker.py")
+WORKER = Path(__file__).resolve().parents[2] / "support" / "_torchrun_worker.py"
 KILLS = 10  # restarts, each a trial of the stale-store race
 EVERY = 2
 KILL_AT = 5  # iterations after each attempt's start step

@@ -16,7 +16,7 @@ from fchelpers import FcEnv
 from flashckpt.errors import FlashckptError, RestoreError
 from flashckpt.trainer.rankctx import RankContext
 
-WORKER = Path(__file__).parent.parent / "support" / "_restore_fail_worker.py"
+WORKER = Path(__file__).resolve().parents[2] / "support" / "_restore_fail_worker.py"
 
 
 def _ranks(env: FcEnv, tmp: Path, phase: str, world: int, misfit: str = "") -> dict[int, dict]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from _cluster import Machine, SimCluster, cluster_env
+from elasticcluster import Machine, SimCluster, cluster_env
 from test_teardown import (
     EVERY,
     WORKER_ARGS,

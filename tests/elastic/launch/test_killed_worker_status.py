@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _cluster import cluster_env
+from elasticcluster import cluster_env
 
 from flashckpt.testing.elastic import kill_job
 

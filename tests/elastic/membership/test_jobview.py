@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cluster import SimCluster
+from elasticcluster import SimCluster
 from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
 from waiting import wait_until

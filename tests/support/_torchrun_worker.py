@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import flashckpt
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from trainscript import exit_now
 
 

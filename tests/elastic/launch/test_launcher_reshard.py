@@ -1,7 +1,7 @@
 """``flashckpt run`` with a machine lost and no standby (``--nnodes 1:2``): the job goes on
 smaller and reshards the lost machine's pieces from the replica its snapshot left in the
 survivor's memory (issue 11: "resharding to a new world size may use replica pieces too"), on
-machines that really are separate (namespaces, see ``_nscluster.py``), memory only.
+machines that really are separate (namespaces, see ``tests/support/nscluster.py``), memory only.
 """
 
 from __future__ import annotations

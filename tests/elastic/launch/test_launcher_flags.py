@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from _cluster import SimCluster, cluster_env
+from elasticcluster import SimCluster, cluster_env
 
 from flashckpt.elastic.launch.launcher import parse_args
 from flashckpt.elastic.launch.restore_report import RestoreReporter, job_summary
 
-TORCHRUN_WORKER = Path(__file__).with_name("_torchrun_worker.py")
+TORCHRUN_WORKER = Path(__file__).resolve().parents[2] / "support" / "_torchrun_worker.py"
 
 
 def test_parse_torchrun_flags() -> None:

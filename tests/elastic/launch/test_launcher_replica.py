@@ -1,5 +1,6 @@
 """``flashckpt run`` wires replication between the machines' node agents (issue 11), on machines
-that really are separate (namespaces, see ``_nscluster.py``): nobody passes replica flags.
+that really are separate (namespaces, see ``tests/support/nscluster.py``): nobody passes
+replica flags.
 
 Each launcher starts its agent's replica server on the machine's cluster address (port 0: the
 OS picks; the launcher reads it back and publishes it in the machine's etcd record) and, at
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _nscluster import NsSimCluster
+from nscluster import NsSimCluster
 
 from flashckpt import names
 from flashckpt.elastic.etcd.client import KeyValue
@@ -335,7 +336,7 @@ def test_standby_restores_a_killed_machines_shards_from_the_survivors_replica(
     and restores from its own memory; the standby takes the victim's rank and restores its
     shards from the survivor's replica (``peer-memory``), at the same step; the job ends with
     the bitwise same model as an uninterrupted run."""
-    from _cluster import assert_same_model
+    from elasticcluster import assert_same_model
 
     ns, etcd_url = net
     cluster = _MemoryOnly(

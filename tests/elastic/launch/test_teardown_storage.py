@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cluster import SimCluster, assert_same_model, cluster_env
+from elasticcluster import SimCluster, assert_same_model, cluster_env
 
 from flashckpt.format.storage import Storage
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cluster import Machine, SimCluster, assert_same_model, cluster_env
+from elasticcluster import Machine, SimCluster, assert_same_model, cluster_env
 from fchelpers import private_shm
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd]

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from _cluster import Machine, SimCluster, assert_same_model, cluster_env
+from elasticcluster import Machine, SimCluster, assert_same_model, cluster_env
 
 from flashckpt.testing.elastic import kill_processes, process_tree
 

@@ -1,4 +1,5 @@
-"""``flashckpt run`` on machines that really are separate (namespaces, see ``_nscluster.py``).
+"""``flashckpt run`` on machines that really are separate (namespaces, see
+``tests/support/nscluster.py``).
 
 Each machine has its own network, hostname and ``/dev/shm``: a standby can only get the killed
 machine's state over the network (a survivor's memory) or from storage, never from a segment
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cluster import assert_same_model
-from _nscluster import NsSimCluster
+from elasticcluster import assert_same_model
+from nscluster import NsSimCluster
 
 from flashckpt.elastic.etcd.server import find_etcd_binary
 from flashckpt.testing import netns

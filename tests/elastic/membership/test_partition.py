@@ -3,7 +3,7 @@
 Fast tests: the fence deadline arithmetic, and :class:`NodeRegistry`'s renew loop against a real
 etcd whose renewals a wrapper cuts (fenced only when no peer answers either; registered again
 with a fresh token, lease and generation). The end-to-end test runs ``flashckpt run`` on
-machines in their own namespaces (``_nscluster.py``) and takes one machine's link down.
+machines in their own namespaces (``tests/support/nscluster.py``) and takes one machine's link down.
 """
 
 from __future__ import annotations
@@ -325,8 +325,8 @@ def test_a_partitioned_machine_fences_itself_and_rejoins_as_a_standby(
     to etcd: it still reaches its peers, which still reach etcd): it fences itself, the survivor
     and the standby finish the job, ``latest`` never moves backwards; healed while the job
     trains, it waits as a standby; healed after the job ended, it leaves."""
-    from _cluster import assert_same_model
-    from _nscluster import NsSimCluster
+    from elasticcluster import assert_same_model
+    from nscluster import NsSimCluster
 
     from flashckpt.format.storage import Storage
 

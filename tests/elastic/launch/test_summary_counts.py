@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _cluster import SimCluster
+from elasticcluster import SimCluster
 
 from flashckpt.monitor.goodput import compute_goodput, incarnations_from_events, read_events
 from flashckpt.names import events_path

@@ -21,7 +21,7 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
-from _cluster import SimCluster, assert_same_model, cluster_env
+from elasticcluster import SimCluster, assert_same_model, cluster_env
 
 from flashckpt.elastic.etcd.server import EtcdV3Server
 from flashckpt.elastic.membership import health
@@ -387,7 +387,8 @@ def test_sharded_job_shrinks_by_resharding(
     # FSDP2 on 2 machines, MIN:MAX = 1:2, no standby: the survivor goes on alone, its state
     # resharded from the 2-rank pieces in storage to the whole model on 1 rank. Replicas off:
     # with them the survivor reshards from its agent's replica of the lost machine's snapshot
-    # instead ("peer-reshard", tests/elastic/test_launcher_reshard.py); this test is storage's.
+    # instead ("peer-reshard", tests/elastic/launch/test_launcher_reshard.py); this test is
+    # storage's.
     cluster = SimCluster(
         tmp_path,
         etcd_server,

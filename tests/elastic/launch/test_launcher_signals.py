@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from _cluster import SimCluster
+from elasticcluster import SimCluster
 
 from flashckpt.elastic.etcd.client import EtcdClient
 from flashckpt.elastic.etcd.server import EtcdV3Server

@@ -87,7 +87,7 @@ class SimCluster:
         nproc: ``--nproc-per-node``.
         worker_args: Extra arguments of the training script, on every machine.
         launcher_args: Extra arguments of every launcher.
-        worker: The training script (default: ``_elastic_worker.py``).
+        worker: The training script (default: ``tests/support/_elastic_worker.py``).
     """
 
     def __init__(

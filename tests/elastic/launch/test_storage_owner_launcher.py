@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _cluster import SimCluster, cluster_env
+from elasticcluster import SimCluster, cluster_env
 from fchelpers import FcEnv
 from tinytrain import make, train_step
 

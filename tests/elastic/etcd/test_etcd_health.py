@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from _cluster import SimCluster
+from elasticcluster import SimCluster
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from flashckpt.elastic.etcd.client import EtcdClient

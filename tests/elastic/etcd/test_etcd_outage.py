@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _cluster import SimCluster
+from elasticcluster import SimCluster
 
 from flashckpt.testing.etcd_cluster import EtcdCluster
 

@@ -181,8 +181,15 @@ class Plan:
 
     def to_table(self) -> str:
         """A readable text report."""
+        lines = self._time_lines()
+        lines += ["", *self._memory_lines()]
+        if self.reliability is not None:
+            lines += ["", *self._reliability_lines()]
+        return "\n".join(lines)
+
+    def _time_lines(self) -> list[str]:
         cfg = self.config
-        par, train, cluster = cfg.parallel, cfg.train, cfg.cluster
+        train, cluster = cfg.train, cfg.cluster
         lines = ["Training time"]
         c_mult = 8 if train.recompute == "full" else 6
         lines += _table(
@@ -202,11 +209,15 @@ class Plan:
                 ],
             ]
         )
-        lines.append("")
-        lines.append(
+        return lines
+
+    def _memory_lines(self) -> list[str]:
+        cfg = self.config
+        par, train, cluster = cfg.parallel, cfg.train, cfg.cluster
+        lines = [
             f"Memory per GPU (dp={self.dp} tp={par.tp} pp={par.pp} cp={par.cp}, "
             f"ZeRO-{par.zero}, {train.precision}, recompute={train.recompute})"
-        )
+        ]
         rows = [["component", "B/param", "GiB/GPU", "sharded over", "formula"]]
         for item in self.memory:
             rows.append(
@@ -245,44 +256,45 @@ class Plan:
                 f"  with tp={par.tp} pp={par.pp} cp={par.cp} ZeRO-{par.zero}: smallest fitting "
                 f"dp={self.min_dp_for_layout}, {self._gpus_text(self.min_gpus_for_layout)}"
             )
-        rel = self.reliability
-        if rel is not None:
-            assert cfg.reliability is not None
-            lines.append("")
-            lines.append("Reliability")
-            iv = rel.intervals_s
-            lines += _table(
+        return lines
+
+    def _reliability_lines(self) -> list[str]:
+        cfg, cluster, rel = self.config, self.config.cluster, self.reliability
+        assert rel is not None and cfg.reliability is not None
+        lines = ["Reliability"]
+        iv = rel.intervals_s
+        lines += _table(
+            [
+                ["GPU MTBF", f"{rel.gpu_mtbf_s / SECONDS_PER_HOUR:,.0f} h"],
                 [
-                    ["GPU MTBF", f"{rel.gpu_mtbf_s / SECONDS_PER_HOUR:,.0f} h"],
-                    [
-                        "job MTBF",
-                        f"{rel.job_mtbf_s / SECONDS_PER_HOUR:.2f} h (GPU MTBF / {cluster.gpus})",
-                    ],
-                    [
-                        "ckpt interval",
-                        f"{rel.interval_s:.0f} s ({rel.interval_method}; young {iv['young']:.0f}"
-                        f" s, daly {iv['daly']:.0f} s, optimal {iv['optimal']:.0f} s)",
-                    ],
-                    [
-                        "checkpoints",
-                        f"{rel.checkpoints:,.0f} x {cfg.reliability.ckpt_stall_s:g} s stall"
-                        f" = {rel.stall_total_s / SECONDS_PER_HOUR:.2f} h",
-                    ],
-                    [
-                        "failures",
-                        f"{rel.expected_failures:.1f} expected x ({cfg.reliability.restart_s:g}"
-                        f" s restart + recompute) = "
-                        f"{rel.failure_loss_s / SECONDS_PER_HOUR:.2f} h",
-                    ],
-                    [
-                        "wall time",
-                        f"{rel.wall_s / SECONDS_PER_DAY:.2f} days "
-                        f"(compute {rel.compute_s / SECONDS_PER_DAY:.2f} days)",
-                    ],
-                    ["goodput", f"{rel.goodput:.2%} (useful / wall)"],
-                ]
-            )
-        return "\n".join(lines)
+                    "job MTBF",
+                    f"{rel.job_mtbf_s / SECONDS_PER_HOUR:.2f} h (GPU MTBF / {cluster.gpus})",
+                ],
+                [
+                    "ckpt interval",
+                    f"{rel.interval_s:.0f} s ({rel.interval_method}; young {iv['young']:.0f}"
+                    f" s, daly {iv['daly']:.0f} s, optimal {iv['optimal']:.0f} s)",
+                ],
+                [
+                    "checkpoints",
+                    f"{rel.checkpoints:,.0f} x {cfg.reliability.ckpt_stall_s:g} s stall"
+                    f" = {rel.stall_total_s / SECONDS_PER_HOUR:.2f} h",
+                ],
+                [
+                    "failures",
+                    f"{rel.expected_failures:.1f} expected x ({cfg.reliability.restart_s:g}"
+                    f" s restart + recompute) = "
+                    f"{rel.failure_loss_s / SECONDS_PER_HOUR:.2f} h",
+                ],
+                [
+                    "wall time",
+                    f"{rel.wall_s / SECONDS_PER_DAY:.2f} days "
+                    f"(compute {rel.compute_s / SECONDS_PER_DAY:.2f} days)",
+                ],
+                ["goodput", f"{rel.goodput:.2%} (useful / wall)"],
+            ]
+        )
+        return lines
 
     def __str__(self) -> str:
         return self.to_table()

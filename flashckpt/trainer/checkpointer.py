@@ -70,6 +70,35 @@ __all__ = ["CheckpointConfig", "Checkpointer", "SnapshotHandle", "Stats", "check
 log = logging.getLogger("flashckpt")
 
 
+def _check_arguments(
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    stateful: Mapping[str, Any] | None,
+    per_rank: Mapping[str, Any] | None,
+    extras: Any,
+    config: CheckpointConfig,
+) -> None:
+    """The checks of :class:`Checkpointer`'s arguments, each naming the argument at fault."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+    for what, objs in (("stateful", stateful), ("per_rank", per_rank)):
+        for name, obj in (objs or {}).items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"{what}[{name!r}] has no state_dict()/load_state_dict()")
+    both = sorted(set(stateful or {}) & set(per_rank or {}))
+    if both:
+        raise ValueError(f"{both} given in both stateful= and per_rank=: pick one")
+    if extras is not None and not isinstance(extras, dict):
+        raise TypeError(f"extras must be a dict of JSON-serialisable values, got {type(extras)}")
+    if scheduler is not None and not hasattr(scheduler, "state_dict"):
+        raise TypeError("scheduler has no state_dict()/load_state_dict()")
+    if optimizer is not None and scheduler is None and not config.allow_unsaved_scheduler:
+        check_scheduler_given(optimizer, {**(stateful or {}), **(per_rank or {})})
+
+
 class Checkpointer:
     """Flash checkpointing of one rank's training state. Use through :func:`checkpointing`."""
 
@@ -85,25 +114,7 @@ class Checkpointer:
         process_group: Any = None,
         config: CheckpointConfig,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
-        for what, objs in (("stateful", stateful), ("per_rank", per_rank)):
-            for name, obj in (objs or {}).items():
-                if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                    raise TypeError(f"{what}[{name!r}] has no state_dict()/load_state_dict()")
-        both = sorted(set(stateful or {}) & set(per_rank or {}))
-        if both:
-            raise ValueError(f"{both} given in both stateful= and per_rank=: pick one")
-        if extras is not None and not isinstance(extras, dict):
-            raise TypeError(
-                f"extras must be a dict of JSON-serialisable values, got {type(extras)}"
-            )
-        if scheduler is not None and not hasattr(scheduler, "state_dict"):
-            raise TypeError("scheduler has no state_dict()/load_state_dict()")
-        if optimizer is not None and scheduler is None and not config.allow_unsaved_scheduler:
-            check_scheduler_given(optimizer, {**(stateful or {}), **(per_rank or {})})
+        _check_arguments(model, optimizer, scheduler, stateful, per_rank, extras, config)
         _warn_unfixed_ddp(model)
         self.model = model
         self.optimizer = optimizer
@@ -158,13 +169,16 @@ class Checkpointer:
         self._phase_t = 0.0  # perf_counter() at the end of the previous entry phase
         self._restore_info: dict[str, Any] = {}
         self._timeline_start = -1  # the step this run resumed at; -1: started from scratch
-        # The collaborators, one job each; the methods below guard, then delegate to them.
+        self._wire()
+
+    def _wire(self) -> None:
+        """The collaborators, one job each; the methods below guard, then delegate to them."""
         cfg = self.config
         self._ctx = RankContext()
         self._snap = Snapshotter(
-            model,
-            optimizer,
-            scheduler=scheduler,
+            self.model,
+            self.optimizer,
+            scheduler=self.scheduler,
             stateful=self.stateful,
             config=cfg,
             ctx=self._ctx,
@@ -180,9 +194,9 @@ class Checkpointer:
         )
         self._snap.link = self._link
         self._applier = Applier(
-            model,
-            optimizer,
-            scheduler=scheduler,
+            self.model,
+            self.optimizer,
+            scheduler=self.scheduler,
             stateful=self.stateful,
             per_rank=self.per_rank,
             extras=self.extras,
@@ -190,8 +204,8 @@ class Checkpointer:
             registrar=self._snap.registrar,
         )
         self._resharder = Resharder(
-            model,
-            optimizer,
+            self.model,
+            self.optimizer,
             config=cfg,
             ctx=self._ctx,
             storage=self._storage,
@@ -199,7 +213,7 @@ class Checkpointer:
         )
         self._restorer = Restorer(
             RestoreEnv(
-                model=model,
+                model=self.model,
                 config=cfg,
                 ctx=self._ctx,
                 storage=self._storage,

@@ -101,9 +101,10 @@ class AgentDaemonError(FlashckptError):
     refused a request, failed, could not be reached, or could not be started; or two agents
     could not exchange a replica.
 
-    What to do: read the agent's log (the message names it, or ``flashckpt status``); under
-    ``flashckpt run`` the launcher restarts a dead agent, and a failed replica is sent again.
-    One that says another agent serves the job: stop that one, or give this job another id.
+    What to do: read the agent's log (the message names it where it can; ``flashckpt status``
+    shows each agent of the machine and its errors); under ``flashckpt run`` the launcher
+    restarts a dead agent, and a failed replica is sent again. One that says another agent
+    serves the job: stop that one, or give this job another id.
     """
 
 

@@ -11,11 +11,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from flashckpt.errors import (
+    AgentDaemonError,
     AgentError,
+    CheckpointDataError,
     CorruptCheckpointError,
+    ElasticJobError,
+    EtcdError,
     FlashckptError,
+    LocalMachineError,
     PersistError,
     ShmSpaceError,
+    StorageError,
     StorageUnavailableError,
 )
 
@@ -29,15 +35,21 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "AgentDaemonError",
     "AgentError",
     "CheckpointConfig",
+    "CheckpointDataError",
     "Checkpointer",
     "CorruptCheckpointError",
+    "ElasticJobError",
+    "EtcdError",
     "FlashckptError",
     "LoadedCheckpoint",
+    "LocalMachineError",
     "PersistError",
     "ShmSpaceError",
     "SnapshotHandle",
+    "StorageError",
     "StorageUnavailableError",
     "checkpointing",
     "load",

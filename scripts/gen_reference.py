@@ -3,8 +3,8 @@
 - ``config.md``: every field of the configuration dataclasses (type, default, flag, docstring);
 - ``cli.md``: every ``flashckpt`` verb's flags, read from the argparse parsers themselves;
 - ``environment.md``: the ``FLASHCKPT_*`` variables of :mod:`flashckpt.envnames`;
-- ``errors.md``: :class:`flashckpt.FlashckptError`'s hierarchy and every other exception class
-  the package defines.
+- ``errors.md``: :class:`flashckpt.FlashckptError`'s families (each with what to do), its
+  hierarchy, and every other public exception class the package defines.
 
 Usage (from the repository root, in the project's environment):
 
@@ -319,18 +319,23 @@ def _module_docs(module: Any) -> dict[str, str]:
 
 
 def _product_modules() -> list[str]:
+    """The package's public modules: ``flashckpt/testing/`` and ``_private`` modules left out
+    (a class of a private module is no one's to catch)."""
     import flashckpt
 
     names = ["flashckpt"]
     for info in pkgutil.walk_packages(flashckpt.__path__, "flashckpt."):
-        if info.name.endswith("__main__") or info.name.startswith("flashckpt.testing"):
+        parts = info.name.split(".")
+        if parts[-1] == "__main__" or parts[1] == "testing":
+            continue
+        if any(part.startswith("_") for part in parts):
             continue
         names.append(info.name)
     return sorted(names)
 
 
 def exception_classes() -> list[type[BaseException]]:
-    """Every public exception class a product module of the package defines."""
+    """Every public exception class a public product module of the package defines."""
     found = []
     for name in _product_modules():
         module = importlib.import_module(name)
@@ -345,9 +350,26 @@ def exception_classes() -> list[type[BaseException]]:
     return sorted(found, key=lambda c: (c.__module__, c.__name__))
 
 
-def _first_paragraph(obj: Any) -> str:
+def _paragraphs(obj: Any) -> list[str]:
     doc = inspect.cleandoc(obj.__doc__ or "")
-    return _md(" ".join(doc.split("\n\n")[0].split()).replace("|", "\\|"))
+    return [" ".join(p.split()) for p in doc.split("\n\n") if p.strip()]
+
+
+def _first_paragraph(obj: Any) -> str:
+    paragraphs = _paragraphs(obj)
+    return _md(paragraphs[0].replace("|", "\\|")) if paragraphs else ""
+
+
+ADVICE = "What to do:"
+"""How the paragraph of a family's docstring that says what to do about it begins."""
+
+
+def family_advice(family: type) -> str:
+    """The "What to do:" paragraph of a family's docstring, without its lead ('' if none)."""
+    for paragraph in _paragraphs(family):
+        if paragraph.startswith(ADVICE):
+            return _md(paragraph.removeprefix(ADVICE).strip())
+    return ""
 
 
 def _bases(cls: type) -> str:
@@ -355,19 +377,34 @@ def _bases(cls: type) -> str:
 
 
 def render_errors() -> str:
-    from flashckpt.errors import FlashckptError
+    from flashckpt.errors import FAMILIES, FlashckptError
 
     classes = exception_classes()
     ours = [c for c in classes if issubclass(c, FlashckptError)]
     others = [c for c in classes if not issubclass(c, FlashckptError)]
     out = [
         "# Errors\n",
-        "Every public exception class the package defines (`flashckpt/testing/` left out). The",
-        "errors flashckpt raises on purpose derive from `flashckpt.FlashckptError`; where one",
-        "also derives from a builtin (`ValueError`, `RuntimeError`, `OSError`...), code that",
-        "catches the builtin keeps working.\n",
-        "## `FlashckptError` and its subclasses\n",
+        "Every public exception class the package defines (`flashckpt/testing/` and `_private`",
+        "modules left out). The errors flashckpt raises on purpose derive from",
+        "`flashckpt.FlashckptError` through exactly one family: catch a family to handle what",
+        "it covers. Where an error also derives from a builtin (`ValueError`, `RuntimeError`,",
+        "`OSError`...), code that catches the builtin keeps working. Private control-flow",
+        "signals are not in the hierarchy: catching a family never catches them.\n",
+        "## Families\n",
+        "Each is importable from `flashckpt` (`except flashckpt.StorageError:`).\n",
     ]
+    for family in FAMILIES:
+        members = sorted(
+            (c for c in ours if issubclass(c, family) and c is not family),
+            key=lambda c: c.__name__,
+        )
+        out += [
+            f"### `{family.__name__}`\n",
+            f"{_first_paragraph(family)}\n",
+            f"**What to do:** {family_advice(family)}\n",
+            "Its errors: " + ", ".join(f"`{c.__name__}`" for c in members) + ".\n",
+        ]
+    out.append("## The hierarchy\n")
 
     def tree(cls: type, depth: int) -> None:
         out.append(

@@ -67,7 +67,7 @@ from flashckpt.agent.replicas.holder import Replicator
 from flashckpt.agent.segments import SegmentGroup, Segments, abandoned_segments
 from flashckpt.agent.server import Server
 from flashckpt.agent.state import RETRY_SOON_S, AgentState
-from flashckpt.errors import AgentError, FlashckptError
+from flashckpt.errors import AgentDaemonError, AgentError
 from flashckpt.format.shm import ensure_private_dir
 from flashckpt.format.storage import MANIFEST, Storage
 from flashckpt.monitor.step_monitor import AgentMonitor
@@ -100,7 +100,7 @@ STOP_LOOK_S = 0.25
 """Seconds between two looks at storage for another node's commit of the final step."""
 
 
-class AgentRunning(FlashckptError, RuntimeError):
+class AgentRunning(AgentDaemonError, RuntimeError):
     """Another agent already serves this job on this node."""
 
 

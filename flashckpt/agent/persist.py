@@ -46,7 +46,8 @@ from flashckpt.agent.state import (
     lower_thread_priority,
     read_meta,
 )
-from flashckpt.errors import FlashckptError
+from flashckpt.errors import CorruptSnapshotError as _Scribbled  # the data fails its hash
+from flashckpt.errors import TornSnapshot as _Torn  # a slot changed while the agent read it
 from flashckpt.format.layout import safetensors_header
 from flashckpt.format.manifest import FileEntry, RankEntry, ShardEntry
 from flashckpt.format.shm import Slot, SlotInfo
@@ -99,14 +100,6 @@ def hash_snapshot(
                     return None
             h.update(data[off : off + chunk])
     return None if slot.seq() != info.seq else int(h.intdigest())
-
-
-class _Torn(FlashckptError):
-    """A slot changed under the agent while it read it."""
-
-
-class _Scribbled(FlashckptError):
-    """A snapshot's data no longer matches the hash recorded when it was complete."""
 
 
 class Persister:
@@ -606,7 +599,10 @@ class Persister:
                         raise _Scribbled(
                             f"rank {g} (local rank {r}) step {step}: the data in {s.path} no "
                             f"longer matches its hash (shared memory was overwritten); the "
-                            f"step is not committed"
+                            f"step is not committed",
+                            rank=g,
+                            step=step,
+                            source=s.path,
                         )
                     written += rec.size
                     files[shard_name] = rec.entry()

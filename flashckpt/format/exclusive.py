@@ -36,7 +36,7 @@ import os
 import time
 from typing import Any
 
-from flashckpt.errors import FlashckptError
+from flashckpt.errors import StorageError
 from flashckpt.format.storage import _fsync_dir, _protocols
 
 __all__ = ["ExclusiveCreateUnsupported", "create_exclusive", "supports_exclusive"]
@@ -45,7 +45,7 @@ _S3 = ("s3", "s3a")
 _CONFLICT_TRIES = 4
 
 
-class ExclusiveCreateUnsupported(FlashckptError, OSError):
+class ExclusiveCreateUnsupported(StorageError, OSError):
     """The file system cannot create a file only where none is, in one operation."""
 
 

@@ -55,6 +55,7 @@ from flashckpt.format.objstore import PART, abort_stale_uploads, can_put_paralle
 from flashckpt.format.shm import buffer_address
 
 __all__ = [
+    "CheckpointFileMissing",
     "CorruptCheckpointError",
     "FileRecord",
     "StepCheck",
@@ -139,8 +140,10 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
-class _Missing(CorruptCheckpointError):
-    """A file of a step is not there (for the manifest: the step is not committed)."""
+class CheckpointFileMissing(CorruptCheckpointError):
+    """A file of a committed step is not there, or its step directory is gone (read for the
+    manifest, it means the step is not committed: :meth:`Storage.manifest` raises
+    ``FileNotFoundError`` then)."""
 
 
 @dataclass(slots=True)
@@ -517,7 +520,7 @@ class Storage:
             try:
                 info = self.fs.info(path)
             except FileNotFoundError:
-                raise _Missing(path, "is missing") from None
+                raise CheckpointFileMissing(path, "is missing") from None
             size = info.get("size")
             if info.get("type") != "file" or not isinstance(size, int) or size < 0:
                 raise CorruptCheckpointError(path, "is not a regular file")
@@ -528,7 +531,7 @@ class Storage:
         try:
             dfd = os.open(step_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise _Missing(path, "is missing (its step directory is gone)") from None
+            raise CheckpointFileMissing(path, "is missing (its step directory is gone)") from None
         except OSError as e:
             raise CorruptCheckpointError(
                 step_dir, f"is not a directory of its own (a symbolic link?): {e.strerror}"
@@ -538,7 +541,7 @@ class Storage:
                 sfd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
             except FileNotFoundError:
                 os.close(dfd)
-                raise _Missing(path, "is missing") from None
+                raise CheckpointFileMissing(path, "is missing") from None
             except OSError as e:
                 os.close(dfd)
                 raise CorruptCheckpointError(path, f"is not in a directory: {e.strerror}") from None
@@ -549,7 +552,7 @@ class Storage:
             flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
             fd = os.open(name, flags, dir_fd=dfd)
         except FileNotFoundError:
-            raise _Missing(path, "is missing") from None
+            raise CheckpointFileMissing(path, "is missing") from None
         except OSError as e:
             problem = (
                 "is a symbolic link (a step's files must be regular files in its directory)"
@@ -598,7 +601,7 @@ class Storage:
         path = self.step_path(step, MANIFEST)
         try:
             raw = self._read_small(step, MANIFEST, MAX_MANIFEST_BYTES)
-        except _Missing:
+        except CheckpointFileMissing:
             raise FileNotFoundError(f"step {step} is not committed in {self.url}") from None
         try:
             doc = json.loads(raw)

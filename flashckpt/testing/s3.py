@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Any
 
 from flashckpt.elastic.procutil import die_with_parent
-from flashckpt.errors import FlashckptError
+from flashckpt.errors import StorageError
 from flashckpt.testing.ports import free_ports
 
 __all__ = ["S3ServerError", "SeaweedS3", "find_weed_binary"]
@@ -39,7 +39,7 @@ __all__ = ["S3ServerError", "SeaweedS3", "find_weed_binary"]
 _PORTS = 8
 
 
-class S3ServerError(FlashckptError, RuntimeError):
+class S3ServerError(StorageError, RuntimeError):
     """The S3 server did not start or serve (the message carries the end of its log)."""
 
 

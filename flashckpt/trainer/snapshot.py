@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from flashckpt.errors import FlashckptError
+from flashckpt.errors import CorruptSnapshotError as BadMemory  # the restore code's name
+from flashckpt.errors import TornSnapshot
 from flashckpt.format.layout import Layout, tensor_views
 from flashckpt.format.shm import HEADER_SIZE, Prefaulter, Slot, file_problem, prefault
 from flashckpt.protocol.channel import AgentError
@@ -759,24 +760,6 @@ class Snapshotter:
         for sm in slots:
             if sm is not None:
                 self.registrar.unregister(sm)
-
-
-class BadMemory(FlashckptError):
-    """This rank's snapshot in shared memory fails its data hash: the step may still come from
-    storage or a replica.
-
-    Args:
-        message: the whole text (the rank, the snapshot, its damage).
-        why: its damage alone, where the raiser names it apart.
-    """
-
-    def __init__(self, message: str, why: str | None = None) -> None:
-        super().__init__(message)
-        self.why = why
-
-
-class TornSnapshot(FlashckptError):
-    """A snapshot changed (or could not be had whole) while it was read or sent."""
 
 
 def _same_file(path: str | None, ino: int) -> bool:

@@ -39,7 +39,7 @@ from typing import Any
 
 import xxhash
 
-from flashckpt.errors import CorruptSnapshotError, FlashckptError, ShmSpaceError
+from flashckpt.errors import AgentDaemonError, CorruptSnapshotError, ShmSpaceError
 from flashckpt.format.shm import (
     Slot,
     SlotInfo,
@@ -82,7 +82,7 @@ DEFAULT_CHUNK_BYTES = 8 * 2**20
 _U64 = 2**64
 
 
-class ReplicaError(FlashckptError):
+class ReplicaError(AgentDaemonError):
     """A peer refused a replica, or a transfer failed; the message says why and what to do."""
 
 

@@ -56,7 +56,6 @@ from flashckpt.elastic.etcd.errors import (
     EtcdUnavailable,
 )
 from flashckpt.elastic.etcd.security import EtcdSecurity
-from flashckpt.errors import FlashckptError
 
 __all__ = ["ConnectionStats", "Endpoint", "Gateway", "parse_endpoints"]
 
@@ -136,7 +135,7 @@ class Endpoint:
         return f"{self.scheme}://{host}:{self.port}"
 
 
-class _AttemptFailed(FlashckptError):
+class _AttemptFailed(Exception):
     """One request to one endpoint failed in a way that another attempt may fix."""
 
     def __init__(self, message: str, *, sent: bool, timed_out: bool) -> None:

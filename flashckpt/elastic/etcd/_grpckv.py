@@ -54,7 +54,6 @@ from datetime import timedelta
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd._hpack import MAX_HEADER_LIST, HpackDecoder, HpackError
 from flashckpt.elastic.etcd._leasestream import _frame, _hpack_literal, recv_exact, send_all
-from flashckpt.errors import FlashckptError
 
 __all__ = ["MAX_MESSAGE", "CallFailed", "GrpcChannel", "GrpcError", "NotHttp2"]
 
@@ -95,7 +94,7 @@ _CANCEL_SEND = timedelta(seconds=1)
 _OK = 0
 
 
-class CallFailed(FlashckptError):
+class CallFailed(Exception):
     """A call that got no answer; ``sent``: whether etcd may have applied it."""
 
     def __init__(self, message: str, *, sent: bool, timed_out: bool = False) -> None:
@@ -116,7 +115,7 @@ class NotHttp2(CallFailed):
         self.definite = definite
 
 
-class GrpcError(FlashckptError):
+class GrpcError(Exception):
     """etcd answered a call with a non-OK ``grpc-status``."""
 
     def __init__(self, code: int, message: str) -> None:

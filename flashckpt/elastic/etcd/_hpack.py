@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import collections
 
-from flashckpt.errors import FlashckptError
-
 __all__ = ["MAX_HEADER_LIST", "HpackDecoder", "HpackError", "huffman_decode"]
 
 # The largest header list (names + values + 32 bytes each, RFC 7541 section 4.1) accepted in
@@ -27,7 +25,7 @@ MAX_HEADER_LIST = 64 * 1024
 DEFAULT_TABLE_SIZE = 4096
 
 
-class HpackError(FlashckptError):
+class HpackError(Exception):
     """A header block that is not valid HPACK (or exceeds a bound): the connection is broken."""
 
 

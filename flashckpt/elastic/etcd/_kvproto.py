@@ -23,12 +23,10 @@ import binascii
 from collections.abc import Callable
 from typing import Any
 
-from flashckpt.errors import FlashckptError
-
 __all__ = ["METHODS", "Untranslatable", "decode", "encode"]
 
 
-class Untranslatable(FlashckptError):
+class Untranslatable(Exception):
     """A gateway body with a field or value the protobuf encoder does not know."""
 
 

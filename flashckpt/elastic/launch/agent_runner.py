@@ -44,7 +44,7 @@ from typing import Any
 from flashckpt import names
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.procutil import die_with_parent
-from flashckpt.errors import FlashckptError
+from flashckpt.errors import AgentDaemonError
 
 # The node agent's exit code when it kept its segments (flashckpt.agent.daemon.EXIT_KEPT; not
 # imported:
@@ -71,7 +71,7 @@ _NEVER_IDLE_S = 10 * 365 * 24 * 3600
 _MAX_SOCKET_PATH = 100
 
 
-class NodeAgentError(FlashckptError, RuntimeError):
+class NodeAgentError(AgentDaemonError, RuntimeError):
     """The node agent did not start, or kept dying."""
 
 

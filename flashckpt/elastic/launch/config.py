@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flashckpt import cliargs, names
-from flashckpt.errors import FlashckptError
+from flashckpt.errors import ElasticJobError
 
 __all__ = [
     "EventLog",
@@ -38,7 +38,7 @@ __all__ = [
 logger = logging.getLogger("flashckpt.launcher")
 
 
-class LaunchError(FlashckptError, RuntimeError):
+class LaunchError(ElasticJobError, RuntimeError):
     """The launcher cannot run this machine: the message names the problem and the fix."""
 
 

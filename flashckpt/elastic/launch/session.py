@@ -124,7 +124,7 @@ from flashckpt.elastic.rendezvous.backend import (
 )
 from flashckpt.elastic.rendezvous.handler import RdzvHandler
 from flashckpt.elastic.rendezvous.registry import BACKEND_NAME
-from flashckpt.errors import AgentError, FlashckptError
+from flashckpt.errors import AgentError
 from flashckpt.protocol.channel import AgentClient
 from flashckpt.protocol.messages import Fence
 from flashckpt.trainer.interval import JOB_START_ENV
@@ -157,11 +157,11 @@ _HANDLED_SIGNALS = tuple(
 )
 
 
-class _Unhealthy(FlashckptError):
+class _Unhealthy(Exception):
     """This machine failed the health check."""
 
 
-class _LeaveJob(FlashckptError):
+class _LeaveJob(Exception):
     """This fenced machine leaves the job (it stayed cut off too long, or lost its node id)."""
 
 
@@ -1274,7 +1274,7 @@ class LaunchSession:
         return True
 
 
-class _RetryRendezvous(FlashckptError):
+class _RetryRendezvous(Exception):
     """The round must be formed again (a machine failed the health check)."""
 
 

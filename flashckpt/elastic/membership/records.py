@@ -14,7 +14,7 @@ from typing import Any
 from flashckpt.elastic.etcd.client import (
     KeyValue,
 )
-from flashckpt.errors import FlashckptError
+from flashckpt.errors import ElasticJobError
 
 
 def nodes_prefix(job_prefix: str) -> str:
@@ -22,7 +22,7 @@ def nodes_prefix(job_prefix: str) -> str:
     return job_prefix + "nodes/"
 
 
-class NodeIdInUse(FlashckptError, RuntimeError):
+class NodeIdInUse(ElasticJobError, RuntimeError):
     """Another live launcher of this job already registered the same node id."""
 
 

@@ -28,6 +28,7 @@ from deployhelpers import (
     Pod,
     argv,
     crd_schema,
+    expand,
     parse_agent,
     parse_status,
     parse_torchrun,
@@ -564,6 +565,18 @@ def test_etcd_auth_component_gives_the_trainers_a_password_file(
         for v in pod.spec["volumes"]:  # root's password is the Job's only
             if v.get("secret", {}).get("secretName") == "flashckpt-etcd-auth":
                 assert [i["key"] for i in v["secret"]["items"]] == ["password"], pod.name
+        # The trainer starts once auth is on and its user logs in, with its own files.
+        (wait,) = [c for c in pod.spec["initContainers"] if c["name"] == "wait-etcd-auth"]
+        wenv = {e["name"]: e.get("value") for e in wait["env"]}
+        for name in (envnames.ETCD_USER, envnames.ETCD_PASSWORD_FILE, envnames.ETCD_CA,
+                     envnames.ETCD_CERT, envnames.ETCD_KEY):  # fmt: skip
+            assert wenv[name] == tenv[name], (pod.name, name)
+            if wenv[name].startswith("/"):
+                assert pod.volume_at(wait, wenv[name]) == pod.volume_at(trainer, tenv[name])
+        assert wait["args"][0] == "--wait" and not any("root" in a for a in wait["args"])
+        script = pod.volume_at(wait, wait["command"][1])
+        (config,) = [o for o in objects if o["metadata"]["name"] == script["configMap"]["name"]]
+        assert config["data"][script["subpath"]] == (ETCD_AUTH / "etcd_auth_setup.py").read_text()
     policies = [
         o for o in objects if o["kind"] == "NetworkPolicy" and "etcd" in o["metadata"]["name"]
     ]
@@ -580,18 +593,20 @@ def test_etcd_auth_component_gives_the_trainers_a_password_file(
 
 @pytest.mark.etcd
 def test_etcd_auth_setup_job_secures_a_real_etcd_once(tmp_path: Path) -> None:
-    """The setup Job's command line, as rendered, run twice against a real etcd with TLS and
-    client certificates (its mounts become files under tmp_path): it turns auth on, then finds
-    it on and changes nothing; a trainer configured by its rendered environment then reads and
-    writes the jobs' prefix only, and a client without the password is refused."""
+    """The rendered containers run against a real etcd with TLS and client certificates (their
+    mounts become files under tmp_path, $(VAR)s expanded from their env): the trainer's
+    wait-etcd-auth waits while auth is off; the setup Job turns it on, and run again finds it
+    on and changes nothing; the wait then ends, and a trainer configured by its rendered
+    environment reads and writes the jobs' prefix only; a client without the password is
+    refused."""
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl CLI to make test certificates (apt-get install openssl)")
     objects = _render_with("jobset", ETCD_AUTH, tmp_path / "render")
     (job,) = [o for o in objects if o["kind"] == "Job"]
     (setup_pod,) = pods((job,))
-    (setup,) = setup_pod.spec["containers"]
     (trainer_pod,) = [p for p in pods(tuple(objects)) if p.owner["kind"] == "JobSet"]
     trainer = trainer_pod.spec["containers"][0]
+    (wait,) = [c for c in trainer_pod.spec["initContainers"] if c["name"] == "wait-etcd-auth"]
     tls = dataclasses.replace(make_test_certificates(tmp_path / "certs"), client_cert_auth=True)
     cert, key = make_client_certificate(tmp_path / "certs", tls)
     secrets = {
@@ -615,33 +630,53 @@ def test_etcd_auth_setup_job_secures_a_real_etcd_once(tmp_path: Path) -> None:
         out.write_text(content)
         return str(out)
 
+    def process(
+        pod: Pod, container: dict[str, Any], endpoint: str
+    ) -> tuple[list[str], dict[str, str]]:
+        """The container's command line and environment, run here."""
+        values = {e["name"]: e.get("value", f"v-{e['name']}") for e in container["env"]}
+        values["RDZV_ENDPOINT"] = endpoint  # the job's ConfigMap names the kit's etcd
+        assert container["command"][0] == "python"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHCKPT_ETCD_")}
+        env.update(
+            {k: local(pod, container, v) if v.startswith("/etc/") else v for k, v in values.items()}
+        )
+        command = [sys.executable]
+        for a in expand(container["command"][1:] + container["args"], values):
+            flag, eq, value = a.partition("=")
+            if a.startswith("/etc/"):
+                a = local(pod, container, a)
+            elif eq and value.startswith("/etc/"):
+                a = f"{flag}={local(pod, container, value)}"
+            command.append(a)
+        return command, env
+
     with EtcdV3Server(tmp_path / "etcd", tls=tls) as server:
         endpoint = server.client_url.removeprefix("https://")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHCKPT_ETCD_")}
-        for e in setup["env"]:
-            env[e["name"]] = local(setup_pod, setup, e["value"]) if "value" in e else endpoint
-        command = [a.replace("$(RDZV_ENDPOINT)", endpoint) for a in setup["args"]]
-        for i, a in enumerate(command):
-            flag, _, value = a.partition("=")
-            if value.startswith("/"):
-                command[i] = f"{flag}={local(setup_pod, setup, value)}"
-        script = local(setup_pod, setup, setup["command"][1])
-        assert setup["command"][0] == "python"
-        runs = [
-            subprocess.run(
-                [sys.executable, script, *command], env=env, capture_output=True, text=True,
-                timeout=120,
-            )
-            for _ in range(2)
-        ]  # fmt: skip
-        assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
-        assert "auth is now enabled" in runs[0].stdout, runs[0].stdout
-        assert "auth was already enabled" in runs[1].stdout, runs[1].stdout
+        command, env = process(trainer_pod, wait, endpoint)
+        waiting = subprocess.Popen(
+            [*command, "--retry-every=0.2"], env=env, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert waiting.stdout is not None
+            first = waiting.stdout.readline()
+            assert "auth is not enabled yet" in first and waiting.poll() is None, first
+            command, env = process(setup_pod, setup_pod.spec["containers"][0], endpoint)
+            runs = [
+                subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+                for _ in range(2)
+            ]
+            assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
+            assert "auth is now enabled" in runs[0].stdout, runs[0].stdout
+            assert "auth was already enabled" in runs[1].stdout, runs[1].stdout
+            assert waiting.wait(timeout=60) == 0
+            assert "auth is on" in waiting.stdout.read()
+        finally:
+            waiting.kill()
+            waiting.wait()
+            waiting.stdout.close()
 
-        tenv = {e["name"]: e["value"] for e in trainer["env"] if "value" in e}
-        for name in (envnames.ETCD_CA, envnames.ETCD_CERT, envnames.ETCD_KEY,
-                     envnames.ETCD_PASSWORD_FILE):  # fmt: skip
-            tenv[name] = local(trainer_pod, trainer, tenv[name])
+        _, tenv = process(trainer_pod, {**trainer, "command": ["python"], "args": []}, endpoint)
         security = EtcdSecurity.from_options(env=tenv)
         assert security is not None and security.user == "flashckpt-trainer"
         client = EtcdClient(server.client_url, timeout=timedelta(seconds=10), security=security)

@@ -4,8 +4,12 @@ name that may read and write only the keys under the jobs' prefix; then ``auth e
 
 A rerun (the Job's pod restarted, the kit applied again) changes nothing once the jobs' user
 logs in; an etcd left half set up (a user made, auth still off) is reported with the etcdctl
-commands that finish or undo it, never guessed at. Every option also reads the
-``FLASHCKPT_ETCD_*`` environment of ``flashckpt run`` for the TLS files.
+commands that finish or undo it, never guessed at. The TLS files also come from the
+``FLASHCKPT_ETCD_*`` environment of ``flashckpt run``.
+
+With ``--wait``, it changes nothing (no root password): it returns once auth is on and the
+jobs' user reads its prefix, trying again every ``--retry-every`` seconds (the trainers' init
+container: a trainer that logged in before auth was on would hold no token).
 
     python etcd_auth_setup.py --endpoint flashckpt-etcd:2379 --user flashckpt-trainer \\
         --password-file /secrets/password --root-password-file /secrets/root-password
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import replace
 from datetime import timedelta
 
@@ -33,12 +38,31 @@ def _read(path: str, what: str) -> str:
     return secret
 
 
+def _not_ready(anonymous: EtcdClient, user: EtcdClient, prefix: str) -> str | None:
+    """Why the jobs' user cannot work yet (None: auth is on and it reads ``prefix``)."""
+    try:
+        try:
+            anonymous.get(prefix + "auth-setup")
+            return "auth is not enabled yet (the Job flashckpt-etcd-auth turns it on)"
+        except EtcdAuthError:
+            pass
+        user.get(prefix + "auth-setup")
+        return None
+    except EtcdError as exc:
+        return str(exc)
+    finally:
+        anonymous.close()
+        user.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--endpoint", required=True, help="etcd HOST:PORT (https with TLS files)")
     p.add_argument("--user", required=True, help="the jobs' etcd user")
     p.add_argument("--password-file", required=True, help="file with the jobs' user's password")
-    p.add_argument("--root-password-file", required=True, help="file with root's password")
+    p.add_argument("--root-password-file", help="file with root's password (not with --wait)")
+    p.add_argument("--wait", action="store_true", help="only wait until auth is on and works")
+    p.add_argument("--retry-every", type=float, default=5.0, help="seconds between --wait tries")
     p.add_argument("--key-prefix", default="/flashckpt", help="the jobs' key prefix")
     p.add_argument("--ca", default=None, help="etcd's CA ($FLASHCKPT_ETCD_CA)")
     p.add_argument("--cert", default=None, help="client certificate ($FLASHCKPT_ETCD_CERT)")
@@ -46,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per etcd request")
     args = p.parse_args(argv)
     password = _read(args.password_file, "jobs' user's password")
-    root_password = _read(args.root_password_file, "root password")
+    if args.wait == bool(args.root_password_file):
+        p.error("pass --root-password-file to set auth up, or --wait to wait for it")
+    root_password = "" if args.wait else _read(args.root_password_file, "root password")
     if args.user == "root":
         p.error("--user root: give the jobs a user of their own (root may do anything)")
     tls = EtcdSecurity.from_options(ca_file=args.ca, cert_file=args.cert, key_file=args.key)
@@ -64,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
             security = EtcdSecurity(user=user, password=pw) if user else None
         return EtcdClient(endpoint, timeout=timeout, security=security)
 
+    if args.wait:
+        while True:
+            why = _not_ready(client(None, None), client(args.user, password), prefix)
+            if why is None:
+                print(f"etcd at {endpoint}: auth is on; user {args.user!r} reads {prefix}")
+                return 0
+            print(f"waiting for etcd's auth at {endpoint}: {why}", flush=True)
+            time.sleep(args.retry_every)
     anonymous = client(None, None)
     try:
         anonymous.get(prefix + "auth-setup")  # refused once auth is on

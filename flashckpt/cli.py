@@ -498,7 +498,10 @@ def _main(argv: list[str]) -> int:
         from flashckpt.elastic.launch import launcher
 
         return launcher.main(argv[1:])
-    parser = build_parser()
+    # The agent's flags come from its configuration dataclasses, whose modules import most of
+    # the agent: only a command line that may name the agent builds them (`flashckpt status`
+    # answers in a fraction of a second instead of importing the daemon).
+    parser = build_parser(agent_flags=not argv or argv[0] not in _LIGHT_VERBS)
     args = parser.parse_args(argv)
     if args.cmd == "agent":
         return _cmd_agent(args)
@@ -535,22 +538,42 @@ def _version() -> str:
         return "(not installed: no package metadata; install with pip install .)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every verb but ``plan``, ``goodput`` and ``run`` (they parse their own)."""
+_LIGHT_VERBS = frozenset({"ls", "verify", "clean", "status", "export"})
+"""The verbs whose command line never needs the agent's flags."""
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: reads the package metadata only when asked (importlib.metadata costs a
+    tenth of a second at every start)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(f"flashckpt {_version()}")
+        parser.exit()
+
+
+def build_parser(*, agent_flags: bool = True) -> argparse.ArgumentParser:
+    """The parser of every verb but ``plan``, ``goodput`` and ``run`` (they parse their own).
+
+    Args:
+        agent_flags: add the ``agent`` verb's flags (False: the verb is listed without them, for
+            a command line of another verb; building them imports the agent's modules).
+    """
     parser = argparse.ArgumentParser(
         prog="flashckpt",
         description="Flash checkpointing for PyTorch training: the node agent, the elastic "
         "launcher and the tools that read a run's checkpoints and events.",
         epilog="`flashckpt VERB --help` describes a verb.",
     )
-    parser.add_argument(
-        "--version", action="version", version=f"flashckpt {_version()}", help="print the version"
-    )
+    parser.add_argument("--version", action=_VersionAction, help="print the version")
     # One line per verb in `flashckpt --help` (each help fits the 80-column default); the longer
     # description is the verb's own --help.
     sub = parser.add_subparsers(dest="cmd", required=True, title="verbs", metavar="VERB")
     p = sub.add_parser("agent", help="run the node agent (a daemon per machine)")
-    _agent_args(p)
+    if agent_flags:
+        _agent_args(p)
     p = sub.add_parser("ls", help="list committed steps with sizes")
     p.add_argument("url", type=_url, help="checkpoint root URL")
     p.add_argument("--json", action="store_true", help="print the steps as a JSON list")

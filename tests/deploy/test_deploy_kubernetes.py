@@ -8,8 +8,12 @@ and the trainers' host paths, job id and node id agree, and every flag exists.""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+import shutil
 import subprocess
+import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ from deployhelpers import (
     Pod,
     argv,
     crd_schema,
+    expand,
     parse_agent,
     parse_status,
     parse_torchrun,
@@ -34,9 +39,11 @@ from deployhelpers import (
 )
 
 from flashckpt import envnames
-from flashckpt.elastic.etcd.server import find_etcd_binary
+from flashckpt.elastic.etcd.client import EtcdAuthError, EtcdClient, EtcdSecurity
+from flashckpt.elastic.etcd.server import EtcdV3Server, find_etcd_binary
 from flashckpt.elastic.launch.config import parse_nnodes
 from flashckpt.elastic.rendezvous.name import BACKEND_NAME
+from flashckpt.testing.elastic import make_client_certificate, make_test_certificates
 
 _etcd = subprocess.run([find_etcd_binary(), "--help"], capture_output=True, text=True)
 ETCD_HELP = _etcd.stdout + _etcd.stderr
@@ -479,3 +486,210 @@ def test_pod_security_check_is_not_vacuous() -> None:
     (bad,) = list(pods((broken,)))
     assert "container etcd: privileged" in pss_violations(bad, "baseline")
     assert "container etcd: allowPrivilegeEscalation not false" in pss_violations(bad, "restricted")
+
+
+ETCD_AUTH = KUSTOMIZE / "components" / "etcd-auth"
+
+
+def _render_with(overlay: str, component: Path, tmp_path: Path) -> list[dict[str, Any]]:
+    """The overlay rendered with a component added (as an operator's kustomization does)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    root = os.path.relpath(KUSTOMIZE, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{root}/overlays/{overlay}]\n"
+        f"components: [{os.path.relpath(component, tmp_path)}]\n"
+    )
+    done = subprocess.run(
+        ["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def _secret_file(pod: Pod, container: dict[str, Any], path: str) -> tuple[str, str]:
+    """The Secret and its key that ``container`` reads at ``path`` (a file of a mounted
+    Secret volume)."""
+    vol = pod.volume_at(container, path)
+    assert "secret" in vol, (pod.name, path, vol)
+    items = {i["path"]: i["key"] for i in vol["secret"].get("items", [])}
+    if items:
+        assert vol["subpath"] in items, (pod.name, path, items)
+    return vol["secret"]["secretName"], items.get(vol["subpath"], vol["subpath"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_etcd_auth_component_gives_the_trainers_a_password_file(
+    overlay: str, tmp_path: Path
+) -> None:
+    """components/etcd-auth on each overlay: every object still validates; every trainer logs
+    in as the user the setup Job makes, with the password file of the Secret's "password" key
+    (never root's); the Job reads both passwords from that Secret, the script from the generated
+    ConfigMap (the file of the component), dials the trainers' endpoint over TLS, meets the
+    restricted Pod Security level, and the etcd NetworkPolicy admits it."""
+    objects = _render_with(overlay, ETCD_AUTH, tmp_path)
+    for obj in objects:
+        validate(obj)
+    (job,) = [o for o in objects if o["kind"] == "Job"]
+    (setup_pod,) = pods((job,))
+    (setup,) = setup_pod.spec["containers"]
+    args = argv(setup)
+    flags = dict(a.removeprefix("--").split("=", 1) for a in args[2:])
+    env = {e["name"]: e for e in setup["env"]}
+    assert env["RDZV_ENDPOINT"]["valueFrom"]["configMapKeyRef"]["key"] == "RDZV_ENDPOINT"
+    assert flags["endpoint"] == "v-RDZV_ENDPOINT"
+    for name in ("FLASHCKPT_ETCD_CA", "FLASHCKPT_ETCD_CERT", "FLASHCKPT_ETCD_KEY"):
+        assert setup_pod.volume_at(setup, env[name]["value"])["secret"]["secretName"] == (
+            "flashckpt-etcd-client-tls"
+        )
+    assert _secret_file(setup_pod, setup, flags["password-file"]) == (
+        "flashckpt-etcd-auth",
+        "password",
+    )
+    assert _secret_file(setup_pod, setup, flags["root-password-file"]) == (
+        "flashckpt-etcd-auth",
+        "root-password",
+    )
+    script = setup_pod.volume_at(setup, args[1])
+    (config,) = [o for o in objects if o["metadata"]["name"] == script["configMap"]["name"]]
+    assert config["data"][script["subpath"]] == (ETCD_AUTH / "etcd_auth_setup.py").read_text()
+    assert pss_violations(setup_pod, "restricted") == []
+    trainers = [p for p in pods(tuple(objects)) if p.owner["kind"] in ("JobSet", "PyTorchJob")]
+    assert trainers
+    for pod in trainers:
+        trainer = pod.spec["containers"][0]
+        tenv = {e["name"]: e.get("value") for e in trainer["env"]}
+        assert tenv[envnames.ETCD_USER] == flags["user"], pod.name
+        secret = _secret_file(pod, trainer, tenv[envnames.ETCD_PASSWORD_FILE])
+        assert secret == ("flashckpt-etcd-auth", "password"), pod.name
+        for v in pod.spec["volumes"]:  # root's password is the Job's only
+            if v.get("secret", {}).get("secretName") == "flashckpt-etcd-auth":
+                assert [i["key"] for i in v["secret"]["items"]] == ["password"], pod.name
+        # The trainer starts once auth is on and its user logs in, with its own files.
+        (wait,) = [c for c in pod.spec["initContainers"] if c["name"] == "wait-etcd-auth"]
+        wenv = {e["name"]: e.get("value") for e in wait["env"]}
+        for name in (envnames.ETCD_USER, envnames.ETCD_PASSWORD_FILE, envnames.ETCD_CA,
+                     envnames.ETCD_CERT, envnames.ETCD_KEY):  # fmt: skip
+            assert wenv[name] == tenv[name], (pod.name, name)
+            if wenv[name].startswith("/"):
+                assert pod.volume_at(wait, wenv[name]) == pod.volume_at(trainer, tenv[name])
+        assert wait["args"][0] == "--wait" and not any("root" in a for a in wait["args"])
+        script = pod.volume_at(wait, wait["command"][1])
+        (config,) = [o for o in objects if o["metadata"]["name"] == script["configMap"]["name"]]
+        assert config["data"][script["subpath"]] == (ETCD_AUTH / "etcd_auth_setup.py").read_text()
+    policies = [
+        o for o in objects if o["kind"] == "NetworkPolicy" and "etcd" in o["metadata"]["name"]
+    ]
+    assert len(policies) == (0 if overlay == "byo-etcd" else 1)
+    labels = setup_pod.template["metadata"]["labels"]
+    for policy in policies:
+        assert any(
+            frm.get("podSelector", {}).get("matchLabels", {}).items() <= labels.items()
+            and {"protocol": "TCP", "port": 2379} in rule["ports"]
+            for rule in policy["spec"]["ingress"]
+            for frm in rule["from"]
+        ), policy
+
+
+@pytest.mark.etcd
+def test_etcd_auth_setup_job_secures_a_real_etcd_once(tmp_path: Path) -> None:
+    """The rendered containers run against a real etcd with TLS and client certificates (their
+    mounts become files under tmp_path, $(VAR)s expanded from their env): the trainer's
+    wait-etcd-auth waits while auth is off; the setup Job turns it on, and run again finds it
+    on and changes nothing; the wait then ends, and a trainer configured by its rendered
+    environment reads and writes the jobs' prefix only; a client without the password is
+    refused."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl CLI to make test certificates (apt-get install openssl)")
+    objects = _render_with("jobset", ETCD_AUTH, tmp_path / "render")
+    (job,) = [o for o in objects if o["kind"] == "Job"]
+    (setup_pod,) = pods((job,))
+    (trainer_pod,) = [p for p in pods(tuple(objects)) if p.owner["kind"] == "JobSet"]
+    trainer = trainer_pod.spec["containers"][0]
+    (wait,) = [c for c in trainer_pod.spec["initContainers"] if c["name"] == "wait-etcd-auth"]
+    tls = dataclasses.replace(make_test_certificates(tmp_path / "certs"), client_cert_auth=True)
+    cert, key = make_client_certificate(tmp_path / "certs", tls)
+    secrets = {
+        "flashckpt-etcd-client-tls": {"ca.crt": tls.ca_file, "tls.crt": cert, "tls.key": key},
+        "flashckpt-etcd-auth": {"password": "trainer-pw", "root-password": "root-pw"},
+    }
+    config = {o["metadata"]["name"]: o["data"] for o in objects if o["kind"] == "ConfigMap"}
+    here = tmp_path / "mounts"
+
+    def local(pod: Pod, container: dict[str, Any], path: str) -> str:
+        """The file at ``path`` in the container, made under tmp_path from its volume."""
+        vol = pod.volume_at(container, path)
+        if "configMap" in vol:
+            content = config[vol["configMap"]["name"]][vol["subpath"]]
+        else:
+            items = {i["path"]: i["key"] for i in vol["secret"].get("items", [])}
+            value = secrets[vol["secret"]["secretName"]][items.get(vol["subpath"], vol["subpath"])]
+            content = Path(value).read_text() if os.path.isabs(value) else value + "\n"
+        out = here / path.lstrip("/")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(content)
+        return str(out)
+
+    def process(
+        pod: Pod, container: dict[str, Any], endpoint: str
+    ) -> tuple[list[str], dict[str, str]]:
+        """The container's command line and environment, run here."""
+        values = {e["name"]: e.get("value", f"v-{e['name']}") for e in container["env"]}
+        values["RDZV_ENDPOINT"] = endpoint  # the job's ConfigMap names the kit's etcd
+        assert container["command"][0] == "python"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHCKPT_ETCD_")}
+        env.update(
+            {k: local(pod, container, v) if v.startswith("/etc/") else v for k, v in values.items()}
+        )
+        command = [sys.executable]
+        for a in expand(container["command"][1:] + container["args"], values):
+            flag, eq, value = a.partition("=")
+            if a.startswith("/etc/"):
+                a = local(pod, container, a)
+            elif eq and value.startswith("/etc/"):
+                a = f"{flag}={local(pod, container, value)}"
+            command.append(a)
+        return command, env
+
+    with EtcdV3Server(tmp_path / "etcd", tls=tls) as server:
+        endpoint = server.client_url.removeprefix("https://")
+        command, env = process(trainer_pod, wait, endpoint)
+        waiting = subprocess.Popen(
+            [*command, "--retry-every=0.2"], env=env, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert waiting.stdout is not None
+            first = waiting.stdout.readline()
+            assert "auth is not enabled yet" in first and waiting.poll() is None, first
+            command, env = process(setup_pod, setup_pod.spec["containers"][0], endpoint)
+            runs = [
+                subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+                for _ in range(2)
+            ]
+            assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
+            assert "auth is now enabled" in runs[0].stdout, runs[0].stdout
+            assert "auth was already enabled" in runs[1].stdout, runs[1].stdout
+            assert waiting.wait(timeout=60) == 0
+            assert "auth is on" in waiting.stdout.read()
+        finally:
+            waiting.kill()
+            waiting.wait()
+            waiting.stdout.close()
+
+        _, tenv = process(trainer_pod, {**trainer, "command": ["python"], "args": []}, endpoint)
+        security = EtcdSecurity.from_options(env=tenv)
+        assert security is not None and security.user == "flashckpt-trainer"
+        client = EtcdClient(server.client_url, timeout=timedelta(seconds=10), security=security)
+        try:
+            client.put("/flashckpt/job/x", b"1")
+            with pytest.raises(EtcdAuthError):
+                client.put("/elsewhere", b"1")
+        finally:
+            client.close()
+        anonymous = dataclasses.replace(security, user=None, password=None)
+        client = EtcdClient(server.client_url, timeout=timedelta(seconds=10), security=anonymous)
+        try:
+            with pytest.raises(EtcdAuthError, match="--etcd-user"):
+                client.get("/flashckpt/job/x")
+        finally:
+            client.close()

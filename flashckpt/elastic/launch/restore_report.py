@@ -95,7 +95,8 @@ def format_restore_line(round_no: int, starts: Sequence[dict[str, Any]]) -> str:
     """One line for the machine: what each group of its ranks restored, from where, how fast.
 
     Args:
-        round_no: The launcher's worker start (1: the first).
+        round_no: The rendezvous round of the start (the number in etcd, the same on every
+            machine of the round).
         starts: The monitor's ``start`` events of this round, one per local rank.
     """
     groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
@@ -140,22 +141,28 @@ class RestoreReporter:
     def _print(self, line: str) -> None:
         say(f"{self._prefix}{line}")
 
-    def workers_started(self, since: float) -> None:
-        """Called when a round's workers start (wall clock ``since``); returns at once."""
+    def workers_started(self, since: float, *, round_no: int | None = None) -> None:
+        """Called when a round's workers start (wall clock ``since``); returns at once.
+
+        Args:
+            since: The wall clock of the start.
+            round_no: The rendezvous round (the number in etcd) the line names; None: this
+                launcher's count of its starts (1: the first), for a launcher without one.
+        """
         with self._lock:
             self._round += 1
-            round_no = self._round
+            start_no = self._round
             self._starts.append(since)
         threading.Thread(
             target=self._watch,
-            args=(round_no,),
-            name=f"flashckpt-restore-{round_no}",
+            args=(start_no, start_no if round_no is None else round_no),
+            name=f"flashckpt-restore-{start_no}",
             daemon=True,
         ).start()
 
-    def _watch(self, round_no: int) -> None:
+    def _watch(self, start_no: int, round_no: int) -> None:
         try:
-            starts = self._wait_starts(round_no)
+            starts = self._wait_starts(start_no)
         except Exception:  # a report, never a reason to stop the launcher
             logger.exception("reading the node agent's events failed")
             return
@@ -166,20 +173,20 @@ class RestoreReporter:
             self.lines.append(line)
         self._emit(line)
 
-    def _window(self, round_no: int) -> tuple[float, float | None]:
-        """Trainers of this round entered ``checkpointing()`` in ``[since, until)`` (wall)."""
+    def _window(self, start_no: int) -> tuple[float, float | None]:
+        """Trainers of this start entered ``checkpointing()`` in ``[since, until)`` (wall)."""
         with self._lock:
-            since = self._starts[round_no - 1]
-            until = self._starts[round_no] if len(self._starts) > round_no else None
+            since = self._starts[start_no - 1]
+            until = self._starts[start_no] if len(self._starts) > start_no else None
         return since, until
 
-    def _wait_starts(self, round_no: int) -> list[dict[str, Any]]:
+    def _wait_starts(self, start_no: int) -> list[dict[str, Any]]:
         by_rank: dict[int, dict[str, Any]] = {}
         offset = 0
         deadline = time.monotonic() + _MAX_WAIT_S
         superseded_at: float | None = None
         while time.monotonic() < deadline:
-            since, until = self._window(round_no)
+            since, until = self._window(start_no)
             offset = self._read_new(offset, since, until, by_rank)
             if len(by_rank) >= self.nproc:
                 break

@@ -915,7 +915,10 @@ class LaunchSession:
         if self.fenced:
             self.wait_for_heal()
         self._rounds += 1
-        self.events("rendezvous_start", round=self._rounds)
+        # This machine's count of its rendezvous attempts, not a round number: a machine that
+        # joined late or stood by counts fewer. The round (the number in etcd, the same on
+        # every machine) is in rendezvous_done and workers_start.
+        self.events("rendezvous_start", attempt=self._rounds)
         if self._rounds > 1 and self.config.probe:
             self._registry.reap_dead_peers()
         if self._rounds == 1 and self._replicas:
@@ -936,15 +939,16 @@ class LaunchSession:
     def after_rendezvous(self, worker_group: WorkerGroup) -> None:
         """Called after a rendezvous round completed; runs the health check if enabled."""
         assert self._registry is not None
+        handler = self._handler
         self.events(
             "rendezvous_done",
+            round=handler.round if handler is not None else None,
             group_rank=worker_group.group_rank,
             group_world_size=worker_group.group_world_size,
         )
         # The round's members come from its result, which the handler holds (no read of the
         # round's N join keys); this machine's id among them goes in its record, where a peer
         # that sees it go finds whether it was in its round (_on_peer_lost).
-        handler = self._handler
         members = handler.members() if handler is not None else frozenset()
         member_id = handler.member_id if handler is not None else None
         with self._lock:
@@ -1028,10 +1032,17 @@ class LaunchSession:
         self._clear_worker_errors()
         self._last_view = view
         self._starts += 1
+        # The round in etcd, as every machine of it prints it (a count of this machine's starts
+        # differs on a machine that joined late or stood by).
+        rnd = self._handler.round if self._handler is not None else None
         self.events(
-            "workers_start", ranks=list(view[0]), world_size=view[1], agent_gen=generation.number
+            "workers_start",
+            round=rnd,
+            ranks=list(view[0]),
+            world_size=view[1],
+            agent_gen=generation.number,
         )
-        self._reporter.workers_started(time.time())
+        self._reporter.workers_started(time.time(), round_no=rnd)
 
     def _clear_worker_errors(self) -> None:
         """A fresh, empty directory for this start's records of errors no restart can mend."""

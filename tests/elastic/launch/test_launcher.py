@@ -118,6 +118,32 @@ def test_standby_takes_the_place_of_a_killed_machine(
     assert not any(_alive(pid) for pid in victims)
     restarts = [e for e in launchers[survivor] if e["event"] == "workers_restart"]
     assert len(restarts) == 1 and restarts[0]["remaining_restarts"] == 0, restarts
+    _assert_one_round_number_per_round(cluster, survivor, "n2")
+
+
+def _assert_one_round_number_per_round(cluster: SimCluster, survivor: str, standby: str) -> None:
+    """Every machine's log names a round with the number etcd keeps for it (issue 44: a
+    machine that joined late numbered the rounds it saw from 1): each round's result (its
+    digest) has one number in every log, and the survivor's restore line after the failover
+    names the same round as the standby's only one (a count of starts said 2 and 1)."""
+    joined: dict[str, dict[str, int]] = {}  # the round's result digest -> node -> number
+    restored: dict[str, list[int]] = {}  # node -> the numbers of its restore lines
+    for node, machine in cluster.machines.items():
+        text = machine.log.read_text(errors="replace")
+        for rnd, digest in re.findall(r"INFO round (\d+) of '[^']+': group rank \d+ of \d+ "
+                                      r"\(result (\w+)\)", text):  # fmt: skip
+            joined.setdefault(digest, {})[node] = int(rnd)
+        restored[node] = [int(r) for r in re.findall(r"\] round (\d+): ", text)]
+    assert all(len(set(by_node.values())) == 1 for by_node in joined.values()), joined
+    (after,) = [by[survivor] for by in joined.values() if set(by) == {survivor, standby}]
+    for node, numbers in restored.items():  # a restore line names a round the machine was in
+        assert set(numbers) <= {by[node] for by in joined.values() if node in by}, restored
+    assert restored[standby] == [after] and restored[survivor][-1] == after, restored
+    starts = {
+        node: [e["round"] for e in cluster.machines[node].events() if e["event"] == "workers_start"]
+        for node in (survivor, standby)
+    }
+    assert starts[standby] == [after] and starts[survivor][-1] == after, starts
 
 
 @pytest.mark.timeout(240)

@@ -75,9 +75,9 @@ def test_torchrun_flags_restore_lines_and_summary(etcd_server: str, tmp_path: Pa
         nnodes="1",
         nproc=2,
         worker=TORCHRUN_WORKER,
-        # Round 1 must outlive the node agent's monitor finding its rings (an idle monitor
+        # Round 0 must outlive the node agent's monitor finding its rings (an idle monitor
         # looks for new rings once a second): its restore line comes from the monitor's start
-        # events. Killed at step 5 (~0.3 s), round 1 was often never seen and its line never
+        # events. Killed at step 5 (~0.3 s), round 0 was often never seen and its line never
         # printed (fresh-ci, on this session's code and on c2ff639 alike, under load).
         worker_args=["--steps", "40", "--every", "2", "--kill-rank", "1", "--kill-at", "30"],
         launcher_args=[
@@ -98,8 +98,8 @@ def test_torchrun_flags_restore_lines_and_summary(etcd_server: str, tmp_path: Pa
     assert "Setting OMP_NUM_THREADS environment variable for each process to be 1" in out
     assert "only torchrun's static rendezvous uses these" in out, out
     # One line per (re)start of the workers: a fresh start, then the restore from memory.
-    assert re.search(r"\] round 1: ranks 0-1 started at step 0 with nothing to restore", out), out
-    restored = re.search(r"\] round 2: ranks 0-1 restored step (\d+) from memory in [\d.]+ s", out)
+    assert re.search(r"\] round 0: ranks 0-1 started at step 0 with nothing to restore", out), out
+    restored = re.search(r"\] round 1: ranks 0-1 restored step (\d+) from memory in [\d.]+ s", out)
     assert restored, out
     resumed = {e["start_step"] for e in cluster.events() if e["event"] == "restored"}
     assert resumed == {0, int(restored.group(1))}
@@ -165,7 +165,7 @@ def test_restore_reporter_prints_one_line_per_round(tmp_path: Path) -> None:
     while len(lines) < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     t1 = 2000.0
-    reporter.workers_started(t1)
+    reporter.workers_started(t1, round_no=7)  # the round in etcd, where the launcher has one
     with open(path, "a") as f:
         f.write(_start_event(1, t1 + 1, 40, "replica", 1.25) + "\n")
         f.write(_start_event(0, t1 + 1, 40, "memory", 0.25) + "\n")
@@ -173,7 +173,7 @@ def test_restore_reporter_prints_one_line_per_round(tmp_path: Path) -> None:
         time.sleep(0.05)
     assert lines == [
         "round 1: ranks 0-1 started at step 0 with nothing to restore in 0.70 s",
-        "round 2: rank 0 restored step 40 from memory in 0.25 s; "
+        "round 7: rank 0 restored step 40 from memory in 0.25 s; "
         "rank 1 restored step 40 from replica in 1.25 s",
     ]
 

@@ -26,8 +26,9 @@ snapshot persisted) run with no checkpointing, with ``storage=file://``, and wit
 (loop time - loop time without checkpointing) / snapshots. Persistence stays in the agent, so the
 two storages should lose the same.
 
-Output: JSON with every round's seconds, medians, MB/s, ratios to ``limit`` and to
-``read-plain``, the load average before and after. Example (what the README's table ran)::
+Output: JSON with every round's seconds and the client's CPU seconds (the server is another
+process: what the client spends shows apart from the load), medians, MB/s, ratios to ``limit``
+and to ``read-plain``, the load average before and after. Example (what the README's table ran)::
 
     python benchmarks/s3_persist.py --gib 1 4 --rounds 2 --sweep --loop \\
         --out benchmarks/runs/s3-persist.json
@@ -40,6 +41,7 @@ import asyncio
 import json
 import mmap
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -224,17 +226,23 @@ def transfer(
             dcp.load(out, storage_reader=FsspecReader(f"s3://ckpts/dcp/{r}"))
             assert torch.equal(out["data"][:4096], tensor[:4096])
 
+    cpu: dict[str, list[float]] = {k: [] for k in times}
+
+    def run(name: str, fn: Any) -> None:
+        # the client's CPU (every thread of this process; the server is another process) and
+        # the wall time
+        c, t = _cpu(), time.perf_counter()
+        fn(name, r)
+        times[name].append(time.perf_counter() - t)
+        cpu[name].append(_cpu() - c)
+
     for r in range(rounds):
         order = WRITES[r % len(WRITES) :] + WRITES[: r % len(WRITES)]
         for name in order:
-            t = time.perf_counter()
-            write(name, r)
-            times[name].append(time.perf_counter() - t)
+            run(name, write)
         rorder = READS[r % 3 :] + READS[: r % 3]
         for name in rorder:
-            t = time.perf_counter()
-            read(name, r)
-            times[name].append(time.perf_counter() - t)
+            run(name, read)
         print(
             f"{n / (1 << 30):g} GiB round {r + 1}: "
             + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()),
@@ -245,7 +253,16 @@ def transfer(
         st.fs.rm(st.step_path(r), recursive=True)
     data.release()
     buf.close()
-    return times, summarize(times, n)
+    return times, {
+        **summarize(times, n),
+        "client_cpu_s": cpu,
+        "client_cpu_median_s": {k: median(v) for k, v in cpu.items()},
+    }
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def summarize(times: dict[str, list[float]], n: int) -> dict[str, Any]:
@@ -399,8 +416,14 @@ def main() -> int:
             rounds = a.rounds[min(i, len(a.rounds) - 1)]
             times, summary = transfer(fs, n, rounds, part, conc)
             out["sizes"][f"{gib:g}GiB"] = {"bytes": n, "seconds": times, **summary}
+            save(out, a.out, load0)  # a run stopped later keeps what it measured
         if a.loop:
             out["loop"] = loop(a, tmp, server)
+    print(save(out, a.out, load0))
+    return 0
+
+
+def save(out: dict[str, Any], path: str | None, load0: tuple[float, ...]) -> str:
     out["loadavg_before_after"] = [load0, os.getloadavg()]
     out["note"] = (
         "loopback SeaweedFS on the same 2 cores as the client, shared with other jobs: the "
@@ -408,10 +431,9 @@ def main() -> int:
     )
     out["machine"] = machine_info()
     text = json.dumps(out, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    return 0
+    if path:
+        Path(path).write_text(text + "\n")
+    return text
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def put_parallel(
     path: str,
     head: bytes,
     data: memoryview,
-    on_data: Callable[[memoryview], None],
+    on_data: Callable[[bytes], None],
     check: Callable[[], None] | None = None,
     *,
     part: int = PART,
@@ -122,15 +122,14 @@ def put_parallel(
     error (or ``check`` raising) the upload is aborted.
 
     Args:
-        on_data: given each part's bytes of ``data`` in order, as the part is sent (a view of
-            the part's own copy: the caller hashes exactly what was sent).
+        on_data: given each part's bytes of ``data`` in order, once that part is stored (the
+            caller hashes them: what was sent, exactly).
         check: called before each part (may wait, or raise to abandon the upload).
 
     Returns:
         The bytes written.
     """
-    import asyncio
-    from concurrent.futures import FIRST_COMPLETED, Future, wait
+    from concurrent.futures import Future, ThreadPoolExecutor
 
     bucket, _, key = path.strip("/").partition("/")
     total = len(head) + len(data)
@@ -138,46 +137,35 @@ def put_parallel(
     up = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
     uid = up["UploadId"]
 
-    async def send(n: int, body: bytes) -> dict[str, Any]:
-        r = await fs._call_s3(
-            "upload_part", Bucket=bucket, Key=key, UploadId=uid, PartNumber=n, Body=body
-        )
+    def send(n: int, body: bytes) -> dict[str, Any]:
+        r = fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=uid, PartNumber=n, Body=body)
         return {"PartNumber": n, "ETag": r["ETag"]}
 
-    parts: list[dict[str, Any]] = []
-    inflight: set[Future[dict[str, Any]]] = set()
-
-    def settle(keep: int) -> None:
-        # Any part done frees its slot (waiting on the oldest one instead, one slow part held
-        # back the parts behind it).
-        nonlocal inflight
-        while len(inflight) > keep:
-            done, inflight = wait(inflight, return_when=FIRST_COMPLETED)
-            parts.extend(f.result() for f in done)
-
     try:
-        off, n = 0, 1
-        first = True
-        while first or off < len(data):
-            if check is not None:
-                check()
-            take = part - len(head) if first else part
-            end = min(off + take, len(data))
-            # one copy per part (the head joins the first); the copy is what is sent, so
-            # hashing it now (in order, while earlier parts are in flight) hashes exactly the
-            # bytes the store gets
-            body = b"".join((head, data[off:end])) if first else bytes(data[off:end])
-            with memoryview(body) as view:
-                on_data(view[len(head) :] if first else view)
-            # The parts go out on s3fs's own event loop, as its own transfers do: no thread
-            # per part contending for the interpreter with this one's copying and hashing.
-            settle(concurrency - 1)  # this part copied while ``concurrency`` were in flight
-            inflight.add(asyncio.run_coroutine_threadsafe(send(n, body), fs.loop))
-            off = end
-            n += 1
-            first = False
-        settle(0)
-        parts.sort(key=lambda p: p["PartNumber"])
+        parts: list[dict[str, Any]] = []
+        inflight: list[tuple[Future[dict[str, Any]], bytes]] = []
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="fc-s3-part") as pool:
+
+            def settle(keep: int) -> None:
+                while len(inflight) > keep:
+                    fut, sent = inflight.pop(0)
+                    parts.append(fut.result())
+                    on_data(sent)
+
+            off, n = 0, 1
+            first = True
+            while first or off < len(data):
+                if check is not None:
+                    check()
+                take = part - len(head) if first else part
+                chunk = bytes(data[off : off + take])
+                body = head + chunk if first else chunk
+                inflight.append((pool.submit(send, n, body), chunk))
+                off += len(chunk)
+                n += 1
+                first = False
+                settle(concurrency)
+            settle(0)
         fs.call_s3(
             "complete_multipart_upload",
             Bucket=bucket,
@@ -186,7 +174,6 @@ def put_parallel(
             MultipartUpload={"Parts": parts},
         )
     except BaseException:
-        wait(inflight)  # no part lands after the abort (a part fails or ends: bounded)
         try:
             fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=uid)
         except Exception:  # the store is away: the next retention aborts it

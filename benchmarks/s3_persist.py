@@ -7,8 +7,6 @@ each round runs every variant once, the order rotated round by round):
 
 - ``product``: the node agent's shard write, ``Storage.write_buffer`` (head + data from a
   memoryview, hashed as it goes: a parallel multipart upload) to ``s3://ckpts/...``;
-- ``product-before``: the same upload by the upload loop as it was before its profile (kept in
-  this file): before/after in the same run;
 - ``plain``: one plain ``s3fs`` upload (``fs.open(key, "wb").write(data)``);
 - ``limit``: a parallel multipart upload straight through the S3 API with the store's best
   settings (``--parts`` MiB parts, ``--concurrency`` in flight; ``--sweep`` picks them first
@@ -47,12 +45,9 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-
-import xxhash
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import machine_info, median
@@ -62,7 +57,7 @@ from flashckpt.format.storage import Storage
 from flashckpt.testing.s3 import SeaweedS3
 
 SHARD = "shard-00000-of-00001.safetensors"
-WRITES = ("product", "product-before", "plain", "limit", "dcp")
+WRITES = ("product", "plain", "limit", "dcp")
 READS = ("read-product", "read-plain", "read-dcp")
 
 
@@ -95,73 +90,6 @@ def _limit(fs: Any, key: str, data: memoryview, part: int, concurrency: int) -> 
     from fsspec.asyn import sync
 
     sync(fs.loop, run)
-
-
-def _put_parallel_before(
-    fs: Any,
-    path: str,
-    head: bytes,
-    data: memoryview,
-    on_data: Callable[[bytes], None],
-    check: Callable[[], None] | None = None,
-    *,
-    part: int = 32 << 20,
-    concurrency: int = 8,
-) -> int:
-    """``objstore.put_parallel`` as it was before this benchmark's profile (parts on a
-    thread pool, the oldest awaited before the next is sent, hashed once stored): the
-    "product-before" variant, measured in the same run as the new one."""
-    from concurrent.futures import Future, ThreadPoolExecutor
-
-    bucket, _, key = path.strip("/").partition("/")
-    total = len(head) + len(data)
-    part = max(part, -(-total // 10_000))
-    up = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
-    uid = up["UploadId"]
-
-    def send(n: int, body: bytes) -> dict[str, Any]:
-        r = fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=uid, PartNumber=n, Body=body)
-        return {"PartNumber": n, "ETag": r["ETag"]}
-
-    try:
-        parts: list[dict[str, Any]] = []
-        inflight: list[tuple[Future[dict[str, Any]], bytes]] = []
-        with ThreadPoolExecutor(concurrency, thread_name_prefix="fc-s3-part") as pool:
-
-            def settle(keep: int) -> None:
-                while len(inflight) > keep:
-                    fut, sent = inflight.pop(0)
-                    parts.append(fut.result())
-                    on_data(sent)
-
-            off, n = 0, 1
-            first = True
-            while first or off < len(data):
-                if check is not None:
-                    check()
-                take = part - len(head) if first else part
-                chunk = bytes(data[off : off + take])
-                body = head + chunk if first else chunk
-                inflight.append((pool.submit(send, n, body), chunk))
-                off += len(chunk)
-                n += 1
-                first = False
-                settle(concurrency)
-            settle(0)
-        fs.call_s3(
-            "complete_multipart_upload",
-            Bucket=bucket,
-            Key=key,
-            UploadId=uid,
-            MultipartUpload={"Parts": parts},
-        )
-    except BaseException:
-        try:
-            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=uid)
-        except Exception:  # the store is away: the next retention aborts it
-            pass
-        raise
-    return total
 
 
 def sweep(fs: Any, data: memoryview) -> dict[str, Any]:
@@ -201,9 +129,6 @@ def transfer(
     def write(name: str, r: int) -> None:
         if name == "product":
             recs[r] = st.write_buffer(st.step_path(r, SHARD), head, data)
-        elif name == "product-before":
-            h = xxhash.xxh3_64()
-            _put_parallel_before(st.fs, st.step_path(r, "before"), head, data, h.update)
         elif name == "plain":
             with fs.open(f"ckpts/plain/{r}", "wb") as f:
                 f.write(data)

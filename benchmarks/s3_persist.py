@@ -7,7 +7,7 @@ each round runs every variant once, the order rotated round by round):
 
 - ``product``: the node agent's shard write, ``Storage.write_buffer`` (head + data from a
   memoryview, hashed as it goes: a parallel multipart upload) to ``s3://ckpts/...``;
-- ``plain``: one plain ``s3fs`` upload (``fs.open(key, "wb").write(data)``);
+- ``plain``: one plain ``s3fs`` upload (``fs.open(key, "wb")``, written 64 MiB at a time);
 - ``limit``: a parallel multipart upload straight through the S3 API with the store's best
   settings (``--parts`` MiB parts, ``--concurrency`` in flight; ``--sweep`` picks them first
   from a grid, one 256 MiB upload each, and records the grid);
@@ -130,8 +130,11 @@ def transfer(
         if name == "product":
             recs[r] = st.write_buffer(st.step_path(r, SHARD), head, data)
         elif name == "plain":
+            # in 64 MiB writes: fsspec's buffered file copies what one write gives it into its
+            # buffer first (a 4 GiB run here was OOM-killed with 9 GiB of anonymous memory)
             with fs.open(f"ckpts/plain/{r}", "wb") as f:
-                f.write(data)
+                for off in range(0, n, 64 << 20):
+                    f.write(data[off : off + (64 << 20)])
         elif name == "limit":
             _limit(fs, f"limit/{r}", data, part, conc)
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import time
@@ -26,6 +27,7 @@ from elasticcluster import SimCluster, assert_same_model, cluster_env
 from flashckpt.elastic.etcd.server import EtcdV3Server
 from flashckpt.elastic.membership import health
 from flashckpt.format.storage import Storage
+from flashckpt.testing.s3 import SeaweedS3
 
 STEPS = 50
 EVERY = 5
@@ -529,3 +531,47 @@ def test_a_second_launcher_with_the_same_node_id_is_refused(
     assert second.wait_exit("n0", 60) == 2, second.logs()
     assert "already used in this job" in second.machines["n0"].tail()
     assert first.proc.poll() is None, "the first launcher must keep running"
+
+
+@pytest.mark.timeout(300)
+def test_launcher_storage_s3_resumes_a_wiped_machine_from_s3_bitwise(
+    s3_server: SeaweedS3,
+    s3_prefix: str,
+    s3_env: dict,
+    reference_model: dict[str, torch.Tensor],
+    make_cluster: list[SimCluster],
+    tmp_path: Path,
+) -> None:
+    """Standalone launcher, 2 ranks, ``--storage s3://ckpts/<test>/run`` on a real S3 server
+    (SeaweedFS, tests/support/s3fixtures.py): once S3 holds a
+    committed step the whole machine is SIGKILLed (a rank among its processes) and its shm
+    directory deleted; a new launcher of the same job resumes both ranks from S3 at the newest
+    committed step (not memory, not 0), runs to the end, and the final model is bitwise the
+    uninterrupted run's; ``latest`` names a committed step that is the job's last."""
+    cluster = SimCluster(tmp_path, None, nnodes="1", nproc=2, worker_args=PACED)
+    make_cluster.append(cluster)
+    url = f"{s3_prefix}/run"
+    cluster.storage = url
+    st = Storage(url)
+    cluster.start("solo")
+    cluster.wait_for("a step committed in S3", lambda: bool(cluster.committed()), 180)
+    assert max(cluster.steps()) < STEPS - 2 * EVERY, "training ran out before the kill"
+    killed_at = time.time()
+    assert len(cluster.machines["solo"].kill()) >= 4  # launcher, agent, 2 ranks (+ etcd)
+    newest = st.committed_steps()[-1]
+    shm = cluster.shm_root / "solo"
+    assert any(shm.iterdir()), "the machine kept no snapshot in memory: nothing to wipe"
+    shutil.rmtree(shm)
+
+    cluster.start("solo")
+    assert cluster.wait_exit("solo", 240) == 0, cluster.logs()
+    resumed = cluster.restored_since(killed_at)
+    assert sorted(e["rank"] for e in resumed) == [0, 1], resumed
+    assert {(e["restored_from"], e["start_step"]) for e in resumed} == {("storage", newest)}, (
+        resumed,
+        newest,
+    )
+    assert_same_model(cluster.out, reference_model)
+    committed = st.committed_steps()
+    assert committed[-1] == STEPS
+    assert st.manifest(STEPS).ranks and sorted(st.manifest(STEPS).ranks) == [0, 1]

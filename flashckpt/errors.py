@@ -207,12 +207,18 @@ class RestoreError(CheckpointDataError, ValueError):
             text is cut to a few kB).
     """
 
-    def __init__(self, step: int, failures: dict[int, str]) -> None:
+    def __init__(
+        self,
+        step: int,
+        failures: dict[int, str],
+        *,
+        start_over: str = "pass restore=False to start from scratch",
+    ) -> None:
         ranks = sorted(failures)
         lines = [
             f"step {step} cannot be restored: {len(ranks)} rank(s) failed ({ranks}):",
             *(f"  rank {r}: {failures[r]}" for r in ranks),
-            "  fix the cause on each rank named (or pass restore=False to start from scratch)",
+            f"  fix the cause on each rank named, or {start_over}",
         ]
         super().__init__("\n".join(lines))
         self.step = step

@@ -16,6 +16,7 @@ import re
 __all__ = [
     "GROUP_NAME_RE",
     "ID_RE",
+    "RETIRED_RING_SUFFIX_RE",
     "SLOT_NAME_RE",
     "SLOT_SUFFIX_RE",
     "agent_log_path",
@@ -32,6 +33,7 @@ __all__ = [
     "prewarm_socket_path",
     "rank_lock_path",
     "replica_path",
+    "retired_ring_path",
     "ring_path",
     "slot_path",
     "slot_prefix",
@@ -75,6 +77,16 @@ def slot_path(shm_dir: str, job: str, node: str, rank: int, index: int) -> str:
 def ring_path(shm_dir: str, job: str, node: str, rank: int) -> str:
     """Path of ``rank``'s step ring (the trainer's monitoring segment)."""
     return os.path.join(shm_dir, f"{slot_prefix(job, node)}r{rank:05d}.mon")
+
+
+def retired_ring_path(ring: str, token: str) -> str:
+    """Where the step ring at ``ring`` (:func:`ring_path`) of the process named by ``token``
+    (16 hex digits) is kept for the node agent once the rank's next process replaced it."""
+    return f"{ring}.{token}"
+
+
+RETIRED_RING_SUFFIX_RE = re.compile(r"\.[0-9a-f]{16}")
+"""What :func:`retired_ring_path` appends to a ring's path."""
 
 
 def owner_path(shm_dir: str, job: str, node: str) -> str:

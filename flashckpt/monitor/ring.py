@@ -33,6 +33,13 @@ means nothing (a node agent DaemonSet and its trainer pods). Forked children (da
 workers) drop their copy of the descriptor (``os.register_at_fork``), so a lock held means the
 writer itself runs. A ring without :data:`FLAG_LOCK` (a trainer of an earlier version, or a
 platform without OFD locks) is judged by its pid and start time.
+
+A rank's next process (a restart) keeps the previous process's ring for the agent under
+``fc.<job>.<node>.r<rank>.mon.<token>`` (a hard link, made before the new ring replaces the
+old name): records the agent had not read yet (it was down, or had not polled since) stay
+readable, and the agent removes the file once it has read it to its end and reported it
+(issue 41: a restart used to destroy the killed process's last iterations, and the goodput
+missed them). At most :data:`RETIRED_KEEP` of them per rank are kept where no agent reads them.
 """
 
 from __future__ import annotations
@@ -44,12 +51,13 @@ import logging
 import mmap
 import os
 import signal
+import stat
 import struct
 import time
 import uuid
 from typing import Any
 
-from flashckpt.names import ring_path, stacks_path
+from flashckpt.names import RETIRED_RING_SUFFIX_RE, retired_ring_path, ring_path, stacks_path
 
 __all__ = [
     "StepRecorder",
@@ -88,6 +96,11 @@ PIDNS = struct.Struct("<Q")
 PIDNS_OFF = 48
 STACKS_OFF = 512
 STACKS_LEN = 512
+
+RETIRED_KEEP = 8
+"""Rings of earlier processes of one rank kept for the node agent at most: an agent that runs
+reads and removes each within a poll, so more of them means none reads them; the writer then
+removes the oldest (and says so)."""
 
 FLAG_ELASTIC = 1  # runs under an elastic launcher (torchelastic): a killed worker is restarted
 FLAG_STACKS = 2  # SIGUSR1 dumps the Python stacks (faulthandler)
@@ -187,12 +200,80 @@ def lock_held(fd: int) -> bool:
     return int(_FLOCK.unpack(got)[0]) != fcntl.F_UNLCK
 
 
+def _ring_token(path: str) -> str | None:
+    """The token of the ring file at ``path`` (not followed if a link), or None: no such file,
+    or not a ring (then nothing of it is worth keeping)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.pread(fd, TOKEN_OFF + TOKEN.size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(head) < TOKEN_OFF + TOKEN.size or head[: len(MAGIC)] != MAGIC:
+        return None
+    return f"{TOKEN.unpack_from(head, TOKEN_OFF)[0]:016x}"
+
+
+def _retire(path: str) -> str | None:
+    """Keeps the ring now at ``path`` (a previous process of this rank) for the node agent
+    (:func:`~flashckpt.names.retired_ring_path`); returns where, or None where there was nothing
+    to keep. Kept rings of this rank beyond :data:`RETIRED_KEEP` go first, the oldest first,
+    with a warning: no agent read them."""
+    token = _ring_token(path)
+    if token is None:
+        return None
+    directory, base = os.path.split(path)
+    try:
+        names = [n for n in os.listdir(directory or ".") if n.startswith(base + ".")]
+    except OSError:
+        names = []
+    old: list[tuple[float, str]] = []
+    for name in names:
+        if RETIRED_RING_SUFFIX_RE.fullmatch(name[len(base) :]):
+            full = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                old.append((os.lstat(full).st_mtime, full))
+    old.sort()
+    for _, full in old[: max(0, len(old) - RETIRED_KEEP + 1)]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(full)
+            log.warning(
+                "flashckpt: removed %s, the step ring of an earlier process of this rank that no "
+                "node agent read (%d are kept): its iterations are missing from the goodput "
+                "report",
+                full,
+                RETIRED_KEEP,
+            )
+    kept = retired_ring_path(path, token)
+    try:
+        os.link(path, kept, follow_symlinks=False)
+    except FileExistsError:
+        pass  # kept already (this process retries after a failed start)
+    except OSError as e:
+        log.warning(
+            "flashckpt: cannot keep the previous step ring %s for the node agent (%s): the "
+            "iterations of the process before this one that it did not read yet are not counted",
+            path,
+            e,
+        )
+        return None
+    return kept
+
+
 # -- trainer side ------------------------------------------------------------------------------
 class StepRecorder:
     """A rank's writer end of its monitor ring. Single-threaded: the training loop's thread.
 
     Args:
-        path: the ring file (created, or atomically replaced: a new process is a new ring).
+        path: the ring file (created, or atomically replaced: a new process is a new ring; the
+            one it replaces is kept for the node agent: see
+            :func:`~flashckpt.names.retired_ring_path`).
         rank: the rank.
         world: the world size.
         enter_wall: when ``checkpointing()`` was entered (``time.time()``).
@@ -294,9 +375,13 @@ class StepRecorder:
         if flags & FLAG_STACKS and stacks_path is not None:
             raw = stacks_path.encode()[: STACKS_LEN - 1]
             self._mm[STACKS_OFF : STACKS_OFF + len(raw)] = raw
+        kept = _retire(path)
         try:
             os.replace(tmp, path)
         except BaseException:
+            if kept is not None:  # the previous ring stays where it was: not retired
+                with contextlib.suppress(OSError):
+                    os.unlink(kept)
             self._mm.close()
             self._release_lock()
             with contextlib.suppress(OSError):

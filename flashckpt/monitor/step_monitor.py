@@ -23,6 +23,7 @@ of its agent's ``status()`` (this monitor's :meth:`AgentMonitor.summary` include
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -188,7 +189,10 @@ class AgentMonitor:
         self.report_path = goodput_report_path(self.events_dir, job, node)
         self.metrics_port: int | None = None
         self._facts = facts
-        self._ring_re = re.compile(rf"^fc\.{re.escape(job)}\.{re.escape(node)}\.r(\d{{5}})\.mon$")
+        # A rank's ring, or one its next process retired (the previous process's: ``.<token>``).
+        self._ring_re = re.compile(
+            rf"^fc\.{re.escape(job)}\.{re.escape(node)}\.r(\d{{5}})\.mon(?:\.([0-9a-f]{{16}}))?$"
+        )
         self._ranks: dict[int, RankState] = {}
         self._history: dict[str, Incarnation] = {}
         self._bad_inos: set[int] = set()
@@ -199,7 +203,6 @@ class AgentMonitor:
         self._events: Any = None
         self._first_scan = True
         self._seen_ring = False
-        self._born_wall = time.time()
         self._next_flush = 0.0
         self._alerts = Alerts(config, self._emit)
         self._closed = False
@@ -325,12 +328,24 @@ class AgentMonitor:
             names = os.listdir(self.shm_dir)
         except OSError:
             return
+        current: dict[int, str] = {}
+        retired: dict[int, list[str]] = {}
         for name in names:
             m = self._ring_re.match(name)
-            if not m:
+            if m:
+                path = os.path.join(self.shm_dir, name)
+                if m.group(2):
+                    retired.setdefault(int(m.group(1)), []).append(path)
+                else:
+                    current[int(m.group(1))] = path
+        for rank in sorted(current.keys() | retired.keys()):
+            # The rings the rank's earlier processes left first, oldest first: their
+            # iterations come before the current ring's (recomputed steps, incarnations).
+            for ring, path in self._open_retired(rank, retired.get(rank, [])):
+                self._collect_retired(rank, ring, path, now_w, off)
+            if rank not in current:
                 continue
-            rank = int(m.group(1))
-            path = os.path.join(self.shm_dir, name)
+            path = current[rank]
             try:
                 ino = os.stat(path).st_ino
             except FileNotFoundError:
@@ -340,34 +355,106 @@ class AgentMonitor:
                 ino in self._bad_inos
             ):
                 continue
-            try:
-                ring = RingReader(path)
-            except (OSError, ValueError) as e:
-                log.warning("monitor: ignoring %s: %s", path, e)
-                self._bad_inos.add(ino)
-                continue
-            if not self._seen_ring:
-                # A spare agent (elastic launcher) loaded the shared events file long before
-                # it took over: read what the previous generation wrote since (restarts, steps
-                # already done, for recomputed steps).
-                self._seen_ring = True
-                self._load_history()
-            self._attach(rank, ring, now_w, off)
+            new = self._open(path, ino)
+            if new is not None:
+                self._attach(rank, new, now_w, off)
 
-    def _attach(self, rank: int, ring: RingReader, now_w: float, off: float) -> None:
+    def _open(self, path: str, ino: int) -> RingReader | None:
+        try:
+            ring = RingReader(path)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("monitor: ignoring %s: %s", path, e)
+            self._bad_inos.add(ino)
+            return None
+        if not self._seen_ring:
+            # A spare agent (elastic launcher) loaded the shared events file long before
+            # it took over: read what the previous generation wrote since (restarts, steps
+            # already done, for recomputed steps).
+            self._seen_ring = True
+            self._load_history()
+        return ring
+
+    def _open_retired(self, rank: int, paths: list[str]) -> list[tuple[RingReader | None, str]]:
+        """The retired rings of ``rank`` to collect, oldest process first; ``None`` for the one
+        this monitor reads already (same file)."""
+        rs = self._ranks.get(rank)
+        found: list[tuple[float, RingReader | None, str]] = []
+        for path in paths:
+            try:
+                ino = os.stat(path).st_ino
+            except FileNotFoundError:
+                continue
+            if ino in self._bad_inos:
+                continue
+            if rs is not None and rs.ring is not None and rs.ring.ino == ino:
+                found.append((rs.info.get("proc_start", 0.0), None, path))
+                continue
+            ring = self._open(path, ino)
+            if ring is not None:
+                found.append((ring.info()["proc_start"], ring, path))
+        found.sort(key=lambda x: x[0])
+        return [(ring, path) for _, ring, path in found]
+
+    def _collect_retired(
+        self, rank: int, ring: RingReader | None, path: str, now_w: float, off: float
+    ) -> None:
+        """Reads a ring the rank's next process retired (:func:`flashckpt.names.
+        retired_ring_path`) to its end, reports its end, then removes the file: every iteration its
+        process ran is counted once, whether or not this monitor watched it live."""
+        rs = self._ranks[rank] if ring is None else self._ranks.get(rank)
+        if ring is not None:
+            known = self._history.get(ring.token)
+            if known is not None and known.end_reason is not None:
+                ring.close()  # an earlier agent reported it to its end (and died before this)
+                self._remove_retired(path)
+                return
+            self._attach(rank, ring, now_w, off, retired=True)
+            rs = self._ranks[rank]
+        assert rs is not None
+        self._finish(rs, now_w, off)
+        self._remove_retired(path)
+
+    def _remove_retired(self, path: str) -> None:
+        # Only the files of this agent's user: another user's file under the job's names is
+        # not this agent's to delete (the writer's RETIRED_KEEP bounds its own).
+        try:
+            st = os.lstat(path)
+            if st.st_uid == os.geteuid():
+                os.unlink(path)
+            else:
+                self._bad_inos.add(st.st_ino)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("monitor: cannot remove %s: %s", path, e)
+            with contextlib.suppress(OSError):
+                self._bad_inos.add(os.lstat(path).st_ino)
+
+    def _finish(self, rs: RankState, now_w: float, off: float) -> None:
+        """The process of ``rs.ring`` is over (a new process of the rank replaced its ring):
+        reads its last records and reports its end."""
+        if rs.ring is None or rs.ended:
+            return
+        # Liveness before the last read: a writer seen gone has written its last record.
+        alive = rs.ring.alive(rs.info.get("proc_start", 0.0))
+        self._read(rs, off)
+        if rs.ring.phase() == EXITED:  # it ended before this poll saw it
+            old = rs.ring.info()
+            reason = "exit" if old["exit_code"] == 0 else "error"
+            self._end(rs, reason, old["exit"] or now_w)
+        else:
+            reason = "killed" if rs.killed else ("replaced" if alive else "died")
+            self._end(rs, reason, now_w)
+
+    def _attach(
+        self, rank: int, ring: RingReader, now_w: float, off: float, *, retired: bool = False
+    ) -> None:
         rs = self._ranks.setdefault(rank, RankState(rank))
         if rs.ring is not None:
             # A new process of this rank replaced the ring: the old one is over.
-            self._read(rs, off)
-            if not rs.ended:
-                alive = rs.ring.alive(rs.info.get("proc_start", 0.0))
-                if rs.ring.phase() == EXITED:  # it ended before this poll saw it
-                    old = rs.ring.info()
-                    reason = "exit" if old["exit_code"] == 0 else "error"
-                    self._end(rs, reason, old["exit"] or now_w)
-                else:
-                    reason = "killed" if rs.killed else ("replaced" if alive else "died")
-                    self._end(rs, reason, now_w)
+            self._finish(rs, now_w, off)
             rs.ring.close()
         info = ring.info()
         rs.ring, rs.info = ring, info
@@ -379,7 +466,7 @@ class AgentMonitor:
         rs.last_step = None
         rs.end_reason = None
         rs.last_progress_mono = info["ready_mono"] or time.monotonic()
-        if self._first_scan and not ring.alive(info["proc_start"]):
+        if (self._first_scan or retired) and not ring.alive(info["proc_start"]):
             # Over before this agent's first look: how it ended is in the ring (EXITED: its exit
             # code; else it died), whoever reports it.
             exited = ring.phase() == EXITED
@@ -403,14 +490,12 @@ class AgentMonitor:
                         rs.last_step = recs[-1][0]
                 self._end(rs, reason, (info["exit"] or now_w) if exited else now_w)
                 return
-            if info["enter"] < self._born_wall:
-                # Unknown to the events and older than this agent: a previous agent's to report.
-                rs.ended, rs.end_reason = True, reason
-                return
-            # It entered after this agent started and ended before its first poll (a short run,
-            # one killed at once): this agent's to report, read like any new ring (its start,
-            # steps and end follow in this poll). Its liveness must not decide that: a ring's
-            # lock is gone once its trainer ends, however it ended.
+            # Unknown to the events: no agent reported it (it entered after this agent started
+            # and ended before its first poll, or while no agent of the job ran, or the agent
+            # that watched it died before its start line). This agent's to report, read like any
+            # new ring: its start, steps and end follow in this poll (issue 41). Its liveness
+            # must not decide that: a ring's lock is gone once its trainer ends, however it
+            # ended.
         if ring.token in self._history:
             # Known from the events file: a trainer that outlived the previous agent. Read on
             # from the record after the last one the events account for: the previous agent's

@@ -898,6 +898,8 @@ class Checkpointer:
         )
         # No storage= of its own: the root its agent persists to is checked (and claimed) here.
         self._agent_root = check_agent_root(hello, self._link, ctx, cfg)
+        root = self._agent_root  # a failed restore's advice to start over names its steps
+        self._restorer.env.agent_root = None if root is None else (root.url, list(root.steps))
         self._snap.shm_dir = hello.shm_dir
         self._snap.meta_static = {
             "job": ctx.job,

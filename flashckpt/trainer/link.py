@@ -92,12 +92,20 @@ class AgentLink:
         An agent that is just shutting down (the previous run finished) refuses new work by
         closing; then a fresh one is started, until ``agent_timeout`` runs out.
 
+        Under ``flashckpt run`` (``$FLASHCKPT_LAUNCHER_PID``) the node agent is the launcher's:
+        it restarts a lost one, so a trainer waits for it and never starts its own (issue 41: a
+        worker started while the launcher's agent was being restarted started an agent of its
+        own, with its own events file and settings, and the launcher's next agents exited as
+        the job's second one).
+
         Args:
             again: the agent was lost. Wait up to ``agent_timeout`` for it to be back (also with
                 agent='connect': its owner restarts it), and start one only if this rank had
                 started the lost one (an agent a launcher supervises is restarted by it).
         """
         ctx = self.ctx
+        # The launcher's agent: its run dir (a run_dir= of the script's own is not its).
+        launcher = envnames.get(envnames.LAUNCHER_PID) if run_dir == envnames.run_dir() else None
         deadline = time.monotonic() + self.config.agent_timeout
         while True:
             try:
@@ -109,11 +117,17 @@ class AgentLink:
                         f"{ctx.job} --node {ctx.node}`) or pass agent='auto'"
                     ) from None
             if time.monotonic() > deadline:
+                if launcher and self.agent_proc is None:
+                    raise AgentError(
+                        f"the node agent of `flashckpt run` (launcher pid {launcher}) did not "
+                        f"answer at {path} within {self.config.agent_timeout:.0f} s: see the "
+                        "launcher's output and its agent's log in its --run-dir"
+                    )
                 raise AgentError(
                     f"the node agent did not start within {self.config.agent_timeout:.0f} s; "
                     f"see {agent_log_path(run_dir, ctx.job, ctx.node)}"
                 )
-            if again and not self.may_restart():
+            if (again and not self.may_restart()) or (launcher and self.agent_proc is None):
                 continue
             if self.agent_proc is not None and self.agent_proc.poll() == 1:
                 # It refused to start (a full /dev/shm, a planted file, a bad storage): its

@@ -238,11 +238,13 @@ def test_a_trainer_over_before_the_agents_first_look_is_reported(tmp_path: Path)
     idle: a short run, one killed at once) is the agent's to report: its ring's lock is gone by
     then, however it ended. Before, the first scan took every unlocked ring for one a previous
     agent had reported: state ``died`` and no event at all, for a trainer that exited cleanly
-    too (the full suite's ``test_steps_batches_count_steps_completed`` after a warm-up)."""
+    too (the full suite's ``test_steps_batches_count_steps_completed`` after a warm-up). One that
+    ended before the agent started and that no events line knows is reported too: no agent did
+    (its own died before its start line, or none ran), and its iterations ran (issue 41)."""
     shm, run = tmp_path / "shm", tmp_path / "run"
     shm.mkdir()
     run.mkdir()
-    # Rank 2: ended before the agent started, unknown to the events: not this agent's to report.
+    # Rank 2: ended before the agent started, unknown to the events: nobody reported it.
     old = StepRecorder(
         ring_path(str(shm), "j", "n", 2), rank=2, world=3, enter_wall=time.time() - 1
     )
@@ -277,14 +279,15 @@ def test_a_trainer_over_before_the_agents_first_look_is_reported(tmp_path: Path)
         mon.poll()
         ranks = mon.summary()["ranks"]
         got = {r: (v["state"], v["steps"]) for r, v in ranks.items()}
-        assert got == {"0": ("exit", 3), "1": ("died", 2), "2": ("exit", 0)}, got
+        assert got == {"0": ("exit", 3), "1": ("died", 2), "2": ("exit", 1)}, got
     finally:
         mon.close()
     events = read_events([mon.events_path])
     ends = [(e["rank"], e["reason"], e["last_step"]) for e in events if e["event"] == "end"]
-    assert sorted(ends) == [(0, "exit", 3), (1, "died", 2)]
-    assert sorted(e["rank"] for e in events if e["event"] == "start") == [0, 1]
+    assert sorted(ends) == [(0, "exit", 3), (1, "died", 2), (2, "exit", 1)]
+    assert sorted(e["rank"] for e in events if e["event"] == "start") == [0, 1, 2]
     steps = {
-        r: sum(e["n"] for e in events if e["event"] == "steps" and e["rank"] == r) for r in (0, 1)
+        r: sum(e["n"] for e in events if e["event"] == "steps" and e["rank"] == r)
+        for r in (0, 1, 2)
     }
-    assert steps == {0: 3, 1: 2}
+    assert steps == {0: 3, 1: 2, 2: 1}

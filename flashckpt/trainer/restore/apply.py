@@ -92,7 +92,7 @@ class Applier:
             hint = _prefix_hint(set(saved), set(current))
             if hint:
                 lines.append(f"  {hint}")
-            lines.append("  restore into the same architecture, or pass restore=False.")
+            lines.append("  restore into the same architecture, or start from scratch (see below)")
             raise ValueError("\n".join(lines))
         for name, key in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
             if key is not None and name not in state:

@@ -212,7 +212,7 @@ class Restorer:
                     )
                 return
             if worst == 2:
-                raise _failed(ctx, step, err if code == 2 else None)
+                raise _failed(ctx, step, err if code == 2 else None, _start_over(env))
             # Every rank takes part: the step is excluded unless each failure was a bad copy in
             # memory (those ranks dropped it from their memory steps and plan again).
             if ctx.all_max(0 if code == 0 or memory_only else 1):
@@ -236,7 +236,25 @@ ERROR_TEXT_BYTES = 4096
 """The most bytes of one rank's error text the other ranks are told (on a failed restore)."""
 
 
-def _failed(ctx: RankContext, step: int, err: Exception | None) -> RestoreError:
+def _start_over(env: RestoreEnv) -> str:
+    """How this run starts from scratch instead, in words that work: ``restore=False`` alone is
+    refused where a storage root holds committed steps of the earlier run (issue 41: the advice
+    led to a second refusal), so it names ``overwrite=True`` and what that deletes there."""
+    held = []
+    if env.storage is not None and env.stored:
+        held.append(f"{sorted(env.stored)} of storage {env.storage.url}")
+    if env.agent_root is not None and env.agent_root[1]:
+        url, steps = env.agent_root
+        held.append(f"{sorted(steps)} of the node agent's storage {url}")
+    if not held:
+        return "pass restore=False to start from scratch"
+    return (
+        "pass restore=False, overwrite=True to start from scratch (overwrite=True deletes the "
+        f"committed steps {' and '.join(held)}), or give this run a new storage root"
+    )
+
+
+def _failed(ctx: RankContext, step: int, err: Exception | None, start_over: str) -> RestoreError:
     """The error every rank raises where some rank's restore of ``step`` failed for good
     (collective): each rank tells the others its error text (empty: it did not fail), so each
     raises one naming every failed rank; a failed rank's own text is whole, and it is raised
@@ -246,7 +264,7 @@ def _failed(ctx: RankContext, step: int, err: Exception | None) -> RestoreError:
     failures = {r: t for r, t in enumerate(texts) if t}
     if err is not None:
         failures[ctx.rank] = own
-    error = RestoreError(step, failures)
+    error = RestoreError(step, failures, start_over=start_over)
     error.__cause__ = err
     return error
 

@@ -123,8 +123,8 @@ class Resharder:
                 if tuple(target.shape) != shape:
                     raise ValueError(
                         f"checkpoint tensor {where} has shape {list(shape)}, but the model's is "
-                        f"{list(target.shape)}: restore into the same architecture, or pass "
-                        "restore=False"
+                        f"{list(target.shape)}: restore into the same architecture, or start "
+                        "from scratch (see below)"
                     )
                 mesh, placements = target.device_mesh, tuple(target.placements)
             elif default is not None and default.device_mesh.ndim == len(piece.meta["mesh"]):

@@ -90,6 +90,9 @@ class RestoreEnv:
     memory source; a replica is sent from them)."""
     stored: set[int] = field(default_factory=set)
     """The committed steps in storage (listed by the storage source)."""
+    agent_root: tuple[str, list[int]] | None = None
+    """A trainer without ``storage=``: its node agent's own root and the committed steps there
+    at hello (where a fresh start needs ``overwrite=True`` too)."""
 
     def buffers_matter(self) -> bool:
         """False where this rank's own buffers are overwritten before use: DDP with

@@ -21,6 +21,7 @@ from flashckpt.errors import (
     LocalMachineError,
     PersistError,
     ShmSpaceError,
+    StorageRootRefused,
     StorageError,
     StorageUnavailableError,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "LocalMachineError",
     "PersistError",
     "ShmSpaceError",
+    "StorageRootRefused",
     "SnapshotHandle",
     "StorageError",
     "StorageUnavailableError",

@@ -40,6 +40,7 @@ __all__ = [
     "RestoreError",
     "ShmSpaceError",
     "StorageError",
+    "StorageRootRefused",
     "StorageUnavailableError",
     "TornSnapshot",
     "UnsafeLocalStateError",
@@ -230,6 +231,15 @@ class RestoreError(CheckpointDataError, ValueError):
 
 class StorageUnavailableError(StorageError, OSError):
     """The checkpoint storage cannot be written (read-only, full, gone, no permission)."""
+
+    restartable = False
+
+
+class StorageRootRefused(StorageError, ValueError):
+    """The storage root (or mirror) is not this run's to write: it belongs to another job, or
+    holds an earlier run's committed steps while this run starts from step 0. The message names
+    the root, the evidence and the options (``takeover=True``, ``overwrite=True``, a root of its
+    own). No restart mends it: under ``flashckpt run`` the launcher fails at once with it."""
 
     restartable = False
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flashckpt import envnames
-from flashckpt.errors import StorageUnavailableError
+from flashckpt.errors import StorageRootRefused, StorageUnavailableError
 from flashckpt.format.storage_owner import (
     claim_root,
     delete_steps,
@@ -84,7 +84,7 @@ def check_owner(st: Storage | None, ctx: RankContext, config: CheckpointConfig) 
     the owner file for this job: two jobs on one root would resume from each other's steps.
 
     Raises:
-        ValueError: the root belongs to another job, naming it, the evidence, the root and the
+        StorageRootRefused: the root belongs to another job, naming it, the evidence, the root and the
             options.
     """
     if st is None:
@@ -114,8 +114,8 @@ def check_owner(st: Storage | None, ctx: RankContext, config: CheckpointConfig) 
         if take or not ctx.all_max(1 if found else 0):
             continue
         if found is not None:
-            raise ValueError(found.refusal(what, root.url, ctx.job, "takeover=True"))
-        raise ValueError(
+            raise StorageRootRefused(found.refusal(what, root.url, ctx.job, "takeover=True"))
+        raise StorageRootRefused(
             f"{what} {root.url} belongs to another job (seen by another rank, whose error names "
             "it): give this job a root of its own or pass takeover=True"
         )
@@ -128,7 +128,7 @@ def start_fresh(st: Storage | None, ctx: RankContext, config: CheckpointConfig) 
     restored next time as this run's.
 
     Raises:
-        ValueError: the root (or the mirror) holds committed steps and ``overwrite`` is False.
+        StorageRootRefused: the root (or the mirror) holds committed steps and ``overwrite`` is False.
     """
     if st is None:
         return
@@ -150,7 +150,7 @@ def _start_fresh(st: Storage, ctx: RankContext, config: CheckpointConfig, what: 
     )
     if not config.overwrite:
         held = f"committed steps {stored}" if stored else "committed steps (seen by a rank)"
-        raise ValueError(
+        raise StorageRootRefused(
             f"{what} {st.url} holds {held} of an earlier run, and this run starts from "
             f"step 0 ({why}): its steps would be mixed with those, and the older run's taken "
             "for this one's. Pass overwrite=True to delete them and start over, use a new "
@@ -197,7 +197,7 @@ def check_agent_root(
         persists nowhere.
 
     Raises:
-        ValueError: the root belongs to another job (the agent's refusal: the job, the
+        StorageRootRefused: the root belongs to another job (the agent's refusal: the job, the
             evidence, the root and the fix).
     """
     if config.storage:
@@ -224,11 +224,11 @@ def check_agent_root(
             )
     if not take and ctx.all_max(1 if foreign else 0):
         if foreign is not None:
-            raise ValueError(
+            raise StorageRootRefused(
                 f"this rank passed no storage=: its node agent (pid {reply.pid}) persists this "
                 f"job to the agent's own --storage, and {foreign}"
             )
-        raise ValueError(
+        raise StorageRootRefused(
             "the storage root another rank's node agent persists to belongs to another job "
             "(that rank's error names it): give the agents a root of this job's own, or pass "
             "takeover=True"
@@ -264,7 +264,7 @@ def start_fresh_agent(
     retention delete them, silently.
 
     Raises:
-        ValueError: the agent's root holds committed steps and ``overwrite`` is False.
+        StorageRootRefused: the agent's root holds committed steps and ``overwrite`` is False.
     """
     if config.storage:
         return
@@ -275,7 +275,7 @@ def start_fresh_agent(
     if not config.overwrite:
         held = f"committed steps {steps}" if steps else "committed steps (seen by a rank)"
         why = "restore=False" if not config.restore else "memory held no snapshot to restore"
-        raise ValueError(
+        raise StorageRootRefused(
             f"storage {url}, where this job's node agent persists (its own --storage: this "
             f"rank passed no storage=), holds {held} of an earlier run, and this run starts "
             f"from step 0 ({why}): without storage= of its own a trainer cannot read them "

@@ -29,6 +29,9 @@ import torch
 from elasticcluster import Machine, SimCluster, assert_same_model, cluster_env
 from fchelpers import private_shm
 
+from flashckpt.format.storage import Storage
+from flashckpt.format.storage_owner import claim_root
+
 pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 
 WORKER_ARGS = ["--steps", "16", "--every", "4"]
@@ -83,6 +86,7 @@ def _fill(directory: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs of its own size")
 def test_errors_no_restart_can_mend_fail_the_launcher_once_with_their_text(tmp_path: Path) -> None:
     cluster = SimCluster(
@@ -130,6 +134,21 @@ def test_errors_no_restart_can_mend_fail_the_launcher_once_with_their_text(tmp_p
             assert "its work is lost" not in out, out
         finally:
             small.close()
+    # The script's own storage= belongs to another job: once, with the StorageRootRefused.
+    other = SimCluster(tmp_path / "c", None, nnodes="1", nproc=2, worker_args=["--steps", "8"])
+    other.launcher_storage = False  # the script's storage= only: the workers meet the owner
+    assert claim_root(Storage(other.storage), "another-job") is None
+    try:
+        machine = other.start("n0", "--max-restarts", "3")
+        code = other.wait_exit("n0", 150)
+        out = machine.tail(30000)
+        assert code == 1, out
+        assert out.count("no restart can mend") == 1, out
+        assert "): StorageRootRefused: storage " in out and "'another-job'" in out, out
+        assert not [e for e in machine.events() if e["event"] == "workers_restart"], out
+        assert _starts(other) == 2, "a worker was restarted"
+    finally:
+        other.close()
 
 
 def _start(cluster: SimCluster, cmd: list[str], **popen: object) -> Machine:

@@ -31,7 +31,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -51,7 +51,13 @@ from flashckpt.format.manifest import (
     rank_file_name,
     shard_file_name,
 )
-from flashckpt.format.objstore import PART, abort_stale_uploads, can_put_parallel, put_parallel
+from flashckpt.format.objstore import (
+    PART,
+    abort_stale_uploads,
+    abort_uploads_of,
+    can_put_parallel,
+    put_parallel,
+)
 from flashckpt.format.shm import buffer_address
 
 __all__ = [
@@ -180,9 +186,19 @@ class Storage:
         file_mode: permission bits of the files it creates on a local file system (directories
             get the matching execute bits): ``0o600`` (the default) keeps checkpoints private to
             the user; ``0o640`` or ``0o644`` shares read access with the group or everyone.
+        storage_options: keyword arguments of the fsspec file system (for ``s3://``, those of
+            ``s3fs.S3FileSystem``: ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``,
+            ``config_kwargs``...); None: the backend's defaults and standard places (the
+            environment, its config files).
     """
 
-    def __init__(self, url: str, *, file_mode: int = DEFAULT_FILE_MODE) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        file_mode: int = DEFAULT_FILE_MODE,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError(f"storage must be a non-empty URL string, got {url!r}")
         if isinstance(file_mode, bool) or not isinstance(file_mode, int) or file_mode & ~0o666:
@@ -202,8 +218,10 @@ class Storage:
             # listing forever by default, so a long-running agent would never see the parts,
             # manifests and steps that other machines' agents (or a user) wrote after its first
             # listing; the commit protocol reads the store, never a cache of it.
-            self.fs, self.root = fsspec.core.url_to_fs(url, use_listings_cache=False)
-        except (ImportError, ValueError) as e:
+            opts = dict(storage_options or {})
+            opts["use_listings_cache"] = False
+            self.fs, self.root = fsspec.core.url_to_fs(url, **opts)
+        except (ImportError, ValueError, TypeError) as e:
             raise ValueError(
                 f"storage URL {url!r} cannot be opened: {e} (install the fsspec backend for its "
                 "scheme, e.g. s3fs for s3://)"
@@ -328,7 +346,11 @@ class Storage:
         fh = _FileHash(head, split)
         if can_put_parallel(self.fs) and len(head) + len(data) > PART:
             # An S3 store: one multipart upload with parts in parallel, hashing each part's
-            # bytes as sent once the store has them.
+            # bytes as sent once the store has them. An upload of this very object left open
+            # (an agent killed while writing this step) is aborted first: only this node's
+            # agent writes this key, so nobody else would complete it.
+            with contextlib.suppress(OSError):
+                abort_uploads_of(self.fs, path)
             return fh.record(put_parallel(self.fs, path, head, data, fh.update, check))
         direct = getattr(os, "O_DIRECT", 0)  # Linux
         addr = buffer_address(data) if self.local and direct else None

@@ -105,6 +105,8 @@ class S3FaultProxy:
         self._epoch = 0
         self.counts: Counter[str] = Counter()
         """Requests that reached the proxy, by S3 operation (faulted ones included)."""
+        self.requests: list[tuple[str, str]] = []
+        """Every request that reached the proxy: its S3 operation and path (with the query)."""
         self.faulted = 0
         """Requests answered with a fault (an error, a stall, a reset)."""
         self.passed = 0
@@ -160,9 +162,10 @@ class S3FaultProxy:
             self._epoch += 1
             self._cleared.notify_all()
 
-    def _decide(self, op: str) -> tuple[_Fault | None, int]:
+    def _decide(self, op: str, path: str) -> tuple[_Fault | None, int]:
         with self._lock:
             self.counts[op] += 1
+            self.requests.append((op, path))
             f = self._fault
             if f is None or (f.op is not None and f.op != op):
                 return None, self._epoch
@@ -279,7 +282,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _any(self) -> None:
         body = self._body()
         op = s3_operation(self.command, self.path)
-        fault, epoch = self.owner._decide(op)
+        fault, epoch = self.owner._decide(op, self.path)
         if fault is None:
             self._forward(body)
             return

@@ -365,6 +365,11 @@ class Storage:
 
     # -- writing -----------------------------------------------------------------------------
     def _makedirs(self, path: str) -> None:
+        if self.object_store:
+            # No directories on an object store, and s3fs's makedirs creates a missing bucket:
+            # a typo in the URL must fail (NoSuchBucket at entry), not make a new bucket without
+            # the team's region, encryption, lifecycle and access policies.
+            return
         if not self.local:
             self.fs.makedirs(path, exist_ok=True)
             return

@@ -107,3 +107,26 @@ def test_a_part_upload_failing_midway_is_an_oserror_and_frees_every_part(
         assert fs.cat_file(f"ckpts/{key}") == head + bytes(data)
         uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
         assert uploads.get("Uploads", []) == [], uploads
+
+
+def test_an_absent_bucket_is_refused_at_entry_and_not_created(s3_server: SeaweedS3) -> None:
+    """The entry probe (``probe_storage``'s round trip) refuses a bucket that does not exist,
+    naming it and the fix, and does not create it (SeaweedFS would on the first PUT); a wrong
+    endpoint is reported as the connection failure it is, not as a missing bucket."""
+    from flashckpt.format.storage_owner import probe_round_trip
+
+    name = f"nosuch-{uuid.uuid4().hex[:8]}"
+    opts = {**s3_server.storage_options(), "skip_instance_cache": True}
+    st = Storage(f"s3://{name}/run", storage_options=opts)
+    got = probe_round_trip(st, st.path(".probe"))
+    assert got is not None and f"the bucket {name!r} does not exist" in got, got
+    assert "create it" in got
+    assert name not in {b.rstrip("/") for b in s3_server.filesystem().ls("", detail=False)}
+    wrong = {
+        **opts,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+    }
+    st = Storage("s3://ckpts/run", storage_options=wrong)
+    got = probe_round_trip(st, st.path(".probe"))
+    assert got is not None and "Could not connect" in got and "does not exist" not in got, got

@@ -91,7 +91,6 @@ ALL = (
     RUN_DIR,
     SHM_DIR,
     STORAGE,
-    STORAGE_OPTIONS_FILE,
     WORLD_ID,
     JOB_START,
     LAUNCHER_PID,
@@ -105,6 +104,7 @@ ALL = (
     ETCD_USER,
     ETCD_PASSWORD,
     ETCD_PASSWORD_FILE,
+    STORAGE_OPTIONS_FILE,
 )
 """Every variable of this module."""
 

@@ -4,9 +4,9 @@ file interface: the multipart uploads a killed writer left behind.
 A shard larger than a part goes to S3 as a multipart upload; the object exists only once the
 upload is completed, so a node agent SIGKILLed mid-upload leaves no object (the step is not
 committed: it has no manifest), but the parts it sent stay on the store, billed and invisible
-to a listing, until someone aborts the upload. :func:`abort_stale_uploads` aborts those of the
-steps a retention would delete as abandoned (older than the newest committed step); ``flashckpt
-clean`` aborts every one under the root.
+to a listing, until someone aborts the upload. :func:`abort_uploads_of` aborts those of one
+key (the next write of that shard, by the only agent that writes it); :func:`abort_stale_uploads`
+those of the steps a retention would delete as abandoned (older than the newest committed step).
 
 Other stores (local files, ``memory://``, GCS, Azure through fsspec) have nothing to abort here:
 the functions return empty.

@@ -327,12 +327,14 @@ def delete_steps(st: Storage) -> list[int]:
 
 
 def _bucket_exists(fs: Any, bucket: str) -> bool:
-    """Whether the S3 bucket exists (False on 404 alone: an unreachable store, a wrong key
-    raise what the client raises, reported as is)."""
+    """Whether the S3 bucket exists: False on 404 alone; any other failure (a wrong key, an
+    unreachable store) is left to the round trip, whose PUT's answer names the cause."""
     try:
         fs.call_s3("head_bucket", Bucket=bucket)
     except FileNotFoundError:
         return False
+    except Exception:  # a HEAD's answer has no body: the round trip's PUT names the cause
+        return True
     return True
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "RUN_DIR",
     "SHM_DIR",
     "STORAGE",
+    "STORAGE_OPTIONS_FILE",
     "WORKER_ERRORS",
     "WORKER_FAST_EXIT",
     "WORLD_ID",
@@ -48,6 +49,10 @@ SHM_DIR = "FLASHCKPT_SHM_DIR"
 """Directory of the shared-memory slots (of the launcher's current agent)."""
 STORAGE = "FLASHCKPT_STORAGE"
 """``flashckpt run --storage``, for the training script's own use."""
+STORAGE_OPTIONS_FILE = "FLASHCKPT_STORAGE_OPTIONS_FILE"
+"""A 0600 JSON file of the user's own, ``{url: fsspec options}``: the ``storage_options=`` of
+the roots named (set by a trainer for the node agent it starts; secrets never go on a command
+line). A file another user can read or write is refused."""
 WORLD_ID = "FLASHCKPT_WORLD_ID"
 """Names the world (rendezvous round) a rank belongs to, overriding the default."""
 JOB_START = "FLASHCKPT_JOB_START"
@@ -99,6 +104,7 @@ ALL = (
     ETCD_USER,
     ETCD_PASSWORD,
     ETCD_PASSWORD_FILE,
+    STORAGE_OPTIONS_FILE,
 )
 """Every variable of this module."""
 

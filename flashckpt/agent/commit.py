@@ -214,7 +214,10 @@ class Committer:
             try:
                 done = self.try_commit(step, world, num_shards, world_id)
             except Exception as e:
-                self.report_error(step, f"commit failed: {type(e).__name__}: {e}")
+                # The root's URL names the bucket, which an object store's answer often does not.
+                root = self.root()
+                where = root.url if root is not None else "storage"
+                self.report_error(step, f"commit to {where} failed: {type(e).__name__}: {e}")
                 done = True
             with self.st.lock:
                 newest = max(self.committed_steps(), default=-1)

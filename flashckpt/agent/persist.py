@@ -322,6 +322,11 @@ class Persister:
             storage = self.st.storage
             if storage is None or step <= max(self.st.committed, default=-1):
                 continue  # committed, or never will be: a write would leave a partial step
+            if self._failures and time.monotonic() < self._retry_after:
+                # The store failed and persistence waits out its backoff: a write-through per
+                # snapshot would hammer a store that throttles or is away (and log an error
+                # each); the persist after the wait writes this state with the step.
+                continue
             with self.st.lock:
                 rec = self.st.ranks.get(rank)
                 slots = [s for s in (rec.slots if rec else []) if s is not None]
@@ -340,7 +345,10 @@ class Persister:
                     guard_step(storage, step, self.st.cfg.job)
                     storage.write_private(step, meta.rank, meta.world_size, meta.private)
                 except Exception as e:  # reported; the big persist path retries later
-                    self.st.record_error(step, f"writing rank {rank} state: {e}")
+                    self.st.record_error(
+                        step,
+                        f"{type(e).__name__} writing rank {rank} state to {storage.url}: {e}",
+                    )
                 break
 
     def pending_step(

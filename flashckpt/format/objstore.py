@@ -4,9 +4,9 @@ file interface: the multipart uploads a killed writer left behind.
 A shard larger than a part goes to S3 as a multipart upload; the object exists only once the
 upload is completed, so a node agent SIGKILLed mid-upload leaves no object (the step is not
 committed: it has no manifest), but the parts it sent stay on the store, billed and invisible
-to a listing, until someone aborts the upload. :func:`abort_stale_uploads` aborts those of the
-steps a retention would delete as abandoned (older than the newest committed step); ``flashckpt
-clean`` aborts every one under the root.
+to a listing, until someone aborts the upload. :func:`abort_uploads_of` aborts those of one
+key (the next write of that shard, by the only agent that writes it); :func:`abort_stale_uploads`
+those of the steps a retention would delete as abandoned (older than the newest committed step).
 
 Other stores (local files, ``memory://``, GCS, Azure through fsspec) have nothing to abort here:
 the functions return empty.
@@ -14,12 +14,21 @@ the functions return empty.
 
 from __future__ import annotations
 
+import errno
 import re
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Upload", "abort_stale_uploads", "abort_uploads", "list_uploads"]
+__all__ = [
+    "Upload",
+    "abort_stale_uploads",
+    "abort_uploads",
+    "abort_uploads_of",
+    "as_storage_error",
+    "list_uploads",
+]
 
 _STEP_IN_KEY = re.compile(r"(?:^|/)step-(\d{9,})/")
 
@@ -86,11 +95,63 @@ def abort_uploads(
     return done
 
 
+def abort_uploads_of(fs: Any, path: str) -> int:
+    """Aborts the unfinished multipart uploads of exactly the object ``path`` (``bucket/key``):
+    the ones a writer killed while writing it left; returns how many. Nothing on a store that
+    is not S3."""
+    if not _is_s3(fs):
+        return 0
+    bucket, _, key = path.strip("/").partition("/")
+    n = 0
+    page = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+    for u in page.get("Uploads", []) or []:
+        if u.get("Key") != key or not isinstance(u.get("UploadId"), str):
+            continue
+        try:
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=u["UploadId"])
+        except FileNotFoundError:
+            continue
+        n += 1
+    return n
+
+
 def abort_stale_uploads(fs: Any, root: str, newest_committed: int) -> list[Upload]:
     """Aborts the uploads into step directories older than the newest committed step: a step
     commits only while no newer one is committed, so nobody completes those any more (the same
     rule that deletes partial step directories)."""
     return abort_uploads(fs, root, lambda u: u.step is not None and u.step < newest_committed)
+
+
+def as_storage_error(e: Exception, where: str) -> Exception:
+    """``e`` as the storage error it is, in the :class:`OSError` family every write path raises
+    (issue 41): a client library's network failure (botocore's ``EndpointConnectionError`` and
+    ``ConnectionClosedError`` are not ``OSError``) becomes a ``TimeoutError``, a
+    ``ConnectionError`` or an ``OSError(EIO)`` naming ``where`` (the object) and the original
+    (the caller makes it the ``__cause__``). An ``OSError``, and anything not from the client
+    library (a caller's own exception, abandoning the write), is returned as it is."""
+    if isinstance(e, OSError) or not type(e).__module__.startswith(_CLIENT_MODULES):
+        return e
+    names = {c.__name__ for c in type(e).__mro__}
+    what = f"{where}: {type(e).__name__}: {e}"
+    if names & {"ReadTimeoutError", "ConnectTimeoutError", "TimeoutError"}:
+        return TimeoutError(errno.ETIMEDOUT, what)
+    if names & {"ConnectionError", "ConnectionClosedError", "HTTPClientError"}:
+        return ConnectionError(errno.ECONNRESET, what)
+    return OSError(errno.EIO, what)
+
+
+_CLIENT_MODULES = ("botocore", "aiobotocore", "urllib3", "aiohttp", "s3fs")
+
+
+def _drop_frames(e: BaseException | None) -> None:
+    """Clears the locals of the finished frames in ``e``'s traceback and its causes' (a part
+    upload's frame holds that part's bytes): a failed upload keeps no part buffer alive through
+    the error the caller holds or logs."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
 
 
 PART = 32 << 20
@@ -134,16 +195,17 @@ def put_parallel(
     bucket, _, key = path.strip("/").partition("/")
     total = len(head) + len(data)
     part = max(part, -(-total // MAX_PARTS))
-    up = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
-    uid = up["UploadId"]
+    uid: str | None = None
 
     def send(n: int, body: bytes) -> dict[str, Any]:
         r = fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=uid, PartNumber=n, Body=body)
         return {"PartNumber": n, "ETag": r["ETag"]}
 
+    parts: list[dict[str, Any]] = []
+    inflight: list[tuple[Future[dict[str, Any]], bytes]] = []
+    chunk = body = b""
     try:
-        parts: list[dict[str, Any]] = []
-        inflight: list[tuple[Future[dict[str, Any]], bytes]] = []
+        uid = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
         with ThreadPoolExecutor(concurrency, thread_name_prefix="fc-s3-part") as pool:
 
             def settle(keep: int) -> None:
@@ -173,10 +235,22 @@ def put_parallel(
             UploadId=uid,
             MultipartUpload={"Parts": parts},
         )
-    except BaseException:
-        try:
-            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=uid)
-        except Exception:  # the store is away: the next retention aborts it
-            pass
-        raise
+    except BaseException as e:
+        # The part buffers go at once (issue 41): the ones still queued or in flight, the last
+        # one made here, and those the error's traceback would keep alive.
+        while inflight:
+            inflight.pop()[0].cancel()
+        chunk = body = b""
+        if uid is not None:
+            try:
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=uid)
+            except Exception:  # the store is away: the next retention aborts it
+                pass
+        if not isinstance(e, Exception):
+            raise
+        err = as_storage_error(e, f"uploading part of {path}")
+        _drop_frames(e)
+        if err is e:
+            raise
+        raise err from e
     return total

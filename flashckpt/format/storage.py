@@ -30,8 +30,9 @@ import mmap
 import os
 import re
 import stat
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -39,6 +40,7 @@ from typing import Any, Literal
 import fsspec
 import xxhash
 
+from flashckpt import envnames
 from flashckpt.cliargs import storage_url
 from flashckpt.errors import CorruptCheckpointError
 from flashckpt.format.manifest import (
@@ -51,7 +53,13 @@ from flashckpt.format.manifest import (
     rank_file_name,
     shard_file_name,
 )
-from flashckpt.format.objstore import PART, abort_stale_uploads, can_put_parallel, put_parallel
+from flashckpt.format.objstore import (
+    PART,
+    abort_stale_uploads,
+    abort_uploads_of,
+    can_put_parallel,
+    put_parallel,
+)
 from flashckpt.format.shm import buffer_address
 
 __all__ = [
@@ -60,8 +68,14 @@ __all__ = [
     "FileRecord",
     "StepCheck",
     "Storage",
+    "check_storage_options",
+    "is_local_url",
     "rank_file_name",
+    "read_storage_options_file",
     "shard_file_name",
+    "storage_options_for",
+    "use_storage_options",
+    "write_storage_options_file",
 ]
 
 log = logging.getLogger("flashckpt")
@@ -174,6 +188,121 @@ def _check_local_url(url: str) -> None:
         raise ValueError(f"storage URL {e}") from None
 
 
+_OPTIONS: dict[str, dict[str, Any]] = {}
+_OPTIONS_LOCK = threading.Lock()
+_OPTIONS_FILE_READ: list[str] = []
+
+
+def is_local_url(url: str) -> bool:
+    """Whether ``url`` is a local path or a ``file://`` URL (no fsspec options apply)."""
+    return "://" not in url or url.startswith(("file://", "local://"))
+
+
+def use_storage_options(url: str, options: Mapping[str, Any] | None) -> None:
+    """Makes ``options`` (fsspec keyword arguments: for ``s3://``, ``key``, ``secret``,
+    ``client_kwargs``...) those of every :class:`Storage` of the root ``url`` this process opens
+    without options of its own (the trainer's and its agent's many readers and writers of one
+    root). None forgets them.
+
+    Raises:
+        ValueError: not a mapping of names to JSON values (they must reach the node agent,
+            through a 0600 file; the message names the key, never a value).
+    """
+    if options is None:
+        with _OPTIONS_LOCK:
+            _OPTIONS.pop(url, None)
+        return
+    opts = check_storage_options(options)
+    with _OPTIONS_LOCK:
+        _OPTIONS[url] = opts
+
+
+def check_storage_options(options: Any) -> dict[str, Any]:
+    """``options`` as a plain dict of JSON values; a ValueError naming the bad key (never a
+    value: it may be a secret) otherwise."""
+    if not isinstance(options, Mapping):
+        raise ValueError(
+            f"storage_options must be a dict of fsspec options, got a {type(options).__name__}"
+        )
+    out: dict[str, Any] = {}
+    for k, v in options.items():
+        if not isinstance(k, str):
+            raise ValueError(f"storage_options: key {k!r} is not a string")
+        try:
+            out[k] = json.loads(json.dumps(v))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"storage_options[{k!r}] is a {type(v).__name__}: give JSON values (str, "
+                "number, bool, list, dict) so the options reach the node agent; e.g. "
+                'config_kwargs={"read_timeout": 30} instead of a botocore Config'
+            ) from None
+    return out
+
+
+def storage_options_for(url: str) -> dict[str, Any] | None:
+    """The options :func:`use_storage_options` gave ``url``, else those of the 0600 file
+    ``$FLASHCKPT_STORAGE_OPTIONS_FILE`` names (a node agent's, written by its trainer)."""
+    with _OPTIONS_LOCK:
+        if url in _OPTIONS:
+            return dict(_OPTIONS[url])
+    path = os.environ.get(envnames.STORAGE_OPTIONS_FILE)
+    if not path:
+        return None
+    with _OPTIONS_LOCK:
+        if path not in _OPTIONS_FILE_READ:
+            for u, o in read_storage_options_file(path).items():
+                _OPTIONS.setdefault(u, o)
+            _OPTIONS_FILE_READ.append(path)
+        return dict(_OPTIONS[url]) if url in _OPTIONS else None
+
+
+def write_storage_options_file(path: str, options: Mapping[str, Mapping[str, Any]]) -> None:
+    """Writes ``{url: options}`` to ``path``, readable by this user alone (0600, created anew:
+    an existing file is replaced, a symlink refused)."""
+    doc = {u: check_storage_options(o) for u, o in options.items()}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+
+
+def read_storage_options_file(path: str) -> dict[str, dict[str, Any]]:
+    """The ``{url: options}`` of a file :func:`write_storage_options_file` wrote.
+
+    Raises:
+        ValueError: it is not this user's, others may read or write it, or it is not such a
+            document (the message names the file and the fix, never its contents).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ValueError(
+            f"storage options file {path} ({envnames.STORAGE_OPTIONS_FILE}): {e}"
+        ) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ValueError(
+                f"storage options file {path} ({envnames.STORAGE_OPTIONS_FILE}) is not this "
+                f"user's alone (mode {oct(st.st_mode & 0o777)}): it holds credentials; chmod "
+                "600 it"
+            )
+        raw = f.read(1 << 20)
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or not all(
+        isinstance(u, str) and isinstance(o, dict) for u, o in doc.items()
+    ):
+        raise ValueError(
+            f"storage options file {path} ({envnames.STORAGE_OPTIONS_FILE}) is not a JSON "
+            "object of {url: {option: value}}"
+        )
+    return doc
+
+
 class Storage:
     """A checkpoint root reached through fsspec.
 
@@ -183,9 +312,19 @@ class Storage:
         file_mode: permission bits of the files it creates on a local file system (directories
             get the matching execute bits): ``0o600`` (the default) keeps checkpoints private to
             the user; ``0o640`` or ``0o644`` shares read access with the group or everyone.
+        storage_options: keyword arguments of the fsspec file system (for ``s3://``, those of
+            ``s3fs.S3FileSystem``: ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``,
+            ``config_kwargs``...); None: those :func:`use_storage_options` gave ``url`` if any,
+            else the backend's defaults and standard places (the environment, its config files).
     """
 
-    def __init__(self, url: str, *, file_mode: int = DEFAULT_FILE_MODE) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        file_mode: int = DEFAULT_FILE_MODE,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError(f"storage must be a non-empty URL string, got {url!r}")
         if isinstance(file_mode, bool) or not isinstance(file_mode, int) or file_mode & ~0o666:
@@ -205,8 +344,12 @@ class Storage:
             # listing forever by default, so a long-running agent would never see the parts,
             # manifests and steps that other machines' agents (or a user) wrote after its first
             # listing; the commit protocol reads the store, never a cache of it.
-            self.fs, self.root = fsspec.core.url_to_fs(url, use_listings_cache=False)
-        except (ImportError, ValueError) as e:
+            if storage_options is None:
+                storage_options = storage_options_for(url)
+            opts = dict(storage_options or {})
+            opts["use_listings_cache"] = False
+            self.fs, self.root = fsspec.core.url_to_fs(url, **opts)
+        except (ImportError, ValueError, TypeError) as e:
             raise ValueError(
                 f"storage URL {url!r} cannot be opened: {e} (install the fsspec backend for its "
                 "scheme, e.g. s3fs for s3://)"
@@ -225,6 +368,11 @@ class Storage:
 
     # -- writing -----------------------------------------------------------------------------
     def _makedirs(self, path: str) -> None:
+        if self.object_store:
+            # No directories on an object store, and s3fs's makedirs creates a missing bucket:
+            # a typo in the URL must fail (NoSuchBucket at entry), not make a new bucket without
+            # the team's region, encryption, lifecycle and access policies.
+            return
         if not self.local:
             self.fs.makedirs(path, exist_ok=True)
             return
@@ -331,7 +479,11 @@ class Storage:
         fh = _FileHash(head, split)
         if can_put_parallel(self.fs) and len(head) + len(data) > PART:
             # An S3 store: one multipart upload with parts in parallel, hashing each part's
-            # bytes as sent once the store has them.
+            # bytes as sent once the store has them. An upload of this very object left open
+            # (an agent killed while writing this step) is aborted first: only this node's
+            # agent writes this key, so nobody else would complete it.
+            with contextlib.suppress(OSError):
+                abort_uploads_of(self.fs, path)
             return fh.record(put_parallel(self.fs, path, head, data, fh.update, check))
         direct = getattr(os, "O_DIRECT", 0)  # Linux
         addr = buffer_address(data) if self.local and direct else None

@@ -326,11 +326,33 @@ def delete_steps(st: Storage) -> list[int]:
     return sorted(doomed)
 
 
+def _bucket_exists(fs: Any, bucket: str) -> bool:
+    """Whether the S3 bucket exists: False on 404 alone; any other failure (a wrong key, an
+    unreachable store) is left to the round trip, whose PUT's answer names the cause."""
+    try:
+        fs.call_s3("head_bucket", Bucket=bucket)
+    except FileNotFoundError:
+        return False
+    except Exception:  # a HEAD's answer has no body: the round trip's PUT names the cause
+        return True
+    return True
+
+
 def probe_round_trip(st: Storage, path: str) -> str | None:
     """Writes, reads back and deletes a small file at ``path`` (a local root is created first,
     as the node agent would). Returns None, or what failed."""
     payload = b"flashckpt storage probe " + os.urandom(16)
     try:
+        if st.object_store:
+            # Some stores (SeaweedFS) create a missing bucket on the first PUT, AWS refuses
+            # it: either way a typo in the URL must fail here, not write to a new bucket
+            # without the team's region, encryption, lifecycle and access policies.
+            bucket = st.root.strip("/").split("/")[0]
+            if callable(getattr(st.fs, "call_s3", None)) and not _bucket_exists(st.fs, bucket):
+                return (
+                    f"the bucket {bucket!r} does not exist (flashckpt does not create buckets): "
+                    "create it with its policies, or fix the bucket in the URL"
+                )
         make_root(st)
         st.fs.pipe_file(path, payload)
         got = st.fs.cat_file(path)

@@ -10,7 +10,12 @@ from typing import Any, Literal
 
 import torch
 
-from flashckpt.format.storage import Storage
+from flashckpt.format.storage import (
+    Storage,
+    check_storage_options,
+    is_local_url,
+    use_storage_options,
+)
 
 __all__ = [
     "COPY_MODES",
@@ -45,6 +50,12 @@ class CheckpointConfig:
     """Which snapshots go to storage too (memory keeps every one): a duration ``"90s"``, ``"10m"``,
     ``"2h"`` (the first, then one when that long passed since the last one marked) or an int N (the
     first and every Nth). Why ``"5m"``: docs/persistence.md."""
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)
+    """fsspec options of the object-store roots (``storage`` and ``mirror`` where not a local
+    path): for ``s3://``, ``key``, ``secret``, ``token``, ``client_kwargs={"endpoint_url": ...,
+    "region_name": ...}``, ``config_kwargs={"read_timeout": ...}`` (JSON values). They reach the
+    node agent through a 0600 file, never a command line or a log; None: the backend's standard
+    places (the environment, ``~/.aws``). docs/persistence.md."""
     mirror: str | None = None
     """A second, remote checkpoint root (any fsspec URL, e.g. ``s3://bucket/run1``):
     ``mirror_every`` of the persisted steps are copied there from ``storage`` (then node-local disk)
@@ -143,6 +154,11 @@ class CheckpointConfig:
             raise ValueError(
                 f"on_persist_failure={self.on_persist_failure!r}: use 'raise' or 'warn'"
             )
+        if self.storage_options is not None:
+            opts = check_storage_options(self.storage_options)
+            for url in (self.storage, self.mirror):
+                if isinstance(url, str) and url and not is_local_url(url):
+                    use_storage_options(url, opts)
         if self.storage is not None:
             Storage(self.storage)  # validates the URL early
         parse_mirror_every(self.mirror_every)

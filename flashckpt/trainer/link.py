@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from flashckpt import envnames
 from flashckpt.format.shm import ShmSpaceError, ensure_private_dir
+from flashckpt.format.storage import storage_options_for, write_storage_options_file
 from flashckpt.names import agent_log_path
 from flashckpt.protocol.channel import AgentClient, AgentError
 from flashckpt.protocol.messages import (
@@ -191,6 +192,14 @@ class AgentLink:
         ]
         if cfg.storage:
             cmd += ["--storage", cfg.storage]
+        env = None
+        opts = {u: o for u in (cfg.storage, cfg.mirror) if u and (o := storage_options_for(u))}
+        if opts:
+            # storage_options= (credentials, often): to the agent in a 0600 file in the private
+            # run directory, named by the environment; never on its command line.
+            opts_path = os.path.join(run_dir, f"storage-options.{ctx.job}.{ctx.node}.json")
+            write_storage_options_file(opts_path, opts)
+            env = {**os.environ, envnames.STORAGE_OPTIONS_FILE: opts_path}
         log_path = agent_log_path(run_dir, ctx.job, ctx.node)
         fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         self.log_from = os.fstat(fd).st_size  # what this agent writes starts here
@@ -198,7 +207,12 @@ class AgentLink:
         try:
             # A new session: the agent must outlive this trainer (that is its whole point).
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                start_new_session=True,
+                env=env,
             )
         finally:
             logf.close()

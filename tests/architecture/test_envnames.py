@@ -33,6 +33,7 @@ def test_the_public_names_are_unchanged() -> None:
         "FLASHCKPT_ETCD_USER",
         "FLASHCKPT_ETCD_PASSWORD",
         "FLASHCKPT_ETCD_PASSWORD_FILE",
+        "FLASHCKPT_STORAGE_OPTIONS_FILE",
     )
 
 

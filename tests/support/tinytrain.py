@@ -10,6 +10,7 @@ ends; ``--step-sleep`` paces the run so a test can kill the agent several times 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -80,6 +81,7 @@ def main() -> int:
     p.add_argument("--kill-in-copy", type=int, default=0, help="SIGKILL self mid-copy of save N")
     p.add_argument("--persist-every", default="1", help="snapshots (int) or a duration ('1h')")
     p.add_argument("--barrier", default=None, help="enter once 2 processes are ready in DIR")
+    p.add_argument("--storage-options", default=None, help="a JSON file: storage_options=")
     a = p.parse_args()
     if a.kill_in_copy:
         kill_in_copy(a.kill_in_copy)
@@ -96,6 +98,7 @@ def main() -> int:
         scheduler=sched,
         extras=extras,
         storage=a.storage or None,  # "": memory only
+        **({"storage_options": _json_file(a.storage_options)} if a.storage_options else {}),
         every=a.every,
         job=a.job,
         node=a.node,
@@ -127,6 +130,12 @@ def main() -> int:
                 f"{ckpt.stats.last_committed_step}\n"
             )
     return 0
+
+
+def _json_file(path: str) -> dict:
+    with open(path) as f:
+        doc: dict = json.load(f)
+    return doc
 
 
 def barrier(d: str, name: str, parties: int = 2) -> None:

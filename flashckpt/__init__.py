@@ -21,8 +21,8 @@ from flashckpt.errors import (
     LocalMachineError,
     PersistError,
     ShmSpaceError,
-    StorageRootRefused,
     StorageError,
+    StorageRootRefused,
     StorageUnavailableError,
 )
 
@@ -49,9 +49,9 @@ __all__ = [
     "LocalMachineError",
     "PersistError",
     "ShmSpaceError",
-    "StorageRootRefused",
     "SnapshotHandle",
     "StorageError",
+    "StorageRootRefused",
     "StorageUnavailableError",
     "checkpointing",
     "load",

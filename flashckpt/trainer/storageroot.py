@@ -84,8 +84,8 @@ def check_owner(st: Storage | None, ctx: RankContext, config: CheckpointConfig) 
     the owner file for this job: two jobs on one root would resume from each other's steps.
 
     Raises:
-        StorageRootRefused: the root belongs to another job, naming it, the evidence, the root and the
-            options.
+        StorageRootRefused: the root belongs to another job, naming it, the evidence, the root
+            and the options.
     """
     if st is None:
         return
@@ -128,7 +128,8 @@ def start_fresh(st: Storage | None, ctx: RankContext, config: CheckpointConfig) 
     restored next time as this run's.
 
     Raises:
-        StorageRootRefused: the root (or the mirror) holds committed steps and ``overwrite`` is False.
+        StorageRootRefused: the root (or the mirror) holds committed steps and ``overwrite``
+            is False.
     """
     if st is None:
         return

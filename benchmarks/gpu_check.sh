@@ -69,7 +69,7 @@ for size in $sizes; do
         bad "GPU_CHECK_SIZES: '$size' is no size in GiB (a positive number such as 1 or 0.5)"
 done
 out_dir=${1:-${OUT:-$repo/benchmarks/runs/gpu-$(date -u +%Y%m%dT%H%M%SZ)}}
-sharded_checks="lightning-mp lightning-fsdp1 hf-fsdp2"
+sharded_checks="lightning-mp lightning-fsdp1 hf-fsdp2 hf-fsdp1"
 if [ $dry -eq 1 ]; then
     echo "gpu_check.sh: dry run: budget ${budget}s, sizes (GiB): $sizes, results would go to $out_dir"
     echo "gpu_check.sh: would run: ${PYTHON:-<python found>} -m pytest -q tests/test_gpu.py -rs"

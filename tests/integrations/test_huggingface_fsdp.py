@@ -1,9 +1,11 @@
-"""The HF ``Trainer`` asked for FSDP on CPU: accelerate (1.15) enables FSDP only for GPU-type
+"""The HF ``Trainer`` with FSDP. As shipped, accelerate (1.15) enables FSDP only for GPU-type
 distributed types, so with ``use_cpu=True`` the run trains unsharded (``is_fsdp_enabled`` False)
-without a word. ``FlashCheckpoint`` refuses it, naming what happened, instead of checkpointing it
-as the sharded run its user thinks it is. A one-rank distributed world (torchrun's environment,
-gloo) is enough: the Trainer refuses ``fsdp=`` outside distributed training itself. The FSDP2 run
-on GPUs is in ``benchmarks/gpu_check.sh``."""
+without a word: ``FlashCheckpoint`` refuses it, naming what happened, instead of checkpointing it
+as the sharded run its user thinks it is (a one-rank distributed world is enough: the Trainer
+refuses ``fsdp=`` outside distributed training itself). With that one gate lifted, accelerate's
+FSDP2 path runs on gloo, and the Trainer's sharded run is killed and resumed bitwise on 2 CPU
+ranks. The same run on GPUs, and FSDP1's refusal (its plugin will not build without a GPU), are
+in ``benchmarks/gpu_check.sh``."""
 
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ def test_fsdp_asked_on_cpu_is_refused_not_checkpointed_unsharded(tmp_path: Path)
     assert verdict.startswith("REFUSED"), p.stdout
     assert "did not enable it (distributed type MULTI_CPU)" in verdict
     assert "trains the whole model on every rank, unsharded" in verdict
+    assert 'fsdp_config={"fsdp_version": 2}' in verdict  # the fix named
 
 
 def _rank_files(out: Path) -> list[dict[str, torch.Tensor]]:

@@ -15,7 +15,8 @@
 #      under torchrun on every GPU): Lightning's ModelParallelStrategy (FSDP2) with
 #      FlashCheckpoint resumed and equal (torch.equal, every rank's pieces) to an uninterrupted
 #      fit; Lightning's FSDPStrategy refused by the adapter naming ModelParallelStrategy; the HF
-#      Trainer with accelerate's FSDP2 plugin enabled, refused by the adapter saying why.
+#      Trainer with accelerate's FSDP2 plugin and FlashCheckpoint resumed and equal (every
+#      rank's pieces) to an uninterrupted run; its FSDP1 plugin refused, naming FSDP2.
 # Every step has its own timeout, and all of them together stay under $GPU_CHECK_BUDGET seconds
 # (default 480): a step that would start with too little time left is skipped and says so.
 #

@@ -183,7 +183,7 @@ def test_fsdp2_tp_2x2_under_flashckpt_run_rank_killed_resumes_from_memory_bitwis
     # refused after the restore, before any step, naming the fix.
     err = run(_forked(site, fc_env, tmp_path / "w4x1", 4, "--exclude-dataloader"), code=1)
     assert "cannot be resharded from their metadata" in err, err[-3000:]
-    assert "tensor_parallel_degree" in err
+    assert "tensor_parallel_degree" in err and 'spmd_backend = "full_dtensor"' in err
 
 
 def test_fsdp2_four_ranks_resumed_on_two_from_memory_equals_torchtitans_dcp_reshard(

@@ -132,7 +132,10 @@ class Resharder:
             target = targets.get(path[:3]) if path[:2] == ("optimizer", "state") else None
             target = targets.get(path, target)
             fqn = _flat_optimizer_fqn(path) if target is None else None
-            if fqn is not None:
+            if fqn is not None and (
+                default is None or default.device_mesh.ndim != len(piece.meta["mesh"])
+            ):
+                # only where the default mesh cannot take it (a mesh of another shape)
                 # the model's key may carry a prefix (torchtitan's model parts: "0.<fqn>")
                 hits = [
                     v

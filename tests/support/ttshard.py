@@ -120,7 +120,8 @@ class Job:
         else:
             self.dp_world, self.dp_rank = 1, 0
         torch.manual_seed(42)  # its Trainer seeds every rank alike (set_determinism)
-        cfg = tiny_llama(a.dim, a.layers)
+        with torch.device("meta"):
+            cfg = tiny_llama(a.dim, a.layers)
         if a.spmd_backend == "full_dtensor":
             # what torchtitan's Llama3Model.Config.update_from_config does with the job's
             # config: the tensor-parallel placements of each sub-module (without them

@@ -15,7 +15,8 @@
 #      under torchrun on every GPU): Lightning's ModelParallelStrategy (FSDP2) with
 #      FlashCheckpoint resumed and equal (torch.equal, every rank's pieces) to an uninterrupted
 #      fit; Lightning's FSDPStrategy refused by the adapter naming ModelParallelStrategy; the HF
-#      Trainer with accelerate's FSDP2 plugin enabled, refused by the adapter saying why.
+#      Trainer with accelerate's FSDP2 plugin and FlashCheckpoint resumed and equal (every
+#      rank's pieces) to an uninterrupted run; its FSDP1 plugin refused, naming FSDP2.
 # Every step has its own timeout, and all of them together stay under $GPU_CHECK_BUDGET seconds
 # (default 480): a step that would start with too little time left is skipped and says so.
 #
@@ -69,7 +70,7 @@ for size in $sizes; do
         bad "GPU_CHECK_SIZES: '$size' is no size in GiB (a positive number such as 1 or 0.5)"
 done
 out_dir=${1:-${OUT:-$repo/benchmarks/runs/gpu-$(date -u +%Y%m%dT%H%M%SZ)}}
-sharded_checks="lightning-mp lightning-fsdp1 hf-fsdp2"
+sharded_checks="lightning-mp lightning-fsdp1 hf-fsdp2 hf-fsdp1"
 if [ $dry -eq 1 ]; then
     echo "gpu_check.sh: dry run: budget ${budget}s, sizes (GiB): $sizes, results would go to $out_dir"
     echo "gpu_check.sh: would run: ${PYTHON:-<python found>} -m pytest -q tests/test_gpu.py -rs"

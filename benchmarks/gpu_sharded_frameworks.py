@@ -8,13 +8,17 @@ Run under ``torchrun --standalone --nproc-per-node N`` (N GPUs, 1 or more), one 
   equal``) that of an uninterrupted 8-step fit, per rank.
 - ``lightning-fsdp1``: ``FSDPStrategy`` (FSDP1) on CUDA: the adapter refuses it, naming
   ModelParallelStrategy (on CPU Lightning refuses it first: "requires a GPU accelerator").
-- ``hf-fsdp2``: the HF ``Trainer`` with ``fsdp=True, fsdp_config={"fsdp_version": 2}`` on CUDA:
-  accelerate enables FSDP here (``is_fsdp_enabled``), and ``FlashCheckpoint`` refuses it,
-  saying why (accelerate shards the model after the point where the callback restores).
+- ``hf-fsdp2``: the HF ``Trainer`` (a tiny GPT-2) with accelerate's FSDP2 plugin
+  (``fsdp="full_shard", fsdp_config={"fsdp_version": 2}``) on CUDA and ``FlashCheckpoint(every=2)``:
+  a 6-step run, then a new Trainer resumes it (from memory) to 8 steps; every rank's pieces equal
+  (``torch.equal``) an uninterrupted 8-step run's.
+- ``hf-fsdp1``: the same with ``"fsdp_version": 1``: the adapter refuses it, naming FSDP2 (on CPU
+  accelerate's FSDP1 plugin will not even build: "no available devices found").
 
 Prints one JSON line (rank 0) and exits non-zero when a check does not hold.
 
     torchrun --standalone --nproc-per-node 1 benchmarks/gpu_sharded_frameworks.py lightning-mp
+    python benchmarks/gpu_sharded_frameworks.py --cpu-check   # imports only, no GPU needed
 """
 
 from __future__ import annotations
@@ -142,38 +146,95 @@ def lightning_fsdp1() -> dict:
     return {"refused": None, "ok": False}
 
 
-def hf_fsdp2() -> dict:
-    from transformers import Trainer, TrainingArguments
+def _hf_run(steps: int, fsdp_version: int, callbacks: list) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from flashckpt.integrations.huggingface import FlashCheckpoint
-
-    class M(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 1)
-
-        def forward(self, x: Any, labels: Any = None) -> Any:
-            return {"loss": torch.nn.functional.mse_loss(self.lin(x), labels)}
-
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    )
+    tokens = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(1))
+    ds = [{"input_ids": t, "labels": t} for t in tokens]
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="fc-gpu-hf-"),
-        fsdp=True,
-        fsdp_config={"fsdp_version": 2},
+        fsdp="full_shard",
+        fsdp_config={"fsdp_version": fsdp_version, "reshard_after_forward": True},
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
         report_to=[],
-        max_steps=2,
+        save_strategy="no",
+        seed=42,
+        use_cpu=not torch.cuda.is_available(),  # (a dry run of the check on CPU, gate lifted)
+        disable_tqdm=True,
     )
-    enabled = Trainer(model=M(), args=args).is_fsdp_enabled
+    t = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
+    t.train()
+    return t
+
+
+def hf_fsdp2() -> dict:
+    """accelerate's FSDP2 plugin: a 6-step run with FlashCheckpoint, then a new Trainer resumes
+    it (from memory) to 8 steps; every rank's pieces equal an uninterrupted 8-step run's. (A
+    constant LR: the 6-step run's schedule is the 8-step run's.)"""
+    from flashckpt.integrations.huggingface import FlashCheckpoint
+
+    ref_t = _hf_run(8, 2, [])
+    enabled = bool(ref_t.is_fsdp_enabled)
+    ref = _local(ref_t.model, ref_t.optimizer)
+    job = "g" + uuid.uuid4().hex[:10]
+    root = tempfile.mkdtemp(prefix="fc-gpu-hf2-")
+    opts = {"every": 2, "persist_every": 1, "job": job, "agent_idle_timeout": 60}
+    _hf_run(6, 2, [FlashCheckpoint(f"file://{root}", **opts)])
+    fc = FlashCheckpoint(f"file://{root}", **opts)
+    t = _hf_run(8, 2, [fc])
+    got = _local(t.model, t.optimizer)
+    differ = sorted(k for k in ref if not torch.equal(ref[k], got[k]))
+    return {
+        "is_fsdp_enabled": enabled,
+        "restored_step": fc.restored_step,
+        "restored_from": fc.restored_from,
+        "differ": differ,
+        "ok": enabled and fc.restored_step == 6 and not differ and got.keys() == ref.keys(),
+    }
+
+
+def hf_fsdp1() -> dict:
+    """accelerate's FSDP1 plugin: refused by the adapter, naming FSDP2 as the fix."""
+    from flashckpt.integrations.huggingface import FlashCheckpoint
+
     try:
-        Trainer(model=M(), args=args, callbacks=[FlashCheckpoint(None, every=1)])
+        _hf_run(2, 1, [FlashCheckpoint(None, every=1, job="g" + uuid.uuid4().hex[:10])])
     except NotImplementedError as e:
-        return {"is_fsdp_enabled": enabled, "refused": str(e), "ok": enabled and "FSDP" in str(e)}
-    return {"is_fsdp_enabled": enabled, "refused": None, "ok": False}
+        return {"refused": str(e), "ok": "FSDP1" in str(e) and '"fsdp_version": 2' in str(e)}
+    return {"refused": None, "ok": False}
 
 
-CHECKS = {"lightning-mp": lightning_mp, "lightning-fsdp1": lightning_fsdp1, "hf-fsdp2": hf_fsdp2}
+def _cpu_check() -> int:
+    """What runs without a GPU (``--cpu-check``): the checks' imports and their refusal of a
+    machine without CUDA (exit 2); used by the suite to keep this script importable."""
+    import lightning.pytorch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import flashckpt.integrations.huggingface
+    import flashckpt.integrations.lightning  # noqa: F401
+
+    print(json.dumps({"checks": sorted(CHECKS)}))
+    return 0
+
+
+CHECKS = {
+    "lightning-mp": lightning_mp,
+    "lightning-fsdp1": lightning_fsdp1,
+    "hf-fsdp2": hf_fsdp2,
+    "hf-fsdp1": hf_fsdp1,
+}
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--cpu-check"]:
+        return _cpu_check()
     if len(sys.argv) != 2 or sys.argv[1] not in CHECKS:
         print(f"usage: gpu_sharded_frameworks.py {{{','.join(CHECKS)}}}", file=sys.stderr)
         return 64

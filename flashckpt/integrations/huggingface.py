@@ -19,6 +19,12 @@ Trainer's own resume path: its step and epoch counters, its callbacks' states, a
 ``skip_first_batches`` machinery, so the batches already trained in the current epoch are
 skipped, and the RNGs are set back at the point the Trainer sets its own.
 
+Sharded: with accelerate's FSDP2 plugin (``fsdp="full_shard"``, ``fsdp_config={"fsdp_version":
+2}``, on GPUs) each rank snapshots its own pieces of the ``fully_shard``-ed model and of the
+optimizer state (DTensor local shards, no gather), and a resume restores them after
+accelerate's ``prepare`` has sharded the model (the callback runs the Trainer's
+``_prepare_for_training`` ahead of restoring, once).
+
 The snapshot of step ``n`` is taken once step ``n`` is complete: after the optimizer step, its
 logging, evaluation and the Trainer's own checkpoint of that step (and, for an epoch's last step,
 after the epoch's end), which is where an uninterrupted run's state is the one restored.
@@ -28,8 +34,9 @@ a shuffling sampler without a seed of its own (``accelerator_config={"use_seedab
 False}``: a resumed epoch would draw another order, so the skipped batches would not be the ones
 trained), a resume with another batch geometry (batch size, gradient accumulation, world size:
 the data position is counted in batches), ``train(resume_from_checkpoint=...)`` (two resume
-sources), DeepSpeed, FSDP and ``auto_find_batch_size`` (not supported yet; FSDP asked for on
-CPU, where accelerate silently trains unsharded, is refused saying so), and
+sources), DeepSpeed, FSDP1 and ``auto_find_batch_size`` (the optimizer is built, or its state
+kept, where the callback cannot snapshot it), FSDP asked for on CPU (accelerate then silently
+trains unsharded: refused saying so) and
 :meth:`FlashCheckpoint.save` in the middle of a gradient accumulation (the accumulated gradients
 are in no snapshot). ``ignore_data_skip=True`` is honoured with a warning: the batches already
 trained in the resumed epoch are trained again, as the Trainer documents.
@@ -47,6 +54,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer_callback import ExportableState
 
@@ -104,6 +112,10 @@ class FlashCheckpoint(TrainerCallback):
         self._pending = False  # a step completed and not yet counted (ckpt.step())
         self._epoch_end = False  # the epoch's end is being handled
         self._in_step = False  # between on_step_begin and on_step_end (accumulating)
+        self._fsdp2 = False  # accelerate's FSDP2 plugin is on: restore after its prepare
+        self._loader: Any = None  # the training data loader the Trainer made
+        self._prepare: Callable[..., Any] | None = None  # the Trainer's _prepare_for_training
+        self._prepared: Any = None  # its result, when run ahead (FSDP2) and not yet handed
 
     # -- taking hold of the Trainer ------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -117,11 +129,12 @@ class FlashCheckpoint(TrainerCallback):
 
     def _attach(self, trainer: Trainer) -> None:
         args = trainer.args
+        self._fsdp2 = _fsdp_version(trainer) == 2
         unsupported = [
             what
             for what, on in (
                 ("DeepSpeed", getattr(trainer, "is_deepspeed_enabled", False)),
-                ("FSDP", getattr(trainer, "is_fsdp_enabled", False)),
+                ("FSDP1", getattr(trainer, "is_fsdp_enabled", False) and not self._fsdp2),
                 ("FSDP on XLA", getattr(trainer, "is_fsdp_xla_enabled", False)),
                 ("auto_find_batch_size", getattr(args, "auto_find_batch_size", False)),
             )
@@ -130,16 +143,21 @@ class FlashCheckpoint(TrainerCallback):
         if not unsupported:
             _check_fsdp_asked(trainer)
         if unsupported:
-            why = (
-                " (FSDP: accelerate shards the model in the Trainer's _prepare_for_training, "
-                "after the point where the callback restores its state, so a sharded snapshot "
-                "would be restored into the unsharded model; Lightning's ModelParallelStrategy "
-                "and flashckpt.checkpointing() resume FSDP2 runs bitwise)"
-                if "FSDP" in unsupported
-                else ""
-            )
+            why = ""
+            if "FSDP1" in unsupported:
+                why = (
+                    " (FSDP1 keeps flat parameters and ShardedTensor state dicts, no DTensor "
+                    "pieces a snapshot holds: ask accelerate for FSDP2 with fsdp_config="
+                    '{"fsdp_version": 2}, which FlashCheckpoint resumes bitwise)'
+                )
+            elif "DeepSpeed" in unsupported:
+                why = (
+                    " (DeepSpeed builds the optimizer inside its engine, with ZeRO's partitioned "
+                    "flat buffers, and restores it through its own load_checkpoint: no state "
+                    "the callback snapshots)"
+                )
             raise NotImplementedError(
-                f"FlashCheckpoint does not support {', '.join(unsupported)} yet (the optimizer "
+                f"FlashCheckpoint does not support {', '.join(unsupported)} (the optimizer "
                 "is built or the loop restarted where the callback cannot snapshot it)"
                 f"{why}: use the Trainer's own checkpoints (save_strategy=, "
                 "resume_from_checkpoint=) for this run"
@@ -147,7 +165,9 @@ class FlashCheckpoint(TrainerCallback):
         self.trainer = trainer
         for name in (
             "train",
+            "get_train_dataloader",
             "_init_training_state",
+            "_prepare_for_training",
             "_run_epoch",
             "get_batch_samples",
             "_load_rng_state",
@@ -184,18 +204,51 @@ class FlashCheckpoint(TrainerCallback):
 
         return train
 
+    def _wrap_get_train_dataloader(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def get_train_dataloader(*args: Any, **kwargs: Any) -> Any:
+            self._loader = orig(*args, **kwargs)  # what _prepare_for_training is handed
+            return self._loader
+
+        return get_train_dataloader
+
     def _wrap_init_training_state(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def init_training_state(
             max_steps: int, upe: int, num_train_epochs: int, resume: Any, trial: Any
         ) -> tuple[int, int]:
             epochs, steps = orig(max_steps, upe, num_train_epochs, resume, trial)
             self._upe = upe
+            if self._fsdp2:
+                # accelerate shards the model (fully_shard) and points the optimizer at the
+                # sharded parameters in _prepare_for_training, which the Trainer calls right
+                # after this method: a snapshot of DTensor pieces restores only into that
+                # model and optimizer, and this method must return the resumed position. So
+                # the preparation runs here, once (it reads nothing this method set up but
+                # the loader), and the Trainer's own call gets its result.
+                assert self._prepare is not None
+                self._prepared = self._prepare(max_steps, self._loader, None)
             self._enter(max_steps)
             if self._saved is None:
                 return epochs, steps
             return self._resume_state(max_steps, upe, num_train_epochs, trial)
 
         return init_training_state
+
+    def _wrap_prepare_for_training(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        self._prepare = orig
+
+        def prepare_for_training(max_steps: int, loader: Any, resume: Any) -> Any:
+            done, self._prepared = self._prepared, None
+            if done is None:
+                return orig(max_steps, loader, resume)
+            if loader is not self._loader:
+                raise RuntimeError(
+                    "flashckpt: the Trainer prepared another training data loader than the one "
+                    "FlashCheckpoint prepared ahead for FSDP2 (a Trainer subclass changing "
+                    "_inner_training_loop?): the resumed data position would not be the loop's"
+                )
+            return done
+
+        return prepare_for_training
 
     def _wrap_run_epoch(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def run_epoch(*args: Any, **kwargs: Any) -> Any:
@@ -300,16 +353,24 @@ class FlashCheckpoint(TrainerCallback):
     # -- internals ------------------------------------------------------------------------------
     def _enter(self, max_steps: int) -> None:
         """Builds the optimizer and scheduler as the Trainer would (it uses them as they are)
-        and enters the Checkpointer, which restores into them."""
+        and enters the Checkpointer, which restores into them. With FSDP2 the Trainer's
+        preparation has run: the model is accelerate's ``fully_shard``-ed one (DTensor
+        parameters) and the optimizer holds those; the Checkpointer snapshots and restores
+        each rank's local pieces of both (the sharded state path of ``checkpointing()``)."""
         t = self.trainer
         assert t is not None
         if t.optimizer is None:
             t.create_optimizer()
         if t.lr_scheduler is None:
+            # (FSDP2: _prepare_for_training has built both, on the sharded parameters)
             t.create_scheduler(num_training_steps=max_steps)
             t._created_lr_scheduler = False  # kept by _prepare_for_training, as a user's
         opt = t.optimizer
-        raw = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", opt)
+        # accelerate's wrapper (after its prepare: FSDP2) holds the torch optimizer whose
+        # state is snapshotted
+        raw = opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt
+        if not isinstance(raw, torch.optim.Optimizer):
+            raw = getattr(raw, "optimizer", raw)
         stateful: dict[str, Any] = {"hf_trainer": _SharedState(self)}
         scaler = getattr(t.accelerator, "scaler", None)
         if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
@@ -477,6 +538,15 @@ def _owning_trainer(cb: FlashCheckpoint) -> Trainer | None:
     return None
 
 
+def _fsdp_version(trainer: Trainer) -> int | None:
+    """The FSDP version accelerate enabled for this Trainer (1 or 2), None without FSDP."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    state = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(state, "fsdp_plugin", None)
+    return int(getattr(plugin, "fsdp_version", 1) or 1)
+
+
 def _check_fsdp_asked(trainer: Trainer) -> None:
     """Refuses a run whose arguments ask for FSDP that accelerate did not enable.
 
@@ -507,8 +577,9 @@ def _check_fsdp_asked(trainer: Trainer) -> None:
             f"accelerate did not enable it (distributed type {kind}): accelerate shards only "
             "on GPU-type devices, so on CPU (use_cpu=True, or no GPU) this run trains the whole "
             "model on every rank, unsharded. Drop fsdp= to train (and checkpoint) unsharded on "
-            "purpose, or run on GPUs (where FlashCheckpoint refuses FSDP for now: use the "
-            "Trainer's own checkpoints there; docs/integrations/huggingface.md)"
+            "purpose, or run on GPUs with accelerate's FSDP2 (fsdp_config="
+            '{"fsdp_version": 2}), which FlashCheckpoint snapshots sharded; '
+            "docs/integrations/huggingface.md)"
         )
 
 

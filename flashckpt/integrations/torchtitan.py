@@ -428,7 +428,9 @@ class _Layout:
                 f"{now['params'].get(partial[0])}): the parallelism outside the DTensors (tensor "
                 "parallel in torchtitan's partial_dtensor backend) cannot be resharded from "
                 "their metadata. Resume with the saved parallelism "
-                "(parallelism.tensor_parallel_degree and data_parallel_shard_degree as saved)"
+                "(parallelism.tensor_parallel_degree and data_parallel_shard_degree as saved); "
+                'a run saved with parallelism.spmd_backend = "full_dtensor" (the whole split '
+                "in the DTensors) reshards to another layout"
             )
 
 

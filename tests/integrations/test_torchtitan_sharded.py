@@ -183,7 +183,7 @@ def test_fsdp2_tp_2x2_under_flashckpt_run_rank_killed_resumes_from_memory_bitwis
     # refused after the restore, before any step, naming the fix.
     err = run(_forked(site, fc_env, tmp_path / "w4x1", 4, "--exclude-dataloader"), code=1)
     assert "cannot be resharded from their metadata" in err, err[-3000:]
-    assert "tensor_parallel_degree" in err
+    assert "tensor_parallel_degree" in err and 'spmd_backend = "full_dtensor"' in err
 
 
 def test_fsdp2_four_ranks_resumed_on_two_from_memory_equals_torchtitans_dcp_reshard(
@@ -210,6 +210,47 @@ def test_fsdp2_four_ranks_resumed_on_two_from_memory_equals_torchtitans_dcp_resh
     assert _differ(_load(native, "restored", 2)[-1], got[-1]) == []
     for r in range(2):  # and each rank's shards are DCP's
         dcp = _load(native, "restored", 2)[r]
+        assert (
+            _differ(
+                {k: v for k, v in dcp.items() if not k.startswith("dataloader")},
+                {k: v for k, v in got[r].items() if not k.startswith("dataloader")},
+            )
+            == []
+        )
+
+
+def test_tp_2x2_full_dtensor_resumed_4x1_from_memory_equals_torchtitans_dcp_reshard(
+    site: str, tmp_path: Path, fc_env: FcEnv
+) -> None:
+    """FSDP2 + TP saved on a 2x2 mesh with torchtitan's ``full_dtensor`` backend (each parameter a
+    DTensor on the 2-D (fsdp, tp) mesh: the whole split in its metadata), resumed on 4 ranks of
+    FSDP2 alone: restored from memory, equal to the saved full state and, rank by rank, to
+    torchtitan's own DCP load of its checkpoint of the same step at 4x1."""
+    agent = agent_process(fc_env)  # outlives the trainers: their snapshots stay in memory
+    full_dt = ("--spmd-backend", "full_dtensor")
+    try:
+        saved = tmp_path / "tp"
+        run(_forked(site, fc_env, saved, 4, "--tp", "2", *full_dt))
+        flash, native = tmp_path / "w4", tmp_path / "dcp"
+        resume = ("--exclude-dataloader", "--stop-after-load", *full_dt)
+        run(_forked(site, fc_env, flash, 4, *resume))
+        shutil.copytree(saved / "tt", native / "tt")  # torchtitan's own final checkpoint
+        run(_forked(site, fc_env, native, 4, "--mode", "native", *resume))
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=180)
+    # the same world size (4), another mesh: each rank's new pieces cut from the saved ones
+    assert _starts(flash) == [[str(STEPS), "memory", "4"]]
+    assert _starts(native) == [[str(STEPS), "native", "4"]]
+    full = _load(saved, "final", 4)[-1]
+    # saved 2x2: a rank held a quarter of wqkv (split by FSDP and by TP, both in the metadata)
+    wqkv = next(k for k in full if k.startswith("model.") and "wqkv" in k)
+    assert _load(saved, "final", 4)[0][wqkv].numel() * 4 == full[wqkv].numel()
+    got = _load(flash, "restored", 4)
+    assert _differ(full, got[-1]) == []
+    assert _differ(_load(native, "restored", 4)[-1], got[-1]) == []
+    for r in range(4):  # and each rank's shards are DCP's
+        dcp = _load(native, "restored", 4)[r]
         assert (
             _differ(
                 {k: v for k, v in dcp.items() if not k.startswith("dataloader")},

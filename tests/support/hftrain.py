@@ -45,6 +45,27 @@ def build(seed: int = 0, width: int = 32) -> tuple[torch.nn.Module, torch.utils.
     return model, Tokens()
 
 
+def fsdp2_on_cpu() -> None:
+    """Lifts accelerate's device-type gate on FSDP: ``AcceleratorState`` enables the FSDP plugin
+    only for a multi-accelerator type (MULTI_GPU, ...), so on CPU it drops it and trains
+    unsharded. Set to FSDP, the rest of accelerate's FSDP2 path (``fsdp2_prepare_model``:
+    ``fully_shard`` per block, the optimizer pointed at the DTensor parameters) runs as it is,
+    on gloo: the Trainer + FSDP2 run the adapter must resume, on a machine without a GPU."""
+    import accelerate.state as acc_state
+    from accelerate.utils import DistributedType
+
+    init = acc_state.AcceleratorState.__init__
+
+    def patched(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        plugin = kwargs.get("fsdp_plugin")
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = plugin
+
+    acc_state.AcceleratorState.__init__ = patched  # type: ignore[method-assign]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     trainscript.add_common_args(p)
@@ -52,8 +73,15 @@ def main() -> int:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--step-times", default=None)
     p.add_argument("--width", type=int, default=32, help="n_embd (the state's size)")
+    p.add_argument(
+        "--fsdp2-cpu",
+        action="store_true",
+        help="accelerate's FSDP2 plugin on CPU (gloo), its device-type gate lifted",
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
+    if a.fsdp2_cpu:
+        fsdp2_on_cpu()
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.utils import logging as hf_logging
 
@@ -109,6 +137,14 @@ def main() -> int:
         seed=42,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        **(
+            {
+                "fsdp": "full_shard",
+                "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True},
+            }
+            if a.fsdp2_cpu
+            else {}
+        ),
     )
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
     resume = None
@@ -118,12 +154,22 @@ def main() -> int:
         resume = get_last_checkpoint(native_dir) if os.path.isdir(native_dir) else None
     trainer.train(resume_from_checkpoint=resume)
     assert trainer.optimizer is not None
+    tensors = final_tensors(trainer.model, trainer.optimizer)
+    if a.fsdp2_cpu:  # each rank's own pieces (DTensor local shards), one file per rank
+        from torch.distributed.tensor import DTensor
+
+        assert trainer.is_fsdp_enabled and isinstance(tensors["model.lm_head.weight"], DTensor)
+        tensors = {
+            k: (v.to_local() if isinstance(v, DTensor) else v).contiguous()
+            for k, v in tensors.items()
+        }
+        name = "final.safetensors" if RANK == 0 else f"final.rank{RANK}.safetensors"
+        safetensors.torch.save_file(tensors, os.path.join(a.out, name))
     trainscript.end_process_group()
     if RANK != 0:  # data parallel: every rank ends with the same state
         return 0
-    safetensors.torch.save_file(
-        final_tensors(trainer.model, trainer.optimizer), os.path.join(a.out, "final.safetensors")
-    )
+    if not a.fsdp2_cpu:
+        safetensors.torch.save_file(tensors, os.path.join(a.out, "final.safetensors"))
     history = [
         {k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k}
         for e in trainer.state.log_history

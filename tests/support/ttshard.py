@@ -111,7 +111,7 @@ class Job:
         from torchtitan.models.llama3 import parallelize_llama
 
         parallel_dims_mod.device_type = "cpu"  # torchtitan falls back to "cuda" without one
-        parallelism = ParallelismConfig(tensor_parallel_degree=a.tp, spmd_backend="partial_dtensor")
+        parallelism = ParallelismConfig(tensor_parallel_degree=a.tp, spmd_backend=a.spmd_backend)
         self.dims = dims = ParallelDims.from_config(parallelism, world)
         dims.build_mesh()
         if dims.dp_enabled:
@@ -121,7 +121,16 @@ class Job:
             self.dp_world, self.dp_rank = 1, 0
         torch.manual_seed(42)  # its Trainer seeds every rank alike (set_determinism)
         with torch.device("meta"):
-            model = tiny_llama(a.dim, a.layers).build()
+            cfg = tiny_llama(a.dim, a.layers)
+        if a.spmd_backend == "full_dtensor":
+            # what torchtitan's Llama3Model.Config.update_from_config does with the job's
+            # config: the tensor-parallel placements of each sub-module (without them
+            # Module.parallelize shards nothing)
+            from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+            set_llama3_sharding_config(cfg, enable_sp=parallelism.enable_sequence_parallel)
+        with torch.device("meta"):
+            model = cfg.build()
         model = parallelize_llama(
             model,
             parallel_dims=dims,
@@ -289,7 +298,12 @@ def train(a: argparse.Namespace, rank: int, world: int) -> int:
         inputs, labels = next(data)
         # the global token count: FSDP sums the gradients (torchtitan's division factor 1.0)
         tokens = labels.numel() * job.dp_world
-        loss = cross_entropy_loss(job.model(inputs["input"]), labels) / tokens
+        x = inputs["input"]
+        if a.spmd_backend == "full_dtensor":  # as torchtitan's Trainer.post_dataloading_process
+            from torchtitan.distributed import full_dtensor
+
+            x, labels, _ = full_dtensor.parallelize_inputs(job.dims, x, labels, {})
+        loss = cross_entropy_loss(job.model(x), labels) / tokens
         loss.backward()
         ts.ntokens_seen += tokens
         clip_grad_norm_([p for p in job.model.parameters()], 1.0, foreach=True)
@@ -332,6 +346,12 @@ def main() -> int:
         help="flash, native (torchtitan's DCP), native:<its async_mode>, none (no checkpoint)",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (FSDP2 on the rest)")
+    p.add_argument(
+        "--spmd-backend",
+        default="partial_dtensor",
+        choices=("partial_dtensor", "full_dtensor"),
+        help="torchtitan's parallelism.spmd_backend (full_dtensor: the TP split in the metadata)",
+    )
     p.add_argument("--dim", "--width", type=int, default=64, help="the model's dim")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--fork-world", type=int, default=0, help="fork this many ranks from here")

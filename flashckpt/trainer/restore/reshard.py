@@ -62,6 +62,18 @@ class PieceTarget:
     box: tuple[tuple[int, ...], tuple[int, ...]]
 
 
+def _flat_optimizer_fqn(path: tuple[Any, ...]) -> str | None:
+    """The parameter a stateful object's flattened optimizer entry belongs to: torch's
+    ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` (torchtitan's
+    ``OptimizersContainer``) names a moment ``state.<parameter FQN>.<moment>``. A moment has its
+    parameter's layout, so it is restored onto that parameter's mesh and placements (which a
+    mesh of another shape, e.g. 2x2 -> 4x1, needs: the saved mesh does not say it)."""
+    key = path[-1] if path and path[0] == "stateful" else None
+    if not isinstance(key, str) or not key.startswith("state.") or key.count(".") < 2:
+        return None
+    return key[len("state.") :].rsplit(".", 1)[0]
+
+
 class Resharder:
     """Fits saved DTensor pieces to this world's meshes (the pipeline's fit stage)."""
 
@@ -119,6 +131,18 @@ class Resharder:
             where = "/".join(map(str, path))
             target = targets.get(path[:3]) if path[:2] == ("optimizer", "state") else None
             target = targets.get(path, target)
+            fqn = _flat_optimizer_fqn(path) if target is None else None
+            if fqn is not None and (
+                default is None or default.device_mesh.ndim != len(piece.meta["mesh"])
+            ):
+                # only where the default mesh cannot take it (a mesh of another shape)
+                # the model's key may carry a prefix (torchtitan's model parts: "0.<fqn>")
+                hits = [
+                    v
+                    for k, v in targets.items()
+                    if k[0] == "model" and (k[1] == fqn or str(k[1]).endswith("." + fqn))
+                ]
+                target = hits[0] if len(hits) == 1 else None
             if target is not None:
                 if tuple(target.shape) != shape:
                     raise ValueError(

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent, agent_process
 from interrupts import SimulatedInterrupt
-from tinytrain import make, train_steps
+from tinytrain import make, train_steps, trained_run
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.format.shm import Slot
@@ -32,12 +32,7 @@ def test_next_agent_clears_the_pins_of_an_agent_that_died_mid_persist(
     fc_env = fc_env_private
     a = agent_process(fc_env)
     try:
-        model, opt, sched = make(0)
-        with flashckpt.checkpointing(
-            model, opt, scheduler=sched, every=2, **fc_env.ckpt_kwargs(agent="connect")
-        ) as ck:
-            train_steps(ck, model, opt, sched, 0, 4)
-            assert ck.flush() == 4
+        trained_run(fc_env)  # its agent holds steps 2 and 4
         paths = _slot_files(fc_env)
         assert len(paths) == 2
         # The agent dies while persisting: both slots of the step it read stay pinned.
@@ -308,10 +303,12 @@ def test_trainer_outlives_its_agent_and_links_to_the_next(fc_env_private: FcEnv,
             assert ck.flush() == 2
             a.send_signal(signal.SIGKILL)
             a.wait(timeout=30)
-            deadline = time.monotonic() + 30
-            while ck._link.client is not None and ck._link.client.connected:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_until(
+                lambda: ck._link.client is None or not ck._link.client.connected,
+                "the trainer to see its agent's link closed",
+                30,
+                0.01,
+            )
             train_steps(ck, model, opt, sched, 2, 4)  # no agent: snapshots go on into the slots
             ck.wait()
             assert ck.stats.last_snapshot_step == 4 and ck.stats.skips == 0

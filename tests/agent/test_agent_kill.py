@@ -17,6 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv, tinytrain_command
+from waiting import wait_until
 
 from flashckpt.format.storage import Storage
 from flashckpt.protocol.channel import AgentClient, AgentError, socket_path
@@ -115,13 +116,13 @@ def _agent_pid(env: FcEnv) -> int | None:
 
 def _wait(cond, p: subprocess.Popen, seconds: float = 120) -> bool:
     """Waits for ``cond()`` while the trainer runs; False if the trainer exited first."""
-    deadline = time.monotonic() + seconds
-    while not cond():
-        if p.poll() is not None:
-            return False
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.001)
-    return True
+    met = wait_until(
+        lambda: "met" if cond() else ("exited" if p.poll() is not None else None),
+        "the condition, or the trainer's exit",
+        seconds,
+        0.001,
+    )
+    return met == "met"
 
 
 def _partial_step(st: Storage) -> bool:

@@ -21,32 +21,22 @@ from typing import Any
 
 import pytest
 import xxhash
-from fchelpers import FcEnv, private_shm, tinytrain_command, wait_agent
+from agentproc import AgentProc, agent_request, agent_status, start_agent
+from fchelpers import FcEnv, private_shm, tinytrain_command
+from waiting import wait_until
 
 from flashckpt import names
 from flashckpt.agent.daemon import AgentConfig, abandoned_segments
 from flashckpt.format.shm import Slot
-from flashckpt.protocol.channel import AgentClient
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def _wait(cond: Callable[[], Any], what: str, timeout: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    return wait_until(cond, what, timeout=timeout, interval=0.05)
 
 
-def _status(env: FcEnv) -> dict[str, Any]:
-    c = AgentClient(names.socket_path(env.run_dir, env.job, env.node), timeout=10.0)
-    try:
-        return c.request("status", timeout=30)
-    finally:
-        c.close()
+_status = agent_status
 
 
 class Agents:
@@ -54,35 +44,19 @@ class Agents:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[AgentProc] = []
 
-    def start(self, env: FcEnv, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
+    def start(self, env: FcEnv, *extra: str) -> tuple[AgentProc, Path]:
         log = self.tmp / f"agent-{env.node}-{time.monotonic_ns()}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "flashckpt",
-            "agent",
-            *env.cli_flags(),
-            "--idle-timeout",
-            "300",
-            "--poll-interval",
-            "0.05",
-            "--log-file",
-            str(log),
-            *extra,
-        ]
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        p = start_agent(
+            env, "--poll-interval", "0.05", "--log-file", str(log), *extra, idle_timeout=300
+        )
         self.procs.append(p)
-        wait_agent(env, p.pid, p)
         return p, log
 
     def close(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=30)
+            p.kill9()
 
 
 @pytest.fixture
@@ -107,7 +81,7 @@ def two_nodes(fc_env: FcEnv, tmp_path: Path) -> Iterator[tuple[FcEnv, FcEnv, Age
 
 def _start_pair(
     a: FcEnv, b: FcEnv, agents: Agents, *a_extra: str
-) -> tuple[subprocess.Popen[bytes], Path, subprocess.Popen[bytes], Path]:
+) -> tuple[AgentProc, Path, AgentProc, Path]:
     pb, log_b = agents.start(
         b, "--replica-listen", "127.0.0.1:0", "--replica-limit-bytes", str(64 * 2**20)
     )
@@ -519,12 +493,7 @@ def test_replicas_of_machines_that_left_the_world_are_dropped(tmp_path: Path) ->
 # -- the launcher's peer list (replica_peers request, Replicator.set_peers) --------------------
 
 
-def _request(env: FcEnv, op: str, **fields: Any) -> dict[str, Any]:
-    c = AgentClient(names.socket_path(env.run_dir, env.job, env.node), timeout=10.0)
-    try:
-        return c.request(op, timeout=30, **fields)
-    finally:
-        c.close()
+_request = agent_request
 
 
 def test_replica_peers_request_is_validated() -> None:

@@ -4,10 +4,9 @@ step is committed again."""
 
 from __future__ import annotations
 
-import time
-
 from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_step
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.format.storage import Storage
@@ -48,14 +47,20 @@ def test_a_hidden_step_whose_rewrite_yields_is_committed_again(
                 c.request("restored", step=1, timeout=10)
             finally:
                 c.close()
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                rewritten = sum(a.status()["shard_writes"].values()) > writes
-                if rewritten and st.committed_steps() == [1, 2]:
-                    break
-                time.sleep(0.1)
-            assert sum(a.status()["shard_writes"].values()) > writes, "step 2 was not rewritten"
-            assert st.committed_steps() == [1, 2], "the hidden step 2 was left uncommitted"
+            # Step 2 rewritten, and committed (it was hidden, left uncommitted).
+            wait_until(
+                lambda: (
+                    sum(a.status()["shard_writes"].values()) > writes
+                    and st.committed_steps() == [1, 2]
+                ),
+                "step 2 rewritten and committed",
+                120,
+                0.1,
+                state=lambda: (
+                    f"shard writes {a.status()['shard_writes']} (were {writes}), "
+                    f"committed {st.committed_steps()}"
+                ),
+            )
             assert st.check_step(2).status == "ok", st.check_step(2)
         finally:
             held[0].want(False)

@@ -121,13 +121,9 @@ def worker(a: argparse.Namespace) -> int:
 
 
 def _wait(cond: Callable[[], Any], what: str, timeout: float = 180.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+    from waiting import wait_until
+
+    return wait_until(cond, what, timeout=timeout, interval=0.1)
 
 
 def _client(env: Any) -> Any:
@@ -138,11 +134,9 @@ def _client(env: Any) -> Any:
 
 
 def _status(env: Any) -> dict[str, Any]:
-    c = _client(env)
-    try:
-        return c.request("status", timeout=30)
-    finally:
-        c.close()
+    from agentproc import agent_status
+
+    return agent_status(env)
 
 
 class Machines:
@@ -153,34 +147,12 @@ class Machines:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def agent(self, env: Any, *extra: str, storage: bool) -> subprocess.Popen[bytes]:
-        from fchelpers import wait_agent
+        from agentproc import start_agent
 
         log = self.tmp / f"agent-{env.node}-{time.monotonic_ns()}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "flashckpt",
-            "agent",
-            "--job",
-            env.job,
-            "--node",
-            env.node,
-            "--run-dir",
-            env.run_dir,
-            "--shm-dir",
-            env.shm_dir,
-            *(["--storage", env.storage] if storage else []),
-            "--idle-timeout",
-            "300",
-            "--poll-interval",
-            "0.05",
-            "--log-file",
-            str(log),
-            *extra,
-        ]
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        flags = ("--poll-interval", "0.05", "--log-file", str(log), *extra)
+        p = start_agent(env, *flags, idle_timeout=300, storage=None if storage else "")
         self.procs.append(p)
-        wait_agent(env, p.pid, p)
         return p
 
     def run_job(

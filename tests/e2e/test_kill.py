@@ -14,6 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv, agent_process, kill_job_processes, tinytrain_command
+from waiting import wait_until
 
 from flashckpt.format.storage import Storage
 
@@ -46,13 +47,7 @@ def _losses(log: Path) -> list[tuple[int, str]]:
 
 
 def _reference(tmp_path: Path, env: FcEnv, steps: int, width: int) -> tuple[dict[int, str], dict]:
-    ref_env = FcEnv(
-        job=env.job + "ref",
-        node=env.node,
-        run_dir=env.run_dir,
-        storage=f"file://{tmp_path}/ref",
-        storage_path=tmp_path / "ref",
-    )
+    ref_env = env.reference(tmp_path)
     log = tmp_path / "ref.log"
     _finish(_trainer(ref_env, log, steps=steps, width=width))
     ref = dict(_losses(log))
@@ -79,10 +74,13 @@ def test_random_sigkills_of_the_trainer_lose_nothing(tmp_path: Path, fc_env: FcE
     for _ in range(4):
         p = _trainer(fc_env, log, "--report", str(report), steps=steps, width=width)
         # Wait until it trains, then kill at a random instant (in a copy, in persistence, ...).
-        t_end = time.monotonic() + 120
         n0 = len(_losses(log))
-        while len(_losses(log)) < n0 + 2 and p.poll() is None and time.monotonic() < t_end:
-            time.sleep(0.01)
+        wait_until(
+            lambda: len(_losses(log)) >= n0 + 2 or p.poll() is not None,  # noqa: B023
+            "two more steps logged, or the trainer's exit",
+            120,
+            0.01,
+        )
         time.sleep(rng.uniform(0.0, 0.6))
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
@@ -117,18 +115,16 @@ def test_sigkill_of_the_agent_during_persistence(tmp_path: Path, fc_env: FcEnv) 
     trainer = _trainer(fc_env, log, "--report", str(report), steps=steps, width=width, every=4)
     st = Storage(fc_env.storage)
     # Kill the agent while a step directory exists without a manifest (a write in flight).
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
+
+    def in_flight() -> list[int]:
         dirs, done = st.all_step_dirs(), st.committed_steps()
-        if [d for d in dirs if d not in done]:
-            # Both at once: a trainer outlives its agent and would start the next one (issue
-            # 12), which would finish the half-written step this test wants to see left.
-            agent.send_signal(signal.SIGKILL)
-            trainer.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.005)
-    else:
-        pytest.fail("never saw a step being persisted")
+        return [d for d in dirs if d not in done]
+
+    wait_until(in_flight, "a step being persisted (its directory, no manifest)", 180, 0.005)
+    # Both at once: a trainer outlives its agent and would start the next one (issue 12),
+    # which would finish the half-written step this test wants to see left.
+    agent.send_signal(signal.SIGKILL)
+    trainer.send_signal(signal.SIGKILL)
     agent.wait(timeout=30)
     trainer.wait(timeout=30)
     kill_job_processes(fc_env.job)  # an agent the trainer may have started in between
@@ -191,9 +187,7 @@ def test_breakpoint_save_then_clean_sigterm(tmp_path: Path, fc_env: FcEnv) -> No
     log = tmp_path / "run.log"
     agent = agent_process(fc_env)
     t = _trainer(fc_env, log, steps=10_000, every=5, width=100_000)
-    deadline = time.monotonic() + 120
-    while len(_losses(log)) < 23 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(_losses(log)) >= 23, "step 23 in the trainer's log", 120, 0.01)
     t.send_signal(signal.SIGKILL)
     t.wait(timeout=30)
     newest = -1
@@ -206,11 +200,13 @@ def test_breakpoint_save_then_clean_sigterm(tmp_path: Path, fc_env: FcEnv) -> No
             slot.close()
     assert newest >= 20
     st = Storage(fc_env.storage)
-    deadline = time.monotonic() + 60
-    while (
-        not st.committed_steps() or st.committed_steps()[-1] < newest
-    ) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(
+        lambda: st.committed_steps()[-1:] >= [newest],
+        f"the newest snapshot (step {newest}) committed",
+        60,
+        0.05,
+        state=st.committed_steps,
+    )
     assert st.committed_steps()[-1] == newest
     proc = psutil.Process(agent.pid)
     agent.send_signal(signal.SIGTERM)

@@ -6,6 +6,7 @@ A module of its own (not conftest) so test files can import it by a unique name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -21,9 +22,9 @@ from typing import Any
 
 import psutil
 import pytest
+from agentproc import AgentProc, reap, start_agent
 
 from flashckpt.agent.daemon import AgentConfig, NodeAgent
-from flashckpt.protocol.channel import AgentClient, AgentError, socket_path
 
 
 @dataclass
@@ -77,6 +78,18 @@ class FcEnv:
             self.shm_dir,
         ]
 
+    def reference(self, tmp: Path, name: str = "ref", **over: Any) -> FcEnv:
+        """A job beside this one for an uninterrupted reference run: job ``<job>ref`` (so the
+        fixture's cleanup finds its processes), storage ``<tmp>/<name>``; ``over`` replaces
+        more fields (``shm_dir``)."""
+        return dataclasses.replace(
+            self,
+            job=self.job + "ref",
+            storage=f"file://{tmp}/{name}",
+            storage_path=tmp / name,
+            **over,
+        )
+
     def segments(self) -> list[str]:
         return sorted(n for n in os.listdir(self.shm_dir) if n.startswith(f"fc.{self.job}."))
 
@@ -104,6 +117,7 @@ def fc_env(tmp_path: Path) -> Iterator[FcEnv]:
         storage_path=tmp_path / "ckpt",
     )
     yield env
+    reap(job)
     kill_job_processes(job)
     for n in os.listdir("/dev/shm"):
         if n.startswith(f"fc.{job}"):
@@ -208,35 +222,7 @@ def run_ranks(script: str, env: FcEnv, tmp: Path, tag: str, *args: str, code: in
     assert p.returncode == code, err.read_text()[-6000:]
 
 
-def agent_process(env: FcEnv) -> subprocess.Popen[bytes]:
+def agent_process(env: FcEnv) -> AgentProc:
     """A hand-started agent process of the job (``python -m flashckpt agent``, so no
-    exit_when_done), answering on the job's socket when this returns."""
-    cmd = [sys.executable, "-m", "flashckpt", "agent", *env.cli_flags(), "--idle-timeout", "120"]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_agent(env, p.pid, p)
-    return p
-
-
-def wait_agent(
-    env: FcEnv, pid: int | None = None, proc: subprocess.Popen[bytes] | None = None
-) -> int:
-    """Waits until an agent (process ``pid``, if given) answers on the job's socket; its pid.
-
-    A dead agent's socket file stays behind: only an answer counts."""
-    path = socket_path(env.run_dir, env.job, env.node)
-    deadline = time.monotonic() + 60
-    while True:
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"agent exited: {proc.stderr.read().decode() if proc.stderr else ''}")
-        try:
-            c = AgentClient(path, timeout=0.0)
-            try:
-                got = int(c.request("ping", timeout=10)["pid"])
-            finally:
-                c.close()
-            if pid is None or got == pid:
-                return got
-        except (AgentError, OSError):
-            pass
-        assert time.monotonic() < deadline, "agent did not start listening"
-        time.sleep(0.02)
+    exit_when_done), answering on the job's socket when this returns (see ``agentproc``)."""
+    return start_agent(env)

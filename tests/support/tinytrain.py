@@ -10,11 +10,14 @@ ends; ``--step-sleep`` paces the run so a test can kill the agent several times 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -129,15 +132,67 @@ def main() -> int:
     return 0
 
 
+@contextlib.contextmanager
+def trained(env: Any, steps: int = 4, every: int = 2, **ckpt_kw: Any) -> Iterator[Any]:
+    """``checkpointing()`` of a fresh model (``make(0)``) for ``env``'s job, connected to its
+    agent (``ckpt_kw`` adds to or overrides ``env.ckpt_kwargs(agent="connect")``), ``steps``
+    steps trained (a snapshot every ``every``) and flushed: yields the open checkpointer."""
+    model, opt, sched = make(0)
+    kw = env.ckpt_kwargs(**{"agent": "connect", **ckpt_kw})
+    with flashckpt.checkpointing(model, opt, scheduler=sched, every=every, **kw) as ck:
+        train_steps(ck, model, opt, sched, 0, steps)
+        assert ck.flush() == steps
+        yield ck
+
+
+def trained_run(env: Any, **kw: Any) -> None:
+    """A whole run of :func:`trained`: entry, the steps, the flush, the exit."""
+    with trained(env, **kw):
+        pass
+
+
+def init_gloo(
+    init_file: str,
+    rank: int,
+    world: int,
+    timeout_s: float,
+    *,
+    local_world: int | None = None,
+    local_rank: int | None = None,
+) -> None:
+    """Joins the test's gloo group (rendezvous through ``init_file``) as ``rank`` of ``world``,
+    with ``LOCAL_WORLD_SIZE`` (and ``LOCAL_RANK``) set first as a launcher would: the ranks on
+    one machine, which the checkpointer reads."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if local_world is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    if local_rank is not None:
+        os.environ["LOCAL_RANK"] = str(local_rank)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def barrier(d: str, name: str, parties: int = 2) -> None:
     """Waits until ``parties`` processes (this one included) are ready in ``d``: two trainers
     then enter ``checkpointing()`` at the same instant."""
+    from waiting import wait_until  # this folder: on sys.path as a test's module or a script
+
     open(os.path.join(d, f"{name}.ready"), "w").close()
-    deadline = time.monotonic() + 120
-    while len([n for n in os.listdir(d) if n.endswith(".ready")]) < parties:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"barrier {d}: the other process never came")
-        time.sleep(0.001)
+    wait_until(
+        lambda: len([n for n in os.listdir(d) if n.endswith(".ready")]) >= parties,
+        f"{parties} processes ready at barrier {d}",
+        120,
+        0.001,
+        state=lambda: sorted(os.listdir(d)),
+    )
 
 
 def kill_in_copy(nth: int) -> None:

@@ -7,12 +7,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from flashckpt.testing import netns
 
@@ -102,10 +102,13 @@ def test_kill_takes_the_memory_and_boot_starts_empty(cluster: netns.Cluster) -> 
     _py(m, "open('/dev/shm/seg', 'w').write('state'); print('ok')")
     sleeper = m.popen(["sleep", "300"])
     # nsenter joins the namespaces a moment after it starts (CI once looked too early)
-    deadline = time.monotonic() + 10
-    while sleeper.pid not in m.pids() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sleeper.pid in m.pids()
+    wait_until(
+        lambda: sleeper.pid in m.pids(),
+        "the sleeper in the machine's namespaces",
+        10,
+        0.01,
+        state=m.pids,
+    )
     m.kill()
     assert sleeper.wait(timeout=10) == -9
     assert m.pids() == []

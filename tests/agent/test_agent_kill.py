@@ -16,7 +16,7 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
-from fchelpers import FcEnv, tinytrain_command
+from fchelpers import FcEnv, finish_tinytrain, start_tinytrain
 from waiting import wait_until
 
 from flashckpt.format.storage import Storage
@@ -39,7 +39,7 @@ def _env(base: FcEnv, tmp_path: Path, name: str) -> FcEnv:
 
 
 def _worker(env: FcEnv, log: Path, sleep: float = SLEEP) -> subprocess.Popen:
-    cmd = tinytrain_command(
+    return start_tinytrain(
         env,
         log,
         "--steps",
@@ -56,16 +56,6 @@ def _worker(env: FcEnv, log: Path, sleep: float = SLEEP) -> subprocess.Popen:
         str(log) + ".report",
         "--quiet",
     )
-    err = open(str(log) + ".err", "ab")  # noqa: SIM115
-    try:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-    finally:
-        err.close()
-
-
-def _finish(p: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    rc = p.wait(timeout=timeout)
-    assert rc == 0, Path(str(log) + ".err").read_text()[-4000:]
 
 
 def _lines(log: Path) -> list[tuple[int, str]]:
@@ -82,7 +72,7 @@ def _lines(log: Path) -> list[tuple[int, str]]:
 def _reference(tmp_path: Path, base: FcEnv) -> tuple[dict[int, str], dict[str, torch.Tensor]]:
     env = _env(base, tmp_path, "ref")
     log = tmp_path / "ref.log"
-    _finish(_worker(env, log, sleep=0.0), log)
+    finish_tinytrain(_worker(env, log, sleep=0.0), log)
     ref = dict(_lines(log))
     assert sorted(ref) == list(range(STEPS))
     return ref, safetensors.torch.load_file(str(log) + ".final.safetensors")
@@ -189,7 +179,7 @@ def test_agent_sigkilled_at_random_instants_costs_the_trainer_nothing(
             kills += 1
             run_kills += 1
             last = pid
-        _finish(p, log)
+        finish_tinytrain(p, log)
         _assert_same_run(log, ref, ref_final)
         start, source, restarts, _skips, committed = Path(str(log) + ".report").read_text().split()
         assert (start, source) == ("0", "None")
@@ -229,7 +219,7 @@ def test_trainer_killed_right_after_its_agent_restarted_resumes_equal(
     assert _wait(lambda: _linked(env, second), p)
     os.kill(second, signal.SIGKILL)
     assert _wait(lambda: _agent_pid(env) not in (None, second), p)
-    _finish(p, log)
+    finish_tinytrain(p, log)
     _assert_same_run(log, ref, ref_final)
     start, source = Path(str(log) + ".report.start").read_text().splitlines()[-1].split()
     assert int(start) > 0 and source in ("memory", "storage"), (start, source)

@@ -18,7 +18,12 @@ import pytest
 import safetensors.torch
 import torch
 from agentproc import agent_command, agent_status, start_agent, wait_agent
-from fchelpers import FcEnv, kill_job_processes, tinytrain_command
+from fchelpers import (
+    FcEnv,
+    finish_tinytrain,
+    kill_job_processes,
+    start_tinytrain,
+)
 from waiting import wait_until
 
 from flashckpt.agent.daemon import EXIT_KEPT
@@ -30,20 +35,14 @@ STEPS = 60
 
 
 def _train(env: FcEnv, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    cmd = tinytrain_command(env, log, "--steps", str(STEPS), "--every", "1", "--quiet", *extra)
-    with open(str(log) + ".err", "ab") as err:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-
-
-def _finish(p: subprocess.Popen[bytes], log: Path) -> None:
-    assert p.wait(timeout=240) == 0, Path(str(log) + ".err").read_text()[-4000:]
+    return start_tinytrain(env, log, "--steps", str(STEPS), "--every", "1", "--quiet", *extra)
 
 
 def _reference(tmp_path: Path, env: FcEnv) -> dict[str, torch.Tensor]:
     ref = env.reference(tmp_path)
     log = tmp_path / "ref.log"
     try:
-        _finish(_train(ref, log), log)
+        finish_tinytrain(_train(ref, log), log, 240)
     finally:
         kill_job_processes(ref.job)
     return safetensors.torch.load_file(str(log) + ".final.safetensors")
@@ -118,7 +117,7 @@ def test_stop_persists_the_newest_unmarked_snapshot(
         t.wait(timeout=30)
         assert st.committed_steps()[-1] == newest
         assert _slot_files(fc_env) == []  # storage holds it: the memory is freed
-        _finish(_train(fc_env, log, "--report", str(report)), log)
+        finish_tinytrain(_train(fc_env, log, "--report", str(report)), log, 240)
         assert report.read_text().split() == [str(newest), "storage"]
     finally:
         kill_job_processes(fc_env.job)
@@ -163,7 +162,7 @@ def test_stop_with_failing_storage_keeps_the_segments(tmp_path: Path, fc_env: Fc
         (tmp_path / "ckpt-away").rename(root)
         assert st.committed_steps() == committed
         # The rerun (its own auto-started agent adopts the kept slots) resumes from memory.
-        _finish(_train(fc_env, log, "--report", str(report)), log)
+        finish_tinytrain(_train(fc_env, log, "--report", str(report)), log, 240)
         assert report.read_text().split() == [str(newest), "memory"]
     finally:
         kill_job_processes(fc_env.job)

@@ -17,7 +17,12 @@ import pytest
 import safetensors.torch
 import torch
 from agentproc import start_agent
-from fchelpers import FcEnv, kill_job_processes, private_shm, tinytrain_command
+from fchelpers import (
+    FcEnv,
+    kill_job_processes,
+    private_shm,
+    start_tinytrain,
+)
 from waiting import wait_until
 
 from flashckpt.format.shm import Slot
@@ -44,9 +49,8 @@ def env(fc_env: FcEnv, tmp_path: Path) -> Iterator[FcEnv]:
 def _train(
     env: FcEnv, log: Path, *extra: str, wrap: tuple[str, ...] = ()
 ) -> subprocess.Popen[bytes]:
-    cmd = tinytrain_command(env, log, "--steps", str(STEPS), "--every", "2", "--quiet", *extra)
-    with open(str(log) + ".err", "ab") as err:
-        return subprocess.Popen([*wrap, *cmd], stdout=subprocess.DEVNULL, stderr=err)
+    flags = ("--steps", str(STEPS), "--every", "2", "--quiet", *extra)
+    return start_tinytrain(env, log, *flags, wrap=wrap)
 
 
 def _refused_agent(env: FcEnv, *wrap: str) -> str:

@@ -11,8 +11,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -22,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent, agent_process
-from stephelpers import wait_committed, wait_gone
+from rankprocs import run_worker
+from stephelpers import snapmeta_parts, wait_committed, wait_gone
 from tinytrain import make, train_step
 from waiting import wait_until
 
@@ -348,26 +347,16 @@ def test_killed_mid_copy_no_half_step_is_visible(fc_env: FcEnv, tmp_path: Path) 
 def test_two_ranks_on_two_machines_mirror_the_same_steps(fc_env: FcEnv, tmp_path: Path) -> None:
     mirror_url = f"file://{tmp_path / 'remote'}"
     init, out = tmp_path / "init", tmp_path / "out"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "_mirror_worker.py"),
-                *("--rank", str(rank), "--storage", fc_env.storage, "--mirror", mirror_url),
-                *("--job", fc_env.job, "--run-dir", fc_env.run_dir),
-                *("--init-file", str(init), "--out", str(out)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for rank in range(2)
-    ]
-    try:
-        errs = [p.communicate(timeout=300)[1].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], errs
+    run_worker(
+        HERE / "_mirror_worker.py",
+        tmp_path,
+        "mirror",
+        lambda rank: [
+            *("--rank", str(rank), "--storage", fc_env.storage, "--mirror", mirror_url),
+            *("--job", fc_env.job, "--run-dir", fc_env.run_dir),
+            *("--init-file", str(init), "--out", str(out)),
+        ],
+    )
     r0, r1 = (json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2))
     assert r0 == r1 == {"saved": [1, 2, 3, 4, 5, 6], "mirror_marked": 4}
     mirror = Storage(mirror_url)
@@ -449,25 +438,8 @@ def test_a_fresh_start_over_a_mirror_with_steps_is_refused(
 
 
 def test_the_mirror_mark_is_part_of_the_typed_snapshot_meta() -> None:
-    import hashlib
-
-    from flashckpt.format.layout import Layout
-
-    base = {
-        "job": "j",
-        "rank": 0,
-        "world_id": "",
-        "world_size": 1,
-        "local_world_size": 1,
-        "shard": 0,
-        "num_shards": 1,
-        "replica": 0,
-        "step": 3,
-        "private": {},
-        "persist": True,
-    }
-    sig = Layout([], 0, hashlib.sha1(b"[]").hexdigest()).signature
-    tail = {"layout_sig": sig, "entries": [], "skeleton": {}}
+    base, tail = snapmeta_parts()
+    base["persist"] = True
     doc = {**base, "mirror": "s3://bucket/run", **tail}
     m = SnapshotMeta.from_json(doc)
     assert m.mirror == "s3://bucket/run"

@@ -13,7 +13,13 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
-from fchelpers import FcEnv, agent_process, kill_job_processes, tinytrain_command
+from fchelpers import (
+    FcEnv,
+    agent_process,
+    finish_tinytrain,
+    kill_job_processes,
+    start_tinytrain,
+)
 from waiting import wait_until
 
 from flashckpt.format.storage import Storage
@@ -23,16 +29,13 @@ pytestmark = pytest.mark.slow
 
 def _trainer(
     env: FcEnv, log: Path, *extra: str, steps: int = 40, width: int = 32, every: int = 3
-) -> subprocess.Popen:
-    cmd = tinytrain_command(
-        env, log, "--steps", str(steps), "--width", str(width), "--every", str(every), *extra
-    )
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+) -> subprocess.Popen[bytes]:
+    flags = ("--steps", str(steps), "--width", str(width), "--every", str(every), *extra)
+    return start_tinytrain(env, log, *flags)
 
 
-def _finish(p: subprocess.Popen, timeout: float = 240) -> None:
-    _, err = p.communicate(timeout=timeout)
-    assert p.returncode == 0, err.decode()[-3000:]
+def _finish(p: subprocess.Popen[bytes], log: Path) -> None:
+    finish_tinytrain(p, log, 240)
 
 
 def _losses(log: Path) -> list[tuple[int, str]]:
@@ -49,7 +52,7 @@ def _losses(log: Path) -> list[tuple[int, str]]:
 def _reference(tmp_path: Path, env: FcEnv, steps: int, width: int) -> tuple[dict[int, str], dict]:
     ref_env = env.reference(tmp_path)
     log = tmp_path / "ref.log"
-    _finish(_trainer(ref_env, log, steps=steps, width=width))
+    _finish(_trainer(ref_env, log, steps=steps, width=width), log)
     ref = dict(_losses(log))
     assert sorted(ref) == list(range(steps))
     return ref, safetensors.torch.load_file(str(log) + ".final.safetensors")
@@ -87,7 +90,7 @@ def test_random_sigkills_of_the_trainer_lose_nothing(tmp_path: Path, fc_env: FcE
             kills += 1
         p.wait(timeout=60)
     assert kills >= 2
-    _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, width=width))
+    _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, width=width), log)
     _assert_same_run(log, ref, ref_final, steps)
     starts = [line.split() for line in report.read_text().splitlines()]
     assert any(src == "memory" for _, src in starts), starts  # hot reload happened
@@ -103,7 +106,7 @@ def test_sigkill_in_the_middle_of_a_snapshot_copy(tmp_path: Path, fc_env: FcEnv)
     p = _trainer(fc_env, log, "--kill-in-copy", "4", "--mode", "sync", steps=steps)
     p.wait(timeout=120)
     assert p.returncode == -signal.SIGKILL
-    _finish(_trainer(fc_env, log, "--report", str(report), steps=steps))
+    _finish(_trainer(fc_env, log, "--report", str(report), steps=steps), log)
     assert report.read_text().split() == ["9", "memory"]
     _assert_same_run(log, ref, ref_final, steps)
 
@@ -136,7 +139,9 @@ def test_sigkill_of_the_agent_during_persistence(tmp_path: Path, fc_env: FcEnv) 
     # The next agent adopts the surviving snapshots; the trainer resumes from memory.
     agent2 = agent_process(fc_env)
     try:
-        _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, width=width, every=4))
+        _finish(
+            _trainer(fc_env, log, "--report", str(report), steps=steps, width=width, every=4), log
+        )
         assert report.read_text().splitlines()[-1].split()[1] == "memory"
         committed = st.committed_steps()
         assert committed[-1] == steps
@@ -219,7 +224,7 @@ def test_back_to_back_runs_with_auto_started_agents(tmp_path: Path, fc_env: FcEn
     """A run that starts while the previous run's agent is shutting down still gets an agent."""
     log, report = tmp_path / "run.log", tmp_path / "report.txt"
     for steps in (6, 12, 18):
-        _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, every=3))
+        _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, every=3), log)
     starts = [line.split() for line in report.read_text().splitlines()]
     assert [int(s) for s, _ in starts] == [0, 6, 12]
     assert Storage(fc_env.storage).committed_steps()[-1] == 18

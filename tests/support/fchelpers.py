@@ -189,6 +189,22 @@ def tinytrain_command(env: FcEnv, log: Path, *extra: str) -> list[str]:
     return [sys.executable, str(script), *env.cli_flags(), "--log", str(log), *extra]
 
 
+def start_tinytrain(
+    env: FcEnv, log: Path, *extra: str, wrap: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
+    """Starts ``tests/tinytrain.py`` as a trainer of ``env``'s job (:func:`tinytrain_command`),
+    ``wrap`` before it, its stderr appended to ``<log>.err``."""
+    with open(f"{log}.err", "ab") as err:
+        return subprocess.Popen(
+            [*wrap, *tinytrain_command(env, log, *extra)], stdout=subprocess.DEVNULL, stderr=err
+        )
+
+
+def finish_tinytrain(p: subprocess.Popen[bytes], log: Path, timeout: float = 300.0) -> None:
+    """Waits for a trainer of :func:`start_tinytrain` to exit 0 (its stderr's tail otherwise)."""
+    assert p.wait(timeout=timeout) == 0, Path(f"{log}.err").read_text()[-4000:]
+
+
 def run_ranks(script: str, env: FcEnv, tmp: Path, tag: str, *args: str, code: int = 0) -> None:
     """Runs a multi-rank trainer of ``tests/`` (``shardtrain.py``, ``tptrain.py``: its ranks are
     forked from one launcher process and die with it) for ``env``'s job to the end; it must exit

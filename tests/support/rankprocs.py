@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -86,3 +87,19 @@ class RankProcs:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def run_worker(
+    script: Path,
+    tmp: Path,
+    tag: str,
+    args: Callable[[int], Sequence[str]],
+    world: int = 2,
+    timeout: float = 300.0,
+) -> None:
+    """Runs ``world`` ranks of the worker ``script`` (``python <script> *args(rank)``) to the
+    end; each must exit 0 (their stderr shown otherwise)."""
+    with RankProcs(tmp, tag) as ranks:
+        for rank in range(world):
+            ranks.start([sys.executable, str(script), *args(rank)])
+        ranks.expect([0] * world, timeout)

@@ -78,3 +78,26 @@ def wait_gone(st: Storage, step: int, timeout: float = 60.0) -> None:
         0.05,
         state=st.all_step_dirs,
     )
+
+
+def snapmeta_parts() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A minimal one-rank snapshot meta (``SnapshotMeta``'s JSON, step 3, no tensors) in its key
+    order: the fields before the optional marks (``persist``, ``mirror``) and those after."""
+    import hashlib
+
+    from flashckpt.format.layout import Layout
+
+    base = {
+        "job": "j",
+        "rank": 0,
+        "world_id": "",
+        "world_size": 1,
+        "local_world_size": 1,
+        "shard": 0,
+        "num_shards": 1,
+        "replica": 0,
+        "step": 3,
+        "private": {},
+    }
+    sig = Layout([], 0, hashlib.sha1(b"[]").hexdigest()).signature
+    return base, {"layout_sig": sig, "entries": [], "skeleton": {}}

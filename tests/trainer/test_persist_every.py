@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent, tinytrain_command
-from rankprocs import RankProcs
-from stephelpers import wait_committed
+from rankprocs import RankProcs, run_worker
+from stephelpers import snapmeta_parts, wait_committed
 from tinytrain import make, train_step
 from waiting import wait_until
 
@@ -42,20 +42,18 @@ def _two_machines(
     own: nodes n0 and n1, each with its own auto-started node agent, to the end; ``flags[r]``
     are rank r's extra flags. Returns each rank's ``stats`` (saves, persist_marked)."""
     init = tmp / f"init-{time.monotonic_ns()}"
-    with RankProcs(tmp, "r") as ranks:
-        for rank in range(2):
-            ranks.start(
-                [
-                    sys.executable,
-                    str(HERE / "ddptrain.py"),
-                    *("--rank", str(rank), "--storage", env.storage, "--job", env.job),
-                    *("--run-dir", env.run_dir, "--log", str(tmp / f"r{rank}.log")),
-                    *("--init-file", str(init), "--steps", str(steps), "--every", str(every)),
-                    *("--node", f"n{rank}", "--local-world", "1"),
-                    *flags.get(rank, []),
-                ]
-            )
-        ranks.expect([0, 0])
+    run_worker(
+        HERE / "ddptrain.py",
+        tmp,
+        "r",
+        lambda rank: [
+            *("--rank", str(rank), "--storage", env.storage, "--job", env.job),
+            *("--run-dir", env.run_dir, "--log", str(tmp / f"r{rank}.log")),
+            *("--init-file", str(init), "--steps", str(steps), "--every", str(every)),
+            *("--node", f"n{rank}", "--local-world", "1"),
+            *flags.get(rank, []),
+        ],
+    )
     return [json.loads((tmp / f"r{r}.log.stats.json").read_text()) for r in range(2)]
 
 
@@ -267,22 +265,7 @@ def test_persist_every_refuses_what_it_cannot_mean(bad: object) -> None:
 
 
 def test_the_mark_is_part_of_the_typed_snapshot_meta() -> None:
-    base = {
-        "job": "j",
-        "rank": 0,
-        "world_id": "",
-        "world_size": 1,
-        "local_world_size": 1,
-        "shard": 0,
-        "num_shards": 1,
-        "replica": 0,
-        "step": 3,
-        "private": {},
-    }
-    tail = {"layout_sig": None, "entries": [], "skeleton": {}}
-    from flashckpt.format.layout import Layout
-
-    tail["layout_sig"] = Layout([], 0, __import__("hashlib").sha1(b"[]").hexdigest()).signature
+    base, tail = snapmeta_parts()
     for persist in (True, False):
         doc = {**base, "persist": persist, **tail}
         m = SnapshotMeta.from_json(doc)

@@ -5,7 +5,7 @@ step is committed again."""
 from __future__ import annotations
 
 from fchelpers import FcEnv, RunningAgent
-from tinytrain import make, train_step
+from tinytrain import make, persisted_steps
 from waiting import wait_until
 
 import flashckpt
@@ -20,13 +20,7 @@ def test_a_hidden_step_whose_rewrite_yields_is_committed_again(
     model, opt, sched = make(0)
     kw = fc_env.ckpt_kwargs(persist_every=1)  # the rewrite of a step the trainer marked
     with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
-        for step in range(2):
-            train_step(model, opt, sched, step)
-            ck.step()
-            ck.save(mode="sync")
-            # Each step committed before the next is taken: the agent persists the newest
-            # complete snapshot, so without the flush step 1 may be skipped for step 2.
-            assert ck.flush() == step + 1
+        persisted_steps(ck, model, opt, sched, 0, 2)
         st = Storage(fc_env.storage)
         assert st.committed_steps() == [1, 2]
         writes = sum(a.status()["shard_writes"].values())

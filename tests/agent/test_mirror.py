@@ -22,7 +22,7 @@ import torch
 from fchelpers import FcEnv, RunningAgent, agent_process
 from rankprocs import run_worker
 from stephelpers import snapmeta_parts, wait_committed, wait_gone
-from tinytrain import make, train_step
+from tinytrain import make, persisted_steps, train_step
 from waiting import wait_until
 
 import flashckpt
@@ -136,11 +136,7 @@ def test_the_last_step_reaches_the_mirror_when_the_loop_saved_it_unmarked(
     model, opt, sched = make(0)
     kw = fc_env.ckpt_kwargs(every=0, persist_every=1, mirror=mirror_url, mirror_every=10)
     with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
-        for i in range(4):
-            train_step(model, opt, sched, i)
-            ck.step()
-            ck.save(mode="sync")
-            assert ck.flush() == i + 1
+        persisted_steps(ck, model, opt, sched, 0, 4)
         wait_committed(mirror, 1)
         time.sleep(0.5)
         assert mirror.committed_steps() == [1]  # 2..4 unmarked: in the storage root only
@@ -552,11 +548,7 @@ def test_a_slow_mirror_keeps_its_step_from_the_primary_retention(
     kw = fc_env.ckpt_kwargs(every=0, persist_every=1, mirror=mirror_url, mirror_every=10, keep=3)
     try:
         with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
-            for i in range(4):
-                train_step(model, opt, sched, i)
-                ck.step()
-                ck.save(mode="sync")
-                assert ck.flush() == i + 1
+            persisted_steps(ck, model, opt, sched, 0, 4)
             assert primary.committed_steps() == [1, 2, 3, 4]  # step 1 held for the mirror
             root_has_4.set()
             wait_committed(mirror, 1)

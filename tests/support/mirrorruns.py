@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tinytrain import make, train_step
+from tinytrain import make, persisted_steps, train_step
 from waiting import wait_until
 
 import flashckpt
@@ -41,19 +41,12 @@ def train_with_a_broken_mirror(
     model, opt, sched = make(0)
     kw = env.ckpt_kwargs(every=0, persist_every=1, mirror=url, mirror_every=1, **ckpt_kw)
     with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
-        train_step(model, opt, sched, 0)
-        ck.step()
-        ck.save(mode="sync")
-        assert ck.flush() == 1
+        persisted_steps(ck, model, opt, sched, 0, 1)
         wait_until(lambda: Storage(url).committed_steps() == [1], "step 1 in the mirror", timeout)
         away = remote.with_name("remote-away")
         remote.rename(away)
         remote.write_text("the mirror is gone")
-        for i in range(1, 3):
-            train_step(model, opt, sched, i)
-            ck.step()
-            ck.save(mode="sync")
-            assert ck.flush() == i + 1  # the storage root still commits every step
+        persisted_steps(ck, model, opt, sched, 1, 3)  # the storage root still commits every step
         wait_until(lambda: ck.stats.persist_errors, "the mirror's error at the trainer", timeout)
         if errors is not None:
             errors.extend(ck.stats.persist_errors)

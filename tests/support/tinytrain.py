@@ -132,6 +132,17 @@ def main() -> int:
     return 0
 
 
+def persisted_steps(ck: Any, model: Any, opt: Any, sched: Any, start: int, stop: int) -> None:
+    """Trains steps ``start``..``stop - 1``, each saved (sync) and flushed: committed before
+    the next is taken (the agent persists the newest complete snapshot, so without the flush
+    a step may be skipped for the next)."""
+    for i in range(start, stop):
+        train_step(model, opt, sched, i)
+        ck.step()
+        ck.save(mode="sync")
+        assert ck.flush() == i + 1
+
+
 @contextlib.contextmanager
 def trained(env: Any, steps: int = 4, every: int = 2, **ckpt_kw: Any) -> Iterator[Any]:
     """``checkpointing()`` of a fresh model (``make(0)``) for ``env``'s job, connected to its

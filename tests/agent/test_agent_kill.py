@@ -17,6 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv, finish_tinytrain, start_tinytrain
+from tinytrain import logged_losses
 from waiting import wait_until
 
 from flashckpt.format.storage import Storage
@@ -58,28 +59,17 @@ def _worker(env: FcEnv, log: Path, sleep: float = SLEEP) -> subprocess.Popen:
     )
 
 
-def _lines(log: Path) -> list[tuple[int, str]]:
-    if not log.exists():
-        return []
-    out = []
-    for line in log.read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 2:
-            out.append((int(parts[0]), parts[1]))
-    return out
-
-
 def _reference(tmp_path: Path, base: FcEnv) -> tuple[dict[int, str], dict[str, torch.Tensor]]:
     env = _env(base, tmp_path, "ref")
     log = tmp_path / "ref.log"
     finish_tinytrain(_worker(env, log, sleep=0.0), log)
-    ref = dict(_lines(log))
+    ref = dict(logged_losses(log))
     assert sorted(ref) == list(range(STEPS))
     return ref, safetensors.torch.load_file(str(log) + ".final.safetensors")
 
 
 def _assert_same_run(log: Path, ref: dict[int, str], ref_final: dict[str, torch.Tensor]) -> None:
-    seen = _lines(log)
+    seen = logged_losses(log)
     assert {s for s, _ in seen} == set(range(STEPS))
     for step, loss in seen:  # every line, of every incarnation, matches the uninterrupted run
         assert loss == ref[step], f"step {step}: {loss} != {ref[step]}"
@@ -162,8 +152,8 @@ def test_agent_sigkilled_at_random_instants_costs_the_trainer_nothing(
             assert pid is not None
             if not _wait(lambda env=env, pid=pid: _linked(env, pid), p):
                 break
-            n0 = len(_lines(log))
-            if not _wait(lambda log=log, n0=n0: len(_lines(log)) >= n0 + 2, p):
+            n0 = len(logged_losses(log))
+            if not _wait(lambda log=log, n0=n0: len(logged_losses(log)) >= n0 + 2, p):
                 break
             if kills % 2 == 0:
                 # Mid-persist: a step directory without its manifest is being written.
@@ -201,7 +191,7 @@ def test_trainer_killed_right_after_its_agent_restarted_resumes_equal(
     env = _env(base, tmp_path, "tk")
     log = tmp_path / "tk.log"
     p = _worker(env, log)
-    assert _wait(lambda: _agent_pid(env) is not None and len(_lines(log)) >= 10, p)
+    assert _wait(lambda: _agent_pid(env) is not None and len(logged_losses(log)) >= 10, p)
     first = _agent_pid(env)
     assert first is not None
     os.kill(first, signal.SIGKILL)
@@ -212,7 +202,7 @@ def test_trainer_killed_right_after_its_agent_restarted_resumes_equal(
     assert _wait(lambda: _linked(env, second), p)
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
-    assert len(_lines(log)) < STEPS, "the trainer finished before it could be killed"
+    assert len(logged_losses(log)) < STEPS, "the trainer finished before it could be killed"
     p = _worker(env, log)
     # The new trainer did not start this agent (the dead one did): when it dies too, the
     # trainer still starts the next one (an agent started by a trainer is any trainer's).

@@ -20,6 +20,7 @@ from fchelpers import (
     kill_job_processes,
     start_tinytrain,
 )
+from tinytrain import logged_losses
 from waiting import wait_until
 
 from flashckpt.format.storage import Storage
@@ -38,28 +39,17 @@ def _finish(p: subprocess.Popen[bytes], log: Path) -> None:
     finish_tinytrain(p, log, 240)
 
 
-def _losses(log: Path) -> list[tuple[int, str]]:
-    if not log.exists():
-        return []
-    out = []
-    for line in log.read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 2:
-            out.append((int(parts[0]), parts[1]))
-    return out
-
-
 def _reference(tmp_path: Path, env: FcEnv, steps: int, width: int) -> tuple[dict[int, str], dict]:
     ref_env = env.reference(tmp_path)
     log = tmp_path / "ref.log"
     _finish(_trainer(ref_env, log, steps=steps, width=width), log)
-    ref = dict(_losses(log))
+    ref = dict(logged_losses(log))
     assert sorted(ref) == list(range(steps))
     return ref, safetensors.torch.load_file(str(log) + ".final.safetensors")
 
 
 def _assert_same_run(log: Path, ref: dict[int, str], ref_final: dict, steps: int) -> None:
-    seen = _losses(log)
+    seen = logged_losses(log)
     assert {s for s, _ in seen} == set(range(steps))
     for step, loss in seen:  # every line, from every incarnation, matches the uninterrupted run
         assert loss == ref[step], f"step {step}: {loss} != {ref[step]}"
@@ -77,9 +67,9 @@ def test_random_sigkills_of_the_trainer_lose_nothing(tmp_path: Path, fc_env: FcE
     for _ in range(4):
         p = _trainer(fc_env, log, "--report", str(report), steps=steps, width=width)
         # Wait until it trains, then kill at a random instant (in a copy, in persistence, ...).
-        n0 = len(_losses(log))
+        n0 = len(logged_losses(log))
         wait_until(
-            lambda: len(_losses(log)) >= n0 + 2 or p.poll() is not None,  # noqa: B023
+            lambda: len(logged_losses(log)) >= n0 + 2 or p.poll() is not None,  # noqa: B023
             "two more steps logged, or the trainer's exit",
             120,
             0.01,
@@ -192,7 +182,7 @@ def test_breakpoint_save_then_clean_sigterm(tmp_path: Path, fc_env: FcEnv) -> No
     log = tmp_path / "run.log"
     agent = agent_process(fc_env)
     t = _trainer(fc_env, log, steps=10_000, every=5, width=100_000)
-    wait_until(lambda: len(_losses(log)) >= 23, "step 23 in the trainer's log", 120, 0.01)
+    wait_until(lambda: len(logged_losses(log)) >= 23, "step 23 in the trainer's log", 120, 0.01)
     t.send_signal(signal.SIGKILL)
     t.wait(timeout=30)
     newest = -1

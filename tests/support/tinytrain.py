@@ -17,6 +17,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import safetensors.torch
@@ -130,6 +131,19 @@ def main() -> int:
                 f"{ckpt.stats.last_committed_step}\n"
             )
     return 0
+
+
+def logged_losses(log: Path) -> list[tuple[int, str]]:
+    """The ``(step, loss as float.hex)`` lines a trainer's ``--log`` holds so far (none: no
+    file yet; a line being written is passed over)."""
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            out.append((int(parts[0]), parts[1]))
+    return out
 
 
 def persisted_steps(ck: Any, model: Any, opt: Any, sched: Any, start: int, stop: int) -> None:

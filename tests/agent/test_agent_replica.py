@@ -8,8 +8,6 @@ its ``status`` reply, then passes it to ``a`` in ``--replica-peers``.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
 import signal
 import subprocess
@@ -22,7 +20,7 @@ from typing import Any
 import pytest
 import xxhash
 from agentproc import AgentProc, agent_request, agent_status, start_agent
-from fchelpers import FcEnv, private_shm, tinytrain_command
+from fchelpers import FcEnv, machines, tinytrain_command
 from waiting import wait_until
 
 from flashckpt import names
@@ -61,22 +59,12 @@ class Agents:
 
 @pytest.fixture
 def two_nodes(fc_env: FcEnv, tmp_path: Path) -> Iterator[tuple[FcEnv, FcEnv, Agents]]:
-    with (
-        private_shm(tmp_path / "shm-a", "256m") as shm_a,
-        private_shm(tmp_path / "shm-b", "256m") as shm_b,
-    ):
-        a = dataclasses.replace(fc_env, node="a", shm_dir=shm_a)
-        b = dataclasses.replace(fc_env, node="b", shm_dir=shm_b)
+    with machines(fc_env, tmp_path, ["a", "b"]) as (a, b):
         agents = Agents(tmp_path)
         try:
             yield a, b, agents
         finally:
             agents.close()
-            for env in (a, b):
-                for n in os.listdir(env.shm_dir):
-                    if n.startswith(f"fc.{env.job}."):
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(os.path.join(env.shm_dir, n))
 
 
 def _start_pair(
@@ -257,8 +245,7 @@ def test_holder_killed_does_not_disturb_training(two_nodes: Any, tmp_path: Path)
 def test_capacity_check_refuses_with_numbers(fc_env: FcEnv, tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs a tmpfs of a set size (root)")
-    with private_shm(tmp_path / "small", "3m") as shm:
-        env = dataclasses.replace(fc_env, node="b", shm_dir=shm)
+    with machines(fc_env, tmp_path, ["b"], "3m") as (env,):
         agents = Agents(tmp_path)
         try:
             # Two slots of the tiny model fit in 3 MiB (about 2.3 MiB); a replica's worth more
@@ -272,9 +259,6 @@ def test_capacity_check_refuses_with_numbers(fc_env: FcEnv, tmp_path: Path) -> N
             assert "MiB available but this machine needs" in err
         finally:
             agents.close()
-            for n in os.listdir(shm):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(shm, n))
 
 
 def test_replica_config_is_checked() -> None:
@@ -545,8 +529,7 @@ def test_agent_takes_the_launchers_peer_list_and_serves_on_after_bad_ones(
     targets; a new one replaces it."""
     from flashckpt.errors import AgentError
 
-    with private_shm(tmp_path / "shm-a", "64m") as shm:
-        a = dataclasses.replace(fc_env, node="a", shm_dir=shm)
+    with machines(fc_env, tmp_path, ["a"], "64m") as (a,):
         agents = Agents(tmp_path)
         try:
             p, _ = agents.start(a, "--replica-listen", "127.0.0.1:0")
@@ -578,9 +561,6 @@ def test_agent_takes_the_launchers_peer_list_and_serves_on_after_bad_ones(
             assert p.poll() is None
         finally:
             agents.close()
-            for n in os.listdir(shm):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(shm, n))
 
 
 def test_peer_list_sent_at_runtime_replicates_and_a_new_list_redirects(
@@ -589,14 +569,7 @@ def test_peer_list_sent_at_runtime_replicates_and_a_new_list_redirects(
     """Agent ``a`` starts without peers; the launcher's list (b) makes it send its newest
     snapshot to b; a new list (c instead of b) sends the same snapshot to c without a new
     snapshot, and a's sent record forgets b."""
-    with (
-        private_shm(tmp_path / "shm-a", "128m") as shm_a,
-        private_shm(tmp_path / "shm-b", "128m") as shm_b,
-        private_shm(tmp_path / "shm-c", "128m") as shm_c,
-    ):
-        a = dataclasses.replace(fc_env, node="a", shm_dir=shm_a)
-        b = dataclasses.replace(fc_env, node="b", shm_dir=shm_b)
-        c = dataclasses.replace(fc_env, node="c", shm_dir=shm_c)
+    with machines(fc_env, tmp_path, ["a", "b", "c"], "128m") as (a, b, c):
         agents = Agents(tmp_path)
         try:
             listen = {}
@@ -628,10 +601,6 @@ def test_peer_list_sent_at_runtime_replicates_and_a_new_list_redirects(
             assert [(s["target"], s["step"]) for s in sent] == [("c", newest)], sent
         finally:
             agents.close()
-            for env in (a, b, c):
-                for n in os.listdir(env.shm_dir):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(env.shm_dir, n))
 
 
 def test_set_peers_replaces_and_prunes_departed_once_the_new_world_snapshotted(

@@ -212,33 +212,16 @@ class Machines:
                 p.wait(timeout=30)
 
 
-def _clean(env: Any) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        for n in os.listdir(env.shm_dir):
-            if n.startswith(f"fc.{env.job}."):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(env.shm_dir, n))
-
-
 @pytest.fixture
 def three(fc_env: Any, tmp_path: Path) -> Iterator[tuple[Any, Any, Any, Machines]]:
-    from fchelpers import private_shm
+    from fchelpers import machines
 
-    with (
-        private_shm(tmp_path / "shm-a", "256m") as shm_a,
-        private_shm(tmp_path / "shm-b", "256m") as shm_b,
-        private_shm(tmp_path / "shm-c", "256m") as shm_c,
-    ):
-        a = dataclasses.replace(fc_env, node="a", shm_dir=shm_a)
-        b = dataclasses.replace(fc_env, node="b", shm_dir=shm_b)
-        c = dataclasses.replace(fc_env, node="c", shm_dir=shm_c)
+    with machines(fc_env, tmp_path, ["a", "b", "c"]) as (a, b, c):
         m = Machines(tmp_path)
         try:
             yield a, b, c, m
         finally:
             m.close()
-            for env in (a, b, c):
-                _clean(env)
 
 
 def _listen(env: Any) -> str:
@@ -273,7 +256,7 @@ def _lose_b(
         _wait(lambda: STEPS_BEFORE in st.committed_steps(), "step 8 committed")
     pb.send_signal(signal.SIGKILL)
     pb.wait(timeout=30)
-    _clean(b)  # the lost machine's memory is gone with it
+    b.remove_segments()  # the lost machine's memory is gone with it
     assert pa.poll() is None
     return pa, addr_a
 
@@ -421,7 +404,7 @@ def test_bad_pull_replica_requests_get_a_protocol_error_and_the_agent_serves_on(
                 c.close()
         finally:
             m.close()
-            _clean(env)
+            env.remove_segments()
 
 
 def test_a_replica_of_another_timelines_step_is_never_mixed_in() -> None:

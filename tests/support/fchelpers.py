@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,14 @@ class FcEnv:
     def segments(self) -> list[str]:
         return sorted(n for n in os.listdir(self.shm_dir) if n.startswith(f"fc.{self.job}."))
 
+    def remove_segments(self) -> None:
+        """Removes the job's segments from its shared-memory directory (a machine's memory
+        lost, or the end of a test)."""
+        with contextlib.suppress(FileNotFoundError):
+            for n in self.segments():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.shm_dir, n))
+
 
 def kill_job_processes(job: str) -> None:
     """SIGKILLs every process whose command line names the job id."""
@@ -146,6 +154,27 @@ def private_shm(path: Path, size: str = "1g") -> Iterator[str]:
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@contextlib.contextmanager
+def machines(
+    env: FcEnv, tmp: Path, nodes: Sequence[str], shm_size: str = "256m"
+) -> Iterator[list[FcEnv]]:
+    """``env``'s job on simulated machines named ``nodes``: each its node id and a shared-memory
+    directory of its own (:func:`private_shm`, ``<tmp>/shm-<node>``); the job's segments there
+    are removed at the end (stop their agents first)."""
+    with contextlib.ExitStack() as stack:
+        envs = [
+            dataclasses.replace(
+                env, node=n, shm_dir=stack.enter_context(private_shm(tmp / f"shm-{n}", shm_size))
+            )
+            for n in nodes
+        ]
+        try:
+            yield envs
+        finally:
+            for e in envs:
+                e.remove_segments()
 
 
 @pytest.fixture

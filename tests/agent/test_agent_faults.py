@@ -3,13 +3,13 @@ trainer and the next agent carry on, nothing is lost, nothing waits forever."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from fchelpers import FcEnv, RunningAgent, agent_process
+from fchelpers import FcEnv, RunningAgent, agent_process, sized_tmpfs
 from interrupts import SimulatedInterrupt
 from tinytrain import make, train_steps, trained_run
 from waiting import wait_until
@@ -212,20 +212,10 @@ def test_shm_space_error_comes_at_entry_for_an_optimizer_with_three_buffers(
 ) -> None:
     """Finding 11: the entry estimate assumed <= 2 optimizer tensors per parameter, so Adam
     with amsgrad=True passed entry and died of ShmSpaceError at the first snapshot."""
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
     # 1 Mi float32 parameters (4 MiB): the state is 4 x 4 MiB, two slots ~44 MiB with their
     # headroom; the old estimate (3 x 4 MiB, two slots ~36 MiB) fit in 40 MiB.
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mnt)], check=True)
-    try:
-        env = FcEnv(
-            job=fc_env.job,
-            node=fc_env.node,
-            run_dir=fc_env.run_dir,
-            storage=fc_env.storage,
-            storage_path=fc_env.storage_path,
-            shm_dir=str(mnt),
-        )
+    with sized_tmpfs(tmp_path / "shm", "40m", required=True) as mnt:
+        env = dataclasses.replace(fc_env, shm_dir=str(mnt))
         ra = RunningAgent(env.agent_config(storage=None))
         try:
             model = torch.nn.Linear(1024, 1024, bias=False)
@@ -248,8 +238,6 @@ def test_shm_space_error_comes_at_entry_for_an_optimizer_with_three_buffers(
             )
         finally:
             ra.stop()
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_entry_estimate_matches_the_first_step_of_any_optimizer(fc_env: FcEnv) -> None:

@@ -177,6 +177,25 @@ def machines(
                 e.remove_segments()
 
 
+@contextlib.contextmanager
+def sized_tmpfs(path: Path, size: str, required: bool = False) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (a new directory), unmounted at the end: a
+    small disk or shared-memory directory that really fills up. Where the mount is refused the
+    test is skipped (``required``: it fails)."""
+    path.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    if r.returncode != 0:
+        why = f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}"
+        assert not required, why
+        pytest.skip(why)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 @pytest.fixture
 def fc_env_private(fc_env: FcEnv, tmp_path: Path) -> Iterator[FcEnv]:
     """``fc_env`` with a shared-memory directory of its own (see :func:`private_shm`)."""

@@ -17,7 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv, finish_tinytrain, start_tinytrain
-from tinytrain import logged_losses
+from tinytrain import assert_same_run, logged_losses
 from waiting import wait_until
 
 from flashckpt.format.storage import Storage
@@ -66,16 +66,6 @@ def _reference(tmp_path: Path, base: FcEnv) -> tuple[dict[int, str], dict[str, t
     ref = dict(logged_losses(log))
     assert sorted(ref) == list(range(STEPS))
     return ref, safetensors.torch.load_file(str(log) + ".final.safetensors")
-
-
-def _assert_same_run(log: Path, ref: dict[int, str], ref_final: dict[str, torch.Tensor]) -> None:
-    seen = logged_losses(log)
-    assert {s for s, _ in seen} == set(range(STEPS))
-    for step, loss in seen:  # every line, of every incarnation, matches the uninterrupted run
-        assert loss == ref[step], f"step {step}: {loss} != {ref[step]}"
-    final = safetensors.torch.load_file(str(log) + ".final.safetensors")
-    for k, v in ref_final.items():
-        assert torch.equal(final[k], v), k
 
 
 def _agent_pid(env: FcEnv) -> int | None:
@@ -170,7 +160,7 @@ def test_agent_sigkilled_at_random_instants_costs_the_trainer_nothing(
             run_kills += 1
             last = pid
         finish_tinytrain(p, log)
-        _assert_same_run(log, ref, ref_final)
+        assert_same_run(log, ref, ref_final, STEPS)
         start, source, restarts, _skips, committed = Path(str(log) + ".report").read_text().split()
         assert (start, source) == ("0", "None")
         # One new agent per kill (the last kill may come as the trainer leaves).
@@ -210,7 +200,7 @@ def test_trainer_killed_right_after_its_agent_restarted_resumes_equal(
     os.kill(second, signal.SIGKILL)
     assert _wait(lambda: _agent_pid(env) not in (None, second), p)
     finish_tinytrain(p, log)
-    _assert_same_run(log, ref, ref_final)
+    assert_same_run(log, ref, ref_final, STEPS)
     start, source = Path(str(log) + ".report.start").read_text().splitlines()[-1].split()
     assert int(start) > 0 and source in ("memory", "storage"), (start, source)
     st = Storage(env.storage)

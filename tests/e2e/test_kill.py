@@ -12,7 +12,6 @@ from pathlib import Path
 import psutil
 import pytest
 import safetensors.torch
-import torch
 from fchelpers import (
     FcEnv,
     agent_process,
@@ -20,7 +19,7 @@ from fchelpers import (
     kill_job_processes,
     start_tinytrain,
 )
-from tinytrain import logged_losses
+from tinytrain import assert_same_run, logged_losses
 from waiting import wait_until
 
 from flashckpt.format.storage import Storage
@@ -48,16 +47,6 @@ def _reference(tmp_path: Path, env: FcEnv, steps: int, width: int) -> tuple[dict
     return ref, safetensors.torch.load_file(str(log) + ".final.safetensors")
 
 
-def _assert_same_run(log: Path, ref: dict[int, str], ref_final: dict, steps: int) -> None:
-    seen = logged_losses(log)
-    assert {s for s, _ in seen} == set(range(steps))
-    for step, loss in seen:  # every line, from every incarnation, matches the uninterrupted run
-        assert loss == ref[step], f"step {step}: {loss} != {ref[step]}"
-    final = safetensors.torch.load_file(str(log) + ".final.safetensors")
-    for k, v in ref_final.items():
-        assert torch.equal(final[k], v), k
-
-
 def test_random_sigkills_of_the_trainer_lose_nothing(tmp_path: Path, fc_env: FcEnv) -> None:
     steps, width = 60, 200_000  # ~50 MB of state: copies and persistence take real time
     ref, ref_final = _reference(tmp_path, fc_env, steps, width)
@@ -81,7 +70,7 @@ def test_random_sigkills_of_the_trainer_lose_nothing(tmp_path: Path, fc_env: FcE
         p.wait(timeout=60)
     assert kills >= 2
     _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, width=width), log)
-    _assert_same_run(log, ref, ref_final, steps)
+    assert_same_run(log, ref, ref_final, steps)
     starts = [line.split() for line in report.read_text().splitlines()]
     assert any(src == "memory" for _, src in starts), starts  # hot reload happened
     st = Storage(fc_env.storage)
@@ -98,7 +87,7 @@ def test_sigkill_in_the_middle_of_a_snapshot_copy(tmp_path: Path, fc_env: FcEnv)
     assert p.returncode == -signal.SIGKILL
     _finish(_trainer(fc_env, log, "--report", str(report), steps=steps), log)
     assert report.read_text().split() == ["9", "memory"]
-    _assert_same_run(log, ref, ref_final, steps)
+    assert_same_run(log, ref, ref_final, steps)
 
 
 def test_sigkill_of_the_agent_during_persistence(tmp_path: Path, fc_env: FcEnv) -> None:

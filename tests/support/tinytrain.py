@@ -146,6 +146,21 @@ def logged_losses(log: Path) -> list[tuple[int, str]]:
     return out
 
 
+def assert_same_run(
+    log: Path, ref: dict[int, str], ref_final: dict[str, torch.Tensor], steps: int
+) -> None:
+    """Every step ``0..steps - 1`` is in the trainer's ``log``, every line (of every incarnation
+    of a killed and resumed run) has the uninterrupted run's loss ``ref[step]``, and the final
+    model (``<log>.final.safetensors``) is bitwise ``ref_final``."""
+    seen = logged_losses(log)
+    assert {s for s, _ in seen} == set(range(steps))
+    for step, loss in seen:
+        assert loss == ref[step], f"step {step}: {loss} != {ref[step]}"
+    final = safetensors.torch.load_file(str(log) + ".final.safetensors")
+    for k, v in ref_final.items():
+        assert torch.equal(final[k], v), k
+
+
 def persisted_steps(ck: Any, model: Any, opt: Any, sched: Any, start: int, stop: int) -> None:
     """Trains steps ``start``..``stop - 1``, each saved (sync) and flushed: committed before
     the next is taken (the agent persists the newest complete snapshot, so without the flush

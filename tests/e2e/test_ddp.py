@@ -103,7 +103,7 @@ def test_ddp_kill_mid_copy_resumes_at_common_step(tmp_path: Path, fc_env: FcEnv)
     # Rank 1 dies by SIGKILL halfway through its 3rd snapshot copy (label 9): rank 0 holds 9,
     # rank 1 only 6. They must both resume at 6.
     procs = _launch(fc_env, tmp_path, "run", steps, kill={1: 3})
-    codes = _wait_all(procs, timeout=60)
+    codes = _wait_all(procs)
     assert codes[1] == -signal.SIGKILL
     procs = _launch(fc_env, tmp_path, "run", steps)
     assert _wait_all(procs) == [0, 0], procs.tails(2000)
@@ -151,7 +151,7 @@ def test_replacement_rank_restores_from_a_replica_in_memory(tmp_path: Path, fc_e
 
     # Rank 1 dies halfway through copying snapshot 12; rank 0 completed it and then hangs.
     procs = _launch(fc_env, tmp_path, "run", steps, kill={1: 4}, nodes=("n0", "n1"))
-    assert _wait_all(procs, timeout=60)[1] == -signal.SIGKILL
+    assert _wait_all(procs)[1] == -signal.SIGKILL
     # Machine n1 is gone: its agent and its memory.
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
@@ -187,7 +187,7 @@ def test_renumbered_ranks_reload_from_their_machines_memory(tmp_path: Path, fc_e
 
     # World 1: rank 1 dies halfway through its 4th snapshot copy (step 12): the common step is 9.
     procs = _launch(fc_env, tmp_path, "run", steps, kill={1: 4}, nodes=("n0", "n1"), world_id="w1")
-    assert _wait_all(procs, timeout=60)[1] == -signal.SIGKILL
+    assert _wait_all(procs)[1] == -signal.SIGKILL
     agents_before = _agent_pids(fc_env.job)
     assert set(agents_before) == {"n0", "n1"}, agents_before
 

@@ -46,7 +46,7 @@ def _killed_resumed_vs_uninterrupted(
         assert "flashckpt.trainer.ddp.distributed_data_parallel(model" in errs[0], errs[0]
     agent = agent_process(fc_env)  # by hand: it keeps the memory however slow the rerun starts
     procs = _launch(fc_env, tmp, "run", STEPS, kill={1: 3}, world=WORLD, extra=extra)
-    assert _wait_all(procs, timeout=120)[1] == -signal.SIGKILL, procs.tails(2000)
+    assert _wait_all(procs)[1] == -signal.SIGKILL, procs.tails(2000)
     procs = _launch(fc_env, tmp, "run", STEPS, world=WORLD, extra=extra)
     assert _wait_all(procs) == [0] * WORLD, procs.tails(2000)
     agent.terminate()

@@ -3,16 +3,16 @@ trainer and the next agent carry on, nothing is lost, nothing waits forever."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from fchelpers import FcEnv, RunningAgent, agent_process
+from fchelpers import FcEnv, RunningAgent, agent_process, sized_tmpfs
 from interrupts import SimulatedInterrupt
-from tinytrain import make, train_steps
+from tinytrain import make, train_steps, trained_run
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.format.shm import Slot
@@ -32,12 +32,7 @@ def test_next_agent_clears_the_pins_of_an_agent_that_died_mid_persist(
     fc_env = fc_env_private
     a = agent_process(fc_env)
     try:
-        model, opt, sched = make(0)
-        with flashckpt.checkpointing(
-            model, opt, scheduler=sched, every=2, **fc_env.ckpt_kwargs(agent="connect")
-        ) as ck:
-            train_steps(ck, model, opt, sched, 0, 4)
-            assert ck.flush() == 4
+        trained_run(fc_env)  # its agent holds steps 2 and 4
         paths = _slot_files(fc_env)
         assert len(paths) == 2
         # The agent dies while persisting: both slots of the step it read stay pinned.
@@ -217,20 +212,10 @@ def test_shm_space_error_comes_at_entry_for_an_optimizer_with_three_buffers(
 ) -> None:
     """Finding 11: the entry estimate assumed <= 2 optimizer tensors per parameter, so Adam
     with amsgrad=True passed entry and died of ShmSpaceError at the first snapshot."""
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
     # 1 Mi float32 parameters (4 MiB): the state is 4 x 4 MiB, two slots ~44 MiB with their
     # headroom; the old estimate (3 x 4 MiB, two slots ~36 MiB) fit in 40 MiB.
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mnt)], check=True)
-    try:
-        env = FcEnv(
-            job=fc_env.job,
-            node=fc_env.node,
-            run_dir=fc_env.run_dir,
-            storage=fc_env.storage,
-            storage_path=fc_env.storage_path,
-            shm_dir=str(mnt),
-        )
+    with sized_tmpfs(tmp_path / "shm", "40m", required=True) as mnt:
+        env = dataclasses.replace(fc_env, shm_dir=str(mnt))
         ra = RunningAgent(env.agent_config(storage=None))
         try:
             model = torch.nn.Linear(1024, 1024, bias=False)
@@ -253,8 +238,6 @@ def test_shm_space_error_comes_at_entry_for_an_optimizer_with_three_buffers(
             )
         finally:
             ra.stop()
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_entry_estimate_matches_the_first_step_of_any_optimizer(fc_env: FcEnv) -> None:
@@ -308,10 +291,12 @@ def test_trainer_outlives_its_agent_and_links_to_the_next(fc_env_private: FcEnv,
             assert ck.flush() == 2
             a.send_signal(signal.SIGKILL)
             a.wait(timeout=30)
-            deadline = time.monotonic() + 30
-            while ck._link.client is not None and ck._link.client.connected:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_until(
+                lambda: ck._link.client is None or not ck._link.client.connected,
+                "the trainer to see its agent's link closed",
+                30,
+                0.01,
+            )
             train_steps(ck, model, opt, sched, 2, 4)  # no agent: snapshots go on into the slots
             ck.wait()
             assert ck.stats.last_snapshot_step == 4 and ck.stats.skips == 0

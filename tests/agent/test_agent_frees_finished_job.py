@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from fchelpers import FcEnv, kill_job_processes, tinytrain_command, wait_agent
+from agentproc import start_agent
+from fchelpers import FcEnv, kill_job_processes, tinytrain_command
 
 from flashckpt.format.storage import Storage
 
@@ -31,13 +31,8 @@ def _slot_bytes(env: FcEnv) -> int:
 def test_a_daemon_agent_frees_the_slots_of_a_finished_job(fc_env: FcEnv, tmp_path: Path) -> None:
     env = fc_env
     log = tmp_path / "agent.log"
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "flashckpt", "agent", *env.cli_flags(), "--idle-timeout", "600",
-         "--free-finished", "--log-file", str(log)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    agent = start_agent(env, "--free-finished", "--log-file", str(log), idle_timeout=600)
     try:
-        wait_agent(env, agent.pid, agent)
         train_log = tmp_path / "train.log"
         cmd = tinytrain_command(env, train_log, "--steps", "12", "--every", "3", "--quiet")
         with open(str(train_log) + ".err", "ab") as err:
@@ -50,11 +45,9 @@ def test_a_daemon_agent_frees_the_slots_of_a_finished_job(fc_env: FcEnv, tmp_pat
         assert trainer.returncode == 0, Path(str(train_log) + ".err").read_text()[-3000:]
         held = max(held, _slot_bytes(env))
         # The agent ends by itself: the job finished and storage holds its newest step.
-        assert agent.wait(timeout=120) == 0, agent.stderr.read().decode()[-3000:]  # type: ignore[union-attr]
+        assert agent.wait(timeout=120) == 0, agent.log_tail()
     finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
+        agent.kill9()
         kill_job_processes(env.job)
     assert held > 0, "the job's slots never held memory"
     assert _slot_bytes(env) == 0, "the finished job's slots still hold memory"

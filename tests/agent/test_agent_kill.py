@@ -16,7 +16,9 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
-from fchelpers import FcEnv, tinytrain_command
+from fchelpers import FcEnv, finish_tinytrain, start_tinytrain
+from tinytrain import assert_same_run, logged_losses
+from waiting import wait_until
 
 from flashckpt.format.storage import Storage
 from flashckpt.protocol.channel import AgentClient, AgentError, socket_path
@@ -38,7 +40,7 @@ def _env(base: FcEnv, tmp_path: Path, name: str) -> FcEnv:
 
 
 def _worker(env: FcEnv, log: Path, sleep: float = SLEEP) -> subprocess.Popen:
-    cmd = tinytrain_command(
+    return start_tinytrain(
         env,
         log,
         "--steps",
@@ -55,46 +57,15 @@ def _worker(env: FcEnv, log: Path, sleep: float = SLEEP) -> subprocess.Popen:
         str(log) + ".report",
         "--quiet",
     )
-    err = open(str(log) + ".err", "ab")  # noqa: SIM115
-    try:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-    finally:
-        err.close()
-
-
-def _finish(p: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    rc = p.wait(timeout=timeout)
-    assert rc == 0, Path(str(log) + ".err").read_text()[-4000:]
-
-
-def _lines(log: Path) -> list[tuple[int, str]]:
-    if not log.exists():
-        return []
-    out = []
-    for line in log.read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 2:
-            out.append((int(parts[0]), parts[1]))
-    return out
 
 
 def _reference(tmp_path: Path, base: FcEnv) -> tuple[dict[int, str], dict[str, torch.Tensor]]:
     env = _env(base, tmp_path, "ref")
     log = tmp_path / "ref.log"
-    _finish(_worker(env, log, sleep=0.0), log)
-    ref = dict(_lines(log))
+    finish_tinytrain(_worker(env, log, sleep=0.0), log)
+    ref = dict(logged_losses(log))
     assert sorted(ref) == list(range(STEPS))
     return ref, safetensors.torch.load_file(str(log) + ".final.safetensors")
-
-
-def _assert_same_run(log: Path, ref: dict[int, str], ref_final: dict[str, torch.Tensor]) -> None:
-    seen = _lines(log)
-    assert {s for s, _ in seen} == set(range(STEPS))
-    for step, loss in seen:  # every line, of every incarnation, matches the uninterrupted run
-        assert loss == ref[step], f"step {step}: {loss} != {ref[step]}"
-    final = safetensors.torch.load_file(str(log) + ".final.safetensors")
-    for k, v in ref_final.items():
-        assert torch.equal(final[k], v), k
 
 
 def _agent_pid(env: FcEnv) -> int | None:
@@ -115,13 +86,13 @@ def _agent_pid(env: FcEnv) -> int | None:
 
 def _wait(cond, p: subprocess.Popen, seconds: float = 120) -> bool:
     """Waits for ``cond()`` while the trainer runs; False if the trainer exited first."""
-    deadline = time.monotonic() + seconds
-    while not cond():
-        if p.poll() is not None:
-            return False
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.001)
-    return True
+    met = wait_until(
+        lambda: "met" if cond() else ("exited" if p.poll() is not None else None),
+        "the condition, or the trainer's exit",
+        seconds,
+        0.001,
+    )
+    return met == "met"
 
 
 def _partial_step(st: Storage) -> bool:
@@ -171,8 +142,8 @@ def test_agent_sigkilled_at_random_instants_costs_the_trainer_nothing(
             assert pid is not None
             if not _wait(lambda env=env, pid=pid: _linked(env, pid), p):
                 break
-            n0 = len(_lines(log))
-            if not _wait(lambda log=log, n0=n0: len(_lines(log)) >= n0 + 2, p):
+            n0 = len(logged_losses(log))
+            if not _wait(lambda log=log, n0=n0: len(logged_losses(log)) >= n0 + 2, p):
                 break
             if kills % 2 == 0:
                 # Mid-persist: a step directory without its manifest is being written.
@@ -188,8 +159,8 @@ def test_agent_sigkilled_at_random_instants_costs_the_trainer_nothing(
             kills += 1
             run_kills += 1
             last = pid
-        _finish(p, log)
-        _assert_same_run(log, ref, ref_final)
+        finish_tinytrain(p, log)
+        assert_same_run(log, ref, ref_final, STEPS)
         start, source, restarts, _skips, committed = Path(str(log) + ".report").read_text().split()
         assert (start, source) == ("0", "None")
         # One new agent per kill (the last kill may come as the trainer leaves).
@@ -210,7 +181,7 @@ def test_trainer_killed_right_after_its_agent_restarted_resumes_equal(
     env = _env(base, tmp_path, "tk")
     log = tmp_path / "tk.log"
     p = _worker(env, log)
-    assert _wait(lambda: _agent_pid(env) is not None and len(_lines(log)) >= 10, p)
+    assert _wait(lambda: _agent_pid(env) is not None and len(logged_losses(log)) >= 10, p)
     first = _agent_pid(env)
     assert first is not None
     os.kill(first, signal.SIGKILL)
@@ -221,15 +192,15 @@ def test_trainer_killed_right_after_its_agent_restarted_resumes_equal(
     assert _wait(lambda: _linked(env, second), p)
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
-    assert len(_lines(log)) < STEPS, "the trainer finished before it could be killed"
+    assert len(logged_losses(log)) < STEPS, "the trainer finished before it could be killed"
     p = _worker(env, log)
     # The new trainer did not start this agent (the dead one did): when it dies too, the
     # trainer still starts the next one (an agent started by a trainer is any trainer's).
     assert _wait(lambda: _linked(env, second), p)
     os.kill(second, signal.SIGKILL)
     assert _wait(lambda: _agent_pid(env) not in (None, second), p)
-    _finish(p, log)
-    _assert_same_run(log, ref, ref_final)
+    finish_tinytrain(p, log)
+    assert_same_run(log, ref, ref_final, STEPS)
     start, source = Path(str(log) + ".report.start").read_text().splitlines()[-1].split()
     assert int(start) > 0 and source in ("memory", "storage"), (start, source)
     st = Storage(env.storage)

@@ -10,7 +10,6 @@ import json
 import os
 import platform
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 import xxhash
 from fchelpers import FcEnv, RunningAgent
 from tinytrain import make, train_steps
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.agent import persist as agent_persist
@@ -79,21 +79,26 @@ def test_the_hash_and_persist_threads_run_at_a_low_priority(
     fc_env: FcEnv, agent: RunningAgent
 ) -> None:
     names = ("flashckpt-agent-hash", "flashckpt-agent-persist", "flashckpt-agent-replica")
-    deadline = time.monotonic() + 60
-    while True:
+
+    def lowered() -> bool:
         # Both, each thread sets them one after the other when it starts: waited for together.
         nice = {n: _nice_of_threads(n) for n in names}
         io = {n: _ioprio_of_threads(n) for n in names}
-        if all(v and min(v) >= BACKGROUND_NICE for v in nice.values()) and all(
+        return all(v and min(v) >= BACKGROUND_NICE for v in nice.values()) and all(
             (got >> 13, got & 0xFF) == (2, 7)  # best-effort class (2), lowest level 7
             for v in io.values()
             for got in v
-        ):
-            break
-        assert time.monotonic() < deadline, (
-            f"the agent's background threads have nice {nice}, IO priority {io}"
         )
-        time.sleep(0.05)
+
+    wait_until(
+        lowered,
+        "the agent's background threads at nice >= BACKGROUND_NICE and IO priority (2, 7)",
+        interval=0.05,
+        state=lambda: (
+            f"nice { ({n: _nice_of_threads(n) for n in names}) }, "
+            f"IO priority { ({n: _ioprio_of_threads(n) for n in names}) }"
+        ),
+    )
     # Only they: the thread that answers the trainers (accept) keeps its priority.
     accept = _nice_of_threads("flashckpt-agent-accept")
     assert accept and max(accept) < BACKGROUND_NICE, accept
@@ -366,10 +371,11 @@ def _hashed_before_persist(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
 
 
 def _wait_passed(agent: RunningAgent, step: int) -> None:
-    deadline = time.monotonic() + 60
-    while agent.agent.st.persisted_high < step:
-        assert time.monotonic() < deadline, "the persister never took the step"
-        time.sleep(0.02)
+    wait_until(
+        lambda: agent.agent.st.persisted_high >= step,
+        f"the persister to take step {step}",
+        state=lambda: f"persisted_high {agent.agent.st.persisted_high}",
+    )
 
 
 @pytest.mark.parametrize("how", ["overwritten", "scribbled"])

@@ -8,8 +8,6 @@ its ``status`` reply, then passes it to ``a`` in ``--replica-peers``.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
 import signal
 import subprocess
@@ -21,32 +19,22 @@ from typing import Any
 
 import pytest
 import xxhash
-from fchelpers import FcEnv, private_shm, tinytrain_command, wait_agent
+from agentproc import AgentProc, agent_request, agent_status, start_agent
+from fchelpers import FcEnv, machines, tinytrain_command
+from waiting import wait_until
 
 from flashckpt import names
 from flashckpt.agent.daemon import AgentConfig, abandoned_segments
 from flashckpt.format.shm import Slot
-from flashckpt.protocol.channel import AgentClient
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def _wait(cond: Callable[[], Any], what: str, timeout: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    return wait_until(cond, what, timeout=timeout, interval=0.05)
 
 
-def _status(env: FcEnv) -> dict[str, Any]:
-    c = AgentClient(names.socket_path(env.run_dir, env.job, env.node), timeout=10.0)
-    try:
-        return c.request("status", timeout=30)
-    finally:
-        c.close()
+_status = agent_status
 
 
 class Agents:
@@ -54,60 +42,34 @@ class Agents:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[AgentProc] = []
 
-    def start(self, env: FcEnv, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
+    def start(self, env: FcEnv, *extra: str) -> tuple[AgentProc, Path]:
         log = self.tmp / f"agent-{env.node}-{time.monotonic_ns()}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "flashckpt",
-            "agent",
-            *env.cli_flags(),
-            "--idle-timeout",
-            "300",
-            "--poll-interval",
-            "0.05",
-            "--log-file",
-            str(log),
-            *extra,
-        ]
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        p = start_agent(
+            env, "--poll-interval", "0.05", "--log-file", str(log), *extra, idle_timeout=300
+        )
         self.procs.append(p)
-        wait_agent(env, p.pid, p)
         return p, log
 
     def close(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=30)
+            p.kill9()
 
 
 @pytest.fixture
 def two_nodes(fc_env: FcEnv, tmp_path: Path) -> Iterator[tuple[FcEnv, FcEnv, Agents]]:
-    with (
-        private_shm(tmp_path / "shm-a", "256m") as shm_a,
-        private_shm(tmp_path / "shm-b", "256m") as shm_b,
-    ):
-        a = dataclasses.replace(fc_env, node="a", shm_dir=shm_a)
-        b = dataclasses.replace(fc_env, node="b", shm_dir=shm_b)
+    with machines(fc_env, tmp_path, ["a", "b"]) as (a, b):
         agents = Agents(tmp_path)
         try:
             yield a, b, agents
         finally:
             agents.close()
-            for env in (a, b):
-                for n in os.listdir(env.shm_dir):
-                    if n.startswith(f"fc.{env.job}."):
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(os.path.join(env.shm_dir, n))
 
 
 def _start_pair(
     a: FcEnv, b: FcEnv, agents: Agents, *a_extra: str
-) -> tuple[subprocess.Popen[bytes], Path, subprocess.Popen[bytes], Path]:
+) -> tuple[AgentProc, Path, AgentProc, Path]:
     pb, log_b = agents.start(
         b, "--replica-listen", "127.0.0.1:0", "--replica-limit-bytes", str(64 * 2**20)
     )
@@ -283,8 +245,7 @@ def test_holder_killed_does_not_disturb_training(two_nodes: Any, tmp_path: Path)
 def test_capacity_check_refuses_with_numbers(fc_env: FcEnv, tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs a tmpfs of a set size (root)")
-    with private_shm(tmp_path / "small", "3m") as shm:
-        env = dataclasses.replace(fc_env, node="b", shm_dir=shm)
+    with machines(fc_env, tmp_path, ["b"], "3m") as (env,):
         agents = Agents(tmp_path)
         try:
             # Two slots of the tiny model fit in 3 MiB (about 2.3 MiB); a replica's worth more
@@ -298,9 +259,6 @@ def test_capacity_check_refuses_with_numbers(fc_env: FcEnv, tmp_path: Path) -> N
             assert "MiB available but this machine needs" in err
         finally:
             agents.close()
-            for n in os.listdir(shm):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(shm, n))
 
 
 def test_replica_config_is_checked() -> None:
@@ -519,12 +477,7 @@ def test_replicas_of_machines_that_left_the_world_are_dropped(tmp_path: Path) ->
 # -- the launcher's peer list (replica_peers request, Replicator.set_peers) --------------------
 
 
-def _request(env: FcEnv, op: str, **fields: Any) -> dict[str, Any]:
-    c = AgentClient(names.socket_path(env.run_dir, env.job, env.node), timeout=10.0)
-    try:
-        return c.request(op, timeout=30, **fields)
-    finally:
-        c.close()
+_request = agent_request
 
 
 def test_replica_peers_request_is_validated() -> None:
@@ -576,8 +529,7 @@ def test_agent_takes_the_launchers_peer_list_and_serves_on_after_bad_ones(
     targets; a new one replaces it."""
     from flashckpt.errors import AgentError
 
-    with private_shm(tmp_path / "shm-a", "64m") as shm:
-        a = dataclasses.replace(fc_env, node="a", shm_dir=shm)
+    with machines(fc_env, tmp_path, ["a"], "64m") as (a,):
         agents = Agents(tmp_path)
         try:
             p, _ = agents.start(a, "--replica-listen", "127.0.0.1:0")
@@ -609,9 +561,6 @@ def test_agent_takes_the_launchers_peer_list_and_serves_on_after_bad_ones(
             assert p.poll() is None
         finally:
             agents.close()
-            for n in os.listdir(shm):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(shm, n))
 
 
 def test_peer_list_sent_at_runtime_replicates_and_a_new_list_redirects(
@@ -620,14 +569,7 @@ def test_peer_list_sent_at_runtime_replicates_and_a_new_list_redirects(
     """Agent ``a`` starts without peers; the launcher's list (b) makes it send its newest
     snapshot to b; a new list (c instead of b) sends the same snapshot to c without a new
     snapshot, and a's sent record forgets b."""
-    with (
-        private_shm(tmp_path / "shm-a", "128m") as shm_a,
-        private_shm(tmp_path / "shm-b", "128m") as shm_b,
-        private_shm(tmp_path / "shm-c", "128m") as shm_c,
-    ):
-        a = dataclasses.replace(fc_env, node="a", shm_dir=shm_a)
-        b = dataclasses.replace(fc_env, node="b", shm_dir=shm_b)
-        c = dataclasses.replace(fc_env, node="c", shm_dir=shm_c)
+    with machines(fc_env, tmp_path, ["a", "b", "c"], "128m") as (a, b, c):
         agents = Agents(tmp_path)
         try:
             listen = {}
@@ -659,10 +601,6 @@ def test_peer_list_sent_at_runtime_replicates_and_a_new_list_redirects(
             assert [(s["target"], s["step"]) for s in sent] == [("c", newest)], sent
         finally:
             agents.close()
-            for env in (a, b, c):
-                for n in os.listdir(env.shm_dir):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(env.shm_dir, n))
 
 
 def test_set_peers_replaces_and_prunes_departed_once_the_new_world_snapshotted(

@@ -11,12 +11,10 @@ import contextlib
 import json
 import os
 import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
+from agentproc import start_agent
 from fchelpers import FcEnv
+from waiting import wait_until
 
 from flashckpt.protocol.channel import AgentClient, socket_path
 
@@ -39,17 +37,16 @@ def _ping(path: str, pid: int) -> None:
 
 
 def test_agent_survives_a_client_that_vanishes_while_it_writes(fc_env: FcEnv) -> None:
-    os.makedirs(fc_env.run_dir, mode=0o700, exist_ok=True)
-    cmd = [sys.executable, "-m", "flashckpt", "agent", "--job", fc_env.job, "--node", fc_env.node]
-    cmd += ["--run-dir", fc_env.run_dir, "--shm-dir", fc_env.shm_dir]
-    log = open(os.path.join(fc_env.run_dir, "agent.log"), "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+    # Not ready=True: its ping would be a conversation the idle count might still hold.
+    proc = start_agent(fc_env, storage="", idle_timeout=None, ready=False)
     try:
         path = socket_path(fc_env.run_dir, fc_env.job, fc_env.node)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            assert proc.poll() is None, Path(log.name).read_text()
-            time.sleep(0.05)
+
+        def listening() -> bool:
+            assert proc.poll() is None, proc.log_tail()
+            return os.path.exists(path)
+
+        wait_until(listening, f"the agent's socket {path}", interval=0.05)
         idle = _sockets(proc.pid)
         # Clients that ask for many replies and hang up at once: the agent's writes after the
         # peer's reset fail with EPIPE.
@@ -62,15 +59,19 @@ def test_agent_survives_a_client_that_vanishes_while_it_writes(fc_env: FcEnv) ->
         # the agent holds no more sockets than when idle it has written every reply it would
         # (a write into a dead peer is what kills a process with the default SIGPIPE action).
         _ping(path, proc.pid)
-        deadline = time.monotonic() + 60
-        while _sockets(proc.pid) > idle:
-            assert proc.poll() is None, (proc.returncode, Path(log.name).read_text()[-3000:])
-            assert time.monotonic() < deadline, "the agent still holds the clients' sockets"
-            time.sleep(0.05)
-        assert proc.poll() is None, (proc.returncode, Path(log.name).read_text()[-3000:])
+
+        def closed() -> bool:
+            assert proc.poll() is None, (proc.returncode, proc.log_tail(3000))
+            return _sockets(proc.pid) <= idle
+
+        wait_until(
+            closed,
+            "the agent to close the clients' sockets",
+            interval=0.05,
+            state=lambda: f"{_sockets(proc.pid)} sockets, {idle} when idle",
+        )
+        assert proc.poll() is None, (proc.returncode, proc.log_tail(3000))
         _ping(path, proc.pid)
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
-    assert proc.returncode == 0
+        code = proc.stop(timeout=60)
+    assert code == 0, proc.log_tail()

@@ -17,12 +17,17 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
-from fchelpers import FcEnv, kill_job_processes, tinytrain_command, wait_agent
+from agentproc import agent_command, agent_status, start_agent, wait_agent
+from fchelpers import (
+    FcEnv,
+    finish_tinytrain,
+    kill_job_processes,
+    start_tinytrain,
+)
 from waiting import wait_until
 
 from flashckpt.agent.daemon import EXIT_KEPT
 from flashckpt.format.storage import Storage
-from flashckpt.protocol.channel import AgentClient
 
 pytestmark = pytest.mark.slow
 
@@ -30,44 +35,20 @@ STEPS = 60
 
 
 def _train(env: FcEnv, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    cmd = tinytrain_command(env, log, "--steps", str(STEPS), "--every", "1", "--quiet", *extra)
-    with open(str(log) + ".err", "ab") as err:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-
-
-def _finish(p: subprocess.Popen[bytes], log: Path) -> None:
-    assert p.wait(timeout=240) == 0, Path(str(log) + ".err").read_text()[-4000:]
+    return start_tinytrain(env, log, "--steps", str(STEPS), "--every", "1", "--quiet", *extra)
 
 
 def _reference(tmp_path: Path, env: FcEnv) -> dict[str, torch.Tensor]:
-    ref = FcEnv(
-        job=env.job + "ref",
-        node=env.node,
-        run_dir=env.run_dir,
-        storage=f"file://{tmp_path}/ref",
-        storage_path=tmp_path / "ref",
-        shm_dir=env.shm_dir,
-    )
+    ref = env.reference(tmp_path)
     log = tmp_path / "ref.log"
     try:
-        _finish(_train(ref, log), log)
+        finish_tinytrain(_train(ref, log), log, 240)
     finally:
         kill_job_processes(ref.job)
     return safetensors.torch.load_file(str(log) + ".final.safetensors")
 
 
-def _agent_cmd(env: FcEnv) -> list[str]:
-    return [sys.executable, "-m", "flashckpt", "agent", *env.cli_flags(), "--idle-timeout", "120"]
-
-
-def _status(env: FcEnv) -> dict:  # type: ignore[type-arg]
-    from flashckpt.protocol.channel import socket_path
-
-    c = AgentClient(socket_path(env.run_dir, env.job, env.node), timeout=5.0)
-    try:
-        return c.request("status", timeout=10)
-    finally:
-        c.close()
+_status = agent_status
 
 
 def _newest_slot(env: FcEnv) -> int:
@@ -89,7 +70,7 @@ def test_stop_persists_the_newest_unmarked_snapshot(
     log, report = tmp_path / "run.log", tmp_path / "report.txt"
     agent_log = open(tmp_path / "agent.log", "ab")  # noqa: SIM115
     if how == "sigterm":
-        agent = subprocess.Popen(_agent_cmd(fc_env), stdout=agent_log, stderr=agent_log)
+        agent = start_agent(fc_env, log=tmp_path / "agent.log", ready=False)
         parent = None
     else:
         # A stand-in launcher: spawns the agent with PR_SET_PDEATHSIG=SIGTERM, as elastic does.
@@ -97,7 +78,8 @@ def test_stop_persists_the_newest_unmarked_snapshot(
             "import subprocess,sys,time\n"
             "from flashckpt.elastic.procutil import die_with_parent\n"
             "import signal\n"
-            f"p=subprocess.Popen({_agent_cmd(fc_env)!r},preexec_fn=die_with_parent(signal.SIGTERM))\n"
+            f"p=subprocess.Popen({agent_command(fc_env)!r},"
+            "preexec_fn=die_with_parent(signal.SIGTERM))\n"
             "print(p.pid,flush=True)\n"
             "time.sleep(3600)\n"
         )
@@ -108,7 +90,7 @@ def test_stop_persists_the_newest_unmarked_snapshot(
         agent = None
     agent_log.close()
     try:
-        pid = wait_agent(fc_env)
+        pid = wait_agent(fc_env, proc=agent or parent)
         proc = psutil.Process(pid)
         t = _train(fc_env, log, "--persist-every", "5m", "--step-sleep", "0.05")
         st = Storage(fc_env.storage)
@@ -135,7 +117,7 @@ def test_stop_persists_the_newest_unmarked_snapshot(
         t.wait(timeout=30)
         assert st.committed_steps()[-1] == newest
         assert _slot_files(fc_env) == []  # storage holds it: the memory is freed
-        _finish(_train(fc_env, log, "--report", str(report)), log)
+        finish_tinytrain(_train(fc_env, log, "--report", str(report)), log, 240)
         assert report.read_text().split() == [str(newest), "storage"]
     finally:
         kill_job_processes(fc_env.job)
@@ -151,10 +133,8 @@ def test_stop_with_failing_storage_keeps_the_segments(tmp_path: Path, fc_env: Fc
     ref_final = _reference(tmp_path, fc_env)
     log, report = tmp_path / "run.log", tmp_path / "report.txt"
     agent_log = tmp_path / "agent.log"
-    with open(agent_log, "ab") as f:
-        agent = subprocess.Popen(_agent_cmd(fc_env), stdout=f, stderr=f)
+    agent = start_agent(fc_env, log=agent_log)
     try:
-        wait_agent(fc_env, agent.pid)
         t = _train(fc_env, log, "--persist-every", "5m", "--step-sleep", "0.05")
         st = Storage(fc_env.storage)
         wait_until(lambda: st.committed_steps() != [], "the first commit", timeout=120.0)
@@ -182,7 +162,7 @@ def test_stop_with_failing_storage_keeps_the_segments(tmp_path: Path, fc_env: Fc
         (tmp_path / "ckpt-away").rename(root)
         assert st.committed_steps() == committed
         # The rerun (its own auto-started agent adopts the kept slots) resumes from memory.
-        _finish(_train(fc_env, log, "--report", str(report)), log)
+        finish_tinytrain(_train(fc_env, log, "--report", str(report)), log, 240)
         assert report.read_text().split() == [str(newest), "memory"]
     finally:
         kill_job_processes(fc_env.job)

@@ -6,75 +6,33 @@ trainers' ``persist_errors``, and at its stop the agent tries the final step aga
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from fchelpers import FcEnv, kill_job_processes, wait_agent
-from tinytrain import make, train_step
+from agentproc import AgentProc, start_agent
+from fchelpers import FcEnv, kill_job_processes
+from mirrorruns import train_with_a_broken_mirror
 from waiting import wait_until
 
-import flashckpt
 from flashckpt.agent.daemon import EXIT_MIRROR_FAILED
 from flashckpt.format.storage import Storage
 
 pytestmark = pytest.mark.slow
 
 
-def _agent(env: FcEnv, log: Path, commit_timeout: int) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "flashckpt",
-        "agent",
-        *env.cli_flags(),
-        "--idle-timeout",
-        "120",
-        "--commit-timeout",
-        str(commit_timeout),
-        "--retry-interval",
-        "0.5",
-    ]
-    with open(log, "ab") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=f)
-    wait_agent(env, p.pid)
-    return p
+def _agent(env: FcEnv, log: Path, commit_timeout: int) -> AgentProc:
+    flags = ("--commit-timeout", str(commit_timeout), "--retry-interval", "0.5")
+    return start_agent(env, *flags, log=log)
 
 
 def _run_with_a_mirror_that_breaks(env: FcEnv, remote: Path) -> tuple[int, list]:  # type: ignore[type-arg]
     """Trains with the mirror working for the first step, then broken (its root becomes a
     file); returns the final step and the trainer's persist_errors."""
-    url = f"file://{remote}"
-    model, opt, sched = make(0)
+    errors: list = []  # type: ignore[type-arg]
     # on_persist_failure="warn": the trainer's exit fails on a final step that never reached a
     # failing mirror (tests/test_trainer_mirror_final.py); here the agent's stop is tested.
-    kw = env.ckpt_kwargs(
-        every=0, persist_every=1, mirror=url, mirror_every=1, on_persist_failure="warn"
-    )
-    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
-        train_step(model, opt, sched, 0)
-        ck.step()
-        ck.save(mode="sync")
-        assert ck.flush() == 1
-        wait_until(
-            lambda: Storage(url).committed_steps() == [1], "step 1 in the mirror", timeout=120.0
-        )
-        away = remote.with_name("remote-away")
-        remote.rename(away)
-        remote.write_text("the mirror is gone")
-        for i in range(1, 3):
-            train_step(model, opt, sched, i)
-            ck.step()
-            ck.save(mode="sync")
-            assert ck.flush() == i + 1  # the storage root still commits every step
-        wait_until(
-            lambda: ck.stats.persist_errors, "the mirror's error at the trainer", timeout=120.0
-        )
-        errors = list(ck.stats.persist_errors)
-        train_step(model, opt, sched, 3)
-        ck.step()
-    return ck.stats.last_snapshot_step, errors
+    final = train_with_a_broken_mirror(env, remote, errors=errors, on_persist_failure="warn")
+    return final, errors
 
 
 def test_a_broken_mirror_reaches_persist_errors_and_fails_the_agents_exit(

@@ -10,14 +10,19 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
-from fchelpers import FcEnv, kill_job_processes, private_shm, tinytrain_command, wait_agent
+from agentproc import start_agent
+from fchelpers import (
+    FcEnv,
+    kill_job_processes,
+    private_shm,
+    start_tinytrain,
+)
 from waiting import wait_until
 
 from flashckpt.format.shm import Slot
@@ -44,14 +49,15 @@ def env(fc_env: FcEnv, tmp_path: Path) -> Iterator[FcEnv]:
 def _train(
     env: FcEnv, log: Path, *extra: str, wrap: tuple[str, ...] = ()
 ) -> subprocess.Popen[bytes]:
-    cmd = tinytrain_command(env, log, "--steps", str(STEPS), "--every", "2", "--quiet", *extra)
-    with open(str(log) + ".err", "ab") as err:
-        return subprocess.Popen([*wrap, *cmd], stdout=subprocess.DEVNULL, stderr=err)
+    flags = ("--steps", str(STEPS), "--every", "2", "--quiet", *extra)
+    return start_tinytrain(env, log, *flags, wrap=wrap)
 
 
-def _agent(env: FcEnv, *wrap: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "flashckpt", "agent", *env.cli_flags(), "--idle-timeout", "120"]
-    return subprocess.Popen([*wrap, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def _refused_agent(env: FcEnv, *wrap: str) -> str:
+    """An agent that must refuse to start (exit code 1); its output."""
+    b = start_agent(env, wrap=wrap, ready=False)
+    assert b.wait(timeout=240) == 1, b.log_tail()
+    return b.log.read_text()
 
 
 def _newest_in_memory(env: FcEnv) -> int:
@@ -92,14 +98,8 @@ def test_full_shm_at_agent_start_names_it_and_the_job_resumes_once_freed(
     tmp_path: Path, env: FcEnv
 ) -> None:
     ref_log = tmp_path / "ref.log"
-    ref = FcEnv(
-        job=env.job + "ref",
-        node=env.node,
-        run_dir=env.run_dir,
-        storage=f"file://{tmp_path}/ref",
-        storage_path=tmp_path / "ref",
-        shm_dir="/dev/shm",  # not the test's small tmpfs (the fixture clears it)
-    )
+    # Not in the test's small tmpfs (the fixture clears it).
+    ref = env.reference(tmp_path, shm_dir="/dev/shm")
     try:
         assert _train(ref, ref_log).wait(timeout=240) == 0
     finally:
@@ -108,8 +108,7 @@ def test_full_shm_at_agent_start_names_it_and_the_job_resumes_once_freed(
 
     # A run whose trainer and agent crash, leaving their snapshots in memory.
     log, report = tmp_path / "run.log", tmp_path / "report.txt"
-    a = _agent(env)
-    wait_agent(env, a.pid)
+    a = start_agent(env)
     t = _train(env, log, "--step-sleep", "0.05")
     wait_until(lambda: _newest_in_memory(env) >= 10, "snapshots in memory", timeout=120.0)
     for p in (t, a):
@@ -119,10 +118,7 @@ def test_full_shm_at_agent_start_names_it_and_the_job_resumes_once_freed(
     os.unlink(os.path.join(env.shm_dir, f"fc.{env.job}.{env.node}.owner"))
     filler = _fill(env.shm_dir)
     for _ in range(2):
-        b = _agent(env)
-        out, _ = b.communicate(timeout=240)
-        text = out.decode()
-        assert b.returncode == 1, text
+        text = _refused_agent(env)
         assert f"the shared-memory directory {env.shm_dir} is full (0.0 MiB free" in text, text
         assert "--shm-size" in text and "flashckpt clean" in text, text
         assert "snapshot slots there" in text, text  # the kept memory is named, not lost
@@ -171,21 +167,14 @@ def test_planted_owner_file_is_named_with_its_owner(env: FcEnv) -> None:
     owner = os.path.join(env.shm_dir, f"fc.{env.job}.{env.node}.owner")
     _plant(owner)
     for _ in range(2):
-        b = _agent(env, *wrap)
-        out, _ = b.communicate(timeout=240)
-        text = out.decode()
-        assert b.returncode == 1, text
+        text = _refused_agent(env, *wrap)
         assert f"{owner} belongs to another user (uid {OTHER_UID}" in text, text
         assert "sudo rm" in text and "--job" in text and "--shm-dir" in text, text
         assert sorted(os.listdir(env.shm_dir)) == [os.path.basename(owner)]  # nothing left
     # Removed (as the message says): the job starts.
     os.unlink(owner)
-    b = _agent(env, *wrap)
-    try:
-        wait_agent(env, b.pid)
-    finally:
-        b.send_signal(signal.SIGTERM)
-        b.wait(timeout=60)
+    b = start_agent(env, wrap=wrap)  # answers on the job's socket
+    b.stop(timeout=60)
 
 
 def test_planted_slot_file_is_named_at_the_trainers_entry(tmp_path: Path, env: FcEnv) -> None:

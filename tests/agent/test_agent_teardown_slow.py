@@ -6,35 +6,16 @@ bitwise). Storage is slowed in the agent's process: every 1 MiB chunk of a shard
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent
+from slowfs import slow_storage_writes
 from tinytrain import make, train_step
 
 import flashckpt
-import flashckpt.agent.persist as agent_persist
 from flashckpt.format.storage import Storage
-
-
-def _slow_storage(monkeypatch: pytest.MonkeyPatch, seconds_per_chunk: float) -> None:
-    monkeypatch.setattr(agent_persist, "WRITE_CHUNK", 1 << 20)
-    real = Storage.write_buffer
-
-    def write_buffer(
-        self: Storage, path: str, head: bytes, data: Any, check: Any = None, **kw: Any
-    ) -> Any:
-        def slow() -> None:
-            time.sleep(seconds_per_chunk)
-            if check is not None:
-                check()
-
-        return real(self, path, head, data, slow, **kw)
-
-    monkeypatch.setattr(Storage, "write_buffer", write_buffer)
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -44,7 +25,7 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_a_write_that_no_longer_yields_is_staged_and_exact(
     fc_env: FcEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _slow_storage(monkeypatch, 0.1)  # a ~4.5 MB shard takes ~0.5 s: several steps
+    slow_storage_writes(monkeypatch, 0.1)  # a ~4.5 MB shard takes ~0.5 s: several steps
     agent = RunningAgent(fc_env.agent_config())
     try:
         model, opt, sched = make(0, 20_000)

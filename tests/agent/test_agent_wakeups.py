@@ -11,16 +11,16 @@ reads of the trainers' rings)."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from fchelpers import FcEnv, RunningAgent, agent_process, wait_agent
-from tinytrain import make, train_steps
+from agentproc import AgentProc, start_agent
+from fchelpers import FcEnv, RunningAgent, agent_process
+from tinytrain import trained
+from waiting import wait_until
 
 import flashckpt
 import flashckpt.agent.daemon
@@ -57,14 +57,8 @@ def _wakeups_per_s(pid: int, window: float = WINDOW_S) -> tuple[float, dict[int,
     return sum(per.values()) / dt, per
 
 
-def _stop(p: subprocess.Popen[bytes]) -> None:
-    p.send_signal(signal.SIGTERM)
-    try:
-        assert p.wait(timeout=60) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=30)
+def _stop(p: AgentProc) -> None:
+    assert p.stop(timeout=60) == 0, p.log_tail()
 
 
 def test_an_agent_without_trainers_wakes_rarely(fc_env: FcEnv) -> None:
@@ -83,12 +77,7 @@ def test_an_agent_whose_trainer_does_not_save_wakes_rarely(fc_env: FcEnv) -> Non
     """A trainer connected, its snapshots persisted, between two saves."""
     a = agent_process(fc_env)
     try:
-        model, opt, sched = make(0)
-        with flashckpt.checkpointing(
-            model, opt, scheduler=sched, every=2, **fc_env.ckpt_kwargs(agent="connect")
-        ) as ck:
-            train_steps(ck, model, opt, sched, 0, 4)
-            assert ck.flush() == 4
+        with trained(fc_env):
             time.sleep(1.0)  # warm-up: the hash, persist and commit of step 4 are done
             rate, per = _wakeups_per_s(a.pid)
             detail = sorted((n for n in per.values() if n), reverse=True)
@@ -110,10 +99,12 @@ def test_a_stop_wakes_every_thread_of_the_agent(
     ours = [t for t in threading.enumerate() if t not in before and t.name.startswith("flashckpt")]
     assert len(ours) >= 8, [t.name for t in ours]  # accept, persist, ..., replica (+ monitor)
     a.stop()  # joins the main loop (60 s at most, not the hour)
-    deadline = time.monotonic() + 60
-    while alive := [t.name for t in ours if t.is_alive()]:
-        assert time.monotonic() < deadline, f"threads still waiting after the stop: {alive}"
-        time.sleep(0.05)
+    wait_until(
+        lambda: not any(t.is_alive() for t in ours),
+        "every agent thread to end after the stop",
+        interval=0.05,
+        state=lambda: f"still waiting: {[t.name for t in ours if t.is_alive()]}",
+    )
 
 
 def test_a_signal_stops_an_agent_whose_main_loop_would_sleep_an_hour(fc_env: FcEnv) -> None:
@@ -124,14 +115,6 @@ def test_a_signal_stops_an_agent_whose_main_loop_would_sleep_an_hour(fc_env: FcE
         "flashckpt.agent.daemon.MAIN_TICK_S = 3600.0; "
         "sys.exit(flashckpt.cli.main(sys.argv[1:]))"
     )
-    cmd = [sys.executable, "-c", code, "agent", *fc_env.cli_flags(), "--idle-timeout", "7200"]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        wait_agent(fc_env, p.pid, p)
-        time.sleep(0.5)  # in its wait
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=30)
+    p = start_agent(fc_env, idle_timeout=7200, launcher=(sys.executable, "-c", code))
+    time.sleep(0.5)  # in its wait
+    _stop(p)

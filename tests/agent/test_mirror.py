@@ -11,8 +11,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -22,7 +20,10 @@ from typing import Any
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent, agent_process
-from tinytrain import make, train_step
+from rankprocs import run_worker
+from stephelpers import snapmeta_parts, wait_committed, wait_gone
+from tinytrain import make, persisted_steps, train_step
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.errors import CorruptCheckpointError, StorageUnavailableError
@@ -32,24 +33,6 @@ from flashckpt.format.storage import MANIFEST, PARTS, Storage
 from flashckpt.trainer.config import CheckpointConfig, parse_mirror_every
 
 HERE = Path(__file__).resolve().parents[1] / "support"
-
-
-def _wait_committed(st: Storage, step: int, timeout: float = 120.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = st.committed_steps()
-        if step in got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not committed in {st.url} within {timeout:.0f} s")
-
-
-def _wait_gone(st: Storage, step: int, timeout: float = 60.0) -> None:
-    """Waits until the step's directory is gone (retention runs just after a commit)."""
-    deadline = time.monotonic() + timeout
-    while step in st.all_step_dirs():
-        assert time.monotonic() < deadline, f"step {step} still in {st.url}"
-        time.sleep(0.05)
 
 
 def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -86,7 +69,7 @@ def _train(
             ck.save(mode="sync")
             ck.flush()
             if wait_mirror and ck.stats.mirror_marked > marked:
-                _wait_committed(Storage(mirror), ck.stats.last_snapshot_step)
+                wait_committed(Storage(mirror), ck.stats.last_snapshot_step)
         train_step(model, opt, sched, saves)
         ck.step()
         final = _state(model, opt)
@@ -117,7 +100,7 @@ def test_marked_steps_reach_the_mirror_and_restore_survives_the_lost_disk(
     try:
         final, ck = _train(fc_env, mirror_url, 7, mirror_every=3, wait_mirror=True)
         assert ck.stats.mirror_marked == 4  # persisted snapshots 1, 4, 7, and the exit's 8
-        got = _wait_committed(mirror, 8)
+        got = wait_committed(mirror, 8)
         # keep=3 (the agent's) holds in each tier on its own.
         assert got == [4, 7, 8]
         assert primary.committed_steps() == [6, 7, 8]
@@ -153,16 +136,12 @@ def test_the_last_step_reaches_the_mirror_when_the_loop_saved_it_unmarked(
     model, opt, sched = make(0)
     kw = fc_env.ckpt_kwargs(every=0, persist_every=1, mirror=mirror_url, mirror_every=10)
     with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
-        for i in range(4):
-            train_step(model, opt, sched, i)
-            ck.step()
-            ck.save(mode="sync")
-            assert ck.flush() == i + 1
-        _wait_committed(mirror, 1)
+        persisted_steps(ck, model, opt, sched, 0, 4)
+        wait_committed(mirror, 1)
         time.sleep(0.5)
         assert mirror.committed_steps() == [1]  # 2..4 unmarked: in the storage root only
     assert ck.stats.mirror_marked == 1
-    assert _wait_committed(mirror, 4) == [1, 4]
+    assert wait_committed(mirror, 4) == [1, 4]
     assert mirror.check_step(4).status == "ok"
 
 
@@ -174,7 +153,7 @@ def test_a_duration_mirrors_the_first_persisted_then_waits(
     _, ck = _train(fc_env, mirror_url, 3, mirror_every="1h", persist_every=1)
     # The first persisted snapshot, then nothing for an hour; the exit's final one (4) too.
     assert ck.stats.mirror_marked == 2
-    assert _wait_committed(mirror, 4) == [1, 4]
+    assert wait_committed(mirror, 4) == [1, 4]
     assert Storage(fc_env.storage).committed_steps() == [2, 3, 4]
 
 
@@ -186,7 +165,7 @@ def test_the_newest_step_of_either_tier_is_restored(
     agent = _fresh_agent(fc_env, agent)
     try:
         final, _ = _train(fc_env, mirror_url, 4, mirror_every=1, wait_mirror=True)
-        _wait_committed(mirror, 5)
+        wait_committed(mirror, 5)
         agent = _fresh_agent(fc_env, agent)
         # Both hold 5: the storage root (nearer) serves it.
         restored, ck = _restore(fc_env, mirror_url)
@@ -225,7 +204,7 @@ def test_a_corrupt_copy_falls_back_to_the_other_tier_or_an_older_step(
     agent = _fresh_agent(fc_env, agent)
     try:
         final, _ = _train(fc_env, mirror_url, 4, mirror_every=1)
-        _wait_committed(mirror, 5)
+        wait_committed(mirror, 5)
         agent = _fresh_agent(fc_env, agent)
         # The storage root's copy of 5 is corrupt: read from the mirror, with a warning.
         _flip_a_byte(fc_env.storage_path / "step-000000005" / shard)
@@ -272,12 +251,13 @@ def test_a_failed_copy_leaves_no_step_in_the_mirror(
                 ck.save(mode="sync")
                 assert ck.flush() == i + 1
                 if i == 0:
-                    _wait_committed(mirror, 1)
+                    wait_committed(mirror, 1)
                 if i == 1:
-                    deadline = time.monotonic() + 60
-                    while not agent.agent.status()["mirror"]["errors"]:
-                        assert time.monotonic() < deadline, "the failed copy was not reported"
-                        time.sleep(0.05)
+                    wait_until(
+                        lambda: agent.agent.status()["mirror"]["errors"],
+                        "the failed copy reported",
+                        interval=0.05,
+                    )
                     # The rank file went over, the shard was copied, found to differ and
                     # removed: no part of this node, no manifest, not a committed step.
                     d = tmp_path / "remote" / "step-000000002"
@@ -285,10 +265,10 @@ def test_a_failed_copy_leaves_no_step_in_the_mirror(
                     assert not (d / "shard-00000-of-00001.safetensors").exists()
                     assert not (d / PARTS).exists() and not (d / MANIFEST).exists()
                     assert mirror.committed_steps() == [1]
-            _wait_committed(mirror, 3)
+            wait_committed(mirror, 3)
         assert mirror.committed_steps() == [1, 3]
         # The abandoned step's files go with the retention after the next commit.
-        _wait_gone(mirror, 2)
+        wait_gone(mirror, 2)
         err = agent.agent.status()["mirror"]["errors"][0]
         assert err["step"] == 2 and "fails its checksum (corrupted): not copied" in err["error"]
         # A mirror failure is no persist failure: the storage root has every step.
@@ -319,10 +299,11 @@ def test_killed_mid_copy_no_half_step_is_visible(fc_env: FcEnv, tmp_path: Path) 
             ck.step()
             ck.save(mode="sync")
             assert ck.flush() == 1  # the primary tier commits regardless
-            deadline = time.monotonic() + 60
-            while not (stuck / "rank-00000-of-00001.json").exists():
-                assert time.monotonic() < deadline, "the mirror copy did not start"
-                time.sleep(0.05)
+            wait_until(
+                (stuck / "rank-00000-of-00001.json").exists,
+                "the mirror copy to start",
+                interval=0.05,
+            )
         time.sleep(0.3)
         assert mirror.committed_steps() == []
         assert not (stuck / PARTS).exists() and not (stuck / MANIFEST).exists()
@@ -349,10 +330,10 @@ def test_killed_mid_copy_no_half_step_is_visible(fc_env: FcEnv, tmp_path: Path) 
             ck.step()
             ck.save(mode="sync")
             ck.flush()
-        _wait_committed(mirror, 2)
+        wait_committed(mirror, 2)
         assert mirror.check_step(2).status == "ok"
         # The half-copied step goes with the retention of the commit after it.
-        _wait_gone(mirror, 1)
+        wait_gone(mirror, 1)
         assert mirror.all_step_dirs() == [2]
     finally:
         proc.terminate()
@@ -362,33 +343,23 @@ def test_killed_mid_copy_no_half_step_is_visible(fc_env: FcEnv, tmp_path: Path) 
 def test_two_ranks_on_two_machines_mirror_the_same_steps(fc_env: FcEnv, tmp_path: Path) -> None:
     mirror_url = f"file://{tmp_path / 'remote'}"
     init, out = tmp_path / "init", tmp_path / "out"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "_mirror_worker.py"),
-                *("--rank", str(rank), "--storage", fc_env.storage, "--mirror", mirror_url),
-                *("--job", fc_env.job, "--run-dir", fc_env.run_dir),
-                *("--init-file", str(init), "--out", str(out)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for rank in range(2)
-    ]
-    try:
-        errs = [p.communicate(timeout=300)[1].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], errs
+    run_worker(
+        HERE / "_mirror_worker.py",
+        tmp_path,
+        "mirror",
+        lambda rank: [
+            *("--rank", str(rank), "--storage", fc_env.storage, "--mirror", mirror_url),
+            *("--job", fc_env.job, "--run-dir", fc_env.run_dir),
+            *("--init-file", str(init), "--out", str(out)),
+        ],
+    )
     r0, r1 = (json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2))
     assert r0 == r1 == {"saved": [1, 2, 3, 4, 5, 6], "mirror_marked": 4}
     mirror = Storage(mirror_url)
     # Persisted 1..6 (every one) and the exit's 7; the 1st and every 2nd persisted, and the
     # exit's final one, are mirrored: 1, 3, 5, 7. The exit's goes while the agents shut down
     # (a bounded wait).
-    got = _wait_committed(mirror, 7)
+    got = wait_committed(mirror, 7)
     assert got == [1, 3, 5, 7]
     for step in got:
         m = mirror.manifest(step)
@@ -451,7 +422,7 @@ def test_a_fresh_start_over_a_mirror_with_steps_is_refused(
 ) -> None:
     mirror_url = f"file://{tmp_path / 'remote'}"
     _train(fc_env, mirror_url, 1, mirror_every=1, wait_mirror=True)
-    _wait_committed(Storage(mirror_url), 2)
+    wait_committed(Storage(mirror_url), 2)
     shutil.rmtree(fc_env.storage_path)  # the storage root is empty: the mirror still holds 2
     model, opt, sched = make(0)
     kw = fc_env.ckpt_kwargs(persist_every=1, mirror=mirror_url, restore=False)
@@ -463,25 +434,8 @@ def test_a_fresh_start_over_a_mirror_with_steps_is_refused(
 
 
 def test_the_mirror_mark_is_part_of_the_typed_snapshot_meta() -> None:
-    import hashlib
-
-    from flashckpt.format.layout import Layout
-
-    base = {
-        "job": "j",
-        "rank": 0,
-        "world_id": "",
-        "world_size": 1,
-        "local_world_size": 1,
-        "shard": 0,
-        "num_shards": 1,
-        "replica": 0,
-        "step": 3,
-        "private": {},
-        "persist": True,
-    }
-    sig = Layout([], 0, hashlib.sha1(b"[]").hexdigest()).signature
-    tail = {"layout_sig": sig, "entries": [], "skeleton": {}}
+    base, tail = snapmeta_parts()
+    base["persist"] = True
     doc = {**base, "mirror": "s3://bucket/run", **tail}
     m = SnapshotMeta.from_json(doc)
     assert m.mirror == "s3://bucket/run"
@@ -594,22 +548,20 @@ def test_a_slow_mirror_keeps_its_step_from_the_primary_retention(
     kw = fc_env.ckpt_kwargs(every=0, persist_every=1, mirror=mirror_url, mirror_every=10, keep=3)
     try:
         with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
-            for i in range(4):
-                train_step(model, opt, sched, i)
-                ck.step()
-                ck.save(mode="sync")
-                assert ck.flush() == i + 1
+            persisted_steps(ck, model, opt, sched, 0, 4)
             assert primary.committed_steps() == [1, 2, 3, 4]  # step 1 held for the mirror
             root_has_4.set()
-            _wait_committed(mirror, 1)
+            wait_committed(mirror, 1)
             # Done with step 1: the root's retention runs (keep=3).
-            deadline = time.monotonic() + 60
-            while primary.committed_steps() != [2, 3, 4]:
-                assert time.monotonic() < deadline, primary.committed_steps()
-                time.sleep(0.05)
+            wait_until(
+                lambda: primary.committed_steps() == [2, 3, 4],
+                "the root's retention to keep [2, 3, 4]",
+                interval=0.05,
+                state=primary.committed_steps,
+            )
     finally:
         root_has_4.set()  # a failed check leaves no agent thread blocked
-    assert _wait_committed(mirror, 4) == [1, 4]
+    assert wait_committed(mirror, 4) == [1, 4]
     assert mirror.check_step(1).status == "ok"
     errors = agent.agent.mirrorer.errors
     assert not [e for e in errors if e["step"] == 1], errors

@@ -121,13 +121,9 @@ def worker(a: argparse.Namespace) -> int:
 
 
 def _wait(cond: Callable[[], Any], what: str, timeout: float = 180.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+    from waiting import wait_until
+
+    return wait_until(cond, what, timeout=timeout, interval=0.1)
 
 
 def _client(env: Any) -> Any:
@@ -138,11 +134,9 @@ def _client(env: Any) -> Any:
 
 
 def _status(env: Any) -> dict[str, Any]:
-    c = _client(env)
-    try:
-        return c.request("status", timeout=30)
-    finally:
-        c.close()
+    from agentproc import agent_status
+
+    return agent_status(env)
 
 
 class Machines:
@@ -153,34 +147,12 @@ class Machines:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def agent(self, env: Any, *extra: str, storage: bool) -> subprocess.Popen[bytes]:
-        from fchelpers import wait_agent
+        from agentproc import start_agent
 
         log = self.tmp / f"agent-{env.node}-{time.monotonic_ns()}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "flashckpt",
-            "agent",
-            "--job",
-            env.job,
-            "--node",
-            env.node,
-            "--run-dir",
-            env.run_dir,
-            "--shm-dir",
-            env.shm_dir,
-            *(["--storage", env.storage] if storage else []),
-            "--idle-timeout",
-            "300",
-            "--poll-interval",
-            "0.05",
-            "--log-file",
-            str(log),
-            *extra,
-        ]
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        flags = ("--poll-interval", "0.05", "--log-file", str(log), *extra)
+        p = start_agent(env, *flags, idle_timeout=300, storage=None if storage else "")
         self.procs.append(p)
-        wait_agent(env, p.pid, p)
         return p
 
     def run_job(
@@ -240,33 +212,16 @@ class Machines:
                 p.wait(timeout=30)
 
 
-def _clean(env: Any) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        for n in os.listdir(env.shm_dir):
-            if n.startswith(f"fc.{env.job}."):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(env.shm_dir, n))
-
-
 @pytest.fixture
 def three(fc_env: Any, tmp_path: Path) -> Iterator[tuple[Any, Any, Any, Machines]]:
-    from fchelpers import private_shm
+    from fchelpers import machines
 
-    with (
-        private_shm(tmp_path / "shm-a", "256m") as shm_a,
-        private_shm(tmp_path / "shm-b", "256m") as shm_b,
-        private_shm(tmp_path / "shm-c", "256m") as shm_c,
-    ):
-        a = dataclasses.replace(fc_env, node="a", shm_dir=shm_a)
-        b = dataclasses.replace(fc_env, node="b", shm_dir=shm_b)
-        c = dataclasses.replace(fc_env, node="c", shm_dir=shm_c)
+    with machines(fc_env, tmp_path, ["a", "b", "c"]) as (a, b, c):
         m = Machines(tmp_path)
         try:
             yield a, b, c, m
         finally:
             m.close()
-            for env in (a, b, c):
-                _clean(env)
 
 
 def _listen(env: Any) -> str:
@@ -301,7 +256,7 @@ def _lose_b(
         _wait(lambda: STEPS_BEFORE in st.committed_steps(), "step 8 committed")
     pb.send_signal(signal.SIGKILL)
     pb.wait(timeout=30)
-    _clean(b)  # the lost machine's memory is gone with it
+    b.remove_segments()  # the lost machine's memory is gone with it
     assert pa.poll() is None
     return pa, addr_a
 
@@ -449,7 +404,7 @@ def test_bad_pull_replica_requests_get_a_protocol_error_and_the_agent_serves_on(
                 c.close()
         finally:
             m.close()
-            _clean(env)
+            env.remove_segments()
 
 
 def test_a_replica_of_another_timelines_step_is_never_mixed_in() -> None:

@@ -15,7 +15,6 @@ import errno
 import mmap
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,6 +24,7 @@ from fchelpers import FcEnv, RunningAgent
 from fsspec import register_implementation
 from fsspec.implementations.memory import MemoryFileSystem
 from tinytrain import make, train_step
+from waiting import wait_until
 
 import flashckpt
 import flashckpt.format.storage as storage_mod
@@ -258,10 +258,11 @@ def test_the_agent_reports_eio_as_the_io_error_on_staged_and_direct_writes_then_
                 ck.save(mode="sync")
                 # The flush during the outage says the step is not persisted (the error is
                 # reported); the agent tries again, and storage answers once the EIO is over.
-                deadline = time.monotonic() + 60
-                while step + 1 not in root.committed_steps():
-                    assert time.monotonic() < deadline, (mode, agent.agent.status()["errors"])
-                    time.sleep(0.02)
+                wait_until(
+                    lambda: step + 1 in root.committed_steps(),  # noqa: B023 (waited here)
+                    f"step {step + 1} committed after the outage ({mode})",
+                    state=lambda: agent.agent.status()["errors"],
+                )
                 assert ck.flush() == step + 1
                 if mode == "staged":
                     assert len(staged) - before == fails + 1, len(staged)

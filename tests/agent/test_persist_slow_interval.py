@@ -9,41 +9,24 @@ Storage is slowed in the agent's process (every 1 MiB chunk of a shard write wai
 
 from __future__ import annotations
 
-import time
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fchelpers import FcEnv, RunningAgent
+from slowfs import slow_storage_writes
 from tinytrain import make, train_step
+from waiting import wait_until
 
 import flashckpt
-import flashckpt.agent.persist as agent_persist
 from flashckpt.agent.persist import Persister
-from flashckpt.format.storage import Storage
-
-
-def _slow_storage(monkeypatch: pytest.MonkeyPatch, seconds_per_chunk: float) -> None:
-    monkeypatch.setattr(agent_persist, "WRITE_CHUNK", 1 << 20)
-    real = Storage.write_buffer
-
-    def write_buffer(
-        self: Storage, path: str, head: bytes, data: Any, check: Any = None, **kw: Any
-    ) -> Any:
-        def slow() -> None:
-            time.sleep(seconds_per_chunk)
-            if check is not None:
-                check()
-
-        return real(self, path, head, data, slow, **kw)
-
-    monkeypatch.setattr(Storage, "write_buffer", write_buffer)
 
 
 def test_no_mark_is_passed_on_while_the_agent_writes_from_a_copy(
     fc_env: FcEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _slow_storage(monkeypatch, 0.1)  # a ~4.5 MB shard takes ~0.5 s: many steps
+    slow_storage_writes(monkeypatch, 0.1)  # a ~4.5 MB shard takes ~0.5 s: many steps
     # The agent's persists written from a copy: `staged` names the one in flight (None: none
     # is), `done` counts those that ended.
     flight: dict[str, Any] = {"n": 0, "staged": None, "done": 0}
@@ -101,9 +84,15 @@ def test_status_and_events_name_the_step_being_written(
 
     def write_shard(self: Persister, *a: Any, **kw: Any) -> Any:
         ck = holder["ck"]
-        deadline = time.monotonic() + 30
-        while ck.stats.persisting_step is None and time.monotonic() < deadline:
-            time.sleep(0.01)  # the event reaches the trainer's reader thread
+        # The event reaches the trainer's reader thread; a timeout shows in ``seen`` (not
+        # raised here: this runs in the agent's persist thread).
+        with contextlib.suppress(AssertionError):
+            wait_until(
+                lambda: ck.stats.persisting_step is not None,
+                "the persisting event at the trainer",
+                30,
+                0.01,
+            )
         seen.append((self.st.persisting, ck.stats.persisting_step))
         return real_write(self, *a, **kw)
 

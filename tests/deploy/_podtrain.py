@@ -12,7 +12,6 @@ can act on the topology while the ranks are at a known step).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
-from tinytrain import make
+from tinytrain import init_gloo, make
 from trainscript import exit_now
 
 import flashckpt
@@ -41,15 +40,7 @@ def main() -> int:
     a = p.parse_args()
     gates = {int(s): path for s, path in (g.split(":", 1) for g in a.gate)}
     torch.set_num_threads(1)
-    os.environ["LOCAL_RANK"] = str(a.rank)
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{a.init_file}",
-        rank=a.rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(a.init_file, a.rank, 2, 60, local_rank=a.rank, local_world=2)
     model, opt, sched = make(0)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     with flashckpt.checkpointing(

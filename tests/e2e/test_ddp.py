@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv
+from rankprocs import RankProcs
 
 from flashckpt.format.storage import Storage
 
@@ -32,12 +32,12 @@ def _launch(
     world_id: str | None = None,
     world: int = 2,
     extra: tuple[str, ...] = (),
-) -> list[subprocess.Popen]:
+) -> RankProcs:
     import os
 
     proc_env = {**os.environ, "FLASHCKPT_WORLD_ID": world_id} if world_id else None
     init = tmp / f"init-{tag}-{time.monotonic_ns()}"
-    procs = []
+    procs = RankProcs(tmp, tag)
     for rank in range(world):
         cmd = [
             sys.executable,
@@ -66,29 +66,14 @@ def _launch(
             cmd += ["--node", nodes[rank], "--local-world", "1"]
         if kill and rank in kill:
             cmd += ["--kill-in-copy", str(kill[rank])]
-        procs.append(
-            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=proc_env)
-        )
+        procs.start(cmd, env=proc_env)
     return procs
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
+def _wait_all(procs: RankProcs, timeout: float = 180) -> list[int]:
     """Waits for the ranks; once one dies by a signal, the survivors (stuck in a collective)
     are SIGKILLed too, as torchrun's agent would do."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            break
-        if any(c is not None and c < 0 for c in codes):
-            time.sleep(1.0)  # let survivors finish a snapshot in flight
-            break
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-        p.wait(timeout=30)
-    return [p.returncode for p in procs]
+    return procs.wait(timeout, stop_on_signal=True)
 
 
 def _assert_same_as_reference(tmp_path: Path, world: int = 2) -> None:
@@ -111,23 +96,17 @@ def _log(path: Path) -> list[tuple[int, str]]:
 
 def test_ddp_kill_mid_copy_resumes_at_common_step(tmp_path: Path, fc_env: FcEnv) -> None:
     steps = 20
-    ref_env = FcEnv(
-        job=fc_env.job + "ref",
-        node="n0",
-        run_dir=fc_env.run_dir,
-        storage=f"file://{tmp_path}/ref",
-        storage_path=tmp_path / "ref",
-    )
+    ref_env = fc_env.reference(tmp_path)
     procs = _launch(ref_env, tmp_path, "ref", steps)
-    assert _wait_all(procs) == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
+    assert _wait_all(procs) == [0, 0], procs.tails(2000)
 
     # Rank 1 dies by SIGKILL halfway through its 3rd snapshot copy (label 9): rank 0 holds 9,
     # rank 1 only 6. They must both resume at 6.
     procs = _launch(fc_env, tmp_path, "run", steps, kill={1: 3})
-    codes = _wait_all(procs, timeout=60)
+    codes = _wait_all(procs)
     assert codes[1] == -signal.SIGKILL
     procs = _launch(fc_env, tmp_path, "run", steps)
-    assert _wait_all(procs) == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
+    assert _wait_all(procs) == [0, 0], procs.tails(2000)
 
     report = (tmp_path / "run-report.txt").read_text().splitlines()
     assert sorted(report[:2]) == ["0 0 None", "1 0 None"], report  # the first, fresh start
@@ -166,19 +145,13 @@ def test_replacement_rank_restores_from_a_replica_in_memory(tmp_path: Path, fc_e
     import psutil
 
     steps = 20
-    ref_env = FcEnv(
-        job=fc_env.job + "ref",
-        node="n0",
-        run_dir=fc_env.run_dir,
-        storage=f"file://{tmp_path}/ref",
-        storage_path=tmp_path / "ref",
-    )
+    ref_env = fc_env.reference(tmp_path)
     procs = _launch(ref_env, tmp_path, "ref", steps, nodes=("n0", "n1"))
-    assert _wait_all(procs) == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
+    assert _wait_all(procs) == [0, 0], procs.tails(2000)
 
     # Rank 1 dies halfway through copying snapshot 12; rank 0 completed it and then hangs.
     procs = _launch(fc_env, tmp_path, "run", steps, kill={1: 4}, nodes=("n0", "n1"))
-    assert _wait_all(procs, timeout=60)[1] == -signal.SIGKILL
+    assert _wait_all(procs)[1] == -signal.SIGKILL
     # Machine n1 is gone: its agent and its memory.
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
@@ -195,7 +168,7 @@ def test_replacement_rank_restores_from_a_replica_in_memory(tmp_path: Path, fc_e
     )
 
     procs = _launch(fc_env, tmp_path, "run", steps, nodes=("n0", "n2"))
-    assert _wait_all(procs) == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
+    assert _wait_all(procs) == [0, 0], procs.tails(2000)
     report = (tmp_path / "run-report.txt").read_text().splitlines()
     assert sorted(report[2:]) == ["0 9 memory", "1 9 replica"], report
     _assert_same_as_reference(tmp_path)
@@ -208,25 +181,19 @@ def test_renumbered_ranks_reload_from_their_machines_memory(tmp_path: Path, fc_e
     written through at snapshot time, trains on bitwise like an uninterrupted run, and the agents
     (which stayed up across the change) go on persisting the new world's steps."""
     steps = 20
-    ref_env = FcEnv(
-        job=fc_env.job + "ref",
-        node="n0",
-        run_dir=fc_env.run_dir,
-        storage=f"file://{tmp_path}/ref",
-        storage_path=tmp_path / "ref",
-    )
+    ref_env = fc_env.reference(tmp_path)
     procs = _launch(ref_env, tmp_path, "ref", steps, nodes=("n0", "n1"))
-    assert _wait_all(procs) == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
+    assert _wait_all(procs) == [0, 0], procs.tails(2000)
 
     # World 1: rank 1 dies halfway through its 4th snapshot copy (step 12): the common step is 9.
     procs = _launch(fc_env, tmp_path, "run", steps, kill={1: 4}, nodes=("n0", "n1"), world_id="w1")
-    assert _wait_all(procs, timeout=60)[1] == -signal.SIGKILL
+    assert _wait_all(procs)[1] == -signal.SIGKILL
     agents_before = _agent_pids(fc_env.job)
     assert set(agents_before) == {"n0", "n1"}, agents_before
 
     # World 2: the same machines, ranks swapped.
     procs = _launch(fc_env, tmp_path, "run", steps, nodes=("n1", "n0"), world_id="w2")
-    assert _wait_all(procs) == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
+    assert _wait_all(procs) == [0, 0], procs.tails(2000)
     report = (tmp_path / "run-report.txt").read_text().splitlines()
     # Rank 1 (DDP broadcasts rank 0's buffers at each forward) reloads from its machine's memory,
     # although that snapshot was taken by rank 0. Rank 0's BatchNorm statistics are its own and

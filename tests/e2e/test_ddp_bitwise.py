@@ -27,10 +27,6 @@ WORLD = 3
 STEPS = 12
 
 
-def _stderr(procs) -> list[str]:  # type: ignore[no-untyped-def]
-    return [p.stderr.read().decode()[-2000:] for p in procs if p.stderr]
-
-
 def _killed_resumed_vs_uninterrupted(
     tmp: Path, fc_env: FcEnv, wrap: str
 ) -> tuple[bool, float, float]:
@@ -39,26 +35,20 @@ def _killed_resumed_vs_uninterrupted(
     and final tensor of every rank is bitwise equal, the largest difference of a logged loss and
     of a final tensor."""
     extra = ("--wrap", wrap, "--steps", str(STEPS))
-    ref_env = FcEnv(
-        job=fc_env.job + "ref",
-        node="n0",
-        run_dir=fc_env.run_dir,
-        storage=f"file://{tmp}/ref",
-        storage_path=tmp / "ref",
-    )
+    ref_env = fc_env.reference(tmp)
     procs = _launch(ref_env, tmp, "ref", STEPS, world=WORLD, extra=extra)
-    assert _wait_all(procs) == [0] * WORLD, _stderr(procs)
+    assert _wait_all(procs) == [0] * WORLD, procs.tails(2000)
     # checkpointing() warns (rank 0 only) of torch's wrapper, naming the fix (issue 41).
-    errs = [p.stderr.read().decode() if p.stderr else "" for p in procs]
+    errs = [procs.stderr(r) for r in range(WORLD)]
     warned = ["a plain DistributedDataParallel over 3 ranks" in e for e in errs]
     assert warned == [wrap == "plain", False, False], errs[0][-3000:]
     if wrap == "plain":
         assert "flashckpt.trainer.ddp.distributed_data_parallel(model" in errs[0], errs[0]
     agent = agent_process(fc_env)  # by hand: it keeps the memory however slow the rerun starts
     procs = _launch(fc_env, tmp, "run", STEPS, kill={1: 3}, world=WORLD, extra=extra)
-    assert _wait_all(procs, timeout=120)[1] == -signal.SIGKILL, _stderr(procs)
+    assert _wait_all(procs)[1] == -signal.SIGKILL, procs.tails(2000)
     procs = _launch(fc_env, tmp, "run", STEPS, world=WORLD, extra=extra)
-    assert _wait_all(procs) == [0] * WORLD, _stderr(procs)
+    assert _wait_all(procs) == [0] * WORLD, procs.tails(2000)
     agent.terminate()
     agent.wait(timeout=60)
     report = (tmp / "run-report.txt").read_text().splitlines()

@@ -12,8 +12,15 @@ from pathlib import Path
 import psutil
 import pytest
 import safetensors.torch
-import torch
-from fchelpers import FcEnv, agent_process, kill_job_processes, tinytrain_command
+from fchelpers import (
+    FcEnv,
+    agent_process,
+    finish_tinytrain,
+    kill_job_processes,
+    start_tinytrain,
+)
+from tinytrain import assert_same_run, logged_losses
+from waiting import wait_until
 
 from flashckpt.format.storage import Storage
 
@@ -22,52 +29,22 @@ pytestmark = pytest.mark.slow
 
 def _trainer(
     env: FcEnv, log: Path, *extra: str, steps: int = 40, width: int = 32, every: int = 3
-) -> subprocess.Popen:
-    cmd = tinytrain_command(
-        env, log, "--steps", str(steps), "--width", str(width), "--every", str(every), *extra
-    )
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+) -> subprocess.Popen[bytes]:
+    flags = ("--steps", str(steps), "--width", str(width), "--every", str(every), *extra)
+    return start_tinytrain(env, log, *flags)
 
 
-def _finish(p: subprocess.Popen, timeout: float = 240) -> None:
-    _, err = p.communicate(timeout=timeout)
-    assert p.returncode == 0, err.decode()[-3000:]
-
-
-def _losses(log: Path) -> list[tuple[int, str]]:
-    if not log.exists():
-        return []
-    out = []
-    for line in log.read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 2:
-            out.append((int(parts[0]), parts[1]))
-    return out
+def _finish(p: subprocess.Popen[bytes], log: Path) -> None:
+    finish_tinytrain(p, log, 240)
 
 
 def _reference(tmp_path: Path, env: FcEnv, steps: int, width: int) -> tuple[dict[int, str], dict]:
-    ref_env = FcEnv(
-        job=env.job + "ref",
-        node=env.node,
-        run_dir=env.run_dir,
-        storage=f"file://{tmp_path}/ref",
-        storage_path=tmp_path / "ref",
-    )
+    ref_env = env.reference(tmp_path)
     log = tmp_path / "ref.log"
-    _finish(_trainer(ref_env, log, steps=steps, width=width))
-    ref = dict(_losses(log))
+    _finish(_trainer(ref_env, log, steps=steps, width=width), log)
+    ref = dict(logged_losses(log))
     assert sorted(ref) == list(range(steps))
     return ref, safetensors.torch.load_file(str(log) + ".final.safetensors")
-
-
-def _assert_same_run(log: Path, ref: dict[int, str], ref_final: dict, steps: int) -> None:
-    seen = _losses(log)
-    assert {s for s, _ in seen} == set(range(steps))
-    for step, loss in seen:  # every line, from every incarnation, matches the uninterrupted run
-        assert loss == ref[step], f"step {step}: {loss} != {ref[step]}"
-    final = safetensors.torch.load_file(str(log) + ".final.safetensors")
-    for k, v in ref_final.items():
-        assert torch.equal(final[k], v), k
 
 
 def test_random_sigkills_of_the_trainer_lose_nothing(tmp_path: Path, fc_env: FcEnv) -> None:
@@ -79,18 +56,21 @@ def test_random_sigkills_of_the_trainer_lose_nothing(tmp_path: Path, fc_env: FcE
     for _ in range(4):
         p = _trainer(fc_env, log, "--report", str(report), steps=steps, width=width)
         # Wait until it trains, then kill at a random instant (in a copy, in persistence, ...).
-        t_end = time.monotonic() + 120
-        n0 = len(_losses(log))
-        while len(_losses(log)) < n0 + 2 and p.poll() is None and time.monotonic() < t_end:
-            time.sleep(0.01)
+        n0 = len(logged_losses(log))
+        wait_until(
+            lambda: len(logged_losses(log)) >= n0 + 2 or p.poll() is not None,  # noqa: B023
+            "two more steps logged, or the trainer's exit",
+            120,
+            0.01,
+        )
         time.sleep(rng.uniform(0.0, 0.6))
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
             kills += 1
         p.wait(timeout=60)
     assert kills >= 2
-    _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, width=width))
-    _assert_same_run(log, ref, ref_final, steps)
+    _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, width=width), log)
+    assert_same_run(log, ref, ref_final, steps)
     starts = [line.split() for line in report.read_text().splitlines()]
     assert any(src == "memory" for _, src in starts), starts  # hot reload happened
     st = Storage(fc_env.storage)
@@ -105,9 +85,9 @@ def test_sigkill_in_the_middle_of_a_snapshot_copy(tmp_path: Path, fc_env: FcEnv)
     p = _trainer(fc_env, log, "--kill-in-copy", "4", "--mode", "sync", steps=steps)
     p.wait(timeout=120)
     assert p.returncode == -signal.SIGKILL
-    _finish(_trainer(fc_env, log, "--report", str(report), steps=steps))
+    _finish(_trainer(fc_env, log, "--report", str(report), steps=steps), log)
     assert report.read_text().split() == ["9", "memory"]
-    _assert_same_run(log, ref, ref_final, steps)
+    assert_same_run(log, ref, ref_final, steps)
 
 
 def test_sigkill_of_the_agent_during_persistence(tmp_path: Path, fc_env: FcEnv) -> None:
@@ -117,18 +97,16 @@ def test_sigkill_of_the_agent_during_persistence(tmp_path: Path, fc_env: FcEnv) 
     trainer = _trainer(fc_env, log, "--report", str(report), steps=steps, width=width, every=4)
     st = Storage(fc_env.storage)
     # Kill the agent while a step directory exists without a manifest (a write in flight).
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
+
+    def in_flight() -> list[int]:
         dirs, done = st.all_step_dirs(), st.committed_steps()
-        if [d for d in dirs if d not in done]:
-            # Both at once: a trainer outlives its agent and would start the next one (issue
-            # 12), which would finish the half-written step this test wants to see left.
-            agent.send_signal(signal.SIGKILL)
-            trainer.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.005)
-    else:
-        pytest.fail("never saw a step being persisted")
+        return [d for d in dirs if d not in done]
+
+    wait_until(in_flight, "a step being persisted (its directory, no manifest)", 180, 0.005)
+    # Both at once: a trainer outlives its agent and would start the next one (issue 12),
+    # which would finish the half-written step this test wants to see left.
+    agent.send_signal(signal.SIGKILL)
+    trainer.send_signal(signal.SIGKILL)
     agent.wait(timeout=30)
     trainer.wait(timeout=30)
     kill_job_processes(fc_env.job)  # an agent the trainer may have started in between
@@ -140,7 +118,9 @@ def test_sigkill_of_the_agent_during_persistence(tmp_path: Path, fc_env: FcEnv) 
     # The next agent adopts the surviving snapshots; the trainer resumes from memory.
     agent2 = agent_process(fc_env)
     try:
-        _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, width=width, every=4))
+        _finish(
+            _trainer(fc_env, log, "--report", str(report), steps=steps, width=width, every=4), log
+        )
         assert report.read_text().splitlines()[-1].split()[1] == "memory"
         committed = st.committed_steps()
         assert committed[-1] == steps
@@ -191,9 +171,7 @@ def test_breakpoint_save_then_clean_sigterm(tmp_path: Path, fc_env: FcEnv) -> No
     log = tmp_path / "run.log"
     agent = agent_process(fc_env)
     t = _trainer(fc_env, log, steps=10_000, every=5, width=100_000)
-    deadline = time.monotonic() + 120
-    while len(_losses(log)) < 23 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(logged_losses(log)) >= 23, "step 23 in the trainer's log", 120, 0.01)
     t.send_signal(signal.SIGKILL)
     t.wait(timeout=30)
     newest = -1
@@ -206,11 +184,13 @@ def test_breakpoint_save_then_clean_sigterm(tmp_path: Path, fc_env: FcEnv) -> No
             slot.close()
     assert newest >= 20
     st = Storage(fc_env.storage)
-    deadline = time.monotonic() + 60
-    while (
-        not st.committed_steps() or st.committed_steps()[-1] < newest
-    ) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(
+        lambda: st.committed_steps()[-1:] >= [newest],
+        f"the newest snapshot (step {newest}) committed",
+        60,
+        0.05,
+        state=st.committed_steps,
+    )
     assert st.committed_steps()[-1] == newest
     proc = psutil.Process(agent.pid)
     agent.send_signal(signal.SIGTERM)
@@ -223,7 +203,7 @@ def test_back_to_back_runs_with_auto_started_agents(tmp_path: Path, fc_env: FcEn
     """A run that starts while the previous run's agent is shutting down still gets an agent."""
     log, report = tmp_path / "run.log", tmp_path / "report.txt"
     for steps in (6, 12, 18):
-        _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, every=3))
+        _finish(_trainer(fc_env, log, "--report", str(report), steps=steps, every=3), log)
     starts = [line.split() for line in report.read_text().splitlines()]
     assert [int(s) for s, _ in starts] == [0, 6, 12]
     assert Storage(fc_env.storage).committed_steps()[-1] == 18

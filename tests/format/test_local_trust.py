@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent, agent_process
-from tinytrain import make, train_steps
+from tinytrain import make, trained_run
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.agent.daemon import AgentConfig, NodeAgent
@@ -105,12 +106,7 @@ def _crashed_agent_slots(env: FcEnv) -> list[Path]:
     SIGKILLed: its slot files stay in ``env.shm_dir``."""
     a = agent_process(env)
     try:
-        model, opt, sched = make(0)
-        with flashckpt.checkpointing(
-            model, opt, scheduler=sched, every=2, **env.ckpt_kwargs(agent="connect")
-        ) as ck:
-            train_steps(ck, model, opt, sched, 0, 4)
-            assert ck.flush() == 4
+        trained_run(env)  # its agent holds steps 2 and 4
     finally:
         a.send_signal(signal.SIGKILL)
         a.wait(timeout=30)
@@ -177,17 +173,17 @@ def test_metrics_endpoint_listens_on_loopback_only(fc_env: FcEnv) -> None:
         pid = os.getpid()
         import psutil
 
-        deadline = time.monotonic() + 30
-        while True:
-            listening = [
+        listening = wait_until(
+            lambda: [
                 c.laddr
                 for c in psutil.Process(pid).net_connections(kind="tcp")
                 if c.status == psutil.CONN_LISTEN
-            ]
-            if listening or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
+            ],
+            "the metrics endpoint to listen",
+            30,
+            0.05,
+        )
+        assert all(a.ip == "127.0.0.1" for a in listening), listening
     finally:
         ra.stop()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import struct
-import time
 import warnings
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent, agent_process
 from tinytrain import make, train_steps
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.format.shm import Slot
@@ -37,16 +37,15 @@ def _slot_of_step(env: FcEnv, step: int) -> Path:
 
 def _wait_hashed(path: Path) -> None:
     """Waits for the agent's background hash of the slot's snapshot."""
-    deadline = time.monotonic() + 60
     s = Slot(str(path))
+
+    def hashed() -> bool:
+        info = s.header()
+        assert info is not None and info.complete
+        return s.recorded_hash(info) is not None
+
     try:
-        while True:
-            info = s.header()
-            assert info is not None and info.complete
-            if s.recorded_hash(info) is not None:
-                return
-            assert time.monotonic() < deadline, "the agent never hashed the snapshot"
-            time.sleep(0.01)
+        wait_until(hashed, f"the agent's hash of the snapshot in {path}", 60, 0.01)
     finally:
         s.close()
 

@@ -7,6 +7,7 @@ import sys
 import uuid
 
 import pytest
+from fchelpers import sized_tmpfs
 
 from flashckpt.format.shm import (
     COMPLETE,
@@ -83,19 +84,10 @@ def test_corrupt_header_is_rejected(slot_file: str) -> None:
 
 
 def test_too_small_tmpfs_fails_up_front(tmp_path) -> None:
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
-    try:
+    with sized_tmpfs(tmp_path / "small", "8m") as mnt:
         with pytest.raises(ShmSpaceError, match=r"MiB free but a snapshot slot needs .*shm-size"):
             allocate_slot_file(str(mnt / "fc.j.n.r00000.s0"), 4096, 64 << 20)
         assert not [n for n in os.listdir(mnt) if n.startswith("fc.")]  # nothing left behind
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_buffer_address_is_the_first_byte() -> None:

@@ -8,7 +8,6 @@ the snapshots taken and ``status()["every"]`` after each to ``<out>.<rank>.json`
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from tinytrain import make, train_step
+from tinytrain import init_gloo, make, train_step
 
 import flashckpt
 
@@ -31,14 +30,7 @@ def main() -> int:
     p.add_argument("--rank", type=int, required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{a.init_file}",
-        rank=a.rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=30),
-    )
+    init_gloo(a.init_file, a.rank, 2, 30, local_world=2)
     model, opt, sched = make(0)
     labels, decisions = [], []
     with flashckpt.checkpointing(

@@ -7,7 +7,6 @@ snapshotted and the rank's counters to ``<out>.<rank>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from tinytrain import make, train_step
+from tinytrain import init_gloo, make, train_step
 
 import flashckpt
 
@@ -30,14 +29,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6)
     a = p.parse_args()
     torch.set_num_threads(1)
-    os.environ["LOCAL_WORLD_SIZE"] = "1"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{a.init_file}",
-        rank=a.rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(a.init_file, a.rank, 2, 60, local_world=1)
     model, opt, sched = make(0)
     saved = []
     with flashckpt.checkpointing(

@@ -12,29 +12,24 @@ snapshot anyway: the test looks at storage before it).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from tinytrain import make, train_step
+from tinytrain import init_gloo, make, train_step
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.trainer.config import Stats
 
 
 def _wait(what: str, cond: object, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise SystemExit(f"rank gave up waiting for {what} after {timeout:.0f} s")
-        time.sleep(0.02)
+    wait_until(cond, what, timeout)  # type: ignore[arg-type]
 
 
 def _heard(stats: Stats, step: int) -> bool:
@@ -49,14 +44,7 @@ def main() -> int:
     p.add_argument("--saves", type=int, default=3)
     a = p.parse_args()
     torch.set_num_threads(1)
-    os.environ["LOCAL_WORLD_SIZE"] = "1"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{a.init_file}",
-        rank=a.rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    init_gloo(a.init_file, a.rank, 2, 300, local_world=1)
     pe = a.persist_every
     model, opt, sched = make(0)
     with flashckpt.checkpointing(

@@ -10,7 +10,6 @@ writes what entering raised (or what it restored) to ``<out>/rank<r>.json`` and 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -18,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 from shardtrain import fork_ranks
-from tinytrain import make, train_steps
+from tinytrain import init_gloo, make, train_steps
 
 import flashckpt
 
@@ -35,13 +34,7 @@ def _model(rank: int, misfit: set[int]) -> tuple[torch.nn.Module, torch.optim.Op
 
 
 def run(a: argparse.Namespace, rank: int) -> int:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{a.init_file}",
-        rank=rank,
-        world_size=a.world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(a.init_file, rank, a.world, 60)
     misfit = {int(r) for r in a.misfit.split(",") if r}
     model, opt, sched = _model(rank, misfit)
     kw = {

@@ -4,7 +4,6 @@ run one per rank."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -15,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from tinytrain import kill_in_copy, make
+from tinytrain import init_gloo, kill_in_copy, make
 from trainscript import exit_now
 
 import flashckpt
@@ -56,14 +55,7 @@ def main() -> int:
     )
     a = p.parse_args()
     torch.set_num_threads(1)
-    os.environ["LOCAL_WORLD_SIZE"] = str(a.local_world or a.world)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{a.init_file}",
-        rank=a.rank,
-        world_size=a.world,
-        timeout=datetime.timedelta(seconds=30),
-    )
+    init_gloo(a.init_file, a.rank, a.world, 30, local_world=a.local_world or a.world)
     if a.kill_in_copy:
         kill_in_copy(a.kill_in_copy)
     model, opt, sched = make(0)

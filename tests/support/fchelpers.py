@@ -6,6 +6,7 @@ A module of its own (not conftest) so test files can import it by a unique name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -14,16 +15,16 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from agentproc import AgentProc, reap, start_agent
 
 from flashckpt.agent.daemon import AgentConfig, NodeAgent
-from flashckpt.protocol.channel import AgentClient, AgentError, socket_path
 
 
 @dataclass
@@ -77,8 +78,28 @@ class FcEnv:
             self.shm_dir,
         ]
 
+    def reference(self, tmp: Path, name: str = "ref", **over: Any) -> FcEnv:
+        """A job beside this one for an uninterrupted reference run: job ``<job>ref`` (so the
+        fixture's cleanup finds its processes), storage ``<tmp>/<name>``; ``over`` replaces
+        more fields (``shm_dir``)."""
+        return dataclasses.replace(
+            self,
+            job=self.job + "ref",
+            storage=f"file://{tmp}/{name}",
+            storage_path=tmp / name,
+            **over,
+        )
+
     def segments(self) -> list[str]:
         return sorted(n for n in os.listdir(self.shm_dir) if n.startswith(f"fc.{self.job}."))
+
+    def remove_segments(self) -> None:
+        """Removes the job's segments from its shared-memory directory (a machine's memory
+        lost, or the end of a test)."""
+        with contextlib.suppress(FileNotFoundError):
+            for n in self.segments():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.shm_dir, n))
 
 
 def kill_job_processes(job: str) -> None:
@@ -104,6 +125,7 @@ def fc_env(tmp_path: Path) -> Iterator[FcEnv]:
         storage_path=tmp_path / "ckpt",
     )
     yield env
+    reap(job)
     kill_job_processes(job)
     for n in os.listdir("/dev/shm"):
         if n.startswith(f"fc.{job}"):
@@ -132,6 +154,46 @@ def private_shm(path: Path, size: str = "1g") -> Iterator[str]:
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@contextlib.contextmanager
+def machines(
+    env: FcEnv, tmp: Path, nodes: Sequence[str], shm_size: str = "256m"
+) -> Iterator[list[FcEnv]]:
+    """``env``'s job on simulated machines named ``nodes``: each its node id and a shared-memory
+    directory of its own (:func:`private_shm`, ``<tmp>/shm-<node>``); the job's segments there
+    are removed at the end (stop their agents first)."""
+    with contextlib.ExitStack() as stack:
+        envs = [
+            dataclasses.replace(
+                env, node=n, shm_dir=stack.enter_context(private_shm(tmp / f"shm-{n}", shm_size))
+            )
+            for n in nodes
+        ]
+        try:
+            yield envs
+        finally:
+            for e in envs:
+                e.remove_segments()
+
+
+@contextlib.contextmanager
+def sized_tmpfs(path: Path, size: str, required: bool = False) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (a new directory), unmounted at the end: a
+    small disk or shared-memory directory that really fills up. Where the mount is refused the
+    test is skipped (``required``: it fails)."""
+    path.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    if r.returncode != 0:
+        why = f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}"
+        assert not required, why
+        pytest.skip(why)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture
@@ -175,6 +237,22 @@ def tinytrain_command(env: FcEnv, log: Path, *extra: str) -> list[str]:
     return [sys.executable, str(script), *env.cli_flags(), "--log", str(log), *extra]
 
 
+def start_tinytrain(
+    env: FcEnv, log: Path, *extra: str, wrap: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
+    """Starts ``tests/tinytrain.py`` as a trainer of ``env``'s job (:func:`tinytrain_command`),
+    ``wrap`` before it, its stderr appended to ``<log>.err``."""
+    with open(f"{log}.err", "ab") as err:
+        return subprocess.Popen(
+            [*wrap, *tinytrain_command(env, log, *extra)], stdout=subprocess.DEVNULL, stderr=err
+        )
+
+
+def finish_tinytrain(p: subprocess.Popen[bytes], log: Path, timeout: float = 300.0) -> None:
+    """Waits for a trainer of :func:`start_tinytrain` to exit 0 (its stderr's tail otherwise)."""
+    assert p.wait(timeout=timeout) == 0, Path(f"{log}.err").read_text()[-4000:]
+
+
 def run_ranks(script: str, env: FcEnv, tmp: Path, tag: str, *args: str, code: int = 0) -> None:
     """Runs a multi-rank trainer of ``tests/`` (``shardtrain.py``, ``tptrain.py``: its ranks are
     forked from one launcher process and die with it) for ``env``'s job to the end; it must exit
@@ -208,35 +286,7 @@ def run_ranks(script: str, env: FcEnv, tmp: Path, tag: str, *args: str, code: in
     assert p.returncode == code, err.read_text()[-6000:]
 
 
-def agent_process(env: FcEnv) -> subprocess.Popen[bytes]:
+def agent_process(env: FcEnv) -> AgentProc:
     """A hand-started agent process of the job (``python -m flashckpt agent``, so no
-    exit_when_done), answering on the job's socket when this returns."""
-    cmd = [sys.executable, "-m", "flashckpt", "agent", *env.cli_flags(), "--idle-timeout", "120"]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_agent(env, p.pid, p)
-    return p
-
-
-def wait_agent(
-    env: FcEnv, pid: int | None = None, proc: subprocess.Popen[bytes] | None = None
-) -> int:
-    """Waits until an agent (process ``pid``, if given) answers on the job's socket; its pid.
-
-    A dead agent's socket file stays behind: only an answer counts."""
-    path = socket_path(env.run_dir, env.job, env.node)
-    deadline = time.monotonic() + 60
-    while True:
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"agent exited: {proc.stderr.read().decode() if proc.stderr else ''}")
-        try:
-            c = AgentClient(path, timeout=0.0)
-            try:
-                got = int(c.request("ping", timeout=10)["pid"])
-            finally:
-                c.close()
-            if pid is None or got == pid:
-                return got
-        except (AgentError, OSError):
-            pass
-        assert time.monotonic() < deadline, "agent did not start listening"
-        time.sleep(0.02)
+    exit_when_done), answering on the job's socket when this returns (see ``agentproc``)."""
+    return start_agent(env)

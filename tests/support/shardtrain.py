@@ -14,7 +14,6 @@ parameters as DTensors (saved in the full state as ``ema/<fqn>``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 import safetensors.torch
 import torch
 import torch.distributed as dist
+from tinytrain import init_gloo
 
 import flashckpt
 
@@ -192,13 +192,7 @@ def train(a: argparse.Namespace) -> int:
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
     os.environ["LOCAL_RANK"] = str(a.rank % per_node)
     node = f"{a.node}-{a.rank // per_node}" if a.per_node else a.node
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{a.init_file}",
-        rank=a.rank,
-        world_size=a.world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(a.init_file, a.rank, a.world, 60)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

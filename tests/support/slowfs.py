@@ -88,3 +88,26 @@ def site_dir(tmp: Path) -> Path:
     (d / "slowfs.py").write_text(Path(__file__).read_text())
     (d / "sitecustomize.py").write_text("import slowfs\n\nslowfs.register()\n")
     return d
+
+
+def slow_storage_writes(monkeypatch: Any, seconds_per_chunk: float) -> None:
+    """In this process (an agent served from a thread of the test): the agent writes a shard in
+    1 MiB chunks and each chunk's write waits ``seconds_per_chunk`` first (a slow disk), the
+    write's own check still run after it."""
+    import flashckpt.agent.persist as agent_persist
+    from flashckpt.format.storage import Storage
+
+    monkeypatch.setattr(agent_persist, "WRITE_CHUNK", 1 << 20)
+    real = Storage.write_buffer
+
+    def write_buffer(
+        self: Storage, path: str, head: bytes, data: Any, check: Any = None, **kw: Any
+    ) -> Any:
+        def slow() -> None:
+            time.sleep(seconds_per_chunk)
+            if check is not None:
+                check()
+
+        return real(self, path, head, data, slow, **kw)
+
+    monkeypatch.setattr(Storage, "write_buffer", write_buffer)

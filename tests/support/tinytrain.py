@@ -10,12 +10,16 @@ ends; ``--step-sleep`` paces the run so a test can kill the agent several times 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -138,15 +142,106 @@ def _json_file(path: str) -> dict:
     return doc
 
 
+def logged_losses(log: Path) -> list[tuple[int, str]]:
+    """The ``(step, loss as float.hex)`` lines a trainer's ``--log`` holds so far (none: no
+    file yet; a line being written is passed over)."""
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            out.append((int(parts[0]), parts[1]))
+    return out
+
+
+def assert_same_run(
+    log: Path, ref: dict[int, str], ref_final: dict[str, torch.Tensor], steps: int
+) -> None:
+    """Every step ``0..steps - 1`` is in the trainer's ``log``, every line (of every incarnation
+    of a killed and resumed run) has the uninterrupted run's loss ``ref[step]``, and the final
+    model (``<log>.final.safetensors``) is bitwise ``ref_final``."""
+    seen = logged_losses(log)
+    assert {s for s, _ in seen} == set(range(steps))
+    for step, loss in seen:
+        assert loss == ref[step], f"step {step}: {loss} != {ref[step]}"
+    final = safetensors.torch.load_file(str(log) + ".final.safetensors")
+    for k, v in ref_final.items():
+        assert torch.equal(final[k], v), k
+
+
+def persisted_steps(ck: Any, model: Any, opt: Any, sched: Any, start: int, stop: int) -> None:
+    """Trains steps ``start``..``stop - 1``, each saved (sync) and flushed: committed before
+    the next is taken (the agent persists the newest complete snapshot, so without the flush
+    a step may be skipped for the next)."""
+    for i in range(start, stop):
+        train_step(model, opt, sched, i)
+        ck.step()
+        ck.save(mode="sync")
+        assert ck.flush() == i + 1
+
+
+@contextlib.contextmanager
+def trained(env: Any, steps: int = 4, every: int = 2, **ckpt_kw: Any) -> Iterator[Any]:
+    """``checkpointing()`` of a fresh model (``make(0)``) for ``env``'s job, connected to its
+    agent (``ckpt_kw`` adds to or overrides ``env.ckpt_kwargs(agent="connect")``), ``steps``
+    steps trained (a snapshot every ``every``) and flushed: yields the open checkpointer."""
+    model, opt, sched = make(0)
+    kw = env.ckpt_kwargs(**{"agent": "connect", **ckpt_kw})
+    with flashckpt.checkpointing(model, opt, scheduler=sched, every=every, **kw) as ck:
+        train_steps(ck, model, opt, sched, 0, steps)
+        assert ck.flush() == steps
+        yield ck
+
+
+def trained_run(env: Any, **kw: Any) -> None:
+    """A whole run of :func:`trained`: entry, the steps, the flush, the exit."""
+    with trained(env, **kw):
+        pass
+
+
+def init_gloo(
+    init_file: str,
+    rank: int,
+    world: int,
+    timeout_s: float,
+    *,
+    local_world: int | None = None,
+    local_rank: int | None = None,
+) -> None:
+    """Joins the test's gloo group (rendezvous through ``init_file``) as ``rank`` of ``world``,
+    with ``LOCAL_WORLD_SIZE`` (and ``LOCAL_RANK``) set first as a launcher would: the ranks on
+    one machine, which the checkpointer reads."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if local_world is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    if local_rank is not None:
+        os.environ["LOCAL_RANK"] = str(local_rank)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def barrier(d: str, name: str, parties: int = 2) -> None:
     """Waits until ``parties`` processes (this one included) are ready in ``d``: two trainers
     then enter ``checkpointing()`` at the same instant."""
+    from waiting import wait_until  # this folder: on sys.path as a test's module or a script
+
     open(os.path.join(d, f"{name}.ready"), "w").close()
-    deadline = time.monotonic() + 120
-    while len([n for n in os.listdir(d) if n.endswith(".ready")]) < parties:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"barrier {d}: the other process never came")
-        time.sleep(0.001)
+    wait_until(
+        lambda: len([n for n in os.listdir(d) if n.endswith(".ready")]) >= parties,
+        f"{parties} processes ready at barrier {d}",
+        120,
+        0.001,
+        state=lambda: sorted(os.listdir(d)),
+    )
 
 
 def kill_in_copy(nth: int) -> None:

@@ -17,7 +17,6 @@ that its placements give, before training and at the end.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -26,6 +25,7 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 from shardtrain import BATCH, batch, fork_ranks, full_state, make_model, make_optim
+from tinytrain import init_gloo
 
 import flashckpt
 
@@ -79,15 +79,7 @@ def check_pieces(model: torch.nn.Module) -> dict[str, str]:
 
 
 def train(a: argparse.Namespace, rank: int) -> int:
-    os.environ["LOCAL_WORLD_SIZE"] = str(a.world)
-    os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{a.init_file}",
-        rank=rank,
-        world_size=a.world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(a.init_file, rank, a.world, 60, local_world=a.world, local_rank=rank)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (

@@ -3,16 +3,17 @@ up."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from flashckpt.testing import netns
 
@@ -44,6 +45,30 @@ def _py(machine: netns.Machine, code: str) -> str:
     return done.stdout.strip()
 
 
+@contextlib.contextmanager
+def _server(m: netns.Machine, port: int, reply: str, accepts: int = 1) -> Iterator[None]:
+    """A TCP server on machine ``m`` (every address of it, ``port``) that answers ``accepts``
+    connections with ``reply`` (a Python expression of bytes); listening when this yields."""
+    code = (
+        f"import socket; s = socket.create_server(('0.0.0.0', {port}))\n"
+        "print('up', flush=True)\n"
+        f"for _ in range({accepts}):\n c, _ = s.accept(); c.sendall({reply}); c.close()"
+    )
+    server = m.popen([_PY, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == b"up"
+        yield
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _fetch(m: netns.Machine, addr: str, port: int) -> str:
+    """What a connection from machine ``m`` to ``addr:port`` reads."""
+    code = f"import socket; c = socket.create_connection(('{addr}', {port}), timeout=5)"
+    return _py(m, code + "; print(c.recv(100).decode())")
+
+
 def test_machines_are_separate(cluster: netns.Cluster) -> None:
     a, b = cluster.add("ma"), cluster.add("mb")
     # Own hostnames.
@@ -56,27 +81,8 @@ def test_machines_are_separate(cluster: netns.Cluster) -> None:
     assert _py(b, f"import os; print(os.path.exists('/dev/shm/{name}'))") == "False"
     assert not os.path.exists(f"/dev/shm/{name}")
     # Own network: b reaches a at a's address; loopback is each machine's own.
-    server = a.popen(
-        [
-            _PY,
-            "-c",
-            (
-                "import socket; s = socket.create_server(('0.0.0.0', 7070));"
-                "print('up', flush=True);"
-                "c, _ = s.accept(); c.sendall(socket.gethostname().encode()); c.close()"
-            ),
-        ],
-        stdout=subprocess.PIPE,
-    )
-    try:
-        assert server.stdout is not None and server.stdout.readline().strip() == b"up"
-        got = _py(
-            b,
-            (
-                f"import socket; c = socket.create_connection(('{a.addr}', 7070), timeout=5);"
-                "print(c.recv(100).decode())"
-            ),
-        )
+    with _server(a, 7070, "socket.gethostname().encode()"):
+        got = _fetch(b, a.addr, 7070)
         assert got == "ma"
         # Nothing listens on b's own loopback, though a does on its.
         refused = _py(
@@ -87,9 +93,6 @@ def test_machines_are_separate(cluster: netns.Cluster) -> None:
             ),
         )
         assert refused == "ConnectionRefusedError"
-    finally:
-        server.kill()
-        server.wait()
     # Nothing leaves the private network: a machine has no route but its own subnet (checked
     # on the routing table, never by sending traffic to an outside address).
     routes = a.run(["ip", "route"], capture_output=True, text=True).stdout
@@ -102,10 +105,13 @@ def test_kill_takes_the_memory_and_boot_starts_empty(cluster: netns.Cluster) -> 
     _py(m, "open('/dev/shm/seg', 'w').write('state'); print('ok')")
     sleeper = m.popen(["sleep", "300"])
     # nsenter joins the namespaces a moment after it starts (CI once looked too early)
-    deadline = time.monotonic() + 10
-    while sleeper.pid not in m.pids() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sleeper.pid in m.pids()
+    wait_until(
+        lambda: sleeper.pid in m.pids(),
+        "the sleeper in the machine's namespaces",
+        10,
+        0.01,
+        state=m.pids,
+    )
     m.kill()
     assert sleeper.wait(timeout=10) == -9
     assert m.pids() == []
@@ -161,34 +167,12 @@ def test_cut_from_one_address_keeps_the_others(cluster: netns.Cluster) -> None:
 def test_hub_service_reached_from_machines_and_through_forward(cluster: netns.Cluster) -> None:
     m = cluster.add("mh")
     hub = cluster.hub
-    server = hub.popen(
-        [
-            _PY,
-            "-c",
-            (
-                "import socket; s = socket.create_server(('0.0.0.0', 2379))\n"
-                "print('up', flush=True)\n"
-                "for _ in range(2):\n c, _ = s.accept(); c.sendall(b'hub'); c.close()"
-            ),
-        ],
-        stdout=subprocess.PIPE,
-    )
-    try:
-        assert server.stdout is not None and server.stdout.readline().strip() == b"up"
-        got = _py(
-            m,
-            (
-                f"import socket; c = socket.create_connection(('{cluster.hub_addr}', 2379), "
-                "timeout=5); print(c.recv(10).decode())"
-            ),
-        )
+    with _server(hub, 2379, "b'hub'", accepts=2):
+        got = _fetch(m, cluster.hub_addr, 2379)
         assert got == "hub"
         port = cluster.forward(2379)
         with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
             assert c.recv(10) == b"hub"
-    finally:
-        server.kill()
-        server.wait()
 
 
 def test_etcd_in_the_hub(cluster: netns.Cluster, tmp_path: object) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from fchelpers import FcEnv, agent_process, wait_agent
+from agentproc import AgentProc, start_agent
+from fchelpers import FcEnv, agent_process
 from tinytrain import make, train_steps
 
 import flashckpt
@@ -60,25 +60,18 @@ def _resumes(kw: dict[str, Any], step: int, want: dict[str, torch.Tensor]) -> No
             assert torch.equal(v, want[k]), k
 
 
-def _stop(agent: subprocess.Popen[bytes], kill: bool = False) -> None:
-    agent.kill() if kill else agent.terminate()
-    agent.wait(timeout=120)
-    if agent.stderr is not None:
-        agent.stderr.close()
+def _stop(agent: AgentProc, kill: bool = False) -> None:
+    agent.kill9() if kill else agent.stop()
 
 
-def _namespaced_agent(fc_env: FcEnv, hidden: Path) -> subprocess.Popen[bytes] | None:
+def _namespaced_agent(fc_env: FcEnv, hidden: Path) -> AgentProc | None:
     """The job's agent in a mount namespace of its own, where the storage root's path shows
     ``hidden`` (the trainer sees the directory under it); None where namespaces are refused."""
     if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
         return None
-    agent = [sys.executable, "-m", "flashckpt", "agent", *fc_env.cli_flags()]
     script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
-    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
-    cmd += [str(hidden), str(fc_env.storage_path), *agent, "--idle-timeout", "120"]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_agent(fc_env, p.pid, p)
-    return p
+    wrap = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+    return start_agent(fc_env, wrap=[*wrap, str(hidden), str(fc_env.storage_path)])
 
 
 def test_a_root_another_live_job_owns_is_refused_until_taken_over(
@@ -180,11 +173,6 @@ def test_a_root_with_another_jobs_steps_is_refused_and_overwritten_only_when_tol
         _stop(agent)
 
 
-def _agent_on(fc_env: FcEnv, storage: str) -> subprocess.Popen[bytes]:
+def _agent_on(fc_env: FcEnv, storage: str) -> AgentProc:
     """The job's agent, by hand, on ``storage``."""
-    flags = fc_env.cli_flags()
-    flags[flags.index("--storage") + 1] = storage
-    cmd = [sys.executable, "-m", "flashckpt", "agent", *flags, "--idle-timeout", "120"]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_agent(fc_env, p.pid, p)
-    return p
+    return start_agent(fc_env, storage=storage)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from fchelpers import FcEnv, RunningAgent
+from fchelpers import FcEnv, RunningAgent, sized_tmpfs
 from interrupts import SimulatedInterrupt
 from tinytrain import batch, make, train_step
 
@@ -261,16 +261,8 @@ def test_unwritable_storage_is_refused_at_entry(fc_env: FcEnv, tmp_path) -> None
 
 def test_full_storage_is_refused_at_entry(fc_env: FcEnv, tmp_path) -> None:
     import errno
-    import subprocess
 
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
-    try:
+    with sized_tmpfs(tmp_path / "full", "64k") as mnt:
         (mnt / "ckpt").mkdir()
         with open(mnt / "filler", "wb", buffering=0) as f:  # fill it up: a real ENOSPC
             with pytest.raises(OSError) as full:
@@ -284,8 +276,6 @@ def test_full_storage_is_refused_at_entry(fc_env: FcEnv, tmp_path) -> None:
         with pytest.raises(flashckpt.StorageUnavailableError, match=r"No space left on device"):
             ck.__enter__()
         assert os.listdir(mnt / "ckpt") == []  # the probe left nothing behind
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_sync_and_overlap_snapshots_are_identical(fc_env: FcEnv, agent: RunningAgent) -> None:
@@ -365,16 +355,8 @@ def test_auto_started_agent_serves_and_exits(fc_env: FcEnv) -> None:
 
 
 def test_too_small_shm_is_a_clear_error_at_entry(fc_env: FcEnv, tmp_path) -> None:
-    import subprocess
 
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
-    try:
+    with sized_tmpfs(tmp_path / "shm", "4m") as mnt:
         a = RunningAgent(fc_env.agent_config(shm_dir=str(mnt)))
         try:
             model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights + 8 MiB of Adam state
@@ -387,8 +369,6 @@ def test_too_small_shm_is_a_clear_error_at_entry(fc_env: FcEnv, tmp_path) -> Non
         finally:
             a.stop()
         assert [n for n in os.listdir(mnt) if not n.endswith(".owner")] == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_memory_fsspec_storage(fc_env: FcEnv) -> None:

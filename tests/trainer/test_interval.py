@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from fchelpers import FcEnv, RunningAgent
+from rankprocs import run_worker
 from tinytrain import make, train_step
 
 import flashckpt
@@ -150,25 +149,16 @@ def test_two_ranks_snapshot_at_the_same_steps(tmp_path: Path, fc_env: FcEnv) -> 
     # Rank 1 is slower, so the ranks measure different step times and propose different
     # intervals: they must take the smaller and snapshot together.
     init, out = tmp_path / "init", tmp_path / "auto"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "_auto_every_worker.py"),
-                *("--rank", str(rank), "--storage", fc_env.storage, "--job", fc_env.job),
-                *("--run-dir", fc_env.run_dir, "--init-file", str(init), "--out", str(out)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for rank in range(2)
-    ]
-    try:
-        errs = [p.communicate(timeout=240)[1].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], errs
+    run_worker(
+        HERE / "_auto_every_worker.py",
+        tmp_path,
+        "auto",
+        lambda rank: [
+            *("--rank", str(rank), "--storage", fc_env.storage, "--job", fc_env.job),
+            *("--run-dir", fc_env.run_dir, "--init-file", str(init), "--out", str(out)),
+        ],
+        timeout=240,
+    )
     r0, r1 = (json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2))
     assert r0["labels"] == r1["labels"] and r0["labels"][0] == 10 and len(r0["labels"]) == 4
     for i, (d0, d1) in enumerate(zip(r0["decisions"], r1["decisions"], strict=True)):

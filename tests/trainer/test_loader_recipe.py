@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 import safetensors.torch
 import torch
 from fchelpers import FcEnv, agent_process
+from waiting import wait_until
 
 from flashckpt.testing.elastic import kill_job, loopback_env
 
@@ -54,11 +54,12 @@ def _run(cmd: list[str], err: Path) -> None:
 def _wait_held(log: Path, proc: subprocess.Popen[bytes], out: Path) -> int:
     """The pid of the trainer held at step 13 (it wrote ``<log>.held``)."""
     held = Path(str(log) + ".held")
-    deadline = time.monotonic() + 180
-    while not held.exists():
+
+    def reached() -> bool:
         assert proc.poll() is None, out.read_text(errors="replace")[-4000:]
-        assert time.monotonic() < deadline, "the run never reached step 13"
-        time.sleep(0.05)
+        return held.exists()
+
+    wait_until(reached, f"the run to reach step 13 ({held})", 180, 0.05)
     return int(held.read_text())
 
 
@@ -92,13 +93,7 @@ def _killed_and_resumed(env: FcEnv, tmp: Path, recipe: str, workers: int) -> Pat
 
 
 def _ref(fc_env: FcEnv, tmp: Path, recipe: str, workers: int) -> Path:
-    env = FcEnv(
-        job=fc_env.job + "ref",
-        node="n0",
-        run_dir=fc_env.run_dir,
-        storage=f"file://{tmp}/ref-{recipe}",
-        storage_path=tmp / f"ref-{recipe}",
-    )
+    env = fc_env.reference(tmp, f"ref-{recipe}")
     log = tmp / f"{recipe}-ref.log"
     _run(_cmd(env, log, recipe, workers), tmp / f"{recipe}-ref.stderr")
     return log

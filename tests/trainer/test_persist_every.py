@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent, tinytrain_command
+from rankprocs import RankProcs, run_worker
+from stephelpers import snapmeta_parts, wait_committed
 from tinytrain import make, train_step
 from waiting import wait_until
 
@@ -40,30 +42,18 @@ def _two_machines(
     own: nodes n0 and n1, each with its own auto-started node agent, to the end; ``flags[r]``
     are rank r's extra flags. Returns each rank's ``stats`` (saves, persist_marked)."""
     init = tmp / f"init-{time.monotonic_ns()}"
-    procs = []
-    for rank in range(2):
-        cmd = [
-            sys.executable,
-            str(HERE / "ddptrain.py"),
+    run_worker(
+        HERE / "ddptrain.py",
+        tmp,
+        "r",
+        lambda rank: [
             *("--rank", str(rank), "--storage", env.storage, "--job", env.job),
             *("--run-dir", env.run_dir, "--log", str(tmp / f"r{rank}.log")),
             *("--init-file", str(init), "--steps", str(steps), "--every", str(every)),
             *("--node", f"n{rank}", "--local-world", "1"),
             *flags.get(rank, []),
-        ]
-        err = open(tmp / f"r{rank}.stderr", "wb")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err), err))
-    try:
-        for p, _ in procs:
-            p.wait(timeout=300)
-    finally:
-        for p, err in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-            err.close()
-    codes = [p.returncode for p, _ in procs]
-    assert codes == [0, 0], [(tmp / f"r{r}.stderr").read_text()[-3000:] for r in range(2)]
+        ],
+    )
     return [json.loads((tmp / f"r{r}.log.stats.json").read_text()) for r in range(2)]
 
 
@@ -138,18 +128,6 @@ def test_the_default_persists_the_first_snapshot_and_the_exit_commits_the_last(
     assert st.check_step(12).status == "ok"
 
 
-def _wait_committed(st: Storage, step: int, timeout: float = 120.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = st.committed_steps()
-        if step in got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(
-        f"step {step} not committed within {timeout:.0f} s: {st.committed_steps()}"
-    )
-
-
 def test_every_nth_snapshot_goes_to_storage_and_the_exit_commits_the_last(
     fc_env: FcEnv, agent: RunningAgent
 ) -> None:
@@ -163,7 +141,7 @@ def test_every_nth_snapshot_goes_to_storage_and_the_exit_commits_the_last(
             h = ck.save(mode="sync")
             assert h.done
             if i % 3 == 0:  # saves 1, 4, 7 are marked: each is committed without a flush
-                _wait_committed(st, i + 1)
+                wait_committed(st, i + 1)
             else:
                 # An unmarked one is not persisted: the agent holds it in memory only. The
                 # agent has looked at it once its persister records it as passed over.
@@ -180,10 +158,13 @@ def test_every_nth_snapshot_goes_to_storage_and_the_exit_commits_the_last(
     assert st.check_step(8).status == "ok"
     # The agent keeps the newest 3 committed steps: its retention runs right after the commit
     # it announced (the flush returns first, agent_commit), so step 1 goes a moment later.
-    deadline = time.monotonic() + 30
-    while st.committed_steps() != [4, 7, 8] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert st.committed_steps() == [4, 7, 8]
+    wait_until(
+        lambda: st.committed_steps() == [4, 7, 8],
+        "retention to keep [4, 7, 8]",
+        30,
+        0.05,
+        state=st.committed_steps,
+    )
 
 
 def test_a_duration_marks_the_first_and_flush_persists_the_newest(
@@ -198,7 +179,7 @@ def test_a_duration_marks_the_first_and_flush_persists_the_newest(
             ck.step()
             ck.save(mode="sync")
             if i == 0:
-                _wait_committed(st, 1)
+                wait_committed(st, 1)
         time.sleep(0.5)
         assert st.committed_steps() == [1]
         assert ck.flush() == 4  # a flush persists the newest, marked or not
@@ -237,11 +218,12 @@ def test_the_newest_snapshot_is_persisted_when_the_trainer_dies(
         # committed step is the marked one, whichever it is.
         first = wait_until(st.committed_steps, "the first marked snapshot committed", 120)[0]
         assert first % 2 == 0 and first < 1000
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and (
-            not log.exists() or len(log.read_text().splitlines()) < first + 12
-        ):
-            time.sleep(0.05)
+        wait_until(
+            lambda: log.exists() and len(log.read_text().splitlines()) >= first + 12,
+            f"step {first + 12} in the trainer's log",
+            120,
+            0.05,
+        )
         assert st.committed_steps() == [first]  # the snapshots after it are in memory only
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -256,7 +238,7 @@ def test_the_newest_snapshot_is_persisted_when_the_trainer_dies(
     assert newest >= first + 10
     # Its trainer is gone: the agent persists what this machine's memory holds (save at
     # breakpoint), marked or not.
-    got = _wait_committed(st, newest)
+    got = wait_committed(st, newest)
     assert got == [first, newest]
     assert st.check_step(newest).status == "ok"
 
@@ -283,22 +265,7 @@ def test_persist_every_refuses_what_it_cannot_mean(bad: object) -> None:
 
 
 def test_the_mark_is_part_of_the_typed_snapshot_meta() -> None:
-    base = {
-        "job": "j",
-        "rank": 0,
-        "world_id": "",
-        "world_size": 1,
-        "local_world_size": 1,
-        "shard": 0,
-        "num_shards": 1,
-        "replica": 0,
-        "step": 3,
-        "private": {},
-    }
-    tail = {"layout_sig": None, "entries": [], "skeleton": {}}
-    from flashckpt.format.layout import Layout
-
-    tail["layout_sig"] = Layout([], 0, __import__("hashlib").sha1(b"[]").hexdigest()).signature
+    base, tail = snapmeta_parts()
     for persist in (True, False):
         doc = {**base, "persist": persist, **tail}
         m = SnapshotMeta.from_json(doc)
@@ -363,7 +330,7 @@ def test_a_mark_lost_before_the_persist_began_carries_to_the_next_snapshot(
             gate.set()
             wait_until(_looked_at(a, 3), "the persister looks at step 3", timeout=120.0)
         assert a.st.persisted_high == 3, f"step 3 not persisted ({a.st.unmarked_high=})"
-        assert _wait_committed(st, 3) == [3]
+        assert wait_committed(st, 3) == [3]
         wait_until(
             lambda: ck.stats.last_persisted_step == 3,
             "the trainer hears step 3 persisted",
@@ -397,7 +364,7 @@ def test_a_mark_kept_while_the_persister_reads_it_carries_nothing(
                 ck.save(mode="sync")
             gate.set()
             wait_until(_looked_at(a, 1), "the persister looks at step 1", timeout=120.0)
-        assert _wait_committed(st, 1) == [1]
+        assert wait_committed(st, 1) == [1]
         wait_until(
             lambda: ck.stats.last_persisted_step == 1,
             "the trainer hears step 1 persisted",
@@ -426,24 +393,24 @@ def test_a_mark_lost_on_one_machine_carries_forward_on_every_machine(
     st = Storage(fc_env.storage)
     agents = [RunningAgent(fc_env.agent_config(node=f"n{r}")) for r in range(2)]
     out = tmp_path / "carry"
-    procs: list[tuple[subprocess.Popen[bytes], object]] = []
+    procs = RankProcs(tmp_path, "r")
     try:
         with _persister_held(agents[1].agent) as gate:
             init = tmp_path / f"init-{time.monotonic_ns()}"
             for rank in range(2):
-                cmd = [
-                    sys.executable,
-                    str(HERE / "_persist_carry_worker.py"),
-                    *("--rank", str(rank), "--storage", fc_env.storage, "--job", fc_env.job),
-                    *("--run-dir", fc_env.run_dir, "--init-file", str(init)),
-                    *("--out", str(out), "--persist-every", str(persist_every)),
-                ]
-                err = open(tmp_path / f"r{rank}.stderr", "wb")  # noqa: SIM115 (closed below)
-                procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err), err))
+                procs.start(
+                    [
+                        sys.executable,
+                        str(HERE / "_persist_carry_worker.py"),
+                        *("--rank", str(rank), "--storage", fc_env.storage, "--job", fc_env.job),
+                        *("--run-dir", fc_env.run_dir, "--init-file", str(init)),
+                        *("--out", str(out), "--persist-every", str(persist_every)),
+                    ]
+                )
 
             def saved() -> bool:
-                for rank, (p, _) in enumerate(procs):
-                    assert p.poll() is None, (tmp_path / f"r{rank}.stderr").read_text()[-3000:]
+                for rank, p in enumerate(procs.procs):
+                    assert p.poll() is None, procs.stderr(rank)[-3000:]
                 return all(Path(f"{out}.{r}.json").exists() for r in range(2))
 
             wait_until(saved, "both ranks take 3 snapshots", timeout=240)
@@ -456,19 +423,14 @@ def test_a_mark_lost_on_one_machine_carries_forward_on_every_machine(
             gate.set()
             wait_until(_looked_at(n1, 3), "n1's persister looks at step 3", timeout=120.0)
         assert n1.st.persisted_high == 3, f"n1 persisted nothing ({n1.st.unmarked_high=})"
-        assert _wait_committed(st, 3) == [3]  # step 1 never was: n1's part never came
+        assert wait_committed(st, 3) == [3]  # step 1 never was: n1's part never came
         assert st.check_step(3).status == "ok"
         Path(f"{out}.go").touch()
-        for rank, (p, _) in enumerate(procs):
-            assert p.wait(timeout=120) == 0, (tmp_path / f"r{rank}.stderr").read_text()[-3000:]
+        procs.expect([0, 0], timeout=120)
         assert st.committed_steps() == [3]  # the exit found step 3, the last, committed
     finally:
         Path(f"{out}.go").touch()
-        for p, err in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-            err.close()  # type: ignore[attr-defined]
+        procs.close()
         for x in agents:
             if x.thread.is_alive():
                 x.stop()
@@ -548,8 +510,8 @@ def test_a_carried_mark_keeps_the_lost_marks_mirror_mark(
             assert ck._mirror_cadence.calls == 1  # step 1's mark only
             gate.set()
             wait_until(_looked_at(a, 3), "the persister looks at step 3", timeout=120.0)
-        assert _wait_committed(st, 3) == [3]
-        assert _wait_committed(mirror, 3) == [3]
+        assert wait_committed(st, 3) == [3]
+        assert wait_committed(mirror, 3) == [3]
     assert mirror.check_step(3).status == "ok"
 
 
@@ -599,13 +561,16 @@ def test_a_mark_the_persister_yields_to_the_trainer_carries_to_the_next_snapshot
 
     def release_when_wanted() -> None:  # the trainer asks for the slot: the write goes on
         began.wait(timeout=300)
-        deadline = time.monotonic() + 300
-        while not gate.is_set() and time.monotonic() < deadline:
+
+        def wanted() -> bool:
             with a.st.lock:
                 slots = [s for r in a.st.ranks.values() for s in r.slots if s is not None]
-            if any(s.wanted() for s in slots):
-                gate.set()
-            time.sleep(0.005)
+            return any(s.wanted() for s in slots)
+
+        try:
+            wait_until(wanted, "the trainer to want a slot", 300, 0.005)
+        finally:
+            gate.set()
 
     helper = threading.Thread(target=release_when_wanted, daemon=True)
     helper.start()
@@ -622,7 +587,7 @@ def test_a_mark_the_persister_yields_to_the_trainer_carries_to_the_next_snapshot
             assert (ck.stats.persist_marked, ck.stats.persist_carried) == (2, 1)
             wait_until(_looked_at(a, 4), "the persister looks at step 4", timeout=120.0)
             assert a.st.persisted_high == 4, f"step 4 not persisted ({a.st.unmarked_high=})"
-            assert _wait_committed(st, 4) == [4]  # step 1 was abandoned, never committed
+            assert wait_committed(st, 4) == [4]  # step 1 was abandoned, never committed
     finally:
         gate.set()
         helper.join(timeout=30)

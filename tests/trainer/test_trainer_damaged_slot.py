@@ -1,7 +1,8 @@
 """Every memory snapshot a restore discards is named in a warning, with its damage and the step
 restored instead, whatever part of the slot is damaged: the header, the description (meta JSON),
 the data (its hash), or the sizes (issue 41, row 4: random writes into the meta JSON fell back
-to storage without a word; only a damaged header warned)."""
+to storage without a word; only a damaged header warned); every slot's header damaged at once,
+each named with its CRC mismatch (issue 30: the fallback to storage was silent)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import random
 import struct
 import zlib
+from typing import Any
 
 import pytest
 import torch
@@ -59,6 +61,22 @@ def _damage(path: str, part: str, rng: random.Random) -> None:
         f.write(raw)
 
 
+def _restore_from_storage(
+    kw: dict[str, Any], want: dict[str, torch.Tensor], caplog: pytest.LogCaptureFixture, where: Any
+) -> str:
+    """A new run restores step 4 from storage, bitwise; the warnings it logged."""
+    caplog.clear()
+    model2, opt2, sched2 = make(1)
+    with (
+        caplog.at_level(logging.WARNING, logger="flashckpt"),
+        flashckpt.checkpointing(model2, opt2, scheduler=sched2, **kw) as ck2,
+    ):
+        assert (ck2.start_step, ck2.restored_from) == (4, "storage"), where
+        for k, v in model2.state_dict().items():
+            assert torch.equal(v, want[k]), (where, k)
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
 def test_every_damaged_part_of_a_slot_is_named_with_the_step_restored_instead(
     fc_env: FcEnv, agent: RunningAgent, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -86,17 +104,8 @@ def test_every_damaged_part_of_a_slot_is_named_with_the_step_restored_instead(
         with open(path, "r+b") as f:  # the slot as the first run left it
             f.write(pristine)
         _damage(path, part, rng)
-        caplog.clear()
-        model2, opt2, sched2 = make(1)
-        with (
-            caplog.at_level(logging.WARNING, logger="flashckpt"),
-            flashckpt.checkpointing(model2, opt2, scheduler=sched2, **kw) as ck2,
-        ):
-            where = (trial, part, ck2.start_step, ck2.restored_from)
-            assert (ck2.start_step, ck2.restored_from) == (4, "storage"), where
-            for k, v in model2.state_dict().items():
-                assert torch.equal(v, want[k]), (where, k)
-        text = "\n".join(r.getMessage() for r in caplog.records)
+        where = (trial, part)
+        text = _restore_from_storage(kw, want, caplog, where)
         snap = (
             f"the snapshot in {path}" if part == "header" else f"the snapshot of step 4 in {path}"
         )
@@ -106,3 +115,13 @@ def test_every_damaged_part_of_a_slot_is_named_with_the_step_restored_instead(
         assert f"restored step 4 from storage: {snap} was discarded (" in text, (where, text)
         line = next(ln for ln in text.splitlines() if "was discarded" in ln)
         assert WHY[part] in line, (where, line)
+    # Both slots' headers damaged (one byte under the header's CRC; issue 30: the fallback to
+    # storage was silent): each slot is named, with why, and the restore says what it took.
+    for p, raw in slots.values():
+        with open(p, "r+b") as f:
+            f.write(raw[:24] + bytes([raw[24] ^ 0xFF]) + raw[25:])
+    text = _restore_from_storage(kw, want, caplog, "every header")
+    for p, _ in slots.values():
+        assert f"the snapshot in {p} is not used: its header is damaged" in text, text
+        assert f"restored step 4 from storage: the snapshot in {p} was discarded" in text, text
+    assert "its CRC does not match" in text, text

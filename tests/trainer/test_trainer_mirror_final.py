@@ -8,56 +8,21 @@ from pathlib import Path
 import pytest
 import torch
 from fchelpers import FcEnv, RunningAgent
-from tinytrain import make, train_step
-from waiting import wait_until
+from mirrorruns import train_with_a_broken_mirror
+from tinytrain import make
 
 import flashckpt
 from flashckpt.errors import PersistError
-from flashckpt.format.shm import exchange_files
 from flashckpt.format.storage import Storage
 
 
 def _train_with_a_broken_mirror(
     env: FcEnv, remote: Path, out: dict[str, torch.Tensor], *, recover: bool
 ) -> None:
-    """Step 1 reaches the mirror, then its root becomes a file; steps 2, 3 commit to storage
-    only (the mirror's errors reach the trainer); ``recover``: the mirror is put back before
-    step 4, the exit's final snapshot. ``out`` gets the final model state."""
-    url = f"file://{remote}"
-    model, opt, sched = make(0)
-    kw = env.ckpt_kwargs(
-        every=0, persist_every=1, mirror=url, mirror_every=1, agent="connect", flush_timeout=60
-    )
-    with flashckpt.checkpointing(model, opt, scheduler=sched, **kw) as ck:
-        train_step(model, opt, sched, 0)
-        ck.step()
-        ck.save(mode="sync")
-        assert ck.flush() == 1
-        wait_until(
-            lambda: Storage(url).committed_steps() == [1], "step 1 in the mirror", timeout=60.0
-        )
-        away = remote.with_name("remote-away")
-        remote.rename(away)
-        remote.write_text("the mirror is gone")
-        for i in range(1, 3):
-            train_step(model, opt, sched, i)
-            ck.step()
-            ck.save(mode="sync")
-            assert ck.flush() == i + 1  # the storage root commits every step
-        wait_until(
-            lambda: ck.stats.persist_errors, "the mirror's error at the trainer", timeout=60.0
-        )
-        if recover:
-            # One step (the agent retries the mirror meanwhile: between an unlink and a rename
-            # its retry could make a new, non-empty root at the mirror's path).
-            if exchange_files(str(away), str(remote)):
-                away.unlink()  # the file, now at the other name
-            else:
-                remote.unlink()
-                away.rename(remote)
-        train_step(model, opt, sched, 3)
-        ck.step()
-        out.update({k: v.clone() for k, v in model.state_dict().items()})
+    """The mirror breaks after step 1 (``recover``: is put back before the final step 4);
+    ``out`` gets the final model state."""
+    kw = {"agent": "connect", "flush_timeout": 60}
+    train_with_a_broken_mirror(env, remote, recover=recover, timeout=60.0, state=out, **kw)
 
 
 def _restored(env: FcEnv, remote: Path) -> tuple[int, dict[str, torch.Tensor]]:

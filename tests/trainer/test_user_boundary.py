@@ -14,6 +14,7 @@ import torch
 from fchelpers import FcEnv, RunningAgent
 from interrupts import SimulatedInterrupt
 from tinytrain import make, train_step
+from waiting import wait_until
 
 import flashckpt
 from flashckpt.protocol.channel import AgentClient, AgentError, socket_path
@@ -489,7 +490,6 @@ dist.destroy_process_group()
 def test_per_rank_state_comes_back_to_each_rank_from_storage(fc_env: FcEnv, tmp_path) -> None:
     import subprocess
     import sys
-    import time
 
     def run(phase: str) -> list[str]:
         init = tmp_path / f"init-{phase}"
@@ -538,11 +538,14 @@ def test_per_rank_state_comes_back_to_each_rank_from_storage(fc_env: FcEnv, tmp_
         finally:
             client.close()
 
-    deadline = time.monotonic() + 120
-    while (fc_env.segments() or agent_answers()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not agent_answers(), "an agent is left serving after the job ended"
-    assert fc_env.segments() == [], "the memory snapshots must be gone: restore from storage"
+    # No agent left serving after the job ended, the memory snapshots gone: restore from storage.
+    wait_until(
+        lambda: fc_env.segments() == [] and not agent_answers(),
+        "the job's agent gone and its memory snapshots freed",
+        120,
+        0.2,
+        state=lambda: f"segments {fc_env.segments()}, an agent answers: {agent_answers()}",
+    )
     r0, r1 = run("restore")
     assert r0 == "3 storage 3 [0, 1, 2] 3", r0
     # Rank 1 gets its own position back; a stateful= object is one replica's (rank 0's).

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_peer_memory import STEPS_BEFORE, Machines, _clean, _lose_b, _report, _same_state, three
+from test_peer_memory import STEPS_BEFORE, Machines, _lose_b, _report, _same_state, three
 
 from flashckpt.testing.ports import free_ports
 
@@ -179,7 +179,7 @@ def test_three_machines_shrink_to_two_with_pieces_in_both_survivors_replica_stor
     _wait(lambda: holds(b, "a", 0), "b to hold a's replica of step 8")
     procs["c"].kill()
     procs["c"].wait(timeout=30)
-    _clean(c)  # the lost machine's memory is gone with it
+    c.remove_segments()  # the lost machine's memory is gone with it
     errs = m.run_job([a, b], "after", steps=12, exit_after=-1, storage=False, code=0)
     rep = _report(tmp_path, "after")
     for r in (0, 1):
@@ -235,7 +235,7 @@ def two_machines(fc_env: Any, tmp_path: Path) -> Iterator[tuple[Any, Any, Machin
         finally:
             m.close()
             for env in (m0, m1):
-                _clean(env)
+                env.remove_segments()
 
 
 def _lose_machine_1(m0: Any, m1: Any, m: Machines, tmp_path: Path, *, storage: bool) -> None:
@@ -260,7 +260,7 @@ def _lose_machine_1(m0: Any, m1: Any, m: Machines, tmp_path: Path, *, storage: b
         _wait(lambda: 4 in st.committed_steps(), "step 4 committed")
     p1.kill()
     p1.wait(timeout=30)
-    _clean(m1)
+    m1.remove_segments()
 
 
 def test_two_ranks_per_machine_reshard_from_the_machines_slots_and_replicas(

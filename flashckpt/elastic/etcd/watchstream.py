@@ -186,7 +186,9 @@ class WatchStream:
     ) -> None:
         if start_revision < 1:
             raise ValueError(f"start_revision must be >= 1, got {start_revision}")
-        self._client = client if isinstance(client, Gateway) else client.transport
+        # An EtcdClient's transport (a Gateway, or what stands in for one, has none).
+        transport: Any = getattr(client, "transport", client)
+        self._client: Gateway = transport
         self._key = key
         self._range_end = range_end
         self._next = start_revision

@@ -95,7 +95,7 @@ def main() -> int:
             url = server.client_url
             by_request = [EtcdClient(url, timeout=timedelta(seconds=30)) for _ in range(count)]
             for client in by_request:
-                client._pool_here().keepalive_by_request = True
+                client.transport._pool_here().keepalive_by_request = True
             on_stream = [EtcdClient(url, timeout=timedelta(seconds=30)) for _ in range(count)]
             leases = [by_request[0].grant_lease(timedelta(seconds=60)) for _ in range(args.threads)]
             runs: dict[str, list[dict[str, float]]] = {"request": [], "stream": []}

@@ -53,7 +53,13 @@ from datetime import timedelta
 
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd._hpack import MAX_HEADER_LIST, HpackDecoder, HpackError
-from flashckpt.elastic.etcd._leasestream import _frame, _hpack_literal, recv_exact, send_all
+from flashckpt.elastic.etcd._leasestream import (
+    NotHttp2,
+    _frame,
+    _hpack_literal,
+    recv_exact,
+    send_all,
+)
 
 __all__ = ["MAX_MESSAGE", "CallFailed", "GrpcChannel", "GrpcError", "NotHttp2"]
 
@@ -101,18 +107,6 @@ class CallFailed(Exception):
         super().__init__(message)
         self.sent = sent
         self.timed_out = timed_out
-
-
-class NotHttp2(CallFailed):
-    """The endpoint does not speak HTTP/2 (gRPC) without TLS; nothing was sent.
-
-    ``definite``: it answered something else (a proxy's HTTP/1.1 error, a TLS alert); when
-    false it closed the connection without a word, which a restarting etcd does too.
-    """
-
-    def __init__(self, message: str, *, definite: bool) -> None:
-        super().__init__(message, sent=False)
-        self.definite = definite
 
 
 class GrpcError(Exception):

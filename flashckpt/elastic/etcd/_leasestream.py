@@ -96,9 +96,19 @@ class _StreamBroken(Exception):
     etcd (a keep-alive is safe to repeat)."""
 
 
-class _NotHttp2(_StreamBroken):
+class NotHttp2(Exception):
     """The endpoint does not speak HTTP/2 (gRPC) without TLS: a proxy in front of etcd that
-    passes HTTP/1.1 only, for example. Keep-alives then go as gateway requests."""
+    passes HTTP/1.1 only, for example; nothing was sent. The calls (keep-alives on
+    :class:`KeepAliveStream`, key-value calls on ``_grpckv.GrpcChannel``) then go to the JSON
+    gateway.
+
+    ``definite``: it answered something else (a proxy's HTTP/1.1 error, a TLS alert); when
+    false it closed the connection without a word, which a restarting etcd does too.
+    """
+
+    def __init__(self, message: str, *, definite: bool = True) -> None:
+        super().__init__(message)
+        self.definite = definite
 
 
 class _Pending:
@@ -349,7 +359,7 @@ class KeepAliveStream:
 
     @property
     def not_http2(self) -> bool:
-        """Whether the endpoint answered something other than HTTP/2 (see :class:`_NotHttp2`)."""
+        """Whether the endpoint answered something other than HTTP/2 (see :class:`NotHttp2`)."""
         return self._not_http2
 
     @property
@@ -532,7 +542,7 @@ class KeepAliveStream:
                     if self._first and (
                         kind != _SETTINGS or stream != 0 or inbox.startswith(b"HTTP/")
                     ):
-                        raise _NotHttp2(
+                        raise NotHttp2(
                             f"{self.where} does not speak HTTP/2 (gRPC) without TLS: it "
                             f"answered {bytes(inbox[:49])!r}"
                         )
@@ -558,7 +568,7 @@ class KeepAliveStream:
                 if not data:
                     raise ConnectionError("etcd closed the keep-alive connection")
                 inbox += data
-        except _NotHttp2 as exc:
+        except NotHttp2 as exc:
             self._not_http2 = True  # before the callers wake
             self._fail(str(exc))
         except (OSError, ValueError, _StreamBroken) as exc:

@@ -46,6 +46,7 @@ Keys are ``str`` (UTF-8 encoded) or ``bytes``; values are ``bytes`` (``str`` is 
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,13 +60,10 @@ from flashckpt.elastic.etcd._wire import (
     KeyValue,
     Lease,
     Value,
-    b64,
     header_revision,
     kv_from_json,
     lease_id,
-    mod_revision_is,
     prefix_end,
-    prefix_range,
     prefix_range_end,
     to_bytes,
     ttl_seconds,
@@ -80,6 +78,7 @@ from flashckpt.elastic.etcd.errors import (
     WatchClosed,
     WatchCompacted,
 )
+from flashckpt.elastic.etcd.ops import Compare, Delete, Op, Put, Range, Txn, TxnResult
 from flashckpt.elastic.etcd.security import EtcdSecurity
 from flashckpt.elastic.etcd.watchstream import WatchEvent, WatchStream
 
@@ -123,7 +122,7 @@ class WatchBatch:
     changes may be missing, so re-read the keys, then watch from the read's revision."""
 
 
-class EtcdClient(Gateway):
+class EtcdClient:
     """A synchronous, thread-safe etcd v3 client with a deadline on every call.
 
     Every call retries across all endpoints, with exponential backoff, until it succeeds or its
@@ -151,10 +150,78 @@ class EtcdClient(Gateway):
 
     Raises:
         ValueError: If no endpoint is given or a timeout is not positive.
+
+    The client holds its transport (:attr:`transport`, the connections, fail-over and retry
+    rules) rather than being one; the request bodies are written by
+    :mod:`flashckpt.elastic.etcd.ops`, which :meth:`txn` takes.
     """
 
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        timeout: timedelta,
+        connect_timeout: timedelta = timedelta(seconds=2),
+        ssl_context: ssl.SSLContext | None = None,
+        grpc_kv: bool | None = None,
+        security: EtcdSecurity | None = None,
+    ) -> None:
+        self._transport = Gateway(
+            endpoints,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            ssl_context=ssl_context,
+            grpc_kv=grpc_kv,
+            security=security,
+        )
+
+    @property
+    def transport(self) -> Gateway:
+        """The connections to etcd (shared with the watch and lease streams it opens)."""
+        return self._transport
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The endpoints, as URLs."""
+        return self._transport.endpoints
+
+    @property
+    def timeout(self) -> timedelta:
+        """The default deadline of each call."""
+        return self._transport.timeout
+
+    @property
+    def security(self) -> EtcdSecurity | None:
+        """The TLS files and credentials this client was made with."""
+        return self._transport.security
+
+    @property
+    def authentications(self) -> int:
+        """How many auth tokens this client obtained (one, plus one per expired token)."""
+        return self._transport.authentications
+
+    def connection_stats(self) -> ConnectionStats:
+        """What the connection pool of this process did so far: connections opened, requests
+        that reused one, stale ones replaced, idle ones now."""
+        return self._transport.connection_stats()
+
+    def close(self) -> None:
+        """Closes the pooled connections (a request in flight closes its own when done).
+
+        Calls made after it still work, each on a connection of its own; watches and
+        :class:`LeaseKeepAlive` threads are not stopped (close those first).
+        """
+        self._transport.close()
+
+    def _call(
+        self, path: str, body: dict[str, Any], *, timeout: timedelta | None, idempotent: bool
+    ) -> dict[str, Any]:
+        """One request to ``path`` with the transport's deadline and retry rules (the one
+        place this client's requests go out)."""
+        return self._transport._call(path, body, timeout=timeout, idempotent=idempotent)
+
     def __repr__(self) -> str:
-        return f"EtcdClient({','.join(self.endpoints)!r}, timeout={self._timeout!r})"
+        return f"EtcdClient({','.join(self.endpoints)!r}, timeout={self.timeout!r})"
 
     def __enter__(self) -> EtcdClient:
         return self
@@ -168,6 +235,31 @@ class EtcdClient(Gateway):
         self.close()
 
     # ----------------------------------------------------------------------------- key-value
+
+    def txn(
+        self, txn: Txn, *, timeout: timedelta | None = None, idempotent: bool | None = None
+    ) -> TxnResult:
+        """Runs one transaction (:class:`~flashckpt.elastic.etcd.ops.Txn`).
+
+        Args:
+            txn: The compares and the operations of each branch.
+            timeout: Deadline of this call; defaults to the client's.
+            idempotent: Whether an attempt whose answer was lost may be sent again;
+                ``None``: :attr:`Txn.idempotent <flashckpt.elastic.etcd.ops.Txn.idempotent>`
+                (true unless it writes under a condition).
+
+        Returns:
+            Which branch ran, the revision after it, and each operation's answer.
+
+        Raises:
+            EtcdOutcomeUnknown: A transaction that is not idempotent was sent but its answer
+                was lost: it may or may not have been applied. Re-read the keys.
+            EtcdLeaseNotFound: If a put's lease has expired or was revoked.
+        """
+        if idempotent is None:
+            idempotent = txn.idempotent
+        response = self._call("/v3/kv/txn", txn.to_json(), timeout=timeout, idempotent=idempotent)
+        return TxnResult.from_json(response)
 
     def get(self, key: Key, *, timeout: timedelta | None = None) -> tuple[bytes, int] | None:
         """Reads one key.
@@ -184,8 +276,9 @@ class EtcdClient(Gateway):
 
     def get_kv(self, key: Key, *, timeout: timedelta | None = None) -> KeyValue | None:
         """Reads one key with all its metadata; ``None`` if it does not exist."""
-        body = {"key": b64(to_bytes(key, "key"))}
-        response = self._call("/v3/kv/range", body, timeout=timeout, idempotent=True)
+        response = self._call(
+            "/v3/kv/range", Range(key).to_json(), timeout=timeout, idempotent=True
+        )
         kvs = response.get("kvs") or []
         return kv_from_json(kvs[0]) if kvs else None
 
@@ -204,18 +297,17 @@ class EtcdClient(Gateway):
         """
         if not keys:
             return [], self.revision(timeout=timeout)
-        ranges = [{"request_range": {"key": b64(to_bytes(k, "key"))}} for k in keys]
-        response = self._call("/v3/kv/txn", {"success": ranges}, timeout=timeout, idempotent=True)
+        result = self.txn(Txn(success=[Range(k) for k in keys]), timeout=timeout)
         found: list[KeyValue | None] = []
-        for item in response.get("responses") or []:
-            kvs = item.get("response_range", {}).get("kvs") or []
-            found.append(kv_from_json(kvs[0]) if kvs else None)
+        for i in range(len(result)):
+            kvs = result.kvs(i)
+            found.append(kvs[0] if kvs else None)
         if len(found) != len(keys):
             raise EtcdError(
                 f"etcd answered {len(found)} ranges for {len(keys)} keys; the server or a proxy "
                 "in between mangled the transaction"
             )
-        return found, header_revision(response)
+        return found, result.revision
 
     def get_prefix(self, prefix: Key, *, timeout: timedelta | None = None) -> list[KeyValue]:
         """Reads every key that starts with ``prefix``, sorted by key."""
@@ -225,7 +317,7 @@ class EtcdClient(Gateway):
         self, prefix: Key, *, timeout: timedelta | None = None
     ) -> tuple[list[KeyValue], int]:
         """Like :meth:`get_prefix`, also returning the store revision of the snapshot."""
-        body = prefix_range(to_bytes(prefix, "prefix"))
+        body = Range.prefix(prefix).to_json()
         response = self._call("/v3/kv/range", body, timeout=timeout, idempotent=True)
         kvs = [kv_from_json(raw) for raw in response.get("kvs") or []]
         return kvs, header_revision(response)
@@ -248,14 +340,7 @@ class EtcdClient(Gateway):
             keys_only: Leave the values out (``value`` is ``b""``).
             timeout: Deadline of this call; defaults to the client's.
         """
-        body: dict[str, Any] = {
-            "key": b64(to_bytes(start, "key")),
-            "range_end": b64(to_bytes(end, "key")),
-        }
-        if limit:
-            body["limit"] = str(limit)
-        if keys_only:
-            body["keys_only"] = True
+        body = Range(start, end, limit=limit, keys_only=keys_only).to_json()
         response = self._call("/v3/kv/range", body, timeout=timeout, idempotent=True)
         return [kv_from_json(raw) for raw in response.get("kvs") or []]
 
@@ -276,38 +361,29 @@ class EtcdClient(Gateway):
         Returns:
             The counts in the order asked, and the store revision of the snapshot.
         """
-        ranges = []
-        for key, range_end, min_mod_revision in queries:
-            request: dict[str, Any] = {"key": b64(to_bytes(key, "key"))}
-            if range_end is not None:
-                request["range_end"] = b64(to_bytes(range_end, "range end"))
-            if min_mod_revision:
-                # etcd's count ignores the revision filter, so the (few) keys it keeps are
-                # listed, without their values.
-                request["keys_only"] = True
-                request["min_mod_revision"] = str(min_mod_revision)
-            else:
-                request["count_only"] = True
-            ranges.append({"request_range": request})
-        response = self._call("/v3/kv/txn", {"success": ranges}, timeout=timeout, idempotent=True)
+        # etcd's count ignores the revision filter, so the (few) keys it keeps are listed,
+        # without their values.
+        ranges: list[Op] = [
+            Range(key, range_end, keys_only=True, min_mod_revision=min_mod_revision)
+            if min_mod_revision
+            else Range(key, range_end, count_only=True)
+            for key, range_end, min_mod_revision in queries
+        ]
+        result = self.txn(Txn(success=ranges), timeout=timeout)
         found = []
-        for (_, _, min_mod_revision), item in zip(
-            queries, response.get("responses") or [], strict=False
-        ):
-            answer = item.get("response_range", {})
-            found.append(
-                len(answer.get("kvs") or []) if min_mod_revision else int(answer.get("count", 0))
-            )
+        for i, (_, _, min_mod_revision) in enumerate(queries[: len(result)]):
+            answer = result.range(i)
+            found.append(len(answer.kvs) if min_mod_revision else answer.count)
         if len(found) != len(queries):
             raise EtcdError(
                 f"etcd answered {len(found)} ranges for {len(queries)} counts; the server or a "
                 "proxy in between mangled the transaction"
             )
-        return found, header_revision(response)
+        return found, result.revision
 
     def count_prefix(self, prefix: Key, *, timeout: timedelta | None = None) -> int:
         """Counts the keys that start with ``prefix`` without reading their values."""
-        body: dict[str, Any] = {**prefix_range(to_bytes(prefix, "prefix")), "count_only": True}
+        body = Range.prefix(prefix, count_only=True).to_json()
         response = self._call("/v3/kv/range", body, timeout=timeout, idempotent=True)
         return int(response.get("count", 0))
 
@@ -315,8 +391,9 @@ class EtcdClient(Gateway):
         """The current revision of the whole store (read from the key
         :attr:`~flashckpt.elastic.etcd.security.EtcdSecurity.probe_key`: a user whose role may
         read only the jobs' prefix may read it)."""
-        probe = self._security.probe_key if self._security is not None else b"\x00"
-        body = {"key": b64(probe), "count_only": True}
+        security = self._transport.security
+        probe = security.probe_key if security is not None else b"\x00"
+        body = Range(probe, count_only=True).to_json()
         return header_revision(self._call("/v3/kv/range", body, timeout=timeout, idempotent=True))
 
     def put(
@@ -341,12 +418,7 @@ class EtcdClient(Gateway):
         Raises:
             EtcdLeaseNotFound: If ``lease`` has expired or was revoked.
         """
-        body: dict[str, Any] = {
-            "key": b64(to_bytes(key, "key")),
-            "value": b64(to_bytes(value, "value")),
-        }
-        if lease is not None:
-            body["lease"] = str(lease_id(lease))
+        body = Put(key, value, None if lease is None else lease_id(lease)).to_json()
         return header_revision(self._call("/v3/kv/put", body, timeout=timeout, idempotent=True))
 
     def delete(self, key: Key, *, timeout: timedelta | None = None) -> bool:
@@ -356,7 +428,7 @@ class EtcdClient(Gateway):
             Whether the key existed. After a retried attempt whose first try was applied but
             not answered, this is ``False`` although the key is gone.
         """
-        body = {"key": b64(to_bytes(key, "key"))}
+        body = Delete(key).to_json()
         response = self._call("/v3/kv/deleterange", body, timeout=timeout, idempotent=True)
         return int(response.get("deleted", 0)) > 0
 
@@ -366,10 +438,7 @@ class EtcdClient(Gateway):
         Raises:
             ValueError: If ``prefix`` is empty (that would delete the whole cluster's data).
         """
-        start = to_bytes(prefix, "prefix")
-        if not start:
-            raise ValueError("refusing to delete with an empty prefix: it would delete every key")
-        body = {"key": b64(start), "range_end": b64(prefix_range_end(start))}
+        body = Delete.prefix(prefix).to_json()
         response = self._call("/v3/kv/deleterange", body, timeout=timeout, idempotent=True)
         return int(response.get("deleted", 0))
 
@@ -403,22 +472,16 @@ class EtcdClient(Gateway):
         """
         if mod_revision < 0:
             raise ValueError(f"mod_revision must be >= 0 (0: key absent), got {mod_revision}")
-        key_b64 = b64(to_bytes(key, "key"))
-        value_bytes = to_bytes(value, "value")
-        put: dict[str, Any] = {"key": key_b64, "value": b64(value_bytes)}
-        if lease is not None:
-            put["lease"] = str(lease_id(lease))
-        body = {
-            "compare": [mod_revision_is(key_b64, mod_revision)],
+        txn = Txn(
+            compare=[Compare.modified(key, mod_revision)],
             # Reading the key back inside the transaction returns the new entry atomically.
-            "success": [{"request_put": put}, {"request_range": {"key": key_b64}}],
-            "failure": [{"request_range": {"key": key_b64}}],
-        }
-        response = self._call("/v3/kv/txn", body, timeout=timeout, idempotent=False)
-        succeeded = bool(response.get("succeeded"))
-        responses = response.get("responses") or []
-        kvs = responses[-1].get("response_range", {}).get("kvs") if responses else None
-        current = kv_from_json(kvs[0]) if kvs else None
+            success=[Put(key, value, None if lease is None else lease_id(lease)), Range(key)],
+            failure=[Range(key)],
+        )
+        result = self.txn(txn, timeout=timeout, idempotent=False)
+        succeeded = result.succeeded
+        kvs = result.kvs(len(result) - 1)
+        current = kvs[0] if kvs else None
         if succeeded and current is None:
             raise EtcdError(
                 f"etcd reported the compare-and-set of {key!r} as applied but returned no entry; "
@@ -437,13 +500,8 @@ class EtcdClient(Gateway):
         Raises:
             EtcdOutcomeUnknown: The answer was lost; re-read the key.
         """
-        key_b64 = b64(to_bytes(key, "key"))
-        body = {
-            "compare": [mod_revision_is(key_b64, mod_revision)],
-            "success": [{"request_delete_range": {"key": key_b64}}],
-        }
-        response = self._call("/v3/kv/txn", body, timeout=timeout, idempotent=False)
-        return bool(response.get("succeeded"))
+        txn = Txn(compare=[Compare.modified(key, mod_revision)], success=[Delete(key)])
+        return self.txn(txn, timeout=timeout, idempotent=False).succeeded
 
     def compact(self, revision: int, *, timeout: timedelta | None = None) -> bool:
         """Discards the history of every key before ``revision`` (etcd's compaction), which
@@ -493,7 +551,7 @@ class EtcdClient(Gateway):
         """
         key_bytes = to_bytes(key, "key") or b"\x00"
         range_end = prefix_range_end(key_bytes) if prefix else None
-        stream = WatchStream(self, key_bytes, range_end, after_revision + 1)
+        stream = WatchStream(self._transport, key_bytes, range_end, after_revision + 1)
         try:
             return bool(stream.next_events(timeout))
         except WatchCompacted:
@@ -536,12 +594,14 @@ class EtcdClient(Gateway):
         key_bytes = to_bytes(key, "key") or b"\x00"
         range_end = prefix_range_end(key_bytes) if prefix else None
         slot = (threading.get_ident(), key_bytes, range_end)
-        pool = self._pool_here()
+        pool = self._transport._pool_here()
         kept = pool.take_watch(slot, after_revision + 1)  # only watch_events keeps streams
         if isinstance(kept, WatchStream):
             stream = kept
         else:
-            stream = WatchStream(self, key_bytes, range_end, after_revision + 1, prev_kv=True)
+            stream = WatchStream(
+                self._transport, key_bytes, range_end, after_revision + 1, prev_kv=True
+            )
         try:
             events = stream.next_events(timeout)
         except WatchCompacted as exc:
@@ -605,7 +665,7 @@ class EtcdClient(Gateway):
             EtcdTimeout: No answer before the deadline (with ``keep``, one may still come).
         """
         ident = lease_id(lease)
-        ttl, sent = self._keep_alive(ident, timeout, keep=keep)
+        ttl, sent = self._transport._keep_alive(ident, timeout, keep=keep)
         if ttl <= 0:
             raise EtcdLeaseNotFound(
                 f"lease {ident:x} has expired or was revoked; grant a new lease and put the "

@@ -29,8 +29,8 @@ from pathlib import Path
 from types import TracebackType
 
 from flashckpt.elastic.deadline import Deadline
-from flashckpt.elastic.etcd._gateway import Gateway
 from flashckpt.elastic.etcd._wire import b64, prefix_end
+from flashckpt.elastic.etcd.client import EtcdClient
 from flashckpt.elastic.procutil import die_with_parent
 from flashckpt.errors import EtcdError
 
@@ -473,7 +473,7 @@ class EtcdV3Server:
 
 
 def enable_auth(
-    client: Gateway,
+    client: EtcdClient,
     *,
     root_password: str,
     user: str,

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd._gateway import (
@@ -141,6 +141,13 @@ class WatchEvent:
     it, or the watch did not ask for previous values."""
 
 
+class HoldsTransport(Protocol):
+    """What holds the connections a watch opens its own beside (an ``EtcdClient``)."""
+
+    @property
+    def transport(self) -> Gateway: ...
+
+
 class WatchStream:
     """A long-lived etcd watch: the events of the keys in ``[key, range_end)`` from
     ``start_revision`` on, each with the key's new value (and its previous one, with
@@ -161,7 +168,7 @@ class WatchStream:
     be read again, which would cost a new connection per quiet timeout.
 
     Args:
-        client: The etcd client (its endpoints and TLS settings are used).
+        client: The etcd client, or its transport (its endpoints and TLS settings are used).
         key: First key of the range.
         range_end: End of the range (exclusive); ``None``: the single key ``key``.
         start_revision: First revision to report.
@@ -170,7 +177,7 @@ class WatchStream:
 
     def __init__(
         self,
-        client: Gateway,
+        client: Gateway | HoldsTransport,
         key: bytes,
         range_end: bytes | None,
         start_revision: int,
@@ -179,7 +186,9 @@ class WatchStream:
     ) -> None:
         if start_revision < 1:
             raise ValueError(f"start_revision must be >= 1, got {start_revision}")
-        self._client = client
+        # An EtcdClient's transport (a Gateway, or what stands in for one, has none).
+        transport: Any = getattr(client, "transport", client)
+        self._client: Gateway = transport
         self._key = key
         self._range_end = range_end
         self._next = start_revision

@@ -5,7 +5,6 @@ the record's updates on the lease. Split out of
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import heapq
 import itertools
@@ -24,6 +23,7 @@ from flashckpt.elastic.etcd.client import (
     EtcdOutcomeUnknown,
     Lease,
 )
+from flashckpt.elastic.etcd.ops import Compare, Put, Range, RangeResult, Txn
 from flashckpt.elastic.membership.fencing import (
     FenceNotice,
     _renew_retry_delay,
@@ -41,7 +41,6 @@ from flashckpt.elastic.membership.reaping import (
 from flashckpt.elastic.membership.records import (
     NodeIdInUse,
     NodeRecord,
-    _kv_of,
 )
 from flashckpt.elastic.membership.ringwatch import (
     _RingWatch,
@@ -227,37 +226,27 @@ class _Leasing(_RingWatch):
             assert lease is not None
             with self._lock:
                 value = self._record.to_json()
-            key_b64 = base64.b64encode(self._key.encode()).decode("ascii")
-            own = {"request_range": {"key": key_b64}}
-            put = {"key": key_b64, "value": base64.b64encode(value).decode("ascii")}
+            own = Range(self._key)
             window = self._registration_ranges() if read_window else []
-            extra = (
-                [{"request_range": {"key": base64.b64encode(read_key.encode()).decode("ascii")}}]
-                if read_key is not None
-                else []
+            extra = [Range(read_key)] if read_key is not None else []
+            txn = Txn(
+                [Compare.modified(self._key, 0)],
+                [Put(self._key, value, lease.id), own, *window, *extra],
+                [own],
             )
-            body = {
-                "compare": [
-                    {"key": key_b64, "target": "MOD", "result": "EQUAL", "mod_revision": "0"}
-                ],
-                "success": [{"request_put": {**put, "lease": str(lease.id)}}, own, *window, *extra],
-                "failure": [own],
-            }
-            answers: list[dict[str, Any]] | None = None
+            answers: list[RangeResult] | None = None
             exists = False
             try:
-                response = self._client._call(
-                    "/v3/kv/txn", body, timeout=_remaining(deadline), idempotent=False
-                )
-                done = bool(response.get("succeeded"))
-                responses = response.get("responses") or []
-                found = responses[1 if done else 0].get("response_range", {})
-                current = _kv_of(found["kvs"][0]) if found.get("kvs") else None
+                result = self._client.txn(txn, timeout=_remaining(deadline), idempotent=False)
+                done = result.succeeded
+                found = result.kvs(1 if done else 0)
+                current = found[0] if found else None
                 if done and window:
-                    answers = [r.get("response_range", {}) for r in responses[2 : 2 + len(window)]]
-                    revision = int(response.get("header", {}).get("revision", 0))
+                    got = min(len(result), 2 + len(window))
+                    answers = [result.range(i) for i in range(2, got)]
+                    revision = result.revision
                 if done and extra:
-                    exists = bool(responses[-1].get("response_range", {}).get("kvs"))
+                    exists = bool(result.kvs(len(result) - 1))
             except EtcdOutcomeUnknown:
                 found_kv = self._client.get_kv(self._key, timeout=_remaining(deadline))
                 done, current = (found_kv is not None and found_kv.lease == lease.id), found_kv

@@ -42,7 +42,6 @@ registers the machine afresh (new lease, new token, next generation), as a stand
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import logging
 import time
@@ -57,6 +56,7 @@ from flashckpt.elastic.etcd.client import (
     Lease,
     prefix_end,
 )
+from flashckpt.elastic.etcd.ops import Compare, Put, Range, Txn, TxnResult
 from flashckpt.elastic.membership.fencing import (
     FenceNotice,
     fence_deadline,
@@ -207,13 +207,11 @@ class NodeRegistry(_Leasing):
     def fold_registration(
         self,
         lease: Lease,
-        compare: list[dict[str, Any]],
-        success: list[dict[str, Any]],
-        failure: list[dict[str, Any]],
-    ) -> dict[str, Any] | None:
-        """The body of one etcd transaction that creates the node key (as :meth:`_register`
-        does: if absent, on ``lease``) and runs the transaction ``compare``/``success``/
-        ``failure`` nested in it (the rendezvous' join, on the same lease): see ``with_join``
+        join: Txn,
+    ) -> Txn | None:
+        """One etcd transaction that creates the node key (as :meth:`_register` does: if
+        absent, on ``lease``) and runs the transaction ``join`` nested in it (the rendezvous'
+        join, on the same lease): see ``with_join``
         of :meth:`start`. None when the key needs no creation (registered already, or
         ``lease`` is not this registry's lease now): the caller sends its own transaction.
         Its answer goes to :meth:`fold_answered`."""
@@ -222,24 +220,13 @@ class NodeRegistry(_Leasing):
                 return None
             value = self._record.to_json()
             self._fold_value = value
-        key_b64 = base64.b64encode(self._key.encode()).decode("ascii")
-        put = {
-            "key": key_b64,
-            "value": base64.b64encode(value).decode("ascii"),
-            "lease": str(lease.id),
-        }
-        nested: dict[str, Any] = {"success": success}
-        if compare:
-            nested["compare"] = compare
-        if failure:
-            nested["failure"] = failure
-        return {
-            "compare": [{"key": key_b64, "target": "MOD", "result": "EQUAL", "mod_revision": "0"}],
-            "success": [{"request_put": put}, {"request_txn": nested}],
-            "failure": [{"request_range": {"key": key_b64}}],
-        }
+        return Txn(
+            [Compare.modified(self._key, 0)],
+            [Put(self._key, value, lease.id), join],
+            [Range(self._key)],
+        )
 
-    def fold_answered(self, lease: Lease, response: dict[str, Any] | None) -> dict[str, Any] | None:
+    def fold_answered(self, lease: Lease, response: TxnResult | None) -> TxnResult | None:
         """Takes etcd's answer to a :meth:`fold_registration` transaction (``None``: its outcome
         is unknown). Returns the nested transaction's answer (``succeeded``, ``responses``,
         the outer ``header``) when the node key was created by it; None when it was not (the
@@ -256,15 +243,9 @@ class NodeRegistry(_Leasing):
             timeout, value = self._unregistered, self._fold_value
         if timeout is None:
             return None  # registered meanwhile (a lapsed lease registered again)
-        if response is not None and response.get("succeeded"):
-            responses = response.get("responses") or []
-            inner = responses[1].get("response_txn", {}) if len(responses) > 1 else {}
+        if response is not None and response.succeeded:
             self._registered(lease, value)
-            return {
-                "header": response.get("header", {}),
-                "succeeded": bool(inner.get("succeeded")),
-                "responses": inner.get("responses") or [],
-            }
+            return response.txn(1)
         deadline = Deadline.after(timeout)
         if response is None:  # the answer was lost: did etcd create the key?
             found = self._client.get_kv(self._key, timeout=_remaining(deadline))

@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 from flashckpt.elastic.deadline import Deadline
 from flashckpt.elastic.etcd.client import (
@@ -21,6 +20,7 @@ from flashckpt.elastic.etcd.client import (
     Lease,
     WatchStream,
 )
+from flashckpt.elastic.etcd.ops import RangeResult
 from flashckpt.elastic.membership.fencing import (
     FenceNotice,
 )
@@ -98,7 +98,7 @@ class _NodeState:
         self._view_revision = 0  # the view holds every change of the node keys up to it
         # The window's keys as the registration read them, and the read's revision: where the
         # watch thread starts (taken once, see _first_window).
-        self._registered_window: tuple[list[dict[str, Any]], int] | None = None
+        self._registered_window: tuple[list[RangeResult], int] | None = None
         self._window_k = max(_WINDOW, links + 1)
         # The watched window: every node key (a job of at most 2k + 1 machines: _whole), or the
         # ring from the k-th predecessor (_lo) to the k-th successor (_hi) of this machine.

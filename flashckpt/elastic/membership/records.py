@@ -5,11 +5,9 @@ public names.
 
 from __future__ import annotations
 
-import base64
 import json
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
-from typing import Any
 
 from flashckpt.elastic.etcd.client import (
     KeyValue,
@@ -86,17 +84,6 @@ class NodeRecord:
             return cls(**fields, lease=kv.lease)
         except (ValueError, TypeError, KeyError):
             return None
-
-
-def _kv_of(raw: dict[str, Any]) -> KeyValue:
-    return KeyValue(
-        key=base64.b64decode(raw.get("key") or ""),
-        value=base64.b64decode(raw.get("value") or ""),
-        mod_revision=int(raw.get("mod_revision", 0)),
-        create_revision=int(raw.get("create_revision", 0)),
-        version=int(raw.get("version", 0)),
-        lease=int(raw.get("lease", 0)),
-    )
 
 
 def _record_or_none(kv: KeyValue | None) -> NodeRecord | None:

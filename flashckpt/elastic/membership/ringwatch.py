@@ -6,13 +6,11 @@ its successors, etcd's history compacted. Split out of
 
 from __future__ import annotations
 
-import base64
 import itertools
 import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any
 
 from flashckpt.elastic.etcd.client import (
     EtcdError,
@@ -23,6 +21,7 @@ from flashckpt.elastic.etcd.client import (
     WatchStream,
     prefix_end,
 )
+from flashckpt.elastic.etcd.ops import Op, Range, RangeResult, Txn
 from flashckpt.elastic.membership.peerlinks import (
     LinkTarget,
 )
@@ -31,7 +30,6 @@ from flashckpt.elastic.membership.reaping import (
 )
 from flashckpt.elastic.membership.records import (
     NodeRecord,
-    _kv_of,
 )
 
 logger = logging.getLogger("flashckpt.elastic.membership.nodes")  # its log, as before the split
@@ -49,21 +47,11 @@ _QUIET_CHECK_S = 60.0
 
 def _limited_range(
     start: bytes, end: bytes, limit: int, *, descend: bool, keys_only: bool = False
-) -> dict[str, Any]:
+) -> Range:
     """A transaction's read of at most ``limit`` keys of ``[start, end)``, nearest ``start``
     first (``descend``: nearest ``end`` first; ``keys_only``: without their values); its
     ``count`` is every key of the range."""
-    request: dict[str, Any] = {
-        "key": base64.b64encode(start).decode("ascii"),
-        "range_end": base64.b64encode(end).decode("ascii"),
-        "limit": str(limit),
-    }
-    if keys_only:
-        request["keys_only"] = True
-    if descend:
-        request["sort_order"] = "DESCEND"
-        request["sort_target"] = "KEY"
-    return {"request_range": request}
+    return Range(start, end, limit=limit, keys_only=keys_only, descend=descend)
 
 
 class _RingWatch(_Reaping):
@@ -190,7 +178,7 @@ class _RingWatch(_Reaping):
             return [(lo, hi)]
         return [(lo, end), (start, hi)]  # it wraps around the end of the ring
 
-    def _window_ranges(self) -> list[dict[str, Any]]:
+    def _window_ranges(self) -> list[Range]:
         """A transaction's reads of the window's keys: four ranges of at most ``k`` keys each
         (the ``k`` after this key and before it, from both ends of the ring)."""
         k = self._window_k
@@ -221,16 +209,14 @@ class _RingWatch(_Reaping):
             return None
         return revision
 
-    def _read_ranges(self, ranges: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int] | None:
+    def _read_ranges(self, ranges: list[Range]) -> tuple[list[RangeResult], int] | None:
         """One read-only transaction of ``ranges``: each range's answer and the revision, or
         None (logged) if etcd did not answer."""
         self.window_requests += 1
         try:
-            response = self._client._call(
-                "/v3/kv/txn", {"success": ranges}, timeout=None, idempotent=True
-            )
-            answers = [r.get("response_range", {}) for r in response.get("responses") or []]
-            revision = int(response.get("header", {}).get("revision", 0))
+            result = self._client.txn(Txn(success=ranges), timeout=None)
+            answers = [result.range(i) for i in range(len(result))]
+            revision = result.revision
         except Exception as exc:
             logger.warning("reading the job's node keys failed (will retry): %s", exc)
             return None
@@ -243,7 +229,7 @@ class _RingWatch(_Reaping):
         read = self._read_ranges(self._registration_ranges())
         return None if read is None else self._settle_window(*read)
 
-    def _registration_ranges(self) -> list[dict[str, Any]]:
+    def _registration_ranges(self) -> list[Range]:
         """The window's reads folded into the registration's transaction (see
         :meth:`_register`), none of them sorted (etcd 3.5 fetches every key of a sorted range's
         span, whatever its limit): the ``2k`` keys after this one and the ``2k`` first of the
@@ -288,7 +274,7 @@ class _RingWatch(_Reaping):
             return None
         return self._settle_window(*taken)
 
-    def _settle_window(self, answers: list[dict[str, Any]], revision: int) -> int | None:
+    def _settle_window(self, answers: list[RangeResult], revision: int) -> int | None:
         """Loads the window from the answers to :meth:`_registration_ranges` (read at
         ``revision``); returns the revision the view holds, or None when they did not settle
         the window (a window that wraps around the end of the ring, in a job too large for
@@ -298,8 +284,8 @@ class _RingWatch(_Reaping):
         still holds exactly those keys then."""
         k = self._window_k
         try:
-            lists = [[_kv_of(raw) for raw in a.get("kvs") or []] for a in answers]
-            counts = [int(a.get("count", 0)) for a in answers]
+            lists = [a.kvs for a in answers]
+            counts = [a.count for a in answers]
         except Exception as exc:
             logger.warning("the read of the node keys was unusable: %s", exc)
             return None
@@ -340,28 +326,15 @@ class _RingWatch(_Reaping):
         if not lo < own < hi:
             return None
         first, last = (self._prefix + lo).encode(), (self._prefix + hi).encode() + b"\x00"
-        b64 = base64.b64encode
-        ops: list[dict[str, Any]] = [
-            {"request_range": {"key": b64(key).decode("ascii")}} for key in keys
-        ]
-        ops.append(
-            {
-                "request_range": {
-                    "key": b64(first).decode("ascii"),
-                    "range_end": b64(last).decode("ascii"),
-                    "count_only": True,
-                }
-            }
-        )
+        ops: list[Op] = [Range(key) for key in keys]
+        ops.append(Range(first, last, count_only=True))
         self.window_requests += 1
         try:
-            response = self._client._call(
-                "/v3/kv/txn", {"success": ops}, timeout=None, idempotent=True
-            )
-            answers = [r.get("response_range", {}) for r in response.get("responses") or []]
-            revision = int(response.get("header", {}).get("revision", 0))
-            found = [_kv_of(a["kvs"][0]) for a in answers[:-1] if a.get("kvs")]
-            between = int(answers[-1].get("count", 0)) if len(answers) == len(ops) else -1
+            result = self._client.txn(Txn(success=ops), timeout=None)
+            answers = [result.range(i) for i in range(len(result))]
+            revision = result.revision
+            found = [a.kvs[0] for a in answers[:-1] if a.kvs]
+            between = answers[-1].count if len(answers) == len(ops) else -1
         except Exception as exc:
             logger.warning("reading the job's node keys failed (will retry): %s", exc)
             return None
@@ -370,13 +343,13 @@ class _RingWatch(_Reaping):
         self._load_view(found, window)
         return revision
 
-    def _take_window(self, answers: list[dict[str, Any]]) -> None:
+    def _take_window(self, answers: list[RangeResult]) -> None:
         """Loads the answers to :meth:`_window_ranges` into the view."""
         k = self._window_k
         if len(answers) != 4:
             raise EtcdError(f"etcd answered {len(answers)} of 4 ranges")
-        lists = [[_kv_of(raw) for raw in a.get("kvs") or []] for a in answers]
-        others = int(answers[0].get("count", 0)) + int(answers[1].get("count", 0))
+        lists = [a.kvs for a in answers]
+        others = answers[0].count + answers[1].count
         if others <= 2 * k:
             # A small job: every key is in the four lists (k from each end of each side).
             kvs = list({kv.key: kv for kv in itertools.chain(*lists)}.values())

@@ -66,7 +66,6 @@ import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
@@ -87,10 +86,10 @@ from flashckpt.elastic.etcd.client import (
     EtcdLeaseNotFound,
     Lease,
 )
+from flashckpt.elastic.etcd.ops import Compare, Delete, Op, Put, Range, Txn, TxnResult
 from flashckpt.elastic.etcd.watchstream import (
     prefix_end,
 )
-from flashckpt.elastic.rendezvous.etcdops import _cmp, _delete, _kvs, _put, _range
 from flashckpt.elastic.rendezvous.name import BACKEND_NAME
 from flashckpt.elastic.rendezvous.result import (
     _MAX_ROUND,
@@ -216,13 +215,13 @@ class RdzvHandler(RoundState, RendezvousHandler):
                 the rendezvous closed learns from it that it was not needed).
         """
         lease = self._new_state_lease()
-        ops = [
-            _put(self._p + "closed", json.dumps({"by": self._node}).encode(), lease),
-            _delete(self._p + "r/", prefix=True),
-            _delete(self._p + "round"),
+        ops: list[Op] = [
+            Put(self._p + "closed", json.dumps({"by": self._node}).encode(), lease),
+            Delete.prefix(self._p + "r/"),
+            Delete(self._p + "round"),
         ]
         if done:
-            ops.append(_put(self._p + "done", json.dumps({"by": self._node}).encode(), lease))
+            ops.append(Put(self._p + "done", json.dumps({"by": self._node}).encode(), lease))
         try:
             self._txn([], ops, [])
         except EtcdError as exc:
@@ -344,10 +343,9 @@ class RdzvHandler(RoundState, RendezvousHandler):
         if rnd is None:
             return 0
         with self.call_timeout(timeout) if timeout is not None else contextlib.nullcontext():
-            count = _range(self._rp(rnd) + "a/", prefix=True, count_only=True)
+            count = Range.prefix(self._rp(rnd) + "a/", count_only=True)
             response = self._txn([], [count], [])
-        responses = response.get("responses") or []
-        held = int(responses[0].get("response_range", {}).get("count", 0)) if responses else 0
+        held = response.count(0)
         return max(0, world - held)
 
     def participants(self) -> set[str] | None:
@@ -386,8 +384,8 @@ class RdzvHandler(RoundState, RendezvousHandler):
         found dead joins again with a new lease. Returns how many leases were revoked. Never
         raises for etcd (the leases lapse anyway)."""
         try:
-            head = self._txn([], [_range(self._p + "round")], [])
-            kvs = _kvs(head, 0)
+            head = self._txn([], [Range(self._p + "round")], [])
+            kvs = head.kvs(0)
             newest = self._parse_round(kvs[0]) if kvs else -1
             keys = [
                 self._rp(r) + "a/" + urllib.parse.quote(node, safe="")
@@ -395,8 +393,8 @@ class RdzvHandler(RoundState, RendezvousHandler):
                 for r in (newest, newest + 1)
                 if r >= 0
             ]
-            found = self._txn([], [_range(k) for k in keys], []) if keys else {}
-            leases = {kv.lease for i in range(len(keys)) for kv in _kvs(found, i) if kv.lease}
+            found = self._txn([], [Range(k) for k in keys], []) if keys else TxnResult(False, 0)
+            leases = {kv.lease for i in range(len(keys)) for kv in found.kvs(i) if kv.lease}
             revoked = 0
             for lease in sorted(leases):
                 revoked += int(self._client.revoke_lease(lease, timeout=self._timeout()))
@@ -468,17 +466,12 @@ class RdzvHandler(RoundState, RendezvousHandler):
         """Deletes this machine's join keys of the rounds it may be in, and the lead key of
         such a round while it holds it (a shared lease is not revoked on leave)."""
         rounds = {self._round, self._waiting_in, self._known[0], self._known[0] + 1}
-        ops: list[dict[str, Any]] = []
+        ops: list[Op] = []
         for rnd in sorted(r for r in rounds if r is not None and 0 <= r <= _MAX_ROUND):
-            ops.append(_delete(self._rp(rnd) + "a/" + self._qnode))
+            ops.append(Delete(self._rp(rnd) + "a/" + self._qnode))
             lead = self._rp(rnd) + "c/lead"
             ops.append(
-                {
-                    "request_txn": {
-                        "compare": [_cmp(lead, "VALUE", self._node.encode())],
-                        "success": [_delete(lead)],
-                    }
-                }
+                Txn(compare=[Compare.value_is(lead, self._node.encode())], success=[Delete(lead)])
             )
         try:
             self._txn([], ops, [])

@@ -10,12 +10,13 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Protocol
 
 from flashckpt.elastic.etcd.client import (
     EtcdClient,
     EtcdError,
 )
+from flashckpt.elastic.etcd.ops import Compare, Op, Range, TxnResult
 from flashckpt.elastic.etcd.watchstream import (
     WatchClosed,
     WatchCompacted,
@@ -23,7 +24,6 @@ from flashckpt.elastic.etcd.watchstream import (
     WatchStream,
     prefix_end,
 )
-from flashckpt.elastic.rendezvous.etcdops import _kvs, _range, _revision
 from flashckpt.elastic.rendezvous.result import (
     PackedMembers,
 )
@@ -62,13 +62,13 @@ class _Host(Protocol):
 
     def _txn(
         self,
-        compare: list[dict[str, Any]],
-        success: list[dict[str, Any]],
-        failure: list[dict[str, Any]],
+        compare: Sequence[Compare],
+        success: Sequence[Op],
+        failure: Sequence[Op],
         *,
         write: int = 0,
         largest: int | None = None,
-    ) -> dict[str, Any]: ...
+    ) -> TxnResult: ...
 
 
 class _MemberWatch:
@@ -202,13 +202,13 @@ class _MemberWatch:
         h = self._h
         while not self._stop.is_set():
             try:
-                snap = h._txn([], [_range(ctl, prefix=True)], [])
+                snap = h._txn([], [Range.prefix(ctl)], [])
             except EtcdError:
                 self._stop.wait(1.0)
                 continue
-            events = [WatchEvent(False, kv, None) for kv in _kvs(snap, 0)]
+            events = [WatchEvent(False, kv, None) for kv in snap.kvs(0)]
             self._apply(events, _MemberKeys(ctl))
-            return _revision(snap) + 1
+            return snap.revision + 1
         return compacted + 1
 
 

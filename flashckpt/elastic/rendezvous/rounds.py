@@ -17,7 +17,6 @@ import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
@@ -38,6 +37,7 @@ from flashckpt.elastic.etcd.client import (
     KeyValue,
     Lease,
 )
+from flashckpt.elastic.etcd.ops import Compare, Delete, Op, Put, Range, Txn, TxnResult
 from flashckpt.elastic.etcd.watchstream import (
     WatchClosed,
     WatchCompacted,
@@ -45,7 +45,6 @@ from flashckpt.elastic.etcd.watchstream import (
     WatchStream,
     prefix_end,
 )
-from flashckpt.elastic.rendezvous.etcdops import _cmp, _delete, _kvs, _put, _range, _revision
 from flashckpt.elastic.rendezvous.memberwatch import (
     _NEXT_KEYS,
     _NEXT_MEMBER,
@@ -179,20 +178,21 @@ class RoundState:
             },
             separators=(",", ":"),
         ).encode()
-        compare = [_cmp(self._p + "round", "MOD", round_rev), _cmp(self._p + "closed", "CREATE", 0)]
+        compare = [
+            Compare.modified(self._p + "round", round_rev),
+            Compare.created(self._p + "closed", 0),
+        ]
         lead_key = self._rp(rnd) + "c/lead"
-        success = [
-            _put(join_key, value, lease.id),
-            _range(join_key),
+        success: list[Op] = [
+            Put(join_key, value, lease.id),
+            Range(join_key),
             # The first machine to join leads the round: decided in the same transaction (a
             # nested one), so nobody races for it.
-            {
-                "request_txn": {
-                    "compare": [_cmp(lead_key, "CREATE", 0)],
-                    "success": [_put(lead_key, self._node.encode(), lease.id)],
-                }
-            },
-            _range(self._rp(rnd) + "c/", prefix=True),
+            Txn(
+                compare=[Compare.created(lead_key, 0)],
+                success=[Put(lead_key, self._node.encode(), lease.id)],
+            ),
+            Range.prefix(self._rp(rnd) + "c/"),
         ]
         if rnd >= 1:
             # Tells the previous round's members that one of them (or another machine) joined
@@ -200,20 +200,18 @@ class RoundState:
             member = claim is not None and claim.round == rnd - 1
             marker = self._rp(rnd - 1) + "c/" + (_NEXT_MEMBER if member else _NEXT_OTHER)
             success.append(
-                {
-                    "request_txn": {
-                        "compare": [_cmp(marker, "CREATE", 0)],
-                        "success": [_put(marker, self._node.encode(), lease.id)],
-                    }
-                }
+                Txn(
+                    compare=[Compare.created(marker, 0)],
+                    success=[Put(marker, self._node.encode(), lease.id)],
+                )
             )
-        failure = [_range(self._p + "round"), _range(self._p + "closed")]
+        failure: list[Op] = [Range(self._p + "round"), Range(self._p + "closed")]
         pending_round, pending_create = self._pending
         if pending_round == rnd:
             # This machine joined round rnd before and stopped waiting for its result (an etcd
             # error, its lease lost): if rnd closed meanwhile, the refusal carries the result,
             # which may name this machine (see below).
-            failure.append(_range(self._rp(rnd) + "c/result", prefix=True))
+            failure.append(Range.prefix(self._rp(rnd) + "c/result"))
         try:
             found = self._join_txn(lease, compare, success, failure, write=len(value))
         except EtcdLeaseNotFound:
@@ -225,19 +223,19 @@ class RoundState:
         if found is None:
             return None  # the node key's registration was settled apart from it: join again
         response = found
-        if not response.get("succeeded"):
+        if not response.succeeded:
             # A round closed meanwhile, or this machine's belief was stale, or the job closed:
             # the refusal says which; join again from what it read.
-            if _kvs(response, 1):
+            if response.kvs(1):
                 self._raise_closed()
-            round_kvs = _kvs(response, 0)
+            round_kvs = response.kvs(0)
             if round_kvs:
                 kv = round_kvs[0]
                 self._known = (self._parse_round(kv), kv.mod_revision, kv.lease)
             else:
                 self._known = (-1, 0, 0)
             self._newest_seen = max(self._newest_seen, self._known[0])
-            result_kvs = _kvs(response, 2) if pending_round == rnd else []
+            result_kvs = response.kvs(2) if pending_round == rnd else []
             if result_kvs and self._known[0] == rnd:
                 # The round this machine joined closed while it was not waiting, and it is still
                 # the newest: its result decides. A member takes its rank (joining the next
@@ -246,12 +244,12 @@ class RoundState:
                 return self._take_result(rnd, result_kvs, pending_create)
             return None
         self._newest_seen = max(self._newest_seen, newest)
-        mine = _kvs(response, 1)
+        mine = response.kvs(1)
         if not mine:
             return None
         my_create = mine[0].create_revision
         self._pending = (rnd, my_create)
-        ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 3)}
+        ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in response.kvs(3)}
         self._waiting_in = rnd
         self._joined = True
         self.phases["joined"] = time.time()
@@ -272,7 +270,7 @@ class RoundState:
                 rnd,
             )
         logger.debug("joined round %d as %s (revision %d)", rnd, self._node, my_create)
-        return self._wait_round(rnd, round_rev, my_create, _revision(response), ctl, deadline)
+        return self._wait_round(rnd, round_rev, my_create, response.revision, ctl, deadline)
 
     def _wait_round(
         self,
@@ -319,8 +317,8 @@ class RoundState:
                     if self._lease_lost.is_set() or deadline.expired():
                         return None
                     response = self._read_ctl(ctl_prefix)
-                    rev = _revision(response)
-                    ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 0)}
+                    rev = response.revision
+                    ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in response.kvs(0)}
                     if "result" in ctl or "lead" in ctl:
                         continue
                 if "lead" not in ctl or mine:
@@ -366,15 +364,15 @@ class RoundState:
                 if not read:
                     continue
                 response = self._read_ctl(ctl_prefix)
-                rev = _revision(response)
-                ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(response, 0)}
+                rev = response.revision
+                ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in response.kvs(0)}
         finally:
             self._drop_watch(watch)
 
-    def _read_ctl(self, ctl_prefix: str) -> dict[str, Any]:
+    def _read_ctl(self, ctl_prefix: str) -> TxnResult:
         """The round's control keys; raises if the rendezvous closed."""
-        response = self._txn([], [_range(ctl_prefix, prefix=True), _range(self._p + "closed")], [])
-        if _kvs(response, 1):
+        response = self._txn([], [Range.prefix(ctl_prefix), Range(self._p + "closed")], [])
+        if response.kvs(1):
             self._raise_closed()
         return response
 
@@ -439,16 +437,16 @@ class RoundState:
         lead_key = self._rp(rnd) + "c/lead"
         if current is not None:
             return current.lease == lease.id  # ours already (after a broken watch)
-        compare = [_cmp(lead_key, "CREATE", 0), _cmp(self._p + "round", "MOD", round_rev)]
+        compare = [Compare.created(lead_key, 0), Compare.modified(self._p + "round", round_rev)]
         try:
-            response = self._txn(compare, [_put(lead_key, self._node.encode(), lease.id)], [])
+            response = self._txn(compare, [Put(lead_key, self._node.encode(), lease.id)], [])
         except EtcdOutcomeUnknown:
             kv = self._client.get_kv(lead_key)
             return kv is not None and kv.lease == lease.id
         except EtcdLeaseNotFound:
             self._lease_failed(lease)
             return False
-        return bool(response.get("succeeded"))
+        return response.succeeded
 
     # -------------------------------------------------------------------- the lead
     def _lead(self, rnd: int, round_rev: int, deadline: Deadline) -> list[KeyValue] | None:
@@ -456,46 +454,46 @@ class RoundState:
         when this machine stopped leading (its lease ended, its watch fell too far behind)."""
         prev, cur = self._rp(rnd - 1), self._rp(rnd)
         ops = [
-            _range(prev + "c/result", prefix=True),
+            Range.prefix(prev + "c/result"),
             # The previous round's joins: their keys name their machines (no values: N of
             # them, ~150 bytes each, for nothing).
-            _range(prev + "a/", prefix=True, keys_only=True),
-            _range(cur + "a/", prefix=True),
-            _range(cur + "c/", prefix=True),
-            _range(prev + "c/" + _ROOM),
+            Range.prefix(prev + "a/", keys_only=True),
+            Range.prefix(cur + "a/"),
+            Range.prefix(cur + "c/"),
+            Range(prev + "c/" + _ROOM),
         ]
         snap = self._txn([], ops, [])
-        ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in _kvs(snap, 3)}
+        ctl = {kv.key.decode().rsplit("/", 1)[-1]: kv for kv in snap.kvs(3)}
         if "result" in ctl:
-            return _result_kvs(_kvs(snap, 3))
+            return _result_kvs(snap.kvs(3))
         lead_kv = ctl.get("lead")
         if lead_kv is None or self._lease is None or lead_kv.lease != self._lease.id:
             return None
         prev_members: set[int] = set()
         if rnd > 0:
-            prev_result = _kvs(snap, 0)
+            prev_result = snap.kvs(0)
             if prev_result:
                 prev_members = set(_decode_result(prev_result, rnd - 1)[0].members.tolist())
         alive_prev: dict[bytes, str] = {}
         prev_a = (prev + "a/").encode()
-        for kv in _kvs(snap, 1):
+        for kv in snap.kvs(1):
             if kv.create_revision in prev_members and kv.key.startswith(prev_a):
                 alive_prev[kv.key] = urllib.parse.unquote(kv.key[len(prev_a) :].decode())
         joins: dict[bytes, _Join] = {}
-        for kv in _kvs(snap, 2):
+        for kv in snap.kvs(2):
             j = _decode_join(kv)
             if j is not None:
                 joins[kv.key] = j
         cur_a = (cur + "a/").encode()
         lead_key, result_key = (cur + "c/lead").encode(), (cur + "c/result").encode()
         # No previous values: a deleted key is all the lead needs to know.
-        stream = WatchStream(self._client, prev_a, prefix_end(cur.encode()), _revision(snap) + 1)
+        stream = WatchStream(self._client, prev_a, prefix_end(cur.encode()), snap.revision + 1)
         with self._lock:
             self._streams.add(stream)
         last_call_at: float | None = None
         # The previous round was full: once it lost a member, machines not of it count as
         # waiting for its members (_MemberWatch); said once, in r/<rnd - 1>/c/room.
-        room_said = bool(_kvs(snap, 4)) or len(prev_members) < self._s.max_nodes
+        room_said = bool(snap.kvs(4)) or len(prev_members) < self._s.max_nodes
         logger.info(
             "leading round %d: %d joined, %d live members of round %d", rnd, len(joins),
             len(alive_prev), rnd - 1,
@@ -608,34 +606,33 @@ class RoundState:
         cur = self._rp(rnd)
         result_key = cur + "c/result"
         state_lease = self._state_lease()
-        success = [
-            _put(result_key, value, state_lease),
-            _put(self._p + "round", str(rnd).encode(), state_lease),
+        success: list[Op] = [
+            Put(result_key, value, state_lease),
+            Put(self._p + "round", str(rnd).encode(), state_lease),
             *(
-                _put(f"{result_key}.{i}", part.encode(), state_lease)
+                Put(f"{result_key}.{i}", part.encode(), state_lease)
                 for i, part in enumerate(parts[1:], 1)
             ),
         ]
         read_at = len(success)  # the result as written, its parts included
-        success.append(_range(result_key, prefix=True))
+        success.append(Range.prefix(result_key))
         if rnd >= 1:  # the previous round's members that are not in this one learn it here
             success.append(
-                _put(self._rp(rnd - 1) + "c/" + _NEXT_RESULT, str(rnd).encode(), state_lease)
+                Put(self._rp(rnd - 1) + "c/" + _NEXT_RESULT, str(rnd).encode(), state_lease)
             )
         if rnd >= 2:
-            success.append(_delete(self._rp(rnd - 2), prefix=True))
+            success.append(Delete.prefix(self._rp(rnd - 2)))
             success.append(
-                _delete(
-                    f"{self._s.job_prefix}store/torch.rendezvous.{self._s.run_id}.{rnd - 2}/",
-                    prefix=True,
+                Delete.prefix(
+                    f"{self._s.job_prefix}store/torch.rendezvous.{self._s.run_id}.{rnd - 2}/"
                 )
             )
-        compare = [_cmp(result_key, "CREATE", 0), _cmp(self._p + "round", "MOD", round_rev)]
+        compare = [Compare.created(result_key, 0), Compare.modified(self._p + "round", round_rev)]
         try:
             response = self._txn(
                 compare,
                 success,
-                [_range(result_key, prefix=True)],
+                [Range.prefix(result_key)],
                 write=len(value) + sum(len(p) for p in parts[1:]),
                 largest=max([len(value), *(len(p) for p in parts[1:])]),
             )
@@ -644,7 +641,7 @@ class RoundState:
             # twice, never guess.
             return _result_kvs(self._client.get_prefix(result_key)) or None
         kept = sum(1 for j in chosen if j.claim is not None and ranks[j.node] == j.claim.rank)
-        if response.get("succeeded"):
+        if response.succeeded:
             logger.info(
                 "closed round %d: %d machines (%d kept their rank, %d standing by), result %s "
                 "(%d bytes)",
@@ -655,9 +652,9 @@ class RoundState:
                 digest,
                 len(value),
             )
-            found = _kvs(response, read_at)
+            found = response.kvs(read_at)
         else:
-            found = _kvs(response, 0)
+            found = response.kvs(0)
         return _result_kvs(found) or None
 
     # -------------------------------------------------------------------- the outcome
@@ -864,27 +861,21 @@ class RoundState:
 
     def _txn(
         self,
-        compare: list[dict[str, Any]],
-        success: list[dict[str, Any]],
-        failure: list[dict[str, Any]],
+        compare: Sequence[Compare],
+        success: Sequence[Op],
+        failure: Sequence[Op],
         *,
         write: int = 0,
         largest: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> TxnResult:
         """One transaction; ``write``: the bytes of the values it writes (``largest``: the
         largest of them, when it writes several), for :attr:`stats`."""
-        body: dict[str, Any] = {"success": success}
-        if compare:
-            body["compare"] = compare
-        if failure:
-            body["failure"] = failure
-        writes = any("request_put" in op or "request_delete_range" in op for op in success)
-        response: dict[str, Any] = self._client._call(
-            "/v3/kv/txn", body, timeout=self._timeout(), idempotent=not (compare and writes)
+        response = self._client.txn(
+            Txn(compare, success, failure), timeout=self._timeout(), idempotent=None
         )
         with self.stats.lock:
             self.stats.txns += 1
-            if compare and not response.get("succeeded"):
+            if compare and not response.succeeded:
                 self.stats.txns_failed += 1
             elif write:
                 self.stats.bytes_written += write
@@ -894,12 +885,12 @@ class RoundState:
     def _join_txn(
         self,
         lease: Lease,
-        compare: list[dict[str, Any]],
-        success: list[dict[str, Any]],
-        failure: list[dict[str, Any]],
+        compare: Sequence[Compare],
+        success: Sequence[Op],
+        failure: Sequence[Op],
         *,
         write: int,
-    ) -> dict[str, Any] | None:
+    ) -> TxnResult | None:
         """A join's transaction (:meth:`_txn`). While the lease's source has not created its
         node key yet (``NodeRegistry.start(with_join=True)``), the key's creation and the join
         go in one transaction (:meth:`NodeRegistry.fold_registration
@@ -914,20 +905,21 @@ class RoundState:
         """
         fold = getattr(self._source, "fold_registration", None)
         answered = getattr(self._source, "fold_answered", None)
-        body = fold(lease, compare, success, failure) if fold and answered else None
-        if body is None:
+        join = Txn(compare, success, failure)
+        folded: Txn | None = fold(lease, join) if fold and answered else None
+        if folded is None:
             return self._txn(compare, success, failure, write=write)
         assert answered is not None
         try:
-            outer: dict[str, Any] | None = self._client._call(
-                "/v3/kv/txn", body, timeout=self._timeout(), idempotent=False
+            outer: TxnResult | None = self._client.txn(
+                folded, timeout=self._timeout(), idempotent=False
             )
         except EtcdOutcomeUnknown:
             outer = None
-        response: dict[str, Any] | None = answered(lease, outer)
+        response: TxnResult | None = answered(lease, outer)
         with self.stats.lock:
             self.stats.txns += 1
-            if response is not None and not response.get("succeeded"):
+            if response is not None and not response.succeeded:
                 self.stats.txns_failed += 1
             elif response is not None:
                 self.stats.bytes_written += write

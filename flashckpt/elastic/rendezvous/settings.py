@@ -69,8 +69,8 @@ class LeaseSource(Protocol):
         ...
 
     # A source may also create its own key in the handler's first join (one transaction for
-    # both): ``fold_registration(lease, compare, success, failure) -> body | None`` and
-    # ``fold_answered(lease, response | None) -> nested response | None``, as
+    # both): ``fold_registration(lease, join: Txn) -> Txn | None`` and
+    # ``fold_answered(lease, result: TxnResult | None) -> nested TxnResult | None``, as
     # :class:`~flashckpt.elastic.membership.nodes.NodeRegistry` does (see
     # :meth:`RdzvHandler._join_txn`).
 

@@ -367,7 +367,7 @@ def _await_pooled_closed(client: EtcdClient) -> None:
     """Waits until the client's kernel has seen the peer close every pooled connection (its
     FIN or RST arrived): on a loaded machine that can come after the closer's ``close``
     returned, and a request sent before it would go out on the dead connection."""
-    pool = client._pool_here()
+    pool = client.transport._pool_here()
     with pool.lock:
         conns = [conn for per in pool.idle.values() for conn, _ in per]
     assert conns, "no pooled connection to watch"

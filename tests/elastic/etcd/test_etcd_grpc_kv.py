@@ -361,7 +361,7 @@ def test_a_forked_child_opens_its_own_connection_and_a_dropped_client_closes_its
 ) -> None:
     client = EtcdClient(etcd_server, timeout=timedelta(seconds=10), grpc_kv=True)
     client.put(etcd_prefix + "k", b"parent")
-    channel = client._pool_here().kv[_endpoint(client)]
+    channel = client.transport._pool_here().kv[_endpoint(client)]
     pid = os.fork()
     if pid == 0:  # the child: a connection of its own, the parent's left alone
         code = 1
@@ -385,7 +385,7 @@ def test_a_forked_child_opens_its_own_connection_and_a_dropped_client_closes_its
 
 
 def _endpoint(client: EtcdClient) -> Any:
-    return client._endpoints[0]
+    return client.transport._endpoints[0]
 
 
 # --------------------------------------------------------------------------- a scripted peer

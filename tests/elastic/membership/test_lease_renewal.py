@@ -166,7 +166,7 @@ def test_a_registry_renews_its_lease_from_one_thread(etcd_server: str, etcd_pref
         reg.start(timedelta(seconds=10), watch=False)
         first = reg._last_ok
         wait_until(lambda: reg._last_ok > first + 0.5, "two renewals answered", 30)
-        kept = client._pool.keepalive
+        kept = client.transport._pool.keepalive
         assert kept is not None and kept[0].answers >= 2, "the renewals went on the stream"
         started = sorted(t.name for t in set(threading.enumerate()) - before)
         # The probe port's server, and the renew loop: nothing else for the lease.

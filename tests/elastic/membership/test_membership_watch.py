@@ -302,7 +302,8 @@ class _GatedStream(WatchStream):
     waiting = threading.Event()
 
     def next_events(self, timeout: timedelta) -> list[StreamEvent]:
-        if self._client is _GatedStream.held_client and not _GatedStream.open.is_set():
+        held = _GatedStream.held_client
+        if held is not None and self._client is held.transport and not _GatedStream.open.is_set():
             _GatedStream.waiting.set()
             _GatedStream.open.wait()
             raise EtcdUnavailable("the watch broke while the watcher was held")

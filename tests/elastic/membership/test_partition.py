@@ -54,6 +54,10 @@ class _Cuttable:
 
     def __getattr__(self, name: str) -> Any:
         real = getattr(self._client, name)
+        if name == "transport":  # the watch streams' own connections are cut off too
+            cut = _Cuttable(real)
+            cut.cut = self.cut
+            return cut
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.cut.is_set():

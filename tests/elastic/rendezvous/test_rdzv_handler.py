@@ -28,6 +28,7 @@ from torch.distributed.elastic.rendezvous import (
 from waiting import wait_until
 
 from flashckpt.elastic.etcd.client import EtcdClient, EtcdOutcomeUnknown, EtcdUnavailable
+from flashckpt.elastic.etcd.ops import Put
 from flashckpt.elastic.etcd.store import EtcdV3Store
 from flashckpt.elastic.membership.nodes import NodeRegistry
 from flashckpt.elastic.rendezvous import memberwatch as memberwatch_module
@@ -388,7 +389,7 @@ def test_a_join_with_a_stale_round_is_refused_and_lands_in_the_open_round(
     raced: list[bool] = []
 
     def close_round_zero_first(compare: Any, success: Any, failure: Any, **kw: Any) -> Any:
-        if compare and not raced and any("request_put" in op for op in success):
+        if compare and not raced and any(isinstance(op, Put) for op in success):
             # Between this machine's read and its join, another closed round 0.
             raced.append(True)
             j.client.put(j.prefix + "rdzv/round", b"0")

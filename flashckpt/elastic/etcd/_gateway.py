@@ -573,6 +573,18 @@ class Gateway:
         self._authentications += 1
         return token
 
+    def _auth_was_off(self, exc: EtcdAuthError, token: str) -> bool:
+        """Whether etcd refused a request this client sent without a token because its auth
+        was off at login (see :meth:`_authenticate`): it has a user to log in with now."""
+        security = self._security
+        return (
+            token == ""
+            and security is not None
+            and security.auth
+            and self._token == ""
+            and "this client sent no user" in str(exc)
+        )
+
     def _forget_token(self, token: str) -> None:
         """Drops ``token`` (etcd rejected it) so that the next request authenticates again."""
         with self._auth_lock:
@@ -655,11 +667,25 @@ class Gateway:
                 if answer is not None:
                     return answer
         payload = json.dumps(body).encode()
+        logged_in_again = False
         for endpoint in self._attempts(deadline):
             token = ""
             try:
                 headers, token = self._headers(endpoint, deadline)
                 response = self._post_once(endpoint, path, payload, deadline, headers)
+            except EtcdAuthError as exc:
+                if not self._auth_was_off(exc, token) or logged_in_again:
+                    raise
+                # This client authenticated while etcd's auth was off (no token: every request
+                # went without one) and an operator has turned it on since: log in, once.
+                logger.warning(
+                    "etcd at %s has authentication enabled now (it was off when this client "
+                    "logged in): authenticating as %r",
+                    endpoint.url,
+                    self._security.user if self._security else None,
+                )
+                self._forget_token(token)
+                logged_in_again = True
             except _AttemptFailed as exc:
                 if isinstance(exc, _AuthRetry):
                     logger.info("etcd auth token of %s expired; authenticating again", path)

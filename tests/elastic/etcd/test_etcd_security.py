@@ -131,6 +131,34 @@ def test_the_user_reads_and_writes_its_prefix_only_and_renews_an_expired_token(
         client.close()
 
 
+def test_a_client_that_logged_in_while_auth_was_off_logs_in_once_it_is_on(
+    secured: Secured,
+) -> None:
+    """An operator securing a running etcd: a client that logged in while auth was off sends
+    no token (it warned); once auth is on, its next request is refused for want of a user, and
+    it logs in then and goes on."""
+    root = EtcdClient(
+        secured.url,
+        timeout=timedelta(seconds=10),
+        security=secured.security(user="root", password=_ROOT_PASSWORD),
+    )
+    late = EtcdClient(secured.url, timeout=timedelta(seconds=10), security=secured.security())
+    try:
+        root._call("/v3/auth/disable", {}, timeout=None, idempotent=False)
+        try:
+            revision = late.put("/flashckpt/late/a", b"1")  # auth off: sent without a token
+            assert late.authentications == 0
+        finally:
+            root._call("/v3/auth/enable", {}, timeout=None, idempotent=False)
+        assert late.get("/flashckpt/late/a") == (b"1", revision)
+        assert late.authentications == 1
+        late.put("/flashckpt/late/b", b"2")  # with its token from now on
+        assert late.authentications == 1
+    finally:
+        late.close()
+        root.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_rendezvous_and_failover_through_tls_and_auth(secured: Secured, tmp_path: Path) -> None:

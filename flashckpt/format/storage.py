@@ -303,6 +303,12 @@ def read_storage_options_file(path: str) -> dict[str, dict[str, Any]]:
     return doc
 
 
+_BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"}
+"""Object stores whose fsspec ``makedirs`` would create a missing bucket (a typo must fail at
+entry instead). Other non-local file systems (a ``dir::`` wrapper, an SFTP or HDFS root) get their
+directories made as before."""
+
+
 class Storage:
     """A checkpoint root reached through fsspec.
 
@@ -368,7 +374,7 @@ class Storage:
 
     # -- writing -----------------------------------------------------------------------------
     def _makedirs(self, path: str) -> None:
-        if self.object_store:
+        if _BUCKET_PROTOCOLS & set(_protocols(self.fs)):
             # No directories on an object store, and s3fs's makedirs creates a missing bucket:
             # a typo in the URL must fail (NoSuchBucket at entry), not make a new bucket without
             # the team's region, encryption, lifecycle and access policies.

@@ -64,7 +64,7 @@ def test_two_trainers_entering_at_the_same_instant_on_slow_storage_one_enters(
     lost = "b" if won == "a" else "a"
     winner, loser = jobs[won], jobs[lost]
     text = out[lost]
-    assert codes[lost] != 0 and "ValueError: storage " in text, text
+    assert codes[lost] != 0 and "StorageRootRefused: storage " in text, text
     assert f"is in use by job {winner!r}" in text or f"committed steps of job {winner!r}" in text
     assert f"this is job {loser!r}" in text and "takeover=True" in text, text
     assert (root.stat().st_mode & 0o777) == 0o700  # as private as its files (0600)

@@ -74,11 +74,14 @@ def test_a_world_of_one_raises_it_too_from_its_own_error() -> None:
     err = ValueError("checkpoint does not fit the model")
     from flashckpt.trainer.restore.pipeline import _failed
 
-    e = _failed(RankContext(), 7, err)
+    e = _failed(RankContext(), 7, err, "pass restore=False to start from scratch")
     assert isinstance(e, RestoreError) and isinstance(e, FlashckptError)
     assert e.failures == {0: "ValueError: checkpoint does not fit the model"}
     assert e.step == 7 and e.__cause__ is err
     assert "rank 0: ValueError: checkpoint does not fit the model" in str(e)
+    assert str(e).endswith(
+        "fix the cause on each rank named, or pass restore=False to start from scratch"
+    )
 
 
 def test_texts_are_cut_to_the_limit_on_a_character_boundary() -> None:

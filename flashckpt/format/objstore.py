@@ -99,20 +99,9 @@ def abort_uploads_of(fs: Any, path: str) -> int:
     """Aborts the unfinished multipart uploads of exactly the object ``path`` (``bucket/key``):
     the ones a writer killed while writing it left; returns how many. Nothing on a store that
     is not S3."""
-    if not _is_s3(fs):
-        return 0
-    bucket, _, key = path.strip("/").partition("/")
-    n = 0
-    page = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
-    for u in page.get("Uploads", []) or []:
-        if u.get("Key") != key or not isinstance(u.get("UploadId"), str):
-            continue
-        try:
-            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=u["UploadId"])
-        except FileNotFoundError:
-            continue
-        n += 1
-    return n
+    parent, _, _ = path.strip("/").rpartition("/")
+    key = path.strip("/").partition("/")[2]
+    return len(abort_uploads(fs, parent, lambda u: u.key == key))
 
 
 def abort_stale_uploads(fs: Any, root: str, newest_committed: int) -> list[Upload]:
